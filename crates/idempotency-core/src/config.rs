@@ -1,0 +1,508 @@
+//! The plugin configuration: what users write (serde, unknown fields refused) and the
+//! validated, ready-to-use form the filter runs on.
+
+use serde::Deserialize;
+use std::fmt;
+
+use crate::response_policy::{HeaderFilter, ReleasePolicy};
+
+/// Raw JSON shape of the plugin configuration. Every field has a documented default.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    local_table: RawLocalTable,
+    #[serde(default = "default_metadata_namespace")]
+    route_metadata_namespace: Option<String>,
+    #[serde(default)]
+    rules: Vec<RawRule>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLocalTable {
+    #[serde(default = "default_capacity")]
+    capacity: u64,
+}
+
+impl Default for RawLocalTable {
+    fn default() -> Self {
+        RawLocalTable {
+            capacity: default_capacity(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    name: String,
+    #[serde(default, rename = "match")]
+    matcher: RawMatch,
+    #[serde(default)]
+    key: RawKey,
+    #[serde(default = "default_scope_headers")]
+    scope_headers: Vec<String>,
+    #[serde(default = "default_ttl_seconds")]
+    ttl_seconds: u64,
+    #[serde(default = "default_lease_seconds")]
+    lease_seconds: u64,
+    #[serde(default = "default_max_response_bytes")]
+    max_response_bytes: u64,
+    #[serde(default = "default_release_on_status")]
+    release_on_status: Vec<String>,
+    #[serde(default = "default_replay_header")]
+    replay_header: String,
+    #[serde(default = "default_body_omitted_header")]
+    body_omitted_header: String,
+    #[serde(default = "default_replay_skip_headers")]
+    replay_skip_headers: Vec<String>,
+    #[serde(default)]
+    on_table_full: OverloadPolicy,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMatch {
+    #[serde(default)]
+    route_names: Vec<String>,
+    #[serde(default)]
+    path_prefixes: Vec<String>,
+    #[serde(default)]
+    hosts: Vec<String>,
+    #[serde(default)]
+    methods: Option<Vec<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKey {
+    #[serde(default = "default_true")]
+    required: bool,
+    #[serde(default = "default_key_header")]
+    header: String,
+}
+
+impl Default for RawKey {
+    fn default() -> Self {
+        RawKey {
+            required: true,
+            header: default_key_header(),
+        }
+    }
+}
+
+/// What to do when the local table has no free slot for a new key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OverloadPolicy {
+    /// Answer 503 problem+json with Retry-After: no write runs without protection.
+    #[default]
+    Reject,
+    /// Let the request through unprotected (counted and logged).
+    PassThrough,
+}
+
+fn default_capacity() -> u64 {
+    16_384
+}
+fn default_metadata_namespace() -> Option<String> {
+    Some("idempotency".to_string())
+}
+fn default_true() -> bool {
+    true
+}
+fn default_key_header() -> String {
+    "idempotency-key".to_string()
+}
+fn default_scope_headers() -> Vec<String> {
+    vec![":authority".to_string(), "authorization".to_string()]
+}
+fn default_ttl_seconds() -> u64 {
+    86_400
+}
+fn default_lease_seconds() -> u64 {
+    60
+}
+fn default_max_response_bytes() -> u64 {
+    1024 * 1024
+}
+fn default_release_on_status() -> Vec<String> {
+    ["5xx", "408", "425", "429"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+}
+fn default_replay_header() -> String {
+    "idempotent-replayed".to_string()
+}
+fn default_body_omitted_header() -> String {
+    "idempotent-body-omitted".to_string()
+}
+/// Headers a retry must not receive again: credentials, per-response values, Envoy internals.
+/// Hop-by-hop headers and content-length are always dropped and need not be listed.
+pub fn default_replay_skip_headers() -> Vec<String> {
+    [
+        "set-cookie",
+        "set-cookie2",
+        "authorization",
+        "proxy-authorization",
+        "www-authenticate",
+        "proxy-authenticate",
+        "date",
+        "server",
+        "x-envoy-*",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Upper bounds that keep one rule from exhausting the proxy.
+const MAX_CAPACITY: u64 = 4_000_000;
+const MAX_TTL_SECONDS: u64 = 366 * 86_400;
+const MAX_RESPONSE_BYTES: u64 = 64 * 1024 * 1024;
+const MAX_RULE_NAME_LEN: usize = 64;
+
+/// A configuration error that names the field and says why it was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub field: String,
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid plugin configuration: {}: {}",
+            self.field, self.reason
+        )
+    }
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub table_capacity: u32,
+    /// Route metadata namespace whose `rule` key names the rule for a route; None disables it.
+    pub route_metadata_namespace: Option<String>,
+    pub rules: Vec<Rule>,
+}
+
+/// One rule: which requests it protects and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    pub name: String,
+    pub matcher: RuleMatch,
+    pub key_required: bool,
+    /// Lower-cased header name that carries the idempotency key.
+    pub key_header: String,
+    /// Lower-cased header names whose values scope the key (caller, tenant, host).
+    pub scope_headers: Vec<String>,
+    pub ttl_ms: u64,
+    pub lease_ms: u64,
+    pub max_response_bytes: usize,
+    pub release: ReleasePolicy,
+    pub replay_header: String,
+    pub body_omitted_header: String,
+    pub replay_headers: HeaderFilter,
+    pub on_table_full: OverloadPolicy,
+}
+
+/// Which requests a rule applies to. Empty lists match anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleMatch {
+    pub route_names: Vec<String>,
+    pub path_prefixes: Vec<String>,
+    /// Lower-cased hosts, compared without port.
+    pub hosts: Vec<String>,
+    /// Upper-cased methods; never empty.
+    pub methods: Vec<String>,
+}
+
+impl Config {
+    /// Parses and validates the plugin configuration bytes (empty means "no rules").
+    pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let raw: RawConfig = if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+            serde_json::from_str("{}").map_err(|e| invalid("(root)", e.to_string()))?
+        } else {
+            serde_json::from_slice(bytes).map_err(|e| invalid("(json)", e.to_string()))?
+        };
+        Config::validate(raw)
+    }
+
+    fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
+        if raw.local_table.capacity == 0 || raw.local_table.capacity > MAX_CAPACITY {
+            return Err(invalid(
+                "local_table.capacity",
+                format!("must be between 1 and {MAX_CAPACITY}"),
+            ));
+        }
+        if let Some(ns) = &raw.route_metadata_namespace {
+            if ns.trim().is_empty() {
+                return Err(invalid(
+                    "route_metadata_namespace",
+                    "must not be empty (use null to disable)",
+                ));
+            }
+        }
+        let mut rules = Vec::with_capacity(raw.rules.len());
+        for (index, raw_rule) in raw.rules.into_iter().enumerate() {
+            let rule = validate_rule(index, raw_rule)?;
+            if rules.iter().any(|r: &Rule| r.name == rule.name) {
+                return Err(invalid(
+                    format!("rules[{index}].name"),
+                    format!("duplicate rule name '{}'", rule.name),
+                ));
+            }
+            rules.push(rule);
+        }
+        Ok(Config {
+            table_capacity: u32::try_from(raw.local_table.capacity)
+                .map_err(|_| invalid("local_table.capacity", "too large"))?,
+            route_metadata_namespace: raw.route_metadata_namespace,
+            rules,
+        })
+    }
+
+    pub fn rule_named(&self, name: &str) -> Option<(usize, &Rule)> {
+        self.rules.iter().enumerate().find(|(_, r)| r.name == name)
+    }
+}
+
+fn is_token_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'-' || b == b'_'
+}
+
+fn valid_header_name(name: &str) -> bool {
+    let body = name.strip_prefix(':').unwrap_or(name);
+    !body.is_empty()
+        && body.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || b"-_.!#$%&'*+^`|~".contains(&b)
+        })
+}
+
+fn validate_rule(index: usize, raw: RawRule) -> Result<Rule, ConfigError> {
+    let at = |field: &str| format!("rules[{index}].{field}");
+    if raw.name.is_empty()
+        || raw.name.len() > MAX_RULE_NAME_LEN
+        || !raw.name.bytes().all(is_token_char)
+    {
+        return Err(invalid(
+            at("name"),
+            format!(
+                "must be 1 to {MAX_RULE_NAME_LEN} characters of [A-Za-z0-9_-] (it names metrics)"
+            ),
+        ));
+    }
+    let key_header = raw.key.header.to_ascii_lowercase();
+    if !valid_header_name(&key_header) || key_header.starts_with(':') {
+        return Err(invalid(
+            at("key.header"),
+            "must be a regular HTTP header name",
+        ));
+    }
+    let mut scope_headers = Vec::with_capacity(raw.scope_headers.len());
+    for (i, h) in raw.scope_headers.iter().enumerate() {
+        let lower = h.to_ascii_lowercase();
+        if !valid_header_name(&lower) {
+            return Err(invalid(
+                format!("rules[{index}].scope_headers[{i}]"),
+                format!("'{h}' is not a header name"),
+            ));
+        }
+        scope_headers.push(lower);
+    }
+    if raw.ttl_seconds == 0 || raw.ttl_seconds > MAX_TTL_SECONDS {
+        return Err(invalid(
+            at("ttl_seconds"),
+            format!("must be between 1 and {MAX_TTL_SECONDS}"),
+        ));
+    }
+    if raw.lease_seconds == 0 || raw.lease_seconds > raw.ttl_seconds {
+        return Err(invalid(
+            at("lease_seconds"),
+            "must be at least 1 and at most ttl_seconds",
+        ));
+    }
+    if raw.max_response_bytes > MAX_RESPONSE_BYTES {
+        return Err(invalid(
+            at("max_response_bytes"),
+            format!("must be at most {MAX_RESPONSE_BYTES}"),
+        ));
+    }
+    let release = ReleasePolicy::parse(&raw.release_on_status)
+        .map_err(|reason| invalid(at("release_on_status"), reason))?;
+    for (field, value) in [
+        ("replay_header", &raw.replay_header),
+        ("body_omitted_header", &raw.body_omitted_header),
+    ] {
+        if !valid_header_name(&value.to_ascii_lowercase()) || value.starts_with(':') {
+            return Err(invalid(at(field), "must be a regular HTTP header name"));
+        }
+    }
+    let replay_headers = HeaderFilter::new(&raw.replay_skip_headers)
+        .map_err(|reason| invalid(at("replay_skip_headers"), reason))?;
+    Ok(Rule {
+        name: raw.name,
+        matcher: validate_match(index, raw.matcher)?,
+        key_required: raw.key.required,
+        key_header,
+        scope_headers,
+        ttl_ms: raw.ttl_seconds.saturating_mul(1000),
+        lease_ms: raw.lease_seconds.saturating_mul(1000),
+        max_response_bytes: usize::try_from(raw.max_response_bytes)
+            .map_err(|_| invalid(at("max_response_bytes"), "too large for this platform"))?,
+        release,
+        replay_header: raw.replay_header.to_ascii_lowercase(),
+        body_omitted_header: raw.body_omitted_header.to_ascii_lowercase(),
+        replay_headers,
+        on_table_full: raw.on_table_full,
+    })
+}
+
+fn validate_match(index: usize, raw: RawMatch) -> Result<RuleMatch, ConfigError> {
+    let at = |field: &str| format!("rules[{index}].match.{field}");
+    for (i, p) in raw.path_prefixes.iter().enumerate() {
+        if !p.starts_with('/') {
+            return Err(invalid(
+                format!("rules[{index}].match.path_prefixes[{i}]"),
+                format!("'{p}' must start with '/'"),
+            ));
+        }
+    }
+    let methods = match raw.methods {
+        None => vec!["POST".to_string(), "PATCH".to_string()],
+        Some(list) if list.is_empty() => {
+            return Err(invalid(
+                at("methods"),
+                "must not be empty (omit it for POST and PATCH)",
+            ))
+        }
+        Some(list) => {
+            let mut out = Vec::with_capacity(list.len());
+            for (i, m) in list.iter().enumerate() {
+                if m.is_empty() || !m.bytes().all(|b| b.is_ascii_alphabetic()) {
+                    return Err(invalid(
+                        format!("rules[{index}].match.methods[{i}]"),
+                        format!("'{m}' is not an HTTP method"),
+                    ));
+                }
+                out.push(m.to_ascii_uppercase());
+            }
+            out
+        }
+    };
+    for (i, r) in raw.route_names.iter().enumerate() {
+        if r.is_empty() {
+            return Err(invalid(
+                format!("rules[{index}].match.route_names[{i}]"),
+                "must not be empty",
+            ));
+        }
+    }
+    Ok(RuleMatch {
+        route_names: raw.route_names,
+        path_prefixes: raw.path_prefixes,
+        hosts: raw.hosts.iter().map(|h| h.to_ascii_lowercase()).collect(),
+        methods,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn empty_config_has_defaults_and_no_rules() {
+        let c = Config::parse(b"").unwrap();
+        assert_eq!(c.table_capacity, 16_384);
+        assert!(c.rules.is_empty());
+        assert_eq!(c.route_metadata_namespace.as_deref(), Some("idempotency"));
+    }
+
+    #[test]
+    fn rule_defaults_follow_the_documentation() {
+        let c = Config::parse(br#"{"rules":[{"name":"orders"}]}"#).unwrap();
+        let r = &c.rules[0];
+        assert!(r.key_required);
+        assert_eq!(r.key_header, "idempotency-key");
+        assert_eq!(r.scope_headers, vec![":authority", "authorization"]);
+        assert_eq!(r.ttl_ms, 86_400_000);
+        assert_eq!(r.lease_ms, 60_000);
+        assert_eq!(r.max_response_bytes, 1 << 20);
+        assert_eq!(r.matcher.methods, vec!["POST", "PATCH"]);
+        assert!(r.release.releases(503) && r.release.releases(429) && !r.release.releases(409));
+        assert_eq!(r.replay_header, "idempotent-replayed");
+        assert_eq!(r.on_table_full, OverloadPolicy::Reject);
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_by_name() {
+        let e = Config::parse(br#"{"rules":[{"name":"a","ttl":5}]}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `ttl`"), "{e}");
+        let e = Config::parse(br#"{"rulez":[]}"#).unwrap_err();
+        assert!(e.to_string().contains("rulez"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let cases: &[(&[u8], &str)] = &[
+            (
+                br#"{"rules":[{"name":"a","lease_seconds":0}]}"#,
+                "rules[0].lease_seconds",
+            ),
+            (
+                br#"{"rules":[{"name":"a","ttl_seconds":10,"lease_seconds":20}]}"#,
+                "rules[0].lease_seconds",
+            ),
+            (br#"{"rules":[{"name":"a b"}]}"#, "rules[0].name"),
+            (br#"{"rules":[{"name":"a"},{"name":"a"}]}"#, "rules[1].name"),
+            (
+                br#"{"rules":[{"name":"a","match":{"path_prefixes":["x"]}}]}"#,
+                "rules[0].match.path_prefixes[0]",
+            ),
+            (
+                br#"{"rules":[{"name":"a","match":{"methods":[]}}]}"#,
+                "rules[0].match.methods",
+            ),
+            (
+                br#"{"rules":[{"name":"a","release_on_status":["6xx"]}]}"#,
+                "rules[0].release_on_status",
+            ),
+            (
+                br#"{"rules":[{"name":"a","scope_headers":["bad header"]}]}"#,
+                "rules[0].scope_headers[0]",
+            ),
+            (br#"{"local_table":{"capacity":0}}"#, "local_table.capacity"),
+            (
+                br#"{"rules":[{"name":"a","on_table_full":"explode"}]}"#,
+                "(json)",
+            ),
+        ];
+        for (json, field) in cases {
+            let e = Config::parse(json).unwrap_err();
+            assert_eq!(&e.field, field, "{e}");
+        }
+    }
+
+    #[test]
+    fn methods_and_hosts_are_normalised() {
+        let c = Config::parse(
+            br#"{"rules":[{"name":"a","match":{"methods":["put","Post"],"hosts":["API.example"]}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.rules[0].matcher.methods, vec!["PUT", "POST"]);
+        assert_eq!(c.rules[0].matcher.hosts, vec!["api.example"]);
+    }
+}

@@ -1,0 +1,218 @@
+//! The idempotency key: parsing the header value and deriving the scoped storage key.
+
+use sha2::{Digest as _, Sha256};
+use std::fmt;
+
+/// A SHA-256 digest: storage keys and fingerprints.
+pub type Digest = [u8; 32];
+
+/// Longest key accepted, in bytes (Stripe's limit; the draft recommends UUIDs).
+pub const MAX_KEY_BYTES: usize = 255;
+
+/// Why a key header value was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyError {
+    Empty,
+    TooLong { len: usize },
+    InvalidByte { position: usize },
+    MalformedQuotedString,
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyError::Empty => write!(f, "the key is empty"),
+            KeyError::TooLong { len } => {
+                write!(
+                    f,
+                    "the key is {len} bytes long; at most {MAX_KEY_BYTES} are allowed"
+                )
+            }
+            KeyError::InvalidByte { position } => write!(
+                f,
+                "the key has a byte outside visible ASCII (0x21-0x7E) at position {position}"
+            ),
+            KeyError::MalformedQuotedString => write!(
+                f,
+                "the key starts with a double quote but is not a valid structured-field string"
+            ),
+        }
+    }
+}
+
+fn is_visible(b: u8) -> bool {
+    (0x21..=0x7e).contains(&b)
+}
+
+/// Parses an `Idempotency-Key` value: an sf-string (`"abc"`, with `\"` and `\\` escapes) or a
+/// bare token (`abc`). Both forms of the same key are the same key.
+pub fn parse_key(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let trimmed = trim_ows(raw);
+    let key = match trimmed.split_first() {
+        Some((b'"', rest)) => unquote(rest)?,
+        _ => {
+            if let Some(position) = trimmed.iter().position(|&b| !is_visible(b)) {
+                return Err(KeyError::InvalidByte { position });
+            }
+            trimmed.to_vec()
+        }
+    };
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_KEY_BYTES {
+        return Err(KeyError::TooLong { len: key.len() });
+    }
+    Ok(key)
+}
+
+fn trim_ows(raw: &[u8]) -> &[u8] {
+    let start = raw.iter().position(|b| *b != b' ' && *b != b'\t');
+    let end = raw.iter().rposition(|b| *b != b' ' && *b != b'\t');
+    match (start, end) {
+        (Some(s), Some(e)) => raw.get(s..=e).unwrap_or(&[]),
+        _ => &[],
+    }
+}
+
+/// `rest` is everything after the opening quote.
+fn unquote(rest: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let mut out = Vec::with_capacity(rest.len());
+    let mut iter = rest.iter().enumerate();
+    while let Some((i, &b)) = iter.next() {
+        match b {
+            b'\\' => match iter.next() {
+                Some((_, &escaped @ (b'"' | b'\\'))) => out.push(escaped),
+                _ => return Err(KeyError::MalformedQuotedString),
+            },
+            b'"' => {
+                // The closing quote must end the value.
+                return if i + 1 == rest.len() {
+                    Ok(out)
+                } else {
+                    Err(KeyError::MalformedQuotedString)
+                };
+            }
+            b if is_visible(b) => out.push(b),
+            _ => return Err(KeyError::InvalidByte { position: i + 1 }),
+        }
+    }
+    Err(KeyError::MalformedQuotedString)
+}
+
+/// Feeds length-prefixed fields into a hash so that no two field lists hash alike.
+pub(crate) fn hash_field(hasher: &mut Sha256, field: &[u8]) {
+    hasher.update((field.len() as u64).to_be_bytes());
+    hasher.update(field);
+}
+
+/// The storage key: SHA-256 over the rule, the scope values (absent differs from empty) and
+/// the key. Raw keys and credentials never leave this function.
+pub fn storage_key(rule_name: &str, scope_values: &[Option<&[u8]>], key: &[u8]) -> Digest {
+    let mut h = Sha256::new();
+    hash_field(&mut h, b"idempotency-filter/storage-key/v1");
+    hash_field(&mut h, rule_name.as_bytes());
+    h.update((scope_values.len() as u64).to_be_bytes());
+    for value in scope_values {
+        match value {
+            Some(v) => {
+                h.update([1u8]);
+                hash_field(&mut h, v);
+            }
+            None => h.update([0u8]),
+        }
+    }
+    hash_field(&mut h, key);
+    h.finalize().into()
+}
+
+/// Lower-case hex of a digest, for logs and the store protocol.
+pub fn to_hex(digest: &Digest) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::with_capacity(64);
+    for b in digest {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn bare_and_quoted_forms_are_the_same_key() {
+        assert_eq!(parse_key(b"abc-123").unwrap(), b"abc-123");
+        assert_eq!(parse_key(b"\"abc-123\"").unwrap(), b"abc-123");
+        assert_eq!(parse_key(b"  \"a\\\"b\\\\c\"  ").unwrap(), b"a\"b\\c");
+    }
+
+    #[test]
+    fn bad_keys_are_refused_with_a_reason() {
+        assert_eq!(parse_key(b""), Err(KeyError::Empty));
+        assert_eq!(parse_key(b"   "), Err(KeyError::Empty));
+        assert_eq!(parse_key(b"\"\""), Err(KeyError::Empty));
+        assert_eq!(parse_key(&[b'a'; 256]), Err(KeyError::TooLong { len: 256 }));
+        assert!(parse_key(&[b'a'; 255]).is_ok());
+        assert_eq!(
+            parse_key(b"ab c"),
+            Err(KeyError::InvalidByte { position: 2 })
+        );
+        assert_eq!(
+            parse_key("caf\u{e9}".as_bytes()),
+            Err(KeyError::InvalidByte { position: 3 })
+        );
+        assert_eq!(parse_key(b"\"abc"), Err(KeyError::MalformedQuotedString));
+        assert_eq!(parse_key(b"\"ab\"c"), Err(KeyError::MalformedQuotedString));
+        assert_eq!(
+            parse_key(b"\"a\\nb\""),
+            Err(KeyError::MalformedQuotedString)
+        );
+        assert_eq!(
+            parse_key(b"\"a b\""),
+            Err(KeyError::InvalidByte { position: 2 })
+        );
+    }
+
+    #[test]
+    fn storage_key_depends_on_rule_scope_and_key() {
+        let base = storage_key("orders", &[Some(b"api"), Some(b"Bearer a")], b"k1");
+        assert_ne!(
+            base,
+            storage_key("payments", &[Some(b"api"), Some(b"Bearer a")], b"k1")
+        );
+        assert_ne!(
+            base,
+            storage_key("orders", &[Some(b"api"), Some(b"Bearer b")], b"k1")
+        );
+        assert_ne!(
+            base,
+            storage_key("orders", &[Some(b"api"), Some(b"Bearer a")], b"k2")
+        );
+        assert_eq!(
+            base,
+            storage_key("orders", &[Some(b"api"), Some(b"Bearer a")], b"k1")
+        );
+        // Absent and empty scope values are different callers.
+        assert_ne!(
+            storage_key("orders", &[None], b"k"),
+            storage_key("orders", &[Some(b"")], b"k")
+        );
+        // Moving bytes between fields changes the digest.
+        assert_ne!(
+            storage_key("orders", &[Some(b"ab")], b"c"),
+            storage_key("orders", &[Some(b"a")], b"bc")
+        );
+    }
+
+    #[test]
+    fn hex_is_lower_case() {
+        let mut d = [0u8; 32];
+        d[0] = 0xab;
+        d[31] = 0x01;
+        let h = to_hex(&d);
+        assert!(h.starts_with("ab00") && h.ends_with("01") && h.len() == 64);
+    }
+}

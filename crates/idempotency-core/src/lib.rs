@@ -1,0 +1,20 @@
+//! Every decision of the idempotency filter, with no dependency on the proxy-wasm host, so
+//! it is tested natively and on wasm32 alike. The filter crate only moves bytes between
+//! Envoy and these functions.
+//!
+//! A request's journey: [`rule_select`] picks the rule, [`key`] parses and scopes the key,
+//! [`fingerprint`] hashes the payload, [`table`] claims the key in shared data, [`capture`]
+//! collects the upstream response and [`record`] encodes it; [`problem`] words every answer
+//! the filter gives itself and [`outcome`] names what the metrics count.
+
+pub mod capture;
+pub mod config;
+pub mod fingerprint;
+pub mod key;
+pub mod outcome;
+pub mod problem;
+pub mod record;
+pub mod response_policy;
+pub mod rule_select;
+pub mod table;
+mod wire;

@@ -1,0 +1,92 @@
+//! The outcomes an on-call engineer watches, one counter per rule and outcome.
+
+/// What happened to one request (or, for `Released`, to its claim).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Claimed and sent upstream.
+    Executed,
+    /// Answered from the recorded response.
+    Replayed,
+    /// 409: the same key is still in flight.
+    Conflict,
+    /// 422: the key was used with another payload.
+    Mismatch,
+    /// 400: a required key was missing.
+    MissingKey,
+    /// 400: the key was malformed.
+    InvalidKey,
+    /// The upstream answered with a status that releases the claim.
+    Released,
+    /// A matched request went upstream unprotected (optional key absent, or a fail-open policy).
+    PassedThrough,
+    /// No slot was free for a new key.
+    TableFull,
+    /// An in-flight claim past its lease was taken over.
+    TakenOver,
+    /// The response could not be recorded (ownership lost, or a host error).
+    NotRecorded,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 11] = [
+        Outcome::Executed,
+        Outcome::Replayed,
+        Outcome::Conflict,
+        Outcome::Mismatch,
+        Outcome::MissingKey,
+        Outcome::InvalidKey,
+        Outcome::Released,
+        Outcome::PassedThrough,
+        Outcome::TableFull,
+        Outcome::TakenOver,
+        Outcome::NotRecorded,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::Conflict => "conflict",
+            Outcome::Mismatch => "mismatch",
+            Outcome::MissingKey => "missing_key",
+            Outcome::InvalidKey => "invalid_key",
+            Outcome::Released => "released",
+            Outcome::PassedThrough => "passed_through",
+            Outcome::TableFull => "table_full",
+            Outcome::TakenOver => "taken_over",
+            Outcome::NotRecorded => "not_recorded",
+        }
+    }
+
+    /// Dense index, for per-rule metric tables.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Stat name under Envoy's `wasmcustom.` prefix; `stats_tags` turn the rule into a label.
+    pub fn metric_name(self, rule: &str) -> String {
+        format!("idempotency.rule.{rule}.{}", self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn indexes_are_dense_and_names_unique() {
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(o.index(), i);
+        }
+        let mut names: Vec<_> = Outcome::ALL.iter().map(|o| o.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Outcome::ALL.len());
+        assert_eq!(
+            Outcome::Executed.metric_name("orders"),
+            "idempotency.rule.orders.executed"
+        );
+    }
+}

@@ -1,0 +1,161 @@
+//! Every answer the filter gives itself: RFC 9457 problem details with a stable `type`.
+
+use serde::Serialize;
+
+use crate::key::KeyError;
+
+/// Base of the problem type URIs; `docs/problems.md` documents each one.
+pub const PROBLEM_TYPE_BASE: &str = "urn:idempotency-filter:problem:";
+
+/// A local reply: status, extra headers and an `application/problem+json` body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub status: u16,
+    pub kind: &'static str,
+    pub title: &'static str,
+    pub detail: String,
+    /// Seconds for `Retry-After`, when a retry can help.
+    pub retry_after_seconds: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    #[serde(rename = "type")]
+    kind: String,
+    title: &'a str,
+    status: u16,
+    detail: &'a str,
+    rule: &'a str,
+}
+
+impl Problem {
+    pub fn missing_key(header: &str) -> Problem {
+        Problem {
+            status: 400,
+            kind: "missing-key",
+            title: "Idempotency key is missing",
+            detail: format!(
+                "This endpoint requires an idempotency key: send a unique value (a UUID) in the \
+                 '{header}' header and send the same value again when you retry."
+            ),
+            retry_after_seconds: None,
+        }
+    }
+
+    pub fn invalid_key(header: &str, why: KeyError) -> Problem {
+        Problem {
+            status: 400,
+            kind: "invalid-key",
+            title: "Idempotency key is invalid",
+            detail: format!(
+                "The '{header}' header is not a valid idempotency key: {why}. Use 1 to 255 \
+                 visible ASCII characters, bare or as a quoted string."
+            ),
+            retry_after_seconds: None,
+        }
+    }
+
+    pub fn in_flight() -> Problem {
+        Problem {
+            status: 409,
+            kind: "request-in-flight",
+            title: "A request with this idempotency key is still in progress",
+            detail: "The first request with this key has not finished yet. Retry after the \
+                     Retry-After delay to receive its result."
+                .to_string(),
+            // Not the lease's remainder: the first attempt usually finishes within a second,
+            // and the lease only bounds how long a crashed attempt blocks the key.
+            retry_after_seconds: Some(1),
+        }
+    }
+
+    pub fn key_reused(header: &str) -> Problem {
+        Problem {
+            status: 422,
+            kind: "key-reused",
+            title: "Idempotency key was used with a different request",
+            detail: format!(
+                "The '{header}' value was already used with a different method, path or body. \
+                 Use a new key for a new request; a retry must repeat the original request exactly."
+            ),
+            retry_after_seconds: None,
+        }
+    }
+
+    pub fn table_full() -> Problem {
+        Problem {
+            status: 503,
+            kind: "capacity-exhausted",
+            title: "Idempotency records are at capacity",
+            detail: "The proxy cannot record another idempotency key right now, so the request \
+                     was not executed. Retry later."
+                .to_string(),
+            retry_after_seconds: Some(1),
+        }
+    }
+
+    pub fn unavailable(what: &str) -> Problem {
+        Problem {
+            status: 503,
+            kind: "idempotency-unavailable",
+            title: "Idempotency protection is unavailable",
+            detail: format!("The request was not executed because {what}. Retry later."),
+            retry_after_seconds: Some(1),
+        }
+    }
+
+    pub fn type_uri(&self) -> String {
+        format!("{PROBLEM_TYPE_BASE}{}", self.kind)
+    }
+
+    /// The JSON body, naming the rule that answered.
+    pub fn body(&self, rule: &str) -> Vec<u8> {
+        serde_json::to_vec(&Body {
+            kind: self.type_uri(),
+            title: self.title,
+            status: self.status,
+            detail: &self.detail,
+            rule,
+        })
+        .unwrap_or_default()
+    }
+
+    /// Headers of the local reply (content-type first).
+    pub fn headers(&self) -> Vec<(&'static str, String)> {
+        let mut h = vec![("content-type", "application/problem+json".to_string())];
+        if let Some(s) = self.retry_after_seconds {
+            h.push(("retry-after", s.to_string()));
+        }
+        h
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[test]
+    fn bodies_are_problem_json_with_stable_types() {
+        let p = Problem::key_reused("idempotency-key");
+        let v: serde_json::Value = serde_json::from_slice(&p.body("orders")).unwrap();
+        assert_eq!(v["type"], "urn:idempotency-filter:problem:key-reused");
+        assert_eq!(v["status"], 422);
+        assert_eq!(v["rule"], "orders");
+        assert!(v["detail"].as_str().unwrap().contains("idempotency-key"));
+        assert_eq!(
+            p.headers(),
+            vec![("content-type", "application/problem+json".to_string())]
+        );
+    }
+
+    #[test]
+    fn conflicts_carry_retry_after() {
+        let p = Problem::in_flight();
+        assert_eq!(p.status, 409);
+        assert!(p.headers().contains(&("retry-after", "1".to_string())));
+        let p = Problem::invalid_key("idempotency-key", KeyError::TooLong { len: 300 });
+        assert!(p.detail.contains("300 bytes"));
+    }
+}

@@ -1,0 +1,184 @@
+//! Which rule, if any, protects a request.
+//!
+//! Precedence: a rule named by the route's metadata wins; otherwise the first rule, in
+//! configuration order, whose `match` accepts the request. The method list applies to both.
+
+use crate::config::{Config, Rule, RuleMatch};
+
+/// What the filter knows of a request when it picks a rule.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RequestFacts<'a> {
+    pub method: &'a str,
+    /// Path without the query.
+    pub path: &'a str,
+    /// `:authority`, possibly with a port.
+    pub authority: &'a str,
+    pub route_name: Option<&'a str>,
+    /// The rule name found in the route's metadata.
+    pub metadata_rule: Option<&'a str>,
+}
+
+/// The outcome of rule selection.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Selection<'a> {
+    Rule(usize, &'a Rule),
+    /// The rule applies but not to this method: the request passes untouched.
+    MethodNotCovered,
+    /// Route metadata names a rule that does not exist (a configuration mistake).
+    UnknownMetadataRule,
+    NoRule,
+}
+
+impl Config {
+    /// True when selection needs the route name (a host call the filter can skip otherwise).
+    pub fn needs_route_name(&self) -> bool {
+        self.rules.iter().any(|r| !r.matcher.route_names.is_empty())
+    }
+
+    pub fn select<'a>(&'a self, facts: &RequestFacts<'_>) -> Selection<'a> {
+        if let Some(name) = facts.metadata_rule {
+            return match self.rule_named(name) {
+                Some((i, rule)) if method_covered(&rule.matcher, facts.method) => {
+                    Selection::Rule(i, rule)
+                }
+                Some(_) => Selection::MethodNotCovered,
+                None => Selection::UnknownMetadataRule,
+            };
+        }
+        let mut method_miss = false;
+        for (i, rule) in self.rules.iter().enumerate() {
+            if request_matches(&rule.matcher, facts) {
+                if method_covered(&rule.matcher, facts.method) {
+                    return Selection::Rule(i, rule);
+                }
+                method_miss = true;
+            }
+        }
+        if method_miss {
+            Selection::MethodNotCovered
+        } else {
+            Selection::NoRule
+        }
+    }
+}
+
+fn method_covered(m: &RuleMatch, method: &str) -> bool {
+    m.methods.iter().any(|x| x.eq_ignore_ascii_case(method))
+}
+
+fn request_matches(m: &RuleMatch, facts: &RequestFacts<'_>) -> bool {
+    let route_ok = m.route_names.is_empty()
+        || facts
+            .route_name
+            .is_some_and(|r| m.route_names.iter().any(|n| n == r));
+    let path_ok = m.path_prefixes.is_empty()
+        || m.path_prefixes
+            .iter()
+            .any(|p| facts.path.starts_with(p.as_str()));
+    let host = host_without_port(facts.authority);
+    let host_ok = m.hosts.is_empty() || m.hosts.iter().any(|h| h.eq_ignore_ascii_case(host));
+    route_ok && path_ok && host_ok
+}
+
+fn host_without_port(authority: &str) -> &str {
+    if authority.starts_with('[') {
+        // IPv6 literal: keep up to the closing bracket.
+        return authority.split_inclusive(']').next().unwrap_or(authority);
+    }
+    authority.split(':').next().unwrap_or(authority)
+}
+
+/// Splits `/a/b?x=1` into the path used for matching.
+pub fn path_without_query(path: &str) -> &str {
+    path.split(['?', '#']).next().unwrap_or(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn config() -> Config {
+        Config::parse(
+            br#"{"rules":[
+                {"name":"by-route","match":{"route_names":["payments"]}},
+                {"name":"orders","match":{"path_prefixes":["/orders"],"hosts":["api.local"]}},
+                {"name":"puts","match":{"path_prefixes":["/things"],"methods":["PUT"]}},
+                {"name":"meta-only","match":{"path_prefixes":["/never"]}}
+            ]}"#,
+        )
+        .unwrap()
+    }
+
+    fn facts<'a>(method: &'a str, path: &'a str, authority: &'a str) -> RequestFacts<'a> {
+        RequestFacts {
+            method,
+            path,
+            authority,
+            ..Default::default()
+        }
+    }
+
+    fn name<'a>(s: Selection<'a>) -> Option<&'a str> {
+        match s {
+            Selection::Rule(_, r) => Some(r.name.as_str()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn first_matching_rule_wins() {
+        let c = config();
+        assert_eq!(
+            name(c.select(&facts("POST", "/orders/1", "api.local:8080"))),
+            Some("orders")
+        );
+        assert_eq!(name(c.select(&facts("POST", "/orders/1", "other"))), None);
+        let mut f = facts("POST", "/orders/1", "api.local");
+        f.route_name = Some("payments");
+        assert_eq!(name(c.select(&f)), Some("by-route"));
+        assert_eq!(
+            name(c.select(&facts("PUT", "/things/1", "x"))),
+            Some("puts")
+        );
+    }
+
+    #[test]
+    fn other_methods_pass_untouched() {
+        let c = config();
+        assert_eq!(
+            c.select(&facts("GET", "/orders/1", "api.local")),
+            Selection::MethodNotCovered
+        );
+        assert_eq!(
+            c.select(&facts("POST", "/things/1", "x")),
+            Selection::MethodNotCovered
+        );
+        assert_eq!(
+            c.select(&facts("POST", "/elsewhere", "x")),
+            Selection::NoRule
+        );
+    }
+
+    #[test]
+    fn route_metadata_names_the_rule() {
+        let c = config();
+        let mut f = facts("POST", "/anything", "x");
+        f.metadata_rule = Some("meta-only");
+        assert_eq!(name(c.select(&f)), Some("meta-only"));
+        f.metadata_rule = Some("missing");
+        assert_eq!(c.select(&f), Selection::UnknownMetadataRule);
+        f.metadata_rule = Some("meta-only");
+        f.method = "GET";
+        assert_eq!(c.select(&f), Selection::MethodNotCovered);
+    }
+
+    #[test]
+    fn hosts_compare_without_port_and_case() {
+        assert_eq!(host_without_port("API.local:443"), "API.local");
+        assert_eq!(host_without_port("[::1]:10000"), "[::1]");
+        assert_eq!(path_without_query("/a/b?x=1"), "/a/b");
+        assert!(config().needs_route_name());
+    }
+}

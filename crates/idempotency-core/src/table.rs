@@ -1,0 +1,667 @@
+//! The local claim table: a fixed set of bucket keys in Envoy's shared data, each holding a
+//! few slots, updated only with compare-and-swap.
+//!
+//! Why fixed buckets: the host's CAS does not protect the creation of a key (a write to an
+//! absent key always succeeds), so every bucket is created before traffic and claims only
+//! ever CAS an existing bucket. Memory is bounded by the capacity; a slot is reused once its
+//! record has expired; an in-flight slot is never evicted. Every operation touches one bucket,
+//! so its cost does not grow with the table.
+
+use crate::key::Digest;
+use crate::record::RecordedResponse;
+use crate::wire::Reader;
+
+/// Slots per bucket: small, so each get copies little; more than one, so a hot bucket
+/// still has room before the table is full.
+pub const WAYS: usize = 4;
+const SLOT_BYTES: usize = 1 + 32 + 32 + 8 + 8 + 2;
+/// CAS retries before giving up on one bucket (only other workers' writes cause retries).
+const MAX_CAS_ATTEMPTS: usize = 32;
+/// A cas that no real entry carries yet: writing with it creates the key if absent and is
+/// refused if another worker created it first.
+const CREATE_IF_ABSENT_CAS: u32 = u32::MAX;
+
+/// The host's shared data, as the table needs it.
+pub trait SharedData {
+    /// None when the key does not exist; otherwise its value (possibly empty) and cas.
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError>;
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError>;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetOutcome {
+    Stored,
+    CasMismatch,
+}
+
+/// A host call failed with an unexpected status (named for the log).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostError(pub String);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TableError {
+    Host(HostError),
+    /// Other workers kept winning the CAS on this bucket.
+    Contended,
+}
+
+impl From<HostError> for TableError {
+    fn from(e: HostError) -> Self {
+        TableError::Host(e)
+    }
+}
+
+impl std::fmt::Display for TableError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TableError::Host(HostError(status)) => write!(f, "shared data call failed: {status}"),
+            TableError::Contended => write!(f, "shared data bucket stayed contended"),
+        }
+    }
+}
+
+/// Where a record lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotRef {
+    pub bucket: u32,
+    pub way: u8,
+}
+
+/// A claim this request holds until it completes or releases it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub slot: SlotRef,
+    pub key: Digest,
+    pub owner: u64,
+    /// The slot held an abandoned in-flight claim of the same key whose lease had passed.
+    pub took_over: bool,
+}
+
+/// What a claim attempt found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// This request owns the key: execute it.
+    Claimed(Held),
+    /// Another request with this key and payload is still running.
+    InFlight { retry_after_ms: u64 },
+    /// A response is recorded for this key and payload: replay it.
+    Completed {
+        slot: SlotRef,
+        owner: u64,
+        status: u16,
+    },
+    /// The key is live with a different payload.
+    Mismatch,
+    /// No free or expired slot in the key's bucket.
+    Full,
+}
+
+/// What completing a held claim did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completion {
+    Recorded,
+    /// The lease passed and another request took the key over; nothing was overwritten.
+    LostOwnership,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free = 0,
+    InFlight = 1,
+    Completed = 2,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    state: SlotState,
+    key: Digest,
+    fingerprint: Digest,
+    owner: u64,
+    expires_at_ms: u64,
+    status: u16,
+}
+
+const FREE_SLOT: Slot = Slot {
+    state: SlotState::Free,
+    key: [0; 32],
+    fingerprint: [0; 32],
+    owner: 0,
+    expires_at_ms: 0,
+    status: 0,
+};
+
+impl Slot {
+    fn live(&self, now_ms: u64) -> bool {
+        self.state != SlotState::Free && now_ms < self.expires_at_ms
+    }
+}
+
+fn decode_bucket(bytes: &[u8]) -> [Slot; WAYS] {
+    let mut slots = [FREE_SLOT; WAYS];
+    let mut r = Reader::new(bytes);
+    for slot in slots.iter_mut() {
+        // A short or unreadable bucket leaves the remaining slots free.
+        match decode_slot(&mut r) {
+            Some(s) => *slot = s,
+            None => break,
+        }
+    }
+    slots
+}
+
+fn decode_slot(r: &mut Reader<'_>) -> Option<Slot> {
+    let state = match r.u8()? {
+        1 => SlotState::InFlight,
+        2 => SlotState::Completed,
+        _ => SlotState::Free,
+    };
+    Some(Slot {
+        state,
+        key: r.array()?,
+        fingerprint: r.array()?,
+        owner: r.u64()?,
+        expires_at_ms: r.u64()?,
+        status: r.u16()?,
+    })
+}
+
+fn encode_bucket(slots: &[Slot; WAYS]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(SLOT_BYTES * WAYS);
+    for s in slots {
+        out.push(s.state as u8);
+        out.extend_from_slice(&s.key);
+        out.extend_from_slice(&s.fingerprint);
+        out.extend_from_slice(&s.owner.to_be_bytes());
+        out.extend_from_slice(&s.expires_at_ms.to_be_bytes());
+        out.extend_from_slice(&s.status.to_be_bytes());
+    }
+    out
+}
+
+/// The table's geometry and key names.
+#[derive(Debug, Clone)]
+pub struct Table {
+    prefix: String,
+    buckets: u32,
+}
+
+impl Table {
+    /// `namespace` separates tables of plugins sharing one VM id (Istio sets none).
+    pub fn new(namespace: &str, capacity: u32) -> Table {
+        let buckets = capacity.div_ceil(WAYS as u32).max(1);
+        Table {
+            prefix: format!("{namespace}/idempotency/v1/{buckets}x{WAYS}"),
+            buckets,
+        }
+    }
+
+    pub fn bucket_count(&self) -> u32 {
+        self.buckets
+    }
+
+    /// Upper bound of records the table holds.
+    pub fn capacity(&self) -> u64 {
+        u64::from(self.buckets) * WAYS as u64
+    }
+
+    fn bucket_key(&self, bucket: u32) -> String {
+        format!("{}/b/{bucket}", self.prefix)
+    }
+
+    fn response_key(&self, slot: SlotRef) -> String {
+        format!("{}/r/{}/{}", self.prefix, slot.bucket, slot.way)
+    }
+
+    fn bucket_of(&self, key: &Digest) -> u32 {
+        let mut head = [0u8; 8];
+        for (dst, src) in head.iter_mut().zip(key.iter()) {
+            *dst = *src;
+        }
+        (u64::from_be_bytes(head) % u64::from(self.buckets)) as u32
+    }
+
+    /// Creates every bucket that does not exist yet; safe to run from every worker at once.
+    pub fn create_buckets(&self, shared: &impl SharedData) -> Result<(), HostError> {
+        for bucket in 0..self.buckets {
+            self.create_bucket(shared, bucket)?;
+        }
+        Ok(())
+    }
+
+    fn create_bucket(&self, shared: &impl SharedData, bucket: u32) -> Result<(), HostError> {
+        // Refused (CasMismatch) when the bucket exists already: that is the point.
+        shared
+            .set(&self.bucket_key(bucket), &[], Some(CREATE_IF_ABSENT_CAS))
+            .map(|_| ())
+    }
+
+    fn read_bucket(
+        &self,
+        shared: &impl SharedData,
+        bucket: u32,
+    ) -> Result<([Slot; WAYS], u32), HostError> {
+        let key = self.bucket_key(bucket);
+        for _ in 0..2 {
+            if let Some((bytes, cas)) = shared.get(&key)? {
+                return Ok((decode_bucket(&bytes), cas));
+            }
+            // Missing only if creation at configure time failed; create it now, race-free.
+            self.create_bucket(shared, bucket)?;
+        }
+        Err(HostError("bucket could not be created".to_string()))
+    }
+
+    /// Claims `key` for a request with payload `fingerprint`, or reports who holds it.
+    pub fn claim(
+        &self,
+        shared: &impl SharedData,
+        key: &Digest,
+        fingerprint: &Digest,
+        owner: u64,
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> Result<Claim, TableError> {
+        let bucket = self.bucket_of(key);
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let (mut slots, cas) = self.read_bucket(shared, bucket)?;
+            let same_key = slots
+                .iter()
+                .position(|s| s.state != SlotState::Free && s.key == *key);
+            let mut took_over = false;
+            if let Some(slot) = same_key.and_then(|w| slots.get(w)) {
+                if slot.live(now_ms) {
+                    if slot.fingerprint != *fingerprint {
+                        return Ok(Claim::Mismatch);
+                    }
+                    return Ok(match slot.state {
+                        SlotState::Completed => Claim::Completed {
+                            slot: SlotRef {
+                                bucket,
+                                way: same_key.unwrap_or(0) as u8,
+                            },
+                            owner: slot.owner,
+                            status: slot.status,
+                        },
+                        _ => Claim::InFlight {
+                            retry_after_ms: slot.expires_at_ms.saturating_sub(now_ms).max(1),
+                        },
+                    });
+                }
+                took_over = slot.state == SlotState::InFlight;
+            }
+            let way = same_key.or_else(|| slots.iter().position(|s| !s.live(now_ms)));
+            let Some(way) = way else {
+                return Ok(Claim::Full);
+            };
+            let Some(slot) = slots.get_mut(way) else {
+                return Ok(Claim::Full);
+            };
+            *slot = Slot {
+                state: SlotState::InFlight,
+                key: *key,
+                fingerprint: *fingerprint,
+                owner,
+                expires_at_ms: now_ms.saturating_add(lease_ms),
+                status: 0,
+            };
+            let bucket_key = self.bucket_key(bucket);
+            if shared.set(&bucket_key, &encode_bucket(&slots), Some(cas))? == SetOutcome::Stored {
+                return Ok(Claim::Claimed(Held {
+                    slot: SlotRef {
+                        bucket,
+                        way: way as u8,
+                    },
+                    key: *key,
+                    owner,
+                    took_over,
+                }));
+            }
+        }
+        Err(TableError::Contended)
+    }
+
+    /// Records `response` for a held claim and keeps it for `ttl_ms`.
+    pub fn complete(
+        &self,
+        shared: &impl SharedData,
+        held: &Held,
+        response: &RecordedResponse,
+        now_ms: u64,
+        ttl_ms: u64,
+    ) -> Result<Completion, TableError> {
+        let mut response_written = false;
+        self.update_held(shared, held, |slot| {
+            if !response_written {
+                // Written before the slot flips to completed, so a reader that sees
+                // "completed" finds the response; the owner inside ties it to this claim.
+                let encoded = RecordedResponse {
+                    owner: held.owner,
+                    ..response.clone()
+                }
+                .encode();
+                shared.set(&self.response_key(held.slot), &encoded, None)?;
+                response_written = true;
+            }
+            slot.state = SlotState::Completed;
+            slot.expires_at_ms = now_ms.saturating_add(ttl_ms);
+            slot.status = response.status;
+            Ok(())
+        })
+    }
+
+    /// Frees a held claim so that a retry executes again.
+    pub fn release(&self, shared: &impl SharedData, held: &Held) -> Result<Completion, TableError> {
+        self.update_held(shared, held, |slot| {
+            *slot = FREE_SLOT;
+            Ok(())
+        })
+    }
+
+    fn update_held(
+        &self,
+        shared: &impl SharedData,
+        held: &Held,
+        mut change: impl FnMut(&mut Slot) -> Result<(), HostError>,
+    ) -> Result<Completion, TableError> {
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let (mut slots, cas) = self.read_bucket(shared, held.slot.bucket)?;
+            let Some(slot) = slots.get_mut(usize::from(held.slot.way)) else {
+                return Ok(Completion::LostOwnership);
+            };
+            if slot.state != SlotState::InFlight || slot.key != held.key || slot.owner != held.owner
+            {
+                return Ok(Completion::LostOwnership);
+            }
+            change(slot)?;
+            let key = self.bucket_key(held.slot.bucket);
+            if shared.set(&key, &encode_bucket(&slots), Some(cas))? == SetOutcome::Stored {
+                return Ok(Completion::Recorded);
+            }
+        }
+        Err(TableError::Contended)
+    }
+
+    /// The response recorded by claim `owner` in `slot`, if it is still there intact.
+    pub fn load_response(
+        &self,
+        shared: &impl SharedData,
+        slot: SlotRef,
+        owner: u64,
+    ) -> Result<Option<RecordedResponse>, HostError> {
+        Ok(shared
+            .get(&self.response_key(slot))?
+            .and_then(|(bytes, _)| RecordedResponse::decode(&bytes))
+            .filter(|r| r.owner == owner))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    /// Shared data with the host's documented CAS semantics, including the one that shapes
+    /// this design: a write to an absent key succeeds whatever cas it carries.
+    #[derive(Default)]
+    struct FakeShared {
+        map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+        next_cas: RefCell<u32>,
+    }
+
+    impl SharedData for FakeShared {
+        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+            Ok(self.map.borrow().get(key).cloned())
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError> {
+            let mut map = self.map.borrow_mut();
+            let mut next = self.next_cas.borrow_mut();
+            *next += 1;
+            if let Some((_, current)) = map.get(key) {
+                if matches!(cas, Some(c) if c != 0 && c != *current) {
+                    return Ok(SetOutcome::CasMismatch);
+                }
+            }
+            map.insert(key.to_string(), (value.to_vec(), *next));
+            Ok(SetOutcome::Stored)
+        }
+    }
+
+    fn digest(n: u8) -> Digest {
+        [n; 32]
+    }
+
+    fn response(status: u16) -> RecordedResponse {
+        RecordedResponse {
+            owner: 0,
+            status,
+            headers: vec![("content-type".into(), b"text/plain".to_vec())],
+            body: b"done".to_vec(),
+            body_omitted: false,
+        }
+    }
+
+    fn table(shared: &FakeShared, capacity: u32) -> Table {
+        let t = Table::new("test", capacity);
+        t.create_buckets(shared).unwrap();
+        t
+    }
+
+    fn held(c: Claim) -> Held {
+        match c {
+            Claim::Claimed(h) => h,
+            other => panic!("expected a claim, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn first_claim_executes_then_duplicates_wait_then_replay() {
+        let s = FakeShared::default();
+        let t = table(&s, 64);
+        let (k, fp) = (digest(1), digest(2));
+        let h = held(t.claim(&s, &k, &fp, 7, 1_000, 60_000).unwrap());
+        assert!(!h.took_over);
+        assert_eq!(
+            t.claim(&s, &k, &fp, 8, 1_500, 60_000).unwrap(),
+            Claim::InFlight {
+                retry_after_ms: 59_500
+            }
+        );
+        assert_eq!(
+            t.complete(&s, &h, &response(201), 2_000, 10_000).unwrap(),
+            Completion::Recorded
+        );
+        let Claim::Completed {
+            slot,
+            owner,
+            status,
+        } = t.claim(&s, &k, &fp, 9, 3_000, 60_000).unwrap()
+        else {
+            panic!("expected completed");
+        };
+        assert_eq!((owner, status), (7, 201));
+        let replay = t.load_response(&s, slot, owner).unwrap().unwrap();
+        assert_eq!(replay.body, b"done");
+        assert_eq!(replay.status, 201);
+    }
+
+    #[test]
+    fn different_payload_is_a_mismatch_and_leaves_the_record_intact() {
+        let s = FakeShared::default();
+        let t = table(&s, 64);
+        let k = digest(1);
+        let h = held(t.claim(&s, &k, &digest(2), 7, 0, 1_000).unwrap());
+        assert_eq!(
+            t.claim(&s, &k, &digest(3), 8, 1, 1_000).unwrap(),
+            Claim::Mismatch
+        );
+        t.complete(&s, &h, &response(200), 2, 10_000).unwrap();
+        assert_eq!(
+            t.claim(&s, &k, &digest(3), 8, 3, 1_000).unwrap(),
+            Claim::Mismatch
+        );
+        assert!(matches!(
+            t.claim(&s, &k, &digest(2), 9, 4, 1_000).unwrap(),
+            Claim::Completed { owner: 7, .. }
+        ));
+    }
+
+    #[test]
+    fn expired_records_are_claimed_again() {
+        let s = FakeShared::default();
+        let t = table(&s, 64);
+        let (k, fp) = (digest(1), digest(2));
+        let h = held(t.claim(&s, &k, &fp, 7, 0, 1_000).unwrap());
+        t.complete(&s, &h, &response(200), 10, 5_000).unwrap();
+        assert!(matches!(
+            t.claim(&s, &k, &fp, 8, 5_009, 1_000).unwrap(),
+            Claim::Completed { .. }
+        ));
+        let again = held(t.claim(&s, &k, &fp, 8, 5_010, 1_000).unwrap());
+        assert!(!again.took_over);
+    }
+
+    #[test]
+    fn abandoned_in_flight_claim_is_taken_over_and_the_late_owner_cannot_record() {
+        let s = FakeShared::default();
+        let t = table(&s, 64);
+        let (k, fp) = (digest(1), digest(2));
+        let first = held(t.claim(&s, &k, &fp, 7, 0, 1_000).unwrap());
+        let second = held(t.claim(&s, &k, &fp, 8, 1_000, 1_000).unwrap());
+        assert!(second.took_over);
+        assert_eq!(
+            t.complete(&s, &first, &response(200), 1_100, 5_000)
+                .unwrap(),
+            Completion::LostOwnership
+        );
+        assert_eq!(t.release(&s, &first).unwrap(), Completion::LostOwnership);
+        assert_eq!(
+            t.complete(&s, &second, &response(201), 1_200, 5_000)
+                .unwrap(),
+            Completion::Recorded
+        );
+        let Claim::Completed {
+            slot,
+            owner,
+            status,
+        } = t.claim(&s, &k, &fp, 9, 1_300, 1_000).unwrap()
+        else {
+            panic!("expected completed");
+        };
+        assert_eq!((owner, status), (8, 201));
+        assert_eq!(
+            t.load_response(&s, slot, owner).unwrap().unwrap().status,
+            201
+        );
+    }
+
+    #[test]
+    fn release_lets_a_retry_execute() {
+        let s = FakeShared::default();
+        let t = table(&s, 64);
+        let (k, fp) = (digest(1), digest(2));
+        let h = held(t.claim(&s, &k, &fp, 7, 0, 1_000).unwrap());
+        assert_eq!(t.release(&s, &h).unwrap(), Completion::Recorded);
+        assert!(matches!(
+            t.claim(&s, &k, &fp, 8, 1, 1_000).unwrap(),
+            Claim::Claimed(_)
+        ));
+    }
+
+    #[test]
+    fn a_full_bucket_reports_full_and_never_evicts_live_records() {
+        let s = FakeShared::default();
+        let t = table(&s, 1); // one bucket of WAYS slots
+        assert_eq!(t.bucket_count(), 1);
+        for n in 0..WAYS as u8 {
+            held(
+                t.claim(&s, &digest(10 + n), &digest(0), u64::from(n), 0, 1_000)
+                    .unwrap(),
+            );
+        }
+        assert_eq!(
+            t.claim(&s, &digest(99), &digest(0), 50, 10, 1_000).unwrap(),
+            Claim::Full
+        );
+        // Every earlier claim is still in flight.
+        for n in 0..WAYS as u8 {
+            assert!(matches!(
+                t.claim(&s, &digest(10 + n), &digest(0), 60, 20, 1_000)
+                    .unwrap(),
+                Claim::InFlight { .. }
+            ));
+        }
+        // Once leases pass, slots are reused.
+        assert!(matches!(
+            t.claim(&s, &digest(99), &digest(0), 50, 1_000, 1_000)
+                .unwrap(),
+            Claim::Claimed(_)
+        ));
+    }
+
+    #[test]
+    fn creating_buckets_never_clobbers_a_claim() {
+        let s = FakeShared::default();
+        let t = table(&s, 4);
+        let (k, fp) = (digest(1), digest(2));
+        held(t.claim(&s, &k, &fp, 7, 0, 1_000).unwrap());
+        // Another worker configures later.
+        t.create_buckets(&s).unwrap();
+        assert!(matches!(
+            t.claim(&s, &k, &fp, 8, 1, 1_000).unwrap(),
+            Claim::InFlight { .. }
+        ));
+    }
+
+    #[test]
+    fn a_stale_cas_makes_the_claim_retry_instead_of_overwriting() {
+        // A shared data whose first write always loses, as if another worker wrote in between.
+        struct Racing {
+            inner: FakeShared,
+            lose_next: RefCell<bool>,
+        }
+        impl SharedData for Racing {
+            fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+                self.inner.get(key)
+            }
+            fn set(
+                &self,
+                key: &str,
+                value: &[u8],
+                cas: Option<u32>,
+            ) -> Result<SetOutcome, HostError> {
+                if cas.is_some() && self.lose_next.replace(false) {
+                    // The rival claims the same key first.
+                    let t = Table::new("test", 4);
+                    let rival = t
+                        .claim(&self.inner, &digest(1), &digest(2), 99, 0, 1_000)
+                        .unwrap();
+                    assert!(matches!(rival, Claim::Claimed(_)));
+                    return Ok(SetOutcome::CasMismatch);
+                }
+                self.inner.set(key, value, cas)
+            }
+        }
+        let s = Racing {
+            inner: FakeShared::default(),
+            lose_next: RefCell::new(false),
+        };
+        let t = table(&s.inner, 4);
+        *s.lose_next.borrow_mut() = true;
+        assert!(matches!(
+            t.claim(&s, &digest(1), &digest(2), 7, 1, 1_000).unwrap(),
+            Claim::InFlight { .. }
+        ));
+    }
+
+    #[test]
+    fn corrupt_buckets_read_as_free() {
+        assert_eq!(decode_bucket(b"junk"), [FREE_SLOT; WAYS]);
+        let mut slots = [FREE_SLOT; WAYS];
+        slots[0].state = SlotState::Completed;
+        slots[0].owner = 5;
+        assert_eq!(decode_bucket(&encode_bucket(&slots)), slots);
+    }
+}
