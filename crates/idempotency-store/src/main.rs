@@ -1,0 +1,240 @@
+//! `idempotency-store` binary: parse flags, open the chosen backend, serve.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use idempotency_store::clock::SystemClock;
+use idempotency_store::metrics::Metrics;
+use idempotency_store::server::{self, AppState, Auth};
+use idempotency_store::storage::embedded::EmbeddedStorage;
+use idempotency_store::storage::memory::MemoryStorage;
+use idempotency_store::storage::redis::RedisStorage;
+use idempotency_store::storage::Storage;
+use idempotency_store::sweeper;
+use tracing_subscriber::EnvFilter;
+
+const TOKEN_ENV: &str = "IDEMPOTENCY_STORE_TOKEN";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendKind {
+    /// redb file in --data-dir; single node, survives restarts.
+    Embedded,
+    /// Shared Redis (or Redis-compatible) server at --redis-url.
+    Redis,
+    /// Process memory; lost on exit. Tests and demos only.
+    Memory,
+}
+
+impl BackendKind {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Embedded => "embedded",
+            Self::Redis => "redis",
+            Self::Memory => "memory",
+        }
+    }
+}
+
+/// Shared idempotency record store for the Envoy idempotency filter (cluster mode).
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Cli {
+    /// Address to listen on (HTTP/1.1 and h2c prior knowledge).
+    #[arg(long, default_value = "127.0.0.1:8081")]
+    listen: SocketAddr,
+
+    #[arg(long, value_enum, default_value_t = BackendKind::Embedded)]
+    backend: BackendKind,
+
+    /// Directory for the embedded backend's idempotency.redb file.
+    #[arg(long, default_value = "./.run/store-data")]
+    data_dir: PathBuf,
+
+    /// Redis URL for --backend redis, e.g. redis://127.0.0.1:6379/
+    #[arg(long)]
+    redis_url: Option<String>,
+
+    /// File holding the bearer token clients must present (surrounding
+    /// whitespace ignored). Takes precedence over IDEMPOTENCY_STORE_TOKEN.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+
+    /// Serve /v1 without authentication. Local demos only.
+    #[arg(long)]
+    insecure_no_auth: bool,
+
+    /// Largest accepted request body; larger requests get 413.
+    #[arg(long, default_value_t = server::DEFAULT_MAX_BODY_BYTES)]
+    max_body_bytes: usize,
+
+    /// How often expired records are deleted (embedded and memory backends).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    sweep_interval_secs: u64,
+
+    /// Log filter (tracing EnvFilter syntax); RUST_LOG overrides it.
+    #[arg(long, default_value = "info")]
+    log_level: String,
+}
+
+fn init_logging(level: &str) -> Result<(), String> {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(from_env) if !from_env.is_empty() => EnvFilter::try_new(from_env),
+        _ => EnvFilter::try_new(level),
+    }
+    .map_err(|e| format!("invalid log filter: {e}"))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    Ok(())
+}
+
+fn resolve_auth(cli: &Cli) -> Result<Auth, String> {
+    let token = if let Some(path) = &cli.token_file {
+        let raw = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?;
+        Some((
+            raw.trim().to_owned(),
+            format!("--token-file {}", path.display()),
+        ))
+    } else {
+        std::env::var(TOKEN_ENV)
+            .ok()
+            .map(|t| (t.trim().to_owned(), TOKEN_ENV.to_owned()))
+    };
+    match (token, cli.insecure_no_auth) {
+        (Some((t, source)), _) if t.is_empty() => Err(format!("the token from {source} is empty")),
+        (Some((t, _)), false) => Ok(Auth::bearer(&t)),
+        (Some(_), true) => {
+            Err("--insecure-no-auth given together with a token; drop one of them".to_owned())
+        }
+        (None, true) => {
+            tracing::warn!(
+                "--insecure-no-auth: /v1 accepts requests from anyone who can reach {}",
+                cli.listen
+            );
+            Ok(Auth::Disabled)
+        }
+        (None, false) => Err(format!(
+            "no auth token configured: pass --token-file PATH or set {TOKEN_ENV} \
+             (or --insecure-no-auth for a local demo)"
+        )),
+    }
+}
+
+async fn open_storage(cli: &Cli) -> Result<Arc<dyn Storage>, String> {
+    Ok(match cli.backend {
+        BackendKind::Memory => Arc::new(MemoryStorage::new(Arc::new(SystemClock))),
+        BackendKind::Embedded => Arc::new(
+            EmbeddedStorage::open(&cli.data_dir, Arc::new(SystemClock)).map_err(|e| {
+                format!(
+                    "cannot open embedded store in {}: {e}",
+                    cli.data_dir.display()
+                )
+            })?,
+        ),
+        BackendKind::Redis => {
+            let url = cli
+                .redis_url
+                .as_deref()
+                .ok_or("--backend redis needs --redis-url redis://HOST:PORT/")?;
+            Arc::new(
+                RedisStorage::connect(url)
+                    .await
+                    .map_err(|e| format!("cannot connect to redis: {e}"))?,
+            )
+        }
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!("cannot listen for SIGINT: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    tracing::info!("shutting down: draining in-flight requests");
+}
+
+async fn run(cli: Cli) -> Result<(), String> {
+    let auth = resolve_auth(&cli)?;
+    let storage = open_storage(&cli).await?;
+    let metrics = Arc::new(Metrics::new());
+    let sweeper = sweeper::spawn(
+        Arc::clone(&storage),
+        Arc::clone(&metrics),
+        Duration::from_secs(cli.sweep_interval_secs),
+    );
+    let listener = tokio::net::TcpListener::bind(cli.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| format!("cannot read bound address: {e}"))?;
+    let app = server::router(
+        AppState {
+            storage,
+            metrics,
+            auth,
+        },
+        cli.max_body_bytes,
+    );
+    // Scripts and tests wait for exactly this line on stdout.
+    println!(
+        "idempotency-store listening on {addr} backend={}",
+        cli.backend.name()
+    );
+    tracing::info!(%addr, backend = cli.backend.name(), "listening");
+    let served = server::serve(listener, app, shutdown_signal()).await;
+    sweeper.abort();
+    served.map_err(|e| format!("server error: {e}"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Err(e) = init_logging(&cli.log_level) {
+        eprintln!("idempotency-store: {e}");
+        return ExitCode::FAILURE;
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idempotency-store: cannot start async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("idempotency-store: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,334 @@
+//! Wire format of the `/v1` API: request bodies, their validation, and the
+//! JSON answers. Kept free of HTTP-framework types so clients (the filter's
+//! tests, other crates) can reuse the same structs.
+
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+
+use crate::storage::{
+    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordState, RecordView, ReleaseOutcome,
+};
+
+pub const MIN_LEASE_MS: u64 = 1;
+/// One day: a request still in flight after that is abandoned, not slow.
+pub const MAX_LEASE_MS: u64 = 86_400_000;
+pub const MIN_TTL_MS: u64 = 1;
+/// One year.
+pub const MAX_TTL_MS: u64 = 31_536_000_000;
+
+/// Why a request body was refused; becomes the problem+json `detail`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadRequest(pub String);
+
+impl BadRequest {
+    fn field(name: &str, why: &str) -> Self {
+        Self(format!("field `{name}`: {why}"))
+    }
+}
+
+// Raw bodies exactly as sent. Unknown fields are refused so a typo such as
+// `lease` for `lease_ms` is an error rather than a silently ignored option.
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimBody {
+    pub key: String,
+    pub fingerprint: String,
+    pub lease_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompleteBody {
+    pub key: String,
+    pub owner: String,
+    pub ttl_ms: u64,
+    /// Standard base64 (with padding) of the bytes to replay.
+    pub record: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseBody {
+    pub key: String,
+    pub owner: String,
+}
+
+// Validated requests.
+
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    pub key: Digest,
+    pub fingerprint: Digest,
+    pub lease_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct CompleteRequest {
+    pub key: Digest,
+    pub owner: OwnerToken,
+    pub ttl_ms: u64,
+    pub record: Vec<u8>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ReleaseRequest {
+    pub key: Digest,
+    pub owner: OwnerToken,
+}
+
+fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, BadRequest> {
+    // serde_json's message names the missing/unknown field or the bad type
+    // and its position, which is what a client needs to fix the call.
+    serde_json::from_slice(body).map_err(|e| BadRequest(format!("invalid JSON body: {e}")))
+}
+
+pub fn parse_key(raw: &str) -> Result<Digest, BadRequest> {
+    Digest::parse(raw).map_err(|why| BadRequest::field("key", why))
+}
+
+fn parse_owner(raw: &str) -> Result<OwnerToken, BadRequest> {
+    OwnerToken::parse(raw).map_err(|why| BadRequest::field("owner", why))
+}
+
+fn check_range(name: &str, v: u64, min: u64, max: u64) -> Result<u64, BadRequest> {
+    if (min..=max).contains(&v) {
+        Ok(v)
+    } else {
+        Err(BadRequest::field(
+            name,
+            &format!("must be between {min} and {max}, got {v}"),
+        ))
+    }
+}
+
+pub fn parse_claim(body: &[u8]) -> Result<ClaimRequest, BadRequest> {
+    let raw: ClaimBody = parse_json(body)?;
+    Ok(ClaimRequest {
+        key: parse_key(&raw.key)?,
+        fingerprint: Digest::parse(&raw.fingerprint)
+            .map_err(|why| BadRequest::field("fingerprint", why))?,
+        lease_ms: check_range("lease_ms", raw.lease_ms, MIN_LEASE_MS, MAX_LEASE_MS)?,
+    })
+}
+
+pub fn parse_complete(body: &[u8]) -> Result<CompleteRequest, BadRequest> {
+    let raw: CompleteBody = parse_json(body)?;
+    Ok(CompleteRequest {
+        key: parse_key(&raw.key)?,
+        owner: parse_owner(&raw.owner)?,
+        ttl_ms: check_range("ttl_ms", raw.ttl_ms, MIN_TTL_MS, MAX_TTL_MS)?,
+        record: BASE64
+            .decode(raw.record.as_bytes())
+            .map_err(|e| BadRequest::field("record", &format!("not standard base64: {e}")))?,
+    })
+}
+
+pub fn parse_release(body: &[u8]) -> Result<ReleaseRequest, BadRequest> {
+    let raw: ReleaseBody = parse_json(body)?;
+    Ok(ReleaseRequest {
+        key: parse_key(&raw.key)?,
+        owner: parse_owner(&raw.owner)?,
+    })
+}
+
+// Responses.
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum ClaimResponse {
+    Claimed {
+        owner: String,
+        lease_expires_at_ms: u64,
+    },
+    Mismatch,
+    InFlight {
+        retry_after_ms: u64,
+    },
+    Completed {
+        /// Standard base64 of the bytes given at complete.
+        record: String,
+    },
+}
+
+impl From<ClaimOutcome> for ClaimResponse {
+    fn from(o: ClaimOutcome) -> Self {
+        match o {
+            ClaimOutcome::Claimed {
+                owner,
+                lease_expires_at_ms,
+            } => Self::Claimed {
+                owner: owner.as_str().to_owned(),
+                lease_expires_at_ms,
+            },
+            ClaimOutcome::Mismatch => Self::Mismatch,
+            ClaimOutcome::InFlight { retry_after_ms } => Self::InFlight { retry_after_ms },
+            ClaimOutcome::Completed { record } => Self::Completed {
+                record: BASE64.encode(record),
+            },
+        }
+    }
+}
+
+/// Body of a successful complete/release: `{"outcome":"completed"}` or
+/// `{"outcome":"released"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutcomeResponse {
+    pub outcome: String,
+}
+
+impl OutcomeResponse {
+    pub fn new(outcome: &str) -> Self {
+        Self {
+            outcome: outcome.to_owned(),
+        }
+    }
+}
+
+pub fn complete_outcome_name(o: CompleteOutcome) -> &'static str {
+    match o {
+        CompleteOutcome::Completed => "completed",
+        CompleteOutcome::NotOwner => "not_owner",
+    }
+}
+
+pub fn release_outcome_name(o: ReleaseOutcome) -> &'static str {
+    match o {
+        ReleaseOutcome::Released => "released",
+        ReleaseOutcome::NotOwner => "not_owner",
+    }
+}
+
+pub fn claim_outcome_name(o: &ClaimOutcome) -> &'static str {
+    match o {
+        ClaimOutcome::Claimed { .. } => "claimed",
+        ClaimOutcome::Mismatch => "mismatch",
+        ClaimOutcome::InFlight { .. } => "in_flight",
+        ClaimOutcome::Completed { .. } => "completed",
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordResponse {
+    pub state: RecordState,
+    pub fingerprint: String,
+    pub expires_at_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub record: Option<String>,
+}
+
+impl From<RecordView> for RecordResponse {
+    fn from(v: RecordView) -> Self {
+        Self {
+            state: v.state,
+            fingerprint: v.fingerprint.as_str().to_owned(),
+            expires_at_ms: v.expires_at_ms,
+            record: v.record.map(|r| BASE64.encode(r)),
+        }
+    }
+}
+
+/// RFC 9457 problem details. `outcome` is set only on 409 not_owner so a
+/// client can branch on the same field it reads from 200 answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Problem {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
+}
+
+pub const PROBLEM_BAD_REQUEST: &str = "urn:idempotency-store:bad-request";
+pub const PROBLEM_UNAUTHORIZED: &str = "urn:idempotency-store:unauthorized";
+pub const PROBLEM_TOO_LARGE: &str = "urn:idempotency-store:payload-too-large";
+pub const PROBLEM_NOT_FOUND: &str = "urn:idempotency-store:not-found";
+pub const PROBLEM_NOT_OWNER: &str = "urn:idempotency-store:not-owner";
+pub const PROBLEM_METHOD_NOT_ALLOWED: &str = "urn:idempotency-store:method-not-allowed";
+pub const PROBLEM_UNAVAILABLE: &str = "urn:idempotency-store:backend-unavailable";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEX: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn claim_normalises_case() {
+        let body = format!(
+            r#"{{"key":"{}","fingerprint":"{HEX}","lease_ms":5}}"#,
+            HEX.to_uppercase()
+        );
+        let req = parse_claim(body.as_bytes()).unwrap();
+        assert_eq!(req.key.as_str(), HEX);
+    }
+
+    #[test]
+    fn claim_rejections_name_the_field() {
+        let cases = [
+            (
+                r#"{"key":"ab","fingerprint":"x","lease_ms":5}"#.to_owned(),
+                "key",
+            ),
+            (
+                format!(r#"{{"key":"{HEX}","fingerprint":"zz","lease_ms":5}}"#),
+                "fingerprint",
+            ),
+            (
+                format!(r#"{{"key":"{HEX}","fingerprint":"{HEX}","lease_ms":0}}"#),
+                "lease_ms",
+            ),
+            (
+                format!(r#"{{"key":"{HEX}","fingerprint":"{HEX}","lease_ms":86400001}}"#),
+                "lease_ms",
+            ),
+            (
+                format!(r#"{{"key":"{HEX}","fingerprint":"{HEX}"}}"#),
+                "lease_ms",
+            ),
+            (
+                format!(r#"{{"key":"{HEX}","fingerprint":"{HEX}","lease_ms":5,"x":1}}"#),
+                "x",
+            ),
+        ];
+        for (body, field) in cases {
+            let err = parse_claim(body.as_bytes()).unwrap_err();
+            assert!(err.0.contains(field), "{body} -> {}", err.0);
+        }
+    }
+
+    #[test]
+    fn complete_checks_base64_and_ttl() {
+        let ok = format!(r#"{{"key":"{HEX}","owner":"ab","ttl_ms":1,"record":"aGk="}}"#);
+        assert_eq!(parse_complete(ok.as_bytes()).unwrap().record, b"hi");
+        let bad = format!(r#"{{"key":"{HEX}","owner":"ab","ttl_ms":1,"record":"!!"}}"#);
+        assert!(parse_complete(bad.as_bytes())
+            .unwrap_err()
+            .0
+            .contains("record"));
+        let ttl = format!(r#"{{"key":"{HEX}","owner":"ab","ttl_ms":31536000001,"record":""}}"#);
+        assert!(parse_complete(ttl.as_bytes())
+            .unwrap_err()
+            .0
+            .contains("ttl_ms"));
+        let owner = format!(r#"{{"key":"{HEX}","owner":"","ttl_ms":1,"record":""}}"#);
+        assert!(parse_complete(owner.as_bytes())
+            .unwrap_err()
+            .0
+            .contains("owner"));
+    }
+
+    #[test]
+    fn claim_response_shapes() {
+        let v = serde_json::to_value(ClaimResponse::Mismatch).unwrap();
+        assert_eq!(v, serde_json::json!({"outcome":"mismatch"}));
+        let v = serde_json::to_value(ClaimResponse::InFlight { retry_after_ms: 3 }).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"outcome":"in_flight","retry_after_ms":3})
+        );
+    }
+}

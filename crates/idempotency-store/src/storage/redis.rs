@@ -1,0 +1,278 @@
+//! Shared backend for several store replicas: records live in Redis and every
+//! state transition is one Lua script, so it is atomic on the server. Expiry is
+//! Redis's own (PEXPIRE), and lease/TTL instants come from `redis.call('TIME')`,
+//! so store replicas with skewed clocks still agree.
+//!
+//! Layout: one hash per record at `idem:{<key>}`. The braces make the whole key
+//! the Redis Cluster hash tag, so a record always lives on one slot.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::ConnectionManager;
+use redis::{Script, Value};
+
+use super::{
+    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordState, RecordView, ReleaseOutcome,
+    Storage, StorageError,
+};
+
+// ARGV: fingerprint, lease_ms, fresh owner.
+// A key that exists is live by definition: Redis deleted it at lease/TTL end.
+const CLAIM_LUA: &str = r"
+local k = KEYS[1]
+local cur = redis.call('HMGET', k, 'state', 'fingerprint')
+if cur[1] then
+  if cur[2] ~= ARGV[1] then return {'mismatch'} end
+  if cur[1] == 'in_flight' then
+    local left = redis.call('PTTL', k)
+    if left < 1 then left = 1 end
+    return {'in_flight', left}
+  end
+  return {'completed', redis.call('HGET', k, 'record')}
+end
+local lease = tonumber(ARGV[2])
+local t = redis.call('TIME')
+local exp = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + lease
+redis.call('DEL', k)
+redis.call('HSET', k, 'state', 'in_flight', 'fingerprint', ARGV[1], 'owner', ARGV[3],
+  'expires_at_ms', string.format('%d', exp))
+redis.call('PEXPIRE', k, lease)
+return {'claimed', exp}
+";
+
+// ARGV: owner, ttl_ms, record bytes.
+const COMPLETE_LUA: &str = r"
+local k = KEYS[1]
+local cur = redis.call('HMGET', k, 'state', 'owner')
+if cur[1] ~= 'in_flight' or cur[2] ~= ARGV[1] then return 'not_owner' end
+local ttl = tonumber(ARGV[2])
+local t = redis.call('TIME')
+local exp = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+redis.call('HDEL', k, 'owner')
+redis.call('HSET', k, 'state', 'completed', 'record', ARGV[3],
+  'expires_at_ms', string.format('%d', exp))
+redis.call('PEXPIRE', k, ttl)
+return 'completed'
+";
+
+// ARGV: owner.
+const RELEASE_LUA: &str = r"
+local k = KEYS[1]
+local cur = redis.call('HMGET', k, 'state', 'owner')
+if cur[1] ~= 'in_flight' or cur[2] ~= ARGV[1] then return 'not_owner' end
+redis.call('DEL', k)
+return 'released'
+";
+
+const LOOKUP_LUA: &str = r"
+local v = redis.call('HMGET', KEYS[1], 'state', 'fingerprint', 'expires_at_ms', 'record')
+if not v[1] then return false end
+return v
+";
+
+pub struct RedisStorage {
+    conn: ConnectionManager,
+    claim: Script,
+    complete: Script,
+    release: Script,
+    lookup: Script,
+}
+
+fn redis_key(key: &Digest) -> String {
+    format!("idem:{{{}}}", key.as_str())
+}
+
+fn backend(e: redis::RedisError) -> StorageError {
+    StorageError::Backend(format!("redis: {e}"))
+}
+
+fn unexpected(what: &str, v: &Value) -> StorageError {
+    StorageError::Backend(format!("redis: unexpected {what} reply: {v:?}"))
+}
+
+impl RedisStorage {
+    /// Connects eagerly so a wrong URL fails at startup, not on the first request.
+    pub async fn connect(url: &str) -> Result<Self, StorageError> {
+        let client = redis::Client::open(url).map_err(backend)?;
+        // Bounded timeouts: a stuck Redis must become a 503, not a hung claim.
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(Duration::from_secs(5)))
+            .set_number_of_retries(2);
+        let conn = client
+            .get_connection_manager_with_config(config)
+            .await
+            .map_err(backend)?;
+        Ok(Self {
+            conn,
+            claim: Script::new(CLAIM_LUA),
+            complete: Script::new(COMPLETE_LUA),
+            release: Script::new(RELEASE_LUA),
+            lookup: Script::new(LOOKUP_LUA),
+        })
+    }
+}
+
+fn as_bytes(v: &Value) -> Option<&[u8]> {
+    match v {
+        Value::BulkString(b) => Some(b.as_slice()),
+        Value::SimpleString(s) => Some(s.as_bytes()),
+        _ => None,
+    }
+}
+
+fn as_u64(v: &Value) -> Option<u64> {
+    match v {
+        Value::Int(i) => u64::try_from(*i).ok(),
+        other => std::str::from_utf8(as_bytes(other)?).ok()?.parse().ok(),
+    }
+}
+
+fn parse_claim(v: &Value) -> Result<(String, Option<&Value>), StorageError> {
+    let Value::Array(items) = v else {
+        return Err(unexpected("claim", v));
+    };
+    let tag = items
+        .first()
+        .and_then(as_bytes)
+        .and_then(|b| std::str::from_utf8(b).ok())
+        .ok_or_else(|| unexpected("claim", v))?;
+    Ok((tag.to_owned(), items.get(1)))
+}
+
+fn status_word(what: &str, v: &Value) -> Result<String, StorageError> {
+    as_bytes(v)
+        .and_then(|b| std::str::from_utf8(b).ok())
+        .map(str::to_owned)
+        .ok_or_else(|| unexpected(what, v))
+}
+
+#[async_trait]
+impl Storage for RedisStorage {
+    fn backend_name(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn claim(
+        &self,
+        key: &Digest,
+        fingerprint: &Digest,
+        lease_ms: u64,
+    ) -> Result<ClaimOutcome, StorageError> {
+        let fresh = OwnerToken::generate()?;
+        let mut conn = self.conn.clone();
+        let reply: Value = self
+            .claim
+            .key(redis_key(key))
+            .arg(fingerprint.as_str())
+            .arg(lease_ms)
+            .arg(fresh.as_str())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(backend)?;
+        let (tag, payload) = parse_claim(&reply)?;
+        let bad = || unexpected("claim", &reply);
+        Ok(match tag.as_str() {
+            "mismatch" => ClaimOutcome::Mismatch,
+            "in_flight" => ClaimOutcome::InFlight {
+                retry_after_ms: payload.and_then(as_u64).ok_or_else(bad)?.max(1),
+            },
+            "completed" => ClaimOutcome::Completed {
+                record: payload.and_then(as_bytes).ok_or_else(bad)?.to_vec(),
+            },
+            "claimed" => ClaimOutcome::Claimed {
+                owner: fresh,
+                lease_expires_at_ms: payload.and_then(as_u64).ok_or_else(bad)?,
+            },
+            _ => return Err(bad()),
+        })
+    }
+
+    async fn complete(
+        &self,
+        key: &Digest,
+        owner: &OwnerToken,
+        ttl_ms: u64,
+        record: Vec<u8>,
+    ) -> Result<CompleteOutcome, StorageError> {
+        let mut conn = self.conn.clone();
+        let reply: Value = self
+            .complete
+            .key(redis_key(key))
+            .arg(owner.as_str())
+            .arg(ttl_ms)
+            .arg(record)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(backend)?;
+        match status_word("complete", &reply)?.as_str() {
+            "completed" => Ok(CompleteOutcome::Completed),
+            "not_owner" => Ok(CompleteOutcome::NotOwner),
+            _ => Err(unexpected("complete", &reply)),
+        }
+    }
+
+    async fn release(
+        &self,
+        key: &Digest,
+        owner: &OwnerToken,
+    ) -> Result<ReleaseOutcome, StorageError> {
+        let mut conn = self.conn.clone();
+        let reply: Value = self
+            .release
+            .key(redis_key(key))
+            .arg(owner.as_str())
+            .invoke_async(&mut conn)
+            .await
+            .map_err(backend)?;
+        match status_word("release", &reply)?.as_str() {
+            "released" => Ok(ReleaseOutcome::Released),
+            "not_owner" => Ok(ReleaseOutcome::NotOwner),
+            _ => Err(unexpected("release", &reply)),
+        }
+    }
+
+    async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
+        let mut conn = self.conn.clone();
+        let reply: Value = self
+            .lookup
+            .key(redis_key(key))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(backend)?;
+        let items = match &reply {
+            Value::Nil => return Ok(None),
+            Value::Array(items) => items,
+            other => return Err(unexpected("lookup", other)),
+        };
+        let bad = || unexpected("lookup", &reply);
+        let field = |i: usize| items.get(i);
+        let state = match field(0).and_then(as_bytes) {
+            Some(b"in_flight") => RecordState::InFlight,
+            Some(b"completed") => RecordState::Completed,
+            _ => return Err(bad()),
+        };
+        let fingerprint = field(1)
+            .and_then(as_bytes)
+            .and_then(|b| std::str::from_utf8(b).ok())
+            .and_then(|s| Digest::parse(s).ok())
+            .ok_or_else(bad)?;
+        let expires_at_ms = field(2).and_then(as_u64).ok_or_else(bad)?;
+        let record = match state {
+            RecordState::InFlight => None,
+            RecordState::Completed => Some(field(3).and_then(as_bytes).ok_or_else(bad)?.to_vec()),
+        };
+        Ok(Some(RecordView {
+            state,
+            fingerprint,
+            expires_at_ms,
+            record,
+        }))
+    }
+
+    async fn sweep_expired(&self) -> Result<u64, StorageError> {
+        // Redis expires keys itself (PEXPIRE); nothing to do.
+        Ok(0)
+    }
+}

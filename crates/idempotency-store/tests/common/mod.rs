@@ -1,0 +1,104 @@
+//! Test helpers shared by the integration test binaries.
+// Each test binary uses a different subset; a failed unwrap here is a failed test.
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use idempotency_store::storage::Digest;
+
+/// A throwaway `redis-server` on a free loopback port. Killed (by its own
+/// PID, via `Child::kill`) when dropped.
+pub struct RedisServer {
+    child: Child,
+    pub port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    pub fn start() -> Self {
+        let port = free_port();
+        let dir = tempfile::tempdir().expect("tempdir for redis");
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start `redis-server` ({e}). The redis backend tests need \
+                     redis-server on PATH (Debian: apt-get install redis-server)."
+                )
+            });
+        let server = Self {
+            child,
+            port,
+            _dir: dir,
+        };
+        server.wait_until_ready();
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    fn wait_until_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if ping(self.port) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "redis-server on port {} did not answer PING within 10s",
+            self.port
+        );
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn ping(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    if s.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 7];
+    s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+/// Asks the OS for an unused port. Racy by nature, but the window between
+/// dropping the listener and redis binding is tiny.
+pub fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    l.local_addr().expect("local addr").port()
+}
+
+/// A random 64-hex digest, so tests sharing a backend never collide.
+pub fn random_digest() -> Digest {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).expect("random");
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    Digest::parse(&hex).expect("valid digest")
+}

@@ -1,0 +1,497 @@
+//! One behavioural contract, run against every storage backend.
+//!
+//! Memory and embedded expire by the service clock, so they get a
+//! `ManualClock` and time moves instantly. Redis expires by its own clock, so
+//! its harness uses short real leases and sleeps.
+
+// Test code: a failed unwrap/index is a failed test, which is the point.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_store::clock::ManualClock;
+use idempotency_store::storage::embedded::EmbeddedStorage;
+use idempotency_store::storage::memory::MemoryStorage;
+use idempotency_store::storage::redis::RedisStorage;
+use idempotency_store::storage::{
+    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordState, ReleaseOutcome, Storage,
+};
+
+use common::{random_digest, RedisServer};
+
+const LONG_LEASE_MS: u64 = 60_000;
+const LONG_TTL_MS: u64 = 86_400_000;
+
+enum Time {
+    Manual(Arc<ManualClock>),
+    /// Backend owns the clock: expiry tests use `short_ms` and really wait.
+    Real,
+}
+
+struct Harness {
+    storage: Arc<dyn Storage>,
+    time: Time,
+    // Keeps the backing resources (temp dir, redis child) alive for the test.
+    _guard: Box<dyn std::any::Any + Send>,
+}
+
+impl Harness {
+    fn memory() -> Self {
+        let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+        Self {
+            storage: Arc::new(MemoryStorage::new(clock.clone())),
+            time: Time::Manual(clock),
+            _guard: Box::new(()),
+        }
+    }
+
+    fn embedded() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+        let storage = EmbeddedStorage::open(dir.path(), clock.clone()).unwrap();
+        Self {
+            storage: Arc::new(storage),
+            time: Time::Manual(clock),
+            _guard: Box::new(dir),
+        }
+    }
+
+    async fn redis() -> Self {
+        let server = RedisServer::start();
+        let storage = RedisStorage::connect(&server.url()).await.unwrap();
+        Self {
+            storage: Arc::new(storage),
+            time: Time::Real,
+            _guard: Box::new(server),
+        }
+    }
+
+    /// A lease/TTL short enough to outlive in a test.
+    fn short_ms(&self) -> u64 {
+        match self.time {
+            Time::Manual(_) => 1_000,
+            Time::Real => 200,
+        }
+    }
+
+    /// Let `ms` pass (plus slack for the real clock).
+    async fn pass(&self, ms: u64) {
+        match &self.time {
+            Time::Manual(c) => c.advance_ms(ms),
+            Time::Real => tokio::time::sleep(Duration::from_millis(ms + 150)).await,
+        }
+    }
+
+    fn s(&self) -> &dyn Storage {
+        self.storage.as_ref()
+    }
+
+    async fn claim(&self, key: &Digest, fp: &Digest, lease_ms: u64) -> ClaimOutcome {
+        self.s().claim(key, fp, lease_ms).await.unwrap()
+    }
+
+    async fn claim_owner(&self, key: &Digest, fp: &Digest, lease_ms: u64) -> OwnerToken {
+        match self.claim(key, fp, lease_ms).await {
+            ClaimOutcome::Claimed { owner, .. } => owner,
+            other => panic!("expected claimed, got {other:?}"),
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &Digest,
+        owner: &OwnerToken,
+        ttl: u64,
+        rec: &[u8],
+    ) -> CompleteOutcome {
+        self.s()
+            .complete(key, owner, ttl, rec.to_vec())
+            .await
+            .unwrap()
+    }
+
+    async fn state(&self, key: &Digest) -> Option<RecordState> {
+        self.s().lookup(key).await.unwrap().map(|v| v.state)
+    }
+}
+
+fn foreign_owner() -> OwnerToken {
+    OwnerToken::parse("deadbeefdeadbeefdeadbeefdeadbeef").unwrap()
+}
+
+async fn first_claim_claims(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    match h.claim(&k, &fp, LONG_LEASE_MS).await {
+        ClaimOutcome::Claimed {
+            owner,
+            lease_expires_at_ms,
+        } => {
+            assert_eq!(owner.as_str().len(), 32, "128-bit hex owner");
+            assert!(lease_expires_at_ms > 1_600_000_000_000);
+        }
+        other => panic!("expected claimed, got {other:?}"),
+    }
+    let view = h.s().lookup(&k).await.unwrap().unwrap();
+    assert_eq!(view.state, RecordState::InFlight);
+    assert_eq!(view.fingerprint, fp);
+    assert_eq!(view.record, None);
+}
+
+async fn second_claim_same_fingerprint_is_in_flight(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    match h.claim(&k, &fp, LONG_LEASE_MS).await {
+        ClaimOutcome::InFlight { retry_after_ms } => {
+            assert!(
+                (1..=LONG_LEASE_MS).contains(&retry_after_ms),
+                "{retry_after_ms}"
+            );
+        }
+        other => panic!("expected in_flight, got {other:?}"),
+    }
+}
+
+async fn different_fingerprint_is_mismatch_and_untouched(h: &Harness) {
+    let (k, fp, other_fp) = (random_digest(), random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_eq!(
+        h.claim(&k, &other_fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Mismatch
+    );
+    let view = h.s().lookup(&k).await.unwrap().unwrap();
+    assert_eq!(
+        (view.state, view.fingerprint),
+        (RecordState::InFlight, fp.clone())
+    );
+    // The original owner's claim still stands.
+    assert_eq!(
+        h.complete(&k, &owner, LONG_TTL_MS, b"r").await,
+        CompleteOutcome::Completed
+    );
+    // A completed record also refuses a different body.
+    assert_eq!(
+        h.claim(&k, &other_fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Mismatch
+    );
+}
+
+async fn complete_then_claim_replays_bytes(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    let bytes: Vec<u8> = (0..=255u8).chain([0, 0, 13, 10]).collect();
+    assert_eq!(
+        h.complete(&k, &owner, LONG_TTL_MS, &bytes).await,
+        CompleteOutcome::Completed
+    );
+    assert_eq!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Completed {
+            record: bytes.clone()
+        }
+    );
+    let view = h.s().lookup(&k).await.unwrap().unwrap();
+    assert_eq!(view.state, RecordState::Completed);
+    assert_eq!(view.record, Some(bytes));
+}
+
+async fn complete_by_wrong_owner_is_refused(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_eq!(
+        h.complete(&k, &foreign_owner(), LONG_TTL_MS, b"x").await,
+        CompleteOutcome::NotOwner
+    );
+    assert_eq!(h.state(&k).await, Some(RecordState::InFlight));
+    assert_eq!(
+        h.complete(&k, &owner, LONG_TTL_MS, b"ok").await,
+        CompleteOutcome::Completed
+    );
+    // Completing a key nobody claimed is refused too.
+    assert_eq!(
+        h.complete(&random_digest(), &owner, LONG_TTL_MS, b"x")
+            .await,
+        CompleteOutcome::NotOwner
+    );
+}
+
+async fn completed_record_is_never_overwritten(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_eq!(
+        h.complete(&k, &owner, LONG_TTL_MS, b"first").await,
+        CompleteOutcome::Completed
+    );
+    assert_eq!(
+        h.complete(&k, &owner, LONG_TTL_MS, b"second").await,
+        CompleteOutcome::NotOwner
+    );
+    assert_eq!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Completed {
+            record: b"first".to_vec()
+        }
+    );
+}
+
+async fn release_by_owner_deletes(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_eq!(
+        h.s().release(&k, &owner).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+    assert_eq!(h.state(&k).await, None);
+    // Released twice: nothing left to release.
+    assert_eq!(
+        h.s().release(&k, &owner).await.unwrap(),
+        ReleaseOutcome::NotOwner
+    );
+    // The key is free again, even for another body.
+    h.claim_owner(&k, &random_digest(), LONG_LEASE_MS).await;
+}
+
+async fn release_by_non_owner_is_refused(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_eq!(
+        h.s().release(&k, &foreign_owner()).await.unwrap(),
+        ReleaseOutcome::NotOwner
+    );
+    assert_eq!(h.state(&k).await, Some(RecordState::InFlight));
+    // Nor can a completed record be released, even by its former owner.
+    assert_eq!(
+        h.complete(&k, &owner, LONG_TTL_MS, b"r").await,
+        CompleteOutcome::Completed
+    );
+    assert_eq!(
+        h.s().release(&k, &owner).await.unwrap(),
+        ReleaseOutcome::NotOwner
+    );
+    assert_eq!(h.state(&k).await, Some(RecordState::Completed));
+}
+
+async fn lease_expiry_allows_takeover(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let short = h.short_ms();
+    let old = h.claim_owner(&k, &fp, short).await;
+    h.pass(short).await;
+    assert_eq!(h.state(&k).await, None, "a lapsed lease reads as absent");
+    let new = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_ne!(old, new);
+    assert_eq!(
+        h.complete(&k, &old, LONG_TTL_MS, b"late").await,
+        CompleteOutcome::NotOwner
+    );
+    assert_eq!(
+        h.s().release(&k, &old).await.unwrap(),
+        ReleaseOutcome::NotOwner
+    );
+    assert_eq!(
+        h.complete(&k, &new, LONG_TTL_MS, b"new").await,
+        CompleteOutcome::Completed
+    );
+    assert_eq!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Completed {
+            record: b"new".to_vec()
+        }
+    );
+}
+
+async fn ttl_expiry_allows_new_claim(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let short = h.short_ms();
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_eq!(
+        h.complete(&k, &owner, short, b"r").await,
+        CompleteOutcome::Completed
+    );
+    h.pass(short).await;
+    assert_eq!(h.state(&k).await, None);
+    // After the TTL even a different body may claim the key.
+    h.claim_owner(&k, &random_digest(), LONG_LEASE_MS).await;
+}
+
+async fn concurrent_claims_have_one_winner(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (s, k, fp) = (Arc::clone(&h.storage), k.clone(), fp.clone());
+        tasks.push(tokio::spawn(async move {
+            s.claim(&k, &fp, LONG_LEASE_MS).await
+        }));
+    }
+    let (mut claimed, mut in_flight) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap().unwrap() {
+            ClaimOutcome::Claimed { .. } => claimed += 1,
+            ClaimOutcome::InFlight { .. } => in_flight += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((claimed, in_flight), (1, 63));
+}
+
+macro_rules! contract_suite {
+    ($backend:ident, $harness:expr) => {
+        mod $backend {
+            use super::*;
+
+            contract_suite!(@cases $harness;
+                first_claim_claims,
+                second_claim_same_fingerprint_is_in_flight,
+                different_fingerprint_is_mismatch_and_untouched,
+                complete_then_claim_replays_bytes,
+                complete_by_wrong_owner_is_refused,
+                completed_record_is_never_overwritten,
+                release_by_owner_deletes,
+                release_by_non_owner_is_refused,
+                lease_expiry_allows_takeover,
+                ttl_expiry_allows_new_claim,
+                concurrent_claims_have_one_winner,
+            );
+        }
+    };
+    (@cases $harness:expr; $($case:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $case() {
+                let h = $harness;
+                super::$case(&h).await;
+            }
+        )+
+    };
+}
+
+contract_suite!(memory, Harness::memory());
+contract_suite!(embedded, Harness::embedded());
+contract_suite!(redis, Harness::redis().await);
+
+// Service-clock backends only: behaviour that Redis's own expiry cannot show
+// (it deletes a lapsed lease at once) or that needs exact time.
+
+async fn late_complete_without_takeover_succeeds(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, 1_000).await;
+    h.pass(5_000).await;
+    assert_eq!(
+        h.complete(&k, &owner, LONG_TTL_MS, b"late").await,
+        CompleteOutcome::Completed
+    );
+    assert_eq!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Completed {
+            record: b"late".to_vec()
+        }
+    );
+}
+
+async fn retry_after_counts_down(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    h.claim_owner(&k, &fp, 10_000).await;
+    h.pass(9_999).await;
+    assert_eq!(
+        h.claim(&k, &fp, 10_000).await,
+        ClaimOutcome::InFlight { retry_after_ms: 1 }
+    );
+    h.pass(1).await;
+    assert!(matches!(
+        h.claim(&k, &fp, 10_000).await,
+        ClaimOutcome::Claimed { .. }
+    ));
+}
+
+async fn sweep_removes_only_expired(h: &Harness) {
+    let (live, lapsed, done) = (random_digest(), random_digest(), random_digest());
+    let fp = random_digest();
+    h.claim_owner(&live, &fp, 100_000).await;
+    h.claim_owner(&lapsed, &fp, 1_000).await;
+    let o = h.claim_owner(&done, &fp, 1_000).await;
+    assert_eq!(
+        h.complete(&done, &o, 2_000, b"r").await,
+        CompleteOutcome::Completed
+    );
+    assert_eq!(h.s().sweep_expired().await.unwrap(), 0);
+    h.pass(3_000).await;
+    assert_eq!(h.s().sweep_expired().await.unwrap(), 2);
+    assert_eq!(h.state(&live).await, Some(RecordState::InFlight));
+}
+
+macro_rules! clock_suite {
+    ($backend:ident, $harness:expr) => {
+        mod $backend {
+            use super::*;
+            contract_suite!(@cases $harness;
+                late_complete_without_takeover_succeeds,
+                retry_after_counts_down,
+                sweep_removes_only_expired,
+            );
+        }
+    };
+}
+
+mod service_clock {
+    use super::*;
+    clock_suite!(memory, Harness::memory());
+    clock_suite!(embedded, Harness::embedded());
+}
+
+#[tokio::test]
+async fn embedded_completed_record_survives_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let (k, fp) = (random_digest(), random_digest());
+    {
+        let s = EmbeddedStorage::open(dir.path(), clock.clone()).unwrap();
+        let ClaimOutcome::Claimed { owner, .. } = s.claim(&k, &fp, 1_000).await.unwrap() else {
+            panic!("expected claimed");
+        };
+        let outcome = s
+            .complete(&k, &owner, LONG_TTL_MS, b"persisted".to_vec())
+            .await
+            .unwrap();
+        assert_eq!(outcome, CompleteOutcome::Completed);
+    }
+    let s = EmbeddedStorage::open(dir.path(), clock).unwrap();
+    assert!(s.path().ends_with("idempotency.redb"));
+    assert_eq!(
+        s.claim(&k, &fp, 1_000).await.unwrap(),
+        ClaimOutcome::Completed {
+            record: b"persisted".to_vec()
+        }
+    );
+}
+
+#[tokio::test]
+async fn redis_records_use_cluster_safe_hash_keys() {
+    let server = RedisServer::start();
+    let s = RedisStorage::connect(&server.url()).await.unwrap();
+    let (k, fp) = (random_digest(), random_digest());
+    s.claim(&k, &fp, LONG_LEASE_MS).await.unwrap();
+    let client = ::redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let key = format!("idem:{{{}}}", k.as_str());
+    let kind: String = ::redis::cmd("TYPE")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(kind, "hash");
+    let pttl: i64 = ::redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        pttl > 0 && pttl <= 60_000,
+        "lease expiry set by Redis: {pttl}"
+    );
+}
