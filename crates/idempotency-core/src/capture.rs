@@ -51,13 +51,18 @@ impl ResponseCapture {
         !self.body_omitted
     }
 
+    /// Records the response without its body (over the cap, or unreadable).
+    pub fn omit_body(&mut self) {
+        self.body_omitted = true;
+        self.body = Vec::new();
+    }
+
     pub fn push_body(&mut self, chunk: &[u8]) {
         if self.body_omitted {
             return;
         }
         if self.body.len().saturating_add(chunk.len()) > self.limit {
-            self.body_omitted = true;
-            self.body = Vec::new();
+            self.omit_body();
         } else {
             self.body.extend_from_slice(chunk);
         }

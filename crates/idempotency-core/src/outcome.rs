@@ -25,10 +25,12 @@ pub enum Outcome {
     TakenOver,
     /// The response could not be recorded (ownership lost, or a host error).
     NotRecorded,
+    /// The local table could not be read or written (a host error); the table-full policy applied.
+    TableError,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 11] = [
+    pub const ALL: [Outcome; 12] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -40,6 +42,7 @@ impl Outcome {
         Outcome::TableFull,
         Outcome::TakenOver,
         Outcome::NotRecorded,
+        Outcome::TableError,
     ];
 
     pub fn name(self) -> &'static str {
@@ -55,6 +58,7 @@ impl Outcome {
             Outcome::TableFull => "table_full",
             Outcome::TakenOver => "taken_over",
             Outcome::NotRecorded => "not_recorded",
+            Outcome::TableError => "table_error",
         }
     }
 

@@ -1,0 +1,21 @@
+//! The idempotency filter for Envoy: a thin proxy-wasm adapter over `idempotency-core`.
+//!
+//! Where a request's journey is decided: `root.rs` loads the configuration and prepares the
+//! shared table; `http_filter.rs` walks each request through rule selection, the claim, and
+//! the recording or replay of its response. `host.rs` wraps the host ABI without panics,
+//! `shared_table.rs` gives the core table its shared data, `metrics.rs` counts outcomes.
+
+mod host;
+mod http_filter;
+mod logging;
+mod metrics;
+mod owner;
+mod root;
+mod shared_table;
+
+proxy_wasm::main! {{
+    logging::install();
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
+        Box::new(root::FilterRoot::new(context_id))
+    });
+}}
