@@ -143,6 +143,14 @@ async fn first_claim_claims(h: &Harness) {
     assert_eq!(view.state, RecordState::InFlight);
     assert_eq!(view.fingerprint, fp);
     assert_eq!(view.record, None);
+    let ClaimOutcome::Claimed {
+        lease_expires_at_ms,
+        ..
+    } = h.claim(&random_digest(), &fp, LONG_LEASE_MS).await
+    else {
+        panic!("fresh key must be claimable");
+    };
+    let _ = lease_expires_at_ms;
 }
 
 async fn second_claim_same_fingerprint_is_in_flight(h: &Harness) {
