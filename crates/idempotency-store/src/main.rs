@@ -89,6 +89,8 @@ fn init_logging(level: &str) -> Result<(), String> {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colour codes only help a human at a terminal; they garble log files.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     Ok(())
 }

@@ -129,28 +129,25 @@ fn foreign_owner() -> OwnerToken {
 
 async fn first_claim_claims(h: &Harness) {
     let (k, fp) = (random_digest(), random_digest());
-    match h.claim(&k, &fp, LONG_LEASE_MS).await {
+    let lease_end = match h.claim(&k, &fp, LONG_LEASE_MS).await {
         ClaimOutcome::Claimed {
             owner,
             lease_expires_at_ms,
         } => {
             assert_eq!(owner.as_str().len(), 32, "128-bit hex owner");
             assert!(lease_expires_at_ms > 1_600_000_000_000);
+            lease_expires_at_ms
         }
         other => panic!("expected claimed, got {other:?}"),
-    }
+    };
     let view = h.s().lookup(&k).await.unwrap().unwrap();
     assert_eq!(view.state, RecordState::InFlight);
     assert_eq!(view.fingerprint, fp);
     assert_eq!(view.record, None);
-    let ClaimOutcome::Claimed {
-        lease_expires_at_ms,
-        ..
-    } = h.claim(&random_digest(), &fp, LONG_LEASE_MS).await
-    else {
-        panic!("fresh key must be claimable");
-    };
-    let _ = lease_expires_at_ms;
+    assert_eq!(
+        view.expires_at_ms, lease_end,
+        "lookup reports the lease end"
+    );
 }
 
 async fn second_claim_same_fingerprint_is_in_flight(h: &Harness) {
@@ -501,5 +498,23 @@ async fn redis_records_use_cluster_safe_hash_keys() {
     assert!(
         pttl > 0 && pttl <= 60_000,
         "lease expiry set by Redis: {pttl}"
+    );
+}
+
+#[tokio::test]
+async fn redis_outage_is_a_backend_error_not_a_hang() {
+    let server = RedisServer::start();
+    let s = RedisStorage::connect(&server.url()).await.unwrap();
+    drop(server);
+    let started = std::time::Instant::now();
+    let res = s.claim(&random_digest(), &random_digest(), 1_000).await;
+    assert!(
+        res.is_err(),
+        "claim against a dead redis must fail: {res:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        started.elapsed()
     );
 }
