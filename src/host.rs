@@ -7,8 +7,9 @@
 
 #![allow(unsafe_code)]
 
-use proxy_wasm::types::{BufferType, MapType, MetricType};
+use proxy_wasm::types::{BufferType, MapType, MetricType, StreamType};
 use std::ptr::{null, null_mut};
+use std::time::Duration;
 
 /// A host status other than Ok, by its ABI number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +85,19 @@ extern "C" {
         value_data: *const u8,
         value_size: usize,
         cas: u32,
+    ) -> u32;
+    fn proxy_continue_stream(stream_type: u32) -> u32;
+    fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
+    fn proxy_register_shared_queue(
+        name_data: *const u8,
+        name_size: usize,
+        return_id: *mut u32,
+    ) -> u32;
+    fn proxy_enqueue_shared_queue(queue_id: u32, value_data: *const u8, value_size: usize) -> u32;
+    fn proxy_dequeue_shared_queue(
+        queue_id: u32,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
     ) -> u32;
     fn proxy_send_local_response(
         status_code: u32,
@@ -198,6 +212,51 @@ pub fn set_shared_data(key: &str, value: &[u8], cas: u32) -> HostResult<()> {
     check(unsafe {
         proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas)
     })
+}
+
+pub fn resume_request() -> HostResult<()> {
+    check(unsafe { proxy_continue_stream(StreamType::HttpRequest as u32) })
+}
+
+pub fn set_tick_period(period: Duration) -> HostResult<()> {
+    let ms = u32::try_from(period.as_millis()).unwrap_or(u32::MAX);
+    check(unsafe { proxy_set_tick_period_milliseconds(ms) })
+}
+
+pub fn register_shared_queue(name: &str) -> HostResult<u32> {
+    let mut id: u32 = 0;
+    check(unsafe { proxy_register_shared_queue(name.as_ptr(), name.len(), &mut id) })?;
+    Ok(id)
+}
+
+pub fn enqueue_shared_queue(queue_id: u32, value: &[u8]) -> HostResult<()> {
+    check(unsafe { proxy_enqueue_shared_queue(queue_id, value.as_ptr(), value.len()) })
+}
+
+/// Ok(None) once the queue is empty.
+pub fn dequeue_shared_queue(queue_id: u32) -> HostResult<Option<Vec<u8>>> {
+    let mut data: *mut u8 = null_mut();
+    let mut size: usize = 0;
+    match unsafe { proxy_dequeue_shared_queue(queue_id, &mut data, &mut size) } {
+        0 => Ok(unsafe { take_host_buffer(data, size) }.or(Some(Vec::new()))),
+        7 => Ok(None),
+        other => Err(HostStatus(other)),
+    }
+}
+
+/// Dispatches an HTTP call through the SDK, which must learn the token so the answer reaches
+/// the calling context. The SDK returns BadArgument and InternalFailure; the host returns no
+/// other status for a well-formed call.
+pub fn dispatch_http_call(
+    cluster: &str,
+    headers: Vec<(&str, &str)>,
+    body: &[u8],
+    timeout: Duration,
+) -> HostResult<u32> {
+    // A zero timeout means "none" to the host: never send one.
+    let timeout = timeout.max(Duration::from_millis(1));
+    proxy_wasm::hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
+        .map_err(|status| HostStatus(status as u32))
 }
 
 pub fn send_local_response(status: u32, headers: &[(&str, &[u8])], body: &[u8]) -> HostResult<()> {

@@ -9,13 +9,14 @@
 use std::rc::Rc;
 
 use idempotency_core::capture::ResponseCapture;
-use idempotency_core::config::{OverloadPolicy, Rule};
+use idempotency_core::config::{OverloadPolicy, Rule, StoreErrorPolicy};
 use idempotency_core::fingerprint::request_fingerprint;
 use idempotency_core::key::{parse_key, storage_key, Digest};
 use idempotency_core::outcome::Outcome;
 use idempotency_core::problem::Problem;
 use idempotency_core::record::RecordedResponse;
 use idempotency_core::rule_select::{path_without_query, RequestFacts, Selection};
+use idempotency_core::store_client::{self, read_claim, StoreClaim, StoreFailure};
 use idempotency_core::table::{Claim, Completion, Held, SlotRef, TableError};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
@@ -23,6 +24,8 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 use crate::host;
 use crate::root::FilterState;
 use crate::shared_table::EnvoySharedData;
+use crate::store_calls::{self, StoreOp};
+use crate::store_writes::PendingWrite;
 
 /// Where the request is on its way.
 enum Journey {
@@ -35,10 +38,18 @@ enum Journey {
         method: Vec<u8>,
         path: Vec<u8>,
     },
+    /// Cluster mode: the local claim is held; the store is confirming it.
+    AwaitingStore {
+        rule: usize,
+        held: Held,
+        token: u32,
+    },
     /// This request holds the claim and went upstream.
     Executing {
         rule: usize,
         held: Held,
+        /// The store's owner token in cluster mode (None: local claim only).
+        store_owner: Option<String>,
         capture: Option<ResponseCapture>,
     },
     /// The filter answered itself; its own reply must not be recorded.
@@ -205,13 +216,28 @@ impl RequestFilter {
                     );
                     self.count(rule_index, Outcome::TakenOver);
                 }
-                self.count(rule_index, Outcome::Executed);
-                self.journey = Journey::Executing {
-                    rule: rule_index,
-                    held,
-                    capture: None,
-                };
-                Action::Continue
+                match state.stores.get(rule_index).and_then(Option::as_ref) {
+                    Some(store) => {
+                        let body = store_client::claim_body(&key, &fingerprint, rule.lease_ms);
+                        match store_calls::send(store, StoreOp::Claim, &body) {
+                            Ok(token) => {
+                                self.journey = Journey::AwaitingStore {
+                                    rule: rule_index,
+                                    held,
+                                    token,
+                                };
+                                // Resumed (or answered) when the store replies.
+                                Action::Pause
+                            }
+                            Err(status) => self.store_failed(
+                                rule_index,
+                                held,
+                                &StoreFailure(format!("callout refused: {status}")),
+                            ),
+                        }
+                    }
+                    None => self.execute(rule_index, held, None),
+                }
             }
             Ok(Claim::InFlight { .. }) => {
                 self.count(rule_index, Outcome::Conflict);
@@ -253,6 +279,114 @@ impl RequestFilter {
         }
     }
 
+    /// Sends the request upstream holding the claim.
+    fn execute(&mut self, rule_index: usize, held: Held, store_owner: Option<String>) -> Action {
+        self.count(rule_index, Outcome::Executed);
+        self.journey = Journey::Executing {
+            rule: rule_index,
+            held,
+            store_owner,
+            capture: None,
+        };
+        Action::Continue
+    }
+
+    /// The store answered a claim (or failed to).
+    fn on_store_claim_answer(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        let Journey::AwaitingStore {
+            rule,
+            held,
+            token: expected,
+        } = std::mem::replace(&mut self.journey, Journey::Untouched)
+        else {
+            return;
+        };
+        if token != expected {
+            self.journey = Journey::AwaitingStore {
+                rule,
+                held,
+                token: expected,
+            };
+            return;
+        }
+        let (status, body) = store_calls::read_answer(num_headers, body_size);
+        let state = Rc::clone(&self.state);
+        let Some(rule_config) = state.config.rules.get(rule) else {
+            return;
+        };
+        let action = match read_claim(status, &body) {
+            Ok(StoreClaim::Claimed { owner }) => self.execute(rule, held, Some(owner)),
+            Ok(StoreClaim::InFlight) => {
+                self.release_local(&held);
+                self.count(rule, Outcome::Conflict);
+                self.answer_problem(rule, &Problem::in_flight())
+            }
+            Ok(StoreClaim::Mismatch) => {
+                self.release_local(&held);
+                self.count(rule, Outcome::Mismatch);
+                self.answer_problem(rule, &Problem::key_reused(&rule_config.key_header))
+            }
+            Ok(StoreClaim::Completed(recorded)) => {
+                // Keep a local copy so this proxy's next retry replays without a callout.
+                if let Err(e) = state.table.complete(
+                    &EnvoySharedData,
+                    &held,
+                    &recorded,
+                    host::now_ms(),
+                    rule_config.ttl_ms,
+                ) {
+                    log::warn!(
+                        "rule {}: store record not cached locally: {e}",
+                        rule_config.name
+                    );
+                }
+                self.count(rule, Outcome::Replayed);
+                self.send_replay(rule_config, &recorded)
+            }
+            Err(failure) => self.store_failed(rule, held, &failure),
+        };
+        if action == Action::Continue {
+            if let Err(status) = host::resume_request() {
+                log::error!("request could not be resumed: {status}");
+            }
+        }
+    }
+
+    /// The store could not confirm the claim: the rule's policy decides.
+    fn store_failed(&mut self, rule_index: usize, held: Held, failure: &StoreFailure) -> Action {
+        self.count(rule_index, Outcome::StoreError);
+        let policy = self
+            .rule(rule_index)
+            .map(|r| r.on_store_error)
+            .unwrap_or_default();
+        if let Some(suppressed) = self.state.store_failures.borrow_mut().admit(host::now_ms()) {
+            log::warn!(
+                "store unavailable for a claim: {failure}; applying {policy:?} \
+                 ({suppressed} similar failures not logged)"
+            );
+        }
+        match policy {
+            StoreErrorPolicy::FailClosed => {
+                self.release_local(&held);
+                self.answer_problem(
+                    rule_index,
+                    &Problem::unavailable("the idempotency store could not be reached"),
+                )
+            }
+            StoreErrorPolicy::FailOpen => {
+                // The local claim still guards this proxy's own retries.
+                self.count(rule_index, Outcome::StoreFailOpen);
+                self.execute(rule_index, held, None)
+            }
+        }
+    }
+
+    fn release_local(&self, held: &Held) {
+        if let Err(e) = self.state.table.release(&EnvoySharedData, held) {
+            log::error!("local claim not released, it expires with its lease: {e}");
+        }
+    }
+
     fn overloaded(&mut self, rule_index: usize, policy: OverloadPolicy, why: &str) -> Action {
         match policy {
             OverloadPolicy::Reject => {
@@ -291,6 +425,10 @@ impl RequestFilter {
                 }
             }
         };
+        self.send_replay(rule, &recorded)
+    }
+
+    fn send_replay(&mut self, rule: &Rule, recorded: &RecordedResponse) -> Action {
         let mut headers: Vec<(&str, &[u8])> = recorded
             .headers
             .iter()
@@ -304,10 +442,16 @@ impl RequestFilter {
     }
 
     fn on_response_headers(&mut self, end_of_stream: bool) {
-        let Journey::Executing { rule, held, .. } = &self.journey else {
+        let Journey::Executing {
+            rule,
+            held,
+            store_owner,
+            ..
+        } = &self.journey
+        else {
             return;
         };
-        let (rule_index, held) = (*rule, held.clone());
+        let (rule_index, held, store_owner) = (*rule, held.clone(), store_owner.clone());
         let state = Rc::clone(&self.state);
         let Some(rule) = state.config.rules.get(rule_index) else {
             return;
@@ -316,7 +460,7 @@ impl RequestFilter {
             Ok(h) => h,
             Err(status) => {
                 log::error!("rule {}: response headers unreadable: {status}", rule.name);
-                self.release(rule_index, &held);
+                self.release(rule_index, &held, store_owner);
                 return;
             }
         };
@@ -327,7 +471,7 @@ impl RequestFilter {
             .and_then(|s| s.parse::<u16>().ok())
             .unwrap_or(0);
         if status == 0 || rule.release.releases(status) {
-            self.release(rule_index, &held);
+            self.release(rule_index, &held, store_owner);
             return;
         }
         if headers.iter().any(|(n, _)| *n == rule.replay_header) {
@@ -344,6 +488,7 @@ impl RequestFilter {
         self.journey = Journey::Executing {
             rule: rule_index,
             held,
+            store_owner,
             capture: Some(capture),
         };
         if end_of_stream {
@@ -373,9 +518,21 @@ impl RequestFilter {
         }
     }
 
-    fn release(&mut self, rule_index: usize, held: &Held) {
+    fn release(&mut self, rule_index: usize, held: &Held, store_owner: Option<String>) {
         self.journey = Journey::Finished;
         self.count(rule_index, Outcome::Released);
+        if let (Some(owner), Some(store)) = (
+            store_owner,
+            self.state.stores.get(rule_index).and_then(Option::as_ref),
+        ) {
+            let body = store_client::release_body(&held.key, &owner);
+            self.state.writes.submit(PendingWrite::new(
+                rule_index,
+                Rc::clone(store),
+                StoreOp::Release,
+                body,
+            ));
+        }
         match self.state.table.release(&EnvoySharedData, held) {
             Ok(Completion::Recorded) => {}
             Ok(Completion::LostOwnership) => {
@@ -393,6 +550,7 @@ impl RequestFilter {
         let Journey::Executing {
             rule: rule_index,
             held,
+            store_owner,
             capture: Some(capture),
         } = journey
         else {
@@ -403,6 +561,19 @@ impl RequestFilter {
             return;
         };
         let response = capture.finish();
+        if let (Some(owner), Some(store)) = (
+            store_owner,
+            state.stores.get(rule_index).and_then(Option::as_ref),
+        ) {
+            // The cluster-wide record matters most: queue it first, from the root context.
+            let body = store_client::complete_body(&held.key, &owner, rule.ttl_ms, &response);
+            state.writes.submit(PendingWrite::new(
+                rule_index,
+                Rc::clone(store),
+                StoreOp::Complete,
+                body,
+            ));
+        }
         match state.table.complete(
             &EnvoySharedData,
             &held,
@@ -442,7 +613,17 @@ fn property_string(path: &[&str]) -> Option<String> {
     }
 }
 
-impl Context for RequestFilter {}
+impl Context for RequestFilter {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        self.on_store_claim_answer(token_id, num_headers, body_size);
+    }
+}
 
 impl HttpContext for RequestFilter {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {

@@ -4,6 +4,8 @@
 //! shared table; `http_filter.rs` walks each request through rule selection, the claim, and
 //! the recording or replay of its response. `host.rs` wraps the host ABI without panics,
 //! `shared_table.rs` gives the core table its shared data, `metrics.rs` counts outcomes.
+//! Cluster mode: `store_calls.rs` sends callouts to the store; `store_writes.rs` lets the
+//! root context deliver completions even after the client has gone.
 
 mod host;
 mod http_filter;
@@ -12,6 +14,8 @@ mod metrics;
 mod owner;
 mod root;
 mod shared_table;
+mod store_calls;
+mod store_writes;
 
 proxy_wasm::main! {{
     logging::install();

@@ -40,6 +40,11 @@ impl OwnerTokens {
         }
     }
 
+    /// Unique among the VMs of this Envoy process.
+    pub fn vm_number(&self) -> u64 {
+        self.vm_number
+    }
+
     pub fn next(&self) -> u64 {
         let seq = self.next.get();
         self.next

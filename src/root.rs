@@ -1,9 +1,12 @@
 //! The root context: loads and validates the configuration (Envoy refuses a bad one), creates
 //! the shared table's buckets before traffic, and hands each request a filter.
 
+use std::cell::RefCell;
 use std::rc::Rc;
+use std::time::Duration;
 
-use idempotency_core::config::Config;
+use idempotency_core::burst_log::BurstLog;
+use idempotency_core::config::{Config, StoreConfig};
 use idempotency_core::table::Table;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType};
@@ -13,6 +16,7 @@ use crate::http_filter::RequestFilter;
 use crate::metrics::Metrics;
 use crate::owner::OwnerTokens;
 use crate::shared_table::EnvoySharedData;
+use crate::store_writes::StoreWrites;
 
 /// Shared-data namespace of this filter (Istio sets no VM id, so keys need a prefix).
 const NAMESPACE: &str = "envoy.filters.http.idempotency";
@@ -23,7 +27,15 @@ pub struct FilterState {
     pub table: Table,
     pub metrics: Metrics,
     pub owners: OwnerTokens,
+    /// Per rule, the store that confirms its claims (cluster mode), shared with queued writes.
+    pub stores: Vec<Option<Rc<StoreConfig>>>,
+    pub writes: StoreWrites,
+    /// Store failures seen by requests, logged once per burst.
+    pub store_failures: RefCell<BurstLog>,
 }
+
+/// How often the root retries store writes that failed.
+const STORE_RETRY_TICK: Duration = Duration::from_millis(200);
 
 pub struct FilterRoot {
     state: Option<Rc<FilterState>>,
@@ -45,16 +57,46 @@ impl FilterRoot {
             .map_err(|e| format!("shared data table could not be created: {}", e.0))?;
         let metrics = Metrics::define(&config);
         let owners = OwnerTokens::allocate(&format!("{NAMESPACE}/owner-vm-sequence"));
+        let stores: Vec<Option<Rc<StoreConfig>>> = config
+            .rules
+            .iter()
+            .map(|r| r.store.clone().map(Rc::new))
+            .collect();
+        let writes = StoreWrites::new(&format!("{NAMESPACE}/store-writes/{}", owners.vm_number()));
+        if stores.iter().any(Option::is_some) {
+            host::set_tick_period(STORE_RETRY_TICK)
+                .map_err(|status| format!("tick period refused: {status}"))?;
+        }
         Ok(FilterState {
             config,
             table,
             metrics,
             owners,
+            stores,
+            writes,
+            store_failures: RefCell::new(BurstLog::new(10_000)),
         })
     }
 }
 
-impl Context for FilterRoot {}
+impl Context for FilterRoot {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        if let Some(state) = &self.state {
+            if !state
+                .writes
+                .on_answer(token_id, num_headers, body_size, &state.metrics)
+            {
+                log::debug!("answer for unknown store call {token_id} ignored");
+            }
+        }
+    }
+}
 
 struct Unconfigured;
 impl Context for Unconfigured {}
@@ -78,6 +120,20 @@ impl RootContext for FilterRoot {
                 log::error!("{message}");
                 false
             }
+        }
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        if let Some(state) = &self.state {
+            if state.writes.is_wake_queue(queue_id) {
+                state.writes.on_wake(&state.metrics);
+            }
+        }
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(state) = &self.state {
+            state.writes.send_due(&state.metrics);
         }
     }
 

@@ -15,7 +15,23 @@ struct RawConfig {
     #[serde(default = "default_metadata_namespace")]
     route_metadata_namespace: Option<String>,
     #[serde(default)]
+    store: Option<RawStore>,
+    #[serde(default)]
     rules: Vec<RawRule>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    cluster: String,
+    #[serde(default = "default_store_authority")]
+    authority: String,
+    #[serde(default = "default_store_timeout_ms")]
+    timeout_ms: u64,
+    #[serde(default)]
+    token: Option<String>,
+    #[serde(default = "default_store_path_prefix")]
+    path_prefix: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -59,6 +75,10 @@ struct RawRule {
     replay_skip_headers: Vec<String>,
     #[serde(default)]
     on_table_full: OverloadPolicy,
+    #[serde(default)]
+    store: Option<RawStore>,
+    #[serde(default)]
+    on_store_error: StoreErrorPolicy,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -101,6 +121,27 @@ pub enum OverloadPolicy {
     Reject,
     /// Let the request through unprotected (counted and logged).
     PassThrough,
+}
+
+/// What to do when the store cannot confirm a claim (down, slow, or answering garbage).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StoreErrorPolicy {
+    /// 503 problem+json with Retry-After: the write does not run without the cluster-wide claim.
+    #[default]
+    FailClosed,
+    /// Continue with the local claim only (this proxy still deduplicates its own retries).
+    FailOpen,
+}
+
+fn default_store_authority() -> String {
+    "idempotency-store".to_string()
+}
+fn default_store_timeout_ms() -> u64 {
+    250
+}
+fn default_store_path_prefix() -> String {
+    "/v1".to_string()
 }
 
 fn default_capacity() -> u64 {
@@ -215,6 +256,21 @@ pub struct Rule {
     pub body_omitted_header: String,
     pub replay_headers: HeaderFilter,
     pub on_table_full: OverloadPolicy,
+    /// Cluster mode: the store that confirms every claim; None for single-proxy mode.
+    pub store: Option<StoreConfig>,
+    pub on_store_error: StoreErrorPolicy,
+}
+
+/// Where and how the filter reaches the shared store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreConfig {
+    /// Envoy cluster name (in Istio: `outbound|<port>||<fqdn>`).
+    pub cluster: String,
+    pub authority: String,
+    pub timeout_ms: u64,
+    /// Bearer token sent to the store.
+    pub token: Option<String>,
+    pub path_prefix: String,
 }
 
 /// Which requests a rule applies to. Empty lists match anything.
@@ -254,9 +310,10 @@ impl Config {
                 ));
             }
         }
+        let global_store = raw.store.map(|s| validate_store("store", s)).transpose()?;
         let mut rules = Vec::with_capacity(raw.rules.len());
         for (index, raw_rule) in raw.rules.into_iter().enumerate() {
-            let rule = validate_rule(index, raw_rule)?;
+            let rule = validate_rule(index, raw_rule, global_store.as_ref())?;
             if rules.iter().any(|r: &Rule| r.name == rule.name) {
                 return Err(invalid(
                     format!("rules[{index}].name"),
@@ -290,7 +347,53 @@ fn valid_header_name(name: &str) -> bool {
         })
 }
 
-fn validate_rule(index: usize, raw: RawRule) -> Result<Rule, ConfigError> {
+const MAX_STORE_TIMEOUT_MS: u64 = 60_000;
+
+fn validate_store(at: &str, raw: RawStore) -> Result<StoreConfig, ConfigError> {
+    if raw.cluster.trim().is_empty() {
+        return Err(invalid(
+            format!("{at}.cluster"),
+            "must name an Envoy cluster",
+        ));
+    }
+    if raw.authority.trim().is_empty() || raw.authority.bytes().any(|b| !b.is_ascii_graphic()) {
+        return Err(invalid(format!("{at}.authority"), "must be a host name"));
+    }
+    if raw.timeout_ms == 0 || raw.timeout_ms > MAX_STORE_TIMEOUT_MS {
+        // Zero would mean "no timeout" to Envoy: a stuck store would hold requests forever.
+        return Err(invalid(
+            format!("{at}.timeout_ms"),
+            format!("must be between 1 and {MAX_STORE_TIMEOUT_MS}"),
+        ));
+    }
+    if let Some(token) = &raw.token {
+        if token.is_empty() || token.bytes().any(|b| !b.is_ascii_graphic()) {
+            return Err(invalid(
+                format!("{at}.token"),
+                "must be non-empty visible ASCII without spaces",
+            ));
+        }
+    }
+    if !raw.path_prefix.starts_with('/') || raw.path_prefix.ends_with('/') {
+        return Err(invalid(
+            format!("{at}.path_prefix"),
+            "must start with '/' and not end with '/'",
+        ));
+    }
+    Ok(StoreConfig {
+        cluster: raw.cluster,
+        authority: raw.authority,
+        timeout_ms: raw.timeout_ms,
+        token: raw.token,
+        path_prefix: raw.path_prefix,
+    })
+}
+
+fn validate_rule(
+    index: usize,
+    raw: RawRule,
+    global_store: Option<&StoreConfig>,
+) -> Result<Rule, ConfigError> {
     let at = |field: &str| format!("rules[{index}].{field}");
     if raw.name.is_empty()
         || raw.name.len() > MAX_RULE_NAME_LEN
@@ -351,6 +454,10 @@ fn validate_rule(index: usize, raw: RawRule) -> Result<Rule, ConfigError> {
     }
     let replay_headers = HeaderFilter::new(&raw.replay_skip_headers)
         .map_err(|reason| invalid(at("replay_skip_headers"), reason))?;
+    let store = match raw.store {
+        Some(s) => Some(validate_store(&at("store"), s)?),
+        None => global_store.cloned(),
+    };
     Ok(Rule {
         name: raw.name,
         matcher: validate_match(index, raw.matcher)?,
@@ -366,6 +473,8 @@ fn validate_rule(index: usize, raw: RawRule) -> Result<Rule, ConfigError> {
         body_omitted_header: raw.body_omitted_header.to_ascii_lowercase(),
         replay_headers,
         on_table_full: raw.on_table_full,
+        store,
+        on_store_error: raw.on_store_error,
     })
 }
 
@@ -493,6 +602,44 @@ mod tests {
         for (json, field) in cases {
             let e = Config::parse(json).unwrap_err();
             assert_eq!(&e.field, field, "{e}");
+        }
+    }
+
+    #[test]
+    fn store_is_global_or_per_rule() {
+        let c = Config::parse(
+            br#"{"store":{"cluster":"store","token":"t"},
+                 "rules":[{"name":"a"},
+                          {"name":"b","store":{"cluster":"other","timeout_ms":50},"on_store_error":"fail_open"}]}"#,
+        )
+        .unwrap();
+        let a = c.rules[0].store.as_ref().unwrap();
+        assert_eq!(
+            (a.cluster.as_str(), a.timeout_ms, a.token.as_deref()),
+            ("store", 250, Some("t"))
+        );
+        assert_eq!(a.authority, "idempotency-store");
+        assert_eq!(c.rules[0].on_store_error, StoreErrorPolicy::FailClosed);
+        let b = c.rules[1].store.as_ref().unwrap();
+        assert_eq!((b.cluster.as_str(), b.timeout_ms), ("other", 50));
+        assert_eq!(c.rules[1].on_store_error, StoreErrorPolicy::FailOpen);
+        assert!(
+            Config::parse(br#"{"rules":[{"name":"a"}]}"#).unwrap().rules[0]
+                .store
+                .is_none()
+        );
+        for (json, field) in [
+            (
+                &br#"{"store":{"cluster":"s","timeout_ms":0}}"#[..],
+                "store.timeout_ms",
+            ),
+            (&br#"{"store":{"cluster":""}}"#[..], "store.cluster"),
+            (
+                &br#"{"rules":[{"name":"a","store":{"cluster":"s","token":"a b"}}]}"#[..],
+                "rules[0].store.token",
+            ),
+        ] {
+            assert_eq!(Config::parse(json).unwrap_err().field, field);
         }
     }
 

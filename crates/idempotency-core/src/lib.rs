@@ -4,9 +4,12 @@
 //!
 //! A request's journey: [`rule_select`] picks the rule, [`key`] parses and scopes the key,
 //! [`fingerprint`] hashes the payload, [`table`] claims the key in shared data, [`capture`]
-//! collects the upstream response and [`record`] encodes it; [`problem`] words every answer
-//! the filter gives itself and [`outcome`] names what the metrics count.
+//! collects the upstream response and [`record`] encodes it; in cluster mode
+//! [`store_client`] speaks to the shared store. [`problem`] words every answer the filter
+//! gives itself, [`outcome`] names what the metrics count, [`burst_log`] keeps failures from
+//! flooding the log.
 
+pub mod burst_log;
 pub mod capture;
 pub mod config;
 pub mod fingerprint;
@@ -16,5 +19,6 @@ pub mod problem;
 pub mod record;
 pub mod response_policy;
 pub mod rule_select;
+pub mod store_client;
 pub mod table;
 mod wire;

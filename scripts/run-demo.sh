@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Starts the demo on loopback: the idempotency store (embedded backend), a demo upstream and
+# Envoy with the filter (envoy/envoy.yaml). `--replicas 2` starts a second Envoy sharing the
+# same store, as replicas behind a load balancer would. Ctrl-C stops everything it started.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+replicas=1
+if [[ "${1:-}" == "--replicas" ]]; then replicas="${2:-1}"; fi
+
+run_dir=.run
+mkdir -p "$run_dir"
+pids=()
+cleanup() {
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+}
+trap cleanup EXIT INT TERM
+
+# The same token the sample Envoy config sends; change both together.
+printf 'demo-token-change-me\n' > "$run_dir/store-token"
+target/release/idempotency-store --listen 127.0.0.1:8081 --backend embedded \
+    --data-dir "$run_dir/store-data" --token-file "$run_dir/store-token" \
+    > "$run_dir/store.log" 2>&1 &
+pids+=($!)
+target/release/demo-upstream --listen 127.0.0.1:8080 > "$run_dir/upstream.log" 2>&1 &
+pids+=($!)
+
+for i in $(seq 1 "$replicas"); do
+    config=envoy/envoy.yaml
+    if (( i > 1 )); then
+        # Replica i listens on 10000+i-1 with admin on 9901+i-1; everything else is shared.
+        config="$run_dir/envoy-replica-$i.yaml"
+        sed -e "s/port_value: 10000/port_value: $((10000 + i - 1))/" \
+            -e "s/port_value: 9901/port_value: $((9901 + i - 1))/" envoy/envoy.yaml > "$config"
+    fi
+    .venv/bin/envoy -c "$config" --concurrency 2 --disable-hot-restart --log-level warn \
+        --component-log-level wasm:info > "$run_dir/envoy-$i.log" 2>&1 &
+    pids+=($!)
+done
+
+for _ in $(seq 1 100); do
+    curl -sf -o /dev/null http://127.0.0.1:9901/ready && break
+    sleep 0.1
+done
+
+cat <<'TRY'
+Envoy with the idempotency filter is listening on http://127.0.0.1:10000 (admin :9901).
+Logs are in .run/. Try:
+
+  # executes once (the demo upstream counts executions)
+  curl -si -X POST localhost:10000/orders -H 'Idempotency-Key: order-42' -d '{"sku":"book"}'
+  # the retry is a replay: same body, plus "idempotent-replayed: true"
+  curl -si -X POST localhost:10000/orders -H 'Idempotency-Key: order-42' -d '{"sku":"book"}'
+  # same key, different payload: 422
+  curl -si -X POST localhost:10000/orders -H 'Idempotency-Key: order-42' -d '{"sku":"pen"}'
+  # no key: 400
+  curl -si -X POST localhost:10000/orders -d '{"sku":"book"}'
+  # a duplicate while the first is still running: 409
+  curl -s -X POST localhost:10000/orders -H 'Idempotency-Key: slow-1' -H 'x-demo-delay-ms: 3000' -d x &
+  sleep 0.5; curl -si -X POST localhost:10000/orders -H 'Idempotency-Key: slow-1' -d x
+  # how many times did the upstream really execute /orders?
+  curl -s 'localhost:8080/__count?path=/orders'
+  # the counters on-call watches
+  curl -s localhost:9901/stats/prometheus | grep idempotency_rule
+TRY
+if (( replicas > 1 )); then
+    echo "  # replica 2 on :10001 replays what replica 1 recorded (shared store; the Host is"
+    echo "  # part of the default scope, so send the one clients use for both replicas)"
+    echo "  curl -si -X POST localhost:10001/orders -H 'Host: localhost:10000' -H 'Idempotency-Key: order-42' -d '{\"sku\":\"book\"}'"
+fi
+echo
+echo "Press Ctrl-C to stop."
+wait

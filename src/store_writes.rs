@@ -1,0 +1,165 @@
+//! Completions and releases sent to the store from the root context.
+//!
+//! Why the root: when a client disconnects, Envoy destroys the request's context and cancels
+//! its pending callouts, and the record would be lost. A request instead hands its write to
+//! this queue and wakes the root through a shared queue; the root sends it, and retries with
+//! backoff on its tick when the store is unavailable.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+
+use idempotency_core::burst_log::BurstLog;
+use idempotency_core::config::StoreConfig;
+use idempotency_core::outcome::Outcome;
+use idempotency_core::store_client::{read_write_answer, WriteAnswer};
+
+use crate::host;
+use crate::metrics::Metrics;
+use crate::store_calls::{self, StoreOp};
+
+/// Attempts per write before it is given up (the store's lease then decides).
+const MAX_ATTEMPTS: u32 = 6;
+const FIRST_BACKOFF_MS: u64 = 100;
+
+pub struct PendingWrite {
+    pub rule: usize,
+    pub store: Rc<StoreConfig>,
+    pub op: StoreOp,
+    pub body: Vec<u8>,
+    attempts: u32,
+    not_before_ms: u64,
+}
+
+impl PendingWrite {
+    pub fn new(rule: usize, store: Rc<StoreConfig>, op: StoreOp, body: Vec<u8>) -> PendingWrite {
+        PendingWrite {
+            rule,
+            store,
+            op,
+            body,
+            attempts: 0,
+            not_before_ms: 0,
+        }
+    }
+}
+
+pub struct StoreWrites {
+    waiting: RefCell<VecDeque<PendingWrite>>,
+    sent: RefCell<HashMap<u32, PendingWrite>>,
+    wake_queue: Option<u32>,
+    failures: RefCell<BurstLog>,
+}
+
+impl StoreWrites {
+    pub fn new(queue_name: &str) -> StoreWrites {
+        let wake_queue = match host::register_shared_queue(queue_name) {
+            Ok(id) => Some(id),
+            Err(status) => {
+                log::warn!("store write queue not registered ({status}); writes wait for the tick");
+                None
+            }
+        };
+        StoreWrites {
+            waiting: RefCell::new(VecDeque::new()),
+            sent: RefCell::new(HashMap::new()),
+            wake_queue,
+            failures: RefCell::new(BurstLog::new(10_000)),
+        }
+    }
+
+    pub fn is_wake_queue(&self, queue_id: u32) -> bool {
+        self.wake_queue == Some(queue_id)
+    }
+
+    /// Called from a request's context: queue the write and wake the root.
+    pub fn submit(&self, write: PendingWrite) {
+        self.waiting.borrow_mut().push_back(write);
+        if let Some(queue) = self.wake_queue {
+            if let Err(status) = host::enqueue_shared_queue(queue, b"") {
+                log::debug!("wake-up not queued ({status}); the tick will send the write");
+            }
+        }
+    }
+
+    /// Called from the root: empty the wake-up queue, then send what is due.
+    pub fn on_wake(&self, metrics: &Metrics) {
+        if let Some(queue) = self.wake_queue {
+            // Bounded: the queue only holds one empty message per submitted write.
+            for _ in 0..10_000 {
+                match host::dequeue_shared_queue(queue) {
+                    Ok(Some(_)) => continue,
+                    _ => break,
+                }
+            }
+        }
+        self.send_due(metrics);
+    }
+
+    pub fn send_due(&self, metrics: &Metrics) {
+        let now = host::now_ms();
+        let due: Vec<PendingWrite> = {
+            let mut waiting = self.waiting.borrow_mut();
+            let (due, later): (VecDeque<_>, VecDeque<_>) =
+                waiting.drain(..).partition(|w| w.not_before_ms <= now);
+            *waiting = later;
+            due.into_iter().collect()
+        };
+        for write in due {
+            match store_calls::send(&write.store, write.op, &write.body) {
+                Ok(token) => {
+                    self.sent.borrow_mut().insert(token, write);
+                }
+                Err(status) => {
+                    self.retry_later(write, &format!("callout refused: {status}"), metrics)
+                }
+            }
+        }
+    }
+
+    /// Called from the root when a store answer arrives; false if the token is not ours.
+    pub fn on_answer(
+        &self,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+        metrics: &Metrics,
+    ) -> bool {
+        let Some(write) = self.sent.borrow_mut().remove(&token) else {
+            return false;
+        };
+        let (status, body) = store_calls::read_answer(num_headers, body_size);
+        match read_write_answer(status, &body) {
+            WriteAnswer::Done => {}
+            WriteAnswer::Refused(why) => {
+                metrics.count(write.rule, Outcome::StoreError);
+                log::warn!("store {:?} refused: {why}", write.op);
+            }
+            WriteAnswer::Retry(why) => self.retry_later(write, &why, metrics),
+        }
+        true
+    }
+
+    fn retry_later(&self, mut write: PendingWrite, why: &str, metrics: &Metrics) {
+        metrics.count(write.rule, Outcome::StoreError);
+        write.attempts += 1;
+        let now = host::now_ms();
+        if let Some(suppressed) = self.failures.borrow_mut().admit(now) {
+            log::warn!(
+                "store {:?} failed (attempt {}): {why} ({suppressed} similar failures not logged)",
+                write.op,
+                write.attempts
+            );
+        }
+        if write.attempts >= MAX_ATTEMPTS {
+            log::error!(
+                "store {:?} given up after {} attempts; the store's lease decides what a retry gets",
+                write.op,
+                write.attempts
+            );
+            return;
+        }
+        write.not_before_ms = now.saturating_add(FIRST_BACKOFF_MS << write.attempts.min(10));
+        self.waiting.borrow_mut().push_back(write);
+    }
+}
