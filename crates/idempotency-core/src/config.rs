@@ -4,6 +4,8 @@
 use serde::Deserialize;
 use std::fmt;
 
+use crate::fingerprint::FingerprintMode;
+use crate::key_source::FieldSource;
 use crate::response_policy::{HeaderFilter, ReleasePolicy};
 
 /// Raw JSON shape of the plugin configuration. Every field has a documented default.
@@ -57,6 +59,10 @@ struct RawRule {
     matcher: RawMatch,
     #[serde(default)]
     key: RawKey,
+    #[serde(default)]
+    fingerprint: Option<RawFingerprint>,
+    #[serde(default = "default_max_request_bytes")]
+    max_request_bytes: u64,
     #[serde(default = "default_scope_headers")]
     scope_headers: Vec<String>,
     #[serde(default = "default_ttl_seconds")]
@@ -91,6 +97,8 @@ struct RawMatch {
     #[serde(default)]
     hosts: Vec<String>,
     #[serde(default)]
+    virtual_hosts: Vec<String>,
+    #[serde(default)]
     methods: Option<Vec<String>>,
 }
 
@@ -99,17 +107,47 @@ struct RawMatch {
 struct RawKey {
     #[serde(default = "default_true")]
     required: bool,
-    #[serde(default = "default_key_header")]
-    header: String,
+    #[serde(default)]
+    header: Option<String>,
+    #[serde(default)]
+    sources: Option<Vec<RawSource>>,
 }
 
 impl Default for RawKey {
     fn default() -> Self {
         RawKey {
             required: true,
-            header: default_key_header(),
+            header: None,
+            sources: None,
         }
     }
+}
+
+/// Exactly one of the fields names where a value comes from.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSource {
+    #[serde(default)]
+    header: Option<String>,
+    #[serde(default)]
+    query: Option<String>,
+    #[serde(default)]
+    json: Option<String>,
+    #[serde(default)]
+    form: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawFingerprint {
+    Mode(String),
+    Fields(RawFingerprintFields),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFingerprintFields {
+    fields: Vec<RawSource>,
 }
 
 /// What to do when the local table has no free slot for a new key.
@@ -155,6 +193,9 @@ fn default_true() -> bool {
 }
 fn default_key_header() -> String {
     "idempotency-key".to_string()
+}
+fn default_max_request_bytes() -> u64 {
+    1024 * 1024
 }
 fn default_scope_headers() -> Vec<String> {
     vec![":authority".to_string(), "authorization".to_string()]
@@ -244,8 +285,11 @@ pub struct Rule {
     pub name: String,
     pub matcher: RuleMatch,
     pub key_required: bool,
-    /// Lower-cased header name that carries the idempotency key.
-    pub key_header: String,
+    /// Where the key comes from, in order; several form one composite key.
+    pub key_sources: Vec<FieldSource>,
+    pub fingerprint: FingerprintMode,
+    /// Largest request body buffered for the key or the fingerprint.
+    pub max_request_bytes: usize,
     /// Lower-cased header names whose values scope the key (caller, tenant, host).
     pub scope_headers: Vec<String>,
     pub ttl_ms: u64,
@@ -280,6 +324,8 @@ pub struct RuleMatch {
     pub path_prefixes: Vec<String>,
     /// Lower-cased hosts, compared without port.
     pub hosts: Vec<String>,
+    /// Envoy virtual host names.
+    pub virtual_hosts: Vec<String>,
     /// Upper-cased methods; never empty.
     pub methods: Vec<String>,
 }
@@ -406,11 +452,73 @@ fn validate_rule(
             ),
         ));
     }
-    let key_header = raw.key.header.to_ascii_lowercase();
-    if !valid_header_name(&key_header) || key_header.starts_with(':') {
+    let key_sources = match (raw.key.header, raw.key.sources) {
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                at("key"),
+                "set either 'header' or 'sources', not both",
+            ))
+        }
+        (header, None) => {
+            let header = header
+                .unwrap_or_else(default_key_header)
+                .to_ascii_lowercase();
+            if !valid_header_name(&header) || header.starts_with(':') {
+                return Err(invalid(
+                    at("key.header"),
+                    "must be a regular HTTP header name",
+                ));
+            }
+            vec![FieldSource::Header(header)]
+        }
+        (None, Some(list)) => {
+            if list.is_empty() {
+                return Err(invalid(at("key.sources"), "must name at least one source"));
+            }
+            let mut sources = Vec::with_capacity(list.len());
+            for (i, raw_source) in list.into_iter().enumerate() {
+                let source_at = format!("rules[{index}].key.sources[{i}]");
+                sources.push(validate_source(&source_at, raw_source)?);
+            }
+            sources
+        }
+    };
+    let fingerprint = match raw.fingerprint {
+        None => FingerprintMode::Body,
+        Some(RawFingerprint::Mode(m)) if m == "body" => FingerprintMode::Body,
+        Some(RawFingerprint::Mode(m)) if m == "none" => FingerprintMode::None,
+        Some(RawFingerprint::Mode(m)) => {
+            return Err(invalid(
+                at("fingerprint"),
+                format!("'{m}' is not \"body\", \"none\" or {{\"fields\": [...]}}"),
+            ))
+        }
+        Some(RawFingerprint::Fields(f)) => {
+            if f.fields.is_empty() {
+                return Err(invalid(
+                    at("fingerprint.fields"),
+                    "must name at least one field",
+                ));
+            }
+            let mut fields = Vec::with_capacity(f.fields.len());
+            for (i, raw_field) in f.fields.into_iter().enumerate() {
+                let field_at = format!("rules[{index}].fingerprint.fields[{i}]");
+                let field = validate_source(&field_at, raw_field)?;
+                if !field.in_body() {
+                    return Err(invalid(
+                        field_at,
+                        "fingerprint fields are 'json' or 'form' body fields",
+                    ));
+                }
+                fields.push(field);
+            }
+            FingerprintMode::Fields(fields)
+        }
+    };
+    if raw.max_request_bytes == 0 || raw.max_request_bytes > MAX_RESPONSE_BYTES {
         return Err(invalid(
-            at("key.header"),
-            "must be a regular HTTP header name",
+            at("max_request_bytes"),
+            format!("must be between 1 and {MAX_RESPONSE_BYTES}"),
         ));
     }
     let mut scope_headers = Vec::with_capacity(raw.scope_headers.len());
@@ -462,7 +570,10 @@ fn validate_rule(
         name: raw.name,
         matcher: validate_match(index, raw.matcher)?,
         key_required: raw.key.required,
-        key_header,
+        key_sources,
+        fingerprint,
+        max_request_bytes: usize::try_from(raw.max_request_bytes)
+            .map_err(|_| invalid(at("max_request_bytes"), "too large for this platform"))?,
         scope_headers,
         ttl_ms: raw.ttl_seconds.saturating_mul(1000),
         lease_ms: raw.lease_seconds.saturating_mul(1000),
@@ -476,6 +587,49 @@ fn validate_rule(
         store,
         on_store_error: raw.on_store_error,
     })
+}
+
+fn validate_source(at: &str, raw: RawSource) -> Result<FieldSource, ConfigError> {
+    let given = [&raw.header, &raw.query, &raw.json, &raw.form]
+        .iter()
+        .filter(|v| v.is_some())
+        .count();
+    if given != 1 {
+        return Err(invalid(
+            at,
+            "must have exactly one of 'header', 'query', 'json' or 'form'",
+        ));
+    }
+    if let Some(h) = raw.header {
+        let lower = h.to_ascii_lowercase();
+        if !valid_header_name(&lower) || lower.starts_with(':') {
+            return Err(invalid(
+                format!("{at}.header"),
+                format!("'{h}' is not a header name"),
+            ));
+        }
+        return Ok(FieldSource::Header(lower));
+    }
+    if let Some(q) = raw.query {
+        if q.is_empty() {
+            return Err(invalid(format!("{at}.query"), "must not be empty"));
+        }
+        return Ok(FieldSource::Query(q));
+    }
+    if let Some(p) = raw.json {
+        // RFC 6901: "" is the whole document, otherwise each token starts with '/'.
+        if !(p.is_empty() || p.starts_with('/')) {
+            return Err(invalid(
+                format!("{at}.json"),
+                format!("'{p}' is not a JSON Pointer (it must start with '/')"),
+            ));
+        }
+        return Ok(FieldSource::Json(p));
+    }
+    match raw.form {
+        Some(f) if !f.is_empty() => Ok(FieldSource::Form(f)),
+        _ => Err(invalid(format!("{at}.form"), "must not be empty")),
+    }
 }
 
 fn validate_match(index: usize, raw: RawMatch) -> Result<RuleMatch, ConfigError> {
@@ -522,6 +676,7 @@ fn validate_match(index: usize, raw: RawMatch) -> Result<RuleMatch, ConfigError>
         route_names: raw.route_names,
         path_prefixes: raw.path_prefixes,
         hosts: raw.hosts.iter().map(|h| h.to_ascii_lowercase()).collect(),
+        virtual_hosts: raw.virtual_hosts,
         methods,
     })
 }
@@ -545,7 +700,12 @@ mod tests {
         let c = Config::parse(br#"{"rules":[{"name":"orders"}]}"#).unwrap();
         let r = &c.rules[0];
         assert!(r.key_required);
-        assert_eq!(r.key_header, "idempotency-key");
+        assert_eq!(
+            r.key_sources,
+            vec![FieldSource::Header("idempotency-key".into())]
+        );
+        assert_eq!(r.fingerprint, FingerprintMode::Body);
+        assert_eq!(r.max_request_bytes, 1 << 20);
         assert_eq!(r.scope_headers, vec![":authority", "authorization"]);
         assert_eq!(r.ttl_ms, 86_400_000);
         assert_eq!(r.lease_ms, 60_000);
@@ -602,6 +762,69 @@ mod tests {
         for (json, field) in cases {
             let e = Config::parse(json).unwrap_err();
             assert_eq!(&e.field, field, "{e}");
+        }
+    }
+
+    #[test]
+    fn key_sources_and_fingerprint_fields() {
+        let c = Config::parse(
+            br#"{"rules":[{"name":"cb","key":{"sources":[{"header":"CE-Source"},{"json":"/id"},{"form":"trade_no"},{"query":"o"}]},
+                "fingerprint":{"fields":[{"json":"/amount"},{"form":"fee"}]}},
+                {"name":"hook","key":{"header":"X-GitHub-Delivery"},"fingerprint":"none"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.rules[0].key_sources,
+            vec![
+                FieldSource::Header("ce-source".into()),
+                FieldSource::Json("/id".into()),
+                FieldSource::Form("trade_no".into()),
+                FieldSource::Query("o".into()),
+            ]
+        );
+        assert_eq!(
+            c.rules[0].fingerprint,
+            FingerprintMode::Fields(vec![
+                FieldSource::Json("/amount".into()),
+                FieldSource::Form("fee".into())
+            ])
+        );
+        assert_eq!(
+            c.rules[1].key_sources,
+            vec![FieldSource::Header("x-github-delivery".into())]
+        );
+        assert_eq!(c.rules[1].fingerprint, FingerprintMode::None);
+        for (json, field) in [
+            (
+                &br#"{"rules":[{"name":"a","key":{"header":"x","sources":[{"header":"y"}]}}]}"#[..],
+                "rules[0].key",
+            ),
+            (
+                &br#"{"rules":[{"name":"a","key":{"sources":[]}}]}"#[..],
+                "rules[0].key.sources",
+            ),
+            (
+                &br#"{"rules":[{"name":"a","key":{"sources":[{"json":"id"}]}}]}"#[..],
+                "rules[0].key.sources[0].json",
+            ),
+            (
+                &br#"{"rules":[{"name":"a","key":{"sources":[{"json":"/a","form":"b"}]}}]}"#[..],
+                "rules[0].key.sources[0]",
+            ),
+            (
+                &br#"{"rules":[{"name":"a","fingerprint":"all"}]}"#[..],
+                "rules[0].fingerprint",
+            ),
+            (
+                &br#"{"rules":[{"name":"a","fingerprint":{"fields":[{"header":"x"}]}}]}"#[..],
+                "rules[0].fingerprint.fields[0]",
+            ),
+            (
+                &br#"{"rules":[{"name":"a","max_request_bytes":0}]}"#[..],
+                "rules[0].max_request_bytes",
+            ),
+        ] {
+            assert_eq!(Config::parse(json).unwrap_err().field, field);
         }
     }
 

@@ -3,6 +3,28 @@
 use sha2::{Digest as _, Sha256};
 
 use crate::key::{hash_field, Digest};
+use crate::key_source::{FieldSource, SourceFailure};
+use crate::request_fields::RequestBody;
+use crate::rule_select::path_without_query;
+
+/// What of the request the fingerprint covers.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum FingerprintMode {
+    /// Method, path with query, and the body byte for byte.
+    #[default]
+    Body,
+    /// Method, path without query, and the selected body fields, canonical: JSON key order
+    /// and whitespace do not matter. For senders that re-sign or re-stamp each delivery.
+    Fields(Vec<FieldSource>),
+    /// No payload check: any request with the key replays the first one.
+    None,
+}
+
+impl FingerprintMode {
+    pub fn needs_body(&self) -> bool {
+        !matches!(self, FingerprintMode::None)
+    }
+}
 
 /// SHA-256 over the method, the path with its query, and the body.
 pub fn request_fingerprint(method: &[u8], path_with_query: &[u8], body: &[u8]) -> Digest {
@@ -14,11 +36,60 @@ pub fn request_fingerprint(method: &[u8], path_with_query: &[u8], body: &[u8]) -
     h.finalize().into()
 }
 
+/// The fingerprint a rule's mode asks for.
+pub fn fingerprint(
+    mode: &FingerprintMode,
+    method: &str,
+    path_with_query: &str,
+    body: &mut RequestBody<'_>,
+    raw_body: &[u8],
+) -> Result<Digest, SourceFailure> {
+    match mode {
+        FingerprintMode::Body => Ok(request_fingerprint(
+            method.as_bytes(),
+            path_with_query.as_bytes(),
+            raw_body,
+        )),
+        FingerprintMode::None => {
+            let mut h = Sha256::new();
+            hash_field(&mut h, b"idempotency-filter/fingerprint/none/v1");
+            Ok(h.finalize().into())
+        }
+        FingerprintMode::Fields(fields) => {
+            let mut h = Sha256::new();
+            hash_field(&mut h, b"idempotency-filter/fingerprint/fields/v1");
+            hash_field(&mut h, method.as_bytes());
+            hash_field(&mut h, path_without_query(path_with_query).as_bytes());
+            for field in fields {
+                let value = match field {
+                    FieldSource::Json(pointer) => body.json_canonical(pointer),
+                    FieldSource::Form(name) => body.form_value(name),
+                    FieldSource::Header(_) | FieldSource::Query(_) => Ok(None),
+                }
+                .map_err(|e| SourceFailure {
+                    source: format!("fingerprint {}", field.describe()),
+                    missing: false,
+                    why: e.to_string(),
+                })?;
+                match value {
+                    Some(v) => {
+                        h.update([1u8]);
+                        hash_field(&mut h, &v);
+                    }
+                    None => h.update([0u8]),
+                }
+            }
+            Ok(h.finalize().into())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::*;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
 
     #[test]
     fn every_part_of_the_request_counts() {
@@ -43,5 +114,72 @@ mod tests {
             request_fingerprint(b"POST", b"/a", b"b"),
             request_fingerprint(b"POST", b"/ab", b"")
         );
+    }
+
+    fn fp(
+        mode: &FingerprintMode,
+        path: &str,
+        ct: &str,
+        body: &[u8],
+    ) -> Result<Digest, SourceFailure> {
+        let mut parsed = RequestBody::new(ct, body);
+        fingerprint(mode, "POST", path, &mut parsed, body)
+    }
+
+    #[test]
+    fn selected_fields_ignore_key_order_whitespace_and_other_fields() {
+        let mode = FingerprintMode::Fields(vec![
+            FieldSource::Json("/amount".into()),
+            FieldSource::Json("/currency".into()),
+        ]);
+        let a = fp(
+            &mode,
+            "/cb?sig=1",
+            "application/json",
+            br#"{"amount":{"v":1,"u":2},"currency":"EUR","ts":1}"#,
+        )
+        .unwrap();
+        let b = fp(
+            &mode,
+            "/cb?sig=2",
+            "application/json",
+            br#"{ "ts": 2, "currency":"EUR", "amount": {"u":2, "v":1} }"#,
+        )
+        .unwrap();
+        assert_eq!(a, b);
+        let c = fp(
+            &mode,
+            "/cb",
+            "application/json",
+            br#"{"amount":{"v":1,"u":3},"currency":"EUR"}"#,
+        )
+        .unwrap();
+        assert_ne!(a, c);
+        // An absent field differs from any present value.
+        let d = fp(
+            &mode,
+            "/cb",
+            "application/json",
+            br#"{"amount":{"v":1,"u":2}}"#,
+        )
+        .unwrap();
+        assert_ne!(a, d);
+        assert!(fp(&mode, "/cb", "application/json", b"not json").is_err());
+    }
+
+    #[test]
+    fn form_fields_and_none() {
+        let mode = FingerprintMode::Fields(vec![FieldSource::Form("total_fee".into())]);
+        let ct = "application/x-www-form-urlencoded";
+        assert_eq!(
+            fp(&mode, "/notify", ct, b"total_fee=1.00&sign=aa").unwrap(),
+            fp(&mode, "/notify", ct, b"sign=bb&total_fee=1.00").unwrap()
+        );
+        let none = FingerprintMode::None;
+        assert_eq!(
+            fp(&none, "/a", "", b"x").unwrap(),
+            fp(&none, "/b", "", b"y").unwrap()
+        );
+        assert!(!none.needs_body() && FingerprintMode::Body.needs_body());
     }
 }

@@ -2,7 +2,8 @@
 //! it is tested natively and on wasm32 alike. The filter crate only moves bytes between
 //! Envoy and these functions.
 //!
-//! A request's journey: [`rule_select`] picks the rule, [`key`] parses and scopes the key,
+//! A request's journey: [`rule_select`] picks the rule, [`key_source`] reads the key from
+//! headers, query or body fields ([`request_fields`]), [`key`] parses and scopes it,
 //! [`fingerprint`] hashes the payload, [`table`] claims the key in shared data, [`capture`]
 //! collects the upstream response and [`record`] encodes it; in cluster mode
 //! [`store_client`] speaks to the shared store. [`problem`] words every answer the filter
@@ -14,9 +15,11 @@ pub mod capture;
 pub mod config;
 pub mod fingerprint;
 pub mod key;
+pub mod key_source;
 pub mod outcome;
 pub mod problem;
 pub mod record;
+pub mod request_fields;
 pub mod response_policy;
 pub mod rule_select;
 pub mod store_client;

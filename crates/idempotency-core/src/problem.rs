@@ -2,8 +2,6 @@
 
 use serde::Serialize;
 
-use crate::key::KeyError;
-
 /// Base of the problem type URIs; `docs/problems.md` documents each one.
 pub const PROBLEM_TYPE_BASE: &str = "urn:idempotency-filter:problem:";
 
@@ -29,27 +27,41 @@ struct Body<'a> {
 }
 
 impl Problem {
-    pub fn missing_key(header: &str) -> Problem {
+    /// `source` names where the key was expected, e.g. "header 'idempotency-key'".
+    pub fn missing_key(source: &str) -> Problem {
         Problem {
             status: 400,
             kind: "missing-key",
             title: "Idempotency key is missing",
             detail: format!(
-                "This endpoint requires an idempotency key: send a unique value (a UUID) in the \
-                 '{header}' header and send the same value again when you retry."
+                "This endpoint requires an idempotency key in the {source}: send a unique \
+                 value (a UUID) and send the same value again when you retry."
             ),
             retry_after_seconds: None,
         }
     }
 
-    pub fn invalid_key(header: &str, why: KeyError) -> Problem {
+    pub fn invalid_key(source: &str, why: &str) -> Problem {
         Problem {
             status: 400,
             kind: "invalid-key",
             title: "Idempotency key is invalid",
             detail: format!(
-                "The '{header}' header is not a valid idempotency key: {why}. Use 1 to 255 \
-                 visible ASCII characters, bare or as a quoted string."
+                "The {source} is not a valid idempotency key: {why}. Use 1 to 255 visible \
+                 ASCII characters (in a header, bare or as a quoted string)."
+            ),
+            retry_after_seconds: None,
+        }
+    }
+
+    pub fn request_too_large(limit: usize) -> Problem {
+        Problem {
+            status: 400,
+            kind: "body-too-large",
+            title: "Request body too large for an idempotent request",
+            detail: format!(
+                "The body is larger than the {limit} bytes this endpoint buffers to read the \
+                 idempotency key or fingerprint the payload. Send a smaller body."
             ),
             retry_after_seconds: None,
         }
@@ -69,13 +81,13 @@ impl Problem {
         }
     }
 
-    pub fn key_reused(header: &str) -> Problem {
+    pub fn key_reused(source: &str) -> Problem {
         Problem {
             status: 422,
             kind: "key-reused",
             title: "Idempotency key was used with a different request",
             detail: format!(
-                "The '{header}' value was already used with a different method, path or body. \
+                "The key from the {source} was already used with a different method, path or body. \
                  Use a new key for a new request; a retry must repeat the original request exactly."
             ),
             retry_after_seconds: None,
@@ -138,7 +150,7 @@ mod tests {
 
     #[test]
     fn bodies_are_problem_json_with_stable_types() {
-        let p = Problem::key_reused("idempotency-key");
+        let p = Problem::key_reused("header 'idempotency-key'");
         let v: serde_json::Value = serde_json::from_slice(&p.body("orders")).unwrap();
         assert_eq!(v["type"], "urn:idempotency-filter:problem:key-reused");
         assert_eq!(v["status"], 422);
@@ -155,7 +167,7 @@ mod tests {
         let p = Problem::in_flight();
         assert_eq!(p.status, 409);
         assert!(p.headers().contains(&("retry-after", "1".to_string())));
-        let p = Problem::invalid_key("idempotency-key", KeyError::TooLong { len: 300 });
-        assert!(p.detail.contains("300 bytes"));
+        let p = Problem::invalid_key("header 'idempotency-key'", "the key is 300 bytes long");
+        assert!(p.detail.contains("300 bytes") && p.detail.contains("header 'idempotency-key'"));
     }
 }

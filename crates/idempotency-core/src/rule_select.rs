@@ -14,6 +14,7 @@ pub struct RequestFacts<'a> {
     /// `:authority`, possibly with a port.
     pub authority: &'a str,
     pub route_name: Option<&'a str>,
+    pub virtual_host: Option<&'a str>,
     /// The rule name found in the route's metadata.
     pub metadata_rule: Option<&'a str>,
 }
@@ -33,6 +34,13 @@ impl Config {
     /// True when selection needs the route name (a host call the filter can skip otherwise).
     pub fn needs_route_name(&self) -> bool {
         self.rules.iter().any(|r| !r.matcher.route_names.is_empty())
+    }
+
+    /// True when selection needs the virtual host name.
+    pub fn needs_virtual_host(&self) -> bool {
+        self.rules
+            .iter()
+            .any(|r| !r.matcher.virtual_hosts.is_empty())
     }
 
     pub fn select<'a>(&'a self, facts: &RequestFacts<'_>) -> Selection<'a> {
@@ -71,13 +79,17 @@ fn request_matches(m: &RuleMatch, facts: &RequestFacts<'_>) -> bool {
         || facts
             .route_name
             .is_some_and(|r| m.route_names.iter().any(|n| n == r));
+    let vhost_ok = m.virtual_hosts.is_empty()
+        || facts
+            .virtual_host
+            .is_some_and(|v| m.virtual_hosts.iter().any(|n| n == v));
     let path_ok = m.path_prefixes.is_empty()
         || m.path_prefixes
             .iter()
             .any(|p| facts.path.starts_with(p.as_str()));
     let host = host_without_port(facts.authority);
     let host_ok = m.hosts.is_empty() || m.hosts.iter().any(|h| h.eq_ignore_ascii_case(host));
-    route_ok && path_ok && host_ok
+    route_ok && vhost_ok && path_ok && host_ok
 }
 
 fn host_without_port(authority: &str) -> &str {
@@ -105,7 +117,8 @@ mod tests {
                 {"name":"by-route","match":{"route_names":["payments"]}},
                 {"name":"orders","match":{"path_prefixes":["/orders"],"hosts":["api.local"]}},
                 {"name":"puts","match":{"path_prefixes":["/things"],"methods":["PUT"]}},
-                {"name":"meta-only","match":{"path_prefixes":["/never"]}}
+                {"name":"meta-only","match":{"path_prefixes":["/never"]}},
+                {"name":"by-vhost","match":{"virtual_hosts":["partners"]}}
             ]}"#,
         )
         .unwrap()
@@ -179,6 +192,6 @@ mod tests {
         assert_eq!(host_without_port("API.local:443"), "API.local");
         assert_eq!(host_without_port("[::1]:10000"), "[::1]");
         assert_eq!(path_without_query("/a/b?x=1"), "/a/b");
-        assert!(config().needs_route_name());
+        assert!(config().needs_route_name() && config().needs_virtual_host());
     }
 }

@@ -1,0 +1,222 @@
+//! Where a rule takes its idempotency key from: one or several request headers, query
+//! parameters, JSON body fields (RFC 6901 pointers) or form fields, combined into one key.
+
+use crate::key::{parse_key, KeyError, MAX_KEY_BYTES};
+use crate::request_fields::{query_value, FieldError, RequestBody};
+
+/// One place a key value (or a fingerprinted field) is read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FieldSource {
+    /// Lower-case header name.
+    Header(String),
+    Query(String),
+    /// JSON Pointer into a JSON body.
+    Json(String),
+    /// Field of an `application/x-www-form-urlencoded` body.
+    Form(String),
+}
+
+impl FieldSource {
+    pub fn in_body(&self) -> bool {
+        matches!(self, FieldSource::Json(_) | FieldSource::Form(_))
+    }
+
+    /// How problem details and logs name the source.
+    pub fn describe(&self) -> String {
+        match self {
+            FieldSource::Header(h) => format!("header '{h}'"),
+            FieldSource::Query(q) => format!("query parameter '{q}'"),
+            FieldSource::Json(p) => format!("JSON body field '{p}'"),
+            FieldSource::Form(f) => format!("form field '{f}'"),
+        }
+    }
+}
+
+/// A key source that failed, and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceFailure {
+    pub source: String,
+    pub missing: bool,
+    pub why: String,
+}
+
+impl SourceFailure {
+    fn missing(source: &FieldSource) -> SourceFailure {
+        SourceFailure {
+            source: source.describe(),
+            missing: true,
+            why: "it is missing".to_string(),
+        }
+    }
+
+    fn invalid(source: &FieldSource, why: impl std::fmt::Display) -> SourceFailure {
+        SourceFailure {
+            source: source.describe(),
+            missing: false,
+            why: why.to_string(),
+        }
+    }
+
+    fn from_field(source: &FieldSource, e: FieldError) -> SourceFailure {
+        match e {
+            FieldError::Missing => SourceFailure::missing(source),
+            other => SourceFailure::invalid(source, other),
+        }
+    }
+}
+
+/// Values of the sources readable from the request headers; body sources stay None until
+/// the body has arrived.
+pub fn header_parts<'h>(
+    sources: &[FieldSource],
+    header: impl Fn(&str) -> Option<&'h [u8]>,
+    path_with_query: &str,
+) -> Result<Vec<Option<Vec<u8>>>, SourceFailure> {
+    sources
+        .iter()
+        .map(|source| match source {
+            FieldSource::Header(name) => match header(name) {
+                None => Err(SourceFailure::missing(source)),
+                Some(raw) => parse_key(raw)
+                    .map(Some)
+                    .map_err(|e: KeyError| SourceFailure::invalid(source, e)),
+            },
+            FieldSource::Query(name) => match query_value(path_with_query, name) {
+                None => Err(SourceFailure::missing(source)),
+                Some(v) => checked_value(source, v).map(Some),
+            },
+            FieldSource::Json(_) | FieldSource::Form(_) => Ok(None),
+        })
+        .collect()
+}
+
+fn checked_value(source: &FieldSource, value: Vec<u8>) -> Result<Vec<u8>, SourceFailure> {
+    if value.is_empty() {
+        return Err(SourceFailure::invalid(source, "the value is empty"));
+    }
+    if value.len() > MAX_KEY_BYTES {
+        return Err(SourceFailure::invalid(
+            source,
+            format!(
+                "the value is {} bytes long; at most {MAX_KEY_BYTES} are allowed",
+                value.len()
+            ),
+        ));
+    }
+    Ok(value)
+}
+
+/// Fills in the body sources and combines every part into the key.
+pub fn complete_key(
+    sources: &[FieldSource],
+    parts: Vec<Option<Vec<u8>>>,
+    body: &mut RequestBody<'_>,
+) -> Result<Vec<u8>, SourceFailure> {
+    let mut values = Vec::with_capacity(sources.len());
+    for (source, part) in sources.iter().zip(parts) {
+        let value = match (part, source) {
+            (Some(v), _) => v,
+            (None, FieldSource::Json(pointer)) => body
+                .json_scalar(pointer)
+                .map_err(|e| SourceFailure::from_field(source, e))?,
+            (None, FieldSource::Form(name)) => body
+                .form_value(name)
+                .map_err(|e| SourceFailure::from_field(source, e))?
+                .ok_or_else(|| SourceFailure::missing(source))?,
+            (None, _) => return Err(SourceFailure::missing(source)),
+        };
+        values.push(checked_value(source, value)?);
+    }
+    Ok(combine(values))
+}
+
+/// One value is the key itself; several are length-prefixed so that no two different lists
+/// of values give the same key.
+fn combine(mut values: Vec<Vec<u8>>) -> Vec<u8> {
+    if values.len() == 1 {
+        return values.pop().unwrap_or_default();
+    }
+    let mut out = Vec::with_capacity(values.iter().map(|v| v.len() + 4).sum::<usize>() + 4);
+    out.extend_from_slice(&(values.len() as u32).to_be_bytes());
+    for v in values {
+        out.extend_from_slice(&(v.len() as u32).to_be_bytes());
+        out.extend_from_slice(&v);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+
+    fn headers<'a>(pairs: &'a [(&'a str, &'a [u8])]) -> impl Fn(&str) -> Option<&'a [u8]> + 'a {
+        move |name| pairs.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
+    }
+
+    #[test]
+    fn header_and_query_sources_need_no_body() {
+        let sources = vec![
+            FieldSource::Header("ce-source".into()),
+            FieldSource::Header("ce-id".into()),
+            FieldSource::Query("order_no".into()),
+        ];
+        let h: &[(&str, &[u8])] = &[("ce-source", b"/shop"), ("ce-id", b"\"42\"")];
+        let parts = header_parts(&sources, headers(h), "/x?order_no=7").unwrap();
+        let mut body = RequestBody::new("", b"");
+        let key = complete_key(&sources, parts, &mut body).unwrap();
+        let h2: &[(&str, &[u8])] = &[("ce-source", b"/shop"), ("ce-id", b"42")];
+        let parts2 = header_parts(&sources, headers(h2), "/x?order_no=7").unwrap();
+        assert_eq!(key, complete_key(&sources, parts2, &mut body).unwrap());
+    }
+
+    #[test]
+    fn composite_keys_do_not_collide_when_bytes_move_between_values() {
+        assert_ne!(
+            combine(vec![b"ab".to_vec(), b"c".to_vec()]),
+            combine(vec![b"a".to_vec(), b"bc".to_vec()])
+        );
+        assert_eq!(combine(vec![b"only".to_vec()]), b"only");
+    }
+
+    #[test]
+    fn body_sources_are_read_after_the_body() {
+        let sources = vec![FieldSource::Json("/transaction/id".into())];
+        let parts = header_parts(&sources, |_| None, "/cb").unwrap();
+        assert_eq!(parts, vec![None]);
+        let mut body = RequestBody::new("application/json", br#"{"transaction":{"id":"tx-9"}}"#);
+        assert_eq!(complete_key(&sources, parts, &mut body).unwrap(), b"tx-9");
+    }
+
+    #[test]
+    fn failures_name_the_source() {
+        let sources = vec![FieldSource::Header("x-github-delivery".into())];
+        let e = header_parts(&sources, |_| None, "/").unwrap_err();
+        assert!(e.missing && e.source == "header 'x-github-delivery'");
+
+        let sources = vec![FieldSource::Json("/id".into())];
+        for (ct, body, missing, needle) in [
+            ("application/json", &br#"{"other":1}"#[..], true, "missing"),
+            (
+                "application/json",
+                &br#"{"id":{"a":1}}"#[..],
+                false,
+                "not a string",
+            ),
+            ("application/json", &br#"{"id":""}"#[..], false, "empty"),
+            ("application/json", &b"{oops"[..], false, "invalid JSON"),
+            ("text/plain", &br#"{"id":"x"}"#[..], false, "not JSON"),
+        ] {
+            let mut b = RequestBody::new(ct, body);
+            let e = complete_key(&sources, vec![None], &mut b).unwrap_err();
+            assert_eq!(e.missing, missing, "{ct} {body:?}");
+            assert!(e.why.contains(needle), "{}", e.why);
+            assert_eq!(e.source, "JSON body field '/id'");
+        }
+        let long = format!("/x?k={}", "a".repeat(256));
+        let e = header_parts(&[FieldSource::Query("k".into())], |_| None, &long).unwrap_err();
+        assert!(e.why.contains("256 bytes"));
+    }
+}
