@@ -1,0 +1,158 @@
+"""Every recipe in the README, through real Envoy: the configuration users copy from
+``envoy/recipes/`` is the one tested here, with the request its sender really makes.
+
+A recipe holds when the first delivery executes, a redelivery executes nothing and gets the
+recorded answer, and what the sender changes between deliveries (signatures, timestamps,
+JSON key order) does not turn a redelivery into a new payment.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+import harness
+import helpers
+
+RECIPES = harness.REPO_ROOT / "envoy" / "recipes"
+README = harness.REPO_ROOT / "README.md"
+
+
+def recipe(name: str) -> dict:
+    return json.loads((RECIPES / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def recipes_envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[harness.Envoy, harness.Upstream]]:
+    """One Envoy whose plugin configuration holds every recipe's rules, unchanged."""
+    group = harness.ProcessGroup(tmp_path_factory.mktemp("recipes"))
+    try:
+        upstream = group.upstream()
+        rules = [r for path in sorted(RECIPES.glob("*.json")) for r in json.loads(path.read_text())["rules"]]
+        envoy = group.envoy(
+            harness.default_envoy_config(),
+            name="envoy-recipes",
+            **helpers.envoy_options(upstream, {"rules": rules}),
+        )
+        yield envoy, upstream
+        assert not helpers.crash_lines(envoy.log_text())
+    finally:
+        group.close()
+
+
+def test_every_recipe_file_is_shown_verbatim_in_the_readme() -> None:
+    readme = README.read_text()
+    files = sorted(RECIPES.glob("*.json"))
+    assert len(files) == 6
+    for path in files:
+        assert path.read_text().strip() in readme, f"README does not show {path.name} as it is"
+
+
+def test_payment_callback_replays_the_recorded_success_to_every_provider_retry(recipes_envoy) -> None:
+    envoy, upstream = recipes_envoy
+    tx = f"tx-{uuid.uuid4().hex}"
+    path = "/callbacks/payment"
+    first = {"transaction_id": tx, "amount": 1999, "currency": "EUR", "status": "paid", "sent_at": "10:00:00", "signature": "a1"}
+    # The provider re-signs and re-stamps each retry and serialises keys in another order.
+    retry = {"signature": "b2", "status": "paid", "currency": "EUR", "sent_at": "10:05:00", "amount": 1999, "transaction_id": tx}
+    before = upstream.executions(path)
+    r1 = helpers.post(envoy, path, body=json.dumps(first), headers={"content-type": "application/json"})
+    r2 = helpers.post(envoy, path, body=json.dumps(retry, indent=2), headers={"content-type": "application/json"})
+    assert r1.status_code == 201 and not helpers.is_replay(r1)
+    assert r2.status_code == 201 and helpers.is_replay(r2)
+    assert r2.content == r1.content
+    assert upstream.executions(path) == before + 1
+    # Same transaction, different amount: a different payment, refused.
+    tampered = dict(first, amount=1)
+    r3 = helpers.post(envoy, path, body=json.dumps(tampered), headers={"content-type": "application/json"})
+    helpers.problem(r3, 422, "key-reused", rule="payment-callback")
+    # A callback without a transaction id is named precisely.
+    r4 = helpers.post(envoy, path, body=json.dumps({"amount": 1}), headers={"content-type": "application/json"})
+    doc = helpers.problem(r4, 400, "missing-key", rule="payment-callback")
+    assert "/transaction_id" in doc["detail"]
+    assert upstream.executions(path) == before + 1
+
+
+def test_github_webhook_redelivery_is_a_replay(recipes_envoy) -> None:
+    envoy, upstream = recipes_envoy
+    path = "/webhooks/github"
+    delivery = str(uuid.uuid4())
+    body = json.dumps({"action": "opened", "number": 7})
+    headers = {"x-github-delivery": delivery, "x-github-event": "pull_request", "content-type": "application/json"}
+    before = upstream.executions(path)
+    r1 = helpers.post(envoy, path, body=body, headers=headers)
+    r2 = helpers.post(envoy, path, body=body, headers=headers)
+    assert not helpers.is_replay(r1) and helpers.is_replay(r2) and r2.content == r1.content
+    # A new delivery id is a new event.
+    r3 = helpers.post(envoy, path, body=body, headers=dict(headers, **{"x-github-delivery": str(uuid.uuid4())}))
+    assert not helpers.is_replay(r3)
+    assert upstream.executions(path) == before + 2
+
+
+def test_stripe_webhook_keyed_by_the_event_id_in_the_body(recipes_envoy) -> None:
+    envoy, upstream = recipes_envoy
+    path = "/webhooks/stripe"
+    event = f"evt_{uuid.uuid4().hex}"
+    payload = {"id": event, "type": "payment_intent.succeeded", "data": {"object": {"id": "pi_1", "amount": 500}}}
+    before = upstream.executions(path)
+    # Stripe signs every attempt anew (Stripe-Signature carries a timestamp).
+    r1 = helpers.post(envoy, path, body=json.dumps(payload), headers={"content-type": "application/json", "stripe-signature": "t=1,v1=aa"})
+    r2 = helpers.post(envoy, path, body=json.dumps(payload), headers={"content-type": "application/json", "stripe-signature": "t=2,v1=bb"})
+    assert not helpers.is_replay(r1) and helpers.is_replay(r2)
+    assert upstream.executions(path) == before + 1
+    # A body that is not JSON cannot carry the key: 400 naming the source.
+    r3 = helpers.post(envoy, path, body="id=evt_1", headers={"content-type": "application/x-www-form-urlencoded"})
+    doc = helpers.problem(r3, 400, "invalid-key", rule="stripe-webhook")
+    assert "JSON body field '/id'" in doc["detail"]
+    # The event id as an object is not a key.
+    r4 = helpers.post(envoy, path, body=json.dumps({"id": {"nested": 1}}), headers={"content-type": "application/json"})
+    assert "not a string, number or boolean" in helpers.problem(r4, 400, "invalid-key")["detail"]
+
+
+def test_cloudevents_keyed_by_source_and_id(recipes_envoy) -> None:
+    envoy, upstream = recipes_envoy
+    path = "/events"
+    event_id = uuid.uuid4().hex
+    base = {"ce-specversion": "1.0", "ce-type": "com.example.order.created", "content-type": "application/json"}
+    before = upstream.executions(path)
+    r1 = helpers.post(envoy, path, body="{}", headers=dict(base, **{"ce-source": "/shop/eu", "ce-id": event_id}))
+    r2 = helpers.post(envoy, path, body="{}", headers=dict(base, **{"ce-source": "/shop/eu", "ce-id": event_id}))
+    # The same id from another source is another event (ids are unique per source only).
+    r3 = helpers.post(envoy, path, body="{}", headers=dict(base, **{"ce-source": "/shop/us", "ce-id": event_id}))
+    assert not helpers.is_replay(r1) and helpers.is_replay(r2) and not helpers.is_replay(r3)
+    assert upstream.executions(path) == before + 2
+    r4 = helpers.post(envoy, path, body="{}", headers=dict(base, **{"ce-id": event_id}))
+    assert "header 'ce-source'" in helpers.problem(r4, 400, "missing-key", rule="cloudevents")["detail"]
+
+
+def test_form_encoded_notify_keyed_by_trade_no(recipes_envoy) -> None:
+    envoy, upstream = recipes_envoy
+    path = "/notify"
+    trade = f"2026{uuid.uuid4().int % 10**12:012d}"
+    form = {"trade_no": trade, "out_trade_no": "order-9", "total_amount": "88.00", "trade_status": "TRADE_SUCCESS"}
+    ct = {"content-type": "application/x-www-form-urlencoded"}
+    before = upstream.executions(path)
+    r1 = helpers.post(envoy, path, body=urllib.parse.urlencode(dict(form, notify_time="10:00", sign="s1")), headers=ct)
+    r2 = helpers.post(envoy, path, body=urllib.parse.urlencode(dict(form, sign="s2", notify_time="10:04")), headers=ct)
+    assert not helpers.is_replay(r1) and helpers.is_replay(r2) and r2.content == r1.content
+    assert upstream.executions(path) == before + 1
+    r3 = helpers.post(envoy, path, body='{"trade_no":"1"}', headers={"content-type": "application/json"})
+    assert "form field 'trade_no'" in helpers.problem(r3, 400, "invalid-key", rule="form-notify")["detail"]
+
+
+def test_query_parameter_key(recipes_envoy) -> None:
+    envoy, upstream = recipes_envoy
+    order = f"A-{uuid.uuid4().hex[:8]}"
+    path = "/checkout"
+    before = upstream.executions(path)
+    r1 = helpers.post(envoy, f"{path}?order_no={order}")
+    r2 = helpers.post(envoy, f"{path}?order_no={urllib.parse.quote(order)}")
+    assert not helpers.is_replay(r1) and helpers.is_replay(r2)
+    assert upstream.executions(path) == before + 1
+    r3 = helpers.post(envoy, f"{path}?other=1")
+    assert "query parameter 'order_no'" in helpers.problem(r3, 400, "missing-key", rule="query-key")["detail"]
