@@ -269,6 +269,20 @@ impl RequestFilter {
         if recorded.body_omitted {
             headers.push((rule.body_omitted_header.as_str(), b"true"));
         }
-        self.send_local(u32::from(recorded.status), &headers, &recorded.body)
+        let action = self.send_local(u32::from(recorded.status), &headers, &recorded.body);
+        if recorded.body.is_empty() && action == Action::Pause {
+            // Envoy drops content-type from a local reply without a body; the reply passes
+            // back through this filter, which puts it back (see response_recording.rs).
+            let restore: Vec<(String, Vec<u8>)> = recorded
+                .headers
+                .iter()
+                .filter(|(n, _)| n == "content-type")
+                .cloned()
+                .collect();
+            if !restore.is_empty() {
+                self.journey = Journey::Replaying { restore };
+            }
+        }
+        action
     }
 }

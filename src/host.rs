@@ -66,6 +66,13 @@ extern "C" {
         return_map_size: *mut usize,
     ) -> u32;
     fn proxy_remove_header_map_value(map_type: u32, key_data: *const u8, key_size: usize) -> u32;
+    fn proxy_replace_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
     fn proxy_get_property(
         path_data: *const u8,
         path_size: usize,
@@ -179,6 +186,18 @@ pub fn get_header_pairs(map: MapType) -> HostResult<Vec<(String, Vec<u8>)>> {
 
 pub fn remove_header(map: MapType, name: &str) -> HostResult<()> {
     check(unsafe { proxy_remove_header_map_value(map as u32, name.as_ptr(), name.len()) })
+}
+
+pub fn replace_header(map: MapType, name: &str, value: &[u8]) -> HostResult<()> {
+    check(unsafe {
+        proxy_replace_header_map_value(
+            map as u32,
+            name.as_ptr(),
+            name.len(),
+            value.as_ptr(),
+            value.len(),
+        )
+    })
 }
 
 pub fn get_property(path: &[&str]) -> HostResult<Option<Vec<u8>>> {

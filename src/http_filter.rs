@@ -40,6 +40,11 @@ pub(crate) enum Journey {
     },
     /// The filter answered itself; its own reply must not be recorded.
     AnsweredLocally,
+    /// A replay with an empty body was sent; these recorded headers, which Envoy strips from
+    /// bodiless local replies, are restored when the reply passes back through the filter.
+    Replaying {
+        restore: Vec<(String, Vec<u8>)>,
+    },
     Finished,
 }
 

@@ -18,6 +18,16 @@ use crate::store_writes::PendingWrite;
 
 impl RequestFilter {
     pub(crate) fn on_response_headers(&mut self, end_of_stream: bool) {
+        if let Journey::Replaying { restore } = &self.journey {
+            for (name, value) in restore {
+                if let Err(status) = host::replace_header(MapType::HttpResponseHeaders, name, value)
+                {
+                    log::warn!("replayed {name} not restored: {status}");
+                }
+            }
+            self.journey = Journey::AnsweredLocally;
+            return;
+        }
         let Journey::Executing {
             rule,
             held,
