@@ -1,0 +1,135 @@
+"""Key sources and fingerprint choices beyond the recipes: every bad body a client can send,
+optional keys, body limits, and rules chosen by virtual host, through real Envoy."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Iterator
+
+import pytest
+
+import harness
+import helpers
+
+JSON = {"content-type": "application/json"}
+
+
+def rules() -> list[dict]:
+    return [
+        helpers.rule("required-json", prefixes=["/rj"], key={"sources": [{"json": "/order/id"}]}, max_request_bytes=256),
+        helpers.rule("optional-json", prefixes=["/oj"], key={"required": False, "sources": [{"json": "/id"}]}, max_request_bytes=256),
+        helpers.rule("header-no-body", prefixes=["/hn"], key={"header": "x-delivery"}, fingerprint="none", max_request_bytes=64),
+        helpers.rule("composite", prefixes=["/co"], key={"sources": [{"header": "x-tenant"}, {"query": "ref"}, {"json": "/n"}]}),
+        helpers.rule("by-vhost", match={"virtual_hosts": ["partners"]}),
+    ]
+
+
+def add_partner_vhost(config: dict) -> None:
+    """A second virtual host, `partners`, for requests with Host: partners.test."""
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hosts = hcm["route_config"]["virtual_hosts"]
+    hosts.insert(0, {
+        "name": "partners",
+        "domains": ["partners.test"],
+        "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "demo_upstream"}}],
+    })
+
+
+@pytest.fixture(scope="module")
+def sources_envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[harness.Envoy, harness.Upstream]]:
+    group = harness.ProcessGroup(tmp_path_factory.mktemp("sources"))
+    try:
+        upstream = group.upstream()
+        envoy = group.envoy(
+            harness.default_envoy_config(),
+            name="envoy-sources",
+            mutate=add_partner_vhost,
+            **helpers.envoy_options(upstream, {"rules": rules()}),
+        )
+        yield envoy, upstream
+        assert not helpers.crash_lines(envoy.log_text())
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize(
+    "content_type, body, kind, detail",
+    [
+        ("application/json", b"{not json", "invalid-key", "invalid JSON"),
+        ("text/plain", b'{"order":{"id":"1"}}', "invalid-key", "is not JSON"),
+        ("application/json", b'{"order":{}}', "missing-key", "JSON body field '/order/id'"),
+        ("application/json", b'{"order":{"id":[1]}}', "invalid-key", "not a string, number or boolean"),
+        ("application/json", b'{"order":{"id":null}}', "invalid-key", "not a string, number or boolean"),
+        ("application/json", b'{"order":{"id":""}}', "invalid-key", "empty"),
+        ("application/json", b'{"order":{"id":"x"},"pad":"' + b"p" * 300 + b'"}', "body-too-large", "256 bytes"),
+    ],
+)
+def test_bad_bodies_get_400_naming_the_source(sources_envoy, content_type, body, kind, detail) -> None:
+    envoy, upstream = sources_envoy
+    path = helpers.unique_path("rj")
+    resp = helpers.post(envoy, path, body=body, headers={"content-type": content_type})
+    doc = helpers.problem(resp, 400, kind, rule="required-json")
+    assert detail in doc["detail"], doc
+    assert upstream.executions(path) == 0
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{not json", b'{"other":1}', b'{"id":{"a":1}}', b'{"id":"x","pad":"' + b"p" * 300 + b'"}'],
+    ids=["unparseable", "missing", "not-scalar", "over-the-limit"],
+)
+def test_optional_body_keys_pass_through_when_absent_or_unreadable(sources_envoy, body) -> None:
+    envoy, upstream = sources_envoy
+    path = helpers.unique_path("oj")
+    for _ in range(2):
+        resp = helpers.post(envoy, path, body=body, headers=JSON)
+        assert resp.status_code == 201 and not helpers.is_replay(resp)
+    assert upstream.executions(path) == 2
+    ok_path = helpers.unique_path("oj")
+    first = helpers.post(envoy, ok_path, body=b'{"id":"o-1"}', headers=JSON)
+    again = helpers.post(envoy, ok_path, body=b'{ "id" : "o-1" }', headers=JSON)
+    # Whole-body fingerprint (the default): whitespace is a different payload.
+    helpers.problem(again, 422, "key-reused", rule="optional-json")
+    assert not helpers.is_replay(first)
+
+
+def test_a_rule_that_needs_no_body_never_buffers_it(sources_envoy) -> None:
+    """Header key and fingerprint "none": a body far over max_request_bytes (64) is not held
+    for a decision, it streams to the upstream, and a redelivery with another body replays."""
+    envoy, upstream = sources_envoy
+    path = helpers.unique_path("hn")
+    delivery = str(uuid.uuid4())
+    first = helpers.post(envoy, path, body=b"a" * 100_000, headers={"x-delivery": delivery})
+    again = helpers.post(envoy, path, body=b"b" * 10, headers={"x-delivery": delivery})
+    assert first.status_code == 201 and json.loads(first.content)["body_bytes"] == 100_000
+    assert helpers.is_replay(again) and again.content == first.content
+    assert upstream.executions(path) == 1
+
+
+def test_composite_key_from_header_query_and_body(sources_envoy) -> None:
+    envoy, upstream = sources_envoy
+    path = helpers.unique_path("co")
+    send = lambda tenant, ref, n: helpers.post(  # noqa: E731
+        envoy, f"{path}?ref={ref}", body=json.dumps({"n": n}), headers={"x-tenant": tenant, **JSON}
+    )
+    first = send("t1", "r1", 1)
+    assert not helpers.is_replay(first)
+    assert helpers.is_replay(send("t1", "r1", 1))
+    # Change any one part and it is another key (the path with query is part of the default
+    # fingerprint, so a changed ref is a new key and a new payload at once).
+    assert not helpers.is_replay(send("t2", "r1", 1))
+    assert not helpers.is_replay(send("t1", "r1", 2))
+    assert upstream.executions(path) == 3
+    resp = helpers.post(envoy, f"{path}?ref=r1", body=json.dumps({"n": 1}), headers=JSON)
+    assert "header 'x-tenant'" in helpers.problem(resp, 400, "missing-key", rule="composite")["detail"]
+
+
+def test_a_rule_chosen_by_virtual_host(sources_envoy) -> None:
+    envoy, upstream = sources_envoy
+    path = helpers.unique_path("anything")
+    resp = helpers.post(envoy, path, headers={"host": "partners.test"})
+    helpers.problem(resp, 400, "missing-key", rule="by-vhost")
+    # The same path on the default virtual host matches no rule here and passes untouched.
+    assert helpers.post(envoy, path).status_code == 201
+    assert upstream.executions(path) == 1
