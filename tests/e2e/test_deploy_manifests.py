@@ -1,0 +1,167 @@
+"""The Istio manifests and the Docker Compose file cannot drift from the code: their plugin
+configuration is loaded by the real filter in real Envoy, with the store reached through a
+cluster named the way Istio names it, and a retried write is replayed through it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+import harness
+import helpers
+
+ISTIO = harness.REPO_ROOT / "deploy" / "istio"
+COMPOSE = harness.REPO_ROOT / "envoy" / "docker-compose.yaml"
+
+
+def load_all(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def one(path: Path, kind: str) -> dict:
+    docs = [d for d in load_all(path) if d.get("kind") == kind]
+    assert len(docs) == 1, f"{path.name} should hold one {kind}"
+    return docs[0]
+
+
+def wasmplugin_config() -> dict:
+    return one(ISTIO / "wasmplugin.yaml", "WasmPlugin")["spec"]["pluginConfig"]
+
+
+def envoyfilter_wasm() -> dict:
+    patch = one(ISTIO / "envoyfilter.yaml", "EnvoyFilter")["spec"]["configPatches"][0]["patch"]
+    assert patch["operation"] == "INSERT_BEFORE"
+    return patch["value"]
+
+
+def istio_cluster(config: dict) -> str:
+    return config["store"]["cluster"]
+
+
+def mesh_like(store_cluster: str, wasm_filter: dict | None = None) -> Callable[[dict], None]:
+    """Envoy as Istio would configure it for these manifests: the store cluster under its
+    `outbound|port||fqdn` name and routes named like the VirtualService's http[].name."""
+
+    def mutate(config: dict) -> None:
+        for cluster in config["static_resources"]["clusters"]:
+            if cluster["name"] == "idempotency_store":
+                cluster["name"] = store_cluster
+                cluster["load_assignment"]["cluster_name"] = store_cluster
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        virtual_service = one(ISTIO / "virtualservice.yaml", "VirtualService")
+        names = [route["name"] for route in virtual_service["spec"]["http"]]
+        hcm["route_config"]["virtual_hosts"][0]["routes"] = [
+            {"name": names[0], "match": {"path": "/orders"}, "route": {"cluster": "demo_upstream"}},
+            {"name": names[1], "match": {"prefix": "/callbacks/payment"}, "route": {"cluster": "demo_upstream"}},
+        ]
+        if wasm_filter is not None:
+            filters = hcm["http_filters"]
+            index = next(i for i, f in enumerate(filters) if f["name"] == "idempotency")
+            inline = json.loads(json.dumps(wasm_filter))
+            vm = inline["typed_config"]["config"]["vm_config"]
+            vm["code"] = {"local": {"filename": str(helpers.wasm_path())}}
+            filters[index] = inline
+
+    return mutate
+
+
+def store_with_manifest_token(procs: harness.ProcessGroup, tmp_path: Path, token: str) -> int:
+    port = harness.free_port()
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    store = procs.process(
+        [str(harness.store_binary()), "--listen", f"127.0.0.1:{port}", "--backend", "memory", "--token-file", str(token_file)],
+        name="store",
+    )
+    harness.wait_for_http(f"http://127.0.0.1:{port}/healthz", proc=store)
+    return port
+
+
+def run_a_retried_write(envoy: harness.Envoy, upstream: harness.Upstream) -> None:
+    key = str(uuid.uuid4())
+    first = helpers.post(envoy, "/orders", key=key, headers={"x-verified-subject": "user-1"})
+    again = helpers.post(envoy, "/orders", key=key, headers={"x-verified-subject": "user-1"})
+    assert first.status_code == 201 and not helpers.is_replay(first), first.text
+    assert helpers.is_replay(again) and again.content == first.content
+    tx = f"tx-{uuid.uuid4().hex}"
+    body = json.dumps({"transaction_id": tx, "amount": 5, "currency": "EUR", "status": "paid"})
+    cb1 = helpers.post(envoy, "/callbacks/payment", body=body, headers={"content-type": "application/json"})
+    cb2 = helpers.post(envoy, "/callbacks/payment", body=body, headers={"content-type": "application/json"})
+    assert not helpers.is_replay(cb1) and helpers.is_replay(cb2)
+    stats = envoy.stats()
+    assert stats.get("wasmcustom.idempotency.rule.orders.executed") == 1
+    assert stats.get("wasmcustom.idempotency.rule.orders.store_error", 0) == 0
+
+
+def test_wasmplugin_plugin_config_runs_in_the_filter(procs, tmp_path) -> None:
+    config = wasmplugin_config()
+    upstream = procs.upstream()
+    store_port = store_with_manifest_token(procs, tmp_path, config["store"]["token"])
+    options = helpers.envoy_options(upstream, config)
+    options["cluster_ports"] = {"demo_upstream": upstream.port}
+    envoy = procs.envoy(
+        harness.default_envoy_config(),
+        mutate=lambda c: (mesh_like(istio_cluster(config))(c), harness.set_cluster_port(c, istio_cluster(config), store_port))[0],
+        **options,
+    )
+    run_a_retried_write(envoy, upstream)
+
+
+def test_envoyfilter_inserts_the_same_filter_with_the_stop_iteration_flag(procs, tmp_path) -> None:
+    wasm = envoyfilter_wasm()
+    inner = wasm["typed_config"]["config"]
+    assert inner["allow_on_headers_stop_iteration"] is True
+    assert inner["failure_policy"] == "FAIL_CLOSED"
+    inline_config = json.loads(inner["configuration"]["value"])
+    assert inline_config == wasmplugin_config(), "envoyfilter.yaml and wasmplugin.yaml must configure the same rules"
+    upstream = procs.upstream()
+    store_port = store_with_manifest_token(procs, tmp_path, inline_config["store"]["token"])
+    envoy = procs.envoy(
+        harness.default_envoy_config(),
+        cluster_ports={"demo_upstream": upstream.port},
+        mutate=lambda c: (mesh_like(istio_cluster(inline_config), wasm)(c), harness.set_cluster_port(c, istio_cluster(inline_config), store_port))[0],
+    )
+    run_a_retried_write(envoy, upstream)
+
+
+def test_istio_store_service_secret_and_plugin_config_agree() -> None:
+    config = wasmplugin_config()
+    service = one(ISTIO / "store.yaml", "Service")
+    secret = one(ISTIO / "store.yaml", "Secret")
+    port = service["spec"]["ports"][0]["port"]
+    fqdn = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
+    assert config["store"]["cluster"] == f"outbound|{port}||{fqdn}"
+    assert config["store"]["authority"] == fqdn
+    assert secret["stringData"]["token"] == config["store"]["token"]
+    plugin = one(ISTIO / "wasmplugin.yaml", "WasmPlugin")["spec"]
+    assert plugin["failStrategy"] == "FAIL_CLOSE" and plugin["phase"] and plugin["url"].startswith("oci://")
+    # A string of 64 hex digits (unquoted digits would reach Kubernetes as a number).
+    assert isinstance(plugin["sha256"], str) and len(plugin["sha256"]) == 64
+
+
+def test_compose_runs_the_tested_envoy_config_and_ports() -> None:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
+    assert services["envoy"]["image"].startswith("envoyproxy/envoy:v1.40")
+    assert "/work/envoy/envoy.yaml" in services["envoy"]["command"]
+    envoy_config = yaml.safe_load(harness.default_envoy_config().read_text())
+    clusters = {c["name"]: c for c in envoy_config["static_resources"]["clusters"]}
+
+    def port_of(name: str) -> int:
+        return clusters[name]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"]
+
+    assert f"127.0.0.1:{port_of('idempotency_store')}" in services["store"]["command"]
+    assert f"127.0.0.1:{port_of('demo_upstream')}" in services["upstream"]["command"]
+    plugin = harness.get_plugin_configuration(envoy_config)
+    assert services["store"]["environment"]["IDEMPOTENCY_STORE_TOKEN"] == plugin["store"]["token"]
+    docker_compose = shutil.which("docker-compose")
+    assert docker_compose, "docker-compose (Debian package) validates the file; .ci/run installs it"
+    result = subprocess.run([docker_compose, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
