@@ -87,20 +87,13 @@ impl RequestFilter {
                     rule.name
                 );
                 self.count(rule_index, Outcome::TableFull);
-                self.overloaded(
-                    rule_index,
-                    rule.on_table_full,
-                    "the proxy's idempotency table is full",
-                )
+                self.overloaded(rule_index, rule.on_table_full, Problem::table_full())
             }
             Err(e) => {
                 log::error!("rule {}: claim failed: {e}", rule.name);
                 self.count(rule_index, Outcome::TableError);
-                self.overloaded(
-                    rule_index,
-                    rule.on_table_full,
-                    "the proxy's idempotency table is unavailable",
-                )
+                let problem = Problem::unavailable("the proxy's idempotency table is unavailable");
+                self.overloaded(rule_index, rule.on_table_full, problem)
             }
         }
     }
@@ -218,16 +211,15 @@ impl RequestFilter {
         }
     }
 
-    fn overloaded(&mut self, rule_index: usize, policy: OverloadPolicy, why: &str) -> Action {
+    /// The local table cannot take the claim: reject with `problem`, or pass unprotected.
+    fn overloaded(
+        &mut self,
+        rule_index: usize,
+        policy: OverloadPolicy,
+        problem: Problem,
+    ) -> Action {
         match policy {
-            OverloadPolicy::Reject => {
-                let problem = if why.contains("full") {
-                    Problem::table_full()
-                } else {
-                    Problem::unavailable(why)
-                };
-                self.answer_problem(rule_index, &problem)
-            }
+            OverloadPolicy::Reject => self.answer_problem(rule_index, &problem),
             OverloadPolicy::PassThrough => {
                 self.count(rule_index, Outcome::PassedThrough);
                 self.journey = Journey::Untouched;
