@@ -36,6 +36,10 @@ pub struct ClaimBody {
     pub key: String,
     pub fingerprint: String,
     pub lease_ms: u64,
+    /// Optional owner token chosen by the client; absent → the server
+    /// generates one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -62,6 +66,9 @@ pub struct ClaimRequest {
     pub key: Digest,
     pub fingerprint: Digest,
     pub lease_ms: u64,
+    /// The client's own token, if it sent one. A client that picks its owner
+    /// before calling can release the claim even if the answer is lost.
+    pub owner: Option<OwnerToken>,
 }
 
 #[derive(Debug, Clone)]
@@ -110,6 +117,7 @@ pub fn parse_claim(body: &[u8]) -> Result<ClaimRequest, BadRequest> {
         fingerprint: Digest::parse(&raw.fingerprint)
             .map_err(|why| BadRequest::field("fingerprint", why))?,
         lease_ms: check_range("lease_ms", raw.lease_ms, MIN_LEASE_MS, MAX_LEASE_MS)?,
+        owner: raw.owner.as_deref().map(parse_owner).transpose()?,
     })
 }
 
@@ -298,6 +306,28 @@ mod tests {
             let err = parse_claim(body.as_bytes()).unwrap_err();
             assert!(err.0.contains(field), "{body} -> {}", err.0);
         }
+    }
+
+    #[test]
+    fn claim_owner_is_optional_validated_and_lowercased() {
+        let with_owner =
+            |owner: &str| format!(r#"{{"key":"{HEX}","fingerprint":"{HEX}","lease_ms":5{owner}}}"#);
+        assert_eq!(parse_claim(with_owner("").as_bytes()).unwrap().owner, None);
+        // An explicit null is the same as leaving the field out.
+        let null = with_owner(r#","owner":null"#);
+        assert_eq!(parse_claim(null.as_bytes()).unwrap().owner, None);
+        let given = with_owner(r#","owner":"AbC1""#);
+        assert_eq!(
+            parse_claim(given.as_bytes()).unwrap().owner,
+            Some(OwnerToken::parse("abc1").unwrap())
+        );
+        let too_long = format!(r#","owner":"{HEX}0""#);
+        for bad in [r#","owner":"""#, r#","owner":"xyz""#, too_long.as_str()] {
+            let body = with_owner(bad);
+            let err = parse_claim(body.as_bytes()).unwrap_err();
+            assert!(err.0.contains("`owner`"), "{body} -> {}", err.0);
+        }
+        assert!(parse_claim(with_owner(r#","owner":7"#).as_bytes()).is_err());
     }
 
     #[test]

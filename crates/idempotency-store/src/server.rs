@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 
 use crate::metrics::{self, Metrics, Operation, Rejection};
 use crate::protocol::{self, BadRequest, ClaimResponse, OutcomeResponse, Problem, RecordResponse};
-use crate::storage::{CompleteOutcome, ReleaseOutcome, Storage, StorageError};
+use crate::storage::{CompleteOutcome, Digest, OwnerToken, ReleaseOutcome, Storage, StorageError};
 
 /// Base64 inflates a 1 MiB response to ~1.4 MiB; 4 MiB leaves room for that
 /// plus JSON framing and headroom for larger recorded responses.
@@ -217,15 +217,63 @@ fn not_owner(detail: &str) -> Response {
     )
 }
 
+/// Runs one `/v1` operation (storage call plus its metrics) on a task of its
+/// own and waits for the response it builds.
+///
+/// When the client gives up (Envoy's callout timeout) hyper drops the handler
+/// future. If the storage call were awaited in the handler itself it would be
+/// cancelled at whatever `.await` it had reached: a write the backend had
+/// already committed (or was about to) would go uncounted in
+/// `operations_total`/`operation_duration_seconds`. A spawned task does not
+/// belong to the handler: dropping the handler drops only the `JoinHandle`,
+/// which detaches the task, so the operation always runs to its end and
+/// records its outcome whether or not anyone is left to read the answer.
+///
+/// At process exit a detached task may be cut short, but nothing is lost that
+/// matters: every backend applies a write atomically (one redb transaction on
+/// the blocking pool, which the runtime lets finish; one Redis script; one
+/// locked map update), and the metrics die with the process anyway.
+async fn run_detached(
+    st: &AppState,
+    op: Operation,
+    started: Instant,
+    work: impl Future<Output = Response> + Send + 'static,
+) -> Response {
+    match tokio::spawn(work).await {
+        Ok(resp) => resp,
+        // Only a panic in the operation (or a runtime shutting down) gets
+        // here; answer like any other backend failure, never re-panic.
+        Err(e) => backend_failure(
+            st,
+            op,
+            started,
+            &StorageError::Backend(format!("operation task failed: {e}")),
+        ),
+    }
+}
+
 async fn claim(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let req = match parse_body(body, protocol::parse_claim) {
         Ok(req) => req,
         Err(refusal) => return refusal.respond(&st),
     };
     let started = Instant::now();
+    let task_st = st.clone();
+    run_detached(&st, Operation::Claim, started, async move {
+        claim_op(&task_st, req, started).await
+    })
+    .await
+}
+
+async fn claim_op(st: &AppState, req: protocol::ClaimRequest, started: Instant) -> Response {
+    // The client's own token if it chose one, else a fresh one from the CSPRNG.
+    let owner = match req.owner.map_or_else(OwnerToken::generate, Ok) {
+        Ok(owner) => owner,
+        Err(e) => return backend_failure(st, Operation::Claim, started, &e),
+    };
     match st
         .storage
-        .claim(&req.key, &req.fingerprint, req.lease_ms)
+        .claim(&req.key, &req.fingerprint, req.lease_ms, &owner)
         .await
     {
         Ok(outcome) => {
@@ -234,7 +282,7 @@ async fn claim(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) 
                 .record_operation(Operation::Claim, name, started.elapsed());
             Json(ClaimResponse::from(outcome)).into_response()
         }
-        Err(e) => backend_failure(&st, Operation::Claim, started, &e),
+        Err(e) => backend_failure(st, Operation::Claim, started, &e),
     }
 }
 
@@ -244,6 +292,14 @@ async fn complete(State(st): State<AppState>, body: Result<Bytes, BytesRejection
         Err(refusal) => return refusal.respond(&st),
     };
     let started = Instant::now();
+    let task_st = st.clone();
+    run_detached(&st, Operation::Complete, started, async move {
+        complete_op(&task_st, req, started).await
+    })
+    .await
+}
+
+async fn complete_op(st: &AppState, req: protocol::CompleteRequest, started: Instant) -> Response {
     match st
         .storage
         .complete(&req.key, &req.owner, req.ttl_ms, req.record)
@@ -255,12 +311,13 @@ async fn complete(State(st): State<AppState>, body: Result<Bytes, BytesRejection
                 .record_operation(Operation::Complete, name, started.elapsed());
             match outcome {
                 CompleteOutcome::Completed => Json(OutcomeResponse::new(name)).into_response(),
-                CompleteOutcome::NotOwner => {
-                    not_owner("no in-flight record for this key is owned by this owner")
-                }
+                CompleteOutcome::NotOwner => not_owner(
+                    "no in-flight record for this key is owned by this owner, \
+                     and no completion with these bytes exists",
+                ),
             }
         }
-        Err(e) => backend_failure(&st, Operation::Complete, started, &e),
+        Err(e) => backend_failure(st, Operation::Complete, started, &e),
     }
 }
 
@@ -270,6 +327,14 @@ async fn release(State(st): State<AppState>, body: Result<Bytes, BytesRejection>
         Err(refusal) => return refusal.respond(&st),
     };
     let started = Instant::now();
+    let task_st = st.clone();
+    run_detached(&st, Operation::Release, started, async move {
+        release_op(&task_st, req, started).await
+    })
+    .await
+}
+
+async fn release_op(st: &AppState, req: protocol::ReleaseRequest, started: Instant) -> Response {
     match st.storage.release(&req.key, &req.owner).await {
         Ok(outcome) => {
             let name = protocol::release_outcome_name(outcome);
@@ -282,7 +347,7 @@ async fn release(State(st): State<AppState>, body: Result<Bytes, BytesRejection>
                 }
             }
         }
-        Err(e) => backend_failure(&st, Operation::Release, started, &e),
+        Err(e) => backend_failure(st, Operation::Release, started, &e),
     }
 }
 
@@ -295,6 +360,14 @@ async fn lookup(State(st): State<AppState>, key: Result<Path<String>, PathReject
         Err(bad) => return bad_request(&st, bad),
     };
     let started = Instant::now();
+    let task_st = st.clone();
+    run_detached(&st, Operation::Lookup, started, async move {
+        lookup_op(&task_st, key, started).await
+    })
+    .await
+}
+
+async fn lookup_op(st: &AppState, key: Digest, started: Instant) -> Response {
     match st.storage.lookup(&key).await {
         Ok(Some(view)) => {
             st.metrics
@@ -311,7 +384,7 @@ async fn lookup(State(st): State<AppState>, key: Result<Path<String>, PathReject
                 "no live record for this key",
             )
         }
-        Err(e) => backend_failure(&st, Operation::Lookup, started, &e),
+        Err(e) => backend_failure(st, Operation::Lookup, started, &e),
     }
 }
 

@@ -94,8 +94,20 @@ impl Harness {
         self.storage.as_ref()
     }
 
+    /// Claims with a fresh owner, as the server does for a client that sent none.
     async fn claim(&self, key: &Digest, fp: &Digest, lease_ms: u64) -> ClaimOutcome {
-        self.s().claim(key, fp, lease_ms).await.unwrap()
+        self.claim_as(key, fp, lease_ms, &OwnerToken::generate().unwrap())
+            .await
+    }
+
+    async fn claim_as(
+        &self,
+        key: &Digest,
+        fp: &Digest,
+        lease_ms: u64,
+        owner: &OwnerToken,
+    ) -> ClaimOutcome {
+        self.s().claim(key, fp, lease_ms, owner).await.unwrap()
     }
 
     async fn claim_owner(&self, key: &Digest, fp: &Digest, lease_ms: u64) -> OwnerToken {
@@ -118,6 +130,10 @@ impl Harness {
             .unwrap()
     }
 
+    async fn release(&self, key: &Digest, owner: &OwnerToken) -> ReleaseOutcome {
+        self.s().release(key, owner).await.unwrap()
+    }
+
     async fn state(&self, key: &Digest) -> Option<RecordState> {
         self.s().lookup(key).await.unwrap().map(|v| v.state)
     }
@@ -129,12 +145,13 @@ fn foreign_owner() -> OwnerToken {
 
 async fn first_claim_claims(h: &Harness) {
     let (k, fp) = (random_digest(), random_digest());
-    let lease_end = match h.claim(&k, &fp, LONG_LEASE_MS).await {
+    let given = OwnerToken::generate().unwrap();
+    let lease_end = match h.claim_as(&k, &fp, LONG_LEASE_MS, &given).await {
         ClaimOutcome::Claimed {
             owner,
             lease_expires_at_ms,
         } => {
-            assert_eq!(owner.as_str().len(), 32, "128-bit hex owner");
+            assert_eq!(owner, given, "the record is owned by the given token");
             assert!(lease_expires_at_ms > 1_600_000_000_000);
             lease_expires_at_ms
         }
@@ -234,9 +251,15 @@ async fn completed_record_is_never_overwritten(h: &Harness) {
         h.complete(&k, &owner, LONG_TTL_MS, b"first").await,
         CompleteOutcome::Completed
     );
+    let before = h.s().lookup(&k).await.unwrap();
     assert_eq!(
-        h.complete(&k, &owner, LONG_TTL_MS, b"second").await,
+        h.complete(&k, &owner, h.short_ms(), b"second").await,
         CompleteOutcome::NotOwner
+    );
+    assert_eq!(
+        h.s().lookup(&k).await.unwrap(),
+        before,
+        "bytes and expiry unchanged"
     );
     assert_eq!(
         h.claim(&k, &fp, LONG_LEASE_MS).await,
@@ -325,13 +348,121 @@ async fn ttl_expiry_allows_new_claim(h: &Harness) {
     h.claim_owner(&k, &random_digest(), LONG_LEASE_MS).await;
 }
 
+async fn given_owner_can_release_and_complete(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    // The client picks its token before calling, so it can release a claim
+    // whose answer it never saw.
+    let mine = OwnerToken::parse("00C0FFEE00c0ffee").unwrap();
+    assert_eq!(mine.as_str(), "00c0ffee00c0ffee", "normalised to lowercase");
+    assert!(matches!(
+        h.claim_as(&k, &fp, LONG_LEASE_MS, &mine).await,
+        ClaimOutcome::Claimed { owner, .. } if owner == mine
+    ));
+    // A claim that does not succeed does not hand the record to its owner.
+    let other =
+        OwnerToken::parse("0abba0000000000000000000000000000000000000000000000000000000000f")
+            .unwrap();
+    assert!(matches!(
+        h.claim_as(&k, &fp, LONG_LEASE_MS, &other).await,
+        ClaimOutcome::InFlight { .. }
+    ));
+    assert_eq!(h.release(&k, &other).await, ReleaseOutcome::NotOwner);
+    assert_eq!(h.release(&k, &mine).await, ReleaseOutcome::Released);
+    assert_eq!(h.state(&k).await, None);
+
+    // Claimed again with the client's token: complete by it works too.
+    assert!(matches!(
+        h.claim_as(&k, &fp, LONG_LEASE_MS, &mine).await,
+        ClaimOutcome::Claimed { owner, .. } if owner == mine
+    ));
+    assert_eq!(
+        h.complete(&k, &foreign_owner(), LONG_TTL_MS, b"x").await,
+        CompleteOutcome::NotOwner
+    );
+    assert_eq!(
+        h.complete(&k, &mine, LONG_TTL_MS, b"done").await,
+        CompleteOutcome::Completed
+    );
+    assert_eq!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Completed {
+            record: b"done".to_vec()
+        }
+    );
+}
+
+async fn retried_complete_with_same_bytes_succeeds_unchanged(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    let bytes: Vec<u8> = (0..=255u8).rev().chain([0, 0]).collect();
+    assert_eq!(
+        h.complete(&k, &owner, LONG_TTL_MS, &bytes).await,
+        CompleteOutcome::Completed
+    );
+    let before = h.s().lookup(&k).await.unwrap().unwrap();
+    // The retry asks for a much shorter TTL; the stored expiry must not move.
+    let short = h.short_ms();
+    assert_eq!(
+        h.complete(&k, &owner, short, &bytes).await,
+        CompleteOutcome::Completed
+    );
+    assert_eq!(h.s().lookup(&k).await.unwrap().unwrap(), before);
+    h.pass(short).await;
+    assert_eq!(
+        h.state(&k).await,
+        Some(RecordState::Completed),
+        "the retry did not shorten the TTL"
+    );
+    // Empty bytes are bytes too.
+    let (k2, fp2) = (random_digest(), random_digest());
+    let owner2 = h.claim_owner(&k2, &fp2, LONG_LEASE_MS).await;
+    for _ in 0..2 {
+        assert_eq!(
+            h.complete(&k2, &owner2, LONG_TTL_MS, b"").await,
+            CompleteOutcome::Completed
+        );
+    }
+    assert_eq!(
+        h.complete(&k2, &owner2, LONG_TTL_MS, b"\0").await,
+        CompleteOutcome::NotOwner
+    );
+}
+
+async fn release_of_a_gone_record_is_not_owner(h: &Harness) {
+    // Released before: the second release finds nothing.
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_eq!(h.release(&k, &owner).await, ReleaseOutcome::Released);
+    assert_eq!(h.release(&k, &owner).await, ReleaseOutcome::NotOwner);
+
+    // Expired and removed (Redis at lease end, the others by the sweeper).
+    let (k, fp) = (random_digest(), random_digest());
+    let short = h.short_ms();
+    let owner = h.claim_owner(&k, &fp, short).await;
+    h.pass(short).await;
+    h.s().sweep_expired().await.unwrap();
+    assert_eq!(h.release(&k, &owner).await, ReleaseOutcome::NotOwner);
+    assert_eq!(h.state(&k).await, None);
+
+    // Completed, then expired: nothing to release either.
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_eq!(
+        h.complete(&k, &owner, short, b"r").await,
+        CompleteOutcome::Completed
+    );
+    h.pass(short).await;
+    assert_eq!(h.release(&k, &owner).await, ReleaseOutcome::NotOwner);
+}
+
 async fn concurrent_claims_have_one_winner(h: &Harness) {
     let (k, fp) = (random_digest(), random_digest());
     let mut tasks = Vec::new();
     for _ in 0..64 {
         let (s, k, fp) = (Arc::clone(&h.storage), k.clone(), fp.clone());
         tasks.push(tokio::spawn(async move {
-            s.claim(&k, &fp, LONG_LEASE_MS).await
+            let owner = OwnerToken::generate().unwrap();
+            s.claim(&k, &fp, LONG_LEASE_MS, &owner).await
         }));
     }
     let (mut claimed, mut in_flight) = (0, 0);
@@ -361,6 +492,9 @@ macro_rules! contract_suite {
                 release_by_non_owner_is_refused,
                 lease_expiry_allows_takeover,
                 ttl_expiry_allows_new_claim,
+                given_owner_can_release_and_complete,
+                retried_complete_with_same_bytes_succeeds_unchanged,
+                release_of_a_gone_record_is_not_owner,
                 concurrent_claims_have_one_winner,
             );
         }
@@ -396,6 +530,31 @@ async fn late_complete_without_takeover_succeeds(h: &Harness) {
         ClaimOutcome::Completed {
             record: b"late".to_vec()
         }
+    );
+}
+
+async fn late_release_without_takeover_or_sweep_releases(h: &Harness) {
+    // Like a late complete: a lapsed lease nobody took over still belongs to
+    // its owner until the sweeper removes it (Redis has removed it already).
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, 1_000).await;
+    h.pass(5_000).await;
+    assert_eq!(h.release(&k, &owner).await, ReleaseOutcome::Released);
+    assert_eq!(h.release(&k, &owner).await, ReleaseOutcome::NotOwner);
+}
+
+async fn retried_complete_after_ttl_is_not_owner(h: &Harness) {
+    // Same bytes, but the completion has expired: it is gone, not confirmed.
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, 1_000).await;
+    assert_eq!(
+        h.complete(&k, &owner, 2_000, b"r").await,
+        CompleteOutcome::Completed
+    );
+    h.pass(2_000).await;
+    assert_eq!(
+        h.complete(&k, &owner, 2_000, b"r").await,
+        CompleteOutcome::NotOwner
     );
 }
 
@@ -436,6 +595,8 @@ macro_rules! clock_suite {
             use super::*;
             contract_suite!(@cases $harness;
                 late_complete_without_takeover_succeeds,
+                late_release_without_takeover_or_sweep_releases,
+                retried_complete_after_ttl_is_not_owner,
                 retry_after_counts_down,
                 sweep_removes_only_expired,
             );
@@ -456,7 +617,9 @@ async fn embedded_completed_record_survives_reopen() {
     let (k, fp) = (random_digest(), random_digest());
     {
         let s = EmbeddedStorage::open(dir.path(), clock.clone()).unwrap();
-        let ClaimOutcome::Claimed { owner, .. } = s.claim(&k, &fp, 1_000).await.unwrap() else {
+        let mine = OwnerToken::generate().unwrap();
+        let ClaimOutcome::Claimed { owner, .. } = s.claim(&k, &fp, 1_000, &mine).await.unwrap()
+        else {
             panic!("expected claimed");
         };
         let outcome = s
@@ -468,7 +631,9 @@ async fn embedded_completed_record_survives_reopen() {
     let s = EmbeddedStorage::open(dir.path(), clock).unwrap();
     assert!(s.path().ends_with("idempotency.redb"));
     assert_eq!(
-        s.claim(&k, &fp, 1_000).await.unwrap(),
+        s.claim(&k, &fp, 1_000, &OwnerToken::generate().unwrap())
+            .await
+            .unwrap(),
         ClaimOutcome::Completed {
             record: b"persisted".to_vec()
         }
@@ -480,7 +645,9 @@ async fn redis_records_use_cluster_safe_hash_keys() {
     let server = RedisServer::start();
     let s = RedisStorage::connect(&server.url()).await.unwrap();
     let (k, fp) = (random_digest(), random_digest());
-    s.claim(&k, &fp, LONG_LEASE_MS).await.unwrap();
+    s.claim(&k, &fp, LONG_LEASE_MS, &OwnerToken::generate().unwrap())
+        .await
+        .unwrap();
     let client = ::redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     let key = format!("idem:{{{}}}", k.as_str());
@@ -507,7 +674,10 @@ async fn redis_outage_is_a_backend_error_not_a_hang() {
     let s = RedisStorage::connect(&server.url()).await.unwrap();
     drop(server);
     let started = std::time::Instant::now();
-    let res = s.claim(&random_digest(), &random_digest(), 1_000).await;
+    let owner = OwnerToken::generate().unwrap();
+    let res = s
+        .claim(&random_digest(), &random_digest(), 1_000, &owner)
+        .await;
     assert!(
         res.is_err(),
         "claim against a dead redis must fail: {res:?}"

@@ -9,8 +9,12 @@
 )]
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
+use axum::extract::Request;
+use axum::middleware::Next;
+use axum::Router;
 use idempotency_store::clock::SystemClock;
 use idempotency_store::metrics::Metrics;
 use idempotency_store::server::{self, AppState, Auth};
@@ -21,7 +25,7 @@ use idempotency_store::storage::{
 };
 use reqwest::{Client, StatusCode, Version};
 use serde_json::{json, Value};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 
 const TOKEN: &str = "test-token-0123456789";
 const K: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
@@ -36,16 +40,26 @@ struct TestServer {
 
 impl TestServer {
     async fn start_with(storage: Arc<dyn Storage>, auth: Auth, max_body: usize) -> Self {
+        Self::start_wrapped(storage, auth, max_body, |app| app).await
+    }
+
+    /// Like `start_with`, but `wrap` may add layers around the real router.
+    async fn start_wrapped(
+        storage: Arc<dyn Storage>,
+        auth: Auth,
+        max_body: usize,
+        wrap: impl FnOnce(Router) -> Router,
+    ) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let app = server::router(
+        let app = wrap(server::router(
             AppState {
                 storage,
                 metrics: Arc::new(Metrics::new()),
                 auth,
             },
             max_body,
-        );
+        ));
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(server::serve(listener, app, async {
             let _ = stopped.await;
@@ -352,6 +366,21 @@ async fn every_validation_failure_is_a_400_problem() {
             "unknown field `lease`",
         ),
         (
+            "/v1/claim",
+            r#"{"key":"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa","fingerprint":"bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb","lease_ms":5,"owner":""}"#,
+            "`owner`",
+        ),
+        (
+            "/v1/claim",
+            r#"{"key":"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa","fingerprint":"bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb","lease_ms":5,"owner":"not-hex"}"#,
+            "`owner`",
+        ),
+        (
+            "/v1/claim",
+            r#"{"key":"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa","fingerprint":"bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb","lease_ms":5,"owner":"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"}"#,
+            "`owner`",
+        ),
+        (
             "/v1/complete",
             r#"{"key":"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa","owner":"","ttl_ms":1,"record":""}"#,
             "`owner`",
@@ -482,6 +511,96 @@ async fn unknown_paths_and_methods_are_problems() {
     assert_eq!(content_type(&resp), "application/problem+json");
 }
 
+#[tokio::test]
+async fn claim_with_client_owner_echoes_it_and_that_owner_can_release() {
+    let srv = TestServer::start().await;
+    let mine = "00C0FFEE".repeat(8);
+    let claim = json!({"key": K, "fingerprint": FP, "lease_ms": 60000, "owner": mine});
+    let (st, first) = srv.post("/v1/claim", &claim).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(first["outcome"], "claimed");
+    assert_eq!(first["owner"], mine.to_lowercase(), "echoed, lowercased");
+
+    // The answer was "lost": the client releases with the token it chose.
+    // Another claim with another owner did not take the record.
+    let (_, again) = srv
+        .post(
+            "/v1/claim",
+            &json!({"key": K, "fingerprint": FP, "lease_ms": 60000, "owner": "ab"}),
+        )
+        .await;
+    assert_eq!(again["outcome"], "in_flight");
+    let (st, _) = srv
+        .post("/v1/release", &json!({"key": K, "owner": "ab"}))
+        .await;
+    assert_eq!(st, StatusCode::CONFLICT);
+    let (st, rel) = srv
+        .post("/v1/release", &json!({"key": K, "owner": mine}))
+        .await;
+    assert_eq!((st, rel), (StatusCode::OK, json!({"outcome": "released"})));
+
+    // Releasing what is already gone stays a 409 not_owner (final for the filter).
+    let (st, gone) = srv
+        .post("/v1/release", &json!({"key": K, "owner": mine}))
+        .await;
+    assert_eq!(st, StatusCode::CONFLICT);
+    assert_eq!(gone["outcome"], "not_owner");
+    assert_eq!(gone["type"], "urn:idempotency-store:not-owner");
+
+    // Without an owner the server still makes up a 128-bit one.
+    let (_, fresh) = srv
+        .post(
+            "/v1/claim",
+            &json!({"key": K, "fingerprint": FP, "lease_ms": 60000}),
+        )
+        .await;
+    assert_eq!(fresh["outcome"], "claimed");
+    let generated = fresh["owner"].as_str().unwrap();
+    assert_eq!(generated.len(), 32);
+    assert_ne!(generated, mine.to_lowercase());
+}
+
+#[tokio::test]
+async fn retried_complete_with_same_bytes_is_200_other_bytes_409() {
+    let srv = TestServer::start().await;
+    let (_, c) = srv
+        .post(
+            "/v1/claim",
+            &json!({"key": K, "fingerprint": FP, "lease_ms": 60000}),
+        )
+        .await;
+    let owner = c["owner"].as_str().unwrap().to_owned();
+    let complete = json!({"key": K, "owner": owner, "ttl_ms": 86400000, "record": "aGVsbG8="});
+    let (st, done) = srv.post("/v1/complete", &complete).await;
+    assert_eq!(
+        (st, done),
+        (StatusCode::OK, json!({"outcome": "completed"}))
+    );
+    let (_, before) = srv.get(&format!("/v1/records/{K}")).await;
+
+    let retry = json!({"key": K, "owner": owner, "ttl_ms": 1, "record": "aGVsbG8="});
+    let (st, again) = srv.post("/v1/complete", &retry).await;
+    assert_eq!(
+        (st, again),
+        (StatusCode::OK, json!({"outcome": "completed"}))
+    );
+
+    let other = json!({"key": K, "owner": owner, "ttl_ms": 1, "record": "b3RoZXI="});
+    let (st, refused) = srv.post("/v1/complete", &other).await;
+    assert_eq!(st, StatusCode::CONFLICT);
+    assert_eq!(refused["outcome"], "not_owner");
+
+    let (_, after) = srv.get(&format!("/v1/records/{K}")).await;
+    assert_eq!(after, before, "record and expiry unchanged");
+    let metrics = srv.metrics().await;
+    for needle in [
+        r#"idempotency_store_operations_total{operation="complete",outcome="completed"} 2"#,
+        r#"idempotency_store_operations_total{operation="complete",outcome="not_owner"} 1"#,
+    ] {
+        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+    }
+}
+
 /// A backend that is down.
 struct Broken;
 
@@ -490,7 +609,13 @@ impl Storage for Broken {
     fn backend_name(&self) -> &'static str {
         "broken"
     }
-    async fn claim(&self, _: &Digest, _: &Digest, _: u64) -> Result<ClaimOutcome, StorageError> {
+    async fn claim(
+        &self,
+        _: &Digest,
+        _: &Digest,
+        _: u64,
+        _: &OwnerToken,
+    ) -> Result<ClaimOutcome, StorageError> {
         Err(StorageError::Backend("down".into()))
     }
     async fn complete(
@@ -533,4 +658,184 @@ async fn backend_failure_is_503_and_counted() {
     );
     assert!(metrics
         .contains(r#"idempotency_store_operations_total{operation="claim",outcome="error"} 1"#));
+}
+
+/// Memory storage whose writes wait for `gate` (after announcing themselves
+/// on `entered`), so a test can hold an operation inside the backend while
+/// the client gives up.
+struct Gated {
+    inner: MemoryStorage,
+    entered: Arc<Notify>,
+    gate: Arc<Notify>,
+}
+
+impl Gated {
+    async fn hold(&self) {
+        self.entered.notify_one();
+        self.gate.notified().await;
+    }
+}
+
+#[async_trait]
+impl Storage for Gated {
+    fn backend_name(&self) -> &'static str {
+        "gated"
+    }
+    async fn claim(
+        &self,
+        key: &Digest,
+        fp: &Digest,
+        lease_ms: u64,
+        owner: &OwnerToken,
+    ) -> Result<ClaimOutcome, StorageError> {
+        self.hold().await;
+        self.inner.claim(key, fp, lease_ms, owner).await
+    }
+    async fn complete(
+        &self,
+        key: &Digest,
+        owner: &OwnerToken,
+        ttl_ms: u64,
+        record: Vec<u8>,
+    ) -> Result<CompleteOutcome, StorageError> {
+        self.hold().await;
+        self.inner.complete(key, owner, ttl_ms, record).await
+    }
+    async fn release(
+        &self,
+        key: &Digest,
+        owner: &OwnerToken,
+    ) -> Result<ReleaseOutcome, StorageError> {
+        self.hold().await;
+        self.inner.release(key, owner).await
+    }
+    async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
+        self.inner.lookup(key).await
+    }
+    async fn sweep_expired(&self) -> Result<u64, StorageError> {
+        self.inner.sweep_expired().await
+    }
+}
+
+/// Fires its `Notify` when dropped while armed: the server dropped a request
+/// future before it produced a response (the client went away).
+struct AbandonedSignal(Option<Arc<Notify>>);
+
+impl AbandonedSignal {
+    /// The request finished normally.
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for AbandonedSignal {
+    fn drop(&mut self) {
+        if let Some(n) = self.0.take() {
+            n.notify_one();
+        }
+    }
+}
+
+async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(10), fut)
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+}
+
+/// The client gives up while the claim is inside the backend; the server drops
+/// the request future. The claim must still be applied and counted.
+async fn abandoned_claim_still_completes_and_is_counted(client: Client) {
+    let (entered, gate, abandoned) = (
+        Arc::new(Notify::new()),
+        Arc::new(Notify::new()),
+        Arc::new(Notify::new()),
+    );
+    let storage = Arc::new(Gated {
+        inner: MemoryStorage::new(Arc::new(SystemClock)),
+        entered: Arc::clone(&entered),
+        gate: Arc::clone(&gate),
+    });
+    let signal = Arc::clone(&abandoned);
+    let srv = TestServer::start_wrapped(
+        storage,
+        Auth::bearer(TOKEN),
+        server::DEFAULT_MAX_BODY_BYTES,
+        move |app| {
+            app.layer(axum::middleware::from_fn(
+                move |req: Request, next: Next| {
+                    let mut guard = AbandonedSignal(Some(Arc::clone(&signal)));
+                    async move {
+                        let resp = next.run(req).await;
+                        guard.disarm();
+                        resp
+                    }
+                },
+            ))
+        },
+    )
+    .await;
+
+    let mine = "5eed".repeat(8);
+    let request = client
+        .post(srv.url("/v1/claim"))
+        .bearer_auth(TOKEN)
+        .json(&json!({"key": K, "fingerprint": FP, "lease_ms": 60000, "owner": mine}))
+        .send();
+    let in_flight = tokio::spawn(request);
+    within("the claim to reach the backend", entered.notified()).await;
+    // The client gives up (as Envoy does on its callout timeout).
+    in_flight.abort();
+    assert!(in_flight.await.unwrap_err().is_cancelled());
+    within(
+        "the server to drop the abandoned request",
+        abandoned.notified(),
+    )
+    .await;
+    assert!(!srv.metrics().await.contains(r#"operation="claim""#));
+
+    // Only now does the backend answer.
+    gate.notify_one();
+    let needle = r#"idempotency_store_operations_total{operation="claim",outcome="claimed"} 1"#;
+    within("the abandoned claim to be counted", async {
+        while !srv.metrics().await.contains(needle) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let metrics = srv.metrics().await;
+    assert!(
+        metrics
+            .contains(r#"idempotency_store_operation_duration_seconds_count{operation="claim"} 1"#),
+        "{metrics}"
+    );
+    let (st, rec) = srv.get(&format!("/v1/records/{K}")).await;
+    assert_eq!((st, &rec["state"]), (StatusCode::OK, &json!("in_flight")));
+
+    // The client knows the owner it chose and can free the key at once.
+    let release = tokio::spawn({
+        let (client, url) = (srv.client.clone(), srv.url("/v1/release"));
+        async move {
+            client
+                .post(url)
+                .bearer_auth(TOKEN)
+                .json(&json!({"key": K, "owner": mine}))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    within("the release to reach the backend", entered.notified()).await;
+    gate.notify_one();
+    assert_eq!(release.await.unwrap().status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn abandoned_http1_request_still_completes_and_is_counted() {
+    abandoned_claim_still_completes_and_is_counted(Client::new()).await;
+}
+
+#[tokio::test]
+async fn abandoned_h2c_request_still_completes_and_is_counted() {
+    let h2 = Client::builder().http2_prior_knowledge().build().unwrap();
+    abandoned_claim_still_completes_and_is_counted(h2).await;
 }

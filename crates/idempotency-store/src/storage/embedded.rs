@@ -118,11 +118,12 @@ impl Storage for EmbeddedStorage {
         key: &Digest,
         fingerprint: &Digest,
         lease_ms: u64,
+        owner: &OwnerToken,
     ) -> Result<ClaimOutcome, StorageError> {
-        let fresh = OwnerToken::generate()?;
         let fingerprint = fingerprint.clone();
+        let owner = owner.clone();
         self.apply(key, move |cur, now| {
-            logic::claim(cur, &fingerprint, lease_ms, now, fresh)
+            logic::claim(cur, &fingerprint, lease_ms, now, &owner)
         })
         .await
     }

@@ -40,7 +40,7 @@ pub(crate) fn claim(
     fingerprint: &Digest,
     lease_ms: u64,
     now_ms: u64,
-    fresh_owner: OwnerToken,
+    owner: &OwnerToken,
 ) -> Decision<ClaimOutcome> {
     if let Some(rec) = existing.filter(|r| r.is_live(now_ms)) {
         if rec.fingerprint != *fingerprint {
@@ -61,13 +61,13 @@ pub(crate) fn claim(
         fingerprint: fingerprint.clone(),
         expires_at_ms: lease_expires_at_ms,
         body: StoredBody::InFlight {
-            owner: fresh_owner.clone(),
+            owner: owner.clone(),
         },
     };
     Decision::Put(
         rec,
         ClaimOutcome::Claimed {
-            owner: fresh_owner,
+            owner: owner.clone(),
             lease_expires_at_ms,
         },
     )
@@ -89,17 +89,27 @@ pub(crate) fn complete(
     record: Vec<u8>,
     now_ms: u64,
 ) -> Decision<CompleteOutcome> {
-    match owned_in_flight(existing, owner) {
-        Some(rec) => Decision::Put(
+    if let Some(rec) = owned_in_flight(existing, owner) {
+        return Decision::Put(
             StoredRecord {
                 fingerprint: rec.fingerprint.clone(),
                 expires_at_ms: now_ms.saturating_add(ttl_ms),
                 body: StoredBody::Completed { record },
             },
             CompleteOutcome::Completed,
-        ),
-        None => Decision::Keep(CompleteOutcome::NotOwner),
+        );
     }
+    // A retried complete (the client resent it after losing the answer) finds
+    // its own bytes already stored: confirm without touching the record, TTL
+    // included. Other bytes are never written over a completion.
+    let already_done = existing.filter(|r| r.is_live(now_ms)).is_some_and(
+        |r| matches!(&r.body, StoredBody::Completed { record: stored } if *stored == record),
+    );
+    Decision::Keep(if already_done {
+        CompleteOutcome::Completed
+    } else {
+        CompleteOutcome::NotOwner
+    })
 }
 
 pub(crate) fn release(

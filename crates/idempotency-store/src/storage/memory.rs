@@ -66,10 +66,10 @@ impl Storage for MemoryStorage {
         key: &Digest,
         fingerprint: &Digest,
         lease_ms: u64,
+        owner: &OwnerToken,
     ) -> Result<ClaimOutcome, StorageError> {
-        let fresh = OwnerToken::generate()?;
         self.apply(key, |cur, now| {
-            logic::claim(cur, fingerprint, lease_ms, now, fresh)
+            logic::claim(cur, fingerprint, lease_ms, now, owner)
         })
     }
 

@@ -17,7 +17,7 @@ use super::{
     Storage, StorageError,
 };
 
-// ARGV: fingerprint, lease_ms, fresh owner.
+// ARGV: fingerprint, lease_ms, owner (client-chosen or server-generated).
 // A key that exists is live by definition: Redis deleted it at lease/TTL end.
 const CLAIM_LUA: &str = r"
 local k = KEYS[1]
@@ -42,18 +42,26 @@ return {'claimed', exp}
 ";
 
 // ARGV: owner, ttl_ms, record bytes.
+// A completed record whose stored bytes equal ARGV[3] is a retried complete:
+// confirm it and leave the record and its expiry as they are. Lua strings are
+// 8-bit clean, so `==` compares the raw bytes.
 const COMPLETE_LUA: &str = r"
 local k = KEYS[1]
 local cur = redis.call('HMGET', k, 'state', 'owner')
-if cur[1] ~= 'in_flight' or cur[2] ~= ARGV[1] then return 'not_owner' end
-local ttl = tonumber(ARGV[2])
-local t = redis.call('TIME')
-local exp = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
-redis.call('HDEL', k, 'owner')
-redis.call('HSET', k, 'state', 'completed', 'record', ARGV[3],
-  'expires_at_ms', string.format('%d', exp))
-redis.call('PEXPIRE', k, ttl)
-return 'completed'
+if cur[1] == 'in_flight' and cur[2] == ARGV[1] then
+  local ttl = tonumber(ARGV[2])
+  local t = redis.call('TIME')
+  local exp = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+  redis.call('HDEL', k, 'owner')
+  redis.call('HSET', k, 'state', 'completed', 'record', ARGV[3],
+    'expires_at_ms', string.format('%d', exp))
+  redis.call('PEXPIRE', k, ttl)
+  return 'completed'
+end
+if cur[1] == 'completed' and redis.call('HGET', k, 'record') == ARGV[3] then
+  return 'completed'
+end
+return 'not_owner'
 ";
 
 // ARGV: owner.
@@ -159,15 +167,15 @@ impl Storage for RedisStorage {
         key: &Digest,
         fingerprint: &Digest,
         lease_ms: u64,
+        owner: &OwnerToken,
     ) -> Result<ClaimOutcome, StorageError> {
-        let fresh = OwnerToken::generate()?;
         let mut conn = self.conn.clone();
         let reply: Value = self
             .claim
             .key(redis_key(key))
             .arg(fingerprint.as_str())
             .arg(lease_ms)
-            .arg(fresh.as_str())
+            .arg(owner.as_str())
             .invoke_async(&mut conn)
             .await
             .map_err(backend)?;
@@ -182,7 +190,7 @@ impl Storage for RedisStorage {
                 record: payload.and_then(as_bytes).ok_or_else(bad)?.to_vec(),
             },
             "claimed" => ClaimOutcome::Claimed {
-                owner: fresh,
+                owner: owner.clone(),
                 lease_expires_at_ms: payload.and_then(as_u64).ok_or_else(bad)?,
             },
             _ => return Err(bad()),
