@@ -13,9 +13,10 @@ use idempotency_core::table::{Claim, Held, SlotRef};
 use proxy_wasm::types::Action;
 
 use crate::host;
-use crate::http_filter::{key_label, Journey, RequestFilter};
+use crate::http_filter::{key_label, Journey, RequestFilter, StoreOwner};
 use crate::shared_table::EnvoySharedData;
 use crate::store_calls::{self, StoreOp};
+use crate::store_writes::PendingWrite;
 
 impl RequestFilter {
     /// The key and payload are known: claim the key and act on the answer.
@@ -44,13 +45,16 @@ impl RequestFilter {
                 }
                 match state.stores.get(rule_index).and_then(Option::as_ref) {
                     Some(store) => {
-                        let body = store_client::claim_body(&key, &fingerprint, rule.lease_ms);
+                        let owner = store_client::store_owner(held.owner, host::now_nanos(), &key);
+                        let body =
+                            store_client::claim_body(&key, &fingerprint, rule.lease_ms, &owner);
                         match store_calls::send(store, StoreOp::Claim, &body) {
                             Ok(token) => {
                                 self.journey = Journey::AwaitingStore {
                                     rule: rule_index,
                                     held,
                                     token,
+                                    owner,
                                 };
                                 // Resumed (or answered) when the store replies.
                                 Action::Pause
@@ -58,6 +62,7 @@ impl RequestFilter {
                             Err(status) => self.store_failed(
                                 rule_index,
                                 held,
+                                None,
                                 &StoreFailure(format!("callout refused: {status}")),
                             ),
                         }
@@ -99,7 +104,12 @@ impl RequestFilter {
     }
 
     /// Sends the request upstream holding the claim.
-    fn execute(&mut self, rule_index: usize, held: Held, store_owner: Option<String>) -> Action {
+    fn execute(
+        &mut self,
+        rule_index: usize,
+        held: Held,
+        store_owner: Option<StoreOwner>,
+    ) -> Action {
         self.count(rule_index, Outcome::Executed);
         self.journey = Journey::Executing {
             rule: rule_index,
@@ -121,6 +131,7 @@ impl RequestFilter {
             rule,
             held,
             token: expected,
+            owner: sent_owner,
         } = std::mem::replace(&mut self.journey, Journey::Untouched)
         else {
             return;
@@ -130,6 +141,7 @@ impl RequestFilter {
                 rule,
                 held,
                 token: expected,
+                owner: sent_owner,
             };
             return;
         }
@@ -139,7 +151,14 @@ impl RequestFilter {
             return;
         };
         let action = match read_claim(status, &body) {
-            Ok(StoreClaim::Claimed { owner }) => self.execute(rule, held, Some(owner)),
+            Ok(StoreClaim::Claimed { owner }) => self.execute(
+                rule,
+                held,
+                Some(StoreOwner {
+                    token: owner,
+                    confirmed: true,
+                }),
+            ),
             Ok(StoreClaim::InFlight) => {
                 self.release_local(&held);
                 self.count(rule, Outcome::Conflict);
@@ -167,7 +186,13 @@ impl RequestFilter {
                 self.count(rule, Outcome::Replayed);
                 self.send_replay(rule_config, &recorded)
             }
-            Err(failure) => self.store_failed(rule, held, &failure),
+            Err(failure) => {
+                // Without an answer (timeout, reset) or with a server error the store may have
+                // applied the claim; a 4xx means it refused it.
+                let maybe_applied = status.is_none_or(|s| s >= 500);
+                let sent = maybe_applied.then_some(sent_owner);
+                self.store_failed(rule, held, sent, &failure)
+            }
         };
         if action == Action::Continue {
             if let Err(status) = host::resume_request() {
@@ -176,8 +201,15 @@ impl RequestFilter {
         }
     }
 
-    /// The store could not confirm the claim: the rule's policy decides.
-    fn store_failed(&mut self, rule_index: usize, held: Held, failure: &StoreFailure) -> Action {
+    /// The store could not confirm the claim: the rule's policy decides. `sent_owner` is the
+    /// owner of a claim the store may have applied although its answer was lost.
+    fn store_failed(
+        &mut self,
+        rule_index: usize,
+        held: Held,
+        sent_owner: Option<String>,
+        failure: &StoreFailure,
+    ) -> Action {
         self.count(rule_index, Outcome::StoreError);
         let policy = self
             .rule(rule_index)
@@ -192,15 +224,33 @@ impl RequestFilter {
         match policy {
             StoreErrorPolicy::FailClosed => {
                 self.release_local(&held);
+                if let (Some(owner), Some(store)) = (
+                    sent_owner,
+                    self.state.stores.get(rule_index).and_then(Option::as_ref),
+                ) {
+                    // The store may have applied the claim after the timeout: release it, or
+                    // the key would answer 409 everywhere until the lease ends.
+                    let body = store_client::release_body(&held.key, &owner);
+                    self.state.writes.submit(PendingWrite::cleanup_release(
+                        rule_index,
+                        Rc::clone(store),
+                        body,
+                    ));
+                }
                 self.answer_problem(
                     rule_index,
                     &Problem::unavailable("the idempotency store could not be reached"),
                 )
             }
             StoreErrorPolicy::FailOpen => {
-                // The local claim still guards this proxy's own retries.
+                // The local claim still guards this proxy's own retries; if the store did
+                // apply the claim, completing it with the same owner records it cluster-wide.
                 self.count(rule_index, Outcome::StoreFailOpen);
-                self.execute(rule_index, held, None)
+                let owner = sent_owner.map(|token| StoreOwner {
+                    token,
+                    confirmed: false,
+                });
+                self.execute(rule_index, held, owner)
             }
         }
     }

@@ -17,6 +17,8 @@ use proxy_wasm::types::Action;
 
 use crate::host;
 use crate::root::FilterState;
+use crate::store_calls::StoreOp;
+use crate::store_writes::PendingWrite;
 
 /// Where the request is on its way.
 pub(crate) enum Journey {
@@ -29,13 +31,15 @@ pub(crate) enum Journey {
         rule: usize,
         held: Held,
         token: u32,
+        /// The owner this proxy claimed with (it chooses it, so it can release it).
+        owner: String,
     },
     /// This request holds the claim and went upstream.
     Executing {
         rule: usize,
         held: Held,
-        /// The store's owner token in cluster mode (None: local claim only).
-        store_owner: Option<String>,
+        /// The store claim in cluster mode (None: local claim only).
+        store_owner: Option<StoreOwner>,
         capture: Option<ResponseCapture>,
     },
     /// The filter answered itself; its own reply must not be recorded.
@@ -46,6 +50,15 @@ pub(crate) enum Journey {
         restore: Vec<(String, Vec<u8>)>,
     },
     Finished,
+}
+
+/// This request's claim in the store.
+#[derive(Clone)]
+pub(crate) struct StoreOwner {
+    pub token: String,
+    /// False when the store's answer was lost (fail_open): the claim may not exist, so
+    /// writing to it is best effort and not counted as a store error.
+    pub confirmed: bool,
 }
 
 /// What is kept from the request headers (they are gone once the body arrives).
@@ -122,6 +135,28 @@ impl RequestFilter {
     }
 }
 
+impl RequestFilter {
+    /// Hands a store write to the root context, which sends and retries it even after this
+    /// request is gone. Does nothing for rules without a store.
+    pub(crate) fn submit_store_write(
+        &self,
+        rule: usize,
+        op: StoreOp,
+        confirmed: bool,
+        body: impl FnOnce() -> Vec<u8>,
+    ) {
+        if let Some(store) = self.state.stores.get(rule).and_then(Option::as_ref) {
+            let write = PendingWrite::new(rule, Rc::clone(store), op, body());
+            let write = if confirmed {
+                write
+            } else {
+                write.best_effort()
+            };
+            self.state.writes.submit(write);
+        }
+    }
+}
+
 impl Context for RequestFilter {
     fn on_http_call_response(
         &mut self,
@@ -160,5 +195,9 @@ impl HttpContext for RequestFilter {
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
         self.record();
         Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.on_stream_end();
     }
 }

@@ -11,10 +11,9 @@ use idempotency_core::table::{Completion, Held, TableError};
 use proxy_wasm::types::{BufferType, MapType};
 
 use crate::host;
-use crate::http_filter::{Journey, RequestFilter};
+use crate::http_filter::{Journey, RequestFilter, StoreOwner};
 use crate::shared_table::EnvoySharedData;
 use crate::store_calls::StoreOp;
-use crate::store_writes::PendingWrite;
 
 impl RequestFilter {
     pub(crate) fn on_response_headers(&mut self, end_of_stream: bool) {
@@ -104,20 +103,13 @@ impl RequestFilter {
         }
     }
 
-    fn release(&mut self, rule_index: usize, held: &Held, store_owner: Option<String>) {
+    fn release(&mut self, rule_index: usize, held: &Held, store_owner: Option<StoreOwner>) {
         self.journey = Journey::Finished;
         self.count(rule_index, Outcome::Released);
-        if let (Some(owner), Some(store)) = (
-            store_owner,
-            self.state.stores.get(rule_index).and_then(Option::as_ref),
-        ) {
-            let body = store_client::release_body(&held.key, &owner);
-            self.state.writes.submit(PendingWrite::new(
-                rule_index,
-                Rc::clone(store),
-                StoreOp::Release,
-                body,
-            ));
+        if let Some(owner) = store_owner {
+            self.submit_store_write(rule_index, StoreOp::Release, owner.confirmed, || {
+                store_client::release_body(&held.key, &owner.token)
+            });
         }
         match self.state.table.release(&EnvoySharedData, held) {
             Ok(Completion::Recorded) => {}
@@ -127,6 +119,21 @@ impl RequestFilter {
             Err(e) => {
                 log::error!("release failed, the key stays claimed until its lease ends: {e}")
             }
+        }
+    }
+
+    /// The stream ended (client or upstream gone) after response headers that did not release
+    /// the claim: record what passed without its body, so a retry gets the status and headers
+    /// instead of a second execution. Before any response headers, the claim stays in flight
+    /// until its lease ends: whether the upstream acted is unknowable here.
+    pub(crate) fn on_stream_end(&mut self) {
+        if let Journey::Executing {
+            capture: Some(capture),
+            ..
+        } = &mut self.journey
+        {
+            capture.omit_body();
+            self.record();
         }
     }
 
@@ -147,18 +154,11 @@ impl RequestFilter {
             return;
         };
         let response = capture.finish();
-        if let (Some(owner), Some(store)) = (
-            store_owner,
-            state.stores.get(rule_index).and_then(Option::as_ref),
-        ) {
+        if let Some(owner) = store_owner {
             // The cluster-wide record matters most: queue it first, from the root context.
-            let body = store_client::complete_body(&held.key, &owner, rule.ttl_ms, &response);
-            state.writes.submit(PendingWrite::new(
-                rule_index,
-                Rc::clone(store),
-                StoreOp::Complete,
-                body,
-            ));
+            self.submit_store_write(rule_index, StoreOp::Complete, owner.confirmed, || {
+                store_client::complete_body(&held.key, &owner.token, rule.ttl_ms, &response)
+            });
         }
         match state.table.complete(
             &EnvoySharedData,

@@ -12,7 +12,7 @@ use std::rc::Rc;
 use idempotency_core::burst_log::BurstLog;
 use idempotency_core::config::StoreConfig;
 use idempotency_core::outcome::Outcome;
-use idempotency_core::store_client::{read_write_answer, WriteAnswer};
+use idempotency_core::store_client::{read_write_answer, WriteAnswer, WriteKind};
 
 use crate::host;
 use crate::metrics::Metrics;
@@ -21,12 +21,18 @@ use crate::store_calls::{self, StoreOp};
 /// Attempts per write before it is given up (the store's lease then decides).
 const MAX_ATTEMPTS: u32 = 6;
 const FIRST_BACKOFF_MS: u64 = 100;
+/// A cleanup release answered "not the owner" is tried this often: the claim it undoes may
+/// still be on its way through the store.
+const CLEANUP_NOT_OWNER_ATTEMPTS: u32 = 3;
 
 pub struct PendingWrite {
     pub rule: usize,
     pub store: Rc<StoreConfig>,
     pub op: StoreOp,
     pub body: Vec<u8>,
+    /// Writes to a claim whose answer was lost: best effort, so failures are logged but not
+    /// counted as store errors (the failed claim already was).
+    cleanup: bool,
     attempts: u32,
     not_before_ms: u64,
 }
@@ -38,8 +44,22 @@ impl PendingWrite {
             store,
             op,
             body,
+            cleanup: false,
             attempts: 0,
             not_before_ms: 0,
+        }
+    }
+
+    /// Releases a claim the store may have applied after its answer was lost.
+    pub fn cleanup_release(rule: usize, store: Rc<StoreConfig>, body: Vec<u8>) -> PendingWrite {
+        PendingWrite::new(rule, store, StoreOp::Release, body).best_effort()
+    }
+
+    /// A write to a claim the store may never have applied: failures are not store errors.
+    pub fn best_effort(self) -> PendingWrite {
+        PendingWrite {
+            cleanup: true,
+            ..self
         }
     }
 }
@@ -129,10 +149,28 @@ impl StoreWrites {
             return false;
         };
         let (status, body) = store_calls::read_answer(num_headers, body_size);
-        match read_write_answer(status, &body) {
+        let kind = match write.op {
+            StoreOp::Release => WriteKind::Release,
+            _ => WriteKind::Complete,
+        };
+        if write.cleanup
+            && write.op == StoreOp::Release
+            && status == Some(409)
+            && write.attempts + 1 < CLEANUP_NOT_OWNER_ATTEMPTS
+        {
+            self.retry_later(
+                write,
+                "the claim to release has not reached the store yet",
+                metrics,
+            );
+            return true;
+        }
+        match read_write_answer(kind, status, &body) {
             WriteAnswer::Done => {}
             WriteAnswer::Refused(why) => {
-                metrics.count(write.rule, Outcome::StoreError);
+                if !write.cleanup {
+                    metrics.count(write.rule, Outcome::StoreError);
+                }
                 log::warn!("store {:?} refused: {why}", write.op);
             }
             WriteAnswer::Retry(why) => self.retry_later(write, &why, metrics),
@@ -141,7 +179,9 @@ impl StoreWrites {
     }
 
     fn retry_later(&self, mut write: PendingWrite, why: &str, metrics: &Metrics) {
-        metrics.count(write.rule, Outcome::StoreError);
+        if !write.cleanup {
+            metrics.count(write.rule, Outcome::StoreError);
+        }
         write.attempts += 1;
         let now = host::now_ms();
         if let Some(suppressed) = self.failures.borrow_mut().admit(now) {

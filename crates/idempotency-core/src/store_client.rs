@@ -37,6 +37,7 @@ struct ClaimBody<'a> {
     key: &'a str,
     fingerprint: &'a str,
     lease_ms: u64,
+    owner: &'a str,
 }
 
 #[derive(Serialize)]
@@ -67,11 +68,26 @@ struct OutcomeAnswer {
     outcome: String,
 }
 
-pub fn claim_body(key: &Digest, fingerprint: &Digest, lease_ms: u64) -> Vec<u8> {
+/// The owner token this proxy claims with. Chosen by the proxy, not the store, so that a
+/// claim whose answer never arrived (timeout) can still be released by its owner.
+/// `local_owner` is unique within the Envoy process; the clock and the key separate processes.
+pub fn store_owner(local_owner: u64, now_nanos: u64, key: &Digest) -> String {
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    h.update(b"idempotency-filter/store-owner/v1");
+    h.update(local_owner.to_be_bytes());
+    h.update(now_nanos.to_be_bytes());
+    h.update(key);
+    let digest: Digest = h.finalize().into();
+    to_hex(&digest).chars().take(32).collect()
+}
+
+pub fn claim_body(key: &Digest, fingerprint: &Digest, lease_ms: u64, owner: &str) -> Vec<u8> {
     serde_json::to_vec(&ClaimBody {
         key: &to_hex(key),
         fingerprint: &to_hex(fingerprint),
         lease_ms,
+        owner,
     })
     .unwrap_or_default()
 }
@@ -139,8 +155,17 @@ pub enum WriteAnswer {
     Retry(String),
 }
 
-pub fn read_write_answer(status: Option<u16>, body: &[u8]) -> WriteAnswer {
+/// Which write an answer is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteKind {
+    Complete,
+    Release,
+}
+
+pub fn read_write_answer(kind: WriteKind, status: Option<u16>, body: &[u8]) -> WriteAnswer {
     match status {
+        // Nothing left to release (released before, expired, or taken over): the goal holds.
+        Some(409) if kind == WriteKind::Release => WriteAnswer::Done,
         Some(200) => match serde_json::from_slice::<OutcomeAnswer>(body) {
             Ok(a) if a.outcome == "completed" || a.outcome == "released" => WriteAnswer::Done,
             Ok(a) => WriteAnswer::Retry(format!("unexpected outcome '{}'", a.outcome)),
@@ -177,7 +202,8 @@ mod tests {
     #[test]
     fn request_bodies_follow_the_protocol() {
         let v: serde_json::Value =
-            serde_json::from_slice(&claim_body(&[0xab; 32], &[1; 32], 60_000)).unwrap();
+            serde_json::from_slice(&claim_body(&[0xab; 32], &[1; 32], 60_000, "0a1b")).unwrap();
+        assert_eq!(v["owner"], "0a1b");
         assert_eq!(v["key"].as_str().unwrap(), "ab".repeat(32));
         assert_eq!(v["fingerprint"].as_str().unwrap(), "01".repeat(32));
         assert_eq!(v["lease_ms"], 60_000);
@@ -234,33 +260,49 @@ mod tests {
 
     #[test]
     fn write_answers_tell_done_refused_and_retry_apart() {
+        use WriteKind::{Complete, Release};
+        let done = WriteAnswer::Done;
         assert_eq!(
-            read_write_answer(Some(200), br#"{"outcome":"completed"}"#),
-            WriteAnswer::Done
+            read_write_answer(Complete, Some(200), br#"{"outcome":"completed"}"#),
+            done
         );
         assert_eq!(
-            read_write_answer(Some(200), br#"{"outcome":"released"}"#),
+            read_write_answer(Release, Some(200), br#"{"outcome":"released"}"#),
+            done
+        );
+        assert!(matches!(
+            read_write_answer(Complete, Some(409), b""),
+            WriteAnswer::Refused(_)
+        ));
+        assert_eq!(
+            read_write_answer(Release, Some(409), b""),
             WriteAnswer::Done
         );
         assert!(matches!(
-            read_write_answer(Some(409), b""),
+            read_write_answer(Release, Some(401), b""),
             WriteAnswer::Refused(_)
         ));
         assert!(matches!(
-            read_write_answer(Some(401), b""),
-            WriteAnswer::Refused(_)
-        ));
-        assert!(matches!(
-            read_write_answer(Some(503), b""),
+            read_write_answer(Complete, Some(503), b""),
             WriteAnswer::Retry(_)
         ));
         assert!(matches!(
-            read_write_answer(None, b""),
+            read_write_answer(Complete, None, b""),
             WriteAnswer::Retry(_)
         ));
         assert!(matches!(
-            read_write_answer(Some(200), b"junk"),
+            read_write_answer(Complete, Some(200), b"junk"),
             WriteAnswer::Retry(_)
         ));
+    }
+
+    #[test]
+    fn store_owners_are_hex_and_differ_per_claim() {
+        let a = store_owner(1, 100, &[0; 32]);
+        assert_eq!(a.len(), 32);
+        assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_ne!(a, store_owner(2, 100, &[0; 32]));
+        assert_ne!(a, store_owner(1, 101, &[0; 32]));
+        assert_ne!(a, store_owner(1, 100, &[1; 32]));
     }
 }
