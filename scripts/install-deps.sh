@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs what this project needs and a fresh Debian machine lacks; does nothing for what is
+# already there, so `make run` and `make test` can call it every time.
+#   scripts/install-deps.sh          everything `make test` needs
+#   scripts/install-deps.sh --run    only what `make run` needs
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode=${1:-test}
+as_root=()
+if [[ $(id -u) -ne 0 ]]; then
+    if command -v sudo >/dev/null; then as_root=(sudo); fi
+fi
+
+need_apt=()
+python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+command -v curl >/dev/null || need_apt+=(curl)
+if [[ $mode != --run ]]; then
+    command -v redis-server >/dev/null || need_apt+=(redis-server)
+    command -v wrk >/dev/null || need_apt+=(wrk)
+    command -v docker-compose >/dev/null || need_apt+=(docker-compose)
+    command -v node >/dev/null || need_apt+=(nodejs)
+fi
+if ((${#need_apt[@]})); then
+    echo "installing Debian packages: ${need_apt[*]}"
+    "${as_root[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq "${need_apt[@]}"
+fi
+
+rustup target list --installed | grep -qx wasm32-unknown-unknown || rustup target add wasm32-unknown-unknown
+[[ $mode == --run ]] && exit 0
+
+rustup component list --installed | grep -q '^clippy' || rustup component add clippy
+rustup component list --installed | grep -q '^rustfmt' || rustup component add rustfmt
+# The wasm32 test runner must match the wasm-bindgen crate in Cargo.lock.
+wb_version=$(awk '/^name = "wasm-bindgen"$/{getline; gsub(/"/,"",$3); print $3}' Cargo.lock)
+if ! wasm-bindgen-test-runner --version 2>/dev/null | grep -q "$wb_version"; then
+    cargo install wasm-bindgen-cli --version "$wb_version"
+fi
