@@ -54,7 +54,13 @@ e2e: build venv
 
 test: lint unit unit-wasm e2e
 
-bench: build venv
+# The no-op filter is the floor the benchmarks compare against; only `make bench` builds it.
+.PHONY: noop-wasm
+noop-wasm:
+	cargo build --release --target $(WASM_TARGET) -p noop-filter
+
+bench: build venv noop-wasm
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 	$(PYTHON) bench/run.py
 
 clean:
