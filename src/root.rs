@@ -32,6 +32,8 @@ pub struct FilterState {
     pub writes: StoreWrites,
     /// Store failures seen by requests, logged once per burst.
     pub store_failures: RefCell<BurstLog>,
+    /// Claims refused for a full table, logged once per burst.
+    pub table_full_log: RefCell<BurstLog>,
 }
 
 /// How often the root retries store writes that failed.
@@ -75,6 +77,7 @@ impl FilterRoot {
             stores,
             writes,
             store_failures: RefCell::new(BurstLog::new(10_000)),
+            table_full_log: RefCell::new(BurstLog::new(10_000)),
         })
     }
 }

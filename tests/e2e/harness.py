@@ -359,8 +359,9 @@ class ProcessGroup:
 
 
 def cargo_binary(name: str, env_var: str | None = None) -> Path:
-    """``$env_var`` if set, else the newer of target/release/<name> and
-    target/debug/<name>; raises FileNotFoundError with the build command."""
+    """``$env_var`` if set, else target/release/<name> (what `make build` produces and
+    the tests and benchmarks are meant to run), else target/debug/<name>; raises
+    FileNotFoundError with the build command."""
     if env_var and os.environ.get(env_var):
         path = Path(os.environ[env_var])
         if not path.is_file():
@@ -370,9 +371,10 @@ def cargo_binary(name: str, env_var: str | None = None) -> Path:
     existing = [p for p in candidates if p.is_file()]
     if not existing:
         hint = f" (or set {env_var})" if env_var else ""
-        raise FileNotFoundError(f"{name} is not built: run `cargo build -p {name}`{hint}")
-    # Release wins ties: it is the one a benchmark wants.
-    return max(existing, key=lambda p: (p.stat().st_mtime, "release" in p.parts))
+        raise FileNotFoundError(f"{name} is not built: run `make build`{hint}")
+    # Never the newer debug build left behind by `cargo test`: a slow binary would skew
+    # timing-sensitive tests and benchmarks without anyone noticing.
+    return existing[0]
 
 
 def demo_upstream_binary() -> Path:
