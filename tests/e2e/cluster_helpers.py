@@ -22,8 +22,9 @@ import requests
 import yaml
 
 import harness
+import helpers
+from helpers import wasm_path
 
-WASM_PATH = harness.REPO_ROOT / "target" / "wasm32-unknown-unknown" / "release" / "idempotency_filter.wasm"
 STORE_CLUSTER = "idempotency_store"
 UPSTREAM_CLUSTER = "demo_upstream"
 DEMO_TOKEN = "demo-token-change-me"
@@ -35,33 +36,16 @@ REPLAYED = "idempotent-replayed"
 HOST = "api.test"
 TIMEOUT = 20.0
 
-# Lines a healthy Envoy never logs: the module's panic hook, a trap in a proxy_on_* callback,
-# a V8 runtime error, or a VM that failed and had to be replaced. ("trap" alone would match
-# "bootstrap".)
-CRASH_PATTERNS = [
-    re.compile(r"\bpanic", re.IGNORECASE),
-    re.compile(r"panicked at"),
-    re.compile(r"wasm trap", re.IGNORECASE),
-    re.compile(r"Function: proxy_on_\w+"),
-    re.compile(r"Uncaught RuntimeError"),
-    re.compile(r"in-VM backtrace"),
-]
 # Envoy's own complaints about a VM (not the module's "wasm log ..." lines, which may say
 # "store Complete failed" on purpose).
 _VM_FAILURE = re.compile(r"failed to .*wasm|wasm.*failed to|wasm vm.*(failed|crash)", re.IGNORECASE)
-
-
-def wasm_path() -> Path:
-    if not WASM_PATH.is_file():
-        raise FileNotFoundError(f"{WASM_PATH} is missing: run `make build`")
-    return WASM_PATH
 
 
 def crash_lines(text: str) -> list[str]:
     return [
         line
         for line in text.splitlines()
-        if any(p.search(line) for p in CRASH_PATTERNS)
+        if line in helpers.crash_lines(line)
         or ("wasm log " not in line and _VM_FAILURE.search(line))
     ]
 
