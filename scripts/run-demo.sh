@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Starts the demo on loopback: the idempotency store (embedded backend), a demo upstream and
 # Envoy with the filter (envoy/envoy.yaml). `--replicas 2` starts a second Envoy sharing the
-# same store, as replicas behind a load balancer would. Ctrl-C stops everything it started.
+# same store (envoy/envoy-replica-2.yaml), as replicas behind a load balancer would.
+# Ctrl-C stops everything it started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 replicas=1
 if [[ "${1:-}" == "--replicas" ]]; then replicas="${2:-1}"; fi
+if (( replicas < 1 || replicas > 2 )); then echo "--replicas is 1 or 2" >&2; exit 2; fi
 
 run_dir=.run
 mkdir -p "$run_dir"
@@ -27,13 +29,9 @@ target/release/demo-upstream --listen 127.0.0.1:8080 > "$run_dir/upstream.log" 2
 pids+=($!)
 
 for i in $(seq 1 "$replicas"); do
+    # Replica 2 is envoy/envoy-replica-2.yaml: the same config on ports 10001 and 9902.
     config=envoy/envoy.yaml
-    if (( i > 1 )); then
-        # Replica i listens on 10000+i-1 with admin on 9901+i-1; everything else is shared.
-        config="$run_dir/envoy-replica-$i.yaml"
-        sed -e "s/port_value: 10000/port_value: $((10000 + i - 1))/" \
-            -e "s/port_value: 9901/port_value: $((9901 + i - 1))/" envoy/envoy.yaml > "$config"
-    fi
+    (( i == 2 )) && config=envoy/envoy-replica-2.yaml
     .venv/bin/envoy -c "$config" --concurrency 2 --disable-hot-restart --log-level warn \
         --component-log-level wasm:info > "$run_dir/envoy-$i.log" 2>&1 &
     pids+=($!)

@@ -165,3 +165,17 @@ def test_compose_runs_the_tested_envoy_config_and_ports() -> None:
     assert docker_compose, "docker-compose (Debian package) validates the file; .ci/run installs it"
     result = subprocess.run([docker_compose, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_second_replica_sample_differs_from_envoy_yaml_only_in_its_ports() -> None:
+    """envoy/envoy-replica-2.yaml is what `scripts/run-demo.sh --replicas 2` starts next to
+    envoy/envoy.yaml; the cluster tests run two Envoys from envoy.yaml with other ports, so
+    this keeps the sample from drifting."""
+    first = yaml.safe_load(harness.default_envoy_config().read_text())
+    second = yaml.safe_load((harness.REPO_ROOT / "envoy" / "envoy-replica-2.yaml").read_text())
+    assert second["admin"]["address"]["socket_address"]["port_value"] == 9902
+    listener = second["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert listener["port_value"] == 10001
+    second["admin"]["address"]["socket_address"]["port_value"] = 9901
+    listener["port_value"] = 10000
+    assert second == first
