@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use idempotency_store::clock::SystemClock;
-use idempotency_store::metrics::Metrics;
+use idempotency_store::metrics::{BatchMetrics, Metrics};
 use idempotency_store::server::{self, AppState, Auth};
 use idempotency_store::storage::embedded::EmbeddedStorage;
 use idempotency_store::storage::memory::MemoryStorage;
@@ -128,26 +128,33 @@ fn resolve_auth(cli: &Cli) -> Result<Auth, String> {
     }
 }
 
-async fn open_storage(cli: &Cli) -> Result<Arc<dyn Storage>, String> {
+/// The backend, plus the embedded backend's group-commit statistics for `/metrics`.
+async fn open_storage(cli: &Cli) -> Result<(Arc<dyn Storage>, Option<BatchMetrics>), String> {
     Ok(match cli.backend {
-        BackendKind::Memory => Arc::new(MemoryStorage::new(Arc::new(SystemClock))),
-        BackendKind::Embedded => Arc::new(
-            EmbeddedStorage::open(&cli.data_dir, Arc::new(SystemClock)).map_err(|e| {
-                format!(
-                    "cannot open embedded store in {}: {e}",
-                    cli.data_dir.display()
-                )
-            })?,
-        ),
+        BackendKind::Memory => (Arc::new(MemoryStorage::new(Arc::new(SystemClock))), None),
+        BackendKind::Embedded => {
+            let storage =
+                EmbeddedStorage::open(&cli.data_dir, Arc::new(SystemClock)).map_err(|e| {
+                    format!(
+                        "cannot open embedded store in {}: {e}",
+                        cli.data_dir.display()
+                    )
+                })?;
+            let batches = storage.batch_metrics().clone();
+            (Arc::new(storage), Some(batches))
+        }
         BackendKind::Redis => {
             let url = cli
                 .redis_url
                 .as_deref()
                 .ok_or("--backend redis needs --redis-url redis://HOST:PORT/")?;
-            Arc::new(
-                RedisStorage::connect(url)
-                    .await
-                    .map_err(|e| format!("cannot connect to redis: {e}"))?,
+            (
+                Arc::new(
+                    RedisStorage::connect(url)
+                        .await
+                        .map_err(|e| format!("cannot connect to redis: {e}"))?,
+                ),
+                None,
             )
         }
     })
@@ -183,8 +190,12 @@ async fn shutdown_signal() {
 
 async fn run(cli: Cli) -> Result<(), String> {
     let auth = resolve_auth(&cli)?;
-    let storage = open_storage(&cli).await?;
-    let metrics = Arc::new(Metrics::new());
+    let (storage, batches) = open_storage(&cli).await?;
+    let mut metrics = Metrics::new();
+    if let Some(batches) = &batches {
+        metrics.register_embedded_batches(batches);
+    }
+    let metrics = Arc::new(metrics);
     let sweeper = sweeper::spawn(
         Arc::clone(&storage),
         Arc::clone(&metrics),

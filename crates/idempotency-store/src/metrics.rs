@@ -73,6 +73,60 @@ fn duration_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_25, 2.0, 15))
 }
 
+/// Group-commit statistics of the embedded backend's writer. Created by the
+/// backend (it exists before `Metrics` does) and registered with
+/// [`Metrics::register_embedded_batches`]; clones share the same values.
+#[derive(Clone, Debug)]
+pub struct BatchMetrics {
+    commits: Counter,
+    batch_size: Histogram,
+    // The histogram's own count and sum are not readable outside the
+    // prometheus-client crate; these mirror them for tests and logs.
+    batches: Counter,
+    batched_operations: Counter,
+}
+
+impl Default for BatchMetrics {
+    fn default() -> Self {
+        Self {
+            commits: Counter::default(),
+            // 1 .. 256 operations per write transaction (the writer's cap).
+            batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
+            batches: Counter::default(),
+            batched_operations: Counter::default(),
+        }
+    }
+}
+
+impl BatchMetrics {
+    /// One write transaction of `ops` operations was attempted; `committed`
+    /// tells whether it reached the disk.
+    pub fn record_batch(&self, ops: usize, committed: bool) {
+        self.batch_size.observe(ops as f64);
+        self.batches.inc();
+        self.batched_operations
+            .inc_by(u64::try_from(ops).unwrap_or(u64::MAX));
+        if committed {
+            self.commits.inc();
+        }
+    }
+
+    /// Write transactions committed so far.
+    pub fn commits(&self) -> u64 {
+        self.commits.get()
+    }
+
+    /// Write transactions attempted so far (committed or not).
+    pub fn batches(&self) -> u64 {
+        self.batches.get()
+    }
+
+    /// Operations carried by all attempted write transactions.
+    pub fn batched_operations(&self) -> u64 {
+        self.batched_operations.get()
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
     operations: Family<OpOutcome, Counter>,
@@ -123,6 +177,20 @@ impl Metrics {
             backend_errors,
             rejected,
         }
+    }
+
+    /// Exposes the embedded backend's group-commit statistics.
+    pub fn register_embedded_batches(&mut self, batches: &BatchMetrics) {
+        self.registry.register(
+            "idempotency_store_embedded_commits",
+            "Write transactions committed (one fsync each) by the embedded backend",
+            batches.commits.clone(),
+        );
+        self.registry.register(
+            "idempotency_store_batch_size",
+            "Operations group-committed per embedded write transaction",
+            batches.batch_size.clone(),
+        );
     }
 
     pub fn record_operation(&self, op: Operation, outcome: &'static str, took: Duration) {

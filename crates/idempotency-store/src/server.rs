@@ -230,9 +230,9 @@ fn not_owner(detail: &str) -> Response {
 /// records its outcome whether or not anyone is left to read the answer.
 ///
 /// At process exit a detached task may be cut short, but nothing is lost that
-/// matters: every backend applies a write atomically (one redb transaction on
-/// the blocking pool, which the runtime lets finish; one Redis script; one
-/// locked map update), and the metrics die with the process anyway.
+/// matters: every backend applies a write atomically (one redb transaction,
+/// committed by the embedded writer thread before it answers; one Redis
+/// script; one locked map update), and the metrics die with the process anyway.
 async fn run_detached(
     st: &AppState,
     op: Operation,

@@ -1,12 +1,24 @@
-//! Default backend: a single-node redb file. Every operation is one write
-//! transaction, so read-decide-write is atomic and a committed completion
-//! survives a restart. redb is blocking, so work runs on tokio's blocking pool.
+//! Default backend: a single-node redb file.
+//!
+//! Writes are group-committed. One writer thread owns every write
+//! transaction: it takes the first queued operation plus whatever else is
+//! already waiting (up to [`MAX_BATCH`]), applies them in arrival order inside
+//! one transaction, commits once (one fsync for the whole batch), and only
+//! then answers each of them. Each operation still reads, decides and writes
+//! as one atomic step, sees the effects of the operations before it in the
+//! batch, and is durable by the time it is answered; if the commit fails,
+//! every operation of the batch gets the backend error and none of its writes
+//! is visible. Lookups use their own read transactions on tokio's blocking
+//! pool; they see committed state only.
 
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 
 use async_trait::async_trait;
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition};
+use tokio::sync::{mpsc, oneshot};
 
 use super::logic::{self, Decision, StoredBody, StoredRecord};
 use super::{
@@ -14,24 +26,222 @@ use super::{
     StorageError,
 };
 use crate::clock::Clock;
+use crate::metrics::BatchMetrics;
 
 /// key (64 lowercase hex) -> encoded `StoredRecord`.
 const RECORDS: TableDefinition<&str, &[u8]> = TableDefinition::new("records_v1");
 
 pub const DB_FILE_NAME: &str = "idempotency.redb";
 
+/// Most operations one write transaction carries. Bounds how long the first
+/// operation of a batch waits behind the others, and the transaction's size.
+pub const MAX_BATCH: usize = 256;
+
+/// Operations waiting for the writer; a full queue makes callers wait to
+/// enqueue rather than grow memory without bound.
+const QUEUE_CAPACITY: usize = 4 * MAX_BATCH;
+
+type RecordsTable<'txn> = Table<'txn, &'static str, &'static [u8]>;
+
+/// Why a batch was abandoned; every operation in it is answered with this.
+type BatchFailure = StorageError;
+
+/// One operation for the writer thread.
+trait Job: Send {
+    /// Applies the operation inside the batch's write transaction and keeps
+    /// its answer until the batch's fate is known. An error that concerns
+    /// only this operation (a corrupt record it read, before writing
+    /// anything) becomes its answer and the batch goes on. `Err` means the
+    /// transaction itself failed: the whole batch is abandoned.
+    fn apply(&mut self, table: &mut RecordsTable<'_>, now_ms: u64) -> Result<(), BatchFailure>;
+
+    /// Sends the kept answer once the batch is committed, or the batch's
+    /// error if it was not.
+    fn finish(self: Box<Self>, batch: Result<(), &BatchFailure>);
+}
+
+/// A claim/complete/release: read one record, let the pure decision function
+/// choose, write that choice.
+struct KeyedJob<T, F> {
+    key: String,
+    decide: Option<F>,
+    answer: Option<Result<T, StorageError>>,
+    reply: oneshot::Sender<Result<T, StorageError>>,
+}
+
+impl<T, F> Job for KeyedJob<T, F>
+where
+    T: Send,
+    F: FnOnce(Option<&StoredRecord>, u64) -> Decision<T> + Send,
+{
+    fn apply(&mut self, table: &mut RecordsTable<'_>, now_ms: u64) -> Result<(), BatchFailure> {
+        let Some(decide) = self.decide.take() else {
+            return Ok(());
+        };
+        let key = self.key.as_str();
+        let current = match table.get(key).map_err(|e| backend_err("get", e))? {
+            Some(guard) => match decode(guard.value()) {
+                Ok(rec) => Some(rec),
+                Err(e) => {
+                    self.answer = Some(Err(e));
+                    return Ok(());
+                }
+            },
+            None => None,
+        };
+        let out = match decide(current.as_ref(), now_ms) {
+            Decision::Keep(out) => out,
+            Decision::Put(rec, out) => {
+                table
+                    .insert(key, encode(&rec).as_slice())
+                    .map_err(|e| backend_err("insert", e))?;
+                out
+            }
+            Decision::Delete(out) => {
+                table.remove(key).map_err(|e| backend_err("remove", e))?;
+                out
+            }
+        };
+        self.answer = Some(Ok(out));
+        Ok(())
+    }
+
+    fn finish(self: Box<Self>, batch: Result<(), &BatchFailure>) {
+        let answer = match batch {
+            Ok(()) => self.answer.unwrap_or_else(|| {
+                Err(StorageError::Backend(
+                    "embedded writer skipped an operation".to_owned(),
+                ))
+            }),
+            Err(e) => Err(e.clone()),
+        };
+        // The caller may have gone away; its operation stands regardless.
+        let _ = self.reply.send(answer);
+    }
+}
+
+/// Deletes every expired record (in the writer, since redb allows one write
+/// transaction at a time).
+struct SweepJob {
+    removed: u64,
+    reply: oneshot::Sender<Result<u64, StorageError>>,
+}
+
+impl Job for SweepJob {
+    fn apply(&mut self, table: &mut RecordsTable<'_>, now_ms: u64) -> Result<(), BatchFailure> {
+        let mut removed = 0u64;
+        // Undecodable rows are kept (and reported by every access to them)
+        // rather than silently destroyed by housekeeping.
+        table
+            .retain(|_, value| {
+                let keep = expires_at_ms(value).is_none_or(|exp| now_ms < exp);
+                if !keep {
+                    removed = removed.saturating_add(1);
+                }
+                keep
+            })
+            .map_err(|e| backend_err("sweep", e))?;
+        self.removed = removed;
+        Ok(())
+    }
+
+    fn finish(self: Box<Self>, batch: Result<(), &BatchFailure>) {
+        let _ = self.reply.send(match batch {
+            Ok(()) => Ok(self.removed),
+            Err(e) => Err(e.clone()),
+        });
+    }
+}
+
+/// The writer thread's loop: batch, apply, commit, answer; until every
+/// sender is gone and the queue is empty.
+fn run_writer(
+    db: Arc<Database>,
+    clock: Arc<dyn Clock>,
+    mut queue: mpsc::Receiver<Box<dyn Job>>,
+    stats: BatchMetrics,
+) {
+    let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(MAX_BATCH);
+    while let Some(first) = queue.blocking_recv() {
+        batch.push(first);
+        while batch.len() < MAX_BATCH {
+            match queue.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        // Where panics unwind (the release profile aborts instead), a panic
+        // (in redb, say) must not take the writer down and leave every later
+        // write unanswerable: it fails this batch only. The transaction was
+        // dropped, hence aborted, while unwinding.
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            commit_batch(&db, clock.as_ref(), &mut batch)
+        }))
+        .unwrap_or_else(|_| {
+            Err(StorageError::Backend(
+                "embedded write batch panicked".to_owned(),
+            ))
+        });
+        stats.record_batch(batch.len(), outcome.is_ok());
+        if let Err(e) = &outcome {
+            tracing::warn!(error = %e, ops = batch.len(), "embedded write batch failed");
+        }
+        for job in batch.drain(..) {
+            job.finish(outcome.as_ref().map(|_| ()));
+        }
+    }
+}
+
+/// Applies `batch` in order inside one write transaction and commits it.
+fn commit_batch(
+    db: &Database,
+    clock: &dyn Clock,
+    batch: &mut [Box<dyn Job>],
+) -> Result<(), BatchFailure> {
+    let txn = db.begin_write().map_err(|e| backend_err("begin", e))?;
+    let applied = txn
+        .open_table(RECORDS)
+        .map_err(|e| backend_err("open table", e))
+        .and_then(|mut table| {
+            batch.iter_mut().try_for_each(|job| {
+                // Read the clock inside the transaction, per operation, so
+                // each decision and the time it is based on are serialised
+                // together.
+                job.apply(&mut table, clock.now_ms())
+            })
+        });
+    match applied {
+        Ok(()) => txn.commit().map_err(|e| backend_err("commit", e)),
+        Err(e) => {
+            if let Err(abort) = txn.abort() {
+                tracing::warn!(error = %abort, "aborting a failed embedded write batch failed");
+            }
+            Err(e)
+        }
+    }
+}
+
 pub struct EmbeddedStorage {
     db: Arc<Database>,
     clock: Arc<dyn Clock>,
     path: PathBuf,
+    /// `None` only while dropping (closing the queue stops the writer).
+    queue: Option<mpsc::Sender<Box<dyn Job>>>,
+    writer: Option<JoinHandle<()>>,
+    batches: BatchMetrics,
 }
 
 fn backend_err(context: &str, e: impl Into<redb::Error>) -> StorageError {
     StorageError::Backend(format!("redb {context}: {}", e.into()))
 }
 
+fn writer_gone() -> StorageError {
+    StorageError::Backend("embedded writer has stopped".to_owned())
+}
+
 impl EmbeddedStorage {
-    /// Opens (or creates) `dir/idempotency.redb`, creating `dir` if needed.
+    /// Opens (or creates) `dir/idempotency.redb`, creating `dir` if needed,
+    /// and starts its writer thread.
     pub fn open(dir: &Path, clock: Arc<dyn Clock>) -> Result<Self, StorageError> {
         std::fs::create_dir_all(dir).map_err(|e| {
             StorageError::Backend(format!("cannot create data dir {}: {e}", dir.display()))
@@ -43,10 +253,25 @@ impl EmbeddedStorage {
         txn.open_table(RECORDS)
             .map_err(|e| backend_err("open table", e))?;
         txn.commit().map_err(|e| backend_err("commit", e))?;
+        let db = Arc::new(db);
+        let batches = BatchMetrics::default();
+        let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
+        let writer = {
+            let (db, clock, batches) = (Arc::clone(&db), Arc::clone(&clock), batches.clone());
+            std::thread::Builder::new()
+                .name("redb-writer".to_owned())
+                .spawn(move || run_writer(db, clock, rx, batches))
+                .map_err(|e| {
+                    StorageError::Backend(format!("cannot start the embedded writer thread: {e}"))
+                })?
+        };
         Ok(Self {
-            db: Arc::new(db),
+            db,
             clock,
             path,
+            queue: Some(tx),
+            writer: Some(writer),
+            batches,
         })
     }
 
@@ -54,48 +279,59 @@ impl EmbeddedStorage {
         &self.path
     }
 
-    /// One write transaction: read the current record, let `decide` choose,
-    /// write the choice, commit.
+    /// Group-commit statistics, for `/metrics` and tests.
+    pub fn batch_metrics(&self) -> &BatchMetrics {
+        &self.batches
+    }
+
+    /// Queues `job` for the writer and waits for the answer it sends once
+    /// its batch is committed (or has failed).
+    async fn submit<T>(
+        &self,
+        job: Box<dyn Job>,
+        answer: oneshot::Receiver<Result<T, StorageError>>,
+    ) -> Result<T, StorageError> {
+        let queue = self.queue.as_ref().ok_or_else(writer_gone)?;
+        queue.send(job).await.map_err(|_| writer_gone())?;
+        answer.await.map_err(|_| writer_gone())?
+    }
+
+    /// One atomic step in the writer: read the current record, let `decide`
+    /// choose, write the choice; answered after the batch commits.
     async fn apply<T: Send + 'static>(
         &self,
         key: &Digest,
         decide: impl FnOnce(Option<&StoredRecord>, u64) -> Decision<T> + Send + 'static,
     ) -> Result<T, StorageError> {
-        let db = Arc::clone(&self.db);
-        let clock = Arc::clone(&self.clock);
-        let key = key.as_str().to_owned();
-        run_blocking(move || {
-            let txn = db.begin_write().map_err(|e| backend_err("begin", e))?;
-            let out = {
-                let mut table = txn
-                    .open_table(RECORDS)
-                    .map_err(|e| backend_err("open table", e))?;
-                let current = match table.get(key.as_str()).map_err(|e| backend_err("get", e))? {
-                    Some(guard) => Some(decode(guard.value())?),
-                    None => None,
-                };
-                // Read the clock inside the transaction so the decision and
-                // the time it is based on are serialised together.
-                match decide(current.as_ref(), clock.now_ms()) {
-                    Decision::Keep(out) => out,
-                    Decision::Put(rec, out) => {
-                        table
-                            .insert(key.as_str(), encode(&rec).as_slice())
-                            .map_err(|e| backend_err("insert", e))?;
-                        out
-                    }
-                    Decision::Delete(out) => {
-                        table
-                            .remove(key.as_str())
-                            .map_err(|e| backend_err("remove", e))?;
-                        out
-                    }
-                }
-            };
-            txn.commit().map_err(|e| backend_err("commit", e))?;
-            Ok(out)
-        })
-        .await
+        let (reply, answer) = oneshot::channel();
+        let job = KeyedJob {
+            key: key.as_str().to_owned(),
+            decide: Some(decide),
+            answer: None,
+            reply,
+        };
+        self.submit(Box::new(job), answer).await
+    }
+
+    /// Operations waiting for the writer (not yet taken into a batch).
+    #[cfg(test)]
+    fn queued(&self) -> usize {
+        self.queue
+            .as_ref()
+            .map_or(0, |q| q.max_capacity().saturating_sub(q.capacity()))
+    }
+}
+
+impl Drop for EmbeddedStorage {
+    /// Closes the queue and waits for the writer to finish what is queued,
+    /// so the database file is closed (and can be reopened) once this returns.
+    fn drop(&mut self) {
+        drop(self.queue.take());
+        if let Some(writer) = self.writer.take() {
+            if writer.join().is_err() {
+                tracing::error!("the embedded writer thread panicked");
+            }
+        }
     }
 }
 
@@ -171,32 +407,9 @@ impl Storage for EmbeddedStorage {
     }
 
     async fn sweep_expired(&self) -> Result<u64, StorageError> {
-        let db = Arc::clone(&self.db);
-        let clock = Arc::clone(&self.clock);
-        run_blocking(move || {
-            let now = clock.now_ms();
-            let txn = db.begin_write().map_err(|e| backend_err("begin", e))?;
-            let mut removed = 0u64;
-            {
-                let mut table = txn
-                    .open_table(RECORDS)
-                    .map_err(|e| backend_err("open table", e))?;
-                // Undecodable rows are kept (and reported by every access to
-                // them) rather than silently destroyed by housekeeping.
-                table
-                    .retain(|_, value| {
-                        let keep = expires_at_ms(value).is_none_or(|exp| now < exp);
-                        if !keep {
-                            removed = removed.saturating_add(1);
-                        }
-                        keep
-                    })
-                    .map_err(|e| backend_err("sweep", e))?;
-            }
-            txn.commit().map_err(|e| backend_err("commit", e))?;
-            Ok(removed)
-        })
-        .await
+        let (reply, answer) = oneshot::channel();
+        self.submit(Box::new(SweepJob { removed: 0, reply }), answer)
+            .await
     }
 }
 
@@ -277,6 +490,301 @@ fn decode(bytes: &[u8]) -> Result<StoredRecord, StorageError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::ManualClock;
+    use crate::storage::RecordState;
+    use std::future::Future;
+    use std::sync::mpsc as std_mpsc;
+    use std::time::{Duration, Instant};
+
+    const START_MS: u64 = 1_700_000_000_000;
+
+    fn open(dir: &Path) -> Arc<EmbeddedStorage> {
+        Arc::new(EmbeddedStorage::open(dir, Arc::new(ManualClock::new(START_MS))).unwrap())
+    }
+
+    fn digest(n: usize) -> Digest {
+        Digest::parse(&format!("{n:064x}")).unwrap()
+    }
+
+    fn owner(n: usize) -> OwnerToken {
+        OwnerToken::parse(&format!("{n:x}")).unwrap()
+    }
+
+    /// Holds the writer inside a batch (with its write transaction open)
+    /// until released, so operations pile up in the queue meanwhile.
+    struct Gate {
+        entered: std_mpsc::Sender<()>,
+        release: std_mpsc::Receiver<()>,
+    }
+
+    impl Job for Gate {
+        fn apply(&mut self, _: &mut RecordsTable<'_>, _: u64) -> Result<(), BatchFailure> {
+            self.entered.send(()).unwrap();
+            self.release.recv_timeout(Duration::from_secs(30)).unwrap();
+            Ok(())
+        }
+        fn finish(self: Box<Self>, _: Result<(), &BatchFailure>) {}
+    }
+
+    /// Fails its batch's transaction, as a failing redb write would.
+    struct Fail;
+
+    impl Job for Fail {
+        fn apply(&mut self, _: &mut RecordsTable<'_>, _: u64) -> Result<(), BatchFailure> {
+            Err(StorageError::Backend("injected failure".to_owned()))
+        }
+        fn finish(self: Box<Self>, _: Result<(), &BatchFailure>) {}
+    }
+
+    /// Panics inside its batch.
+    struct Boom;
+
+    impl Job for Boom {
+        fn apply(&mut self, _: &mut RecordsTable<'_>, _: u64) -> Result<(), BatchFailure> {
+            panic!("boom");
+        }
+        fn finish(self: Box<Self>, _: Result<(), &BatchFailure>) {}
+    }
+
+    async fn enqueue(s: &EmbeddedStorage, job: Box<dyn Job>) {
+        let queued = s.queued();
+        s.queue
+            .as_ref()
+            .unwrap()
+            .send(job)
+            .await
+            .unwrap_or_else(|_| panic!("writer gone"));
+        wait_queued(s, queued + 1).await;
+    }
+
+    /// Returns once the writer sits inside a batch holding only the gate;
+    /// sending on the returned channel lets it go on.
+    async fn hold_writer(s: &EmbeddedStorage) -> std_mpsc::Sender<()> {
+        let (entered_tx, entered) = std_mpsc::channel();
+        let (release, release_rx) = std_mpsc::channel();
+        let gate = Gate {
+            entered: entered_tx,
+            release: release_rx,
+        };
+        s.queue
+            .as_ref()
+            .unwrap()
+            .send(Box::new(gate))
+            .await
+            .unwrap_or_else(|_| panic!("writer gone"));
+        entered.recv_timeout(Duration::from_secs(10)).unwrap();
+        release
+    }
+
+    async fn wait_queued(s: &EmbeddedStorage, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while s.queued() < n {
+            assert!(
+                Instant::now() < deadline,
+                "only {} of {n} queued",
+                s.queued()
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(s.queued(), n);
+    }
+
+    /// Starts `op` on its own task and waits until it sits in the queue, so
+    /// operations queue in the order they are started.
+    async fn start<T: Send + 'static>(
+        s: &EmbeddedStorage,
+        op: impl Future<Output = T> + Send + 'static,
+    ) -> tokio::task::JoinHandle<T> {
+        let queued = s.queued();
+        let task = tokio::spawn(op);
+        wait_queued(s, queued + 1).await;
+        task
+    }
+
+    fn claim_op(
+        s: &Arc<EmbeddedStorage>,
+        key: Digest,
+        who: OwnerToken,
+    ) -> impl Future<Output = Result<ClaimOutcome, StorageError>> + Send + 'static {
+        let s = Arc::clone(s);
+        async move { s.claim(&key, &digest(7), 60_000, &who).await }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn same_key_claims_in_one_batch_have_one_winner() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        let release = hold_writer(&s).await;
+        let mut tasks = Vec::new();
+        for i in 0..64 {
+            tasks.push(tokio::spawn(claim_op(&s, digest(1), owner(i + 1))));
+        }
+        wait_queued(&s, 64).await;
+        release.send(()).unwrap();
+        let (mut claimed, mut in_flight) = (0, 0);
+        for t in tasks {
+            match t.await.unwrap().unwrap() {
+                ClaimOutcome::Claimed { .. } => claimed += 1,
+                ClaimOutcome::InFlight { .. } => in_flight += 1,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!((claimed, in_flight), (1, 63));
+        // The gate's batch, then all 64 claims in one transaction.
+        let b = s.batch_metrics();
+        assert_eq!(
+            (b.batches(), b.batched_operations(), b.commits()),
+            (2, 65, 2)
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_batch_applies_in_order_and_each_op_sees_the_ones_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        let (k, mine, theirs) = (digest(1), owner(1), owner(2));
+        let release = hold_writer(&s).await;
+        let first = start(&s, claim_op(&s, k.clone(), mine.clone())).await;
+        let done = start(&s, {
+            let (s, k, mine) = (Arc::clone(&s), k.clone(), mine.clone());
+            async move { s.complete(&k, &mine, 60_000, b"r".to_vec()).await }
+        })
+        .await;
+        let replay = start(&s, claim_op(&s, k.clone(), theirs)).await;
+        let late_release = start(&s, {
+            let (s, k) = (Arc::clone(&s), k.clone());
+            async move { s.release(&k, &mine).await }
+        })
+        .await;
+        release.send(()).unwrap();
+        assert!(matches!(
+            first.await.unwrap().unwrap(),
+            ClaimOutcome::Claimed { .. }
+        ));
+        assert_eq!(done.await.unwrap().unwrap(), CompleteOutcome::Completed);
+        assert_eq!(
+            replay.await.unwrap().unwrap(),
+            ClaimOutcome::Completed {
+                record: b"r".to_vec()
+            }
+        );
+        assert_eq!(
+            late_release.await.unwrap().unwrap(),
+            ReleaseOutcome::NotOwner
+        );
+        assert_eq!(s.batch_metrics().batches(), 2);
+        assert_eq!(
+            s.lookup(&k).await.unwrap().map(|v| v.state),
+            Some(RecordState::Completed)
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn batches_are_capped_and_every_claim_survives_reopen() {
+        const N: usize = MAX_BATCH + 44;
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        let release = hold_writer(&s).await;
+        let mut tasks = Vec::new();
+        for i in 0..N {
+            tasks.push(tokio::spawn(claim_op(&s, digest(i), owner(i + 1))));
+        }
+        wait_queued(&s, N).await;
+        release.send(()).unwrap();
+        for t in tasks {
+            assert!(matches!(
+                t.await.unwrap().unwrap(),
+                ClaimOutcome::Claimed { .. }
+            ));
+        }
+        // Gate alone, then MAX_BATCH, then the rest.
+        let b = s.batch_metrics();
+        assert_eq!(
+            (b.batches(), b.batched_operations(), b.commits()),
+            (3, 1 + N as u64, 3)
+        );
+        drop(s);
+        let s = open(dir.path());
+        for i in 0..N {
+            assert_eq!(
+                s.lookup(&digest(i)).await.unwrap().map(|v| v.state),
+                Some(RecordState::InFlight),
+                "key {i}"
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_failed_batch_fails_every_op_in_it_and_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        let (a, b) = (digest(1), digest(2));
+        let release = hold_writer(&s).await;
+        let before = start(&s, claim_op(&s, a.clone(), owner(1))).await;
+        enqueue(&s, Box::new(Fail)).await;
+        let after = start(&s, claim_op(&s, b.clone(), owner(2))).await;
+        release.send(()).unwrap();
+        for t in [before, after] {
+            let err = t.await.unwrap().unwrap_err();
+            assert!(err.to_string().contains("injected failure"), "{err}");
+        }
+        assert_eq!(s.lookup(&a).await.unwrap(), None);
+        assert_eq!(s.lookup(&b).await.unwrap(), None);
+        let m = s.batch_metrics();
+        assert_eq!((m.batches(), m.commits()), (2, 1));
+        // The writer carries on with the next batch.
+        assert!(matches!(
+            claim_op(&s, a.clone(), owner(1)).await.unwrap(),
+            ClaimOutcome::Claimed { .. }
+        ));
+        assert_eq!(
+            s.lookup(&a).await.unwrap().map(|v| v.state),
+            Some(RecordState::InFlight)
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_panic_in_a_batch_fails_that_batch_and_the_writer_survives() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        let k = digest(1);
+        let release = hold_writer(&s).await;
+        let doomed = start(&s, claim_op(&s, k.clone(), owner(1))).await;
+        enqueue(&s, Box::new(Boom)).await;
+        release.send(()).unwrap();
+        assert!(doomed.await.unwrap().is_err());
+        assert_eq!(s.lookup(&k).await.unwrap(), None);
+        assert!(matches!(
+            claim_op(&s, k.clone(), owner(1)).await.unwrap(),
+            ClaimOutcome::Claimed { .. }
+        ));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_corrupt_record_fails_only_its_own_op() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        let (bad, good) = (digest(1), digest(2));
+        {
+            // The writer is idle, so this write transaction does not wait.
+            let txn = s.db.begin_write().unwrap();
+            txn.open_table(RECORDS)
+                .unwrap()
+                .insert(bad.as_str(), &[9u8, 9, 9][..])
+                .unwrap();
+            txn.commit().unwrap();
+        }
+        let release = hold_writer(&s).await;
+        let broken = start(&s, claim_op(&s, bad.clone(), owner(1))).await;
+        let fine = start(&s, claim_op(&s, good.clone(), owner(2))).await;
+        release.send(()).unwrap();
+        assert!(broken.await.unwrap().is_err());
+        assert!(matches!(
+            fine.await.unwrap().unwrap(),
+            ClaimOutcome::Claimed { .. }
+        ));
+        assert_eq!(s.batch_metrics().commits(), 2);
+    }
 
     #[test]
     fn encoding_round_trips() {

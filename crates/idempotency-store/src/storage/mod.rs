@@ -116,7 +116,7 @@ pub struct RecordView {
     pub record: Option<Vec<u8>>,
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StorageError {
     /// The backend could not answer; the caller should treat the outcome as
     /// unknown (the HTTP layer answers 503).
