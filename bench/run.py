@@ -65,11 +65,13 @@ RULE = "orders"  # the rule of envoy/envoy.yaml that protects /orders
 STORE_TOKEN = "bench-store-token"
 WRK_THREADS = 2
 WRK_CONNECTIONS = 32
+# Slots per bucket of the filter's local table (crates/idempotency-core/src/table.rs, WAYS).
+SLOTS = 8
 MEMORY_CAPACITY = 65536
 MEMORY_TTL_S = 2
 MEMORY_LEASE_S = 1
 # Single-proxy and cluster setups: records live 5 s, so at ~10k new keys/s about 50k are
-# live at once in 262,144 buckets of 4 slots, and a bucket holding four live records (503
+# live at once in 131,072 buckets of 8 slots, and a bucket holding eight live records (503
 # table_full for the next key hashed to it) stays rare. The replay setup (d) keeps its one
 # record for longer than its run.
 SETUP_CAPACITY = 1_048_576
@@ -557,7 +559,7 @@ class TableBound:
 
     @property
     def total(self) -> int:
-        return self.buckets * 4 * self.per_slot
+        return self.buckets * SLOTS * self.per_slot
 
 
 def table_bound(buckets: int, record: int) -> TableBound:
@@ -570,14 +572,14 @@ def table_bound(buckets: int, record: int) -> TableBound:
     std::string key and (std::string value, cas) slots, 72 bytes plus one control byte each),
     from the bucket keys alone to bucket keys plus one response key per slot.
     """
-    slots = buckets * 4
-    key = f"envoy.filters.http.idempotency/idempotency/v1/{buckets}x4/r/{buckets - 1}/3"
+    slots = buckets * SLOTS
+    key = f"envoy.filters.http.idempotency/idempotency/v1/{buckets}x{SLOTS}/r/{buckets - 1}/{SLOTS - 1}"
     before = _swiss_capacity(buckets + 8)
     after = _swiss_capacity(buckets + slots + 8)
     return TableBound(
         buckets=buckets,
         record=record,
-        slot=_round16(83 * 4) // 4,
+        slot=_round16(83 * SLOTS) // SLOTS,
         response_value=_round16(record),
         response_key=_round16(len(key) + 1),
         map_share=-(-(after - before) * 73 // slots),
@@ -627,7 +629,7 @@ def run_memory(tmp: Path, upstream: harness.Upstream, keys: int, max_seconds: fl
         if w.requests == 0 or w.socket_errors > w.requests / 2 or outcome(stats, "executed") < w.requests / 2:
             raise BenchFailure(f"memory run mostly failed: {w.requests} requests, executed "
                                f"{outcome(stats, 'executed')}, {w.non2xx} non-2xx\n{w.output}")
-        bound = table_bound(MEMORY_CAPACITY // 4, record)
+        bound = table_bound(MEMORY_CAPACITY // SLOTS, record)
         peak = max(v for _, v in samples)
         command = display_cmd(argv, {url: "http://127.0.0.1:$ENVOY_PORT/", nonce: "$NONCE"})
         log(f"  {w.requests} requests in {w.seconds:.0f}s, table_full {outcome(stats, 'table_full')}, "
@@ -858,8 +860,8 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     add(f"(c) to (f) use `local_table.capacity` {SETUP_CAPACITY:,} and `ttl_seconds` = `lease_seconds` = "
         f"{SETUP_TTL_S} ((d): `ttl_seconds` {REPLAY_TTL_S}, so its one record outlives the run): at these "
         "rates a few tens of thousands of records are live at once, and a key that finds its bucket's "
-        "four slots all live (`table_full`, counted above) is rare. "
-        f"That table's {SETUP_CAPACITY // 4:,} buckets are created in shared data before the first "
+        f"{SLOTS} slots all live (`table_full`, counted above) is rare. "
+        f"That table's {SETUP_CAPACITY // SLOTS:,} buckets are created in shared data before the first "
         f"request: (c) starts at {start_c / 1024:.0f} MiB against {start_b / 1024:.0f} MiB for the no-op "
         f"filter, about {(start_c - start_b) * 1024 / SETUP_CAPACITY:.0f} bytes per record of capacity "
         "before any record exists. (e) and (f) confirm every claim with the store (`POST /v1/claim`) "
@@ -908,14 +910,14 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     if mem:
         w = mem.wrk
         tf = outcome(mem.stats, "table_full")
-        buckets = MEMORY_CAPACITY // 4
+        buckets = MEMORY_CAPACITY // SLOTS
         b = mem.bound
         bound_kib = mem.rss_warm_kib + b.total / 1024
-        add(f"Single-proxy mode, `local_table.capacity` {MEMORY_CAPACITY:,} ({buckets:,} buckets of 4 "
+        add(f"Single-proxy mode, `local_table.capacity` {MEMORY_CAPACITY:,} ({buckets:,} buckets of {SLOTS} "
             f"slots), `ttl_seconds` {MEMORY_TTL_S}, `lease_seconds` {MEMORY_LEASE_S}, so slots are reused "
             f"as records expire. wrk sent {w.requests:,} requests with distinct keys in {w.seconds:.0f} s "
             f"({w.rps:,.0f}/s)" + (" — stopped by its duration limit before the million"
-                                   if mem.capped_by_duration else "") + ". A key whose bucket holds four "
+                                   if mem.capped_by_duration else "") + f". A key whose bucket holds {SLOTS} "
             "live records gets `503` table_full (the rule's `on_table_full: reject`); at this rate about "
             f"{w.rps * MEMORY_TTL_S:,.0f} records are live at any time, {w.rps * MEMORY_TTL_S / buckets:.1f} "
             "per bucket on average.")
@@ -933,8 +935,8 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
         add(f"| Envoy RSS right after / {MEMORY_TTL_S + 3} s later | {mem.rss_end_kib / 1024:.1f} / {mem.rss_after_kib / 1024:.1f} MiB |")
         add(f"| bound: baseline + full table | {bound_kib / 1024:.1f} MiB |")
         add("")
-        add(f"The table bound is buckets × 4 slots × (slot + recorded response + shared-data entry "
-            f"overhead) = {buckets:,} × 4 × ({b.slot} + {b.response_value} + {b.response_key + b.map_share}) "
+        add(f"The table bound is buckets × {SLOTS} slots × (slot + recorded response + shared-data entry "
+            f"overhead) = {buckets:,} × {SLOTS} × ({b.slot} + {b.response_value} + {b.response_key + b.map_share}) "
             f"= {b.total / 2**20:.1f} MiB: the 83-byte slot in its bucket's value; the recorded response, "
             f"{b.record} bytes here (this upstream's `200 ok` as encoded for replay: status, "
             f"`content-type`, 2-byte body); and, estimated, the response entry's key string "
