@@ -259,7 +259,7 @@ impl RequestFilter {
         }
     }
 
-    fn release_local(&self, held: &Held) {
+    pub(crate) fn release_local(&self, held: &Held) {
         if let Err(e) = self.state.table.release(&EnvoySharedData, held) {
             log::error!("local claim not released, it expires with its lease: {e}");
         }

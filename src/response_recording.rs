@@ -127,13 +127,28 @@ impl RequestFilter {
     /// instead of a second execution. Before any response headers, the claim stays in flight
     /// until its lease ends: whether the upstream acted is unknowable here.
     pub(crate) fn on_stream_end(&mut self) {
-        if let Journey::Executing {
-            capture: Some(capture),
-            ..
-        } = &mut self.journey
-        {
-            capture.omit_body();
-            self.record();
+        match &mut self.journey {
+            Journey::Executing {
+                capture: Some(capture),
+                ..
+            } => {
+                capture.omit_body();
+                self.record();
+            }
+            Journey::AwaitingStore { .. } => {
+                // The client left while the store was confirming: nothing went upstream, so
+                // free the key here and (should the store have applied it) in the store.
+                if let Journey::AwaitingStore {
+                    rule, held, owner, ..
+                } = std::mem::replace(&mut self.journey, Journey::Finished)
+                {
+                    self.release_local(&held);
+                    self.submit_store_write(rule, StoreOp::Release, false, || {
+                        store_client::release_body(&held.key, &owner)
+                    });
+                }
+            }
+            _ => {}
         }
     }
 

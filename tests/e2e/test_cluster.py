@@ -381,6 +381,33 @@ def test_client_gone_before_the_upstream_answered(procs, tmp_path) -> None:
     assert cluster.upstream.executions(path) == 2
 
 
+def test_client_gone_while_the_store_confirms_frees_the_key(procs, tmp_path) -> None:
+    """The client hangs up while Envoy A waits for the store's answer to its claim (the store
+    is paused, so the claim sits in its socket). Nothing went upstream, so A frees the key:
+    its local claim at once, and the store claim (applied once the store resumes) through the
+    root context's release. A retry through Envoy B then executes, long before the 30 s lease
+    would have let it."""
+    cluster = start_cluster(procs, tmp_path, plugin=config(lease_seconds=30))
+    a, b = cluster.a, cluster.b
+    path, key = unique_path(), new_key()
+    cluster.store.pause()
+    try:
+        with socket.create_connection((harness.LOOPBACK, a.port), timeout=10) as sock:
+            sock.sendall(raw_request_bytes(path, key))
+            time.sleep(0.3)
+            abort(sock)
+        time.sleep(0.3)
+    finally:
+        cluster.store.resume()
+    answer, conflicts = wait_for_answer(lambda: post(b, path, key), timeout=10, interval=0.2)
+    assert answer.status_code == 201 and not is_replay(answer), answer.content[:200]
+    for c in conflicts:
+        assert_in_flight(c)
+    assert cluster.upstream.executions(path) == 1
+    replay, _ = wait_for_answer(lambda: post(a, path, key), timeout=10)
+    assert (replay.status_code, is_replay(replay), replay.content) == (201, True, answer.content)
+
+
 def test_completion_survives_client_hangup_and_store_outage(procs, tmp_path) -> None:
     """The guarantee of the root-context write queue, made deterministic: the store goes down
     while the upstream works, the client reads the whole response and hangs up (RST), and only
