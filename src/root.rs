@@ -136,7 +136,7 @@ impl RootContext for FilterRoot {
 
     fn on_tick(&mut self) {
         if let Some(state) = &self.state {
-            state.writes.send_due(&state.metrics);
+            state.writes.on_tick(&state.metrics);
         }
     }
 

@@ -64,8 +64,15 @@ impl PendingWrite {
     }
 }
 
+/// Writes waiting for a retry, at most: beyond it (a long store outage at high traffic) new
+/// failures are given up at once, so memory and the tick's scan stay bounded.
+const MAX_RETRYING: usize = 20_000;
+
 pub struct StoreWrites {
-    waiting: RefCell<VecDeque<PendingWrite>>,
+    /// Submitted by requests and not sent yet: sent on the next wake-up.
+    fresh: RefCell<VecDeque<PendingWrite>>,
+    /// Failed once or more: scanned only on the tick, not on every wake-up.
+    retrying: RefCell<VecDeque<PendingWrite>>,
     sent: RefCell<HashMap<u32, PendingWrite>>,
     wake_queue: Option<u32>,
     failures: RefCell<BurstLog>,
@@ -81,7 +88,8 @@ impl StoreWrites {
             }
         };
         StoreWrites {
-            waiting: RefCell::new(VecDeque::new()),
+            fresh: RefCell::new(VecDeque::new()),
+            retrying: RefCell::new(VecDeque::new()),
             sent: RefCell::new(HashMap::new()),
             wake_queue,
             failures: RefCell::new(BurstLog::new(10_000)),
@@ -94,7 +102,7 @@ impl StoreWrites {
 
     /// Called from a request's context: queue the write and wake the root.
     pub fn submit(&self, write: PendingWrite) {
-        self.waiting.borrow_mut().push_back(write);
+        self.fresh.borrow_mut().push_back(write);
         if let Some(queue) = self.wake_queue {
             if let Err(status) = host::enqueue_shared_queue(queue, b"") {
                 log::debug!("wake-up not queued ({status}); the tick will send the write");
@@ -113,18 +121,25 @@ impl StoreWrites {
                 }
             }
         }
-        self.send_due(metrics);
+        let fresh: Vec<PendingWrite> = self.fresh.borrow_mut().drain(..).collect();
+        self.send(fresh, metrics);
     }
 
-    pub fn send_due(&self, metrics: &Metrics) {
+    /// Called from the root on its tick: new writes a wake-up missed, and retries now due.
+    pub fn on_tick(&self, metrics: &Metrics) {
         let now = host::now_ms();
-        let due: Vec<PendingWrite> = {
-            let mut waiting = self.waiting.borrow_mut();
-            let (due, later): (VecDeque<_>, VecDeque<_>) =
-                waiting.drain(..).partition(|w| w.not_before_ms <= now);
-            *waiting = later;
-            due.into_iter().collect()
-        };
+        let mut due: Vec<PendingWrite> = self.fresh.borrow_mut().drain(..).collect();
+        {
+            let mut retrying = self.retrying.borrow_mut();
+            let (ready, later): (VecDeque<_>, VecDeque<_>) =
+                retrying.drain(..).partition(|w| w.not_before_ms <= now);
+            *retrying = later;
+            due.extend(ready);
+        }
+        self.send(due, metrics);
+    }
+
+    fn send(&self, due: Vec<PendingWrite>, metrics: &Metrics) {
         for write in due {
             match store_calls::send(&write.store, write.op, &write.body) {
                 Ok(token) => {
@@ -199,7 +214,14 @@ impl StoreWrites {
             );
             return;
         }
+        if self.retrying.borrow().len() >= MAX_RETRYING {
+            log::error!(
+                "store {:?} given up: {MAX_RETRYING} writes already wait for the store",
+                write.op
+            );
+            return;
+        }
         write.not_before_ms = now.saturating_add(FIRST_BACKOFF_MS << write.attempts.min(10));
-        self.waiting.borrow_mut().push_back(write);
+        self.retrying.borrow_mut().push_back(write);
     }
 }
