@@ -16,7 +16,6 @@ use crate::host;
 use crate::http_filter::{key_label, Journey, RequestFilter, StoreOwner};
 use crate::shared_table::EnvoySharedData;
 use crate::store_calls::{self, StoreOp};
-use crate::store_writes::PendingWrite;
 
 impl RequestFilter {
     /// The key and payload are known: claim the key and act on the answer.
@@ -228,18 +227,12 @@ impl RequestFilter {
         match policy {
             StoreErrorPolicy::FailClosed => {
                 self.release_local(&held);
-                if let (Some(owner), Some(store)) = (
-                    sent_owner,
-                    self.state.stores.get(rule_index).and_then(Option::as_ref),
-                ) {
+                if let Some(owner) = sent_owner {
                     // The store may have applied the claim after the timeout: release it, or
                     // the key would answer 409 everywhere until the lease ends.
-                    let body = store_client::release_body(&held.key, &owner);
-                    self.state.writes.submit(PendingWrite::cleanup_release(
-                        rule_index,
-                        Rc::clone(store),
-                        body,
-                    ));
+                    self.submit_store_write(rule_index, StoreOp::Release, false, || {
+                        store_client::release_body(&held.key, &owner)
+                    });
                 }
                 self.answer_problem(
                     rule_index,

@@ -7,7 +7,7 @@ use std::rc::Rc;
 use idempotency_core::capture::ResponseCapture;
 use idempotency_core::outcome::Outcome;
 use idempotency_core::store_client;
-use idempotency_core::table::{Completion, Held, TableError};
+use idempotency_core::table::{Completion, Held};
 use proxy_wasm::types::{BufferType, MapType};
 
 use crate::host;
@@ -49,12 +49,7 @@ impl RequestFilter {
                 return;
             }
         };
-        let status = headers
-            .iter()
-            .find(|(n, _)| n == ":status")
-            .and_then(|(_, v)| std::str::from_utf8(v).ok())
-            .and_then(|s| s.parse::<u16>().ok())
-            .unwrap_or(0);
+        let status = host::status_of(&headers).unwrap_or(0);
         if status == 0 || rule.release.releases(status) {
             self.release(rule_index, &held, store_owner);
             return;
@@ -188,10 +183,6 @@ impl RequestFilter {
                     "rule {}: response not recorded: the lease passed and another request took the key over",
                     rule.name
                 );
-                self.count(rule_index, Outcome::NotRecorded);
-            }
-            Err(TableError::Host(e)) => {
-                log::error!("rule {}: response not recorded: {}", rule.name, e.0);
                 self.count(rule_index, Outcome::NotRecorded);
             }
             Err(e) => {

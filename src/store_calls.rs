@@ -54,14 +54,9 @@ pub fn read_answer(num_headers: usize, body_size: usize) -> (Option<u16>, Vec<u8
     if num_headers == 0 {
         return (None, Vec::new());
     }
-    let status = match host::get_header_pairs(MapType::HttpCallResponseHeaders) {
-        Ok(headers) => headers
-            .iter()
-            .find(|(n, _)| n == ":status")
-            .and_then(|(_, v)| std::str::from_utf8(v).ok())
-            .and_then(|s| s.parse::<u16>().ok()),
-        Err(_) => None,
-    };
+    let status = host::get_header_pairs(MapType::HttpCallResponseHeaders)
+        .ok()
+        .and_then(|headers| host::status_of(&headers));
     if body_size > MAX_STORE_ANSWER_BYTES {
         return (status, Vec::new());
     }

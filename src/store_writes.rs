@@ -21,9 +21,9 @@ use crate::store_calls::{self, StoreOp};
 /// Attempts per write before it is given up (the store's lease then decides).
 const MAX_ATTEMPTS: u32 = 6;
 const FIRST_BACKOFF_MS: u64 = 100;
-/// A cleanup release answered "not the owner" is tried this often: the claim it undoes may
+/// A best-effort release answered "not the owner" is tried this often: the claim it undoes may
 /// still be on its way through the store.
-const CLEANUP_NOT_OWNER_ATTEMPTS: u32 = 3;
+const BEST_EFFORT_NOT_OWNER_ATTEMPTS: u32 = 3;
 
 pub struct PendingWrite {
     pub rule: usize,
@@ -32,7 +32,7 @@ pub struct PendingWrite {
     pub body: Vec<u8>,
     /// Writes to a claim whose answer was lost: best effort, so failures are logged but not
     /// counted as store errors (the failed claim already was).
-    cleanup: bool,
+    best_effort: bool,
     attempts: u32,
     not_before_ms: u64,
 }
@@ -44,21 +44,16 @@ impl PendingWrite {
             store,
             op,
             body,
-            cleanup: false,
+            best_effort: false,
             attempts: 0,
             not_before_ms: 0,
         }
     }
 
-    /// Releases a claim the store may have applied after its answer was lost.
-    pub fn cleanup_release(rule: usize, store: Rc<StoreConfig>, body: Vec<u8>) -> PendingWrite {
-        PendingWrite::new(rule, store, StoreOp::Release, body).best_effort()
-    }
-
     /// A write to a claim the store may never have applied: failures are not store errors.
     pub fn best_effort(self) -> PendingWrite {
         PendingWrite {
-            cleanup: true,
+            best_effort: true,
             ..self
         }
     }
@@ -168,10 +163,10 @@ impl StoreWrites {
             StoreOp::Release => WriteKind::Release,
             _ => WriteKind::Complete,
         };
-        if write.cleanup
+        if write.best_effort
             && write.op == StoreOp::Release
             && status == Some(409)
-            && write.attempts + 1 < CLEANUP_NOT_OWNER_ATTEMPTS
+            && write.attempts + 1 < BEST_EFFORT_NOT_OWNER_ATTEMPTS
         {
             self.retry_later(
                 write,
@@ -183,7 +178,7 @@ impl StoreWrites {
         match read_write_answer(kind, status, &body) {
             WriteAnswer::Done => {}
             WriteAnswer::Refused(why) => {
-                if !write.cleanup {
+                if !write.best_effort {
                     metrics.count(write.rule, Outcome::StoreError);
                 }
                 log::warn!("store {:?} refused: {why}", write.op);
@@ -194,7 +189,7 @@ impl StoreWrites {
     }
 
     fn retry_later(&self, mut write: PendingWrite, why: &str, metrics: &Metrics) {
-        if !write.cleanup {
+        if !write.best_effort {
             metrics.count(write.rule, Outcome::StoreError);
         }
         write.attempts += 1;

@@ -277,6 +277,9 @@ pub struct Config {
     /// Route metadata namespace whose `rule` key names the rule for a route; None disables it.
     pub route_metadata_namespace: Option<String>,
     pub rules: Vec<Rule>,
+    /// Derived once from the rules, so each request skips host calls no rule needs.
+    pub(crate) needs_route_name: bool,
+    pub(crate) needs_virtual_host: bool,
 }
 
 /// One rule: which requests it protects and how.
@@ -372,6 +375,8 @@ impl Config {
             table_capacity: u32::try_from(raw.local_table.capacity)
                 .map_err(|_| invalid("local_table.capacity", "too large"))?,
             route_metadata_namespace: raw.route_metadata_namespace,
+            needs_route_name: rules.iter().any(|r| !r.matcher.route_names.is_empty()),
+            needs_virtual_host: rules.iter().any(|r| !r.matcher.virtual_hosts.is_empty()),
             rules,
         })
     }

@@ -33,14 +33,12 @@ pub enum Selection<'a> {
 impl Config {
     /// True when selection needs the route name (a host call the filter can skip otherwise).
     pub fn needs_route_name(&self) -> bool {
-        self.rules.iter().any(|r| !r.matcher.route_names.is_empty())
+        self.needs_route_name
     }
 
     /// True when selection needs the virtual host name.
     pub fn needs_virtual_host(&self) -> bool {
-        self.rules
-            .iter()
-            .any(|r| !r.matcher.virtual_hosts.is_empty())
+        self.needs_virtual_host
     }
 
     pub fn select<'a>(&'a self, facts: &RequestFacts<'_>) -> Selection<'a> {
