@@ -61,25 +61,42 @@ pub fn fingerprint(
             hash_field(&mut h, method.as_bytes());
             hash_field(&mut h, path_without_query(path_with_query).as_bytes());
             for field in fields {
-                let value = match field {
-                    FieldSource::Json(pointer) => body.json_canonical(pointer),
-                    FieldSource::Form(name) => body.form_value(name),
-                    FieldSource::Header(_) | FieldSource::Query(_) => Ok(None),
+                // A JSON pointer names one value (a member named twice on the way is an
+                // error); a form field may legitimately repeat, and then every value counts.
+                let values: Vec<Vec<u8>> = match field {
+                    FieldSource::Json(pointer) => body
+                        .json_canonical(pointer)
+                        .map(|v| v.into_iter().collect()),
+                    FieldSource::Form(name) => body.form_values(name),
+                    FieldSource::Header(_) | FieldSource::Query(_) => Ok(Vec::new()),
                 }
                 .map_err(|e| SourceFailure {
                     source: format!("fingerprint {}", field.describe()),
                     missing: false,
                     why: e.to_string(),
                 })?;
-                match value {
-                    Some(v) => {
-                        h.update([1u8]);
-                        hash_field(&mut h, &v);
-                    }
-                    None => h.update([0u8]),
-                }
+                hash_values(&mut h, &values);
             }
             Ok(h.finalize().into())
+        }
+    }
+}
+
+/// Absent, one value, or several: the first two are hashed as they always were, so the
+/// fingerprints of records made before repeated form fields counted stay the same.
+fn hash_values(h: &mut Sha256, values: &[Vec<u8>]) {
+    match values {
+        [] => h.update([0u8]),
+        [one] => {
+            h.update([1u8]);
+            hash_field(h, one);
+        }
+        many => {
+            h.update([2u8]);
+            h.update((many.len() as u64).to_be_bytes());
+            for v in many {
+                hash_field(h, v);
+            }
         }
     }
 }
@@ -181,5 +198,55 @@ mod tests {
             fp(&none, "/b", "", b"y").unwrap()
         );
         assert!(!none.needs_body() && FingerprintMode::Body.needs_body());
+    }
+
+    #[test]
+    fn json_numbers_count_by_their_text() {
+        let mode = FingerprintMode::Fields(vec![FieldSource::Json("/amount".into())]);
+        let ct = "application/json";
+        let a = fp(
+            &mode,
+            "/cb",
+            ct,
+            br#"{"amount":1234567890123456789012345678}"#,
+        )
+        .unwrap();
+        let b = fp(
+            &mode,
+            "/cb",
+            ct,
+            br#"{"amount":1234567890123456789012345679}"#,
+        )
+        .unwrap();
+        assert_ne!(a, b);
+        assert_ne!(
+            fp(&mode, "/cb", ct, br#"{"amount":1.5}"#).unwrap(),
+            fp(&mode, "/cb", ct, br#"{"amount":1.50}"#).unwrap()
+        );
+        let dup = fp(&mode, "/cb", ct, br#"{"amount":1,"amount":2}"#).unwrap_err();
+        assert!(dup.why.contains("more than once"), "{}", dup.why);
+        assert_eq!(dup.source, "fingerprint JSON body field '/amount'");
+    }
+
+    #[test]
+    fn repeated_form_fields_all_count_and_bad_encodings_fail() {
+        let mode = FingerprintMode::Fields(vec![FieldSource::Form("item".into())]);
+        let ct = "application/x-www-form-urlencoded";
+        let two = fp(&mode, "/n", ct, b"item=a&item=b").unwrap();
+        assert_ne!(two, fp(&mode, "/n", ct, b"item=a&item=c").unwrap());
+        assert_ne!(two, fp(&mode, "/n", ct, b"item=b&item=a").unwrap());
+        assert_ne!(two, fp(&mode, "/n", ct, b"item=a").unwrap());
+        // One value hashes as it always did.
+        let mut h = Sha256::new();
+        hash_field(&mut h, b"idempotency-filter/fingerprint/fields/v1");
+        hash_field(&mut h, b"POST");
+        hash_field(&mut h, b"/n");
+        h.update([1u8]);
+        hash_field(&mut h, b"a b");
+        let expected: Digest = h.finalize().into();
+        assert_eq!(fp(&mode, "/n?q", ct, b"item=a+b&x=1").unwrap(), expected);
+        let bad = fp(&mode, "/n", ct, b"item=%zz").unwrap_err();
+        assert!(bad.why.contains("percent-encoding"), "{}", bad.why);
+        assert!(!bad.missing);
     }
 }

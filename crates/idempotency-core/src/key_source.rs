@@ -82,8 +82,9 @@ pub fn header_parts<'h>(
                     .map_err(|e: KeyError| SourceFailure::invalid(source, e)),
             },
             FieldSource::Query(name) => match query_value(path_with_query, name) {
-                None => Err(SourceFailure::missing(source)),
-                Some(v) => checked_value(source, v).map(Some),
+                Ok(None) => Err(SourceFailure::missing(source)),
+                Ok(Some(v)) => checked_value(source, v).map(Some),
+                Err(e) => Err(SourceFailure::from_field(source, e)),
             },
             FieldSource::Json(_) | FieldSource::Form(_) => Ok(None),
         })
@@ -218,5 +219,49 @@ mod tests {
         let long = format!("/x?k={}", "a".repeat(256));
         let e = header_parts(&[FieldSource::Query("k".into())], |_| None, &long).unwrap_err();
         assert!(e.why.contains("256 bytes"));
+    }
+
+    #[test]
+    fn undecodable_or_repeated_form_and_query_keys_fail_naming_the_source() {
+        let form = "application/x-www-form-urlencoded";
+        let sources = vec![FieldSource::Form("trade_no".into())];
+        for (body, needle) in [
+            (&b"trade_no=%zz"[..], "invalid percent-encoding ('%zz')"),
+            (&b"trade_no=%ff"[..], "not UTF-8"),
+            (&b"trade_no=1&trade_no=2"[..], "more than once"),
+        ] {
+            let mut b = RequestBody::new(form, body);
+            let e = complete_key(&sources, vec![None], &mut b).unwrap_err();
+            assert!(!e.missing, "{body:?}");
+            assert_eq!(e.source, "form field 'trade_no'");
+            assert!(e.why.contains(needle), "{}", e.why);
+        }
+        let sources = vec![FieldSource::Query("order_no".into())];
+        for (path, needle) in [
+            ("/c?order_no=%4", "invalid percent-encoding ('%4')"),
+            ("/c?order_no=%C3%28", "not UTF-8"),
+            ("/c?order_no=1&order_no=1", "more than once"),
+        ] {
+            let e = header_parts(&sources, |_| None, path).unwrap_err();
+            assert!(!e.missing, "{path}");
+            assert_eq!(e.source, "query parameter 'order_no'");
+            assert!(e.why.contains(needle), "{}", e.why);
+        }
+    }
+
+    #[test]
+    fn big_json_numbers_are_different_keys() {
+        let sources = vec![FieldSource::Json("/id".into())];
+        let key = |body: &[u8]| {
+            let mut b = RequestBody::new("application/json", body);
+            complete_key(&sources, vec![None], &mut b).unwrap()
+        };
+        assert_ne!(
+            key(br#"{"id":1234567890123456789012345678}"#),
+            key(br#"{"id":1234567890123456789012345679}"#)
+        );
+        let mut b = RequestBody::new("application/json", br#"{"id":1,"id":2}"#);
+        let e = complete_key(&sources, vec![None], &mut b).unwrap_err();
+        assert!(!e.missing && e.why.contains("more than once"), "{e:?}");
     }
 }
