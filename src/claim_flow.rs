@@ -153,7 +153,11 @@ impl RequestFilter {
         let Some(rule_config) = state.config.rules.get(rule) else {
             return;
         };
-        let action = match read_claim(status, &body) {
+        let answer = read_claim(status, &body);
+        if answer.is_ok() {
+            state.writes.store_answered();
+        }
+        let action = match answer {
             Ok(StoreClaim::Claimed { owner }) => self.execute(
                 rule,
                 held,
@@ -230,9 +234,8 @@ impl RequestFilter {
                 if let Some(owner) = sent_owner {
                     // The store may have applied the claim after the timeout: release it, or
                     // the key would answer 409 everywhere until the lease ends.
-                    self.submit_store_write(rule_index, StoreOp::Release, false, || {
-                        store_client::release_body(&held.key, &owner)
-                    });
+                    let body = store_client::release_body(&held.key, &owner);
+                    self.submit_store_release(rule_index, false, body);
                 }
                 self.answer_problem(
                     rule_index,

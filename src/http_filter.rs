@@ -18,7 +18,7 @@ use proxy_wasm::types::Action;
 use crate::host;
 use crate::root::FilterState;
 use crate::store_calls::StoreOp;
-use crate::store_writes::PendingWrite;
+use crate::store_writes::{LeanBody, PendingWrite};
 
 /// Where the request is on its way.
 pub(crate) enum Journey {
@@ -136,24 +136,49 @@ impl RequestFilter {
 }
 
 impl RequestFilter {
-    /// Hands a store write to the root context, which sends and retries it even after this
-    /// request is gone. Does nothing for rules without a store.
-    pub(crate) fn submit_store_write(
+    /// Hands a store release to the root context, which sends and retries it even after
+    /// this request is gone, until the claim's lease has passed. Does nothing for rules
+    /// without a store.
+    pub(crate) fn submit_store_release(&self, rule: usize, confirmed: bool, body: Vec<u8>) {
+        let lease_ms = self.rule(rule).map_or(0, |r| r.lease_ms);
+        self.submit_store_write(rule, StoreOp::Release, confirmed, body, lease_ms, None);
+    }
+
+    /// Hands a store completion to the root context, retried until the record's TTL has
+    /// passed; `lean` builds the same completion without the response body, sent instead
+    /// should the retry buffer run short during a long outage.
+    pub(crate) fn submit_store_completion(
+        &self,
+        rule: usize,
+        confirmed: bool,
+        body: Vec<u8>,
+        lean: Option<LeanBody>,
+    ) {
+        let ttl_ms = self.rule(rule).map_or(0, |r| r.ttl_ms);
+        self.submit_store_write(rule, StoreOp::Complete, confirmed, body, ttl_ms, lean);
+    }
+
+    fn submit_store_write(
         &self,
         rule: usize,
         op: StoreOp,
         confirmed: bool,
-        body: impl FnOnce() -> Vec<u8>,
+        body: Vec<u8>,
+        matters_for_ms: u64,
+        lean: Option<LeanBody>,
     ) {
-        if let Some(store) = self.state.stores.get(rule).and_then(Option::as_ref) {
-            let write = PendingWrite::new(rule, Rc::clone(store), op, body());
-            let write = if confirmed {
-                write
-            } else {
-                write.best_effort()
-            };
-            self.state.writes.submit(write);
+        let Some(store) = self.state.stores.get(rule).and_then(Option::as_ref) else {
+            return;
+        };
+        let deadline = host::now_ms().saturating_add(matters_for_ms);
+        let mut write = PendingWrite::new(rule, Rc::clone(store), op, body, deadline);
+        if let Some(lean) = lean {
+            write = write.with_lean_body(lean);
         }
+        if !confirmed {
+            write = write.best_effort();
+        }
+        self.state.writes.submit(write);
     }
 }
 

@@ -106,6 +106,9 @@ impl RequestFilter {
     }
 
     pub(crate) fn on_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.holds_for_store() {
+            return Action::Pause;
+        }
         let Journey::AwaitingBody(pending) = &self.journey else {
             return Action::Continue;
         };
@@ -123,10 +126,21 @@ impl RequestFilter {
     }
 
     pub(crate) fn on_request_trailers(&mut self) -> Action {
+        if self.holds_for_store() {
+            return Action::Pause;
+        }
         if !matches!(self.journey, Journey::AwaitingBody(_)) {
             return Action::Continue;
         }
         self.decide_with_buffered_body(usize::MAX)
+    }
+
+    /// A claim sent at request headers (the rule never reads the body) is still awaiting the
+    /// store: the body and trailers that arrive meanwhile must stay in Envoy's buffer, since
+    /// returning Continue here would send the request upstream before the store has decided.
+    /// The store's answer resumes (or answers) the request with everything buffered.
+    fn holds_for_store(&self) -> bool {
+        matches!(self.journey, Journey::AwaitingStore { .. })
     }
 
     fn body_too_large(&mut self, limit: usize) -> Action {

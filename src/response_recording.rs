@@ -6,6 +6,7 @@ use std::rc::Rc;
 
 use idempotency_core::capture::ResponseCapture;
 use idempotency_core::outcome::Outcome;
+use idempotency_core::record::RecordedResponse;
 use idempotency_core::store_client;
 use idempotency_core::table::{Completion, Held};
 use proxy_wasm::types::{BufferType, MapType};
@@ -13,7 +14,7 @@ use proxy_wasm::types::{BufferType, MapType};
 use crate::host;
 use crate::http_filter::{Journey, RequestFilter, StoreOwner};
 use crate::shared_table::EnvoySharedData;
-use crate::store_calls::StoreOp;
+use crate::store_writes::LeanBody;
 
 impl RequestFilter {
     pub(crate) fn on_response_headers(&mut self, end_of_stream: bool) {
@@ -102,9 +103,8 @@ impl RequestFilter {
         self.journey = Journey::Finished;
         self.count(rule_index, Outcome::Released);
         if let Some(owner) = store_owner {
-            self.submit_store_write(rule_index, StoreOp::Release, owner.confirmed, || {
-                store_client::release_body(&held.key, &owner.token)
-            });
+            let body = store_client::release_body(&held.key, &owner.token);
+            self.submit_store_release(rule_index, owner.confirmed, body);
         }
         match self.state.table.release(&EnvoySharedData, held) {
             Ok(Completion::Recorded) => {}
@@ -138,9 +138,8 @@ impl RequestFilter {
                 } = std::mem::replace(&mut self.journey, Journey::Finished)
                 {
                     self.release_local(&held);
-                    self.submit_store_write(rule, StoreOp::Release, false, || {
-                        store_client::release_body(&held.key, &owner)
-                    });
+                    let body = store_client::release_body(&held.key, &owner);
+                    self.submit_store_release(rule, false, body);
                 }
             }
             _ => {}
@@ -166,9 +165,20 @@ impl RequestFilter {
         let response = capture.finish();
         if let Some(owner) = store_owner {
             // The cluster-wide record matters most: queue it first, from the root context.
-            self.submit_store_write(rule_index, StoreOp::Complete, owner.confirmed, || {
-                store_client::complete_body(&held.key, &owner.token, rule.ttl_ms, &response)
+            let body = store_client::complete_body(&held.key, &owner.token, rule.ttl_ms, &response);
+            let lean = (!response.body.is_empty()).then(|| {
+                let (key, token, ttl_ms) = (held.key, owner.token.clone(), rule.ttl_ms);
+                let without_body = RecordedResponse {
+                    owner: response.owner,
+                    status: response.status,
+                    headers: response.headers.clone(),
+                    body: Vec::new(),
+                    body_omitted: true,
+                };
+                Box::new(move || store_client::complete_body(&key, &token, ttl_ms, &without_body))
+                    as LeanBody
             });
+            self.submit_store_completion(rule_index, owner.confirmed, body, lean);
         }
         match state.table.complete(
             &EnvoySharedData,

@@ -3,10 +3,17 @@
 //! Why the root: when a client disconnects, Envoy destroys the request's context and cancels
 //! its pending callouts, and the record would be lost. A request instead hands its write to
 //! this queue and wakes the root through a shared queue; the root sends it, and retries with
-//! backoff on its tick when the store is unavailable.
+//! backoff on its tick while the store is unavailable.
+//!
+//! How long: a write is retried for as long as it can still matter, until its deadline (the
+//! record's TTL for a completion, the claim's lease for a release), so a store outage of
+//! minutes loses nothing. What bounds memory instead is a byte budget: over it, a completion
+//! is kept without its response body (a replay then carries the omitted-body marker, which is
+//! better than a second execution), and only then are writes dropped, counted and logged.
 
-use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
+use std::cell::{Cell, RefCell};
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::rc::Rc;
 
 use idempotency_core::burst_log::BurstLog;
@@ -18,35 +25,59 @@ use crate::host;
 use crate::metrics::Metrics;
 use crate::store_calls::{self, StoreOp};
 
-/// Attempts per write before it is given up (the store's lease then decides).
-const MAX_ATTEMPTS: u32 = 6;
 const FIRST_BACKOFF_MS: u64 = 100;
+/// Longest wait between two attempts of one write: once the store is back, a queued
+/// completion lands within this (plus a tick) even if nothing else reaches the store.
+const MAX_BACKOFF_MS: u64 = 2_000;
 /// A best-effort release answered "not the owner" is tried this often: the claim it undoes may
 /// still be on its way through the store.
 const BEST_EFFORT_NOT_OWNER_ATTEMPTS: u32 = 3;
+/// Bytes of request bodies waiting for a retry, per worker VM. A completion's body is at most
+/// the store's request limit (4 MiB by default), so this holds a few of the largest and
+/// tens of thousands of ordinary ones.
+pub const RETRY_BUDGET_BYTES: usize = 16 * 1024 * 1024;
+/// Writes sent per tick: after an outage the backlog reaches the store in steady batches
+/// rather than as one burst of callouts.
+const MAX_SENDS_PER_TICK: usize = 500;
+
+/// Builds the leaner form of a write when the retry budget runs short.
+pub type LeanBody = Box<dyn FnOnce() -> Vec<u8>>;
 
 pub struct PendingWrite {
     pub rule: usize,
     pub store: Rc<StoreConfig>,
     pub op: StoreOp,
     pub body: Vec<u8>,
+    /// A completion with a response body: the same completion without the body.
+    lean: Option<LeanBody>,
     /// Writes to a claim whose answer was lost: best effort, so failures are logged but not
     /// counted as store errors (the failed claim already was).
     best_effort: bool,
     attempts: u32,
     not_before_ms: u64,
+    /// After this the write cannot matter any more: the record would have expired (complete)
+    /// or the claim's lease has passed and another request may take it over (release).
+    deadline_ms: u64,
 }
 
 impl PendingWrite {
-    pub fn new(rule: usize, store: Rc<StoreConfig>, op: StoreOp, body: Vec<u8>) -> PendingWrite {
+    pub fn new(
+        rule: usize,
+        store: Rc<StoreConfig>,
+        op: StoreOp,
+        body: Vec<u8>,
+        deadline_ms: u64,
+    ) -> PendingWrite {
         PendingWrite {
             rule,
             store,
             op,
             body,
+            lean: None,
             best_effort: false,
             attempts: 0,
             not_before_ms: 0,
+            deadline_ms,
         }
     }
 
@@ -57,20 +88,64 @@ impl PendingWrite {
             ..self
         }
     }
+
+    /// What to send instead when the retry budget cannot hold `body`.
+    pub fn with_lean_body(self, lean: LeanBody) -> PendingWrite {
+        PendingWrite {
+            lean: Some(lean),
+            ..self
+        }
+    }
+
+    /// Swaps the body for its lean form; false when there is none.
+    fn slim_down(&mut self) -> bool {
+        match self.lean.take() {
+            Some(lean) => {
+                self.body = lean();
+                true
+            }
+            None => false,
+        }
+    }
 }
 
-/// Writes waiting for a retry, at most: beyond it (a long store outage at high traffic) new
-/// failures are given up at once, so memory and the tick's scan stay bounded.
-const MAX_RETRYING: usize = 20_000;
+/// A write waiting for its next attempt, ordered by when it is due (then by arrival).
+struct Waiting {
+    not_before_ms: u64,
+    seq: u64,
+    write: PendingWrite,
+}
+
+impl PartialEq for Waiting {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Waiting {}
+impl PartialOrd for Waiting {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Waiting {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (self.not_before_ms, self.seq).cmp(&(other.not_before_ms, other.seq))
+    }
+}
 
 pub struct StoreWrites {
     /// Submitted by requests and not sent yet: sent on the next wake-up.
     fresh: RefCell<VecDeque<PendingWrite>>,
-    /// Failed once or more: scanned only on the tick, not on every wake-up.
-    retrying: RefCell<VecDeque<PendingWrite>>,
+    /// Failed once or more, soonest due first: looked at only on the tick.
+    retrying: RefCell<BinaryHeap<Reverse<Waiting>>>,
+    retrying_bytes: Cell<usize>,
+    next_seq: Cell<u64>,
+    /// The store answered since the last failure: send what waits without its backoff.
+    store_is_back: Cell<bool>,
     sent: RefCell<HashMap<u32, PendingWrite>>,
     wake_queue: Option<u32>,
     failures: RefCell<BurstLog>,
+    drops: RefCell<BurstLog>,
 }
 
 impl StoreWrites {
@@ -84,10 +159,14 @@ impl StoreWrites {
         };
         StoreWrites {
             fresh: RefCell::new(VecDeque::new()),
-            retrying: RefCell::new(VecDeque::new()),
+            retrying: RefCell::new(BinaryHeap::new()),
+            retrying_bytes: Cell::new(0),
+            next_seq: Cell::new(0),
+            store_is_back: Cell::new(false),
             sent: RefCell::new(HashMap::new()),
             wake_queue,
             failures: RefCell::new(BurstLog::new(10_000)),
+            drops: RefCell::new(BurstLog::new(10_000)),
         }
     }
 
@@ -102,6 +181,15 @@ impl StoreWrites {
             if let Err(status) = host::enqueue_shared_queue(queue, b"") {
                 log::debug!("wake-up not queued ({status}); the tick will send the write");
             }
+        }
+    }
+
+    /// A request's claim got a real answer from the store: writes waiting out an outage go
+    /// on the next tick instead of at the end of their backoff, so a retry arriving through
+    /// another replica finds the first attempt's record rather than its lapsed lease.
+    pub fn store_answered(&self) {
+        if !self.store_is_back.get() && !self.retrying.borrow().is_empty() {
+            self.store_is_back.set(true);
         }
     }
 
@@ -126,10 +214,31 @@ impl StoreWrites {
         let mut due: Vec<PendingWrite> = self.fresh.borrow_mut().drain(..).collect();
         {
             let mut retrying = self.retrying.borrow_mut();
-            let (ready, later): (VecDeque<_>, VecDeque<_>) =
-                retrying.drain(..).partition(|w| w.not_before_ms <= now);
-            *retrying = later;
-            due.extend(ready);
+            let hurry = self.store_is_back.get();
+            while due.len() < MAX_SENDS_PER_TICK {
+                let ready = retrying
+                    .peek()
+                    .is_some_and(|Reverse(w)| hurry || w.not_before_ms <= now);
+                if !ready {
+                    break;
+                }
+                let Some(Reverse(waiting)) = retrying.pop() else {
+                    break;
+                };
+                self.retrying_bytes.set(
+                    self.retrying_bytes
+                        .get()
+                        .saturating_sub(waiting.write.body.len()),
+                );
+                if now >= waiting.write.deadline_ms {
+                    self.drop_write(&waiting.write, "its deadline passed", metrics);
+                } else {
+                    due.push(waiting.write);
+                }
+            }
+            if retrying.is_empty() {
+                self.store_is_back.set(false);
+            }
         }
         self.send(due, metrics);
     }
@@ -166,7 +275,7 @@ impl StoreWrites {
         if write.best_effort
             && write.op == StoreOp::Release
             && status == Some(409)
-            && write.attempts + 1 < BEST_EFFORT_NOT_OWNER_ATTEMPTS
+            && write.attempts.saturating_add(1) < BEST_EFFORT_NOT_OWNER_ATTEMPTS
         {
             self.retry_later(
                 write,
@@ -176,7 +285,7 @@ impl StoreWrites {
             return true;
         }
         match read_write_answer(kind, status, &body) {
-            WriteAnswer::Done => {}
+            WriteAnswer::Done => self.store_answered(),
             WriteAnswer::Refused(why) => {
                 if !write.best_effort {
                     metrics.count(write.rule, Outcome::StoreError);
@@ -189,34 +298,62 @@ impl StoreWrites {
     }
 
     fn retry_later(&self, mut write: PendingWrite, why: &str, metrics: &Metrics) {
+        // Failures end the hurry: the store is (again) not answering.
+        self.store_is_back.set(false);
         if !write.best_effort {
             metrics.count(write.rule, Outcome::StoreError);
         }
-        write.attempts += 1;
+        write.attempts = write.attempts.saturating_add(1);
         let now = host::now_ms();
         if let Some(suppressed) = self.failures.borrow_mut().admit(now) {
             log::warn!(
-                "store {:?} failed (attempt {}): {why} ({suppressed} similar failures not logged)",
+                "store {:?} failed (attempt {}): {why}; retried until its deadline \
+                 ({suppressed} similar failures not logged)",
                 write.op,
                 write.attempts
             );
         }
-        if write.attempts >= MAX_ATTEMPTS {
-            log::error!(
-                "store {:?} given up after {} attempts; the store's lease decides what a retry gets",
-                write.op,
-                write.attempts
-            );
+        if now >= write.deadline_ms {
+            self.drop_write(&write, "its deadline passed", metrics);
             return;
         }
-        if self.retrying.borrow().len() >= MAX_RETRYING {
-            log::error!(
-                "store {:?} given up: {MAX_RETRYING} writes already wait for the store",
+        if self.retrying_bytes.get().saturating_add(write.body.len()) > RETRY_BUDGET_BYTES
+            && write.slim_down()
+        {
+            log::warn!(
+                "store {:?} kept without its response body: the retry buffer is full",
                 write.op
             );
+        }
+        let bytes = write.body.len();
+        if self.retrying_bytes.get().saturating_add(bytes) > RETRY_BUDGET_BYTES {
+            self.drop_write(&write, "the retry buffer's byte budget is spent", metrics);
             return;
         }
-        write.not_before_ms = now.saturating_add(FIRST_BACKOFF_MS << write.attempts.min(10));
-        self.retrying.borrow_mut().push_back(write);
+        let backoff = FIRST_BACKOFF_MS
+            .saturating_mul(1 << write.attempts.min(16))
+            .min(MAX_BACKOFF_MS);
+        write.not_before_ms = now.saturating_add(backoff).min(write.deadline_ms);
+        let seq = self.next_seq.get();
+        self.next_seq.set(seq.wrapping_add(1));
+        self.retrying_bytes
+            .set(self.retrying_bytes.get().saturating_add(bytes));
+        self.retrying.borrow_mut().push(Reverse(Waiting {
+            not_before_ms: write.not_before_ms,
+            seq,
+            write,
+        }));
+    }
+
+    fn drop_write(&self, write: &PendingWrite, why: &str, metrics: &Metrics) {
+        metrics.count(write.rule, Outcome::StoreWriteDropped);
+        if let Some(suppressed) = self.drops.borrow_mut().admit(host::now_ms()) {
+            log::error!(
+                "store {:?} given up after {} attempt(s): {why}; the store's lease decides what \
+                 a retry gets ({suppressed} similar drops not logged)",
+                write.op,
+                write.attempts
+            );
+        }
     }
 }

@@ -532,3 +532,69 @@ def test_upstream_error_releases_the_store_claim(procs, tmp_path) -> None:
                                 operation="release", outcome="released") == 1
     replay, _ = wait_for_answer(lambda: post(a, path, key), timeout=10)
     assert (replay.status_code, is_replay(replay), replay.content) == (201, True, retried.content)
+
+
+# --------------------------------------------------------------------------
+# 11. rules that never read the body
+# --------------------------------------------------------------------------
+
+
+def test_body_waits_for_the_store_when_the_rule_never_reads_it(procs, tmp_path) -> None:
+    """A rule with a header key and ``"fingerprint": "none"`` claims at request headers and
+    never buffers the body for itself. Its body must still wait while the store confirms the
+    claim: a body passed on before the store answered would run the request upstream first.
+    The same key with the same body through the other Envoy (no local record there) gets the
+    replay, and the upstream ran once. (Regression: Envoy B used to execute it again.)"""
+    cluster = start_cluster(procs, tmp_path, plugin=config(fingerprint="none"))
+    a, b = cluster.a, cluster.b
+    path, key = unique_path(), new_key()
+    body = b'{"sku":"book","qty":1,"note":"' + b"x" * 4096 + b'"}'
+    first = post(a, path, key, body=body)
+    assert first.status_code == 201 and not is_replay(first)
+    wait_for_store_completions(cluster, 1)
+
+    retry = post(b, path, key, body=body)
+    assert (retry.status_code, is_replay(retry)) == (201, True), retry.content[:200]
+    assert retry.content == first.content
+    assert cluster.upstream.executions(path) == 1
+    counters = rule_counters(b, "orders")
+    assert (counters["executed"], counters["replayed"]) == (0, 1), counters
+
+
+# --------------------------------------------------------------------------
+# 12. store outages longer than a few seconds
+# --------------------------------------------------------------------------
+
+
+def test_completion_survives_a_store_outage_of_many_seconds(procs, tmp_path) -> None:
+    """The store is down for 12 s (the filter once gave completions up after about 6 s of
+    retries) while a request completes and its client hangs up. The completion waits in the
+    root context's retry buffer and lands once the store is back, quickly (the backoff is
+    capped, and the first store answer flushes the buffer); a retry through the OTHER Envoy
+    then replays instead of executing again. Nothing was dropped."""
+    cluster = start_cluster(procs, tmp_path, plugin=config(lease_seconds=30))
+    a, b = cluster.a, cluster.b
+    path, key = unique_path(), new_key()
+    with socket.create_connection((harness.LOOPBACK, a.port), timeout=10) as sock:
+        sock.sendall(raw_request_bytes(path, key, headers={"x-demo-delay-ms": "500"}))
+        harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10,
+                           what="the upstream to start executing")
+        cluster.store.stop()
+        down_since = time.monotonic()
+        status, _, _ = read_response_head(sock, timeout=15)
+        assert status == 201
+        abort(sock)
+    harness.wait_until(lambda: rule_counter(a, "orders", "store_error") >= 1, timeout=10,
+                       what="the completion to fail against the stopped store")
+    # Longer than the old retry window.
+    time.sleep(max(0.0, 12 - (time.monotonic() - down_since)))
+    assert rule_counter(a, "orders", "store_write_dropped") == 0
+
+    cluster.store.start()  # same port, same data dir: the claim is still there
+    back = time.monotonic()
+    wait_for_store_completions(cluster, 1, timeout=10)
+    assert time.monotonic() - back < 2 + 1.5, "the queued completion should land within the capped backoff"
+    replay = post(b, path, key)
+    assert (replay.status_code, is_replay(replay)) == (201, True), replay.content[:200]
+    assert cluster.upstream.executions(path) == 1
+    assert rule_counter(a, "orders", "store_write_dropped") == 0

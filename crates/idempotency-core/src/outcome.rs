@@ -31,10 +31,13 @@ pub enum Outcome {
     StoreError,
     /// Cluster mode: the store failed and the rule failed open (local claim only).
     StoreFailOpen,
+    /// Cluster mode: a completion or release was given up before the store took it (its
+    /// deadline passed during an outage, or the retry buffer's byte budget was spent).
+    StoreWriteDropped,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 14] = [
+    pub const ALL: [Outcome; 15] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -49,6 +52,7 @@ impl Outcome {
         Outcome::TableError,
         Outcome::StoreError,
         Outcome::StoreFailOpen,
+        Outcome::StoreWriteDropped,
     ];
 
     pub fn name(self) -> &'static str {
@@ -67,6 +71,7 @@ impl Outcome {
             Outcome::TableError => "table_error",
             Outcome::StoreError => "store_error",
             Outcome::StoreFailOpen => "store_fail_open",
+            Outcome::StoreWriteDropped => "store_write_dropped",
         }
     }
 

@@ -19,6 +19,9 @@ pub const WAYS: usize = 8;
 const SLOT_BYTES: usize = 1 + 32 + 32 + 8 + 8 + 2;
 /// CAS retries before giving up on one bucket (only other workers' writes cause retries).
 const MAX_CAS_ATTEMPTS: usize = 32;
+/// How long a completing claim is kept live while its response is written: far longer than
+/// the few host calls between its ownership CAS and the write, which run without yielding.
+const RECORDING_GRACE_MS: u64 = 5_000;
 /// A cas that no real entry carries yet: writing with it creates the key if absent and is
 /// refused if another worker created it first.
 const CREATE_IF_ABSENT_CAS: u32 = u32::MAX;
@@ -231,9 +234,16 @@ impl Table {
     }
 
     fn create_bucket(&self, shared: &impl SharedData, bucket: u32) -> Result<(), HostError> {
-        // Refused (CasMismatch) when the bucket exists already: that is the point.
+        let key = self.bucket_key(bucket);
+        // Every configure (each Istio push) runs this over live buckets: an existing bucket is
+        // never written, since the host's cas is a wrapping counter and a bucket whose cas
+        // happens to equal CREATE_IF_ABSENT_CAS would otherwise be replaced by an empty one.
+        if shared.get(&key)?.is_some() {
+            return Ok(());
+        }
+        // Refused (CasMismatch) when another worker created it since: that is the point.
         shared
-            .set(&self.bucket_key(bucket), &[], Some(CREATE_IF_ABSENT_CAS))
+            .set(&key, &[], Some(CREATE_IF_ABSENT_CAS))
             .map(|_| ())
     }
 
@@ -331,19 +341,30 @@ impl Table {
         now_ms: u64,
         ttl_ms: u64,
     ) -> Result<Completion, TableError> {
-        let mut response_written = false;
+        // The response key is written without a cas (a slot's previous response may be
+        // megabytes; reading it for its cas would copy it into the VM). So first prove
+        // ownership with a CAS on the bucket that also keeps the claim live for a moment: a
+        // late finisher whose lease has passed can then never overwrite the response of a
+        // request that took its slot over, because that takeover either happened before this
+        // CAS (which then fails) or cannot happen until after the write below.
+        let renewed = self.update_held(shared, held, |slot| {
+            slot.expires_at_ms = slot
+                .expires_at_ms
+                .max(now_ms.saturating_add(RECORDING_GRACE_MS));
+            Ok(())
+        })?;
+        if renewed == Completion::LostOwnership {
+            return Ok(Completion::LostOwnership);
+        }
+        // Written before the slot flips to completed, so a reader that sees "completed" finds
+        // the response; the owner inside ties it to this claim.
+        let encoded = RecordedResponse {
+            owner: held.owner,
+            ..response.clone()
+        }
+        .encode();
+        shared.set(&self.response_key(held.slot), &encoded, None)?;
         self.update_held(shared, held, |slot| {
-            if !response_written {
-                // Written before the slot flips to completed, so a reader that sees
-                // "completed" finds the response; the owner inside ties it to this claim.
-                let encoded = RecordedResponse {
-                    owner: held.owner,
-                    ..response.clone()
-                }
-                .encode();
-                shared.set(&self.response_key(held.slot), &encoded, None)?;
-                response_written = true;
-            }
             slot.state = SlotState::Completed;
             slot.expires_at_ms = now_ms.saturating_add(ttl_ms);
             slot.status = response.status;
@@ -420,7 +441,8 @@ mod tests {
         fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError> {
             let mut map = self.map.borrow_mut();
             let mut next = self.next_cas.borrow_mut();
-            *next += 1;
+            // Like Envoy's: one wrapping counter for the whole map, never 0.
+            *next = next.wrapping_add(1).max(1);
             if let Some((_, current)) = map.get(key) {
                 if matches!(cas, Some(c) if c != 0 && c != *current) {
                     return Ok(SetOutcome::CasMismatch);
@@ -656,6 +678,91 @@ mod tests {
             t.claim(&s, &digest(1), &digest(2), 7, 1, 1_000).unwrap(),
             Claim::InFlight { .. }
         ));
+    }
+
+    #[test]
+    fn a_configure_keeps_a_bucket_whose_cas_equals_the_create_marker() {
+        let s = FakeShared::default();
+        let t = table(&s, 8);
+        let (k, fp) = (digest(1), digest(2));
+        // The host's cas counter has wrapped around to the marker's value for this claim.
+        *s.next_cas.borrow_mut() = CREATE_IF_ABSENT_CAS - 1;
+        held(t.claim(&s, &k, &fp, 7, 0, 60_000).unwrap());
+        assert_eq!(
+            s.get(&t.bucket_key(0)).unwrap().map(|(_, cas)| cas),
+            Some(CREATE_IF_ABSENT_CAS)
+        );
+        // An Istio push re-runs configure on every worker.
+        t.create_buckets(&s).unwrap();
+        assert!(matches!(
+            t.claim(&s, &k, &fp, 8, 1, 60_000).unwrap(),
+            Claim::InFlight { .. }
+        ));
+    }
+
+    /// Shared data that lets another worker act right after a chosen read.
+    struct Interleaved<'a> {
+        inner: &'a FakeShared,
+        reads_before_rival: RefCell<usize>,
+        rival: RefCell<Option<Box<dyn FnOnce(&FakeShared) + 'a>>>,
+    }
+
+    impl SharedData for Interleaved<'_> {
+        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+            let seen = self.inner.get(key);
+            let mut left = self.reads_before_rival.borrow_mut();
+            if *left == 1 {
+                if let Some(rival) = self.rival.borrow_mut().take() {
+                    rival(self.inner);
+                }
+            }
+            *left = left.saturating_sub(1);
+            seen
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError> {
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_late_finisher_never_overwrites_the_response_of_the_request_that_took_over() {
+        let s = FakeShared::default();
+        let t = table(&s, 8);
+        let (k, fp) = (digest(1), digest(2));
+        let late = held(t.claim(&s, &k, &fp, 7, 0, 1_000).unwrap());
+        // Its lease has passed. Right after the late finisher reads the bucket and sees its
+        // claim, another worker takes the key over, executes and records its own response.
+        let rival_table = t.clone();
+        let interleaved = Interleaved {
+            inner: &s,
+            reads_before_rival: RefCell::new(1),
+            rival: RefCell::new(Some(Box::new(move |shared: &FakeShared| {
+                let taker = held(rival_table.claim(shared, &k, &fp, 8, 2_000, 1_000).unwrap());
+                assert!(taker.took_over);
+                let mut theirs = response(201);
+                theirs.body = b"the new owner's body".to_vec();
+                assert_eq!(
+                    rival_table
+                        .complete(shared, &taker, &theirs, 2_001, 60_000)
+                        .unwrap(),
+                    Completion::Recorded
+                );
+            }))),
+        };
+        let mut mine = response(200);
+        mine.body = b"the late finisher's body".to_vec();
+        assert_eq!(
+            t.complete(&interleaved, &late, &mine, 2_000, 60_000)
+                .unwrap(),
+            Completion::LostOwnership
+        );
+        let Claim::Completed { slot, owner, .. } = t.claim(&s, &k, &fp, 9, 3_000, 1_000).unwrap()
+        else {
+            panic!("expected the new owner's record");
+        };
+        assert_eq!(owner, 8);
+        let replay = t.load_response(&s, slot, owner).unwrap().unwrap();
+        assert_eq!(replay.body, b"the new owner's body");
     }
 
     #[test]
