@@ -140,6 +140,13 @@ pub fn read_claim(status: Option<u16>, body: &[u8]) -> Result<StoreClaim, StoreF
             let response = RecordedResponse::decode(&bytes).ok_or_else(|| {
                 StoreFailure("store record is not a recorded response".to_string())
             })?;
+            // A header this filter could never have recorded means the record is corrupt or
+            // was written by someone else: the whole answer is garbage, as for an undecodable
+            // record (fail_closed answers 503, the retry tries again). Replaying it without
+            // the bad headers instead would present a changed response as the recorded one.
+            response
+                .check_headers()
+                .map_err(|why| StoreFailure(format!("store record cannot be replayed: {why}")))?;
             StoreClaim::Completed(response)
         }
     })
@@ -255,6 +262,24 @@ mod tests {
             ),
         ] {
             assert!(read_claim(status, body).is_err(), "{status:?} {body:?}");
+        }
+    }
+
+    #[test]
+    fn records_with_unsafe_headers_are_garbage_answers() {
+        for (name, value) in [
+            ("x-injected", &b"1\r\nset-cookie: session=stolen"[..]),
+            ("x-nul", &b"a\0"[..]),
+            ("bad name", &b"v"[..]),
+        ] {
+            let mut record = recorded();
+            record.headers.push((name.to_string(), value.to_vec()));
+            let body = format!(
+                r#"{{"outcome":"completed","record":"{}"}}"#,
+                BASE64.encode(record.encode())
+            );
+            let failure = read_claim(Some(200), body.as_bytes()).unwrap_err();
+            assert!(failure.0.contains("cannot be replayed"), "{failure}");
         }
     }
 
