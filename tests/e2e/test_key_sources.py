@@ -13,6 +13,7 @@ import harness
 import helpers
 
 JSON = {"content-type": "application/json"}
+FORM = {"content-type": "application/x-www-form-urlencoded"}
 
 
 def rules() -> list[dict]:
@@ -22,6 +23,13 @@ def rules() -> list[dict]:
         helpers.rule("header-no-body", prefixes=["/hn"], key={"header": "x-delivery"}, fingerprint="none", max_request_bytes=64),
         helpers.rule("composite", prefixes=["/co"], key={"sources": [{"header": "x-tenant"}, {"query": "ref"}, {"json": "/n"}]}),
         helpers.rule("by-vhost", match={"virtual_hosts": ["partners"]}),
+        helpers.rule(
+            "form-key",
+            prefixes=["/fk"],
+            key={"sources": [{"form": "trade_no"}]},
+            fingerprint={"fields": [{"form": "trade_no"}, {"form": "total_amount"}]},
+        ),
+        helpers.rule("query-key", prefixes=["/qk"], key={"sources": [{"query": "order_no"}]}),
     ]
 
 
@@ -133,3 +141,76 @@ def test_a_rule_chosen_by_virtual_host(sources_envoy) -> None:
     # The same path on the default virtual host matches no rule here and passes untouched.
     assert helpers.post(envoy, path).status_code == 201
     assert upstream.executions(path) == 1
+
+
+def test_big_json_numbers_are_different_keys(sources_envoy) -> None:
+    """Two 28-digit ids that a float would make equal are two writes, and each one's retry
+    replays its own response."""
+    envoy, upstream = sources_envoy
+    path = helpers.unique_path("rj")
+    bodies = [b'{"order":{"id":1234567890123456789012345678}}', b'{"order":{"id":1234567890123456789012345679}}']
+    firsts = [helpers.post(envoy, path, body=body, headers=JSON) for body in bodies]
+    for resp in firsts:
+        assert resp.status_code == 201 and not helpers.is_replay(resp), resp.content
+    assert upstream.executions(path) == 2
+    for body, first in zip(bodies, firsts):
+        again = helpers.post(envoy, path, body=body, headers=JSON)
+        assert helpers.is_replay(again) and again.content == first.content
+    assert upstream.executions(path) == 2
+
+
+@pytest.mark.parametrize(
+    "body, detail",
+    [
+        (b"trade_no=%zz&total_amount=1.00", "invalid percent-encoding ('%zz')"),
+        (b"trade_no=T%4&total_amount=1.00", "invalid percent-encoding ('%4')"),
+        (b"trade_no=T%ff&total_amount=1.00", "not UTF-8"),
+        (b"trade_no=T1&total_amount=1.00&trade_no=T2", "appears more than once"),
+        (b"trade_no=T1&trade%5Fno=T1&total_amount=1.00", "appears more than once"),
+    ],
+    ids=["bad-escape", "short-escape", "not-utf8", "duplicate", "duplicate-encoded-name"],
+)
+def test_undecodable_or_repeated_form_keys_get_400(sources_envoy, body, detail) -> None:
+    """Decoded leniently, `%zz` and `%ff` were keys of their own and the first of two
+    `trade_no` fields won while the upstream may read the last: now each is refused."""
+    envoy, upstream = sources_envoy
+    path = helpers.unique_path("fk")
+    resp = helpers.post(envoy, path, body=body, headers=FORM)
+    doc = helpers.problem(resp, 400, "invalid-key", rule="form-key")
+    assert "form field 'trade_no'" in doc["detail"] and detail in doc["detail"], doc
+    assert upstream.executions(path) == 0
+
+
+def test_a_repeated_fingerprinted_form_field_counts_every_value(sources_envoy) -> None:
+    envoy, upstream = sources_envoy
+    path = helpers.unique_path("fk")
+    trade = helpers.new_key()
+    first = helpers.post(envoy, path, body=f"trade_no={trade}&total_amount=1&total_amount=2", headers=FORM)
+    assert first.status_code == 201 and not helpers.is_replay(first)
+    again = helpers.post(envoy, path, body=f"sign=x&trade_no={trade}&total_amount=1&total_amount=2", headers=FORM)
+    assert helpers.is_replay(again)
+    changed = helpers.post(envoy, path, body=f"trade_no={trade}&total_amount=1&total_amount=3", headers=FORM)
+    helpers.problem(changed, 422, "key-reused", rule="form-key")
+    assert upstream.executions(path) == 1
+
+
+@pytest.mark.parametrize(
+    "query, detail",
+    [
+        ("order_no=%zz", "invalid percent-encoding ('%zz')"),
+        ("order_no=A%C3%28", "not UTF-8"),
+        ("order_no=A1&order_no=A2", "appears more than once"),
+    ],
+    ids=["bad-escape", "not-utf8", "duplicate"],
+)
+def test_undecodable_or_repeated_query_keys_get_400(sources_envoy, query, detail) -> None:
+    """Sent byte for byte (``requests`` would re-quote `%zz` as `%25zz`)."""
+    envoy, upstream = sources_envoy
+    path = helpers.unique_path("qk")
+    resp = helpers.raw_request(envoy, f"{path}?{query}", [])
+    doc = helpers.problem(resp, 400, "invalid-key", rule="query-key")
+    assert "query parameter 'order_no'" in doc["detail"] and detail in doc["detail"], doc
+    assert upstream.executions(path) == 0
+    # The same key, validly encoded, is a key.
+    ok = helpers.raw_request(envoy, f"{path}?order_no=%41%2D{uuid.uuid4().hex}", [])
+    assert ok.status_code == 201 and upstream.executions(path) == 1
