@@ -11,6 +11,13 @@
 //! | `x-demo-delay-ms: N`    | sleep N ms (at most 30000) after counting, before answering     |
 //! | `x-demo-body-bytes: N`  | answer with exactly N bytes of a printable pattern (≤ 16 MiB)   |
 //! | `x-demo-header: k=v`    | add response header `k: v` (repeatable; replaces a default `k`) |
+//! | `x-demo-signed: N`      | act as a signed endpoint (webhook, payment callback), see below |
+//!
+//! A signed endpoint executes only a request whose `x-demo-signature` is
+//! `sha256=<hex HMAC-SHA256 of the body under DEMO_SIGNING_KEY>`, as webhook
+//! senders sign; a missing or wrong signature gets status N (400..=499: senders'
+//! receivers answer 400, 401 or 403) and is not counted, so a test can send a
+//! forged delivery and then the genuine one.
 //!
 //! An invalid control header gets `400` and is not counted. The execution is
 //! counted once the request body has been read, before any delay, so a test
@@ -55,6 +62,11 @@ const X_DEMO_STATUS: HeaderName = HeaderName::from_static("x-demo-status");
 const X_DEMO_DELAY_MS: HeaderName = HeaderName::from_static("x-demo-delay-ms");
 const X_DEMO_BODY_BYTES: HeaderName = HeaderName::from_static("x-demo-body-bytes");
 const X_DEMO_HEADER: HeaderName = HeaderName::from_static("x-demo-header");
+const X_DEMO_SIGNED: HeaderName = HeaderName::from_static("x-demo-signed");
+const X_DEMO_SIGNATURE: HeaderName = HeaderName::from_static("x-demo-signature");
+
+/// The key signed endpoints verify with. Public on purpose: this is a test upstream.
+pub const DEMO_SIGNING_KEY: &[u8] = b"demo-signing-key";
 const X_EXECUTION: HeaderName = HeaderName::from_static("x-execution");
 const X_DEMO_UPSTREAM: HeaderName = HeaderName::from_static("x-demo-upstream");
 
@@ -174,12 +186,29 @@ where
             return json(StatusCode::BAD_REQUEST, error_json(message));
         }
     };
-    let Some((body_bytes, digest)) = hash_body(body).await else {
+    let mut mac = spec
+        .signed
+        .map(|refusal| (refusal, HmacSha256::new(DEMO_SIGNING_KEY)));
+    let Some((body_bytes, digest)) = hash_body(body, mac.as_mut().map(|(_, m)| m)).await else {
         return json(
             StatusCode::BAD_REQUEST,
             error_json("request body could not be read"),
         );
     };
+    if let Some((refusal, mac)) = mac {
+        let expected = format!("sha256={}", hex(&mac.finish()));
+        let given = parts
+            .headers
+            .get(X_DEMO_SIGNATURE)
+            .map_or(&b""[..], HeaderValue::as_bytes);
+        if !constant_time_eq(given.trim_ascii(), expected.as_bytes()) {
+            // Refused before counting: a forged request never executes.
+            return json(
+                refusal,
+                error_json("x-demo-signature does not sign this body"),
+            );
+        }
+    }
     let execution = counters.record(path);
     if !spec.delay.is_zero() {
         tokio::time::sleep(spec.delay).await;
@@ -233,6 +262,9 @@ pub struct ResponseSpec {
     pub delay: Duration,
     pub body_bytes: Option<usize>,
     pub extra_headers: Vec<(HeaderName, HeaderValue)>,
+    /// Execute only requests whose `x-demo-signature` signs the body; refuse the others
+    /// with this status.
+    pub signed: Option<StatusCode>,
 }
 
 impl ResponseSpec {
@@ -262,6 +294,16 @@ impl ResponseSpec {
                     .ok_or("x-demo-body-bytes must be a number in 0..=16777216")?,
             ),
         };
+        let signed = match headers.get(X_DEMO_SIGNED) {
+            None => None,
+            Some(v) => Some(
+                parse_number(v)
+                    .filter(|n| (400..=499).contains(n))
+                    .and_then(|n| u16::try_from(n).ok())
+                    .and_then(|n| StatusCode::from_u16(n).ok())
+                    .ok_or("x-demo-signed must be a number in 400..=499")?,
+            ),
+        };
         let mut extra_headers = Vec::new();
         for v in headers.get_all(X_DEMO_HEADER) {
             extra_headers.push(parse_extra_header(v).ok_or(
@@ -274,6 +316,7 @@ impl ResponseSpec {
             delay,
             body_bytes,
             extra_headers,
+            signed,
         })
     }
 }
@@ -316,18 +359,76 @@ async fn drain<B: Body>(body: B) {
 }
 
 /// Reads a whole request body, returning its length and SHA-256, without
-/// keeping it in memory. `None` when the body fails (the client went away).
-async fn hash_body<B: Body<Data = Bytes>>(body: B) -> Option<(u64, [u8; 32])> {
+/// keeping it in memory; feeds `mac` too when given. `None` when the body
+/// fails (the client went away).
+async fn hash_body<B: Body<Data = Bytes>>(
+    body: B,
+    mut mac: Option<&mut HmacSha256>,
+) -> Option<(u64, [u8; 32])> {
     let mut body = std::pin::pin!(body);
     let mut hasher = Sha256::new();
     let mut len: u64 = 0;
     while let Some(frame) = body.frame().await {
         if let Some(data) = frame.ok()?.data_ref() {
             hasher.update(data);
+            if let Some(mac) = mac.as_deref_mut() {
+                mac.update(data);
+            }
             len = len.saturating_add(data.len() as u64);
         }
     }
     Some((len, hasher.finalize().into()))
+}
+
+/// HMAC-SHA256 (RFC 2104), fed as the body streams in.
+pub struct HmacSha256 {
+    inner: Sha256,
+    outer_pad: [u8; 64],
+}
+
+impl HmacSha256 {
+    pub fn new(key: &[u8]) -> Self {
+        // Keys longer than the block are hashed first; shorter ones are zero-padded.
+        let mut block = [0u8; 64];
+        let hashed;
+        let key = if key.len() > block.len() {
+            hashed = Sha256::digest(key);
+            hashed.as_slice()
+        } else {
+            key
+        };
+        for (slot, b) in block.iter_mut().zip(key) {
+            *slot = *b;
+        }
+        let mut inner = Sha256::new();
+        inner.update(block.map(|b| b ^ 0x36));
+        Self {
+            inner,
+            outer_pad: block.map(|b| b ^ 0x5c),
+        }
+    }
+
+    pub fn update(&mut self, data: &[u8]) {
+        self.inner.update(data);
+    }
+
+    pub fn finish(self) -> [u8; 32] {
+        let mut outer = Sha256::new();
+        outer.update(self.outer_pad);
+        outer.update(self.inner.finalize());
+        outer.finalize().into()
+    }
+}
+
+/// Compares without stopping at the first difference, as a real verifier must.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn hex(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len() * 2);
+    push_hex(&mut out, bytes);
+    out
 }
 
 /// `n` bytes of [`BODY_PATTERN`], sliced out of one shared buffer.
@@ -565,6 +666,59 @@ mod tests {
             .iter()
             .all(|c| c.is_ascii_graphic() || *c == b'\n' || *c == b'-'));
         assert_eq!(pattern_body(MAX_BODY_BYTES).len(), MAX_BODY_BYTES);
+    }
+
+    #[test]
+    fn hmac_matches_rfc_4231() {
+        // RFC 4231, test cases 2 and 6 (a key longer than the block).
+        let mut mac = HmacSha256::new(b"Jefe");
+        mac.update(b"what do ya want ");
+        mac.update(b"for nothing?");
+        assert_eq!(
+            hex(&mac.finish()),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        let mut mac = HmacSha256::new(&[0xaa; 131]);
+        mac.update(b"Test Using Larger Than Block-Size Key - Hash Key First");
+        assert_eq!(
+            hex(&mac.finish()),
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
+        );
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd") && !constant_time_eq(b"abc", b"ab"));
+    }
+
+    #[tokio::test]
+    async fn a_signed_endpoint_executes_only_the_genuine_request() {
+        let counters = Counters::default();
+        let body = r#"{"id":"evt_1"}"#;
+        let mut mac = HmacSha256::new(DEMO_SIGNING_KEY);
+        mac.update(body.as_bytes());
+        let genuine = format!("sha256={}", hex(&mac.finish()));
+        let send = |signature: Option<&str>| {
+            let mut req = Request::post("/hooks").header(X_DEMO_SIGNED, "401");
+            if let Some(s) = signature {
+                req = req.header(X_DEMO_SIGNATURE, s);
+            }
+            req.body(Full::new(Bytes::from_static(body.as_bytes())))
+                .unwrap()
+        };
+        let forged = handle(
+            send(Some(&"sha256=".repeat(2))),
+            Options::default(),
+            &counters,
+        )
+        .await;
+        assert_eq!(forged.status(), StatusCode::UNAUTHORIZED);
+        let unsigned = handle(send(None), Options::default(), &counters).await;
+        assert_eq!(unsigned.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(counters.executions("/hooks"), 0);
+        let ok = handle(send(Some(&genuine)), Options::default(), &counters).await;
+        assert_eq!(ok.status(), StatusCode::CREATED);
+        assert_eq!(counters.executions("/hooks"), 1);
+        let mut h = HeaderMap::new();
+        h.insert(X_DEMO_SIGNED, HeaderValue::from_static("200"));
+        assert!(ResponseSpec::from_headers(&h).is_err());
     }
 
     #[test]
