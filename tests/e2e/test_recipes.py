@@ -8,6 +8,8 @@ JSON key order) does not turn a redelivery into a new payment.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import urllib.parse
 import uuid
@@ -21,6 +23,8 @@ import helpers
 
 RECIPES = harness.REPO_ROOT / "envoy" / "recipes"
 README = harness.REPO_ROOT / "README.md"
+# The key the demo upstream's signed endpoints verify with (crates/demo-upstream).
+DEMO_SIGNING_KEY = b"demo-signing-key"
 
 
 def recipe(name: str) -> dict:
@@ -143,6 +147,58 @@ def test_form_encoded_notify_keyed_by_trade_no(recipes_envoy) -> None:
     assert upstream.executions(path) == before + 1
     r3 = helpers.post(envoy, path, body='{"trade_no":"1"}', headers={"content-type": "application/json"})
     assert "form field 'trade_no'" in helpers.problem(r3, 400, "invalid-key", rule="form-notify")["detail"]
+
+
+def sign(body: bytes) -> str:
+    return "sha256=" + hmac.new(DEMO_SIGNING_KEY, body, hashlib.sha256).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "name, path, refusal",
+    [
+        # GitHub-style receivers answer a bad signature with 401, Stripe's examples with 400.
+        pytest.param("github-webhook", "/webhooks/github", 401, id="github-401"),
+        pytest.param("stripe-webhook", "/webhooks/stripe", 400, id="stripe-400"),
+        pytest.param("payment-callback", "/callbacks/payment", 403, id="payment-callback-403"),
+    ],
+)
+def test_a_forged_delivery_the_upstream_refuses_never_blocks_the_genuine_one(recipes_envoy, name, path, refusal) -> None:
+    """Anyone can post to a webhook URL with a delivery id or transaction id they saw or
+    guessed. The upstream checks the signature and refuses the forgery; the filter must not
+    record that refusal, or the sender's genuine delivery would get it (or a 422) back for
+    the whole TTL and never execute."""
+    assert {"4xx", "5xx"} <= set(recipe(name)["rules"][0]["release_on_status"])
+    envoy, upstream = recipes_envoy
+    event = f"evt_{uuid.uuid4().hex}"
+    if name == "github-webhook":
+        genuine = json.dumps({"action": "opened", "number": 8}).encode()
+        forged = json.dumps({"action": "closed", "number": 8}).encode()
+        key_headers = {"x-github-delivery": event, "x-github-event": "pull_request"}
+    elif name == "stripe-webhook":
+        genuine = json.dumps({"id": event, "type": "charge.refunded", "data": {"object": {"id": "ch_1"}}}).encode()
+        forged = json.dumps({"id": event, "type": "charge.refunded", "data": {"object": {"id": "ch_evil"}}}).encode()
+        key_headers = {}
+    else:
+        genuine = json.dumps({"transaction_id": event, "amount": 700, "currency": "EUR", "status": "paid"}).encode()
+        forged = json.dumps({"transaction_id": event, "amount": 700, "currency": "EUR", "status": "failed"}).encode()
+        key_headers = {}
+    headers = dict(key_headers, **{"content-type": "application/json", "x-demo-signed": str(refusal)})
+    before = upstream.executions(path)
+    # A forgery with another payload, then the genuine payload unsigned: both refused.
+    for body, signature in [(forged, "sha256=" + "0" * 64), (genuine, None)]:
+        attempt = helpers.post(envoy, path, body=body, headers=dict(headers, **({"x-demo-signature": signature} if signature else {})))
+        assert attempt.status_code == refusal and not helpers.is_replay(attempt), attempt.text
+    assert upstream.executions(path) == before
+    real = helpers.post(envoy, path, body=genuine, headers=dict(headers, **{"x-demo-signature": sign(genuine)}))
+    assert real.status_code == 201 and not helpers.is_replay(real), real.text
+    assert upstream.executions(path) == before + 1
+    # The sender's redelivery of the genuine event is still a replay, and a late forgery
+    # cannot execute or overwrite it.
+    again = helpers.post(envoy, path, body=genuine, headers=dict(headers, **{"x-demo-signature": sign(genuine)}))
+    assert helpers.is_replay(again) and again.content == real.content
+    late = helpers.post(envoy, path, body=forged, headers=dict(headers, **{"x-demo-signature": "sha256=" + "1" * 64}))
+    helpers.problem(late, 422, "key-reused", rule=name)
+    assert upstream.executions(path) == before + 1
 
 
 def test_query_parameter_key(recipes_envoy) -> None:

@@ -431,7 +431,8 @@ def test_keys_are_scoped_per_caller_host_and_custom_headers(sample_envoy, tuned_
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [500, 503, 429, 408, 425])
+# 401, 403 and 407: the upstream refused the caller, so the write never ran.
+@pytest.mark.parametrize("status", [500, 503, 429, 408, 425, 401, 403, 407])
 def test_releasing_statuses_are_not_recorded(sample_envoy, shared_upstream, status) -> None:
     path, key = unique_path("orders"), new_key()
     headers = {"x-demo-status": str(status)}

@@ -209,8 +209,11 @@ fn default_lease_seconds() -> u64 {
 fn default_max_response_bytes() -> u64 {
     1024 * 1024
 }
+/// Statuses that say the write never ran: server failures, timeouts, throttling, and a caller
+/// the upstream did not authenticate or authorize (a forged or unsigned request recorded as
+/// 401 would otherwise block the genuine one until the TTL passes).
 fn default_release_on_status() -> Vec<String> {
-    ["5xx", "408", "425", "429"]
+    ["5xx", "401", "403", "407", "408", "425", "429"]
         .iter()
         .map(|s| s.to_string())
         .collect()
@@ -717,6 +720,13 @@ mod tests {
         assert_eq!(r.max_response_bytes, 1 << 20);
         assert_eq!(r.matcher.methods, vec!["POST", "PATCH"]);
         assert!(r.release.releases(503) && r.release.releases(429) && !r.release.releases(409));
+        // The upstream refused the caller, so the write never ran: a retry must execute.
+        for status in [401, 403, 407, 408, 425] {
+            assert!(r.release.releases(status), "{status}");
+        }
+        for status in [400, 404, 409, 422] {
+            assert!(!r.release.releases(status), "{status}");
+        }
         assert_eq!(r.replay_header, "idempotent-replayed");
         assert_eq!(r.on_table_full, OverloadPolicy::Reject);
     }
