@@ -4,7 +4,7 @@
 
 use idempotency_core::config::Rule;
 use idempotency_core::fingerprint::fingerprint;
-use idempotency_core::key::storage_key;
+use idempotency_core::key::{request_scope, storage_key};
 use idempotency_core::key_source::{complete_key, header_parts, SourceFailure};
 use idempotency_core::outcome::Outcome;
 use idempotency_core::problem::Problem;
@@ -84,17 +84,28 @@ impl RequestFilter {
             Ok(parts) => parts,
             Err(failure) => return self.key_failed(rule_index, &failure, FailedAt::Headers),
         };
+        // Every value of a repeated scope header counts, not only the first.
+        let all_values = |name: &str| {
+            headers
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| v.as_slice())
+                .collect()
+        };
+        let scope = match request_scope(&rule.scope_headers, rule.scope_required, all_values) {
+            Ok(scope) => scope,
+            Err(header) => {
+                self.count(rule_index, Outcome::MissingScope);
+                return self.answer_problem(rule_index, &Problem::missing_scope(header));
+            }
+        };
         let pending = PendingRequest {
             rule: rule_index,
             method: method.to_string(),
             path: path.to_string(),
             content_type: text("content-type").to_string(),
             key_parts,
-            scope: rule
-                .scope_headers
-                .iter()
-                .map(|h| find(h).map(<[u8]>::to_vec))
-                .collect(),
+            scope,
         };
         if end_of_stream || !needs_body(rule) {
             // Nothing to wait for: claim now, and let any body stream through.

@@ -65,6 +65,8 @@ struct RawRule {
     max_request_bytes: u64,
     #[serde(default = "default_scope_headers")]
     scope_headers: Vec<String>,
+    #[serde(default)]
+    scope_required: bool,
     #[serde(default = "default_ttl_seconds")]
     ttl_seconds: u64,
     #[serde(default = "default_lease_seconds")]
@@ -298,6 +300,9 @@ pub struct Rule {
     pub max_request_bytes: usize,
     /// Lower-cased header names whose values scope the key (caller, tenant, host).
     pub scope_headers: Vec<String>,
+    /// A request lacking a scope header other than `:authority` is refused with 401 rather
+    /// than sharing one anonymous scope with every other such caller.
+    pub scope_required: bool,
     pub ttl_ms: u64,
     pub lease_ms: u64,
     pub max_response_bytes: usize,
@@ -540,6 +545,13 @@ fn validate_rule(
         }
         scope_headers.push(lower);
     }
+    if raw.scope_required && scope_headers.iter().all(|h| h == ":authority") {
+        // Nothing would ever be required: refuse rather than give a false sense of safety.
+        return Err(invalid(
+            at("scope_required"),
+            "needs a scope header other than ':authority' in scope_headers",
+        ));
+    }
     if raw.ttl_seconds == 0 || raw.ttl_seconds > MAX_TTL_SECONDS {
         return Err(invalid(
             at("ttl_seconds"),
@@ -583,6 +595,7 @@ fn validate_rule(
         max_request_bytes: usize::try_from(raw.max_request_bytes)
             .map_err(|_| invalid(at("max_request_bytes"), "too large for this platform"))?,
         scope_headers,
+        scope_required: raw.scope_required,
         ttl_ms: raw.ttl_seconds.saturating_mul(1000),
         lease_ms: raw.lease_seconds.saturating_mul(1000),
         max_response_bytes: usize::try_from(raw.max_response_bytes)
@@ -715,6 +728,7 @@ mod tests {
         assert_eq!(r.fingerprint, FingerprintMode::Body);
         assert_eq!(r.max_request_bytes, 1 << 20);
         assert_eq!(r.scope_headers, vec![":authority", "authorization"]);
+        assert!(!r.scope_required);
         assert_eq!(r.ttl_ms, 86_400_000);
         assert_eq!(r.lease_ms, 60_000);
         assert_eq!(r.max_response_bytes, 1 << 20);
@@ -879,6 +893,19 @@ mod tests {
         ] {
             assert_eq!(Config::parse(json).unwrap_err().field, field);
         }
+    }
+
+    #[test]
+    fn scope_required_needs_a_header_that_identifies_the_caller() {
+        let c = Config::parse(br#"{"rules":[{"name":"a","scope_required":true}]}"#).unwrap();
+        assert!(c.rules[0].scope_required);
+        let e = Config::parse(
+            br#"{"rules":[{"name":"a","scope_headers":[":authority"],"scope_required":true}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "rules[0].scope_required");
+        let e = Config::parse(br#"{"rules":[{"name":"a","scope_required":"yes"}]}"#).unwrap_err();
+        assert_eq!(e.field, "(json)");
     }
 
     #[test]

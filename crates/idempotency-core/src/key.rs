@@ -126,6 +126,55 @@ pub fn storage_key(rule_name: &str, scope_values: &[Option<&[u8]>], key: &[u8]) 
     h.finalize().into()
 }
 
+/// Leads every multi-value scope encoding. No valid HTTP field value contains NUL, and a lone
+/// value that starts with it is encoded like a list too, so no encoding can pass for a value.
+const MULTI_VALUE_MARKER: u8 = 0;
+
+/// One scope header's contribution to the storage key, from every value the request carries
+/// for it, in order (a caller cannot hide a second value behind the first). None when the
+/// header is absent. A single value is used as it is, so records stored before repeated
+/// headers counted keep their storage keys across an upgrade. Anything else is the marker,
+/// the count and each value length-prefixed: absent, empty, one value and several values
+/// never encode alike.
+pub fn scope_value(values: &[&[u8]]) -> Option<Vec<u8>> {
+    match values {
+        [] => None,
+        [one] if one.first() != Some(&MULTI_VALUE_MARKER) => Some(one.to_vec()),
+        many => {
+            let len = many.iter().map(|v| 8 + v.len()).sum::<usize>();
+            let mut out = Vec::with_capacity(9 + len);
+            out.push(MULTI_VALUE_MARKER);
+            out.extend_from_slice(&(many.len() as u64).to_be_bytes());
+            for v in many {
+                out.extend_from_slice(&(v.len() as u64).to_be_bytes());
+                out.extend_from_slice(v);
+            }
+            Some(out)
+        }
+    }
+}
+
+/// The scope of one request, one entry per configured header (see [`scope_value`]).
+/// With `required`, a header other than `:authority` that is absent or only blank is
+/// named in the error: such callers would otherwise share one scope and could replay each
+/// other's responses.
+pub fn request_scope<'h, 'v>(
+    scope_headers: &'h [String],
+    required: bool,
+    values_of: impl Fn(&str) -> Vec<&'v [u8]>,
+) -> Result<Vec<Option<Vec<u8>>>, &'h str> {
+    let mut scope = Vec::with_capacity(scope_headers.len());
+    for name in scope_headers {
+        let values = values_of(name);
+        let identifies = values.iter().any(|v| !v.trim_ascii().is_empty());
+        if required && !identifies && name != ":authority" {
+            return Err(name);
+        }
+        scope.push(scope_value(&values));
+    }
+    Ok(scope)
+}
+
 /// Lower-case hex of a digest, for logs and the store protocol.
 pub fn to_hex(digest: &Digest) -> String {
     use std::fmt::Write as _;
@@ -205,6 +254,104 @@ mod tests {
             storage_key("orders", &[Some(b"ab")], b"c"),
             storage_key("orders", &[Some(b"a")], b"bc")
         );
+    }
+
+    #[test]
+    fn a_single_scope_value_hashes_as_before_repeated_headers_counted() {
+        // Pinned: a storage key computed by earlier releases. Changing it would orphan every
+        // record stored before an upgrade.
+        let one = scope_value(&[b"Bearer a"]);
+        assert_eq!(one.as_deref(), Some(&b"Bearer a"[..]));
+        let digest = storage_key("orders", &[Some(b"api"), one.as_deref()], b"k1");
+        assert_eq!(
+            to_hex(&digest),
+            "a6df2d0df2d2a81489c8dcb9622e05d28bf3c78be8881699b2f4ce2c55d74d43"
+        );
+        assert_eq!(scope_value(&[]), None);
+        assert_eq!(scope_value(&[b""]).as_deref(), Some(&b""[..]));
+    }
+
+    #[test]
+    fn every_value_of_a_repeated_scope_header_counts() {
+        let key = |values: &[&[u8]]| {
+            let v = scope_value(values);
+            storage_key("orders", &[v.as_deref()], b"k")
+        };
+        let two = key(&[b"tenant-a", b"tenant-b"]);
+        // The first value alone, the other value alone, the other order: other callers.
+        assert_ne!(two, key(&[b"tenant-a"]));
+        assert_ne!(two, key(&[b"tenant-b"]));
+        assert_ne!(two, key(&[b"tenant-b", b"tenant-a"]));
+        assert_eq!(two, key(&[b"tenant-a", b"tenant-b"]));
+        // Absent, empty, one empty value among two, two empty values: all different.
+        let variants = [
+            key(&[]),
+            key(&[b""]),
+            key(&[b"", b""]),
+            key(&[b"a", b""]),
+            key(&[b"", b"a"]),
+            key(&[b"a"]),
+            key(&[b"ab"]),
+            key(&[b"a", b"b"]),
+        ];
+        for (i, a) in variants.iter().enumerate() {
+            for b in variants.iter().skip(i + 1) {
+                assert_ne!(a, b);
+            }
+        }
+        // Moving bytes between values changes the scope.
+        assert_ne!(key(&[b"ab", b"c"]), key(&[b"a", b"bc"]));
+        // A lone value cannot pose as the encoding of a list.
+        let list = scope_value(&[b"a", b"b"]).unwrap();
+        assert_ne!(key(&[&list]), two);
+    }
+
+    #[test]
+    fn a_required_scope_names_the_first_absent_header() {
+        let headers = vec![
+            ":authority".to_string(),
+            "authorization".to_string(),
+            "x-tenant".to_string(),
+        ];
+        let request = |present: &'static [(&'static str, &'static [u8])]| {
+            move |name: &str| -> Vec<&'static [u8]> {
+                present
+                    .iter()
+                    .filter(|(n, _)| *n == name)
+                    .map(|(_, v)| *v)
+                    .collect()
+            }
+        };
+        let anonymous = request(&[(":authority", b"api"), ("x-tenant", b"t1")]);
+        assert_eq!(
+            request_scope(&headers, true, anonymous),
+            Err("authorization")
+        );
+        // Not required: the anonymous scope is kept, absent differing from empty.
+        let scope = request_scope(&headers, false, anonymous).unwrap();
+        assert_eq!(
+            scope,
+            vec![Some(b"api".to_vec()), None, Some(b"t1".to_vec())]
+        );
+        // A blank value identifies nobody either.
+        let blank = request(&[
+            (":authority", b"api"),
+            ("authorization", b"  "),
+            ("x-tenant", b"t1"),
+        ]);
+        assert_eq!(request_scope(&headers, true, blank), Err("authorization"));
+        // :authority is never required (HTTP/1.0 requests may lack it).
+        let no_host = request(&[("authorization", b"Bearer a"), ("x-tenant", b"t1")]);
+        let scope = request_scope(&headers, true, no_host).unwrap();
+        assert_eq!(scope.first(), Some(&None));
+        let repeated = request(&[
+            (":authority", b"api"),
+            ("authorization", b"Bearer a"),
+            ("x-tenant", b"t1"),
+            ("x-tenant", b"t2"),
+        ]);
+        let scope = request_scope(&headers, true, repeated).unwrap();
+        assert_eq!(scope.get(2), Some(&scope_value(&[b"t1", b"t2"])));
     }
 
     #[test]

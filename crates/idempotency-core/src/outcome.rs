@@ -15,6 +15,8 @@ pub enum Outcome {
     MissingKey,
     /// 400: the key was malformed.
     InvalidKey,
+    /// 401: the rule requires a scope header that the request lacks.
+    MissingScope,
     /// The upstream answered with a status that releases the claim.
     Released,
     /// A matched request went upstream unprotected (optional key absent, or a fail-open policy).
@@ -37,13 +39,14 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 15] = [
+    pub const ALL: [Outcome; 16] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Conflict,
         Outcome::Mismatch,
         Outcome::MissingKey,
         Outcome::InvalidKey,
+        Outcome::MissingScope,
         Outcome::Released,
         Outcome::PassedThrough,
         Outcome::TableFull,
@@ -63,6 +66,7 @@ impl Outcome {
             Outcome::Mismatch => "mismatch",
             Outcome::MissingKey => "missing_key",
             Outcome::InvalidKey => "invalid_key",
+            Outcome::MissingScope => "missing_scope",
             Outcome::Released => "released",
             Outcome::PassedThrough => "passed_through",
             Outcome::TableFull => "table_full",

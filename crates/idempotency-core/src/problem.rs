@@ -54,6 +54,22 @@ impl Problem {
         }
     }
 
+    /// `header` is the scope header the request lacks. No `WWW-Authenticate` challenge: the
+    /// filter does not know the scheme; the authentication in front of it does.
+    pub fn missing_scope(header: &str) -> Problem {
+        Problem {
+            status: 401,
+            kind: "missing-scope",
+            title: "The caller is not identified",
+            detail: format!(
+                "This endpoint keeps idempotency keys per caller and the request has no \
+                 '{header}' header to tell who is calling, so it was not executed. \
+                 Authenticate and send the request again with the same key."
+            ),
+            retry_after_seconds: None,
+        }
+    }
+
     pub fn request_too_large(limit: usize) -> Problem {
         Problem {
             status: 400,
@@ -160,6 +176,15 @@ mod tests {
             p.headers(),
             vec![("content-type", "application/problem+json".to_string())]
         );
+    }
+
+    #[test]
+    fn an_unidentified_caller_gets_401_naming_the_header() {
+        let p = Problem::missing_scope("authorization");
+        let v: serde_json::Value = serde_json::from_slice(&p.body("orders")).unwrap();
+        assert_eq!(v["type"], "urn:idempotency-filter:problem:missing-scope");
+        assert_eq!(v["status"], 401);
+        assert!(v["detail"].as_str().unwrap().contains("'authorization'"));
     }
 
     #[test]
