@@ -251,6 +251,16 @@ const MAX_TTL_SECONDS: u64 = 366 * 86_400;
 const MAX_RESPONSE_BYTES: u64 = 64 * 1024 * 1024;
 const MAX_RULE_NAME_LEN: usize = 64;
 
+/// The store's own limits, defined again here because core cannot depend on the store crate:
+/// `MIN_LEASE_MS`, `MAX_LEASE_MS`, `MIN_TTL_MS` and `MAX_TTL_MS` in
+/// `crates/idempotency-store/src/protocol.rs`. The store refuses every claim outside them,
+/// so a rule with a store that exceeds them would fail each request at run time instead of
+/// once at configuration. Keep the two in step.
+pub const STORE_MIN_LEASE_MS: u64 = 1;
+pub const STORE_MAX_LEASE_MS: u64 = 86_400_000;
+pub const STORE_MIN_TTL_MS: u64 = 1;
+pub const STORE_MAX_TTL_MS: u64 = 31_536_000_000;
+
 /// A configuration error that names the field and says why it was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
@@ -586,6 +596,28 @@ fn validate_rule(
         Some(s) => Some(validate_store(&at("store"), s)?),
         None => global_store.cloned(),
     };
+    let ttl_ms = raw.ttl_seconds.saturating_mul(1000);
+    let lease_ms = raw.lease_seconds.saturating_mul(1000);
+    if store.is_some() {
+        if !(STORE_MIN_TTL_MS..=STORE_MAX_TTL_MS).contains(&ttl_ms) {
+            return Err(invalid(
+                at("ttl_seconds"),
+                format!(
+                    "must be at most {} with a store: the store refuses longer records",
+                    STORE_MAX_TTL_MS / 1000
+                ),
+            ));
+        }
+        if !(STORE_MIN_LEASE_MS..=STORE_MAX_LEASE_MS).contains(&lease_ms) {
+            return Err(invalid(
+                at("lease_seconds"),
+                format!(
+                    "must be at most {} with a store: the store refuses longer leases",
+                    STORE_MAX_LEASE_MS / 1000
+                ),
+            ));
+        }
+    }
     Ok(Rule {
         name: raw.name,
         matcher: validate_match(index, raw.matcher)?,
@@ -596,8 +628,8 @@ fn validate_rule(
             .map_err(|_| invalid(at("max_request_bytes"), "too large for this platform"))?,
         scope_headers,
         scope_required: raw.scope_required,
-        ttl_ms: raw.ttl_seconds.saturating_mul(1000),
-        lease_ms: raw.lease_seconds.saturating_mul(1000),
+        ttl_ms,
+        lease_ms,
         max_response_bytes: usize::try_from(raw.max_response_bytes)
             .map_err(|_| invalid(at("max_response_bytes"), "too large for this platform"))?,
         release,
@@ -906,6 +938,46 @@ mod tests {
         assert_eq!(e.field, "rules[0].scope_required");
         let e = Config::parse(br#"{"rules":[{"name":"a","scope_required":"yes"}]}"#).unwrap_err();
         assert_eq!(e.field, "(json)");
+    }
+
+    #[test]
+    fn with_a_store_lease_and_ttl_stay_within_what_the_store_accepts() {
+        let store = r#""store":{"cluster":"s"}"#;
+        let parse = |global: &str, rule: &str| {
+            Config::parse(format!(r#"{{{global}"rules":[{{"name":"a"{rule}}}]}}"#).as_bytes())
+        };
+        // A day of lease and a year of TTL are the store's largest.
+        let c = parse(
+            &format!("{store},"),
+            r#","ttl_seconds":31536000,"lease_seconds":86400"#,
+        )
+        .unwrap();
+        assert_eq!(c.rules[0].lease_ms, STORE_MAX_LEASE_MS);
+        assert_eq!(c.rules[0].ttl_ms, STORE_MAX_TTL_MS);
+        for (global, rule, field) in [
+            (
+                format!("{store},"),
+                r#","ttl_seconds":31536001"#.to_string(),
+                "rules[0].ttl_seconds",
+            ),
+            (
+                format!("{store},"),
+                r#","ttl_seconds":172800,"lease_seconds":86401"#.to_string(),
+                "rules[0].lease_seconds",
+            ),
+            (
+                String::new(),
+                format!(r#",{store},"ttl_seconds":172800,"lease_seconds":90000"#),
+                "rules[0].lease_seconds",
+            ),
+        ] {
+            let e = parse(&global, &rule).unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+            assert!(e.reason.contains("store"), "{e}");
+        }
+        // Single-proxy mode keeps its own, wider limits.
+        let c = parse("", r#","ttl_seconds":31622400,"lease_seconds":172800"#).unwrap();
+        assert_eq!(c.rules[0].lease_ms, 172_800_000);
     }
 
     #[test]
