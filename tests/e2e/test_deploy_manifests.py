@@ -90,6 +90,9 @@ def run_a_retried_write(envoy: harness.Envoy, upstream: harness.Upstream) -> Non
     again = helpers.post(envoy, "/orders", key=key, headers={"x-verified-subject": "user-1"})
     assert first.status_code == 201 and not helpers.is_replay(first), first.text
     assert helpers.is_replay(again) and again.content == first.content
+    # Without the verified subject (were the gateway's policies ever missing) the caller is
+    # refused, not put in one scope with every other unidentified caller.
+    helpers.problem(helpers.post(envoy, "/orders", key=key), 401, "missing-scope", rule="orders")
     tx = f"tx-{uuid.uuid4().hex}"
     body = json.dumps({"transaction_id": tx, "amount": 5, "currency": "EUR", "status": "paid"})
     cb1 = helpers.post(envoy, "/callbacks/payment", body=body, headers={"content-type": "application/json"})
@@ -144,6 +147,62 @@ def test_istio_store_service_secret_and_plugin_config_agree() -> None:
     assert plugin["failStrategy"] == "FAIL_CLOSE" and plugin["phase"] and plugin["url"].startswith("oci://")
     # A string of 64 hex digits (unquoted digits would reach Kubernetes as a number).
     assert isinstance(plugin["sha256"], str) and len(plugin["sha256"]) == 64
+
+
+def test_the_scope_header_comes_only_from_a_verified_principal() -> None:
+    """The orders rule scopes keys by a header; in the mesh that header must be set from the
+    verified JWT and never taken from the client, and the filter must run after Istio's
+    authentication and authorization. (Istio itself cannot run here: this checks that the
+    manifests agree with each other and with Istio's documented semantics.)"""
+    config = wasmplugin_config()
+    orders = next(r for r in config["rules"] if r["name"] == "orders")
+    scope = [h for h in orders["scope_headers"] if h != ":authority"]
+    assert len(scope) == 1, orders
+    header = scope[0]
+    assert orders["scope_required"] is True
+
+    gateway = one(ISTIO / "wasmplugin.yaml", "WasmPlugin")["spec"]["selector"]["matchLabels"]
+    manifest = ISTIO / "verified-caller.yaml"
+
+    # The RequestAuthentication sets exactly that header from the verified `sub` claim.
+    authn = one(manifest, "RequestAuthentication")["spec"]
+    assert authn["selector"]["matchLabels"] == gateway
+    outputs = [o for rule in authn["jwtRules"] for o in rule.get("outputClaimToHeaders", [])]
+    assert {"header": header, "claim": "sub"} in outputs
+
+    # A client-sent copy is removed first thing in the gateway's chain, before the JWT filter.
+    strip = one(manifest, "EnvoyFilter")["spec"]
+    assert strip["workloadSelector"]["labels"] == gateway
+    patch = strip["configPatches"][0]
+    assert patch["applyTo"] == "HTTP_FILTER" and patch["match"]["context"] == "GATEWAY"
+    assert patch["patch"]["operation"] == "INSERT_FIRST"
+    lua = patch["patch"]["value"]["typed_config"]["default_source_code"]["inline_string"]
+    assert f'request_handle:headers():remove("{header}")' in lua
+
+    # The AuthorizationPolicy denies the orders route to a request without a principal.
+    authz = one(manifest, "AuthorizationPolicy")["spec"]
+    assert authz["selector"]["matchLabels"] == gateway
+    assert authz["action"] == "DENY"
+    virtual_service = one(ISTIO / "virtualservice.yaml", "VirtualService")["spec"]
+    orders_route = next(r for r in virtual_service["http"] if r["name"] in orders["match"]["route_names"])
+    orders_paths = [m["uri"].get("exact") or m["uri"].get("prefix") for m in orders_route["match"]]
+    denied = [
+        (rule["from"], op["operation"]["paths"])
+        for rule in authz["rules"]
+        for op in rule["to"]
+    ]
+    assert any(
+        any(src["source"].get("notRequestPrincipals") == ["*"] for src in sources) and set(orders_paths) <= set(paths)
+        for sources, paths in denied
+    ), denied
+
+    # The filter runs after authorization: WasmPlugin phase STATS ("after Istio authorization
+    # filters"; AUTHZ would run before them), the EnvoyFilter just before the router.
+    assert one(ISTIO / "wasmplugin.yaml", "WasmPlugin")["spec"]["phase"] == "STATS"
+    wasm_patch = one(ISTIO / "envoyfilter.yaml", "EnvoyFilter")["spec"]["configPatches"][0]
+    assert wasm_patch["patch"]["operation"] == "INSERT_BEFORE"
+    assert wasm_patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == "envoy.filters.http.router"
+    assert one(ISTIO / "envoyfilter.yaml", "EnvoyFilter")["spec"]["workloadSelector"]["labels"] == gateway
 
 
 def test_compose_runs_the_tested_envoy_config_and_ports() -> None:
