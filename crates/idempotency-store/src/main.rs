@@ -71,6 +71,34 @@ struct Cli {
     #[arg(long, default_value_t = server::DEFAULT_MAX_BODY_BYTES)]
     max_body_bytes: usize,
 
+    /// Seconds a client has to send a request's headers: a new connection's
+    /// first request (any protocol), and on HTTP/1.1 every later one, idle
+    /// keep-alive time included. Silent and half-open connections end here.
+    #[arg(long, default_value_t = server::DEFAULT_HEADER_READ_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    header_read_timeout_secs: u64,
+
+    /// Close a connection that had no request in flight for this many seconds.
+    #[arg(long, default_value_t = server::DEFAULT_IDLE_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    idle_timeout_secs: u64,
+
+    /// Most client connections served at once; further clients wait in the
+    /// listen backlog until one closes. Keep it below the open-file limit.
+    #[arg(long, default_value_t = server::DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    max_connections: u32,
+
+    /// Seconds between HTTP/2 PINGs the store sends on a connection.
+    #[arg(long, default_value_t = server::DEFAULT_H2_KEEPALIVE_INTERVAL.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    h2_keepalive_interval_secs: u64,
+
+    /// Seconds an HTTP/2 PING may go unanswered before the connection is dropped.
+    #[arg(long, default_value_t = server::DEFAULT_H2_KEEPALIVE_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    h2_keepalive_timeout_secs: u64,
+
+    /// On SIGTERM/SIGINT (and after an idle close), seconds a connection may
+    /// take to finish before it is dropped.
+    #[arg(long, default_value_t = server::DEFAULT_SHUTDOWN_GRACE.as_secs(), value_parser = clap::value_parser!(u64).range(0..=3600))]
+    shutdown_grace_secs: u64,
+
     /// How often expired records are deleted (embedded and memory backends).
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     sweep_interval_secs: u64,
@@ -185,7 +213,7 @@ async fn shutdown_signal() {
         () = ctrl_c => {}
         () = term => {}
     }
-    tracing::info!("shutting down: draining in-flight requests");
+    tracing::info!("shutting down: draining connections");
 }
 
 async fn run(cli: Cli) -> Result<(), String> {
@@ -221,7 +249,15 @@ async fn run(cli: Cli) -> Result<(), String> {
         cli.backend.name()
     );
     tracing::info!(%addr, backend = cli.backend.name(), "listening");
-    let served = server::serve(listener, app, shutdown_signal()).await;
+    let limits = server::ConnectionLimits {
+        header_read_timeout: Duration::from_secs(cli.header_read_timeout_secs),
+        idle_timeout: Duration::from_secs(cli.idle_timeout_secs),
+        max_connections: cli.max_connections,
+        h2_keepalive_interval: Duration::from_secs(cli.h2_keepalive_interval_secs),
+        h2_keepalive_timeout: Duration::from_secs(cli.h2_keepalive_timeout_secs),
+        shutdown_grace: Duration::from_secs(cli.shutdown_grace_secs),
+    };
+    let served = server::serve_with(listener, app, limits, shutdown_signal()).await;
     sweeper.abort();
     served.map_err(|e| format!("server error: {e}"))
 }

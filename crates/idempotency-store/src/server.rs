@@ -1,11 +1,13 @@
-//! HTTP front of the store: routing, bearer auth, body limits, and mapping
-//! storage outcomes and failures onto status codes and problem+json.
+//! HTTP front of the store: the listener and its connection limits, routing,
+//! bearer auth, body limits, and mapping storage outcomes and failures onto
+//! status codes and problem+json.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -13,8 +15,13 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto::Builder as AutoBuilder;
 use subtle::ConstantTimeEq;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tower_service::Service as _;
 
 use crate::metrics::{self, Metrics, Operation, Rejection};
 use crate::protocol::{self, BadRequest, ClaimResponse, OutcomeResponse, Problem, RecordResponse};
@@ -86,23 +93,277 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .with_state(state)
 }
 
+/// Defaults of [`ConnectionLimits`], also the CLI defaults.
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
+pub const DEFAULT_H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+pub const DEFAULT_H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// What one client connection may cost the store, so that silent, half-open
+/// or abandoned connections cannot pile up or hold shutdown.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionLimits {
+    /// A new connection must deliver its first request's headers within this
+    /// (any protocol, including a stalled HTTP/2 preface); on HTTP/1.1 every
+    /// later request's headers too, idle keep-alive time included (hyper's
+    /// own header-read timer).
+    pub header_read_timeout: Duration,
+    /// A connection with no request in flight for this long is closed
+    /// (HTTP/2: GOAWAY first).
+    pub idle_timeout: Duration,
+    /// Connections served at once. Beyond it the store stops accepting, so
+    /// further clients wait in the kernel's listen backlog until one closes.
+    pub max_connections: u32,
+    /// HTTP/2 PING interval, and how long an unanswered PING may wait before
+    /// the connection is dropped (a peer that vanished without a FIN).
+    pub h2_keepalive_interval: Duration,
+    pub h2_keepalive_timeout: Duration,
+    /// After the shutdown signal (or an idle close), how long a connection
+    /// may take to finish what it is doing before it is dropped.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            h2_keepalive_interval: DEFAULT_H2_KEEPALIVE_INTERVAL,
+            h2_keepalive_timeout: DEFAULT_H2_KEEPALIVE_TIMEOUT,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+        }
+    }
+}
+
 /// Serves HTTP/1.1 and cleartext HTTP/2 (prior knowledge) on one listener
-/// until `shutdown` resolves, then drains in-flight requests.
+/// with the default [`ConnectionLimits`] until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use axum::serve::ListenerExt as _;
-    // Small JSON exchanges: don't let Nagle hold back the last segment.
-    let listener = listener.tap_io(|tcp| {
+    serve_with(listener, app, ConnectionLimits::default(), shutdown).await
+}
+
+/// Serves until `shutdown` resolves, then stops accepting, asks every
+/// connection to finish (HTTP/1.1: after its current request; HTTP/2:
+/// GOAWAY) and returns once all have closed, or after
+/// `limits.shutdown_grace` at the latest.
+pub async fn serve_with(
+    listener: TcpListener,
+    app: Router,
+    limits: ConnectionLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let mut builder = AutoBuilder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(limits.h2_keepalive_interval)
+        .keep_alive_timeout(limits.h2_keepalive_timeout);
+    let builder = Arc::new(builder);
+    let slots = Arc::new(Semaphore::new(
+        usize::try_from(limits.max_connections).unwrap_or(usize::MAX),
+    ));
+    // A receiver cloned from this one sees the close even if it was sent
+    // before the connection's task first looked.
+    let (close_tx, close_rx) = watch::channel(());
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        // Take a slot before accepting: at the limit, new clients stay in
+        // the listen backlog instead of costing a task and buffers each.
+        let slot = tokio::select! {
+            () = &mut shutdown => break,
+            slot = Arc::clone(&slots).acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+        };
+        let tcp = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    if !is_connection_error(&e) {
+                        // Out of file descriptors, say: back off rather than spin.
+                        tracing::warn!("accept failed: {e}");
+                        tokio::select! {
+                            () = &mut shutdown => break,
+                            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        }
+                    }
+                    continue;
+                }
+            },
+        };
+        // Small JSON exchanges: don't let Nagle hold back the last segment.
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!("set_nodelay failed: {e}");
         }
+        tokio::spawn(serve_connection(
+            Arc::clone(&builder),
+            tcp,
+            app.clone(),
+            limits,
+            close_rx.clone(),
+            slot,
+        ));
+    }
+    // Refuse new clients at once (and reset those still in the backlog)
+    // rather than leave them waiting for an answer that will not come.
+    drop(listener);
+    drop(close_rx);
+    drop(close_tx);
+    // Every connection task holds a slot until it ends, and ends within the
+    // grace period; the extra second covers the tasks' own scheduling.
+    let all = limits.max_connections;
+    let drained = tokio::time::timeout(
+        limits.shutdown_grace.saturating_add(Duration::from_secs(1)),
+        slots.acquire_many(all),
+    )
+    .await;
+    if drained.is_err() {
+        tracing::warn!("shutdown: some connections did not close in time");
+    }
+    Ok(())
+}
+
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind;
+    matches!(
+        e.kind(),
+        ErrorKind::ConnectionRefused | ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset
+    )
+}
+
+/// Requests a connection has in flight, and when it last finished one.
+struct Activity {
+    opened: Instant,
+    in_flight: AtomicUsize,
+    /// Milliseconds after `opened` the last request finished; `u64::MAX`
+    /// while none has been received yet.
+    last_done_ms: AtomicU64,
+}
+
+/// Marks a request in flight until dropped (also when hyper drops the
+/// request's future because the client went away).
+struct Busy(Arc<Activity>);
+
+impl Activity {
+    fn begin(self: &Arc<Self>) -> Busy {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        // Not idle from now on, even before the request finishes.
+        self.last_done_ms.store(self.elapsed_ms(), Ordering::SeqCst);
+        Busy(Arc::clone(self))
+    }
+
+    fn elapsed_ms(&self) -> u64 {
+        u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn ever_used(&self) -> bool {
+        self.last_done_ms.load(Ordering::SeqCst) != u64::MAX
+    }
+
+    /// When the connection becomes closable unless something happens first.
+    fn idle_deadline(&self, limits: &ConnectionLimits) -> Instant {
+        let now = Instant::now();
+        if self.in_flight.load(Ordering::SeqCst) > 0 {
+            return now + limits.idle_timeout;
+        }
+        match self.last_done_ms.load(Ordering::SeqCst) {
+            u64::MAX => self.opened + limits.header_read_timeout,
+            ms => self.opened + Duration::from_millis(ms) + limits.idle_timeout,
+        }
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0
+            .last_done_ms
+            .store(self.0.elapsed_ms(), Ordering::SeqCst);
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Serves one connection until it ends, it has been idle too long, or the
+/// server shuts down; `_slot` is returned to the connection limit on exit.
+async fn serve_connection(
+    builder: Arc<AutoBuilder<TokioExecutor>>,
+    tcp: TcpStream,
+    app: Router,
+    limits: ConnectionLimits,
+    mut close: watch::Receiver<()>,
+    _slot: OwnedSemaphorePermit,
+) {
+    let activity = Arc::new(Activity {
+        opened: Instant::now(),
+        in_flight: AtomicUsize::new(0),
+        last_done_ms: AtomicU64::new(u64::MAX),
     });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    let service = {
+        let activity = Arc::clone(&activity);
+        hyper::service::service_fn(move |req: Request<Incoming>| {
+            let busy = activity.begin();
+            // Router is always ready (its poll_ready is a no-op), so it can
+            // be called without polling readiness first.
+            let answer = app.clone().call(req.map(Body::new));
+            async move {
+                let resp = answer.await;
+                drop(busy);
+                resp
+            }
+        })
+    };
+    let conn = builder.serve_connection(TokioIo::new(tcp), service);
+    let mut conn = std::pin::pin!(conn);
+    // Set once the connection has been asked to finish: it gets
+    // `shutdown_grace` more, then it is dropped.
+    let mut closing: Option<Instant> = None;
+    loop {
+        let deadline = match closing {
+            Some(since) => since + limits.shutdown_grace,
+            None => activity.idle_deadline(&limits),
+        };
+        tokio::select! {
+            served = conn.as_mut() => {
+                if let Err(e) = served {
+                    tracing::debug!("connection ended: {e}");
+                }
+                return;
+            }
+            // Err: the server dropped the sender, which also means close.
+            _ = close.changed(), if closing.is_none() => {
+                conn.as_mut().graceful_shutdown();
+                closing = Some(Instant::now());
+            }
+            () = tokio::time::sleep_until(deadline.into()) => {
+                if closing.is_some() {
+                    tracing::debug!("dropping a connection that did not finish in time");
+                    return;
+                }
+                if Instant::now() >= activity.idle_deadline(&limits) {
+                    if !activity.ever_used() {
+                        // Never sent a whole request: nothing to finish, and
+                        // a GOAWAY would wait for a PING such a peer will
+                        // not answer.
+                        tracing::debug!("closing a connection that sent no request in time");
+                        return;
+                    }
+                    conn.as_mut().graceful_shutdown();
+                    closing = Some(Instant::now());
+                }
+            }
+        }
+    }
 }
 
 pub fn problem(status: StatusCode, kind: &str, title: &str, detail: impl Into<String>) -> Response {

@@ -10,63 +10,9 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_idempotency-store");
-
-/// Kills the child by PID if a test fails before it exits on its own.
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start(args: &[&str], envs: &[(&str, &str)]) -> (Running, String) {
-    let mut cmd = Command::new(BIN);
-    cmd.args(["--listen", "127.0.0.1:0"])
-        .args(args)
-        .env_remove("IDEMPOTENCY_STORE_TOKEN")
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    for (k, v) in envs {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("idempotency-store listening on ")
-        .and_then(|rest| rest.split(' ').next())
-        .unwrap_or_else(|| panic!("unexpected ready line {line:?}"))
-        .to_owned();
-    (Running(child), addr)
-}
-
-fn sigterm(child: &Child) {
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-}
-
-fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
-    for _ in 0..200 {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    }
-    panic!("process did not exit within 5s");
-}
+use common::{sigterm, start, wait_exit, BIN};
 
 #[test]
 fn refuses_to_start_without_a_token() {

@@ -8,9 +8,9 @@
     clippy::indexing_slicing
 )]
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use idempotency_store::storage::Digest;
@@ -101,4 +101,72 @@ pub fn random_digest() -> Digest {
     getrandom::fill(&mut bytes).expect("random");
     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     Digest::parse(&hex).expect("valid digest")
+}
+
+/// The store binary cargo built for these tests.
+pub const BIN: &str = env!("CARGO_BIN_EXE_idempotency-store");
+
+/// The store binary, killed by its PID if a test fails before it exits on
+/// its own.
+pub struct Running(pub Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts the store on a free loopback port and waits for its ready line;
+/// returns it and the address it listens on.
+pub fn start(args: &[&str], envs: &[(&str, &str)]) -> (Running, String) {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("IDEMPOTENCY_STORE_TOKEN")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let running = Running(child);
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("idempotency-store listening on ")
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap_or_else(|| panic!("unexpected ready line {line:?}"))
+        .to_owned();
+    (running, addr)
+}
+
+pub fn sigterm(child: &Child) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// Waits up to `limit` for the child to exit.
+pub fn wait_exit_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+pub fn wait_exit(child: &mut Child) -> ExitStatus {
+    wait_exit_within(child, Duration::from_secs(5))
+        .unwrap_or_else(|| panic!("process did not exit within 5s"))
 }
