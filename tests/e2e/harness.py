@@ -852,7 +852,8 @@ class Envoy:
         resp.raise_for_status()
         out: dict[str, int] = {}
         for entry in resp.json().get("stats", []):
-            if "name" in entry and "value" in entry:
+            # Text readouts (e.g. an xDS version) are not numbers: left out too.
+            if "name" in entry and isinstance(entry.get("value"), (int, float)):
                 out[entry["name"]] = int(entry["value"])
         return out
 

@@ -4,7 +4,7 @@
 //!
 //! A request's journey: [`rule_select`] picks the rule, [`key_source`] reads the key from
 //! headers, query or body fields ([`request_fields`]), [`key`] parses and scopes it,
-//! [`fingerprint`] hashes the payload, [`table`] claims the key in shared data, [`capture`]
+//! [`fingerprint`] hashes the payload, [`table`] claims the key in shared data ([`table_lineage`] keeps the tables a capacity change replaced), [`capture`]
 //! collects the upstream response and [`record`] encodes it; in cluster mode
 //! [`store_client`] speaks to the shared store. [`problem`] words every answer the filter
 //! gives itself, [`outcome`] names what the metrics count, [`burst_log`] keeps failures from
@@ -24,4 +24,5 @@ pub mod response_policy;
 pub mod rule_select;
 pub mod store_client;
 pub mod table;
+pub mod table_lineage;
 mod wire;

@@ -7,6 +7,8 @@
 //! record has expired; an in-flight slot is never evicted. Every operation touches one bucket,
 //! so its cost does not grow with the table.
 
+use std::cell::RefCell;
+
 use crate::key::Digest;
 use crate::record::RecordedResponse;
 use crate::wire::Reader;
@@ -68,6 +70,8 @@ impl std::fmt::Display for TableError {
 /// Where a record lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlotRef {
+    /// 0: this table; n: its n-th predecessor (a table a capacity change replaced).
+    pub generation: u8,
     pub bucket: u32,
     pub way: u8,
 }
@@ -188,16 +192,90 @@ fn encode_bucket(slots: &[Slot; WAYS]) -> Vec<u8> {
 pub struct Table {
     prefix: String,
     buckets: u32,
+    /// Tables an earlier capacity replaced whose records may still be live, newest first:
+    /// consulted (read only) for a key this table does not hold. Changes while the table is
+    /// in use: Envoy may bring an older configuration's root context back without
+    /// configuring it again (see `table_lineage::LineageWatch`).
+    predecessors: RefCell<Vec<Table>>,
 }
 
 impl Table {
     /// `namespace` separates tables of plugins sharing one VM id (Istio sets none).
     pub fn new(namespace: &str, capacity: u32) -> Table {
-        let buckets = capacity.div_ceil(WAYS as u32).max(1);
+        Table::with_buckets(namespace, capacity.div_ceil(WAYS as u32))
+    }
+
+    pub fn with_buckets(namespace: &str, buckets: u32) -> Table {
+        let buckets = buckets.max(1);
         Table {
             prefix: format!("{namespace}/idempotency/v1/{buckets}x{WAYS}"),
             buckets,
+            predecessors: RefCell::new(Vec::new()),
         }
+    }
+
+    pub fn set_predecessors(&self, predecessors: Vec<Table>) {
+        *self.predecessors.borrow_mut() = predecessors;
+    }
+
+    /// Empties every bucket and recorded response of a table no configuration uses any more
+    /// (the host cannot delete keys: each stays, with an empty value).
+    pub fn empty_all(&self, shared: &impl SharedData) -> Result<(), HostError> {
+        for bucket in 0..self.buckets {
+            shared.set(&self.bucket_key(bucket), &[], None)?;
+            for way in 0..WAYS as u8 {
+                let slot = SlotRef {
+                    generation: 0,
+                    bucket,
+                    way,
+                };
+                shared.set(&self.response_key(slot), &[], None)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// What a predecessor holds for `key`: a live record stops a new claim in this table.
+    fn claim_in_predecessors(
+        &self,
+        shared: &impl SharedData,
+        key: &Digest,
+        fingerprint: &Digest,
+        now_ms: u64,
+    ) -> Result<Option<Claim>, HostError> {
+        let predecessors = self.predecessors.borrow();
+        for (n, old) in predecessors.iter().enumerate() {
+            let bucket = old.bucket_of(key);
+            let Some((bytes, _)) = shared.get(&old.bucket_key(bucket))? else {
+                continue;
+            };
+            let slots = decode_bucket(&bytes);
+            let found = slots
+                .iter()
+                .enumerate()
+                .find(|(_, s)| s.state != SlotState::Free && s.key == *key && s.live(now_ms));
+            let Some((way, slot)) = found else {
+                continue;
+            };
+            if slot.fingerprint != *fingerprint {
+                return Ok(Some(Claim::Mismatch));
+            }
+            return Ok(Some(match slot.state {
+                SlotState::Completed => Claim::Completed {
+                    slot: SlotRef {
+                        generation: u8::try_from(n + 1).unwrap_or(u8::MAX),
+                        bucket,
+                        way: way as u8,
+                    },
+                    owner: slot.owner,
+                    status: slot.status,
+                },
+                _ => Claim::InFlight {
+                    retry_after_ms: slot.expires_at_ms.saturating_sub(now_ms).max(1),
+                },
+            }));
+        }
+        Ok(None)
     }
 
     pub fn bucket_count(&self) -> u32 {
@@ -288,6 +366,7 @@ impl Table {
                     return Ok(match slot.state {
                         SlotState::Completed => Claim::Completed {
                             slot: SlotRef {
+                                generation: 0,
                                 bucket,
                                 way: same_key.unwrap_or(0) as u8,
                             },
@@ -300,6 +379,11 @@ impl Table {
                     });
                 }
                 took_over = slot.state == SlotState::InFlight;
+            }
+            if same_key.is_none() && !self.predecessors.borrow().is_empty() {
+                if let Some(found) = self.claim_in_predecessors(shared, key, fingerprint, now_ms)? {
+                    return Ok(found);
+                }
             }
             let way = same_key.or_else(|| slots.iter().position(|s| !s.live(now_ms)));
             let Some(way) = way else {
@@ -320,6 +404,7 @@ impl Table {
             if shared.set(&bucket_key, &encode_bucket(&slots), Some(cas))? == SetOutcome::Stored {
                 return Ok(Claim::Claimed(Held {
                     slot: SlotRef {
+                        generation: 0,
                         bucket,
                         way: way as u8,
                     },
@@ -411,8 +496,15 @@ impl Table {
         slot: SlotRef,
         owner: u64,
     ) -> Result<Option<RecordedResponse>, HostError> {
+        let key = match slot.generation {
+            0 => self.response_key(slot),
+            n => match self.predecessors.borrow().get(usize::from(n) - 1) {
+                Some(old) => old.response_key(slot),
+                None => return Ok(None),
+            },
+        };
         Ok(shared
-            .get(&self.response_key(slot))?
+            .get(&key)?
             .and_then(|(bytes, _)| RecordedResponse::decode(&bytes))
             .filter(|r| r.owner == owner))
     }
@@ -700,11 +792,14 @@ mod tests {
         ));
     }
 
+    /// What another worker does, given the shared data.
+    type Rival<'a> = Box<dyn FnOnce(&FakeShared) + 'a>;
+
     /// Shared data that lets another worker act right after a chosen read.
     struct Interleaved<'a> {
         inner: &'a FakeShared,
         reads_before_rival: RefCell<usize>,
-        rival: RefCell<Option<Box<dyn FnOnce(&FakeShared) + 'a>>>,
+        rival: RefCell<Option<Rival<'a>>>,
     }
 
     impl SharedData for Interleaved<'_> {

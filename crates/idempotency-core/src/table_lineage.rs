@@ -1,0 +1,477 @@
+//! Which local tables exist in this Envoy process, so a change of `local_table.capacity`
+//! neither loses the records of the table it replaces nor strands that table's memory.
+//!
+//! A table's key names carry its geometry, so a new capacity means a new table. Shared data
+//! has no delete and no key listing: only this registry (one key, changed by CAS like the
+//! buckets) remembers the tables that came before. A replaced table is *retired*: the new
+//! table still answers from it (a retry of a write recorded before the change replays, a
+//! write still in flight there gets 409) until the longest TTL it was configured with has
+//! passed, and then its buckets and responses are emptied, in chunks, from the root context.
+
+use crate::table::{HostError, SetOutcome, SharedData, Table};
+
+/// Retired tables remembered at most; an older one is reclaimed at once (its records lost).
+pub const MAX_RETIRED: usize = 4;
+const MAX_CAS_ATTEMPTS: usize = 32;
+
+/// One table in the registry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TableEntry {
+    pub buckets: u32,
+    /// The longest record TTL any configuration using this table had.
+    pub max_ttl_ms: u64,
+    /// When it was replaced; None for the table in use.
+    pub retired_at_ms: Option<u64>,
+}
+
+impl TableEntry {
+    /// When every record it can hold has expired.
+    pub fn reclaimable_at_ms(&self) -> Option<u64> {
+        self.retired_at_ms
+            .map(|at| at.saturating_add(self.max_ttl_ms))
+    }
+}
+
+/// What registering the table of a new configuration found.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Lineage {
+    /// Retired tables whose records may still be live, newest first.
+    pub retired: Vec<TableEntry>,
+    /// Retired tables this call removed from the registry: the caller empties them.
+    pub to_reclaim: Vec<TableEntry>,
+}
+
+fn registry_key(namespace: &str) -> String {
+    format!("{namespace}/idempotency/v1/tables")
+}
+
+fn decode(bytes: &[u8]) -> Vec<TableEntry> {
+    let text = std::str::from_utf8(bytes).unwrap_or("");
+    text.lines()
+        .filter_map(|line| {
+            let mut fields = line.split(' ').map(str::parse::<u64>);
+            let buckets = u32::try_from(fields.next()?.ok()?).ok()?;
+            let max_ttl_ms = fields.next()?.ok()?;
+            let retired = fields.next()?.ok()?;
+            Some(TableEntry {
+                buckets,
+                max_ttl_ms,
+                retired_at_ms: (retired != 0).then_some(retired),
+            })
+        })
+        .collect()
+}
+
+fn encode(entries: &[TableEntry]) -> Vec<u8> {
+    entries
+        .iter()
+        .map(|e| {
+            format!(
+                "{} {} {}\n",
+                e.buckets,
+                e.max_ttl_ms,
+                e.retired_at_ms.unwrap_or(0)
+            )
+        })
+        .collect::<String>()
+        .into_bytes()
+}
+
+/// Records `table` as the one in use, retiring the previous one if its geometry differs, and
+/// takes retired tables whose records have all expired off the registry.
+pub fn register(
+    shared: &impl SharedData,
+    namespace: &str,
+    table: &Table,
+    max_ttl_ms: u64,
+    now_ms: u64,
+) -> Result<Lineage, HostError> {
+    let key = registry_key(namespace);
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let stored = shared.get(&key)?;
+        let (entries, cas) = match &stored {
+            Some((bytes, cas)) => (decode(bytes), Some(*cas)),
+            // Absent: a write creates it, and the host's create is not protected by a cas,
+            // so a concurrent first configure may overwrite it; the entries it loses are
+            // only retired tables, which nothing has retired yet at first start.
+            None => (Vec::new(), None),
+        };
+        let mut current = TableEntry {
+            buckets: table.bucket_count(),
+            max_ttl_ms,
+            retired_at_ms: None,
+        };
+        let mut retired = Vec::new();
+        for entry in entries {
+            if entry.buckets == current.buckets {
+                // This very table again (the same capacity, or back to an earlier one): its
+                // records are still valid, and it must outlive the longest TTL it served.
+                current.max_ttl_ms = current.max_ttl_ms.max(entry.max_ttl_ms);
+                continue;
+            }
+            retired.push(match entry.retired_at_ms {
+                Some(_) => entry,
+                None => TableEntry {
+                    retired_at_ms: Some(now_ms),
+                    ..entry
+                },
+            });
+        }
+        // Newest first, so the table most likely to hold a key is asked first.
+        retired.sort_by_key(|e| std::cmp::Reverse(e.retired_at_ms));
+        let mut to_reclaim = Vec::new();
+        let mut kept = Vec::new();
+        for entry in retired {
+            let expired = entry.reclaimable_at_ms().is_some_and(|at| now_ms >= at);
+            if expired || kept.len() >= MAX_RETIRED {
+                to_reclaim.push(entry);
+            } else {
+                kept.push(entry);
+            }
+        }
+        let mut all = vec![current];
+        all.extend(kept.iter().copied());
+        let value = encode(&all);
+        let unchanged = stored.is_some_and(|(bytes, _)| bytes == value);
+        if unchanged || shared.set(&key, &value, cas)? == SetOutcome::Stored {
+            return Ok(Lineage {
+                retired: kept,
+                to_reclaim,
+            });
+        }
+    }
+    Err(HostError("table registry stayed contended".to_string()))
+}
+
+/// Keeps one configuration's table in step with the registry.
+///
+/// Why not only at configure: when a push brings back a configuration Envoy still holds
+/// (capacity A, then B, then A again), Envoy reuses A's root context without configuring it
+/// again; that table must still learn of B's records. So every claim first looks at the
+/// registry's cas (one small read) and re-registers when another configuration changed it.
+pub struct LineageWatch {
+    namespace: String,
+    max_ttl_ms: u64,
+    seen_cas: std::cell::Cell<Option<u32>>,
+}
+
+impl LineageWatch {
+    pub fn new(namespace: &str, max_ttl_ms: u64) -> LineageWatch {
+        LineageWatch {
+            namespace: namespace.to_string(),
+            max_ttl_ms,
+            seen_cas: std::cell::Cell::new(None),
+        }
+    }
+
+    /// Registers `table` (at configure); the caller empties `to_reclaim`.
+    pub fn adopt(
+        &self,
+        shared: &impl SharedData,
+        table: &Table,
+        now_ms: u64,
+    ) -> Result<Lineage, HostError> {
+        let lineage = register(shared, &self.namespace, table, self.max_ttl_ms, now_ms)?;
+        table.set_predecessors(
+            lineage
+                .retired
+                .iter()
+                .map(|e| Table::with_buckets(&self.namespace, e.buckets))
+                .collect(),
+        );
+        self.seen_cas.set(
+            shared
+                .get(&registry_key(&self.namespace))?
+                .map(|(_, cas)| cas),
+        );
+        Ok(lineage)
+    }
+
+    /// Before a claim: re-registers `table` if another configuration changed the registry
+    /// since. Returns the new lineage when it did.
+    pub fn refresh(
+        &self,
+        shared: &impl SharedData,
+        table: &Table,
+        now_ms: u64,
+    ) -> Result<Option<Lineage>, HostError> {
+        let cas = shared
+            .get(&registry_key(&self.namespace))?
+            .map(|(_, cas)| cas);
+        if cas == self.seen_cas.get() {
+            return Ok(None);
+        }
+        self.adopt(shared, table, now_ms).map(Some)
+    }
+}
+
+/// Takes retired tables whose records have all expired off the registry (for the root's
+/// tick, so a process that sees no new configuration still frees them); the caller empties
+/// what is returned. Only one caller gets each table: the registry changes by CAS.
+pub fn reclaim_due(
+    shared: &impl SharedData,
+    namespace: &str,
+    now_ms: u64,
+) -> Result<Vec<TableEntry>, HostError> {
+    let key = registry_key(namespace);
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let Some((bytes, cas)) = shared.get(&key)? else {
+            return Ok(Vec::new());
+        };
+        let (due, keep): (Vec<TableEntry>, Vec<TableEntry>) = decode(&bytes)
+            .into_iter()
+            .partition(|e| e.reclaimable_at_ms().is_some_and(|at| now_ms >= at));
+        if due.is_empty() {
+            return Ok(due);
+        }
+        if shared.set(&key, &encode(&keep), Some(cas))? == SetOutcome::Stored {
+            return Ok(due);
+        }
+    }
+    Err(HostError("table registry stayed contended".to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::Digest;
+    use crate::record::RecordedResponse;
+    use crate::table::{Claim, Completion};
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    #[derive(Default)]
+    struct Shared {
+        map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+        next_cas: RefCell<u32>,
+    }
+
+    impl SharedData for Shared {
+        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+            Ok(self.map.borrow().get(key).cloned())
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError> {
+            let mut map = self.map.borrow_mut();
+            let mut next = self.next_cas.borrow_mut();
+            *next = next.wrapping_add(1).max(1);
+            if let Some((_, current)) = map.get(key) {
+                if matches!(cas, Some(c) if c != 0 && c != *current) {
+                    return Ok(SetOutcome::CasMismatch);
+                }
+            }
+            map.insert(key.to_string(), (value.to_vec(), *next));
+            Ok(SetOutcome::Stored)
+        }
+    }
+
+    impl Shared {
+        fn bytes_under(&self, prefix: &str) -> usize {
+            self.map
+                .borrow()
+                .iter()
+                .filter(|(k, _)| k.starts_with(prefix))
+                .map(|(_, (v, _))| v.len())
+                .sum()
+        }
+    }
+
+    const DAY: u64 = 86_400_000;
+
+    fn configure(shared: &Shared, capacity: u32, ttl_ms: u64, now_ms: u64) -> (Table, Lineage) {
+        let (table, _, lineage) = configure_watched(shared, capacity, ttl_ms, now_ms);
+        (table, lineage)
+    }
+
+    fn configure_watched(
+        shared: &Shared,
+        capacity: u32,
+        ttl_ms: u64,
+        now_ms: u64,
+    ) -> (Table, LineageWatch, Lineage) {
+        let table = Table::new("ns", capacity);
+        table.create_buckets(shared).unwrap();
+        let watch = LineageWatch::new("ns", ttl_ms);
+        let lineage = watch.adopt(shared, &table, now_ms).unwrap();
+        for old in &lineage.to_reclaim {
+            Table::with_buckets("ns", old.buckets)
+                .empty_all(shared)
+                .unwrap();
+        }
+        (table, watch, lineage)
+    }
+
+    #[test]
+    fn a_configuration_brought_back_without_configure_learns_of_the_newer_table() {
+        let s = Shared::default();
+        let (a, a_watch, _) = configure_watched(&s, 64, DAY, 0);
+        assert_eq!(a_watch.refresh(&s, &a, 1).unwrap(), None);
+        let (b, b_watch, _) = configure_watched(&s, 1024, DAY, 10);
+        let h = match b.claim(&s, &d(5), &d(9), 1, 20, 60_000).unwrap() {
+            Claim::Claimed(h) => h,
+            other => panic!("{other:?}"),
+        };
+        b.complete(&s, &h, &response(), 21, DAY).unwrap();
+        // Envoy serves A's root context again, without configuring it.
+        let lineage = a_watch.refresh(&s, &a, 30).unwrap().unwrap();
+        assert_eq!(lineage.retired.len(), 1);
+        assert!(matches!(
+            a.claim(&s, &d(5), &d(9), 2, 40, 60_000).unwrap(),
+            Claim::Completed { .. }
+        ));
+        // Nothing changed since: no re-registration on the next claim.
+        assert_eq!(a_watch.refresh(&s, &a, 50).unwrap(), None);
+        // B, still draining a connection, sees the change and takes the registry back; its
+        // own records are unaffected.
+        b_watch.refresh(&s, &b, 60).unwrap().unwrap();
+        assert!(matches!(
+            b.claim(&s, &d(5), &d(9), 3, 70, 60_000).unwrap(),
+            Claim::Completed { .. }
+        ));
+    }
+
+    fn d(n: u8) -> Digest {
+        [n; 32]
+    }
+
+    fn response() -> RecordedResponse {
+        RecordedResponse {
+            owner: 0,
+            status: 201,
+            headers: vec![],
+            body: vec![7; 10_000],
+            body_omitted: false,
+        }
+    }
+
+    #[test]
+    fn the_same_capacity_keeps_one_table() {
+        let s = Shared::default();
+        let (_, first) = configure(&s, 64, DAY, 0);
+        let (_, again) = configure(&s, 64, DAY, 10);
+        assert_eq!(first, Lineage::default());
+        assert_eq!(again, Lineage::default());
+    }
+
+    #[test]
+    fn a_new_capacity_still_replays_and_blocks_what_the_old_table_holds() {
+        let s = Shared::default();
+        let (old, _) = configure(&s, 64, DAY, 0);
+        let done = match old.claim(&s, &d(1), &d(9), 1, 0, 60_000).unwrap() {
+            Claim::Claimed(h) => h,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            old.complete(&s, &done, &response(), 1, DAY).unwrap(),
+            Completion::Recorded
+        );
+        assert!(matches!(
+            old.claim(&s, &d(2), &d(9), 2, 2, 60_000).unwrap(),
+            Claim::Claimed(_)
+        ));
+
+        let (new, lineage) = configure(&s, 1024, DAY, 1_000);
+        assert_eq!(lineage.retired.len(), 1);
+        let Claim::Completed {
+            slot,
+            owner,
+            status,
+        } = new.claim(&s, &d(1), &d(9), 3, 2_000, 60_000).unwrap()
+        else {
+            panic!("the record of the old table must replay");
+        };
+        assert_eq!(status, 201);
+        assert_eq!(
+            new.load_response(&s, slot, owner).unwrap().unwrap().body,
+            vec![7; 10_000]
+        );
+        assert_eq!(
+            new.claim(&s, &d(1), &d(8), 3, 2_000, 60_000).unwrap(),
+            Claim::Mismatch
+        );
+        assert!(matches!(
+            new.claim(&s, &d(2), &d(9), 4, 2_000, 60_000).unwrap(),
+            Claim::InFlight { .. }
+        ));
+        assert!(matches!(
+            new.claim(&s, &d(3), &d(9), 5, 2_000, 60_000).unwrap(),
+            Claim::Claimed(_)
+        ));
+    }
+
+    #[test]
+    fn a_retired_table_is_emptied_once_its_longest_ttl_has_passed() {
+        let s = Shared::default();
+        let (old, _) = configure(&s, 64, DAY, 0);
+        let h = match old.claim(&s, &d(1), &d(9), 1, 0, 60_000).unwrap() {
+            Claim::Claimed(h) => h,
+            other => panic!("{other:?}"),
+        };
+        old.complete(&s, &h, &response(), 1, DAY).unwrap();
+        let old_prefix = "ns/idempotency/v1/8x8/";
+        assert!(s.bytes_under(old_prefix) > 10_000);
+
+        let (_, lineage) = configure(&s, 1024, DAY / 2, 1_000);
+        assert_eq!(lineage.to_reclaim, vec![]);
+        // Still within the old table's TTL (a day, not the new half day): kept.
+        let (_, lineage) = configure(&s, 1024, DAY / 2, DAY);
+        assert_eq!(lineage.retired.len(), 1);
+        let (_, lineage) = configure(&s, 1024, DAY / 2, DAY + 1_000);
+        assert_eq!(lineage.retired, vec![]);
+        assert_eq!(lineage.to_reclaim.len(), 1);
+        assert_eq!(s.bytes_under(old_prefix), 0);
+    }
+
+    #[test]
+    fn the_tick_reclaims_an_expired_table_once() {
+        let s = Shared::default();
+        configure(&s, 64, DAY, 0);
+        configure(&s, 1024, DAY, 1_000);
+        assert_eq!(reclaim_due(&s, "ns", DAY).unwrap(), vec![]);
+        let due = reclaim_due(&s, "ns", DAY + 1_000).unwrap();
+        assert_eq!(due.len(), 1);
+        assert_eq!(due[0].buckets, 8);
+        assert_eq!(reclaim_due(&s, "ns", DAY + 2_000).unwrap(), vec![]);
+        let (_, lineage) = configure(&s, 1024, DAY, DAY + 3_000);
+        assert_eq!(lineage, Lineage::default());
+    }
+
+    #[test]
+    fn going_back_to_an_earlier_capacity_reuses_its_records() {
+        let s = Shared::default();
+        let (a, _) = configure(&s, 64, DAY, 0);
+        let h = match a.claim(&s, &d(1), &d(9), 1, 0, 60_000).unwrap() {
+            Claim::Claimed(h) => h,
+            other => panic!("{other:?}"),
+        };
+        a.complete(&s, &h, &response(), 1, DAY).unwrap();
+        configure(&s, 1024, DAY, 10);
+        let (a_again, lineage) = configure(&s, 64, DAY, 20);
+        assert_eq!(lineage.retired.len(), 1);
+        assert_eq!(lineage.retired[0].buckets, 128);
+        assert!(matches!(
+            a_again.claim(&s, &d(1), &d(9), 2, 30, 60_000).unwrap(),
+            Claim::Completed { .. }
+        ));
+    }
+
+    #[test]
+    fn registry_text_round_trips_and_garbage_reads_as_empty() {
+        let entries = vec![
+            TableEntry {
+                buckets: 2048,
+                max_ttl_ms: DAY,
+                retired_at_ms: None,
+            },
+            TableEntry {
+                buckets: 8,
+                max_ttl_ms: 5,
+                retired_at_ms: Some(77),
+            },
+        ];
+        assert_eq!(decode(&encode(&entries)), entries);
+        assert_eq!(decode(b"\xff\xfe junk"), vec![]);
+        assert_eq!(decode(b"1 2"), vec![]);
+    }
+}

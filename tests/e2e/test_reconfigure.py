@@ -1,0 +1,176 @@
+"""Configuration pushes and restarts, through real Envoy: what survives and what does not.
+
+A push is what Istio does all day: the listener (with the filter's plugin configuration) is
+replaced while Envoy runs. Here the listener comes from a file Envoy watches (LDS from the
+filesystem), and a push is an atomic rename of a new version of that file. Envoy builds the
+new listener with a new plugin root context (``on_configure`` runs again in every worker)
+while the process's shared data, and so the local table, stays.
+
+A restart is a new process: shared data is per process, so in single-proxy mode the local
+table starts empty; in cluster mode the store still holds every record.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+import harness
+from helpers import (
+    crash_lines,
+    envoy_options,
+    is_replay,
+    new_key,
+    plugin_config,
+    post,
+    rule,
+    unique_path,
+)
+
+LISTENER_TYPE = "type.googleapis.com/envoy.config.listener.v3.Listener"
+
+
+class PushableEnvoy:
+    """envoy/envoy.yaml in single-proxy mode with its listener served from a watched file, so
+    the plugin configuration can be pushed while Envoy runs."""
+
+    def __init__(self, procs: harness.ProcessGroup, tmp_path: Path, upstream: harness.Upstream,
+                 config: dict) -> None:
+        self.lds_dir = tmp_path / "lds"
+        self.lds_dir.mkdir()
+        self.lds_path = self.lds_dir / "listeners.yaml"
+        self.version = 0
+        self.listener: dict = {}
+
+        def to_lds(envoy_config: dict) -> dict:
+            static = envoy_config["static_resources"]
+            (self.listener,) = static.pop("listeners")
+            self._write_listener()
+            envoy_config["node"] = {"id": "pushed", "cluster": "tests"}
+            envoy_config["dynamic_resources"] = {
+                "lds_config": {
+                    "resource_api_version": "V3",
+                    "path_config_source": {
+                        "path": str(self.lds_path),
+                        "watched_directory": {"path": str(self.lds_dir)},
+                    },
+                }
+            }
+            return envoy_config
+
+        options = envoy_options(upstream, config)
+        self.envoy = procs.envoy(harness.default_envoy_config(), name="envoy-pushed",
+                                 mutate=to_lds, **options)
+
+    def _write_listener(self) -> None:
+        listener = dict(self.listener, **{"@type": LISTENER_TYPE})
+        staged = self.lds_dir / f".listeners.{self.version}.yaml"
+        staged.write_text(yaml.safe_dump({"resources": [listener]}, sort_keys=False))
+        os.replace(staged, self.lds_path)  # Envoy reloads on the move into the directory
+
+    def push(self, config: dict, timeout: float = 20.0) -> None:
+        """Replaces the plugin configuration and waits until Envoy serves the new listener."""
+        before = self.envoy.stat("listener_manager.listener_modified")
+        self.version += 1
+        self.listener = copy.deepcopy(self.listener)
+        harness.set_plugin_configuration({"static_resources": {"listeners": [self.listener]}}, config)
+        self._write_listener()
+        harness.wait_until(
+            lambda: self.envoy.stat("listener_manager.listener_modified") > before
+            and self.envoy.stat("listener_manager.total_listeners_warming") == 0,
+            timeout=timeout, what="Envoy to take the pushed listener")
+
+
+def orders_rule(**fields) -> dict:
+    return rule("orders", prefixes=["/orders"], **fields)
+
+
+def assert_no_crash(envoy: harness.Envoy) -> None:
+    assert crash_lines(envoy.log_text()) == []
+
+
+def test_a_push_keeps_every_record_and_claim(procs, tmp_path) -> None:
+    """A push with the same table (here: a longer lease, as a tuning change would be) keeps
+    what the table holds: a recorded write replays, one still in flight answers 409, and the
+    in-flight one's response is recorded under the new configuration."""
+    upstream = procs.upstream()
+    pushed = PushableEnvoy(procs, tmp_path, upstream, plugin_config(orders_rule(), capacity=1024))
+    envoy = pushed.envoy
+    done_path, done_key = unique_path("orders"), new_key()
+    first = post(envoy, done_path, key=done_key)
+    assert first.status_code == 201 and not is_replay(first)
+
+    slow_path, slow_key = unique_path("orders"), new_key()
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(post, envoy, slow_path,
+                           key=slow_key, headers={"x-demo-delay-ms": "3000"})
+        harness.wait_until(lambda: upstream.executions(slow_path) == 1, timeout=10,
+                           what="the slow write to reach the upstream")
+        pushed.push(plugin_config(orders_rule(lease_seconds=120), capacity=1024))
+        assert envoy.stat("listener_manager.listener_modified") >= 1
+
+        replay = post(envoy, done_path, key=done_key)
+        assert (replay.status_code, is_replay(replay), replay.content) == (201, True, first.content)
+        assert post(envoy, slow_path, key=slow_key).status_code == 409
+        slow_answer = slow.result(timeout=20)
+    assert slow_answer.status_code == 201
+    again = post(envoy, slow_path, key=slow_key)
+    assert (again.status_code, is_replay(again), again.content) == (201, True, slow_answer.content)
+    assert upstream.executions(done_path) == 1 and upstream.executions(slow_path) == 1
+    assert_no_crash(envoy)
+
+
+def test_a_capacity_change_still_replays_and_says_what_it_holds(procs, tmp_path) -> None:
+    """A new ``local_table.capacity`` is a new table. The one it replaces stays readable until
+    its records expire, so a write recorded before the push still replays (and one still in
+    flight still gets 409) instead of executing again; the log says the old table's memory
+    is held and until when. Pushing the old capacity back finds its records again."""
+    upstream = procs.upstream()
+    pushed = PushableEnvoy(procs, tmp_path, upstream, plugin_config(orders_rule(), capacity=1024))
+    envoy = pushed.envoy
+    path, key = unique_path("orders"), new_key()
+    first = post(envoy, path, key=key)
+    assert first.status_code == 201 and not is_replay(first)
+
+    pushed.push(plugin_config(orders_rule(), capacity=4096))
+    replay = post(envoy, path, key=key)
+    assert (replay.status_code, is_replay(replay), replay.content) == (201, True, first.content)
+    other = post(envoy, path, key=key, body=b'{"sku":"other"}')
+    assert other.status_code == 422
+    fresh_path, fresh_key = unique_path("orders"), new_key()
+    fresh = post(envoy, fresh_path, key=fresh_key)
+    assert fresh.status_code == 201 and not is_replay(fresh)
+    assert "local_table.capacity changed: the earlier table of 128 buckets is still consulted" \
+        in envoy.log_text()
+
+    pushed.push(plugin_config(orders_rule(), capacity=1024))
+    for p, k, original in ((path, key, first), (fresh_path, fresh_key, fresh)):
+        again = post(envoy, p, key=k)
+        assert (again.status_code, is_replay(again), again.content) == (201, True, original.content)
+    assert upstream.executions(path) == 1 and upstream.executions(fresh_path) == 1
+    assert_no_crash(envoy)
+
+
+def test_a_restart_starts_the_local_table_empty(procs, tmp_path) -> None:
+    """Single-proxy mode keeps records in the Envoy process's shared data: a new process
+    (restart, hot restart, a new pod) starts with none, so a retry after it executes again.
+    The README says so and points to cluster mode, whose store keeps them (see
+    test_cluster.py::test_envoy_restart_replays_from_the_store)."""
+    upstream = procs.upstream()
+    envoy = procs.envoy(harness.default_envoy_config(), name="envoy-restarted",
+                        **envoy_options(upstream, plugin_config(orders_rule())))
+    path, key = unique_path("orders"), new_key()
+    first = post(envoy, path, key=key)
+    assert first.status_code == 201 and not is_replay(first)
+    assert is_replay(post(envoy, path, key=key))
+    envoy.restart()
+    after = post(envoy, path, key=key)
+    assert after.status_code == 201 and not is_replay(after)
+    assert upstream.executions(path) == 2
