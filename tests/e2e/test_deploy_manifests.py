@@ -4,6 +4,9 @@ cluster named the way Istio names it, and a retried write is replayed through it
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import shutil
 import subprocess
@@ -203,6 +206,91 @@ def test_the_scope_header_comes_only_from_a_verified_principal() -> None:
     assert wasm_patch["patch"]["operation"] == "INSERT_BEFORE"
     assert wasm_patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == "envoy.filters.http.router"
     assert one(ISTIO / "envoyfilter.yaml", "EnvoyFilter")["spec"]["workloadSelector"]["labels"] == gateway
+
+
+def b64url(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def hs256_token(secret: bytes, claims: dict) -> str:
+    head = b64url(json.dumps({"alg": "HS256", "typ": "JWT", "kid": "test"}).encode())
+    body = b64url(json.dumps(claims).encode())
+    signature = hmac.new(secret, f"{head}.{body}".encode(), hashlib.sha256).digest()
+    return f"{head}.{body}.{b64url(signature)}"
+
+
+def test_a_client_cannot_choose_its_scope_through_the_gateway_filters(procs) -> None:
+    """What verified-caller.yaml makes Istio build, in real Envoy: its Lua filter verbatim,
+    then Envoy's JWT filter configured as its RequestAuthentication says (a local HS256 key
+    stands in for the jwksUri, and a missing token passes, as in Istio), then the plugin
+    configuration of wasmplugin.yaml (single-proxy). The AuthorizationPolicy is left out on
+    purpose: even without it, a client-sent x-verified-subject never reaches the filter.
+    Envoy 1.40's JWT filter drops a client copy of a claim header itself; older ones
+    forwarded it when the token was missing (envoyproxy/envoy#35553), and routes where the
+    JWT filter does not run never sanitize it, so the Lua filter is checked on its own too."""
+    manifest = ISTIO / "verified-caller.yaml"
+    strip = one(manifest, "EnvoyFilter")["spec"]["configPatches"][0]["patch"]["value"]
+    jwt_rule = one(manifest, "RequestAuthentication")["spec"]["jwtRules"][0]
+    secret = b"test-only-hs256-key-for-the-gateway-simulation"
+    jwks = {"keys": [{"kty": "oct", "alg": "HS256", "kid": "test", "k": b64url(secret)}]}
+    jwt_authn = {
+        "name": "envoy.filters.http.jwt_authn",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+            "providers": {
+                "verified-caller": {
+                    "issuer": jwt_rule["issuer"],
+                    "local_jwks": {"inline_string": json.dumps(jwks)},
+                    "claim_to_headers": [
+                        {"header_name": o["header"], "claim_name": o["claim"]} for o in jwt_rule["outputClaimToHeaders"]
+                    ],
+                }
+            },
+            "rules": [
+                {
+                    "match": {"prefix": "/"},
+                    "requires": {"requires_any": {"requirements": [{"provider_name": "verified-caller"}, {"allow_missing": {}}]}},
+                }
+            ],
+        },
+    }
+    config = wasmplugin_config()
+    config.pop("store")
+    upstream = procs.upstream()
+
+    def mutate(envoy_config: dict) -> None:
+        mesh_like(istio_cluster(wasmplugin_config()))(envoy_config)
+        hcm = envoy_config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"][0:0] = [strip, jwt_authn]
+
+    envoy = procs.envoy(harness.default_envoy_config(), mutate=mutate, **helpers.envoy_options(upstream, config))
+
+    def bearer(sub: str) -> dict:
+        return {"authorization": "Bearer " + hs256_token(secret, {"iss": jwt_rule["issuer"], "sub": sub, "exp": 4102444800})}
+
+    key = str(uuid.uuid4())
+    # Alice, verified, also sends a forged subject: her scope is still her own.
+    alice = helpers.post(envoy, "/orders", key=key, headers=dict(bearer("alice"), **{"x-verified-subject": "bob"}))
+    assert alice.status_code == 201 and not helpers.is_replay(alice), alice.text
+    bob = helpers.post(envoy, "/orders", key=key, headers=bearer("bob"))
+    assert bob.status_code == 201 and not helpers.is_replay(bob), "Bob got Alice's response"
+    alice_retry = helpers.post(envoy, "/orders", key=key, headers=bearer("alice"))
+    assert helpers.is_replay(alice_retry) and alice_retry.content == alice.content
+    # Without a token, claiming to be Alice gets neither her response nor an execution.
+    impostor = helpers.post(envoy, "/orders", key=key, headers={"x-verified-subject": "alice"})
+    helpers.problem(impostor, 401, "missing-scope", rule="orders")
+    # A token that does not verify is refused by the JWT filter before the idempotency filter.
+    forged_token = bearer("alice")["authorization"][:-4] + "AAAA"
+    assert helpers.post(envoy, "/orders", key=key, headers={"authorization": forged_token}).status_code == 401
+    assert upstream.executions("/orders") == 2
+
+    def strip_only(envoy_config: dict) -> None:
+        mesh_like(istio_cluster(wasmplugin_config()))(envoy_config)
+        hcm = envoy_config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"][0:0] = [strip]
+
+    bare = procs.envoy(harness.default_envoy_config(), name="envoy-strip-only", mutate=strip_only, **helpers.envoy_options(upstream, config))
+    helpers.problem(helpers.post(bare, "/orders", key=key, headers={"x-verified-subject": "alice"}), 401, "missing-scope")
 
 
 def test_compose_runs_the_tested_envoy_config_and_ports() -> None:
