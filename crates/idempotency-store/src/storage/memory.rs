@@ -1,7 +1,7 @@
 //! In-process backend for tests and throwaway demos: nothing survives a
 //! restart and nothing is shared between replicas.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
@@ -13,20 +13,32 @@ use super::{
 };
 use crate::clock::Clock;
 
+/// Most records one sweep step removes while holding the lock, so claims
+/// never wait behind a sweep of the whole map.
+pub const SWEEP_CHUNK_RECORDS: usize = 1024;
+
+#[derive(Default)]
+struct Records {
+    by_key: HashMap<Digest, StoredRecord>,
+    /// (expires_at_ms, key) of every record, so a sweep visits only what
+    /// has expired.
+    expiry: BTreeSet<(u64, Digest)>,
+}
+
 pub struct MemoryStorage {
-    records: Mutex<HashMap<Digest, StoredRecord>>,
+    records: Mutex<Records>,
     clock: Arc<dyn Clock>,
 }
 
 impl MemoryStorage {
     pub fn new(clock: Arc<dyn Clock>) -> Self {
         Self {
-            records: Mutex::new(HashMap::new()),
+            records: Mutex::new(Records::default()),
             clock,
         }
     }
 
-    fn lock(&self) -> Result<MutexGuard<'_, HashMap<Digest, StoredRecord>>, StorageError> {
+    fn lock(&self) -> Result<MutexGuard<'_, Records>, StorageError> {
         // Nothing panics while the lock is held, but if something ever did,
         // answer 503 rather than serve a map left half-updated.
         self.records
@@ -39,19 +51,47 @@ impl MemoryStorage {
         key: &Digest,
         decide: impl FnOnce(Option<&StoredRecord>, u64) -> Decision<T>,
     ) -> Result<T, StorageError> {
-        let mut map = self.lock()?;
+        let mut guard = self.lock()?;
+        let map = &mut *guard;
         let now = self.clock.now_ms();
-        Ok(match decide(map.get(key), now) {
+        let old_exp = map.by_key.get(key).map(|r| r.expires_at_ms);
+        Ok(match decide(map.by_key.get(key), now) {
             Decision::Keep(out) => out,
             Decision::Put(rec, out) => {
-                map.insert(key.clone(), rec);
+                if let Some(old) = old_exp {
+                    map.expiry.remove(&(old, key.clone()));
+                }
+                map.expiry.insert((rec.expires_at_ms, key.clone()));
+                map.by_key.insert(key.clone(), rec);
                 out
             }
             Decision::Delete(out) => {
-                map.remove(key);
+                if let Some(old) = old_exp {
+                    map.expiry.remove(&(old, key.clone()));
+                }
+                map.by_key.remove(key);
                 out
             }
         })
+    }
+
+    /// Removes up to [`SWEEP_CHUNK_RECORDS`] records that expired at or
+    /// before `bound`; returns how many, and whether any may remain.
+    fn sweep_chunk(&self, bound: u64) -> Result<(u64, bool), StorageError> {
+        let mut guard = self.lock()?;
+        let map = &mut *guard;
+        let mut removed = 0u64;
+        for _ in 0..SWEEP_CHUNK_RECORDS {
+            match map.expiry.first() {
+                Some((exp, _)) if *exp <= bound => {}
+                _ => return Ok((removed, false)),
+            }
+            if let Some((_, key)) = map.expiry.pop_first() {
+                map.by_key.remove(&key);
+                removed = removed.saturating_add(1);
+            }
+        }
+        Ok((removed, true))
     }
 }
 
@@ -95,14 +135,69 @@ impl Storage for MemoryStorage {
 
     async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
         let map = self.lock()?;
-        Ok(logic::view(map.get(key), self.clock.now_ms()))
+        Ok(logic::view(map.by_key.get(key), self.clock.now_ms()))
     }
 
     async fn sweep_expired(&self) -> Result<u64, StorageError> {
-        let mut map = self.lock()?;
-        let now = self.clock.now_ms();
-        let before = map.len();
-        map.retain(|_, rec| rec.is_live(now));
-        Ok(u64::try_from(before.saturating_sub(map.len())).unwrap_or(u64::MAX))
+        // Expired means now >= expires_at_ms. Only what had expired when the
+        // sweep began, so it ends even while records keep expiring.
+        let bound = self.clock.now_ms();
+        let mut removed = 0u64;
+        loop {
+            let (n, more) = self.sweep_chunk(bound)?;
+            removed = removed.saturating_add(n);
+            if !more {
+                return Ok(removed);
+            }
+            // Let the claims waiting for the lock go first.
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    fn digest(n: usize) -> Digest {
+        Digest::parse(&format!("{n:064x}")).unwrap()
+    }
+
+    #[tokio::test]
+    async fn the_index_follows_writes_and_a_sweep_takes_chunks() {
+        let clock = Arc::new(ManualClock::new(1_000));
+        let s = MemoryStorage::new(clock.clone());
+        let n = 2 * SWEEP_CHUNK_RECORDS + 5;
+        let me = OwnerToken::parse("01").unwrap();
+        for i in 0..n {
+            s.claim(&digest(i), &digest(0), 10 + i as u64 % 7, &me)
+                .await
+                .unwrap();
+        }
+        // Replaced (completed with a longer TTL) and deleted records leave no
+        // stale index entries behind.
+        s.complete(&digest(0), &me, 100_000, vec![]).await.unwrap();
+        s.release(&digest(1), &me).await.unwrap();
+        {
+            let map = s.lock().unwrap();
+            assert_eq!(map.expiry.len(), map.by_key.len());
+            assert!(map
+                .expiry
+                .iter()
+                .all(|(exp, k)| map.by_key.get(k).map(|r| r.expires_at_ms) == Some(*exp)));
+        }
+        clock.advance_ms(100);
+        assert_eq!(
+            s.sweep_chunk(clock.now_ms()).unwrap(),
+            (SWEEP_CHUNK_RECORDS as u64, true)
+        );
+        assert_eq!(
+            s.sweep_expired().await.unwrap(),
+            (n - 2 - SWEEP_CHUNK_RECORDS) as u64
+        );
+        let map = s.lock().unwrap();
+        assert_eq!(map.by_key.len(), 1);
+        assert_eq!(map.expiry.len(), 1);
     }
 }

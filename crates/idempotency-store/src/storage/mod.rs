@@ -13,7 +13,9 @@ use serde::{Deserialize, Serialize};
 
 /// A SHA-256 digest as 64 lowercase hex characters (record key or request
 /// fingerprint). Normalised on parse so `AB..` and `ab..` name one record.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// Ordered (as its hex text) so the memory backend can index records by
+/// (expiry, key).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Digest(String);
 
 impl Digest {
