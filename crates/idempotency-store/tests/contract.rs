@@ -334,6 +334,56 @@ async fn lease_expiry_allows_takeover(h: &Harness) {
     );
 }
 
+/// Item 8 of "Never twice, never stuck": an attempt whose lease was taken
+/// over can never overwrite the new owner's recorded response, whether it
+/// finishes before, after or at the same time as the new owner.
+async fn late_finisher_never_overwrites_the_new_owner(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let short = h.short_ms();
+    let a = h.claim_owner(&k, &fp, short).await;
+    h.pass(short).await;
+    let b = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    // A finishes while B still runs: refused, B's claim untouched.
+    assert_eq!(
+        h.complete(&k, &a, LONG_TTL_MS, b"from A").await,
+        CompleteOutcome::NotOwner
+    );
+    assert_eq!(h.state(&k).await, Some(RecordState::InFlight));
+    assert_eq!(
+        h.complete(&k, &b, LONG_TTL_MS, b"from B").await,
+        CompleteOutcome::Completed
+    );
+    // A finishes after B recorded: refused, B's bytes stay.
+    assert_eq!(
+        h.complete(&k, &a, LONG_TTL_MS, b"from A").await,
+        CompleteOutcome::NotOwner
+    );
+    assert_eq!(h.release(&k, &a).await, ReleaseOutcome::NotOwner);
+    let view = h.s().lookup(&k).await.unwrap().unwrap();
+    assert_eq!(view.record.as_deref(), Some(&b"from B"[..]));
+
+    // A and B finish at the same moment: B's bytes win, every time.
+    for _ in 0..5 {
+        let (k, fp) = (random_digest(), random_digest());
+        let a = h.claim_owner(&k, &fp, short).await;
+        h.pass(short).await;
+        let b = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+        let finish = |who: OwnerToken, bytes: &'static [u8]| {
+            let (s, k) = (Arc::clone(&h.storage), k.clone());
+            tokio::spawn(async move { s.complete(&k, &who, LONG_TTL_MS, bytes.to_vec()).await })
+        };
+        let (late, new) = (finish(a, b"from A"), finish(b, b"from B"));
+        assert_eq!(late.await.unwrap().unwrap(), CompleteOutcome::NotOwner);
+        assert_eq!(new.await.unwrap().unwrap(), CompleteOutcome::Completed);
+        assert_eq!(
+            h.claim(&k, &fp, LONG_LEASE_MS).await,
+            ClaimOutcome::Completed {
+                record: b"from B".to_vec()
+            }
+        );
+    }
+}
+
 async fn ttl_expiry_allows_new_claim(h: &Harness) {
     let (k, fp) = (random_digest(), random_digest());
     let short = h.short_ms();
@@ -491,6 +541,7 @@ macro_rules! contract_suite {
                 release_by_owner_deletes,
                 release_by_non_owner_is_refused,
                 lease_expiry_allows_takeover,
+                late_finisher_never_overwrites_the_new_owner,
                 ttl_expiry_allows_new_claim,
                 given_owner_can_release_and_complete,
                 retried_complete_with_same_bytes_succeeds_unchanged,
