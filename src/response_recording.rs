@@ -165,9 +165,16 @@ impl RequestFilter {
         let response = capture.finish();
         if let Some(owner) = store_owner {
             // The cluster-wide record matters most: queue it first, from the root context.
-            let body = store_client::complete_body(&held.key, &owner.token, rule.ttl_ms, &response);
+            let body = store_client::complete_body(
+                &held.key,
+                &held.fingerprint,
+                &owner.token,
+                rule.ttl_ms,
+                &response,
+            );
             let lean = (!response.body.is_empty()).then(|| {
-                let (key, token, ttl_ms) = (held.key, owner.token.clone(), rule.ttl_ms);
+                let (key, fingerprint) = (held.key, held.fingerprint);
+                let (token, ttl_ms) = (owner.token.clone(), rule.ttl_ms);
                 let without_body = RecordedResponse {
                     owner: response.owner,
                     status: response.status,
@@ -175,8 +182,9 @@ impl RequestFilter {
                     body: Vec::new(),
                     body_omitted: true,
                 };
-                Box::new(move || store_client::complete_body(&key, &token, ttl_ms, &without_body))
-                    as LeanBody
+                Box::new(move || {
+                    store_client::complete_body(&key, &fingerprint, &token, ttl_ms, &without_body)
+                }) as LeanBody
             });
             self.submit_store_completion(rule_index, owner.confirmed, body, lean);
         }

@@ -566,13 +566,16 @@ def test_body_waits_for_the_store_when_the_rule_never_reads_it(procs, tmp_path) 
 # --------------------------------------------------------------------------
 
 
-def test_completion_survives_a_store_outage_of_many_seconds(procs, tmp_path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_completion_survives_a_store_outage_of_many_seconds(procs, tmp_path, backend) -> None:
     """The store is down for 12 s (the filter once gave completions up after about 6 s of
-    retries) while a request completes and its client hangs up. The completion waits in the
-    root context's retry buffer and lands once the store is back, quickly (the backoff is
-    capped, and the first store answer flushes the buffer); a retry through the OTHER Envoy
+    retries), longer than the claim's 5 s lease, while a request completes and its client
+    hangs up. The completion waits in the root context's retry buffer and lands once the
+    store is back, quickly (the backoff is capped, and the first store answer flushes the
+    buffer), although the claim it completes has lapsed (Redis has even deleted it): it
+    carries the claim's fingerprint, so the store records it. A retry through the OTHER Envoy
     then replays instead of executing again. Nothing was dropped."""
-    cluster = start_cluster(procs, tmp_path, plugin=config(lease_seconds=30))
+    cluster = start_cluster(procs, tmp_path, backend, plugin=config(lease_seconds=5))
     a, b = cluster.a, cluster.b
     path, key = unique_path(), new_key()
     with socket.create_connection((harness.LOOPBACK, a.port), timeout=10) as sock:
@@ -586,11 +589,11 @@ def test_completion_survives_a_store_outage_of_many_seconds(procs, tmp_path) -> 
         abort(sock)
     harness.wait_until(lambda: rule_counter(a, "orders", "store_error") >= 1, timeout=10,
                        what="the completion to fail against the stopped store")
-    # Longer than the old retry window.
+    # Longer than the old retry window and than the claim's lease.
     time.sleep(max(0.0, 12 - (time.monotonic() - down_since)))
     assert rule_counter(a, "orders", "store_write_dropped") == 0
 
-    cluster.store.start()  # same port, same data dir: the claim is still there
+    cluster.store.start()  # same port and data dir (or the same Redis)
     back = time.monotonic()
     wait_for_store_completions(cluster, 1, timeout=10)
     assert time.monotonic() - back < 2 + 1.5, "the queued completion should land within the capped backoff"

@@ -46,6 +46,9 @@ struct CompleteBody<'a> {
     owner: &'a str,
     ttl_ms: u64,
     record: String,
+    /// Lets the store record the completion even if the claim lapsed and was removed
+    /// while this write waited out an outage (and nobody claimed the key since).
+    fingerprint: &'a str,
 }
 
 #[derive(Serialize)]
@@ -94,6 +97,7 @@ pub fn claim_body(key: &Digest, fingerprint: &Digest, lease_ms: u64, owner: &str
 
 pub fn complete_body(
     key: &Digest,
+    fingerprint: &Digest,
     owner: &str,
     ttl_ms: u64,
     response: &RecordedResponse,
@@ -103,6 +107,7 @@ pub fn complete_body(
         owner,
         ttl_ms,
         record: BASE64.encode(response.encode()),
+        fingerprint: &to_hex(fingerprint),
     })
     .unwrap_or_default()
 }
@@ -215,10 +220,12 @@ mod tests {
         assert_eq!(v["fingerprint"].as_str().unwrap(), "01".repeat(32));
         assert_eq!(v["lease_ms"], 60_000);
         let v: serde_json::Value =
-            serde_json::from_slice(&complete_body(&[0; 32], "own", 5, &recorded())).unwrap();
+            serde_json::from_slice(&complete_body(&[0; 32], &[2; 32], "own", 5, &recorded()))
+                .unwrap();
         let bytes = BASE64.decode(v["record"].as_str().unwrap()).unwrap();
         assert_eq!(RecordedResponse::decode(&bytes), Some(recorded()));
         assert_eq!(v["owner"], "own");
+        assert_eq!(v["fingerprint"].as_str().unwrap(), "02".repeat(32));
     }
 
     #[test]

@@ -81,6 +81,9 @@ pub struct SlotRef {
 pub struct Held {
     pub slot: SlotRef,
     pub key: Digest,
+    /// The payload the claim was made for (a late store completion recreates the record
+    /// with it if the store's claim has lapsed and gone).
+    pub fingerprint: Digest,
     pub owner: u64,
     /// The slot held an abandoned in-flight claim of the same key whose lease had passed.
     pub took_over: bool,
@@ -409,6 +412,7 @@ impl Table {
                         way: way as u8,
                     },
                     key: *key,
+                    fingerprint: *fingerprint,
                     owner,
                     took_over,
                 }));

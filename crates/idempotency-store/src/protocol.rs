@@ -50,6 +50,10 @@ pub struct CompleteBody {
     pub ttl_ms: u64,
     /// Standard base64 (with padding) of the bytes to replay.
     pub record: String,
+    /// The claim's fingerprint: with it, a key whose claim has lapsed and gone is recorded
+    /// rather than refused (see `Storage::complete_or_create`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -77,6 +81,7 @@ pub struct CompleteRequest {
     pub owner: OwnerToken,
     pub ttl_ms: u64,
     pub record: Vec<u8>,
+    pub fingerprint: Option<Digest>,
 }
 
 #[derive(Debug, Clone)]
@@ -130,6 +135,11 @@ pub fn parse_complete(body: &[u8]) -> Result<CompleteRequest, BadRequest> {
         record: BASE64
             .decode(raw.record.as_bytes())
             .map_err(|e| BadRequest::field("record", &format!("not standard base64: {e}")))?,
+        fingerprint: raw
+            .fingerprint
+            .as_deref()
+            .map(|f| Digest::parse(f).map_err(|why| BadRequest::field("fingerprint", why)))
+            .transpose()?,
     })
 }
 

@@ -563,7 +563,13 @@ async fn complete(State(st): State<AppState>, body: Result<Bytes, BytesRejection
 async fn complete_op(st: &AppState, req: protocol::CompleteRequest, started: Instant) -> Response {
     match st
         .storage
-        .complete(&req.key, &req.owner, req.ttl_ms, req.record)
+        .complete_or_create(
+            &req.key,
+            &req.owner,
+            req.ttl_ms,
+            req.record,
+            req.fingerprint.as_ref(),
+        )
         .await
     {
         Ok(outcome) => {

@@ -526,6 +526,76 @@ async fn concurrent_claims_have_one_winner(h: &Harness) {
     assert_eq!((claimed, in_flight), (1, 63));
 }
 
+/// A completion that waited out an outage longer than its claim's lease: the claim is gone
+/// (Redis expired it; the sweeper removes it elsewhere) and nobody claimed the key since.
+/// With the claim's fingerprint the write is recorded, so a retry replays it; a mismatching
+/// payload still gets 422; without the fingerprint it is refused as before.
+async fn complete_after_the_claim_is_gone_records_with_its_fingerprint(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let short = h.short_ms();
+    let owner = h.claim_owner(&k, &fp, short).await;
+    h.pass(short).await;
+    h.s().sweep_expired().await.unwrap();
+    assert_eq!(h.state(&k).await, None);
+    assert_eq!(
+        h.s()
+            .complete_or_create(&k, &foreign_owner(), LONG_TTL_MS, b"late".to_vec(), None)
+            .await
+            .unwrap(),
+        CompleteOutcome::NotOwner
+    );
+    assert_eq!(
+        h.s()
+            .complete_or_create(&k, &owner, LONG_TTL_MS, b"late".to_vec(), Some(&fp))
+            .await
+            .unwrap(),
+        CompleteOutcome::Completed
+    );
+    assert_eq!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Completed {
+            record: b"late".to_vec()
+        }
+    );
+    assert_eq!(
+        h.claim(&k, &random_digest(), LONG_LEASE_MS).await,
+        ClaimOutcome::Mismatch
+    );
+}
+
+/// The same late completion never lands on a key someone else claimed or completed since.
+async fn complete_after_the_claim_is_gone_never_touches_a_newer_record(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let short = h.short_ms();
+    let late = h.claim_owner(&k, &fp, short).await;
+    h.pass(short).await;
+    let newer = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_eq!(
+        h.s()
+            .complete_or_create(&k, &late, LONG_TTL_MS, b"late".to_vec(), Some(&fp))
+            .await
+            .unwrap(),
+        CompleteOutcome::NotOwner
+    );
+    assert_eq!(
+        h.complete(&k, &newer, LONG_TTL_MS, b"newer").await,
+        CompleteOutcome::Completed
+    );
+    assert_eq!(
+        h.s()
+            .complete_or_create(&k, &late, LONG_TTL_MS, b"late".to_vec(), Some(&fp))
+            .await
+            .unwrap(),
+        CompleteOutcome::NotOwner
+    );
+    assert_eq!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Completed {
+            record: b"newer".to_vec()
+        }
+    );
+}
+
 macro_rules! contract_suite {
     ($backend:ident, $harness:expr) => {
         mod $backend {
@@ -547,6 +617,8 @@ macro_rules! contract_suite {
                 retried_complete_with_same_bytes_succeeds_unchanged,
                 release_of_a_gone_record_is_not_owner,
                 concurrent_claims_have_one_winner,
+                complete_after_the_claim_is_gone_records_with_its_fingerprint,
+                complete_after_the_claim_is_gone_never_touches_a_newer_record,
             );
         }
     };

@@ -618,12 +618,13 @@ impl Storage for Broken {
     ) -> Result<ClaimOutcome, StorageError> {
         Err(StorageError::Backend("down".into()))
     }
-    async fn complete(
+    async fn complete_or_create(
         &self,
         _: &Digest,
         _: &OwnerToken,
         _: u64,
         _: Vec<u8>,
+        _: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError> {
         Err(StorageError::Backend("down".into()))
     }
@@ -691,15 +692,18 @@ impl Storage for Gated {
         self.hold().await;
         self.inner.claim(key, fp, lease_ms, owner).await
     }
-    async fn complete(
+    async fn complete_or_create(
         &self,
         key: &Digest,
         owner: &OwnerToken,
         ttl_ms: u64,
         record: Vec<u8>,
+        fingerprint: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError> {
         self.hold().await;
-        self.inner.complete(key, owner, ttl_ms, record).await
+        self.inner
+            .complete_or_create(key, owner, ttl_ms, record, fingerprint)
+            .await
     }
     async fn release(
         &self,

@@ -517,16 +517,18 @@ impl Storage for EmbeddedStorage {
         .await
     }
 
-    async fn complete(
+    async fn complete_or_create(
         &self,
         key: &Digest,
         owner: &OwnerToken,
         ttl_ms: u64,
         record: Vec<u8>,
+        fingerprint: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError> {
         let owner = owner.clone();
+        let fingerprint = fingerprint.cloned();
         self.apply(key, move |cur, now| {
-            logic::complete(cur, &owner, ttl_ms, record, now)
+            logic::complete(cur, &owner, ttl_ms, record, now, fingerprint.as_ref())
         })
         .await
     }

@@ -88,6 +88,7 @@ pub(crate) fn complete(
     ttl_ms: u64,
     record: Vec<u8>,
     now_ms: u64,
+    fingerprint: Option<&Digest>,
 ) -> Decision<CompleteOutcome> {
     if let Some(rec) = owned_in_flight(existing, owner) {
         return Decision::Put(
@@ -105,11 +106,25 @@ pub(crate) fn complete(
     let already_done = existing.filter(|r| r.is_live(now_ms)).is_some_and(
         |r| matches!(&r.body, StoredBody::Completed { record: stored } if *stored == record),
     );
-    Decision::Keep(if already_done {
-        CompleteOutcome::Completed
-    } else {
-        CompleteOutcome::NotOwner
-    })
+    if already_done {
+        return Decision::Keep(CompleteOutcome::Completed);
+    }
+    // Nothing live holds the key: the claim lapsed and went while the completion waited
+    // out an outage. Recording it is what a retry needs; a live record of anyone else is
+    // never touched.
+    if let Some(fingerprint) = fingerprint {
+        if existing.is_none_or(|r| !r.is_live(now_ms)) {
+            return Decision::Put(
+                StoredRecord {
+                    fingerprint: fingerprint.clone(),
+                    expires_at_ms: now_ms.saturating_add(ttl_ms),
+                    body: StoredBody::Completed { record },
+                },
+                CompleteOutcome::Completed,
+            );
+        }
+    }
+    Decision::Keep(CompleteOutcome::NotOwner)
 }
 
 pub(crate) fn release(

@@ -113,15 +113,16 @@ impl Storage for MemoryStorage {
         })
     }
 
-    async fn complete(
+    async fn complete_or_create(
         &self,
         key: &Digest,
         owner: &OwnerToken,
         ttl_ms: u64,
         record: Vec<u8>,
+        fingerprint: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError> {
         self.apply(key, |cur, now| {
-            logic::complete(cur, owner, ttl_ms, record, now)
+            logic::complete(cur, owner, ttl_ms, record, now, fingerprint)
         })
     }
 

@@ -151,6 +151,22 @@ pub trait Storage: Send + Sync {
         owner: &OwnerToken,
         ttl_ms: u64,
         record: Vec<u8>,
+    ) -> Result<CompleteOutcome, StorageError> {
+        self.complete_or_create(key, owner, ttl_ms, record, None)
+            .await
+    }
+
+    /// Like `complete`; with `fingerprint`, a key that holds no live record at all (the
+    /// claim's lease ran out during a store outage and its record expired or was swept, and
+    /// nobody claimed the key since) is recorded as completed with that fingerprint rather
+    /// than refused: the write did execute, and a retry must replay it.
+    async fn complete_or_create(
+        &self,
+        key: &Digest,
+        owner: &OwnerToken,
+        ttl_ms: u64,
+        record: Vec<u8>,
+        fingerprint: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError>;
 
     /// Drop an in-flight record owned by `owner` so the request can be retried at once.

@@ -41,7 +41,7 @@ redis.call('PEXPIRE', k, lease)
 return {'claimed', exp}
 ";
 
-// ARGV: owner, ttl_ms, record bytes.
+// ARGV: owner, ttl_ms, record bytes, fingerprint (may be empty).
 // A completed record whose stored bytes equal ARGV[3] is a retried complete:
 // confirm it and leave the record and its expiry as they are. Lua strings are
 // 8-bit clean, so `==` compares the raw bytes.
@@ -59,6 +59,17 @@ if cur[1] == 'in_flight' and cur[2] == ARGV[1] then
   return 'completed'
 end
 if cur[1] == 'completed' and redis.call('HGET', k, 'record') == ARGV[3] then
+  return 'completed'
+end
+if not cur[1] and ARGV[4] ~= '' then
+  -- The claim's lease ran out (Redis deleted it) while the completion waited out an
+  -- outage, and nobody claimed the key since: record what executed.
+  local ttl = tonumber(ARGV[2])
+  local t = redis.call('TIME')
+  local exp = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+  redis.call('HSET', k, 'state', 'completed', 'fingerprint', ARGV[4], 'record', ARGV[3],
+    'expires_at_ms', string.format('%d', exp))
+  redis.call('PEXPIRE', k, ttl)
   return 'completed'
 end
 return 'not_owner'
@@ -197,12 +208,13 @@ impl Storage for RedisStorage {
         })
     }
 
-    async fn complete(
+    async fn complete_or_create(
         &self,
         key: &Digest,
         owner: &OwnerToken,
         ttl_ms: u64,
         record: Vec<u8>,
+        fingerprint: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError> {
         let mut conn = self.conn.clone();
         let reply: Value = self
@@ -211,6 +223,7 @@ impl Storage for RedisStorage {
             .arg(owner.as_str())
             .arg(ttl_ms)
             .arg(record)
+            .arg(fingerprint.map_or("", Digest::as_str))
             .invoke_async(&mut conn)
             .await
             .map_err(backend)?;
