@@ -26,7 +26,7 @@ impl RequestFilter {
         };
         let owner = state.owners.next();
         let now = host::now_ms();
-        state.follow_lineage(now);
+        state.upkeep.before_claim(&state.table, now);
         match state.table.claim(
             &EnvoySharedData,
             &key,

@@ -1,14 +1,13 @@
 //! The root context: loads and validates the configuration (Envoy refuses a bad one), creates
 //! the shared table's buckets before traffic, and hands each request a filter.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
 use idempotency_core::burst_log::BurstLog;
 use idempotency_core::config::{Config, StoreConfig};
 use idempotency_core::table::Table;
-use idempotency_core::table_lineage::{self, LineageWatch, TableEntry};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType};
 
@@ -18,6 +17,7 @@ use crate::metrics::Metrics;
 use crate::owner::OwnerTokens;
 use crate::shared_table::EnvoySharedData;
 use crate::store_writes::StoreWrites;
+use crate::table_upkeep::TableUpkeep;
 
 /// Shared-data namespace of this filter (Istio sets no VM id, so keys need a prefix).
 const NAMESPACE: &str = "envoy.filters.http.idempotency";
@@ -35,36 +35,14 @@ pub struct FilterState {
     pub store_failures: RefCell<BurstLog>,
     /// Claims refused for a full table, logged once per burst.
     pub table_full_log: RefCell<BurstLog>,
-    /// When the next retired table's records have all expired and it can be emptied.
-    pub next_reclaim_ms: Cell<Option<u64>>,
-    /// Keeps `table` aware of the tables other configurations use or retired.
-    pub lineage: LineageWatch,
-}
-
-impl FilterState {
-    /// Before a claim: catch up with a registry another configuration changed (a push that
-    /// brought this configuration back without configuring it again).
-    pub fn follow_lineage(&self, now_ms: u64) {
-        match self.lineage.refresh(&EnvoySharedData, &self.table, now_ms) {
-            Ok(None) => {}
-            Ok(Some(lineage)) => {
-                empty_tables(&lineage.to_reclaim);
-                let next = lineage
-                    .retired
-                    .iter()
-                    .filter_map(TableEntry::reclaimable_at_ms)
-                    .min();
-                self.next_reclaim_ms.set(next);
-            }
-            Err(e) => log::debug!("table registry unreadable: {}", e.0),
-        }
-    }
+    /// Keeps `table` in step with the tables other configurations use or retired.
+    pub upkeep: TableUpkeep,
 }
 
 /// How often the root retries store writes that failed.
 const STORE_RETRY_TICK: Duration = Duration::from_millis(200);
-/// Single-proxy mode with a retired table: how often to check whether it can be emptied.
-const RECLAIM_TICK: Duration = Duration::from_secs(60);
+/// Without a store: how often the root looks after retired tables.
+const UPKEEP_TICK: Duration = Duration::from_secs(1);
 
 pub struct FilterRoot {
     state: Option<Rc<FilterState>>,
@@ -84,9 +62,14 @@ impl FilterRoot {
         table
             .create_buckets(&EnvoySharedData)
             .map_err(|e| format!("shared data table could not be created: {}", e.0))?;
-        let max_ttl_ms = config.rules.iter().map(|r| r.ttl_ms).max().unwrap_or(0);
-        let lineage = LineageWatch::new(NAMESPACE, max_ttl_ms);
-        let retired = adopt_lineage(&lineage, &table);
+        // A record lives at most a lease (claimed, not yet completed) plus its TTL.
+        let max_record_life_ms = config
+            .rules
+            .iter()
+            .map(|r| r.ttl_ms.saturating_add(r.lease_ms))
+            .max()
+            .unwrap_or(0);
+        let upkeep = TableUpkeep::adopt(NAMESPACE, &table, max_record_life_ms);
         let metrics = Metrics::define(&config);
         let owners = OwnerTokens::allocate(&format!("{NAMESPACE}/owner-vm-sequence"));
         let stores: Vec<Option<Rc<StoreConfig>>> = config
@@ -96,20 +79,11 @@ impl FilterRoot {
             .collect();
         let writes = StoreWrites::new(&format!("{NAMESPACE}/store-writes/{}", owners.vm_number()));
         let tick = if stores.iter().any(Option::is_some) {
-            Some(STORE_RETRY_TICK)
-        } else if !retired.is_empty() {
-            Some(RECLAIM_TICK)
+            STORE_RETRY_TICK
         } else {
-            None
+            UPKEEP_TICK
         };
-        if let Some(period) = tick {
-            host::set_tick_period(period)
-                .map_err(|status| format!("tick period refused: {status}"))?;
-        }
-        let next_reclaim_ms = retired
-            .iter()
-            .filter_map(TableEntry::reclaimable_at_ms)
-            .min();
+        host::set_tick_period(tick).map_err(|status| format!("tick period refused: {status}"))?;
         Ok(FilterState {
             config,
             table,
@@ -119,51 +93,8 @@ impl FilterRoot {
             writes,
             store_failures: RefCell::new(BurstLog::new(10_000)),
             table_full_log: RefCell::new(BurstLog::new(10_000)),
-            next_reclaim_ms: Cell::new(next_reclaim_ms),
-            lineage,
+            upkeep,
         })
-    }
-}
-
-/// Registers this configuration's table, keeps the tables a capacity change replaced readable
-/// until their records expire, and empties the ones whose records all have. Returns the
-/// retired tables still kept. Failures only cost the old records, never the configuration.
-fn adopt_lineage(watch: &LineageWatch, table: &Table) -> Vec<TableEntry> {
-    let lineage = match watch.adopt(&EnvoySharedData, table, host::now_ms()) {
-        Ok(lineage) => lineage,
-        Err(e) => {
-            log::warn!(
-                "table registry unavailable ({}); earlier tables are not consulted",
-                e.0
-            );
-            return Vec::new();
-        }
-    };
-    empty_tables(&lineage.to_reclaim);
-    for old in &lineage.retired {
-        log::warn!(
-            "local_table.capacity changed: the earlier table of {} buckets is still consulted \
-             and its memory held until its records expire ({} ms from its retirement)",
-            old.buckets,
-            old.max_ttl_ms
-        );
-    }
-    lineage.retired
-}
-
-pub(crate) fn empty_tables(tables: &[TableEntry]) {
-    for old in tables {
-        match Table::with_buckets(NAMESPACE, old.buckets).empty_all(&EnvoySharedData) {
-            Ok(()) => log::info!(
-                "emptied the retired local table of {} buckets: its records have expired",
-                old.buckets
-            ),
-            Err(e) => log::warn!(
-                "retired table of {} buckets not emptied: {}",
-                old.buckets,
-                e.0
-            ),
-        }
     }
 }
 
@@ -222,14 +153,7 @@ impl RootContext for FilterRoot {
     fn on_tick(&mut self) {
         if let Some(state) = &self.state {
             state.writes.on_tick(&state.metrics);
-            let now = host::now_ms();
-            if state.next_reclaim_ms.get().is_some_and(|at| now >= at) {
-                state.next_reclaim_ms.set(None);
-                match table_lineage::reclaim_due(&EnvoySharedData, NAMESPACE, now) {
-                    Ok(due) => empty_tables(&due),
-                    Err(e) => log::warn!("retired tables not reclaimed: {}", e.0),
-                }
-            }
+            state.upkeep.on_tick(host::now_ms());
         }
     }
 

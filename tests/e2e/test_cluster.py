@@ -601,3 +601,38 @@ def test_completion_survives_a_store_outage_of_many_seconds(procs, tmp_path, bac
     assert (replay.status_code, is_replay(replay)) == (201, True), replay.content[:200]
     assert cluster.upstream.executions(path) == 1
     assert rule_counter(a, "orders", "store_write_dropped") == 0
+
+
+def without_headers_stop_iteration(envoy_config: dict) -> None:
+    """``mutate`` for Envoy: the Wasm filter without ``allow_on_headers_stop_iteration``."""
+    for node in harness._walk_dicts(envoy_config):
+        if "allow_on_headers_stop_iteration" in node:
+            node["allow_on_headers_stop_iteration"] = False
+
+
+def test_large_bodies_of_a_rule_that_never_reads_them(procs, tmp_path) -> None:
+    """While the store confirms a claim, the body waits in Envoy. With
+    ``allow_on_headers_stop_iteration: true`` (needed by any rule that reads the body) the SDK
+    can only ask Envoy to buffer it, so a body larger than the listener's buffer limit (1 MiB
+    in envoy.yaml) gets Envoy's own 413 and nothing runs: pinned here, as the README states.
+    Without the flag (possible when no rule reads the body) Envoy holds the body with flow
+    control instead: the 4 MiB upload executes once and its retry through the other Envoy
+    replays."""
+    body = b"x" * (4 * 1024 * 1024)
+    buffered = start_cluster(procs, tmp_path, plugin=config(fingerprint="none"), envoys=1)
+    path, key = unique_path(), new_key()
+    refused = post(buffered.a, path, key, body=body)
+    assert refused.status_code == 413, refused.content[:200]
+    assert buffered.upstream.executions(path) == 0
+
+    a = buffered.add_envoy(procs, "envoy-flow-a", config(fingerprint="none"),
+                           mutate=without_headers_stop_iteration)
+    b = buffered.add_envoy(procs, "envoy-flow-b", config(fingerprint="none"),
+                           mutate=without_headers_stop_iteration)
+    path, key = unique_path(), new_key()
+    first = post(a, path, key, body=body)
+    assert first.status_code == 201 and not is_replay(first), first.content[:200]
+    wait_for_store_completions(buffered, 1)
+    retry = post(b, path, key, body=body)
+    assert (retry.status_code, is_replay(retry), retry.content) == (201, True, first.content)
+    assert buffered.upstream.executions(path) == 1

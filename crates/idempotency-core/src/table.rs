@@ -221,10 +221,18 @@ impl Table {
         *self.predecessors.borrow_mut() = predecessors;
     }
 
-    /// Empties every bucket and recorded response of a table no configuration uses any more
-    /// (the host cannot delete keys: each stays, with an empty value).
-    pub fn empty_all(&self, shared: &impl SharedData) -> Result<(), HostError> {
-        for bucket in 0..self.buckets {
+    /// Empties up to `count` buckets, from `first`, and their recorded responses, of a table
+    /// no configuration uses any more (the host cannot delete keys: each stays, with an
+    /// empty value). Returns where to go on, or None when the table is empty. In steps, so
+    /// that emptying a large table never holds the process-wide shared-data lock for long.
+    pub fn empty_buckets(
+        &self,
+        shared: &impl SharedData,
+        first: u32,
+        count: u32,
+    ) -> Result<Option<u32>, HostError> {
+        let end = first.saturating_add(count).min(self.buckets);
+        for bucket in first..end {
             shared.set(&self.bucket_key(bucket), &[], None)?;
             for way in 0..WAYS as u8 {
                 let slot = SlotRef {
@@ -235,7 +243,7 @@ impl Table {
                 shared.set(&self.response_key(slot), &[], None)?;
             }
         }
-        Ok(())
+        Ok((end < self.buckets).then_some(end))
     }
 
     /// What a predecessor holds for `key`: a live record stops a new claim in this table.
@@ -432,15 +440,19 @@ impl Table {
     ) -> Result<Completion, TableError> {
         // The response key is written without a cas (a slot's previous response may be
         // megabytes; reading it for its cas would copy it into the VM). So first prove
-        // ownership with a CAS on the bucket that also keeps the claim live for a moment: a
-        // late finisher whose lease has passed can then never overwrite the response of a
-        // request that took its slot over, because that takeover either happened before this
-        // CAS (which then fails) or cannot happen until after the write below.
+        // ownership on a claim that stays live for a moment: a late finisher whose lease has
+        // passed can then never overwrite the response of a request that took its slot over,
+        // because that takeover either happened before the proof or cannot happen until
+        // after the write below. A claim with more than the grace left needs only a read
+        // (nobody can take it over before it expires); a claim closer to its end is renewed
+        // by a CAS.
         let renewed = self.update_held(shared, held, |slot| {
-            slot.expires_at_ms = slot
-                .expires_at_ms
-                .max(now_ms.saturating_add(RECORDING_GRACE_MS));
-            Ok(())
+            let live_long_enough = now_ms.saturating_add(RECORDING_GRACE_MS);
+            if slot.expires_at_ms >= live_long_enough {
+                return Ok(false);
+            }
+            slot.expires_at_ms = live_long_enough;
+            Ok(true)
         })?;
         if renewed == Completion::LostOwnership {
             return Ok(Completion::LostOwnership);
@@ -457,7 +469,7 @@ impl Table {
             slot.state = SlotState::Completed;
             slot.expires_at_ms = now_ms.saturating_add(ttl_ms);
             slot.status = response.status;
-            Ok(())
+            Ok(true)
         })
     }
 
@@ -465,7 +477,7 @@ impl Table {
     pub fn release(&self, shared: &impl SharedData, held: &Held) -> Result<Completion, TableError> {
         self.update_held(shared, held, |slot| {
             *slot = FREE_SLOT;
-            Ok(())
+            Ok(true)
         })
     }
 
@@ -473,7 +485,7 @@ impl Table {
         &self,
         shared: &impl SharedData,
         held: &Held,
-        mut change: impl FnMut(&mut Slot) -> Result<(), HostError>,
+        mut change: impl FnMut(&mut Slot) -> Result<bool, HostError>,
     ) -> Result<Completion, TableError> {
         for _ in 0..MAX_CAS_ATTEMPTS {
             let (mut slots, cas) = self.read_bucket(shared, held.slot.bucket)?;
@@ -484,7 +496,10 @@ impl Table {
             {
                 return Ok(Completion::LostOwnership);
             }
-            change(slot)?;
+            if !change(slot)? {
+                // Nothing to write: ownership was proven by the read.
+                return Ok(Completion::Recorded);
+            }
             let key = self.bucket_key(held.slot.bucket);
             if shared.set(&key, &encode_bucket(&slots), Some(cas))? == SetOutcome::Stored {
                 return Ok(Completion::Recorded);
@@ -862,6 +877,24 @@ mod tests {
         assert_eq!(owner, 8);
         let replay = t.load_response(&s, slot, owner).unwrap().unwrap();
         assert_eq!(replay.body, b"the new owner's body");
+    }
+
+    #[test]
+    fn a_claim_with_time_left_completes_with_one_bucket_write() {
+        let s = FakeShared::default();
+        let t = table(&s, 8);
+        let (k, fp) = (digest(1), digest(2));
+        let writes = || *s.next_cas.borrow();
+        let h = held(t.claim(&s, &k, &fp, 7, 0, 60_000).unwrap());
+        let before = writes();
+        t.complete(&s, &h, &response(201), 1_000, 60_000).unwrap();
+        // The response and the flip to completed; no renewal.
+        assert_eq!(writes() - before, 2);
+        // Near the end of its lease a claim is renewed first.
+        let h = held(t.claim(&s, &digest(3), &fp, 8, 0, 6_000).unwrap());
+        let before = writes();
+        t.complete(&s, &h, &response(201), 2_000, 60_000).unwrap();
+        assert_eq!(writes() - before, 3);
     }
 
     #[test]

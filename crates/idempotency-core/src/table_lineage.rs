@@ -6,7 +6,8 @@
 //! buckets) remembers the tables that came before. A replaced table is *retired*: the new
 //! table still answers from it (a retry of a write recorded before the change replays, a
 //! write still in flight there gets 409) until the longest TTL it was configured with has
-//! passed, and then its buckets and responses are emptied, in chunks, from the root context.
+//! passed, and then its buckets and responses are emptied, a few buckets per tick of the
+//! root context.
 
 use crate::table::{HostError, SetOutcome, SharedData, Table};
 
@@ -18,7 +19,9 @@ const MAX_CAS_ATTEMPTS: usize = 32;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TableEntry {
     pub buckets: u32,
-    /// The longest record TTL any configuration using this table had.
+    /// How long a record of this table can live after its claim, at most: the longest
+    /// lease plus the longest TTL any configuration using it had (a claim made just before
+    /// the table was retired may complete a lease later).
     pub max_ttl_ms: u64,
     /// When it was replaced; None for the table in use.
     pub retired_at_ms: Option<u64>,
@@ -295,9 +298,11 @@ mod tests {
         let watch = LineageWatch::new("ns", ttl_ms);
         let lineage = watch.adopt(shared, &table, now_ms).unwrap();
         for old in &lineage.to_reclaim {
-            Table::with_buckets("ns", old.buckets)
-                .empty_all(shared)
-                .unwrap();
+            let old = Table::with_buckets("ns", old.buckets);
+            let mut next = Some(0);
+            while let Some(first) = next {
+                next = old.empty_buckets(shared, first, 3).unwrap();
+            }
         }
         (table, watch, lineage)
     }

@@ -1,0 +1,118 @@
+//! Keeping the local table in step with the tables other configurations of this process use:
+//! registering it, consulting the tables a capacity change retired, and emptying those whose
+//! records have all expired, a few buckets per tick (see core's `table_lineage`).
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+
+use idempotency_core::table::Table;
+use idempotency_core::table_lineage::{self, Lineage, LineageWatch, TableEntry};
+
+use crate::host;
+use crate::shared_table::EnvoySharedData;
+
+/// Buckets emptied per tick: each is nine shared-data writes under Envoy's process-wide lock,
+/// so a tick stays well under a millisecond however large the retired table.
+const BUCKETS_PER_TICK: u32 = 64;
+
+pub struct TableUpkeep {
+    namespace: String,
+    watch: LineageWatch,
+    /// When the next retired table's records have all expired and it can be emptied.
+    next_reclaim_ms: Cell<Option<u64>>,
+    /// Tables being emptied, with the next bucket to empty.
+    emptying: RefCell<VecDeque<(Table, u32)>>,
+}
+
+impl TableUpkeep {
+    /// Registers `table` (at configure). Failures only cost the old records, never the
+    /// configuration.
+    pub fn adopt(namespace: &str, table: &Table, max_record_life_ms: u64) -> TableUpkeep {
+        let upkeep = TableUpkeep {
+            namespace: namespace.to_string(),
+            watch: LineageWatch::new(namespace, max_record_life_ms),
+            next_reclaim_ms: Cell::new(None),
+            emptying: RefCell::new(VecDeque::new()),
+        };
+        match upkeep.watch.adopt(&EnvoySharedData, table, host::now_ms()) {
+            Ok(lineage) => {
+                for old in &lineage.retired {
+                    log::warn!(
+                        "local_table.capacity changed: the earlier table of {} buckets is still \
+                         consulted and its memory held until its records expire ({} ms from \
+                         its retirement)",
+                        old.buckets,
+                        old.max_ttl_ms
+                    );
+                }
+                upkeep.follow(lineage);
+            }
+            Err(e) => log::warn!(
+                "table registry unavailable ({}); earlier tables are not consulted",
+                e.0
+            ),
+        }
+        upkeep
+    }
+
+    /// Before a claim: catch up with a registry another configuration changed (a push that
+    /// brought this configuration back without configuring it again).
+    pub fn before_claim(&self, table: &Table, now_ms: u64) {
+        match self.watch.refresh(&EnvoySharedData, table, now_ms) {
+            Ok(None) => {}
+            Ok(Some(lineage)) => self.follow(lineage),
+            Err(e) => log::debug!("table registry unreadable: {}", e.0),
+        }
+    }
+
+    /// On the root's tick: take expired retired tables off the registry, and empty a few
+    /// buckets of the ones being emptied.
+    pub fn on_tick(&self, now_ms: u64) {
+        if self.next_reclaim_ms.get().is_some_and(|at| now_ms >= at) {
+            self.next_reclaim_ms.set(None);
+            match table_lineage::reclaim_due(&EnvoySharedData, &self.namespace, now_ms) {
+                Ok(due) => self.start_emptying(&due),
+                Err(e) => log::warn!("retired tables not reclaimed: {}", e.0),
+            }
+        }
+        let mut emptying = self.emptying.borrow_mut();
+        let Some((table, first)) = emptying.front_mut() else {
+            return;
+        };
+        match table.empty_buckets(&EnvoySharedData, *first, BUCKETS_PER_TICK) {
+            Ok(Some(next)) => *first = next,
+            Ok(None) => {
+                log::info!(
+                    "emptied the retired local table of {} buckets: its records had expired",
+                    table.bucket_count()
+                );
+                emptying.pop_front();
+            }
+            Err(e) => {
+                log::warn!(
+                    "retired table of {} buckets not emptied: {}",
+                    table.bucket_count(),
+                    e.0
+                );
+                emptying.pop_front();
+            }
+        }
+    }
+
+    fn follow(&self, lineage: Lineage) {
+        self.start_emptying(&lineage.to_reclaim);
+        let next = lineage
+            .retired
+            .iter()
+            .filter_map(TableEntry::reclaimable_at_ms)
+            .min();
+        self.next_reclaim_ms.set(next);
+    }
+
+    fn start_emptying(&self, tables: &[TableEntry]) {
+        let mut emptying = self.emptying.borrow_mut();
+        for old in tables {
+            emptying.push_back((Table::with_buckets(&self.namespace, old.buckets), 0));
+        }
+    }
+}
