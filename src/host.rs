@@ -95,6 +95,7 @@ extern "C" {
     ) -> u32;
     fn proxy_continue_stream(stream_type: u32) -> u32;
     fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
+    fn proxy_done() -> u32;
     fn proxy_register_shared_queue(
         name_data: *const u8,
         name_size: usize,
@@ -249,6 +250,12 @@ pub fn resume_request() -> HostResult<()> {
 pub fn set_tick_period(period: Duration) -> HostResult<()> {
     let ms = u32::try_from(period.as_millis()).unwrap_or(u32::MAX);
     check(unsafe { proxy_set_tick_period_milliseconds(ms) })
+}
+
+/// Tells Envoy that a root context which asked to finish its work (`on_done` returned false)
+/// is done now.
+pub fn done() -> HostResult<()> {
+    check(unsafe { proxy_done() })
 }
 
 pub fn register_shared_queue(name: &str) -> HostResult<u32> {

@@ -46,11 +46,29 @@ const UPKEEP_TICK: Duration = Duration::from_secs(1);
 
 pub struct FilterRoot {
     state: Option<Rc<FilterState>>,
+    /// Envoy is retiring this configuration (a push replaced it) but store writes still wait:
+    /// the root stays until they are taken or their deadlines pass.
+    finishing: bool,
 }
 
 impl FilterRoot {
     pub fn new(_context_id: u32) -> FilterRoot {
-        FilterRoot { state: None }
+        FilterRoot {
+            state: None,
+            finishing: false,
+        }
+    }
+
+    /// A finishing root whose writes are all taken tells Envoy it is done.
+    fn finish_if_idle(&mut self) {
+        if !self.finishing || self.state.as_ref().is_some_and(|s| s.writes.pending() > 0) {
+            return;
+        }
+        self.finishing = false;
+        match host::done() {
+            Ok(()) => log::info!("retired configuration: every waiting store write was taken"),
+            Err(status) => log::warn!("retired configuration not released: {status}"),
+        }
     }
 
     fn configure(&self) -> Result<FilterState, String> {
@@ -99,6 +117,22 @@ impl FilterRoot {
 }
 
 impl Context for FilterRoot {
+    /// A push retired this configuration. Completions and releases still waiting out a store
+    /// outage live in this root: keep it (its tick and callouts go on) until they are taken
+    /// or their deadlines pass, instead of losing them with it.
+    fn on_done(&mut self) -> bool {
+        let pending = self.state.as_ref().map_or(0, |s| s.writes.pending());
+        if pending == 0 {
+            return true;
+        }
+        log::warn!(
+            "configuration retired with {pending} store write(s) still waiting; \
+             kept until they are taken or their deadlines pass"
+        );
+        self.finishing = true;
+        false
+    }
+
     fn on_http_call_response(
         &mut self,
         token_id: u32,
@@ -114,6 +148,7 @@ impl Context for FilterRoot {
                 log::debug!("answer for unknown store call {token_id} ignored");
             }
         }
+        self.finish_if_idle();
     }
 }
 
@@ -155,6 +190,7 @@ impl RootContext for FilterRoot {
             state.writes.on_tick(&state.metrics);
             state.upkeep.on_tick(host::now_ms());
         }
+        self.finish_if_idle();
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {

@@ -32,13 +32,35 @@ const MAX_BACKOFF_MS: u64 = 2_000;
 /// A best-effort release answered "not the owner" is tried this often: the claim it undoes may
 /// still be on its way through the store.
 const BEST_EFFORT_NOT_OWNER_ATTEMPTS: u32 = 3;
-/// Bytes of request bodies waiting for a retry, per worker VM. A completion's body is at most
+/// Bytes of request bodies waiting for a retry, per worker VM (all its configurations). A completion's body is at most
 /// the store's request limit (4 MiB by default), so this holds a few of the largest and
 /// tens of thousands of ordinary ones.
 pub const RETRY_BUDGET_BYTES: usize = 16 * 1024 * 1024;
 /// Writes sent per tick: after an outage the backlog reaches the store in steady batches
 /// rather than as one burst of callouts.
 const MAX_SENDS_PER_TICK: usize = 500;
+
+/// Bytes waiting for a retry across every root context of this VM: a configuration a push
+/// retired keeps its writes until they land, so the budget must not multiply with pushes.
+mod retry_bytes_in_vm {
+    use std::cell::Cell;
+
+    thread_local! {
+        static BYTES: Cell<usize> = const { Cell::new(0) };
+    }
+
+    pub fn get() -> usize {
+        BYTES.with(Cell::get)
+    }
+
+    pub fn take(bytes: usize) {
+        BYTES.with(|b| b.set(b.get().saturating_add(bytes)));
+    }
+
+    pub fn release(bytes: usize) {
+        BYTES.with(|b| b.set(b.get().saturating_sub(bytes)));
+    }
+}
 
 /// Builds the leaner form of a write when the retry budget runs short.
 pub type LeanBody = Box<dyn FnOnce() -> Vec<u8>>;
@@ -138,7 +160,6 @@ pub struct StoreWrites {
     fresh: RefCell<VecDeque<PendingWrite>>,
     /// Failed once or more, soonest due first: looked at only on the tick.
     retrying: RefCell<BinaryHeap<Reverse<Waiting>>>,
-    retrying_bytes: Cell<usize>,
     next_seq: Cell<u64>,
     /// The store answered since the last failure: send what waits without its backoff.
     store_is_back: Cell<bool>,
@@ -160,7 +181,6 @@ impl StoreWrites {
         StoreWrites {
             fresh: RefCell::new(VecDeque::new()),
             retrying: RefCell::new(BinaryHeap::new()),
-            retrying_bytes: Cell::new(0),
             next_seq: Cell::new(0),
             store_is_back: Cell::new(false),
             sent: RefCell::new(HashMap::new()),
@@ -168,6 +188,12 @@ impl StoreWrites {
             failures: RefCell::new(BurstLog::new(10_000)),
             drops: RefCell::new(BurstLog::new(10_000)),
         }
+    }
+
+    /// Writes not yet taken by the store: submitted, waiting for a retry, or awaiting an
+    /// answer.
+    pub fn pending(&self) -> usize {
+        self.fresh.borrow().len() + self.retrying.borrow().len() + self.sent.borrow().len()
     }
 
     pub fn is_wake_queue(&self, queue_id: u32) -> bool {
@@ -225,11 +251,7 @@ impl StoreWrites {
                 let Some(Reverse(waiting)) = retrying.pop() else {
                     break;
                 };
-                self.retrying_bytes.set(
-                    self.retrying_bytes
-                        .get()
-                        .saturating_sub(waiting.write.body.len()),
-                );
+                retry_bytes_in_vm::release(waiting.write.body.len());
                 if now >= waiting.write.deadline_ms {
                     self.drop_write(&waiting.write, "its deadline passed", metrics);
                 } else {
@@ -317,7 +339,7 @@ impl StoreWrites {
             self.drop_write(&write, "its deadline passed", metrics);
             return;
         }
-        if self.retrying_bytes.get().saturating_add(write.body.len()) > RETRY_BUDGET_BYTES
+        if retry_bytes_in_vm::get().saturating_add(write.body.len()) > RETRY_BUDGET_BYTES
             && write.slim_down()
         {
             log::warn!(
@@ -326,7 +348,7 @@ impl StoreWrites {
             );
         }
         let bytes = write.body.len();
-        if self.retrying_bytes.get().saturating_add(bytes) > RETRY_BUDGET_BYTES {
+        if retry_bytes_in_vm::get().saturating_add(bytes) > RETRY_BUDGET_BYTES {
             self.drop_write(&write, "the retry buffer's byte budget is spent", metrics);
             return;
         }
@@ -336,8 +358,7 @@ impl StoreWrites {
         write.not_before_ms = now.saturating_add(backoff).min(write.deadline_ms);
         let seq = self.next_seq.get();
         self.next_seq.set(seq.wrapping_add(1));
-        self.retrying_bytes
-            .set(self.retrying_bytes.get().saturating_add(bytes));
+        retry_bytes_in_vm::take(bytes);
         self.retrying.borrow_mut().push(Reverse(Waiting {
             not_before_ms: write.not_before_ms,
             seq,

@@ -24,6 +24,7 @@ import yaml
 import harness
 from helpers import (
     crash_lines,
+    wasm_path as harness_wasm,
     envoy_options,
     is_replay,
     new_key,
@@ -41,8 +42,9 @@ class PushableEnvoy:
     the plugin configuration can be pushed while Envoy runs."""
 
     def __init__(self, procs: harness.ProcessGroup, tmp_path: Path, upstream: harness.Upstream,
-                 config: dict) -> None:
-        self.lds_dir = tmp_path / "lds"
+                 config: dict, *, name: str = "envoy-pushed", options: dict | None = None,
+                 **envoy_kwargs) -> None:
+        self.lds_dir = tmp_path / f"lds-{name}"
         self.lds_dir.mkdir()
         self.lds_path = self.lds_dir / "listeners.yaml"
         self.version = 0
@@ -52,7 +54,7 @@ class PushableEnvoy:
             static = envoy_config["static_resources"]
             (self.listener,) = static.pop("listeners")
             self._write_listener()
-            envoy_config["node"] = {"id": "pushed", "cluster": "tests"}
+            envoy_config["node"] = {"id": name, "cluster": "tests"}
             envoy_config["dynamic_resources"] = {
                 "lds_config": {
                     "resource_api_version": "V3",
@@ -64,9 +66,9 @@ class PushableEnvoy:
             }
             return envoy_config
 
-        options = envoy_options(upstream, config)
-        self.envoy = procs.envoy(harness.default_envoy_config(), name="envoy-pushed",
-                                 mutate=to_lds, **options)
+        options = options if options is not None else envoy_options(upstream, config)
+        self.envoy = procs.envoy(harness.default_envoy_config(), name=name, mutate=to_lds,
+                                 **options, **envoy_kwargs)
 
     def _write_listener(self) -> None:
         listener = dict(self.listener, **{"@type": LISTENER_TYPE})
@@ -174,3 +176,57 @@ def test_a_restart_starts_the_local_table_empty(procs, tmp_path) -> None:
     after = post(envoy, path, key=key)
     assert after.status_code == 201 and not is_replay(after)
     assert upstream.executions(path) == 2
+
+
+def test_store_writes_waiting_out_an_outage_survive_a_push(procs, tmp_path) -> None:
+    """Cluster mode: the store is down while a write completes, so its completion waits in
+    the root context that served it. A push then replaces the configuration and the old
+    listener drains away (drain time 1 s here). The old root context must not take the
+    waiting completion with it: once the store is back, the completion lands, and a retry
+    through another Envoy replays instead of executing again."""
+    from cluster_helpers import (plugin_config as cluster_plugin, post as cluster_post,
+                                 is_replay as cluster_is_replay, new_key as cluster_key,
+                                 unique_path as cluster_path, raw_request_bytes, read_response_head,
+                                 abort, start_cluster, rule_counter)
+    import socket
+    base = cluster_plugin(timeout_ms=2000, lease_seconds=60)
+    cluster = start_cluster(procs, tmp_path, plugin=base, envoys=1)
+    b = cluster.a
+    options = {
+        "cluster_ports": {"demo_upstream": cluster.upstream.port,
+                          "idempotency_store": cluster.store.port},
+        "wasm_path": harness_wasm(),
+        "plugin_config": base,
+    }
+    pushed = PushableEnvoy(procs, tmp_path, cluster.upstream, base, name="envoy-pushed-cluster",
+                           options=options, extra_args=["--drain-time-s", "1"])
+    a = pushed.envoy
+    path, key = cluster_path(), cluster_key()
+    with socket.create_connection((harness.LOOPBACK, a.port), timeout=10) as sock:
+        sock.sendall(raw_request_bytes(path, key, headers={"x-demo-delay-ms": "500"}))
+        harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10,
+                           what="the upstream to start executing")
+        cluster.store.stop()
+        status, _, _ = read_response_head(sock, timeout=15)
+        assert status == 201
+        abort(sock)
+    harness.wait_until(lambda: rule_counter(a, "orders", "store_error") >= 1, timeout=10,
+                       what="the completion to fail against the stopped store")
+
+    pushed.push(cluster_plugin(timeout_ms=2000, lease_seconds=90))
+    harness.wait_until(
+        lambda: a.stat("listener_manager.total_listeners_draining") == 0,
+        timeout=20, what="the old listener to drain away")
+    time.sleep(2)  # the old configuration's plugin is torn down once its listener is gone
+
+    cluster.store.start()
+    harness.wait_until(lambda: cluster.store_completions() >= 1, timeout=15,
+                       what="the waiting completion to reach the store")
+    retry = cluster_post(b, path, key)
+    assert (retry.status_code, cluster_is_replay(retry)) == (201, True), retry.content[:200]
+    assert cluster.upstream.executions(path) == 1
+    log = a.log_text()
+    assert "configuration retired with 1 store write(s) still waiting" in log
+    harness.wait_until(lambda: "every waiting store write was taken" in a.log_text(), timeout=10,
+                       what="the retired configuration to let go")
+    assert_no_crash(a)
