@@ -508,3 +508,25 @@ def wasm_vm_failures(envoy: harness.Envoy) -> dict[str, int]:
     """Envoy's wasm VM health stats that must stay 0 (reloads happen only after a VM failed)."""
     stats = envoy.stats(filter=r"^wasm\.")
     return {k: v for k, v in stats.items() if k.startswith("wasm.idempotency.vm_reload") and v}
+
+
+def complete_while_store_down(envoy: harness.Envoy, cluster: "Cluster", path: str, key: str,
+                              *, delay_ms: int = 500) -> bytes:
+    """Sends a write through ``envoy`` and stops the store while the upstream works on it; the
+    client reads the 201 and hangs up (RST), so the completion can only be delivered by the
+    root context. Returns when the filter has seen it fail; the whole body read is returned."""
+    with socket.create_connection((harness.LOOPBACK, envoy.port), timeout=10) as sock:
+        sock.sendall(raw_request_bytes(path, key, headers={"x-demo-delay-ms": str(delay_ms)}))
+        harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10,
+                           what="the upstream to start executing")
+        cluster.store.stop()
+        status, headers, body = read_response_head(sock, timeout=15)
+        assert status == 201 and REPLAYED not in headers, (status, headers)
+        while len(body) < int(headers["content-length"]):
+            chunk = sock.recv(65536)
+            assert chunk, "Envoy closed before the whole body"
+            body += chunk
+        abort(sock)
+    harness.wait_until(lambda: rule_counter(envoy, "orders", "store_error") >= 1, timeout=10,
+                       what="the completion to fail against the stopped store")
+    return body

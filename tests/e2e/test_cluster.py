@@ -29,6 +29,7 @@ from cluster_helpers import (
     PROBLEM_IN_FLIGHT,
     abort,
     assert_unavailable,
+    complete_while_store_down,
     crash_lines,
     is_replay,
     new_key,
@@ -421,20 +422,7 @@ def test_completion_survives_client_hangup_and_store_outage(procs, tmp_path) -> 
     cluster = start_cluster(procs, tmp_path, plugin=config())
     a, b = cluster.a, cluster.b
     path, key = unique_path(), new_key()
-    with socket.create_connection((harness.LOOPBACK, a.port), timeout=10) as sock:
-        sock.sendall(raw_request_bytes(path, key, headers={"x-demo-delay-ms": "2000"}))
-        harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10,
-                           what="the upstream to start executing")
-        cluster.store.stop()
-        status, headers, body = read_response_head(sock, timeout=15)
-        while len(body) < int(headers["content-length"]):
-            chunk = sock.recv(65536)
-            assert chunk, "Envoy closed before the whole body"
-            body += chunk
-        assert status == 201 and "idempotent-replayed" not in headers
-        abort(sock)
-    harness.wait_until(lambda: rule_counter(a, "orders", "store_error") >= 1, timeout=10,
-                       what="the completion to fail against the stopped store")
+    body = complete_while_store_down(a, cluster, path, key, delay_ms=2000)
     assert "store Complete failed" in a.log_text()
 
     cluster.store.start()
@@ -578,17 +566,8 @@ def test_completion_survives_a_store_outage_of_many_seconds(procs, tmp_path, bac
     cluster = start_cluster(procs, tmp_path, backend, plugin=config(lease_seconds=5))
     a, b = cluster.a, cluster.b
     path, key = unique_path(), new_key()
-    with socket.create_connection((harness.LOOPBACK, a.port), timeout=10) as sock:
-        sock.sendall(raw_request_bytes(path, key, headers={"x-demo-delay-ms": "500"}))
-        harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10,
-                           what="the upstream to start executing")
-        cluster.store.stop()
-        down_since = time.monotonic()
-        status, _, _ = read_response_head(sock, timeout=15)
-        assert status == 201
-        abort(sock)
-    harness.wait_until(lambda: rule_counter(a, "orders", "store_error") >= 1, timeout=10,
-                       what="the completion to fail against the stopped store")
+    down_since = time.monotonic()
+    complete_while_store_down(a, cluster, path, key)
     # Longer than the old retry window and than the claim's lease.
     time.sleep(max(0.0, 12 - (time.monotonic() - down_since)))
     assert rule_counter(a, "orders", "store_write_dropped") == 0

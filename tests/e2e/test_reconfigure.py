@@ -186,9 +186,8 @@ def test_store_writes_waiting_out_an_outage_survive_a_push(procs, tmp_path) -> N
     through another Envoy replays instead of executing again."""
     from cluster_helpers import (plugin_config as cluster_plugin, post as cluster_post,
                                  is_replay as cluster_is_replay, new_key as cluster_key,
-                                 unique_path as cluster_path, raw_request_bytes, read_response_head,
-                                 abort, start_cluster, rule_counter)
-    import socket
+                                 unique_path as cluster_path, complete_while_store_down,
+                                 start_cluster)
     base = cluster_plugin(timeout_ms=2000, lease_seconds=60)
     cluster = start_cluster(procs, tmp_path, plugin=base, envoys=1)
     b = cluster.a
@@ -202,16 +201,7 @@ def test_store_writes_waiting_out_an_outage_survive_a_push(procs, tmp_path) -> N
                            options=options, extra_args=["--drain-time-s", "1"])
     a = pushed.envoy
     path, key = cluster_path(), cluster_key()
-    with socket.create_connection((harness.LOOPBACK, a.port), timeout=10) as sock:
-        sock.sendall(raw_request_bytes(path, key, headers={"x-demo-delay-ms": "500"}))
-        harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10,
-                           what="the upstream to start executing")
-        cluster.store.stop()
-        status, _, _ = read_response_head(sock, timeout=15)
-        assert status == 201
-        abort(sock)
-    harness.wait_until(lambda: rule_counter(a, "orders", "store_error") >= 1, timeout=10,
-                       what="the completion to fail against the stopped store")
+    complete_while_store_down(a, cluster, path, key)
 
     pushed.push(cluster_plugin(timeout_ms=2000, lease_seconds=90))
     harness.wait_until(

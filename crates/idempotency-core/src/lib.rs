@@ -13,6 +13,8 @@
 pub mod burst_log;
 pub mod capture;
 pub mod config;
+#[cfg(test)]
+mod fake_shared;
 pub mod fingerprint;
 pub mod key;
 pub mod key_source;

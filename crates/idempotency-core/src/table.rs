@@ -532,37 +532,10 @@ impl Table {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fake_shared::FakeShared;
     use std::cell::RefCell;
-    use std::collections::HashMap;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-
-    /// Shared data with the host's documented CAS semantics, including the one that shapes
-    /// this design: a write to an absent key succeeds whatever cas it carries.
-    #[derive(Default)]
-    struct FakeShared {
-        map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
-        next_cas: RefCell<u32>,
-    }
-
-    impl SharedData for FakeShared {
-        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
-            Ok(self.map.borrow().get(key).cloned())
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError> {
-            let mut map = self.map.borrow_mut();
-            let mut next = self.next_cas.borrow_mut();
-            // Like Envoy's: one wrapping counter for the whole map, never 0.
-            *next = next.wrapping_add(1).max(1);
-            if let Some((_, current)) = map.get(key) {
-                if matches!(cas, Some(c) if c != 0 && c != *current) {
-                    return Ok(SetOutcome::CasMismatch);
-                }
-            }
-            map.insert(key.to_string(), (value.to_vec(), *next));
-            Ok(SetOutcome::Stored)
-        }
-    }
 
     fn digest(n: u8) -> Digest {
         [n; 32]

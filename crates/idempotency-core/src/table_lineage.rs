@@ -237,48 +237,14 @@ pub fn reclaim_due(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fake_shared::FakeShared;
     use crate::key::Digest;
     use crate::record::RecordedResponse;
     use crate::table::{Claim, Completion};
-    use std::cell::RefCell;
-    use std::collections::HashMap;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
-    #[derive(Default)]
-    struct Shared {
-        map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
-        next_cas: RefCell<u32>,
-    }
-
-    impl SharedData for Shared {
-        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
-            Ok(self.map.borrow().get(key).cloned())
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError> {
-            let mut map = self.map.borrow_mut();
-            let mut next = self.next_cas.borrow_mut();
-            *next = next.wrapping_add(1).max(1);
-            if let Some((_, current)) = map.get(key) {
-                if matches!(cas, Some(c) if c != 0 && c != *current) {
-                    return Ok(SetOutcome::CasMismatch);
-                }
-            }
-            map.insert(key.to_string(), (value.to_vec(), *next));
-            Ok(SetOutcome::Stored)
-        }
-    }
-
-    impl Shared {
-        fn bytes_under(&self, prefix: &str) -> usize {
-            self.map
-                .borrow()
-                .iter()
-                .filter(|(k, _)| k.starts_with(prefix))
-                .map(|(_, (v, _))| v.len())
-                .sum()
-        }
-    }
+    type Shared = FakeShared;
 
     const DAY: u64 = 86_400_000;
 
