@@ -32,9 +32,9 @@ const MAX_BACKOFF_MS: u64 = 2_000;
 /// A best-effort release answered "not the owner" is tried this often: the claim it undoes may
 /// still be on its way through the store.
 const BEST_EFFORT_NOT_OWNER_ATTEMPTS: u32 = 3;
-/// Bytes of request bodies waiting for a retry, per worker VM (all its configurations). A completion's body is at most
-/// the store's request limit (4 MiB by default), so this holds a few of the largest and
-/// tens of thousands of ordinary ones.
+/// Bytes of request bodies waiting for a retry, per worker VM (all its configurations). A
+/// completion's body is at most the store's request limit (4 MiB by default), so this holds a
+/// few of the largest and tens of thousands of ordinary ones.
 pub const RETRY_BUDGET_BYTES: usize = 16 * 1024 * 1024;
 /// Writes sent per tick: after an outage the backlog reaches the store in steady batches
 /// rather than as one burst of callouts.
@@ -76,7 +76,6 @@ pub struct PendingWrite {
     /// counted as store errors (the failed claim already was).
     best_effort: bool,
     attempts: u32,
-    not_before_ms: u64,
     /// After this the write cannot matter any more: the record would have expired (complete)
     /// or the claim's lease has passed and another request may take it over (release).
     deadline_ms: u64,
@@ -98,7 +97,6 @@ impl PendingWrite {
             lean: None,
             best_effort: false,
             attempts: 0,
-            not_before_ms: 0,
             deadline_ms,
         }
     }
@@ -355,12 +353,11 @@ impl StoreWrites {
         let backoff = FIRST_BACKOFF_MS
             .saturating_mul(1 << write.attempts.min(16))
             .min(MAX_BACKOFF_MS);
-        write.not_before_ms = now.saturating_add(backoff).min(write.deadline_ms);
         let seq = self.next_seq.get();
         self.next_seq.set(seq.wrapping_add(1));
         retry_bytes_in_vm::take(bytes);
         self.retrying.borrow_mut().push(Reverse(Waiting {
-            not_before_ms: write.not_before_ms,
+            not_before_ms: now.saturating_add(backoff).min(write.deadline_ms),
             seq,
             write,
         }));

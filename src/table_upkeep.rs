@@ -42,7 +42,7 @@ impl TableUpkeep {
                          consulted and its memory held until its records expire ({} ms from \
                          its retirement)",
                         old.buckets,
-                        old.max_ttl_ms
+                        old.record_life_ms
                     );
                 }
                 upkeep.follow(lineage);

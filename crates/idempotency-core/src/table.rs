@@ -190,6 +190,24 @@ fn encode_bucket(slots: &[Slot; WAYS]) -> Vec<u8> {
     out
 }
 
+/// What a live record of the claimed key answers, wherever it lives: 422 for another
+/// payload, a replay once completed, 409 while in flight.
+fn answer_from_live(slot: &Slot, at: SlotRef, fingerprint: &Digest, now_ms: u64) -> Claim {
+    if slot.fingerprint != *fingerprint {
+        return Claim::Mismatch;
+    }
+    match slot.state {
+        SlotState::Completed => Claim::Completed {
+            slot: at,
+            owner: slot.owner,
+            status: slot.status,
+        },
+        _ => Claim::InFlight {
+            retry_after_ms: slot.expires_at_ms.saturating_sub(now_ms).max(1),
+        },
+    }
+}
+
 /// The table's geometry and key names.
 #[derive(Debug, Clone)]
 pub struct Table {
@@ -268,23 +286,12 @@ impl Table {
             let Some((way, slot)) = found else {
                 continue;
             };
-            if slot.fingerprint != *fingerprint {
-                return Ok(Some(Claim::Mismatch));
-            }
-            return Ok(Some(match slot.state {
-                SlotState::Completed => Claim::Completed {
-                    slot: SlotRef {
-                        generation: u8::try_from(n + 1).unwrap_or(u8::MAX),
-                        bucket,
-                        way: way as u8,
-                    },
-                    owner: slot.owner,
-                    status: slot.status,
-                },
-                _ => Claim::InFlight {
-                    retry_after_ms: slot.expires_at_ms.saturating_sub(now_ms).max(1),
-                },
-            }));
+            let at = SlotRef {
+                generation: u8::try_from(n + 1).unwrap_or(u8::MAX),
+                bucket,
+                way: way as u8,
+            };
+            return Ok(Some(answer_from_live(slot, at, fingerprint, now_ms)));
         }
         Ok(None)
     }
@@ -369,25 +376,14 @@ impl Table {
                 .iter()
                 .position(|s| s.state != SlotState::Free && s.key == *key);
             let mut took_over = false;
-            if let Some(slot) = same_key.and_then(|w| slots.get(w)) {
+            if let Some((way, slot)) = same_key.and_then(|w| Some((w, slots.get(w)?))) {
                 if slot.live(now_ms) {
-                    if slot.fingerprint != *fingerprint {
-                        return Ok(Claim::Mismatch);
-                    }
-                    return Ok(match slot.state {
-                        SlotState::Completed => Claim::Completed {
-                            slot: SlotRef {
-                                generation: 0,
-                                bucket,
-                                way: same_key.unwrap_or(0) as u8,
-                            },
-                            owner: slot.owner,
-                            status: slot.status,
-                        },
-                        _ => Claim::InFlight {
-                            retry_after_ms: slot.expires_at_ms.saturating_sub(now_ms).max(1),
-                        },
-                    });
+                    let at = SlotRef {
+                        generation: 0,
+                        bucket,
+                        way: way as u8,
+                    };
+                    return Ok(answer_from_live(slot, at, fingerprint, now_ms));
                 }
                 took_over = slot.state == SlotState::InFlight;
             }

@@ -5,7 +5,7 @@
 //! has no delete and no key listing: only this registry (one key, changed by CAS like the
 //! buckets) remembers the tables that came before. A replaced table is *retired*: the new
 //! table still answers from it (a retry of a write recorded before the change replays, a
-//! write still in flight there gets 409) until the longest TTL it was configured with has
+//! write still in flight there gets 409) until the longest lease plus TTL it served has
 //! passed, and then its buckets and responses are emptied, a few buckets per tick of the
 //! root context.
 
@@ -22,7 +22,7 @@ pub struct TableEntry {
     /// How long a record of this table can live after its claim, at most: the longest
     /// lease plus the longest TTL any configuration using it had (a claim made just before
     /// the table was retired may complete a lease later).
-    pub max_ttl_ms: u64,
+    pub record_life_ms: u64,
     /// When it was replaced; None for the table in use.
     pub retired_at_ms: Option<u64>,
 }
@@ -31,7 +31,7 @@ impl TableEntry {
     /// When every record it can hold has expired.
     pub fn reclaimable_at_ms(&self) -> Option<u64> {
         self.retired_at_ms
-            .map(|at| at.saturating_add(self.max_ttl_ms))
+            .map(|at| at.saturating_add(self.record_life_ms))
     }
 }
 
@@ -54,11 +54,11 @@ fn decode(bytes: &[u8]) -> Vec<TableEntry> {
         .filter_map(|line| {
             let mut fields = line.split(' ').map(str::parse::<u64>);
             let buckets = u32::try_from(fields.next()?.ok()?).ok()?;
-            let max_ttl_ms = fields.next()?.ok()?;
+            let record_life_ms = fields.next()?.ok()?;
             let retired = fields.next()?.ok()?;
             Some(TableEntry {
                 buckets,
-                max_ttl_ms,
+                record_life_ms,
                 retired_at_ms: (retired != 0).then_some(retired),
             })
         })
@@ -72,7 +72,7 @@ fn encode(entries: &[TableEntry]) -> Vec<u8> {
             format!(
                 "{} {} {}\n",
                 e.buckets,
-                e.max_ttl_ms,
+                e.record_life_ms,
                 e.retired_at_ms.unwrap_or(0)
             )
         })
@@ -86,7 +86,7 @@ pub fn register(
     shared: &impl SharedData,
     namespace: &str,
     table: &Table,
-    max_ttl_ms: u64,
+    record_life_ms: u64,
     now_ms: u64,
 ) -> Result<Lineage, HostError> {
     let key = registry_key(namespace);
@@ -101,15 +101,15 @@ pub fn register(
         };
         let mut current = TableEntry {
             buckets: table.bucket_count(),
-            max_ttl_ms,
+            record_life_ms,
             retired_at_ms: None,
         };
         let mut retired = Vec::new();
         for entry in entries {
             if entry.buckets == current.buckets {
                 // This very table again (the same capacity, or back to an earlier one): its
-                // records are still valid, and it must outlive the longest TTL it served.
-                current.max_ttl_ms = current.max_ttl_ms.max(entry.max_ttl_ms);
+                // records are still valid, and it must outlive the longest record life it served.
+                current.record_life_ms = current.record_life_ms.max(entry.record_life_ms);
                 continue;
             }
             retired.push(match entry.retired_at_ms {
@@ -154,15 +154,15 @@ pub fn register(
 /// registry's cas (one small read) and re-registers when another configuration changed it.
 pub struct LineageWatch {
     namespace: String,
-    max_ttl_ms: u64,
+    record_life_ms: u64,
     seen_cas: std::cell::Cell<Option<u32>>,
 }
 
 impl LineageWatch {
-    pub fn new(namespace: &str, max_ttl_ms: u64) -> LineageWatch {
+    pub fn new(namespace: &str, record_life_ms: u64) -> LineageWatch {
         LineageWatch {
             namespace: namespace.to_string(),
-            max_ttl_ms,
+            record_life_ms,
             seen_cas: std::cell::Cell::new(None),
         }
     }
@@ -174,7 +174,7 @@ impl LineageWatch {
         table: &Table,
         now_ms: u64,
     ) -> Result<Lineage, HostError> {
-        let lineage = register(shared, &self.namespace, table, self.max_ttl_ms, now_ms)?;
+        let lineage = register(shared, &self.namespace, table, self.record_life_ms, now_ms)?;
         table.set_predecessors(
             lineage
                 .retired
@@ -432,12 +432,12 @@ mod tests {
         let entries = vec![
             TableEntry {
                 buckets: 2048,
-                max_ttl_ms: DAY,
+                record_life_ms: DAY,
                 retired_at_ms: None,
             },
             TableEntry {
                 buckets: 8,
-                max_ttl_ms: 5,
+                record_life_ms: 5,
                 retired_at_ms: Some(77),
             },
         ];
