@@ -63,7 +63,7 @@ impl RequestFilter {
                                 rule_index,
                                 held,
                                 None,
-                                &StoreFailure(format!("callout refused: {status}")),
+                                &StoreFailure::NotSent(status.to_string()),
                             ),
                         }
                     }
@@ -197,8 +197,7 @@ impl RequestFilter {
             Err(failure) => {
                 // Without an answer (timeout, reset) or with a server error the store may have
                 // applied the claim; a 4xx means it refused it.
-                let maybe_applied = status.is_none_or(|s| s >= 500);
-                let sent = maybe_applied.then_some(sent_owner);
+                let sent = failure.may_have_been_applied().then_some(sent_owner);
                 self.store_failed(rule, held, sent, &failure)
             }
         };

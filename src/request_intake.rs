@@ -214,19 +214,19 @@ impl RequestFilter {
 
     fn key_failed(&mut self, rule_index: usize, failure: &SourceFailure, at: FailedAt) -> Action {
         let required = self.rule(rule_index).is_some_and(|r| r.key_required);
-        if !required && (failure.missing || at == FailedAt::Body) {
+        if !required && (failure.is_missing() || at == FailedAt::Body) {
             self.count(rule_index, Outcome::PassedThrough);
             self.journey = Journey::Untouched;
             return Action::Continue;
         }
-        if failure.missing {
+        if failure.is_missing() {
             self.count(rule_index, Outcome::MissingKey);
-            self.answer_problem(rule_index, &Problem::missing_key(&failure.source))
+            self.answer_problem(rule_index, &Problem::missing_key(failure.source()))
         } else {
             self.count(rule_index, Outcome::InvalidKey);
             self.answer_problem(
                 rule_index,
-                &Problem::invalid_key(&failure.source, &failure.why),
+                &Problem::invalid_key(failure.source(), failure.why()),
             )
         }
     }

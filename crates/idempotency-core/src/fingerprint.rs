@@ -70,10 +70,8 @@ pub fn fingerprint(
                     FieldSource::Form(name) => body.form_values(name),
                     FieldSource::Header(_) | FieldSource::Query(_) => Ok(Vec::new()),
                 }
-                .map_err(|e| SourceFailure {
-                    source: format!("fingerprint {}", field.describe()),
-                    missing: false,
-                    why: e.to_string(),
+                .map_err(|e| {
+                    SourceFailure::invalid(format!("fingerprint {}", field.describe()), e)
                 })?;
                 hash_values(&mut h, &values);
             }
@@ -224,8 +222,8 @@ mod tests {
             fp(&mode, "/cb", ct, br#"{"amount":1.50}"#).unwrap()
         );
         let dup = fp(&mode, "/cb", ct, br#"{"amount":1,"amount":2}"#).unwrap_err();
-        assert!(dup.why.contains("more than once"), "{}", dup.why);
-        assert_eq!(dup.source, "fingerprint JSON body field '/amount'");
+        assert!(dup.why().contains("more than once"), "{}", dup.why());
+        assert_eq!(dup.source(), "fingerprint JSON body field '/amount'");
     }
 
     #[test]
@@ -246,7 +244,7 @@ mod tests {
         let expected: Digest = h.finalize().into();
         assert_eq!(fp(&mode, "/n?q", ct, b"item=a+b&x=1").unwrap(), expected);
         let bad = fp(&mode, "/n", ct, b"item=%zz").unwrap_err();
-        assert!(bad.why.contains("percent-encoding"), "{}", bad.why);
-        assert!(!bad.missing);
+        assert!(bad.why().contains("percent-encoding"), "{}", bad.why());
+        assert!(!bad.is_missing());
     }
 }

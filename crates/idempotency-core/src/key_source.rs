@@ -32,27 +32,24 @@ impl FieldSource {
     }
 }
 
-/// A key source that failed, and how.
+/// A key source that failed, and how: absent, or present but unusable. A rule with an
+/// optional key lets a request without one pass, never one with a malformed one.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SourceFailure {
-    pub source: String,
-    pub missing: bool,
-    pub why: String,
+pub enum SourceFailure {
+    Missing { source: String },
+    Invalid { source: String, why: String },
 }
 
 impl SourceFailure {
     fn missing(source: &FieldSource) -> SourceFailure {
-        SourceFailure {
+        SourceFailure::Missing {
             source: source.describe(),
-            missing: true,
-            why: "it is missing".to_string(),
         }
     }
 
-    fn invalid(source: &FieldSource, why: impl std::fmt::Display) -> SourceFailure {
-        SourceFailure {
-            source: source.describe(),
-            missing: false,
+    pub(crate) fn invalid(source: impl Into<String>, why: impl std::fmt::Display) -> SourceFailure {
+        SourceFailure::Invalid {
+            source: source.into(),
             why: why.to_string(),
         }
     }
@@ -60,7 +57,25 @@ impl SourceFailure {
     fn from_field(source: &FieldSource, e: FieldError) -> SourceFailure {
         match e {
             FieldError::Missing => SourceFailure::missing(source),
-            other => SourceFailure::invalid(source, other),
+            other => SourceFailure::invalid(source.describe(), other),
+        }
+    }
+
+    pub fn is_missing(&self) -> bool {
+        matches!(self, SourceFailure::Missing { .. })
+    }
+
+    /// How the problem details name the source.
+    pub fn source(&self) -> &str {
+        match self {
+            SourceFailure::Missing { source } | SourceFailure::Invalid { source, .. } => source,
+        }
+    }
+
+    pub fn why(&self) -> &str {
+        match self {
+            SourceFailure::Missing { .. } => "it is missing",
+            SourceFailure::Invalid { why, .. } => why,
         }
     }
 }
@@ -79,7 +94,7 @@ pub fn header_parts<'h>(
                 None => Err(SourceFailure::missing(source)),
                 Some(raw) => parse_key(raw)
                     .map(Some)
-                    .map_err(|e: KeyError| SourceFailure::invalid(source, e)),
+                    .map_err(|e: KeyError| SourceFailure::invalid(source.describe(), e)),
             },
             FieldSource::Query(name) => match query_value(path_with_query, name) {
                 Ok(None) => Err(SourceFailure::missing(source)),
@@ -93,11 +108,14 @@ pub fn header_parts<'h>(
 
 fn checked_value(source: &FieldSource, value: Vec<u8>) -> Result<Vec<u8>, SourceFailure> {
     if value.is_empty() {
-        return Err(SourceFailure::invalid(source, "the value is empty"));
+        return Err(SourceFailure::invalid(
+            source.describe(),
+            "the value is empty",
+        ));
     }
     if value.len() > MAX_KEY_BYTES {
         return Err(SourceFailure::invalid(
-            source,
+            source.describe(),
             format!(
                 "the value is {} bytes long; at most {MAX_KEY_BYTES} are allowed",
                 value.len()
@@ -195,7 +213,7 @@ mod tests {
     fn failures_name_the_source() {
         let sources = vec![FieldSource::Header("x-github-delivery".into())];
         let e = header_parts(&sources, |_| None, "/").unwrap_err();
-        assert!(e.missing && e.source == "header 'x-github-delivery'");
+        assert!(e.is_missing() && e.source() == "header 'x-github-delivery'");
 
         let sources = vec![FieldSource::Json("/id".into())];
         for (ct, body, missing, needle) in [
@@ -212,13 +230,13 @@ mod tests {
         ] {
             let mut b = RequestBody::new(ct, body);
             let e = complete_key(&sources, vec![None], &mut b).unwrap_err();
-            assert_eq!(e.missing, missing, "{ct} {body:?}");
-            assert!(e.why.contains(needle), "{}", e.why);
-            assert_eq!(e.source, "JSON body field '/id'");
+            assert_eq!(e.is_missing(), missing, "{ct} {body:?}");
+            assert!(e.why().contains(needle), "{}", e.why());
+            assert_eq!(e.source(), "JSON body field '/id'");
         }
         let long = format!("/x?k={}", "a".repeat(256));
         let e = header_parts(&[FieldSource::Query("k".into())], |_| None, &long).unwrap_err();
-        assert!(e.why.contains("256 bytes"));
+        assert!(e.why().contains("256 bytes"));
     }
 
     #[test]
@@ -232,9 +250,9 @@ mod tests {
         ] {
             let mut b = RequestBody::new(form, body);
             let e = complete_key(&sources, vec![None], &mut b).unwrap_err();
-            assert!(!e.missing, "{body:?}");
-            assert_eq!(e.source, "form field 'trade_no'");
-            assert!(e.why.contains(needle), "{}", e.why);
+            assert!(!e.is_missing(), "{body:?}");
+            assert_eq!(e.source(), "form field 'trade_no'");
+            assert!(e.why().contains(needle), "{}", e.why());
         }
         let sources = vec![FieldSource::Query("order_no".into())];
         for (path, needle) in [
@@ -243,9 +261,9 @@ mod tests {
             ("/c?order_no=1&order_no=1", "more than once"),
         ] {
             let e = header_parts(&sources, |_| None, path).unwrap_err();
-            assert!(!e.missing, "{path}");
-            assert_eq!(e.source, "query parameter 'order_no'");
-            assert!(e.why.contains(needle), "{}", e.why);
+            assert!(!e.is_missing(), "{path}");
+            assert_eq!(e.source(), "query parameter 'order_no'");
+            assert!(e.why().contains(needle), "{}", e.why());
         }
     }
 
@@ -262,6 +280,9 @@ mod tests {
         );
         let mut b = RequestBody::new("application/json", br#"{"id":1,"id":2}"#);
         let e = complete_key(&sources, vec![None], &mut b).unwrap_err();
-        assert!(!e.missing && e.why.contains("more than once"), "{e:?}");
+        assert!(
+            !e.is_missing() && e.why().contains("more than once"),
+            "{e:?}"
+        );
     }
 }

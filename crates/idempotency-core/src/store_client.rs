@@ -22,13 +22,41 @@ pub enum StoreClaim {
     Mismatch,
 }
 
-/// Why a store answer could not be used (for the log; the policy is the same for all).
+/// Why a claim got no usable answer from the store. The rule's store-error policy decides
+/// what the client sees; whether the store may have applied the claim decides whether the
+/// proxy must also release it there.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoreFailure(pub String);
+pub enum StoreFailure {
+    /// The host would not send the callout (unknown cluster, bad headers): never reached
+    /// the store.
+    NotSent(String),
+    /// Reset, timeout or an unreadable answer: the claim may have landed.
+    NoAnswer,
+    /// A 5xx: the store may have applied the claim before failing.
+    ServerError(u16),
+    /// Any other non-200 status: the store refused the request as a whole.
+    Refused(u16),
+    /// A 200 this filter cannot use.
+    Garbage(String),
+}
+
+impl StoreFailure {
+    /// True when the store may hold the claim although no usable answer said so.
+    pub fn may_have_been_applied(&self) -> bool {
+        matches!(self, StoreFailure::NoAnswer | StoreFailure::ServerError(_))
+    }
+}
 
 impl std::fmt::Display for StoreFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        match self {
+            StoreFailure::NotSent(why) => write!(f, "callout refused: {why}"),
+            StoreFailure::NoAnswer => f.write_str("store unreachable or timed out"),
+            StoreFailure::ServerError(s) | StoreFailure::Refused(s) => {
+                write!(f, "store answered status {s}")
+            }
+            StoreFailure::Garbage(why) => f.write_str(why),
+        }
     }
 }
 
@@ -124,15 +152,16 @@ pub fn release_body(key: &Digest, owner: &str) -> Vec<u8> {
 pub fn read_claim(status: Option<u16>, body: &[u8]) -> Result<StoreClaim, StoreFailure> {
     match status {
         Some(200) => {}
-        Some(s) => return Err(StoreFailure(format!("store answered status {s}"))),
-        None => return Err(StoreFailure("store unreachable or timed out".to_string())),
+        Some(s) if s >= 500 => return Err(StoreFailure::ServerError(s)),
+        Some(s) => return Err(StoreFailure::Refused(s)),
+        None => return Err(StoreFailure::NoAnswer),
     }
     let answer: ClaimAnswer = serde_json::from_slice(body)
-        .map_err(|e| StoreFailure(format!("store claim answer unreadable: {e}")))?;
+        .map_err(|e| StoreFailure::Garbage(format!("store claim answer unreadable: {e}")))?;
     Ok(match answer {
         ClaimAnswer::Claimed { owner } if !owner.is_empty() => StoreClaim::Claimed { owner },
         ClaimAnswer::Claimed { .. } => {
-            return Err(StoreFailure(
+            return Err(StoreFailure::Garbage(
                 "store claim answer has an empty owner".to_string(),
             ))
         }
@@ -141,17 +170,17 @@ pub fn read_claim(status: Option<u16>, body: &[u8]) -> Result<StoreClaim, StoreF
         ClaimAnswer::Completed { record } => {
             let bytes = BASE64
                 .decode(record.as_bytes())
-                .map_err(|e| StoreFailure(format!("store record is not base64: {e}")))?;
+                .map_err(|e| StoreFailure::Garbage(format!("store record is not base64: {e}")))?;
             let response = RecordedResponse::decode(&bytes).ok_or_else(|| {
-                StoreFailure("store record is not a recorded response".to_string())
+                StoreFailure::Garbage("store record is not a recorded response".to_string())
             })?;
             // A header this filter could never have recorded means the record is corrupt or
             // was written by someone else: the whole answer is garbage, as for an undecodable
             // record (fail_closed answers 503, the retry tries again). Replaying it without
             // the bad headers instead would present a changed response as the recorded one.
-            response
-                .check_headers()
-                .map_err(|why| StoreFailure(format!("store record cannot be replayed: {why}")))?;
+            response.check_headers().map_err(|why| {
+                StoreFailure::Garbage(format!("store record cannot be replayed: {why}"))
+            })?;
             StoreClaim::Completed(response)
         }
     })
@@ -270,6 +299,16 @@ mod tests {
         ] {
             assert!(read_claim(status, body).is_err(), "{status:?} {body:?}");
         }
+        // Only a lost answer or a server error leaves a claim the proxy must undo.
+        let applied = |status, body: &[u8]| {
+            read_claim(status, body)
+                .unwrap_err()
+                .may_have_been_applied()
+        };
+        assert!(applied(None, b""));
+        assert!(applied(Some(503), b"{}"));
+        assert!(!applied(Some(401), b"{}"));
+        assert!(!applied(Some(200), b"not json"));
     }
 
     #[test]
@@ -286,7 +325,10 @@ mod tests {
                 BASE64.encode(record.encode())
             );
             let failure = read_claim(Some(200), body.as_bytes()).unwrap_err();
-            assert!(failure.0.contains("cannot be replayed"), "{failure}");
+            assert!(
+                failure.to_string().contains("cannot be replayed"),
+                "{failure}"
+            );
         }
     }
 
