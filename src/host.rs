@@ -185,15 +185,6 @@ pub fn get_header_pairs(map: MapType) -> HostResult<Vec<(String, Vec<u8>)>> {
         .unwrap_or_default())
 }
 
-/// The `:status` of a response header map, if present and numeric.
-pub fn status_of(headers: &[(String, Vec<u8>)]) -> Option<u16> {
-    headers
-        .iter()
-        .find(|(n, _)| n == ":status")
-        .and_then(|(_, v)| std::str::from_utf8(v).ok())
-        .and_then(|s| s.parse().ok())
-}
-
 pub fn remove_header(map: MapType, name: &str) -> HostResult<()> {
     check(unsafe { proxy_remove_header_map_value(map as u32, name.as_ptr(), name.len()) })
 }

@@ -338,6 +338,12 @@ pub struct StoreConfig {
     pub path_prefix: String,
 }
 
+impl AsRef<Rule> for Rule {
+    fn as_ref(&self) -> &Rule {
+        self
+    }
+}
+
 /// Which requests a rule applies to. Empty lists match anything.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuleMatch {
@@ -397,10 +403,6 @@ impl Config {
             needs_virtual_host: rules.iter().any(|r| !r.matcher.virtual_hosts.is_empty()),
             rules,
         })
-    }
-
-    pub fn rule_named(&self, name: &str) -> Option<(usize, &Rule)> {
-        self.rules.iter().enumerate().find(|(_, r)| r.name == name)
     }
 }
 

@@ -1,24 +1,31 @@
-//! Every decision of the idempotency filter, with no dependency on the proxy-wasm host, so
-//! it is tested natively and on wasm32 alike. The filter crate only moves bytes between
-//! Envoy and these functions.
+//! Every decision of the idempotency filter and the flow that strings them together, with no
+//! dependency on the proxy-wasm host, so it is tested natively and on wasm32 alike. The
+//! filter crate only feeds Envoy's callbacks in and implements [`host::Host`].
 //!
-//! A request's journey: [`rule_select`] picks the rule, [`key_source`] reads the key from
-//! headers, query or body fields ([`request_fields`]), [`key`] parses and scopes it,
-//! [`fingerprint`] hashes the payload, [`table`] claims the key in shared data ([`table_lineage`] keeps the tables a capacity change replaced), [`capture`]
-//! collects the upstream response and [`record`] encodes it; in cluster mode
-//! [`store_client`] speaks to the shared store. [`problem`] words every answer the filter
-//! gives itself, [`outcome`] names what the metrics count, [`burst_log`] keeps failures from
-//! flooding the log.
+//! A request's journey is [`journey`]: one state type and one transition function. Each
+//! configuration is a [`plugin`] (rules resolved to handles, the table, store writes, the
+//! root's life). The decisions they call: [`rule_select`] picks the rule, [`key_source`]
+//! reads the key from headers, query or body fields ([`request_fields`]), [`key`] parses and
+//! scopes it, [`fingerprint`] hashes the payload, [`table`] claims the key in shared data
+//! ([`table_lineage`] keeps the tables a capacity change replaced), [`capture`] collects the
+//! upstream response and [`record`] encodes it; in cluster mode [`store_client`] speaks to
+//! the shared store. [`problem`] words every answer the filter gives itself, [`outcome`]
+//! names what the metrics count, [`burst_log`] keeps failures from flooding the log.
 
 pub mod burst_log;
 pub mod capture;
 pub mod config;
 #[cfg(test)]
+mod fake_host;
+#[cfg(test)]
 mod fake_shared;
 pub mod fingerprint;
+pub mod host;
+pub mod journey;
 pub mod key;
 pub mod key_source;
 pub mod outcome;
+pub mod plugin;
 pub mod problem;
 pub mod record;
 pub mod request_fields;

@@ -19,10 +19,11 @@ pub struct RequestFacts<'a> {
     pub metadata_rule: Option<&'a str>,
 }
 
-/// The outcome of rule selection.
+/// The outcome of rule selection over rules of type `R` (a `Rule`, or the flow's resolved
+/// handle of one).
 #[derive(Debug, PartialEq, Eq)]
-pub enum Selection<'a> {
-    Rule(usize, &'a Rule),
+pub enum Selection<'a, R = Rule> {
+    Rule(&'a R),
     /// The rule applies but not to this method: the request passes untouched.
     MethodNotCovered,
     /// Route metadata names a rule that does not exist (a configuration mistake).
@@ -42,29 +43,35 @@ impl Config {
     }
 
     pub fn select<'a>(&'a self, facts: &RequestFacts<'_>) -> Selection<'a> {
-        if let Some(name) = facts.metadata_rule {
-            return match self.rule_named(name) {
-                Some((i, rule)) if method_covered(&rule.matcher, facts.method) => {
-                    Selection::Rule(i, rule)
-                }
-                Some(_) => Selection::MethodNotCovered,
-                None => Selection::UnknownMetadataRule,
-            };
-        }
-        let mut method_miss = false;
-        for (i, rule) in self.rules.iter().enumerate() {
-            if request_matches(&rule.matcher, facts) {
-                if method_covered(&rule.matcher, facts.method) {
-                    return Selection::Rule(i, rule);
-                }
-                method_miss = true;
+        select(&self.rules, facts)
+    }
+}
+
+/// Picks the rule for a request among `rules`, in configuration order.
+pub fn select<'a, R: AsRef<Rule>>(rules: &'a [R], facts: &RequestFacts<'_>) -> Selection<'a, R> {
+    if let Some(name) = facts.metadata_rule {
+        return match rules.iter().find(|r| r.as_ref().name == name) {
+            Some(rule) if method_covered(&rule.as_ref().matcher, facts.method) => {
+                Selection::Rule(rule)
             }
+            Some(_) => Selection::MethodNotCovered,
+            None => Selection::UnknownMetadataRule,
+        };
+    }
+    let mut method_miss = false;
+    for rule in rules {
+        let matcher = &rule.as_ref().matcher;
+        if request_matches(matcher, facts) {
+            if method_covered(matcher, facts.method) {
+                return Selection::Rule(rule);
+            }
+            method_miss = true;
         }
-        if method_miss {
-            Selection::MethodNotCovered
-        } else {
-            Selection::NoRule
-        }
+    }
+    if method_miss {
+        Selection::MethodNotCovered
+    } else {
+        Selection::NoRule
     }
 }
 
@@ -133,7 +140,7 @@ mod tests {
 
     fn name<'a>(s: Selection<'a>) -> Option<&'a str> {
         match s {
-            Selection::Rule(_, r) => Some(r.name.as_str()),
+            Selection::Rule(r) => Some(r.name.as_str()),
             _ => None,
         }
     }

@@ -5,11 +5,9 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 
-use idempotency_core::table::Table;
-use idempotency_core::table_lineage::{self, Lineage, LineageWatch, TableEntry};
-
-use crate::host;
-use crate::shared_table::EnvoySharedData;
+use crate::host::Host;
+use crate::table::Table;
+use crate::table_lineage::{self, Lineage, LineageWatch, TableEntry};
 
 /// Buckets emptied per tick: each is nine shared-data writes under Envoy's process-wide lock,
 /// so a tick stays well under a millisecond however large the retired table.
@@ -27,14 +25,19 @@ pub struct TableUpkeep {
 impl TableUpkeep {
     /// Registers `table` (at configure). Failures only cost the old records, never the
     /// configuration.
-    pub fn adopt(namespace: &str, table: &Table, max_record_life_ms: u64) -> TableUpkeep {
+    pub fn adopt(
+        host: &impl Host,
+        namespace: &str,
+        table: &Table,
+        max_record_life_ms: u64,
+    ) -> TableUpkeep {
         let upkeep = TableUpkeep {
             namespace: namespace.to_string(),
             watch: LineageWatch::new(namespace, max_record_life_ms),
             next_reclaim_ms: Cell::new(None),
             emptying: RefCell::new(VecDeque::new()),
         };
-        match upkeep.watch.adopt(&EnvoySharedData, table, host::now_ms()) {
+        match upkeep.watch.adopt(host, table, host.now_ms()) {
             Ok(lineage) => {
                 for old in &lineage.retired {
                     log::warn!(
@@ -57,8 +60,8 @@ impl TableUpkeep {
 
     /// Before a claim: catch up with a registry another configuration changed (a push that
     /// brought this configuration back without configuring it again).
-    pub fn before_claim(&self, table: &Table, now_ms: u64) {
-        match self.watch.refresh(&EnvoySharedData, table, now_ms) {
+    pub fn before_claim(&self, host: &impl Host, table: &Table, now_ms: u64) {
+        match self.watch.refresh(host, table, now_ms) {
             Ok(None) => {}
             Ok(Some(lineage)) => self.follow(lineage),
             Err(e) => log::debug!("table registry unreadable: {}", e.0),
@@ -67,10 +70,11 @@ impl TableUpkeep {
 
     /// On the root's tick: take expired retired tables off the registry, and empty a few
     /// buckets of the ones being emptied.
-    pub fn on_tick(&self, now_ms: u64) {
+    pub fn on_tick(&self, host: &impl Host) {
+        let now_ms = host.now_ms();
         if self.next_reclaim_ms.get().is_some_and(|at| now_ms >= at) {
             self.next_reclaim_ms.set(None);
-            match table_lineage::reclaim_due(&EnvoySharedData, &self.namespace, now_ms) {
+            match table_lineage::reclaim_due(host, &self.namespace, now_ms) {
                 Ok(due) => self.start_emptying(&due),
                 Err(e) => log::warn!("retired tables not reclaimed: {}", e.0),
             }
@@ -79,7 +83,7 @@ impl TableUpkeep {
         let Some((table, first)) = emptying.front_mut() else {
             return;
         };
-        match table.empty_buckets(&EnvoySharedData, *first, BUCKETS_PER_TICK) {
+        match table.empty_buckets(host, *first, BUCKETS_PER_TICK) {
             Ok(Some(next)) => *first = next,
             Ok(None) => {
                 log::info!(

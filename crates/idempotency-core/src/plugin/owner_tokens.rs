@@ -3,9 +3,8 @@
 
 use std::cell::Cell;
 
-use idempotency_core::table::{SetOutcome, SharedData};
-
-use crate::shared_table::EnvoySharedData;
+use crate::host::Host;
+use crate::table::SetOutcome;
 
 const SEQUENCE_BITS: u32 = 40;
 
@@ -17,20 +16,19 @@ pub struct OwnerTokens {
 impl OwnerTokens {
     /// Takes a process-wide VM number from a shared-data counter (CAS, so each VM gets its
     /// own); falls back to the clock if shared data refuses.
-    pub fn allocate(key: &str) -> OwnerTokens {
-        let shared = EnvoySharedData;
+    pub fn allocate(host: &impl Host, key: &str) -> OwnerTokens {
         for _ in 0..64 {
-            let (current, cas) = match shared.get(key) {
+            let (current, cas) = match host.get(key) {
                 Ok(Some((bytes, cas))) => (parse_u64(&bytes), Some(cas)),
                 Ok(None) => (0, Some(u32::MAX)),
                 Err(_) => break,
             };
             let mine = current.wrapping_add(1);
-            if let Ok(SetOutcome::Stored) = shared.set(key, mine.to_string().as_bytes(), cas) {
+            if let Ok(SetOutcome::Stored) = host.set(key, mine.to_string().as_bytes(), cas) {
                 return OwnerTokens::starting_at(mine);
             }
         }
-        OwnerTokens::starting_at(crate::host::now_nanos())
+        OwnerTokens::starting_at(host.now_nanos())
     }
 
     fn starting_at(vm_number: u64) -> OwnerTokens {

@@ -16,14 +16,12 @@ use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::rc::Rc;
 
-use idempotency_core::burst_log::BurstLog;
-use idempotency_core::config::StoreConfig;
-use idempotency_core::outcome::Outcome;
-use idempotency_core::store_client::{read_write_answer, WriteAnswer, WriteKind};
-
-use crate::host;
-use crate::metrics::Metrics;
-use crate::store_calls::{self, StoreOp};
+use crate::burst_log::BurstLog;
+use crate::host::Host;
+use crate::outcome::Outcome;
+use crate::plugin::rule_handle::RuleHandle;
+use crate::plugin::store_calls::{self, StoreOp};
+use crate::store_client::{read_write_answer, WriteAnswer, WriteKind};
 
 const FIRST_BACKOFF_MS: u64 = 100;
 /// Longest wait between two attempts of one write: once the store is back, a queued
@@ -66,8 +64,8 @@ mod retry_bytes_in_vm {
 pub type LeanBody = Box<dyn FnOnce() -> Vec<u8>>;
 
 pub struct PendingWrite {
-    pub rule: usize,
-    pub store: Rc<StoreConfig>,
+    /// The rule whose store takes the write and whose counters count its failures.
+    pub rule: Rc<RuleHandle>,
     pub op: StoreOp,
     pub body: Vec<u8>,
     /// A completion with a response body: the same completion without the body.
@@ -82,16 +80,9 @@ pub struct PendingWrite {
 }
 
 impl PendingWrite {
-    pub fn new(
-        rule: usize,
-        store: Rc<StoreConfig>,
-        op: StoreOp,
-        body: Vec<u8>,
-        deadline_ms: u64,
-    ) -> PendingWrite {
+    pub fn new(rule: Rc<RuleHandle>, op: StoreOp, body: Vec<u8>, deadline_ms: u64) -> PendingWrite {
         PendingWrite {
             rule,
-            store,
             op,
             body,
             lean: None,
@@ -168,11 +159,14 @@ pub struct StoreWrites {
 }
 
 impl StoreWrites {
-    pub fn new(queue_name: &str) -> StoreWrites {
-        let wake_queue = match host::register_shared_queue(queue_name) {
+    pub fn new(host: &impl Host, queue_name: &str) -> StoreWrites {
+        let wake_queue = match host.register_queue(queue_name) {
             Ok(id) => Some(id),
-            Err(status) => {
-                log::warn!("store write queue not registered ({status}); writes wait for the tick");
+            Err(e) => {
+                log::warn!(
+                    "store write queue not registered ({}); writes wait for the tick",
+                    e.0
+                );
                 None
             }
         };
@@ -199,11 +193,11 @@ impl StoreWrites {
     }
 
     /// Called from a request's context: queue the write and wake the root.
-    pub fn submit(&self, write: PendingWrite) {
+    pub fn submit(&self, host: &impl Host, write: PendingWrite) {
         self.fresh.borrow_mut().push_back(write);
         if let Some(queue) = self.wake_queue {
-            if let Err(status) = host::enqueue_shared_queue(queue, b"") {
-                log::debug!("wake-up not queued ({status}); the tick will send the write");
+            if let Err(e) = host.enqueue(queue, b"") {
+                log::debug!("wake-up not queued ({}); the tick will send the write", e.0);
             }
         }
     }
@@ -218,23 +212,23 @@ impl StoreWrites {
     }
 
     /// Called from the root: empty the wake-up queue, then send what is due.
-    pub fn on_wake(&self, metrics: &Metrics) {
+    pub fn on_wake(&self, host: &impl Host) {
         if let Some(queue) = self.wake_queue {
             // Bounded: the queue only holds one empty message per submitted write.
             for _ in 0..10_000 {
-                match host::dequeue_shared_queue(queue) {
+                match host.dequeue(queue) {
                     Ok(Some(_)) => continue,
                     _ => break,
                 }
             }
         }
         let fresh: Vec<PendingWrite> = self.fresh.borrow_mut().drain(..).collect();
-        self.send(fresh, metrics);
+        self.send(host, fresh);
     }
 
     /// Called from the root on its tick: new writes a wake-up missed, and retries now due.
-    pub fn on_tick(&self, metrics: &Metrics) {
-        let now = host::now_ms();
+    pub fn on_tick(&self, host: &impl Host) {
+        let now = host.now_ms();
         let mut due: Vec<PendingWrite> = self.fresh.borrow_mut().drain(..).collect();
         {
             let mut retrying = self.retrying.borrow_mut();
@@ -251,7 +245,7 @@ impl StoreWrites {
                 };
                 retry_bytes_in_vm::release(waiting.write.body.len());
                 if now >= waiting.write.deadline_ms {
-                    self.drop_write(&waiting.write, "its deadline passed", metrics);
+                    self.drop_write(host, &waiting.write, "its deadline passed");
                 } else {
                     due.push(waiting.write);
                 }
@@ -260,18 +254,19 @@ impl StoreWrites {
                 self.store_is_back.set(false);
             }
         }
-        self.send(due, metrics);
+        self.send(host, due);
     }
 
-    fn send(&self, due: Vec<PendingWrite>, metrics: &Metrics) {
+    fn send(&self, host: &impl Host, due: Vec<PendingWrite>) {
         for write in due {
-            match store_calls::send(&write.store, write.op, &write.body) {
+            let Some(store) = write.rule.store.clone() else {
+                continue;
+            };
+            match store_calls::send(host, &store, write.op, &write.body) {
                 Ok(token) => {
                     self.sent.borrow_mut().insert(token, write);
                 }
-                Err(status) => {
-                    self.retry_later(write, &format!("callout refused: {status}"), metrics)
-                }
+                Err(e) => self.retry_later(host, write, &format!("callout refused: {}", e.0)),
             }
         }
     }
@@ -279,15 +274,16 @@ impl StoreWrites {
     /// Called from the root when a store answer arrives; false if the token is not ours.
     pub fn on_answer(
         &self,
+        host: &impl Host,
         token: u32,
         num_headers: usize,
         body_size: usize,
-        metrics: &Metrics,
     ) -> bool {
         let Some(write) = self.sent.borrow_mut().remove(&token) else {
             return false;
         };
-        let (status, body) = store_calls::read_answer(num_headers, body_size);
+        let store_calls::StoreAnswer { status, body } =
+            store_calls::read_answer(host, num_headers, body_size);
         let kind = match write.op {
             StoreOp::Release => WriteKind::Release,
             _ => WriteKind::Complete,
@@ -298,9 +294,9 @@ impl StoreWrites {
             && write.attempts.saturating_add(1) < BEST_EFFORT_NOT_OWNER_ATTEMPTS
         {
             self.retry_later(
+                host,
                 write,
                 "the claim to release has not reached the store yet",
-                metrics,
             );
             return true;
         }
@@ -308,23 +304,23 @@ impl StoreWrites {
             WriteAnswer::Done => self.store_answered(),
             WriteAnswer::Refused(why) => {
                 if !write.best_effort {
-                    metrics.count(write.rule, Outcome::StoreError);
+                    write.rule.count(host, Outcome::StoreError);
                 }
                 log::warn!("store {:?} refused: {why}", write.op);
             }
-            WriteAnswer::Retry(why) => self.retry_later(write, &why, metrics),
+            WriteAnswer::Retry(why) => self.retry_later(host, write, &why),
         }
         true
     }
 
-    fn retry_later(&self, mut write: PendingWrite, why: &str, metrics: &Metrics) {
+    fn retry_later(&self, host: &impl Host, mut write: PendingWrite, why: &str) {
         // Failures end the hurry: the store is (again) not answering.
         self.store_is_back.set(false);
         if !write.best_effort {
-            metrics.count(write.rule, Outcome::StoreError);
+            write.rule.count(host, Outcome::StoreError);
         }
         write.attempts = write.attempts.saturating_add(1);
-        let now = host::now_ms();
+        let now = host.now_ms();
         if let Some(suppressed) = self.failures.borrow_mut().admit(now) {
             log::warn!(
                 "store {:?} failed (attempt {}): {why}; retried until its deadline \
@@ -334,7 +330,7 @@ impl StoreWrites {
             );
         }
         if now >= write.deadline_ms {
-            self.drop_write(&write, "its deadline passed", metrics);
+            self.drop_write(host, &write, "its deadline passed");
             return;
         }
         if retry_bytes_in_vm::get().saturating_add(write.body.len()) > RETRY_BUDGET_BYTES
@@ -347,7 +343,7 @@ impl StoreWrites {
         }
         let bytes = write.body.len();
         if retry_bytes_in_vm::get().saturating_add(bytes) > RETRY_BUDGET_BYTES {
-            self.drop_write(&write, "the retry buffer's byte budget is spent", metrics);
+            self.drop_write(host, &write, "the retry buffer's byte budget is spent");
             return;
         }
         let backoff = FIRST_BACKOFF_MS
@@ -363,9 +359,9 @@ impl StoreWrites {
         }));
     }
 
-    fn drop_write(&self, write: &PendingWrite, why: &str, metrics: &Metrics) {
-        metrics.count(write.rule, Outcome::StoreWriteDropped);
-        if let Some(suppressed) = self.drops.borrow_mut().admit(host::now_ms()) {
+    fn drop_write(&self, host: &impl Host, write: &PendingWrite, why: &str) {
+        write.rule.count(host, Outcome::StoreWriteDropped);
+        if let Some(suppressed) = self.drops.borrow_mut().admit(host.now_ms()) {
             log::error!(
                 "store {:?} given up after {} attempt(s): {why}; the store's lease decides what \
                  a retry gets ({suppressed} similar drops not logged)",

@@ -1,0 +1,335 @@
+//! Test support: a scriptable host. Tests set what the current stream holds (headers, body,
+//! properties, a callout's answer), make chosen host calls fail, move the clock, and read
+//! back every effect the flow had, in order: local replies, callouts, resumes, header
+//! edits, counters. Shared data is `FakeShared`, with Envoy's CAS semantics.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use crate::fake_shared::FakeShared;
+use crate::host::{Callout, HeaderPairs, Host, HostError, SetOutcome, SharedData};
+use crate::outcome::Outcome;
+
+/// What the flow did to the outside world.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Effect {
+    LocalReply {
+        status: u16,
+        headers: HeaderPairs,
+        body: Vec<u8>,
+    },
+    Callout {
+        token: u32,
+        path: String,
+        headers: Vec<(String, String)>,
+        body: Vec<u8>,
+    },
+    Resume,
+    ReplaceResponseHeader(String, Vec<u8>),
+    RemoveResponseHeader(String),
+    Done,
+}
+
+/// Host calls a test can make fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum HostCall {
+    RequestHeaders,
+    RequestBody,
+    ResponseHeaders,
+    ResponseBody,
+    LocalReply,
+    Resume,
+    Callout,
+    SharedData,
+}
+
+pub(crate) struct FakeHost {
+    pub shared: FakeShared,
+    pub clock_ms: Cell<u64>,
+    pub request_headers: RefCell<HeaderPairs>,
+    pub request_body: RefCell<Vec<u8>>,
+    pub response_headers: RefCell<HeaderPairs>,
+    pub response_chunk: RefCell<Vec<u8>>,
+    pub properties: RefCell<HashMap<String, Vec<u8>>>,
+    /// The callout answer being delivered: its headers and body.
+    pub callout_answer: RefCell<(HeaderPairs, Vec<u8>)>,
+    pub configuration: RefCell<Vec<u8>>,
+    pub tick_period_ms: Cell<Option<u32>>,
+    failing: RefCell<HashSet<HostCall>>,
+    effects: RefCell<Vec<Effect>>,
+    counters: RefCell<Vec<(String, u64)>>,
+    queues: RefCell<Vec<(String, VecDeque<Vec<u8>>)>>,
+    next_token: Cell<u32>,
+}
+
+impl Default for FakeHost {
+    fn default() -> Self {
+        FakeHost {
+            shared: FakeShared::default(),
+            clock_ms: Cell::new(1_700_000_000_000),
+            request_headers: RefCell::default(),
+            request_body: RefCell::default(),
+            response_headers: RefCell::default(),
+            response_chunk: RefCell::default(),
+            properties: RefCell::default(),
+            callout_answer: RefCell::default(),
+            configuration: RefCell::default(),
+            tick_period_ms: Cell::new(None),
+            failing: RefCell::default(),
+            effects: RefCell::default(),
+            counters: RefCell::default(),
+            queues: RefCell::default(),
+            next_token: Cell::new(1),
+        }
+    }
+}
+
+fn pairs(list: &[(&str, &str)]) -> HeaderPairs {
+    list.iter()
+        .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+        .collect()
+}
+
+impl FakeHost {
+    pub fn fail(&self, call: HostCall) {
+        self.failing.borrow_mut().insert(call);
+    }
+
+    pub fn heal(&self, call: HostCall) {
+        self.failing.borrow_mut().remove(&call);
+    }
+
+    fn check(&self, call: HostCall) -> Result<(), HostError> {
+        if self.failing.borrow().contains(&call) {
+            Err(HostError(format!("{call:?} refused by the test")))
+        } else {
+            Ok(())
+        }
+    }
+
+    pub fn advance_ms(&self, ms: u64) {
+        self.clock_ms.set(self.clock_ms.get() + ms);
+    }
+
+    pub fn set_request(&self, headers: &[(&str, &str)], body: &[u8]) {
+        *self.request_headers.borrow_mut() = pairs(headers);
+        *self.request_body.borrow_mut() = body.to_vec();
+    }
+
+    pub fn set_response(&self, headers: &[(&str, &str)], body: &[u8]) {
+        *self.response_headers.borrow_mut() = pairs(headers);
+        *self.response_chunk.borrow_mut() = body.to_vec();
+    }
+
+    pub fn set_callout_answer(&self, status: Option<u16>, body: &[u8]) {
+        let headers = match status {
+            Some(s) => pairs(&[(":status", &s.to_string())]),
+            None => Vec::new(),
+        };
+        *self.callout_answer.borrow_mut() = (headers, body.to_vec());
+    }
+
+    /// Every effect since the last call, in order.
+    pub fn take_effects(&self) -> Vec<Effect> {
+        std::mem::take(&mut *self.effects.borrow_mut())
+    }
+
+    /// The value of `rule`'s counter for `outcome`.
+    pub fn counter(&self, rule: &str, outcome: Outcome) -> u64 {
+        let name = outcome.metric_name(rule);
+        self.counters
+            .borrow()
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(0, |(_, v)| *v)
+    }
+
+    /// Messages waiting in the queue named `name`.
+    pub fn queued(&self, name_prefix: &str) -> usize {
+        self.queues
+            .borrow()
+            .iter()
+            .filter(|(n, _)| n.starts_with(name_prefix))
+            .map(|(_, q)| q.len())
+            .sum()
+    }
+
+    fn record(&self, effect: Effect) {
+        self.effects.borrow_mut().push(effect);
+    }
+}
+
+impl SharedData for FakeHost {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        self.check(HostCall::SharedData)?;
+        self.shared.get(key)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError> {
+        self.check(HostCall::SharedData)?;
+        self.shared.set(key, value, cas)
+    }
+}
+
+impl Host for FakeHost {
+    fn now_ms(&self) -> u64 {
+        self.clock_ms.get()
+    }
+
+    fn now_nanos(&self) -> u64 {
+        self.clock_ms.get() * 1_000_000
+    }
+
+    fn request_headers(&self) -> Result<HeaderPairs, HostError> {
+        self.check(HostCall::RequestHeaders)?;
+        Ok(self.request_headers.borrow().clone())
+    }
+
+    fn request_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        self.check(HostCall::RequestBody)?;
+        let body = self.request_body.borrow();
+        Ok(body.iter().take(size).copied().collect())
+    }
+
+    fn response_headers(&self) -> Result<HeaderPairs, HostError> {
+        self.check(HostCall::ResponseHeaders)?;
+        Ok(self.response_headers.borrow().clone())
+    }
+
+    fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        self.check(HostCall::ResponseBody)?;
+        let chunk = self.response_chunk.borrow();
+        Ok(chunk.iter().take(size).copied().collect())
+    }
+
+    fn replace_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        self.record(Effect::ReplaceResponseHeader(name.into(), value.to_vec()));
+        Ok(())
+    }
+
+    fn remove_response_header(&self, name: &str) -> Result<(), HostError> {
+        self.record(Effect::RemoveResponseHeader(name.into()));
+        Ok(())
+    }
+
+    fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
+        Ok(self.properties.borrow().get(&path.join(".")).cloned())
+    }
+
+    fn send_local_reply(
+        &self,
+        status: u16,
+        headers: &[(&str, &[u8])],
+        body: &[u8],
+    ) -> Result<(), HostError> {
+        self.check(HostCall::LocalReply)?;
+        self.record(Effect::LocalReply {
+            status,
+            headers: headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_vec()))
+                .collect(),
+            body: body.to_vec(),
+        });
+        Ok(())
+    }
+
+    fn resume_request(&self) -> Result<(), HostError> {
+        self.check(HostCall::Resume)?;
+        self.record(Effect::Resume);
+        Ok(())
+    }
+
+    fn dispatch_callout(&self, callout: &Callout<'_>) -> Result<u32, HostError> {
+        self.check(HostCall::Callout)?;
+        let token = self.next_token.get();
+        self.next_token.set(token + 1);
+        let header = |name: &str| {
+            callout
+                .headers
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+                .unwrap_or_default()
+        };
+        self.record(Effect::Callout {
+            token,
+            path: header(":path"),
+            headers: callout
+                .headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect(),
+            body: callout.body.to_vec(),
+        });
+        Ok(token)
+    }
+
+    fn callout_response_headers(&self) -> Result<HeaderPairs, HostError> {
+        Ok(self.callout_answer.borrow().0.clone())
+    }
+
+    fn callout_response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        Ok(self
+            .callout_answer
+            .borrow()
+            .1
+            .iter()
+            .take(size)
+            .copied()
+            .collect())
+    }
+
+    fn define_counter(&self, name: &str) -> Result<u32, HostError> {
+        let mut counters = self.counters.borrow_mut();
+        counters.push((name.to_string(), 0));
+        Ok(u32::try_from(counters.len()).unwrap_or(u32::MAX))
+    }
+
+    fn increment_counter(&self, id: u32) {
+        let index = (id as usize).saturating_sub(1);
+        if let Some((_, value)) = self.counters.borrow_mut().get_mut(index) {
+            *value += 1;
+        }
+    }
+
+    fn register_queue(&self, name: &str) -> Result<u32, HostError> {
+        let mut queues = self.queues.borrow_mut();
+        queues.push((name.to_string(), VecDeque::new()));
+        Ok(u32::try_from(queues.len()).unwrap_or(u32::MAX))
+    }
+
+    fn enqueue(&self, queue: u32, value: &[u8]) -> Result<(), HostError> {
+        let index = (queue as usize).saturating_sub(1);
+        match self.queues.borrow_mut().get_mut(index) {
+            Some((_, q)) => {
+                q.push_back(value.to_vec());
+                Ok(())
+            }
+            None => Err(HostError("no such queue".into())),
+        }
+    }
+
+    fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, HostError> {
+        let index = (queue as usize).saturating_sub(1);
+        Ok(self
+            .queues
+            .borrow_mut()
+            .get_mut(index)
+            .and_then(|(_, q)| q.pop_front()))
+    }
+
+    fn plugin_configuration(&self) -> Result<Vec<u8>, HostError> {
+        Ok(self.configuration.borrow().clone())
+    }
+
+    fn set_tick_period_ms(&self, period_ms: u32) -> Result<(), HostError> {
+        self.tick_period_ms.set(Some(period_ms));
+        Ok(())
+    }
+
+    fn done(&self) -> Result<(), HostError> {
+        self.record(Effect::Done);
+        Ok(())
+    }
+}

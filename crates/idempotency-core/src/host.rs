@@ -1,0 +1,84 @@
+//! Everything the filter asks of its host (Envoy), as one trait: the flow in [`crate::journey`]
+//! and [`crate::plugin`] is written against it, the filter crate implements it once over the
+//! proxy-wasm ABI, and core's tests implement it with a scriptable fake.
+//!
+//! Each call returns the host's refusal as a [`HostError`] instead of panicking: the flow
+//! decides what a refusal means at each step.
+
+pub use crate::table::{HostError, SetOutcome, SharedData};
+
+/// Header pairs as the host lists them (names lower case, values as bytes).
+pub type HeaderPairs = Vec<(String, Vec<u8>)>;
+
+/// One HTTP callout, ready to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Callout<'a> {
+    /// The Envoy cluster the callout goes to.
+    pub cluster: &'a str,
+    pub headers: Vec<(&'a str, &'a str)>,
+    pub body: &'a [u8],
+    pub timeout_ms: u64,
+}
+
+/// The host: the current stream's headers and bodies, properties, local replies, callouts,
+/// the clock, shared data, shared queues, counters and the root's timer.
+///
+/// The stream calls (`request_headers`, `response_body`, ...) act on the stream whose
+/// callback is running; the host knows which one.
+pub trait Host: SharedData {
+    /// Milliseconds since the Unix epoch (0 if the host refuses).
+    fn now_ms(&self) -> u64;
+    fn now_nanos(&self) -> u64;
+
+    fn request_headers(&self) -> Result<HeaderPairs, HostError>;
+    /// The first `size` bytes of the buffered request body.
+    fn request_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
+    fn response_headers(&self) -> Result<HeaderPairs, HostError>;
+    /// The current chunk of the response body (`size` bytes).
+    fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
+    fn replace_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError>;
+    fn remove_response_header(&self, name: &str) -> Result<(), HostError>;
+    /// A stream property such as `xds.route_name`; None when absent.
+    fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError>;
+
+    /// Answers the request from the filter; the request goes no further.
+    fn send_local_reply(
+        &self,
+        status: u16,
+        headers: &[(&str, &[u8])],
+        body: &[u8],
+    ) -> Result<(), HostError>;
+    /// Lets a paused request go on upstream.
+    fn resume_request(&self) -> Result<(), HostError>;
+
+    /// Sends a callout; its answer comes back to the calling context with the returned token.
+    fn dispatch_callout(&self, callout: &Callout<'_>) -> Result<u32, HostError>;
+    /// The headers of the callout answer being delivered.
+    fn callout_response_headers(&self) -> Result<HeaderPairs, HostError>;
+    /// The body of the callout answer being delivered.
+    fn callout_response_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
+
+    fn define_counter(&self, name: &str) -> Result<u32, HostError>;
+    /// A lost increment is not worth failing a request over, so nothing is returned.
+    fn increment_counter(&self, id: u32);
+
+    fn register_queue(&self, name: &str) -> Result<u32, HostError>;
+    fn enqueue(&self, queue: u32, value: &[u8]) -> Result<(), HostError>;
+    /// The next message, or None once the queue is empty.
+    fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, HostError>;
+
+    /// The plugin configuration bytes (root context only).
+    fn plugin_configuration(&self) -> Result<Vec<u8>, HostError>;
+    fn set_tick_period_ms(&self, period_ms: u32) -> Result<(), HostError>;
+    /// Tells the host a root that asked for time to finish its work is done.
+    fn done(&self) -> Result<(), HostError>;
+}
+
+/// The `:status` of a response header map, if present and numeric.
+pub fn status_of(headers: &[(String, Vec<u8>)]) -> Option<u16> {
+    headers
+        .iter()
+        .find(|(n, _)| n == ":status")
+        .and_then(|(_, v)| std::str::from_utf8(v).ok())
+        .and_then(|s| s.parse().ok())
+}

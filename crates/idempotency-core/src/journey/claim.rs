@@ -1,0 +1,308 @@
+//! Claiming the key, locally and (cluster mode) in the store, and acting on the answer:
+//! execute, replay, or answer 409, 422 or 503.
+
+use std::rc::Rc;
+
+use super::{
+    pass, send_local, Execution, Journey, RequestJourney, Step, StoreOwner, StoreWait, Verdict,
+};
+use crate::config::{OverloadPolicy, StoreErrorPolicy};
+use crate::host::Host;
+use crate::key::Digest;
+use crate::outcome::Outcome;
+use crate::plugin::rule_handle::RuleHandle;
+use crate::plugin::store_calls::{self, StoreAnswer, StoreOp};
+use crate::problem::Problem;
+use crate::record::RecordedResponse;
+use crate::store_client::{self, read_claim, StoreClaim, StoreFailure};
+use crate::table::{Claim, Held, SlotRef};
+
+impl RequestJourney {
+    /// The key and payload are known: claim the key and act on the answer.
+    pub(super) fn claim(
+        &self,
+        host: &impl Host,
+        rule: Rc<RuleHandle>,
+        key: Digest,
+        fingerprint: Digest,
+    ) -> Step {
+        let plugin = &self.plugin;
+        let owner = plugin.owners.next();
+        let now = host.now_ms();
+        plugin.upkeep.before_claim(host, &plugin.table, now);
+        let name = &rule.rule.name;
+        match plugin
+            .table
+            .claim(host, &key, &fingerprint, owner, now, rule.rule.lease_ms)
+        {
+            Ok(Claim::Claimed(held)) => {
+                if held.took_over {
+                    log::warn!("rule {name}: took over a claim whose lease had passed");
+                    rule.count(host, Outcome::TakenOver);
+                }
+                match rule.store.clone() {
+                    Some(store) => {
+                        let owner = store_client::store_owner(held.owner, host.now_nanos(), &key);
+                        let body = store_client::claim_body(
+                            &key,
+                            &fingerprint,
+                            rule.rule.lease_ms,
+                            &owner,
+                        );
+                        match store_calls::send(host, &store, StoreOp::Claim, &body) {
+                            // Resumed (or answered) when the store replies.
+                            Ok(token) => (
+                                Journey::AwaitingStore(StoreWait {
+                                    rule,
+                                    held,
+                                    token,
+                                    owner,
+                                }),
+                                Verdict::Pause,
+                            ),
+                            Err(e) => {
+                                let failure = StoreFailure::NotSent(e.0);
+                                self.store_failed(host, rule, held, None, &failure)
+                            }
+                        }
+                    }
+                    None => execute(host, rule, held, None),
+                }
+            }
+            Ok(Claim::InFlight { .. }) => {
+                rule.count(host, Outcome::Conflict);
+                self.answer_problem(host, &rule, &Problem::in_flight())
+            }
+            Ok(Claim::Mismatch) => {
+                rule.count(host, Outcome::Mismatch);
+                self.answer_problem(host, &rule, &Problem::key_reused(&rule.key_label()))
+            }
+            Ok(Claim::Completed {
+                slot,
+                owner,
+                status,
+            }) => {
+                rule.count(host, Outcome::Replayed);
+                self.replay(host, &rule, slot, owner, status)
+            }
+            Ok(Claim::Full) => {
+                // Logged once per burst: a full table means heavy load already.
+                if let Some(suppressed) = plugin.table_full_log.borrow_mut().admit(now) {
+                    log::warn!(
+                        "rule {name}: local table has no free slot for a new key \
+                         ({suppressed} similar rejections not logged)"
+                    );
+                }
+                rule.count(host, Outcome::TableFull);
+                self.overloaded(host, &rule, Problem::table_full())
+            }
+            Err(e) => {
+                log::error!("rule {name}: claim failed: {e}");
+                rule.count(host, Outcome::TableError);
+                let problem = Problem::unavailable("the proxy's idempotency table is unavailable");
+                self.overloaded(host, &rule, problem)
+            }
+        }
+    }
+
+    /// The store answered the claim (or failed to).
+    pub(super) fn on_store_answer(
+        &self,
+        host: &impl Host,
+        wait: StoreWait,
+        num_headers: usize,
+        body_size: usize,
+    ) -> Step {
+        let StoreWait {
+            rule, held, owner, ..
+        } = wait;
+        let StoreAnswer { status, body } = store_calls::read_answer(host, num_headers, body_size);
+        let answer = read_claim(status, &body);
+        if answer.is_ok() {
+            self.plugin.writes.store_answered();
+        }
+        match answer {
+            Ok(StoreClaim::Claimed { owner }) => {
+                let confirmed = StoreOwner {
+                    token: owner,
+                    confirmed: true,
+                };
+                execute(host, rule, held, Some(confirmed))
+            }
+            Ok(StoreClaim::InFlight) => {
+                self.release_local(host, &held);
+                rule.count(host, Outcome::Conflict);
+                self.answer_problem(host, &rule, &Problem::in_flight())
+            }
+            Ok(StoreClaim::Mismatch) => {
+                self.release_local(host, &held);
+                rule.count(host, Outcome::Mismatch);
+                self.answer_problem(host, &rule, &Problem::key_reused(&rule.key_label()))
+            }
+            Ok(StoreClaim::Completed(recorded)) => {
+                // Keep a local copy so this proxy's next retry replays without a callout.
+                if let Err(e) = self.plugin.table.complete(
+                    host,
+                    &held,
+                    &recorded,
+                    host.now_ms(),
+                    rule.rule.ttl_ms,
+                ) {
+                    log::warn!(
+                        "rule {}: store record not cached locally: {e}",
+                        rule.rule.name
+                    );
+                }
+                rule.count(host, Outcome::Replayed);
+                send_replay(host, &rule, &recorded)
+            }
+            Err(failure) => {
+                let sent = failure.may_have_been_applied().then_some(owner);
+                self.store_failed(host, rule, held, sent, &failure)
+            }
+        }
+    }
+
+    /// The client left while the store was confirming: free the key here and (should the
+    /// store have applied it) in the store.
+    pub(super) fn abandon_store_wait(&self, host: &impl Host, wait: StoreWait) -> Step {
+        self.release_local(host, &wait.held);
+        let body = store_client::release_body(&wait.held.key, &wait.owner);
+        self.submit_store_release(host, &wait.rule, false, body);
+        (Journey::Finished, Verdict::Continue)
+    }
+
+    /// The store could not confirm the claim: the rule's policy decides. `sent_owner` is the
+    /// owner of a claim the store may have applied although its answer was lost.
+    fn store_failed(
+        &self,
+        host: &impl Host,
+        rule: Rc<RuleHandle>,
+        held: Held,
+        sent_owner: Option<String>,
+        failure: &StoreFailure,
+    ) -> Step {
+        rule.count(host, Outcome::StoreError);
+        let policy = rule.rule.on_store_error;
+        if let Some(suppressed) = self.plugin.store_failures.borrow_mut().admit(host.now_ms()) {
+            log::warn!(
+                "store unavailable for a claim: {failure}; applying {policy:?} \
+                 ({suppressed} similar failures not logged)"
+            );
+        }
+        match policy {
+            StoreErrorPolicy::FailClosed => {
+                self.release_local(host, &held);
+                if let Some(owner) = sent_owner {
+                    // The store may have applied the claim after the timeout: release it, or
+                    // the key would answer 409 everywhere until the lease ends.
+                    let body = store_client::release_body(&held.key, &owner);
+                    self.submit_store_release(host, &rule, false, body);
+                }
+                let problem = Problem::unavailable("the idempotency store could not be reached");
+                self.answer_problem(host, &rule, &problem)
+            }
+            StoreErrorPolicy::FailOpen => {
+                // The local claim still guards this proxy's own retries; if the store did
+                // apply the claim, completing it with the same owner records it cluster-wide.
+                rule.count(host, Outcome::StoreFailOpen);
+                let owner = sent_owner.map(|token| StoreOwner {
+                    token,
+                    confirmed: false,
+                });
+                execute(host, rule, held, owner)
+            }
+        }
+    }
+
+    pub(super) fn release_local(&self, host: &impl Host, held: &Held) {
+        if let Err(e) = self.plugin.table.release(host, held) {
+            log::error!("local claim not released, it expires with its lease: {e}");
+        }
+    }
+
+    /// The local table cannot take the claim: reject with `problem`, or pass unprotected.
+    fn overloaded(&self, host: &impl Host, rule: &RuleHandle, problem: Problem) -> Step {
+        match rule.rule.on_table_full {
+            OverloadPolicy::Reject => self.answer_problem(host, rule, &problem),
+            OverloadPolicy::PassThrough => {
+                rule.count(host, Outcome::PassedThrough);
+                pass()
+            }
+        }
+    }
+
+    fn replay(
+        &self,
+        host: &impl Host,
+        rule: &RuleHandle,
+        slot: SlotRef,
+        owner: u64,
+        status: u16,
+    ) -> Step {
+        let recorded = match self.plugin.table.load_response(host, slot, owner) {
+            Ok(Some(r)) => r,
+            other => {
+                // Only the status survived (a host error, or the slot was rewritten between
+                // reads): replay it with the omitted-body marker rather than execute again.
+                if let Err(e) = other {
+                    log::error!(
+                        "rule {}: recorded response unreadable: {}",
+                        rule.rule.name,
+                        e.0
+                    );
+                }
+                RecordedResponse {
+                    status,
+                    body_omitted: true,
+                    ..RecordedResponse::default()
+                }
+            }
+        };
+        send_replay(host, rule, &recorded)
+    }
+}
+
+/// Sends the request upstream holding the claim.
+fn execute(
+    host: &impl Host,
+    rule: Rc<RuleHandle>,
+    held: Held,
+    store_owner: Option<StoreOwner>,
+) -> Step {
+    rule.count(host, Outcome::Executed);
+    let run = Execution {
+        rule,
+        held,
+        store_owner,
+        capture: None,
+    };
+    (Journey::Executing(run), Verdict::Continue)
+}
+
+fn send_replay(host: &impl Host, rule: &RuleHandle, recorded: &RecordedResponse) -> Step {
+    let mut headers: Vec<(&str, &[u8])> = recorded
+        .headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_slice()))
+        .collect();
+    headers.push((rule.rule.replay_header.as_str(), b"true"));
+    if recorded.body_omitted {
+        headers.push((rule.rule.body_omitted_header.as_str(), b"true"));
+    }
+    let (next, verdict) = send_local(host, recorded.status, &headers, &recorded.body);
+    if recorded.body.is_empty() && matches!(next, Journey::AnsweredLocally) {
+        // Envoy drops content-type from a local reply without a body; the reply passes back
+        // through this filter, which puts it back (see `Journey::Replaying`).
+        let restore: Vec<(String, Vec<u8>)> = recorded
+            .headers
+            .iter()
+            .filter(|(n, _)| n == "content-type")
+            .cloned()
+            .collect();
+        if !restore.is_empty() {
+            return (Journey::Replaying { restore }, verdict);
+        }
+    }
+    (next, verdict)
+}

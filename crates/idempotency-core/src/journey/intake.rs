@@ -1,0 +1,228 @@
+//! The request side: choose the rule, read the key from its sources, hold the request until
+//! the body (if the key or the fingerprint needs it) has arrived, then hand the storage key
+//! and fingerprint to the claim.
+
+use std::rc::Rc;
+
+use super::{pass, Journey, PendingRequest, RequestJourney, Step, Verdict};
+use crate::fingerprint::fingerprint;
+use crate::host::Host;
+use crate::key::{request_scope, storage_key};
+use crate::key_source::{complete_key, header_parts, SourceFailure};
+use crate::outcome::Outcome;
+use crate::plugin::rule_handle::RuleHandle;
+use crate::problem::Problem;
+use crate::request_fields::RequestBody;
+use crate::rule_select::{path_without_query, select, RequestFacts, Selection};
+
+/// Where in the request a key source failed: header-borne keys the client chose to send are
+/// always checked; body-borne ones only matter when the rule requires a key.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum FailedAt {
+    Headers,
+    Body,
+}
+
+fn needs_body(rule: &RuleHandle) -> bool {
+    rule.rule.fingerprint.needs_body() || rule.rule.key_sources.iter().any(|s| s.in_body())
+}
+
+impl RequestJourney {
+    pub(super) fn on_request_headers(&self, host: &impl Host, end_of_stream: bool) -> Step {
+        let headers = match host.request_headers() {
+            Ok(h) => h,
+            Err(e) => {
+                log::warn!(
+                    "request headers unreadable ({}); request passes unprotected",
+                    e.0
+                );
+                return pass();
+            }
+        };
+        let find = |name: &str| {
+            headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_slice())
+        };
+        let text = |name: &str| {
+            find(name)
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .unwrap_or("")
+        };
+        let config = &self.plugin.config;
+        let route_name = config
+            .needs_route_name()
+            .then(|| property_string(host, &["xds", "route_name"]))
+            .flatten();
+        let virtual_host = config
+            .needs_virtual_host()
+            .then(|| property_string(host, &["xds", "virtual_host_name"]))
+            .flatten();
+        let metadata_rule = config.route_metadata_namespace.as_deref().and_then(|ns| {
+            property_string(
+                host,
+                &["xds", "route_metadata", "filter_metadata", ns, "rule"],
+            )
+        });
+        let method = text(":method");
+        let path = text(":path");
+        let facts = RequestFacts {
+            method,
+            path: path_without_query(path),
+            authority: text(":authority"),
+            route_name: route_name.as_deref(),
+            virtual_host: virtual_host.as_deref(),
+            metadata_rule: metadata_rule.as_deref(),
+        };
+        let rule = match select(&self.plugin.rules, &facts) {
+            Selection::Rule(rule) => Rc::clone(rule),
+            Selection::UnknownMetadataRule => {
+                log::warn!(
+                    "route metadata names rule '{}', which is not configured; request passes",
+                    metadata_rule.as_deref().unwrap_or("")
+                );
+                return pass();
+            }
+            Selection::MethodNotCovered | Selection::NoRule => return pass(),
+        };
+        let key_parts = match header_parts(&rule.rule.key_sources, find, path) {
+            Ok(parts) => parts,
+            Err(failure) => return self.key_failed(host, &rule, &failure, FailedAt::Headers),
+        };
+        // Every value of a repeated scope header counts, not only the first.
+        let all_values = |name: &str| {
+            headers
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| v.as_slice())
+                .collect()
+        };
+        let scope = match request_scope(
+            &rule.rule.scope_headers,
+            rule.rule.scope_required,
+            all_values,
+        ) {
+            Ok(scope) => scope,
+            Err(header) => {
+                rule.count(host, Outcome::MissingScope);
+                return self.answer_problem(host, &rule, &Problem::missing_scope(header));
+            }
+        };
+        let wants_body = needs_body(&rule);
+        let pending = PendingRequest {
+            rule,
+            method: method.to_string(),
+            path: path.to_string(),
+            content_type: text("content-type").to_string(),
+            key_parts,
+            scope,
+        };
+        if end_of_stream || !wants_body {
+            // Nothing to wait for: claim now, and let any body stream through.
+            return self.claim_request(host, pending, &[]);
+        }
+        // Hold the headers until the whole body is here.
+        (Journey::AwaitingBody(Box::new(pending)), Verdict::Pause)
+    }
+
+    pub(super) fn on_request_body(
+        &self,
+        host: &impl Host,
+        pending: Box<PendingRequest>,
+        size: usize,
+        end_of_stream: bool,
+    ) -> Step {
+        let limit = pending.rule.rule.max_request_bytes;
+        if size > limit {
+            let rule = &pending.rule;
+            if rule.rule.key_required {
+                rule.count(host, Outcome::InvalidKey);
+                return self.answer_problem(host, rule, &Problem::request_too_large(limit));
+            }
+            rule.count(host, Outcome::PassedThrough);
+            return pass();
+        }
+        if !end_of_stream {
+            // Keep buffering: Envoy holds the body until the decision.
+            return (Journey::AwaitingBody(pending), Verdict::Pause);
+        }
+        self.with_whole_body(host, *pending, size)
+    }
+
+    /// The body is complete (its end, or trailers): read it and claim.
+    pub(super) fn with_whole_body(
+        &self,
+        host: &impl Host,
+        pending: PendingRequest,
+        size: usize,
+    ) -> Step {
+        match host.request_body(size) {
+            Ok(body) => self.claim_request(host, pending, &body),
+            Err(e) => {
+                log::error!("request body unreadable: {}", e.0);
+                let problem = Problem::unavailable("the request body could not be read");
+                self.answer_problem(host, &pending.rule, &problem)
+            }
+        }
+    }
+
+    /// Completes the key with the body's fields, fingerprints the payload and claims.
+    fn claim_request(&self, host: &impl Host, pending: PendingRequest, body: &[u8]) -> Step {
+        let rule = pending.rule;
+        let mut parsed = RequestBody::new(&pending.content_type, body);
+        let key = match complete_key(&rule.rule.key_sources, pending.key_parts, &mut parsed) {
+            Ok(k) => k,
+            Err(failure) => return self.key_failed(host, &rule, &failure, FailedAt::Body),
+        };
+        let fingerprint = match fingerprint(
+            &rule.rule.fingerprint,
+            &pending.method,
+            &pending.path,
+            &mut parsed,
+            body,
+        ) {
+            Ok(f) => f,
+            Err(failure) => return self.key_failed(host, &rule, &failure, FailedAt::Body),
+        };
+        let scope: Vec<Option<&[u8]>> = pending.scope.iter().map(|v| v.as_deref()).collect();
+        let storage = storage_key(&rule.rule.name, &scope, &key);
+        self.claim(host, rule, storage, fingerprint)
+    }
+
+    fn key_failed(
+        &self,
+        host: &impl Host,
+        rule: &RuleHandle,
+        failure: &SourceFailure,
+        at: FailedAt,
+    ) -> Step {
+        if !rule.rule.key_required && (failure.is_missing() || at == FailedAt::Body) {
+            rule.count(host, Outcome::PassedThrough);
+            return pass();
+        }
+        let problem = match failure {
+            SourceFailure::Missing { source } => {
+                rule.count(host, Outcome::MissingKey);
+                Problem::missing_key(source)
+            }
+            SourceFailure::Invalid { source, why } => {
+                rule.count(host, Outcome::InvalidKey);
+                Problem::invalid_key(source, why)
+            }
+        };
+        self.answer_problem(host, rule, &problem)
+    }
+}
+
+/// A string property, or None when absent or unreadable.
+fn property_string(host: &impl Host, path: &[&str]) -> Option<String> {
+    match host.property(path) {
+        Ok(Some(bytes)) => String::from_utf8(bytes).ok().filter(|s| !s.is_empty()),
+        Ok(None) => None,
+        Err(e) => {
+            log::debug!("property {} unreadable: {}", path.join("."), e.0);
+            None
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! One request's journey through the filter: one state type ([`Journey`]), the events Envoy
+//! delivers ([`Event`]), and one transition function ([`RequestJourney::on`]) that says, for
+//! each state and event, what happens next. The steps themselves live in [`intake`] (rule,
+//! key, fingerprint), [`claim`] (local and store claim: execute, replay, 409/422/503) and
+//! [`response`] (release, or record the response as it streams to the client).
+//!
+//! Effects (local replies, callouts, resuming the request, counters, shared data) go
+//! through [`Host`]; the verdict returned tells Envoy whether the stream pauses here.
+
+mod claim;
+mod intake;
+mod response;
+
+use std::rc::Rc;
+
+use crate::capture::ResponseCapture;
+use crate::host::Host;
+use crate::plugin::rule_handle::RuleHandle;
+use crate::plugin::Plugin;
+use crate::problem::Problem;
+use crate::table::Held;
+
+/// What Envoy delivers to a request's filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    RequestHeaders {
+        end_of_stream: bool,
+    },
+    /// `size`: bytes of the request body buffered so far.
+    RequestBody {
+        size: usize,
+        end_of_stream: bool,
+    },
+    RequestTrailers,
+    /// The answer to a callout this request sent (no headers: reset or timeout).
+    CalloutAnswer {
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+    },
+    ResponseHeaders {
+        end_of_stream: bool,
+    },
+    /// `size`: bytes of this chunk of the response body.
+    ResponseBody {
+        size: usize,
+        end_of_stream: bool,
+    },
+    ResponseTrailers,
+    /// The stream is over (answered, or the client or upstream went away).
+    StreamEnd,
+}
+
+/// What Envoy does with the stream after a callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Continue,
+    /// Hold the stream: the filter answered, or waits for the body or the store.
+    Pause,
+}
+
+/// Where the request is on its way.
+pub enum Journey {
+    /// Nothing seen yet.
+    Arrived,
+    /// No rule protects it, or the rule let it pass unprotected.
+    Unprotected,
+    /// Rule chosen and header-borne key parts read; waiting for the whole body.
+    AwaitingBody(Box<PendingRequest>),
+    /// Cluster mode: the local claim is held; the store is confirming it.
+    AwaitingStore(StoreWait),
+    /// This request holds the claim and went upstream.
+    Executing(Execution),
+    /// The filter answered itself; its own reply must not be recorded.
+    AnsweredLocally,
+    /// A replay with an empty body was sent; these recorded headers, which Envoy strips from
+    /// bodiless local replies, are restored when the reply passes back through the filter.
+    Replaying { restore: Vec<(String, Vec<u8>)> },
+    /// Recorded, released, or given up: nothing more to do.
+    Finished,
+}
+
+/// What is kept from the request headers (they are gone once the body arrives).
+pub struct PendingRequest {
+    pub rule: Rc<RuleHandle>,
+    pub method: String,
+    pub path: String,
+    pub content_type: String,
+    /// Key parts read from headers and query; None for body sources.
+    pub key_parts: Vec<Option<Vec<u8>>>,
+    pub scope: Vec<Option<Vec<u8>>>,
+}
+
+/// A claim held locally while the store confirms it.
+pub struct StoreWait {
+    pub rule: Rc<RuleHandle>,
+    pub held: Held,
+    /// The callout carrying the claim.
+    pub token: u32,
+    /// The owner this proxy claimed with (it chooses it, so it can release it).
+    pub owner: String,
+}
+
+/// A request that holds the claim and went upstream.
+pub struct Execution {
+    pub rule: Rc<RuleHandle>,
+    pub held: Held,
+    /// The store claim in cluster mode (None: local claim only).
+    pub store_owner: Option<StoreOwner>,
+    /// The response being copied, from its headers on.
+    pub capture: Option<ResponseCapture>,
+}
+
+/// This request's claim in the store.
+#[derive(Clone)]
+pub struct StoreOwner {
+    pub token: String,
+    /// False when the store's answer was lost (fail_open): the claim may not exist, so
+    /// writing to it is best effort and not counted as a store error.
+    pub confirmed: bool,
+}
+
+/// The next state and what Envoy does now.
+type Step = (Journey, Verdict);
+
+/// One request's filter: its configuration and where it is.
+pub struct RequestJourney {
+    plugin: Rc<Plugin>,
+    journey: Journey,
+}
+
+impl RequestJourney {
+    pub fn new(plugin: Rc<Plugin>) -> RequestJourney {
+        RequestJourney {
+            plugin,
+            journey: Journey::Arrived,
+        }
+    }
+
+    /// Where the request is now.
+    pub fn state(&self) -> &Journey {
+        &self.journey
+    }
+
+    /// The transition function: every way a request moves through the filter.
+    pub fn on(&mut self, host: &impl Host, event: Event) -> Verdict {
+        let journey = std::mem::replace(&mut self.journey, Journey::Finished);
+        let (next, verdict) = self.step(host, journey, event);
+        self.journey = next;
+        verdict
+    }
+
+    fn step(&self, host: &impl Host, journey: Journey, event: Event) -> Step {
+        use Event as E;
+        use Journey as J;
+        match (journey, event) {
+            (J::Arrived, E::RequestHeaders { end_of_stream }) => {
+                self.on_request_headers(host, end_of_stream)
+            }
+            (
+                J::AwaitingBody(pending),
+                E::RequestBody {
+                    size,
+                    end_of_stream,
+                },
+            ) => self.on_request_body(host, pending, size, end_of_stream),
+            (J::AwaitingBody(pending), E::RequestTrailers) => {
+                self.with_whole_body(host, *pending, usize::MAX)
+            }
+            // A claim sent at request headers (the rule never reads the body) is still
+            // awaiting the store: what arrives meanwhile stays in Envoy's buffer, since
+            // Continue would send the request upstream before the store has decided.
+            (wait @ J::AwaitingStore(_), E::RequestBody { .. } | E::RequestTrailers) => {
+                (wait, Verdict::Pause)
+            }
+            (J::AwaitingStore(wait), E::CalloutAnswer { token, .. }) if token != wait.token => {
+                (J::AwaitingStore(wait), Verdict::Pause)
+            }
+            (
+                J::AwaitingStore(wait),
+                E::CalloutAnswer {
+                    num_headers,
+                    body_size,
+                    ..
+                },
+            ) => {
+                let (next, verdict) = self.on_store_answer(host, wait, num_headers, body_size);
+                if verdict == Verdict::Continue {
+                    if let Err(e) = host.resume_request() {
+                        log::error!("request could not be resumed: {}", e.0);
+                    }
+                }
+                (next, verdict)
+            }
+            // The client left while the store was confirming: nothing went upstream.
+            (J::AwaitingStore(wait), E::StreamEnd) => self.abandon_store_wait(host, wait),
+            (J::Replaying { restore }, E::ResponseHeaders { .. }) => {
+                restore_replay_headers(host, &restore);
+                (J::AnsweredLocally, Verdict::Continue)
+            }
+            (J::Executing(run), E::ResponseHeaders { end_of_stream }) => {
+                self.on_response_headers(host, run, end_of_stream)
+            }
+            (
+                J::Executing(run),
+                E::ResponseBody {
+                    size,
+                    end_of_stream,
+                },
+            ) => self.on_response_body(host, run, size, end_of_stream),
+            (J::Executing(run), E::ResponseTrailers) => self.record(host, run),
+            (J::Executing(run), E::StreamEnd) => self.on_cut_short(host, run),
+            // Everything else passes: an unprotected request, a local answer, or an event
+            // that cannot change a decision already taken.
+            (journey, _) => (journey, Verdict::Continue),
+        }
+    }
+
+    /// Sends a problem+json reply and stops the request here.
+    fn answer_problem(&self, host: &impl Host, rule: &RuleHandle, problem: &Problem) -> Step {
+        let body = problem.body(&rule.rule.name);
+        let headers = problem.headers();
+        let pairs: Vec<(&str, &[u8])> = headers.iter().map(|(n, v)| (*n, v.as_bytes())).collect();
+        send_local(host, problem.status, &pairs, &body)
+    }
+}
+
+/// Answers from the filter. Should the host refuse, nothing was sent: letting the request on
+/// is the only way to answer at all.
+fn send_local(host: &impl Host, status: u16, headers: &[(&str, &[u8])], body: &[u8]) -> Step {
+    match host.send_local_reply(status, headers, body) {
+        Ok(()) => (Journey::AnsweredLocally, Verdict::Pause),
+        Err(e) => {
+            log::error!("local reply refused by the host: {}", e.0);
+            (Journey::Unprotected, Verdict::Continue)
+        }
+    }
+}
+
+fn restore_replay_headers(host: &impl Host, restore: &[(String, Vec<u8>)]) {
+    for (name, value) in restore {
+        if let Err(e) = host.replace_response_header(name, value) {
+            log::warn!("replayed {name} not restored: {}", e.0);
+        }
+    }
+}
+
+/// Lets the request go on without protection.
+fn pass() -> Step {
+    (Journey::Unprotected, Verdict::Continue)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,223 @@
+//! The upstream's answer: release the claim on a releasing status, otherwise copy the
+//! response as it streams to the client and record it at its end (locally, and through the
+//! root's store writes in the store).
+
+use super::{Execution, Journey, RequestJourney, Step, StoreOwner, Verdict};
+use crate::capture::ResponseCapture;
+use crate::host::{status_of, Host};
+use crate::outcome::Outcome;
+use crate::plugin::rule_handle::RuleHandle;
+use crate::plugin::store_calls::StoreOp;
+use crate::plugin::store_writes::{LeanBody, PendingWrite};
+use crate::record::RecordedResponse;
+use crate::store_client;
+use crate::table::{Completion, Held};
+
+use std::rc::Rc;
+
+impl RequestJourney {
+    pub(super) fn on_response_headers(
+        &self,
+        host: &impl Host,
+        run: Execution,
+        end_of_stream: bool,
+    ) -> Step {
+        let rule = &run.rule;
+        let headers = match host.response_headers() {
+            Ok(h) => h,
+            Err(e) => {
+                log::error!(
+                    "rule {}: response headers unreadable: {}",
+                    rule.rule.name,
+                    e.0
+                );
+                return self.release(host, run);
+            }
+        };
+        let status = status_of(&headers).unwrap_or(0);
+        if status == 0 || rule.rule.release.releases(status) {
+            return self.release(host, run);
+        }
+        let replay_header = &rule.rule.replay_header;
+        if headers.iter().any(|(n, _)| n == replay_header) {
+            // Only replays carry the marker; an upstream's own copy would mislead clients.
+            if let Err(e) = host.remove_response_header(replay_header) {
+                log::warn!("could not remove upstream {replay_header}: {}", e.0);
+            }
+        }
+        let capture = ResponseCapture::start(
+            &rule.rule,
+            status,
+            headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())),
+        );
+        let run = Execution {
+            capture: Some(capture),
+            ..run
+        };
+        if end_of_stream {
+            return self.record(host, run);
+        }
+        (Journey::Executing(run), Verdict::Continue)
+    }
+
+    pub(super) fn on_response_body(
+        &self,
+        host: &impl Host,
+        mut run: Execution,
+        size: usize,
+        end_of_stream: bool,
+    ) -> Step {
+        if let Some(capture) = run.capture.as_mut() {
+            if size > 0 && capture.wants_body() {
+                match host.response_body(size) {
+                    Ok(chunk) => capture.push_body(&chunk),
+                    Err(e) => {
+                        log::error!("response body unreadable: {}; recording it as omitted", e.0);
+                        capture.omit_body();
+                    }
+                }
+            }
+        }
+        if end_of_stream {
+            return self.record(host, run);
+        }
+        (Journey::Executing(run), Verdict::Continue)
+    }
+
+    /// The stream ended (client or upstream gone) after response headers that did not release
+    /// the claim: record what passed without its body, so a retry gets the status and headers
+    /// instead of a second execution. Before any response headers, the claim stays in flight
+    /// until its lease ends: whether the upstream acted is unknowable here.
+    pub(super) fn on_cut_short(&self, host: &impl Host, mut run: Execution) -> Step {
+        match run.capture.as_mut() {
+            Some(capture) => {
+                capture.omit_body();
+                self.record(host, run)
+            }
+            None => (Journey::Finished, Verdict::Continue),
+        }
+    }
+
+    fn release(&self, host: &impl Host, run: Execution) -> Step {
+        let Execution {
+            rule,
+            held,
+            store_owner,
+            ..
+        } = run;
+        rule.count(host, Outcome::Released);
+        if let Some(owner) = store_owner {
+            let body = store_client::release_body(&held.key, &owner.token);
+            self.submit_store_release(host, &rule, owner.confirmed, body);
+        }
+        match self.plugin.table.release(host, &held) {
+            Ok(Completion::Recorded) => {}
+            Ok(Completion::LostOwnership) => {
+                log::warn!("release skipped: the claim had been taken over");
+            }
+            Err(e) => {
+                log::error!("release failed, the key stays claimed until its lease ends: {e}")
+            }
+        }
+        (Journey::Finished, Verdict::Continue)
+    }
+
+    /// The response is complete: record it for replays.
+    pub(super) fn record(&self, host: &impl Host, run: Execution) -> Step {
+        let Execution {
+            rule,
+            held,
+            store_owner,
+            capture: Some(capture),
+        } = run
+        else {
+            return (Journey::Finished, Verdict::Continue);
+        };
+        let response = capture.finish();
+        if let Some(owner) = store_owner {
+            // The cluster-wide record matters most: queue it first, from the root context.
+            self.submit_store_completion(host, &rule, &held, &owner, &response);
+        }
+        let ttl_ms = rule.rule.ttl_ms;
+        match self
+            .plugin
+            .table
+            .complete(host, &held, &response, host.now_ms(), ttl_ms)
+        {
+            Ok(Completion::Recorded) => {}
+            Ok(Completion::LostOwnership) => {
+                log::warn!(
+                    "rule {}: response not recorded: the lease passed and another request took the key over",
+                    rule.rule.name
+                );
+                rule.count(host, Outcome::NotRecorded);
+            }
+            Err(e) => {
+                log::error!("rule {}: response not recorded: {e}", rule.rule.name);
+                rule.count(host, Outcome::NotRecorded);
+            }
+        }
+        (Journey::Finished, Verdict::Continue)
+    }
+
+    /// Hands a store release to the root, which sends and retries it even after this
+    /// request is gone, until the claim's lease has passed.
+    pub(super) fn submit_store_release(
+        &self,
+        host: &impl Host,
+        rule: &Rc<RuleHandle>,
+        confirmed: bool,
+        body: Vec<u8>,
+    ) {
+        let deadline = host.now_ms().saturating_add(rule.rule.lease_ms);
+        let write = PendingWrite::new(Rc::clone(rule), StoreOp::Release, body, deadline);
+        self.submit(host, write, confirmed);
+    }
+
+    /// Hands a store completion to the root, retried until the record's TTL has passed; the
+    /// same completion without the response body is sent instead should the retry buffer run
+    /// short during a long outage.
+    fn submit_store_completion(
+        &self,
+        host: &impl Host,
+        rule: &Rc<RuleHandle>,
+        held: &Held,
+        owner: &StoreOwner,
+        response: &RecordedResponse,
+    ) {
+        let ttl_ms = rule.rule.ttl_ms;
+        let body = store_client::complete_body(
+            &held.key,
+            &held.fingerprint,
+            &owner.token,
+            ttl_ms,
+            response,
+        );
+        let deadline = host.now_ms().saturating_add(ttl_ms);
+        let mut write = PendingWrite::new(Rc::clone(rule), StoreOp::Complete, body, deadline);
+        if !response.body.is_empty() {
+            let (key, fingerprint, token) = (held.key, held.fingerprint, owner.token.clone());
+            let without_body = RecordedResponse {
+                owner: response.owner,
+                status: response.status,
+                headers: response.headers.clone(),
+                body: Vec::new(),
+                body_omitted: true,
+            };
+            let lean: LeanBody = Box::new(move || {
+                store_client::complete_body(&key, &fingerprint, &token, ttl_ms, &without_body)
+            });
+            write = write.with_lean_body(lean);
+        }
+        self.submit(host, write, owner.confirmed);
+    }
+
+    fn submit(&self, host: &impl Host, write: PendingWrite, confirmed: bool) {
+        let write = if confirmed {
+            write
+        } else {
+            write.best_effort()
+        };
+        self.plugin.writes.submit(host, write);
+    }
+}

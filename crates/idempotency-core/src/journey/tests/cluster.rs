@@ -1,0 +1,290 @@
+//! Cluster mode: the claim confirmed by the store over a callout, every kind of answer, and
+//! the request held while the store decides.
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
+
+use super::*;
+use crate::fake_host::HostCall;
+use crate::outcome::Outcome;
+use crate::record::RecordedResponse;
+
+fn cluster_config(policy: &str) -> String {
+    format!(
+        r#"{{"store":{{"cluster":"store","token":"s3cret"}},
+            "rules":[{{"name":"orders","match":{{"path_prefixes":["/orders"]}},
+            "on_store_error":"{policy}"}}]}}"#
+    )
+}
+
+/// The callouts among `effects`: token, path and JSON body.
+fn callouts(effects: &[Effect]) -> Vec<(u32, String, serde_json::Value)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Callout {
+                token, path, body, ..
+            } => Some((
+                *token,
+                path.clone(),
+                serde_json::from_slice(body).unwrap_or_default(),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Sends the store's answer to the request's pending claim callout.
+fn answer(
+    host: &FakeHost,
+    request: &mut RequestJourney,
+    token: u32,
+    status: Option<u16>,
+    body: &str,
+) -> Verdict {
+    host.set_callout_answer(status, body.as_bytes());
+    request.on(
+        host,
+        Event::CalloutAnswer {
+            token,
+            num_headers: usize::from(status.is_some()),
+            body_size: body.len(),
+        },
+    )
+}
+
+/// A POST whose claim went to the store; returns the request and the claim's callout.
+fn claimed_at_store(
+    host: &FakeHost,
+    plugin: &Rc<Plugin>,
+    key: &str,
+) -> (RequestJourney, u32, serde_json::Value) {
+    let (request, verdict) = post(host, plugin, key, b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(matches!(request.state(), Journey::AwaitingStore(_)));
+    let calls = callouts(&host.take_effects());
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    let (token, path, body) = calls.into_iter().next().unwrap();
+    assert_eq!(path, "/v1/claim");
+    (request, token, body)
+}
+
+#[test]
+fn the_store_confirms_the_claim_and_the_request_resumes_upstream() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"store":{"cluster":"store","token":"s3cret"},"rules":[{"name":"orders",
+            "match":{"path_prefixes":["/orders"]},"fingerprint":"none"}]}"#,
+    );
+    host.set_request(&post_headers("/orders", Some("k1")), b"");
+    let mut request = RequestJourney::new(Rc::clone(&plugin));
+    let verdict = request.on(
+        &host,
+        Event::RequestHeaders {
+            end_of_stream: false,
+        },
+    );
+    assert_eq!(verdict, Verdict::Pause);
+    let effects = host.take_effects();
+    let Some(Effect::Callout { token, headers, .. }) = effects.first() else {
+        panic!("no callout: {effects:?}");
+    };
+    let auth = headers.iter().find(|(n, _)| n == "authorization");
+    assert_eq!(auth.map(|(_, v)| v.as_str()), Some("Bearer s3cret"));
+    // The rule never reads the body, but it must not go upstream before the store decides.
+    let body = Event::RequestBody {
+        size: 4096,
+        end_of_stream: true,
+    };
+    assert_eq!(request.on(&host, body), Verdict::Pause);
+    assert_eq!(request.on(&host, Event::RequestTrailers), Verdict::Pause);
+    let owner = r#"{"outcome":"claimed","owner":"abc"}"#;
+    assert_eq!(
+        answer(&host, &mut request, *token, Some(200), owner),
+        Verdict::Continue
+    );
+    assert_eq!(host.take_effects(), vec![Effect::Resume]);
+    assert!(is_executing(&request));
+    assert_eq!(host.counter("orders", Outcome::Executed), 1);
+}
+
+#[test]
+fn an_answer_to_another_callout_leaves_the_request_waiting() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, &cluster_config("fail_closed"));
+    let (mut request, token, _) = claimed_at_store(&host, &plugin, "k1");
+    let verdict = answer(&host, &mut request, token + 100, Some(200), "{}");
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(matches!(request.state(), Journey::AwaitingStore(_)));
+    assert!(host.take_effects().is_empty());
+}
+
+#[test]
+fn the_store_saying_in_flight_or_mismatch_answers_409_or_422_and_frees_the_local_claim() {
+    for (outcome, status) in [("in_flight", 409), ("mismatch", 422)] {
+        let host = FakeHost::default();
+        let plugin = plugin(&host, &cluster_config("fail_closed"));
+        let (mut request, token, _) = claimed_at_store(&host, &plugin, "k1");
+        let body = format!(r#"{{"outcome":"{outcome}"}}"#);
+        assert_eq!(
+            answer(&host, &mut request, token, Some(200), &body),
+            Verdict::Pause
+        );
+        assert_eq!(the_reply(&host.take_effects()).0, status);
+        // The local claim is gone: the next attempt asks the store again.
+        claimed_at_store(&host, &plugin, "k1");
+    }
+}
+
+#[test]
+fn a_record_from_the_store_is_replayed_and_kept_for_the_next_retry() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, &cluster_config("fail_closed"));
+    let (mut request, token, _) = claimed_at_store(&host, &plugin, "k1");
+    let recorded = RecordedResponse {
+        owner: 7,
+        status: 201,
+        headers: vec![("content-type".into(), b"text/plain".to_vec())],
+        body: b"made elsewhere".to_vec(),
+        body_omitted: false,
+    };
+    let body = format!(
+        r#"{{"outcome":"completed","record":"{}"}}"#,
+        BASE64.encode(recorded.encode())
+    );
+    assert_eq!(
+        answer(&host, &mut request, token, Some(200), &body),
+        Verdict::Pause
+    );
+    let (status, headers, reply) = the_reply(&host.take_effects());
+    assert_eq!((status, reply.as_slice()), (201, &b"made elsewhere"[..]));
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+    // This proxy's next retry replays from its own table, without a callout.
+    let (_, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    let effects = host.take_effects();
+    assert!(callouts(&effects).is_empty());
+    assert_eq!(the_reply(&effects).2, b"made elsewhere");
+    assert_eq!(host.counter("orders", Outcome::Replayed), 2);
+}
+
+#[test]
+fn fail_closed_answers_503_and_undoes_a_claim_the_store_may_hold() {
+    // (answer, whether the store may hold the claim)
+    let cases: [(Option<u16>, &str, bool); 4] = [
+        (None, "", true),
+        (Some(503), "{}", true),
+        (Some(401), "{}", false),
+        (Some(200), "not json", false),
+    ];
+    for (status, body, may_hold) in cases {
+        let host = FakeHost::default();
+        let plugin = plugin(&host, &cluster_config("fail_closed"));
+        let (mut request, token, claim) = claimed_at_store(&host, &plugin, "k1");
+        assert_eq!(
+            answer(&host, &mut request, token, status, body),
+            Verdict::Pause
+        );
+        let effects = host.take_effects();
+        assert_eq!(the_reply(&effects).0, 503, "{status:?}");
+        assert_eq!(host.counter("orders", Outcome::StoreError), 1);
+        // A release goes through the root's queue, then out on its wake-up.
+        let root_host_queue = host.queued("envoy.filters.http.idempotency/store-writes/");
+        assert_eq!(root_host_queue, usize::from(may_hold), "{status:?}");
+        plugin.writes.on_wake(&host);
+        let releases = callouts(&host.take_effects());
+        assert_eq!(releases.len(), usize::from(may_hold), "{status:?}");
+        if let Some((_, path, release)) = releases.first() {
+            assert_eq!(path, "/v1/release");
+            assert_eq!(release["owner"], claim["owner"]);
+        }
+        // Nothing stays claimed locally: the next attempt asks the store again.
+        claimed_at_store(&host, &plugin, "k1");
+    }
+}
+
+#[test]
+fn fail_open_executes_guarded_by_the_local_claim() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, &cluster_config("fail_open"));
+    let (mut request, token, _) = claimed_at_store(&host, &plugin, "k1");
+    assert_eq!(
+        answer(&host, &mut request, token, None, ""),
+        Verdict::Continue
+    );
+    assert_eq!(host.take_effects(), vec![Effect::Resume]);
+    assert!(is_executing(&request));
+    assert_eq!(host.counter("orders", Outcome::StoreFailOpen), 1);
+    let (_, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    assert_eq!(the_reply(&host.take_effects()).0, 409);
+}
+
+#[test]
+fn a_callout_the_host_refuses_is_a_store_failure_with_nothing_to_undo() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, &cluster_config("fail_closed"));
+    host.fail(HostCall::Callout);
+    let (_, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    assert_eq!(the_reply(&host.take_effects()).0, 503);
+    assert_eq!(
+        host.queued("envoy.filters.http.idempotency/store-writes/"),
+        0
+    );
+}
+
+#[test]
+fn a_client_gone_while_the_store_decides_frees_the_key_here_and_there() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, &cluster_config("fail_closed"));
+    let (mut request, _, claim) = claimed_at_store(&host, &plugin, "k1");
+    assert_eq!(request.on(&host, Event::StreamEnd), Verdict::Continue);
+    assert!(matches!(request.state(), Journey::Finished));
+    plugin.writes.on_wake(&host);
+    let releases = callouts(&host.take_effects());
+    assert_eq!(releases.len(), 1);
+    assert_eq!(releases[0].1, "/v1/release");
+    assert_eq!(releases[0].2["owner"], claim["owner"]);
+    claimed_at_store(&host, &plugin, "k1");
+}
+
+#[test]
+fn a_resume_the_host_refuses_is_logged_not_fatal() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, &cluster_config("fail_closed"));
+    let (mut request, token, _) = claimed_at_store(&host, &plugin, "k1");
+    host.fail(HostCall::Resume);
+    let owner = r#"{"outcome":"claimed","owner":"abc"}"#;
+    assert_eq!(
+        answer(&host, &mut request, token, Some(200), owner),
+        Verdict::Continue
+    );
+    assert!(is_executing(&request));
+}
+
+#[test]
+fn the_completion_reaches_the_store_through_the_root_with_the_claims_owner() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, &cluster_config("fail_closed"));
+    let (mut request, token, claim) = claimed_at_store(&host, &plugin, "k1");
+    let owner = r#"{"outcome":"claimed","owner":"from-store"}"#;
+    answer(&host, &mut request, token, Some(200), owner);
+    respond(&host, &mut request, 201, b"created");
+    let _ = host.take_effects();
+    plugin.writes.on_wake(&host);
+    let writes = callouts(&host.take_effects());
+    assert_eq!(writes.len(), 1);
+    let (_, path, body) = &writes[0];
+    assert_eq!(path, "/v1/complete");
+    assert_eq!(body["owner"], "from-store");
+    assert_eq!(body["key"], claim["key"]);
+    assert_eq!(body["fingerprint"], claim["fingerprint"]);
+    let record = BASE64.decode(body["record"].as_str().unwrap()).unwrap();
+    let recorded = RecordedResponse::decode(&record).unwrap();
+    assert_eq!((recorded.status, recorded.body), (201, b"created".to_vec()));
+}

@@ -1,0 +1,220 @@
+//! Choosing the rule, reading the key and waiting for the body.
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+use super::*;
+use crate::fake_host::HostCall;
+use crate::outcome::Outcome;
+
+const BODY_KEY: &str = r#"{"rules":[{"name":"pay","match":{"path_prefixes":["/pay"]},
+    "key":{"sources":[{"json":"/payment_id"}]}}]}"#;
+
+#[test]
+fn a_request_no_rule_covers_passes_untouched() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (request, verdict) = send(&host, &plugin, &post_headers("/elsewhere", None), b"");
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(matches!(request.state(), Journey::Unprotected));
+    let (_, verdict) = send(
+        &host,
+        &plugin,
+        &[(":method", "GET"), (":path", "/orders/1")],
+        b"",
+    );
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(host.take_effects().is_empty());
+    assert_eq!(host.counter("orders", Outcome::Executed), 0);
+}
+
+#[test]
+fn route_metadata_naming_an_unknown_rule_lets_the_request_pass() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    host.properties.borrow_mut().insert(
+        "xds.route_metadata.filter_metadata.idempotency.rule".into(),
+        b"nonexistent".to_vec(),
+    );
+    let (_, verdict) = post(&host, &plugin, "k1", b"");
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(host.take_effects().is_empty());
+    assert_eq!(host.counter("orders", Outcome::Executed), 0);
+}
+
+#[test]
+fn a_required_key_that_is_missing_gets_400_naming_the_header() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (request, verdict) = send(&host, &plugin, &post_headers("/orders", None), b"");
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(matches!(request.state(), Journey::AnsweredLocally));
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 400);
+    assert_eq!(
+        header(&headers, "content-type"),
+        Some(&b"application/problem+json"[..])
+    );
+    assert!(problem_type(&body).ends_with("missing-key"));
+    assert!(String::from_utf8_lossy(&body).contains("idempotency-key"));
+    assert_eq!(host.counter("orders", Outcome::MissingKey), 1);
+}
+
+#[test]
+fn an_optional_key_that_is_missing_passes_but_a_malformed_one_is_refused() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"key":{"required":false}}]}"#,
+    );
+    let (_, verdict) = send(&host, &plugin, &post_headers("/orders", None), b"");
+    assert_eq!(verdict, Verdict::Continue);
+    assert_eq!(host.counter("orders", Outcome::PassedThrough), 1);
+    let too_long = "k".repeat(300);
+    let (_, verdict) = post(&host, &plugin, &too_long, b"");
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 400);
+    assert!(problem_type(&body).ends_with("invalid-key"));
+    assert_eq!(host.counter("orders", Outcome::InvalidKey), 1);
+}
+
+#[test]
+fn a_required_scope_header_that_is_missing_gets_401() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+            "scope_headers":["x-caller"],"scope_required":true}]}"#,
+    );
+    let (_, verdict) = post(&host, &plugin, "k1", b"");
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 401);
+    assert!(problem_type(&body).ends_with("missing-scope"));
+    assert_eq!(host.counter("orders", Outcome::MissingScope), 1);
+}
+
+#[test]
+fn a_body_key_holds_the_request_until_the_whole_body_is_here() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, BODY_KEY);
+    let body = br#"{"payment_id":"p-1","amount":5}"#;
+    host.set_request(&post_headers("/pay", None), body);
+    let mut request = RequestJourney::new(Rc::clone(&plugin));
+    let headers = Event::RequestHeaders {
+        end_of_stream: false,
+    };
+    assert_eq!(request.on(&host, headers), Verdict::Pause);
+    assert!(matches!(request.state(), Journey::AwaitingBody(_)));
+    let partial = Event::RequestBody {
+        size: 10,
+        end_of_stream: false,
+    };
+    assert_eq!(request.on(&host, partial), Verdict::Pause);
+    assert_eq!(host.counter("pay", Outcome::Executed), 0);
+    let whole = Event::RequestBody {
+        size: body.len(),
+        end_of_stream: true,
+    };
+    assert_eq!(request.on(&host, whole), Verdict::Continue);
+    assert!(is_executing(&request));
+    assert_eq!(host.counter("pay", Outcome::Executed), 1);
+    // The same payment id in another body is the same key with another payload.
+    let (_, verdict) = send(
+        &host,
+        &plugin,
+        &post_headers("/pay", None),
+        br#"{"payment_id":"p-1","amount":6}"#,
+    );
+    assert_eq!(verdict, Verdict::Pause);
+    assert_eq!(the_reply(&host.take_effects()).0, 422);
+}
+
+#[test]
+fn trailers_end_a_body_that_is_waited_for() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, BODY_KEY);
+    let body = br#"{"payment_id":"p-2"}"#;
+    host.set_request(&post_headers("/pay", None), body);
+    let mut request = RequestJourney::new(Rc::clone(&plugin));
+    request.on(
+        &host,
+        Event::RequestHeaders {
+            end_of_stream: false,
+        },
+    );
+    request.on(
+        &host,
+        Event::RequestBody {
+            size: body.len(),
+            end_of_stream: false,
+        },
+    );
+    assert_eq!(request.on(&host, Event::RequestTrailers), Verdict::Continue);
+    assert!(is_executing(&request));
+}
+
+#[test]
+fn a_body_over_the_limit_is_refused_when_the_key_is_required() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"rules":[{"name":"pay","match":{"path_prefixes":["/pay"]},"max_request_bytes":16,
+            "key":{"sources":[{"json":"/id"}]}},
+          {"name":"opt","match":{"path_prefixes":["/opt"]},"max_request_bytes":16,
+            "key":{"required":false,"sources":[{"json":"/id"}]}}]}"#,
+    );
+    let big = br#"{"id":"a","pad":"xxxxxxxxxxxxxxxxxxxxxxx"}"#;
+    let (_, verdict) = send(&host, &plugin, &post_headers("/pay", None), big);
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 400);
+    assert!(problem_type(&body).ends_with("body-too-large"));
+    let (request, verdict) = send(&host, &plugin, &post_headers("/opt", None), big);
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(matches!(request.state(), Journey::Unprotected));
+    assert_eq!(host.counter("opt", Outcome::PassedThrough), 1);
+}
+
+#[test]
+fn a_malformed_body_key_passes_when_optional_and_is_refused_when_required() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"rules":[{"name":"pay","match":{"path_prefixes":["/pay"]},"key":{"sources":[{"json":"/id"}]}},
+          {"name":"opt","match":{"path_prefixes":["/opt"]},"key":{"required":false,"sources":[{"json":"/id"}]}}]}"#,
+    );
+    let (_, verdict) = send(&host, &plugin, &post_headers("/opt", None), b"not json");
+    assert_eq!(verdict, Verdict::Continue);
+    assert_eq!(host.counter("opt", Outcome::PassedThrough), 1);
+    let (_, verdict) = send(&host, &plugin, &post_headers("/pay", None), b"not json");
+    assert_eq!(verdict, Verdict::Pause);
+    assert_eq!(the_reply(&host.take_effects()).0, 400);
+    assert_eq!(host.counter("pay", Outcome::InvalidKey), 1);
+}
+
+#[test]
+fn unreadable_request_headers_let_the_request_pass_and_an_unreadable_body_gets_503() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, BODY_KEY);
+    host.fail(HostCall::RequestHeaders);
+    let (_, verdict) = send(&host, &plugin, &post_headers("/pay", None), b"{}");
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(host.take_effects().is_empty());
+    host.heal(HostCall::RequestHeaders);
+    host.fail(HostCall::RequestBody);
+    let (_, verdict) = send(&host, &plugin, &post_headers("/pay", None), b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    assert_eq!(the_reply(&host.take_effects()).0, 503);
+}
+
+#[test]
+fn a_local_reply_the_host_refuses_lets_the_request_on_rather_than_hang() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    host.fail(HostCall::LocalReply);
+    let (request, verdict) = send(&host, &plugin, &post_headers("/orders", None), b"");
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(matches!(request.state(), Journey::Unprotected));
+}

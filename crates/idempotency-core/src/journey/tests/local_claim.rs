@@ -1,0 +1,163 @@
+//! Single-proxy claims: execute once, then 409, 422, replays, takeover and a full table.
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+use super::*;
+use crate::fake_host::HostCall;
+use crate::outcome::Outcome;
+
+#[test]
+fn the_first_request_executes_and_a_concurrent_retry_gets_409() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (first, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(is_executing(&first));
+    assert!(host.take_effects().is_empty());
+    let (_, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 409);
+    assert_eq!(header(&headers, "retry-after"), Some(&b"1"[..]));
+    assert!(problem_type(&body).ends_with("request-in-flight"));
+    assert_eq!(host.counter("orders", Outcome::Executed), 1);
+    assert_eq!(host.counter("orders", Outcome::Conflict), 1);
+}
+
+#[test]
+fn a_retry_after_completion_gets_the_recorded_response_marked_as_a_replay() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut first, _) = post(&host, &plugin, "k1", b"{}");
+    respond(&host, &mut first, 201, br#"{"order":1}"#);
+    assert!(matches!(first.state(), Journey::Finished));
+    let (_, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 201);
+    assert_eq!(body, br#"{"order":1}"#);
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+    assert_eq!(
+        header(&headers, "content-type"),
+        Some(&b"application/json"[..])
+    );
+    assert_eq!(host.counter("orders", Outcome::Replayed), 1);
+    assert_eq!(host.counter("orders", Outcome::Executed), 1);
+}
+
+#[test]
+fn the_same_key_with_another_payload_gets_422() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut first, _) = post(&host, &plugin, "k1", br#"{"amount":1}"#);
+    respond(&host, &mut first, 201, b"ok");
+    let (_, verdict) = post(&host, &plugin, "k1", br#"{"amount":2}"#);
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 422);
+    assert!(problem_type(&body).ends_with("key-reused"));
+    assert_eq!(host.counter("orders", Outcome::Mismatch), 1);
+}
+
+#[test]
+fn a_releasing_status_frees_the_key_for_the_next_attempt() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut first, _) = post(&host, &plugin, "k1", b"{}");
+    respond(&host, &mut first, 503, b"busy");
+    assert_eq!(host.counter("orders", Outcome::Released), 1);
+    let (second, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(is_executing(&second));
+    assert_eq!(host.counter("orders", Outcome::Executed), 2);
+}
+
+#[test]
+fn a_claim_past_its_lease_is_taken_over_and_the_late_first_is_not_recorded() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"lease_seconds":2}]}"#,
+    );
+    let (mut first, _) = post(&host, &plugin, "k1", b"{}");
+    host.advance_ms(2_001);
+    let (mut second, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Continue);
+    assert_eq!(host.counter("orders", Outcome::TakenOver), 1);
+    respond(&host, &mut first, 201, b"first");
+    assert_eq!(host.counter("orders", Outcome::NotRecorded), 1);
+    respond(&host, &mut second, 201, b"second");
+    let _ = host.take_effects();
+    post(&host, &plugin, "k1", b"{}");
+    assert_eq!(the_reply(&host.take_effects()).2, b"second");
+}
+
+#[test]
+fn a_full_table_answers_503_or_lets_requests_pass_by_policy() {
+    for (policy, expect_reply) in [("reject", true), ("pass_through", false)] {
+        let host = FakeHost::default();
+        let config = format!(
+            r#"{{"local_table":{{"capacity":1}},"rules":[{{"name":"orders",
+                "match":{{"path_prefixes":["/orders"]}},"on_table_full":"{policy}"}}]}}"#
+        );
+        let plugin = plugin(&host, &config);
+        // One bucket of eight slots, all in flight.
+        let held: Vec<_> = (0..8)
+            .map(|i| post(&host, &plugin, &format!("k{i}"), b"{}").0)
+            .collect();
+        assert!(held.iter().all(is_executing));
+        let (request, verdict) = post(&host, &plugin, "one-too-many", b"{}");
+        assert_eq!(host.counter("orders", Outcome::TableFull), 1);
+        if expect_reply {
+            assert_eq!(verdict, Verdict::Pause);
+            let (status, headers, body) = the_reply(&host.take_effects());
+            assert_eq!(status, 503);
+            assert!(header(&headers, "retry-after").is_some());
+            assert!(problem_type(&body).ends_with("capacity-exhausted"));
+        } else {
+            assert_eq!(verdict, Verdict::Continue);
+            assert!(matches!(request.state(), Journey::Unprotected));
+            assert_eq!(host.counter("orders", Outcome::PassedThrough), 1);
+        }
+    }
+}
+
+#[test]
+fn shared_data_refusing_the_claim_is_a_table_error_under_the_full_table_policy() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    host.fail(HostCall::SharedData);
+    let (_, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    assert_eq!(the_reply(&host.take_effects()).0, 503);
+    assert_eq!(host.counter("orders", Outcome::TableError), 1);
+}
+
+#[test]
+fn a_replay_without_a_body_gets_its_content_type_back_on_the_way_out() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut first, _) = post(&host, &plugin, "k1", b"{}");
+    respond(&host, &mut first, 204, b"");
+    let (mut replay, _) = post(&host, &plugin, "k1", b"{}");
+    assert!(matches!(replay.state(), Journey::Replaying { .. }));
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.len()), (204, 0));
+    // Envoy passes the local reply back through the filter, without its content-type.
+    host.set_response(&[(":status", "204")], b"");
+    replay.on(
+        &host,
+        Event::ResponseHeaders {
+            end_of_stream: true,
+        },
+    );
+    assert_eq!(
+        host.take_effects(),
+        vec![Effect::ReplaceResponseHeader(
+            "content-type".into(),
+            b"application/json".to_vec()
+        )]
+    );
+    assert!(matches!(replay.state(), Journey::AnsweredLocally));
+}

@@ -1,0 +1,147 @@
+//! The root's side: configuring, and the store writes a request leaves behind, retried
+//! through an outage and kept across a push until they are taken.
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+use super::*;
+use crate::outcome::Outcome;
+use crate::plugin::root::{PluginRoot, STORE_RETRY_TICK_MS, UPKEEP_TICK_MS};
+
+const CLUSTER: &str = r#"{"store":{"cluster":"store"},
+    "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"ttl_seconds":60}]}"#;
+
+fn configured(host: &FakeHost, config: &str) -> PluginRoot {
+    *host.configuration.borrow_mut() = config.as_bytes().to_vec();
+    let mut root = PluginRoot::new();
+    assert!(root.on_configure(host));
+    root
+}
+
+/// Runs a request to completion in cluster mode; the completion then waits in the root.
+fn completed_request(host: &FakeHost, root: &PluginRoot) {
+    host.set_request(&post_headers("/orders", Some("k1")), b"");
+    let mut request = root.new_request().unwrap();
+    request.on(
+        host,
+        Event::RequestHeaders {
+            end_of_stream: true,
+        },
+    );
+    let Some(Effect::Callout { token, .. }) = host.take_effects().into_iter().next() else {
+        panic!("no claim callout");
+    };
+    host.set_callout_answer(Some(200), br#"{"outcome":"claimed","owner":"o1"}"#);
+    request.on(
+        host,
+        Event::CalloutAnswer {
+            token,
+            num_headers: 1,
+            body_size: 34,
+        },
+    );
+    respond(host, &mut request, 201, b"done");
+    let _ = host.take_effects();
+}
+
+/// The tokens of the completions the root sent since the last look.
+fn completions_sent(host: &FakeHost) -> Vec<u32> {
+    host.take_effects()
+        .into_iter()
+        .filter_map(|e| match e {
+            Effect::Callout { token, path, .. } if path.ends_with("/complete") => Some(token),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_bad_configuration_is_refused_and_a_good_one_sets_the_tick() {
+    let host = FakeHost::default();
+    *host.configuration.borrow_mut() = br#"{"rules":[{"name":""}]}"#.to_vec();
+    let mut root = PluginRoot::new();
+    assert!(!root.on_configure(&host));
+    assert!(root.new_request().is_none());
+    configured(&host, ORDERS);
+    assert_eq!(host.tick_period_ms.get(), Some(UPKEEP_TICK_MS));
+    configured(&host, CLUSTER);
+    assert_eq!(host.tick_period_ms.get(), Some(STORE_RETRY_TICK_MS));
+}
+
+#[test]
+fn a_completion_is_retried_through_an_outage_until_the_store_takes_it() {
+    let host = FakeHost::default();
+    let mut root = configured(&host, CLUSTER);
+    completed_request(&host, &root);
+    root.on_queue_ready(&host, 1);
+    let first = completions_sent(&host);
+    assert_eq!(first.len(), 1);
+    // The store is down: no answer.
+    host.set_callout_answer(None, b"");
+    root.on_callout_answer(&host, first[0], 0, 0);
+    assert_eq!(host.counter("orders", Outcome::StoreError), 1);
+    // Not before its backoff...
+    root.on_tick(&host);
+    assert!(completions_sent(&host).is_empty());
+    // ...then again, and again after each failure, for as long as the record could matter.
+    let mut sent = 1;
+    for _ in 0..20 {
+        host.advance_ms(2_000);
+        root.on_tick(&host);
+        let again = completions_sent(&host);
+        assert_eq!(again.len(), 1);
+        sent += 1;
+        root.on_callout_answer(&host, again[0], 0, 0);
+    }
+    assert!(sent > 20);
+    host.advance_ms(2_000);
+    root.on_tick(&host);
+    let last = completions_sent(&host);
+    host.set_callout_answer(Some(200), br#"{"outcome":"completed"}"#);
+    root.on_callout_answer(&host, last[0], 1, 23);
+    host.advance_ms(2_000);
+    root.on_tick(&host);
+    assert!(completions_sent(&host).is_empty());
+    assert_eq!(host.counter("orders", Outcome::StoreWriteDropped), 0);
+}
+
+#[test]
+fn a_completion_is_given_up_once_its_record_would_have_expired() {
+    let host = FakeHost::default();
+    let mut root = configured(&host, CLUSTER);
+    completed_request(&host, &root);
+    root.on_queue_ready(&host, 1);
+    host.set_callout_answer(None, b"");
+    let mut token = completions_sent(&host)[0];
+    for _ in 0..40 {
+        root.on_callout_answer(&host, token, 0, 0);
+        host.advance_ms(2_000);
+        root.on_tick(&host);
+        match completions_sent(&host).first() {
+            Some(t) => token = *t,
+            None => break,
+        }
+    }
+    // The TTL is 60 s: after it nothing more is sent, and the drop is counted.
+    assert_eq!(host.counter("orders", Outcome::StoreWriteDropped), 1);
+    host.advance_ms(10_000);
+    root.on_tick(&host);
+    assert!(completions_sent(&host).is_empty());
+}
+
+#[test]
+fn a_retired_configuration_stays_until_its_waiting_writes_are_taken() {
+    let host = FakeHost::default();
+    let mut root = configured(&host, CLUSTER);
+    completed_request(&host, &root);
+    root.on_queue_ready(&host, 1);
+    let token = completions_sent(&host)[0];
+    // A push retires the configuration while the completion is unanswered.
+    assert!(!root.on_done());
+    host.set_callout_answer(Some(200), br#"{"outcome":"completed"}"#);
+    root.on_callout_answer(&host, token, 1, 23);
+    assert_eq!(host.take_effects(), vec![Effect::Done]);
+    // Nothing waiting: done at once.
+    let mut idle = configured(&host, CLUSTER);
+    assert!(idle.on_done());
+}

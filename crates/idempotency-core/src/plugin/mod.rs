@@ -1,0 +1,87 @@
+//! One configuration of the filter, as each worker holds it: its rules resolved to handles,
+//! the shared table, owner tokens, and the root-side work requests leave behind (store
+//! writes that outlive their request, upkeep of retired tables). [`root`] is the root
+//! context's life around it.
+
+pub mod owner_tokens;
+pub mod root;
+pub mod rule_handle;
+pub mod store_calls;
+pub mod store_writes;
+pub mod table_upkeep;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use crate::burst_log::BurstLog;
+use crate::config::Config;
+use crate::host::Host;
+use crate::table::Table;
+use owner_tokens::OwnerTokens;
+use rule_handle::RuleHandle;
+use store_writes::StoreWrites;
+use table_upkeep::TableUpkeep;
+
+/// Shared-data namespace of this filter (Istio sets no VM id, so keys need a prefix).
+pub const NAMESPACE: &str = "envoy.filters.http.idempotency";
+
+/// Everything a request needs, built once per configuration.
+pub struct Plugin {
+    /// The configuration's settings; its rules live in `rules`.
+    pub config: Config,
+    /// In configuration order, which is also the order of selection.
+    pub rules: Vec<Rc<RuleHandle>>,
+    pub table: Table,
+    pub owners: OwnerTokens,
+    pub writes: StoreWrites,
+    /// Store failures seen by requests, logged once per burst.
+    pub store_failures: RefCell<BurstLog>,
+    /// Claims refused for a full table, logged once per burst.
+    pub table_full_log: RefCell<BurstLog>,
+    /// Keeps `table` in step with the tables other configurations use or retired.
+    pub upkeep: TableUpkeep,
+}
+
+impl Plugin {
+    /// Builds the configuration from its bytes and prepares the shared table; an error
+    /// makes Envoy refuse the configuration.
+    pub fn configure(host: &impl Host, bytes: &[u8]) -> Result<Plugin, String> {
+        let mut config = Config::parse(bytes).map_err(|e| e.to_string())?;
+        let table = Table::new(NAMESPACE, config.table_capacity);
+        table
+            .create_buckets(host)
+            .map_err(|e| format!("shared data table could not be created: {}", e.0))?;
+        // A record lives at most a lease (claimed, not yet completed) plus its TTL.
+        let record_life_ms = config
+            .rules
+            .iter()
+            .map(|r| r.ttl_ms.saturating_add(r.lease_ms))
+            .max()
+            .unwrap_or(0);
+        let upkeep = TableUpkeep::adopt(host, NAMESPACE, &table, record_life_ms);
+        let rules = std::mem::take(&mut config.rules)
+            .into_iter()
+            .map(|rule| Rc::new(RuleHandle::resolve(rule, host)))
+            .collect();
+        let owners = OwnerTokens::allocate(host, &format!("{NAMESPACE}/owner-vm-sequence"));
+        let writes = StoreWrites::new(
+            host,
+            &format!("{NAMESPACE}/store-writes/{}", owners.vm_number()),
+        );
+        Ok(Plugin {
+            config,
+            rules,
+            table,
+            owners,
+            writes,
+            store_failures: RefCell::new(BurstLog::new(10_000)),
+            table_full_log: RefCell::new(BurstLog::new(10_000)),
+            upkeep,
+        })
+    }
+
+    /// Cluster mode for at least one rule.
+    pub fn uses_store(&self) -> bool {
+        self.rules.iter().any(|r| r.store.is_some())
+    }
+}

@@ -1,0 +1,141 @@
+//! Envoy as core's `Host`: each call maps onto one proxy-wasm ABI call of `host.rs`, and every
+//! status becomes a `HostError` the flow decides about.
+
+use idempotency_core::host::{Callout, HeaderPairs, Host, HostError, SetOutcome, SharedData};
+use proxy_wasm::types::{BufferType, MapType};
+
+use crate::host::{self, HostStatus};
+
+/// The host the filter runs in; zero-sized, as the ABI knows the current context itself.
+pub struct EnvoyHost;
+
+fn error(status: HostStatus) -> HostError {
+    HostError(status.to_string())
+}
+
+impl SharedData for EnvoyHost {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        match host::get_shared_data(key) {
+            Ok(Some((value, cas))) => Ok(Some((value.unwrap_or_default(), cas))),
+            Ok(None) => Ok(None),
+            Err(status) => Err(error(status)),
+        }
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError> {
+        match host::set_shared_data(key, value, cas.unwrap_or(0)) {
+            Ok(()) => Ok(SetOutcome::Stored),
+            Err(HostStatus::CAS_MISMATCH) => Ok(SetOutcome::CasMismatch),
+            Err(status) => Err(error(status)),
+        }
+    }
+}
+
+impl Host for EnvoyHost {
+    fn now_ms(&self) -> u64 {
+        host::now_ms()
+    }
+
+    fn now_nanos(&self) -> u64 {
+        host::now_nanos()
+    }
+
+    fn request_headers(&self) -> Result<HeaderPairs, HostError> {
+        host::get_header_pairs(MapType::HttpRequestHeaders).map_err(error)
+    }
+
+    fn request_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        host::get_buffer(BufferType::HttpRequestBody, 0, size)
+            .map(Option::unwrap_or_default)
+            .map_err(error)
+    }
+
+    fn response_headers(&self) -> Result<HeaderPairs, HostError> {
+        host::get_header_pairs(MapType::HttpResponseHeaders).map_err(error)
+    }
+
+    fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        host::get_buffer(BufferType::HttpResponseBody, 0, size)
+            .map(Option::unwrap_or_default)
+            .map_err(error)
+    }
+
+    fn replace_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        host::replace_header(MapType::HttpResponseHeaders, name, value).map_err(error)
+    }
+
+    fn remove_response_header(&self, name: &str) -> Result<(), HostError> {
+        host::remove_header(MapType::HttpResponseHeaders, name).map_err(error)
+    }
+
+    fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
+        host::get_property(path).map_err(error)
+    }
+
+    fn send_local_reply(
+        &self,
+        status: u16,
+        headers: &[(&str, &[u8])],
+        body: &[u8],
+    ) -> Result<(), HostError> {
+        host::send_local_response(u32::from(status), headers, body).map_err(error)
+    }
+
+    fn resume_request(&self) -> Result<(), HostError> {
+        host::resume_request().map_err(error)
+    }
+
+    fn dispatch_callout(&self, callout: &Callout<'_>) -> Result<u32, HostError> {
+        host::dispatch_http_call(
+            callout.cluster,
+            callout.headers.clone(),
+            callout.body,
+            std::time::Duration::from_millis(callout.timeout_ms),
+        )
+        .map_err(error)
+    }
+
+    fn callout_response_headers(&self) -> Result<HeaderPairs, HostError> {
+        host::get_header_pairs(MapType::HttpCallResponseHeaders).map_err(error)
+    }
+
+    fn callout_response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        host::get_buffer(BufferType::HttpCallResponseBody, 0, size)
+            .map(Option::unwrap_or_default)
+            .map_err(error)
+    }
+
+    fn define_counter(&self, name: &str) -> Result<u32, HostError> {
+        host::define_counter(name).map_err(error)
+    }
+
+    fn increment_counter(&self, id: u32) {
+        host::increment_counter(id);
+    }
+
+    fn register_queue(&self, name: &str) -> Result<u32, HostError> {
+        host::register_shared_queue(name).map_err(error)
+    }
+
+    fn enqueue(&self, queue: u32, value: &[u8]) -> Result<(), HostError> {
+        host::enqueue_shared_queue(queue, value).map_err(error)
+    }
+
+    fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, HostError> {
+        host::dequeue_shared_queue(queue).map_err(error)
+    }
+
+    fn plugin_configuration(&self) -> Result<Vec<u8>, HostError> {
+        host::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+            .map(Option::unwrap_or_default)
+            .map_err(error)
+    }
+
+    fn set_tick_period_ms(&self, period_ms: u32) -> Result<(), HostError> {
+        host::set_tick_period(std::time::Duration::from_millis(u64::from(period_ms))).map_err(error)
+    }
+
+    fn done(&self) -> Result<(), HostError> {
+        host::done().map_err(error)
+    }
+}
