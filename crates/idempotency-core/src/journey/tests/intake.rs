@@ -218,3 +218,26 @@ fn a_local_reply_the_host_refuses_lets_the_request_on_rather_than_hang() {
     assert_eq!(verdict, Verdict::Continue);
     assert!(matches!(request.state(), Journey::Unprotected));
 }
+
+#[test]
+fn a_client_gone_before_its_body_arrived_leaves_nothing_claimed() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, BODY_KEY);
+    host.set_request(&post_headers("/pay", None), b"");
+    let mut request = RequestJourney::new(Rc::clone(&plugin));
+    request.on(
+        &host,
+        Event::RequestHeaders {
+            end_of_stream: false,
+        },
+    );
+    assert_eq!(request.on(&host, Event::StreamEnd), Verdict::Continue);
+    let (retry, verdict) = send(
+        &host,
+        &plugin,
+        &post_headers("/pay", None),
+        br#"{"payment_id":"p-3"}"#,
+    );
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(is_executing(&retry));
+}

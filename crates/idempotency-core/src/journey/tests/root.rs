@@ -20,6 +20,10 @@ fn configured(host: &FakeHost, config: &str) -> PluginRoot {
 
 /// Runs a request to completion in cluster mode; the completion then waits in the root.
 fn completed_request(host: &FakeHost, root: &PluginRoot) {
+    completed_request_with(host, root, b"done");
+}
+
+fn completed_request_with(host: &FakeHost, root: &PluginRoot, response_body: &[u8]) {
     host.set_request(&post_headers("/orders", Some("k1")), b"");
     let mut request = root.new_request().unwrap();
     request.on(
@@ -40,16 +44,26 @@ fn completed_request(host: &FakeHost, root: &PluginRoot) {
             body_size: 34,
         },
     );
-    respond(host, &mut request, 201, b"done");
+    respond(host, &mut request, 201, response_body);
     let _ = host.take_effects();
 }
 
 /// The tokens of the completions the root sent since the last look.
 fn completions_sent(host: &FakeHost) -> Vec<u32> {
+    completion_bodies(host)
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect()
+}
+
+/// The completions the root sent since the last look, with their bodies.
+fn completion_bodies(host: &FakeHost) -> Vec<(u32, Vec<u8>)> {
     host.take_effects()
         .into_iter()
         .filter_map(|e| match e {
-            Effect::Callout { token, path, .. } if path.ends_with("/complete") => Some(token),
+            Effect::Callout {
+                token, path, body, ..
+            } if path.ends_with("/complete") => Some((token, body)),
             _ => None,
         })
         .collect()
@@ -144,4 +158,42 @@ fn a_retired_configuration_stays_until_its_waiting_writes_are_taken() {
     // Nothing waiting: done at once.
     let mut idle = configured(&host, CLUSTER);
     assert!(idle.on_done());
+}
+
+#[test]
+fn a_completion_too_large_for_the_retry_budget_waits_without_its_body() {
+    use base64::engine::general_purpose::STANDARD as BASE64;
+    use base64::Engine as _;
+
+    use crate::plugin::store_writes::RETRY_BUDGET_BYTES;
+    use crate::record::RecordedResponse;
+
+    let host = FakeHost::default();
+    let mut root = configured(
+        &host,
+        r#"{"store":{"cluster":"store"},"rules":[{"name":"orders",
+            "match":{"path_prefixes":["/orders"]},"max_response_bytes":33554432}]}"#,
+    );
+    let large = vec![b'x'; RETRY_BUDGET_BYTES + 1];
+    completed_request_with(&host, &root, &large);
+    root.on_queue_ready(&host, 1);
+    let sent = completion_bodies(&host);
+    assert_eq!(sent.len(), 1);
+    assert!(
+        sent[0].1.len() > RETRY_BUDGET_BYTES,
+        "the first attempt carries the body"
+    );
+    host.set_callout_answer(None, b"");
+    root.on_callout_answer(&host, sent[0].0, 0, 0);
+    host.advance_ms(2_000);
+    root.on_tick(&host);
+    let retried = completion_bodies(&host);
+    assert_eq!(retried.len(), 1);
+    let body: serde_json::Value = serde_json::from_slice(&retried[0].1).unwrap();
+    let record = BASE64.decode(body["record"].as_str().unwrap()).unwrap();
+    let recorded = RecordedResponse::decode(&record).unwrap();
+    // A replay of this record carries the status and the omitted-body marker.
+    assert_eq!(recorded.status, 201);
+    assert!(recorded.body.is_empty() && recorded.body_omitted);
+    assert_eq!(host.counter("orders", Outcome::StoreWriteDropped), 0);
 }
