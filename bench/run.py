@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
 import harness  # noqa: E402
-import requests  # noqa: E402
+import client  # noqa: E402
 import yaml  # noqa: E402
 
 BENCH = REPO / "bench"
@@ -310,7 +310,7 @@ class Store:
         self.process.stop()
 
     def metrics(self) -> str:
-        return requests.get(f"http://{harness.LOOPBACK}:{self.port}/metrics", timeout=5).text
+        return client.get(f"http://{harness.LOOPBACK}:{self.port}/metrics", timeout=5).text
 
     def claims(self, outcome: str) -> int:
         pattern = (r'^idempotency_store_operations_total\{(?=[^}]*operation="claim")'
@@ -424,10 +424,10 @@ def prime_replay(envoy: harness.Envoy, key: str) -> dict[str, str]:
     replay's headers (and body under "__body__"), plus "__409s__": how many immediate
     retries were answered 409 (in flight) before the replay came."""
     headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
-    first = requests.post(envoy.url("/orders"), data=BODY, headers=headers, timeout=5)
+    first = client.post(envoy.url("/orders"), body=BODY, headers=headers, timeout=5)
     conflicts = 0
     for _ in range(50):
-        second = requests.post(envoy.url("/orders"), data=BODY, headers=headers, timeout=5)
+        second = client.post(envoy.url("/orders"), body=BODY, headers=headers, timeout=5)
         if second.status_code != 409:
             break
         conflicts += 1
