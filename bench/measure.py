@@ -27,8 +27,8 @@ from setups import (  # first: it puts tests/e2e on sys.path
     STAT_PREFIX,
     STORE_TOKEN,
     WRK_DIR,
-    SLOTS,
     Setup,
+    geometry,
     harness,
     plugin_config,
     start_store,
@@ -410,7 +410,9 @@ def _swiss_capacity(entries: int) -> int:
 @dataclass
 class TableBound:
     buckets: int
+    ways: int  # slots per bucket
     record: int
+    slot_bytes: int  # one slot in its bucket's value, as encoded
     slot: int  # bytes of one slot in its bucket's value, allocator rounding included
     response_value: int
     response_key: int
@@ -422,29 +424,31 @@ class TableBound:
 
     @property
     def total(self) -> int:
-        return self.buckets * SLOTS * self.per_slot
+        return self.buckets * self.ways * self.per_slot
 
 
-def table_bound(buckets: int, record: int) -> TableBound:
+def table_bound(table: harness.TableGeometry, record: int) -> TableBound:
     """What a full table adds to Envoy over the empty one its configuration creates.
 
-    Each slot is 83 bytes of its bucket's value and, once used, one shared-data entry of its
-    own for the recorded response (key `<prefix>/r/<bucket>/<way>`). Per such entry: the value
-    and key strings on the heap (rounded to 16 bytes, about what the allocator's size classes
-    cost) and its share of the growth of Envoy's shared-data hash map (a swiss table of
-    std::string key and (std::string value, cas) slots, 72 bytes plus one control byte each),
-    from the bucket keys alone to bucket keys plus one response key per slot.
+    Each slot is its share of its bucket's value and, once used, one shared-data entry of
+    its own for the recorded response (key `<prefix>/r/<bucket>/<way>`); sizes and key names
+    come from the code (``table``). Per such entry: the value and key strings on the heap
+    (rounded to 16 bytes, about what the allocator's size classes cost) and its share of the
+    growth of Envoy's shared-data hash map (a swiss table of std::string key and
+    (std::string value, cas) slots, 72 bytes plus one control byte each), from the bucket keys
+    alone to bucket keys plus one response key per slot.
     """
-    slots = buckets * SLOTS
-    key = f"envoy.filters.http.idempotency/idempotency/v1/{buckets}x{SLOTS}/r/{buckets - 1}/{SLOTS - 1}"
+    buckets, slots = table.buckets, table.capacity
     before = _swiss_capacity(buckets + 8)
     after = _swiss_capacity(buckets + slots + 8)
     return TableBound(
         buckets=buckets,
+        ways=table.ways,
         record=record,
-        slot=_round16(83 * SLOTS) // SLOTS,
+        slot_bytes=table.slot_bytes,
+        slot=_round16(table.bucket_bytes) // table.ways,
         response_value=_round16(record),
-        response_key=_round16(len(key) + 1),
+        response_key=_round16(len(table.response_key) + 1),
         map_share=-(-(after - before) * 73 // slots),
     )
 
@@ -492,7 +496,7 @@ def run_memory(tmp: Path, upstream: harness.Upstream, keys: int, max_seconds: fl
         if w.requests == 0 or w.socket_errors > w.requests / 2 or outcome(stats, "executed") < w.requests / 2:
             raise BenchFailure(f"memory run mostly failed: {w.requests} requests, executed "
                                f"{outcome(stats, 'executed')}, {w.non2xx} non-2xx\n{w.output}")
-        bound = table_bound(MEMORY_CAPACITY // SLOTS, record)
+        bound = table_bound(geometry(MEMORY_CAPACITY), record)
         peak = max(v for _, v in samples)
         command = display_cmd(argv, {url: "http://127.0.0.1:$ENVOY_PORT/", nonce: "$NONCE"})
         log(f"  {w.requests} requests in {w.seconds:.0f}s, table_full {outcome(stats, 'table_full')}, "

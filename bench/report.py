@@ -19,7 +19,7 @@ from setups import (
     REPO,
     SETUP_CAPACITY,
     SETUP_TTL_S,
-    SLOTS,
+    geometry,
     harness,
 )
 
@@ -179,11 +179,12 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
         add(f"- ({r.setup.key}) {r.wrk.requests:,} requests in {r.wrk.seconds:.1f} s: {'; '.join(r.checks)}")
     add("")
     start_c, start_b = by["c"].rss_start_kib, by["b"].rss_start_kib
+    setup_table = geometry(SETUP_CAPACITY)
     add(f"(c) to (f) use `local_table.capacity` {SETUP_CAPACITY:,} and `ttl_seconds` = `lease_seconds` = "
         f"{SETUP_TTL_S} ((d): `ttl_seconds` {REPLAY_TTL_S}, so its one record outlives the run): at these "
         "rates a few tens of thousands of records are live at once, and a key that finds its bucket's "
-        f"{SLOTS} slots all live (`table_full`, counted above) is rare. "
-        f"That table's {SETUP_CAPACITY // SLOTS:,} buckets are created in shared data before the first "
+        f"{setup_table.ways} slots all live (`table_full`, counted above) is rare. "
+        f"That table's {setup_table.buckets:,} buckets are created in shared data before the first "
         f"request: (c) starts at {start_c / 1024:.0f} MiB against {start_b / 1024:.0f} MiB for the no-op "
         f"filter, about {(start_c - start_b) * 1024 / SETUP_CAPACITY:.0f} bytes per record of capacity "
         "before any record exists. (e) and (f) confirm every claim with the store (`POST /v1/claim`) "
@@ -232,14 +233,14 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     if mem:
         w = mem.wrk
         tf = outcome(mem.stats, "table_full")
-        buckets = MEMORY_CAPACITY // SLOTS
         b = mem.bound
+        buckets, ways = b.buckets, b.ways
         bound_kib = mem.rss_warm_kib + b.total / 1024
-        add(f"Single-proxy mode, `local_table.capacity` {MEMORY_CAPACITY:,} ({buckets:,} buckets of {SLOTS} "
+        add(f"Single-proxy mode, `local_table.capacity` {MEMORY_CAPACITY:,} ({buckets:,} buckets of {ways} "
             f"slots), `ttl_seconds` {MEMORY_TTL_S}, `lease_seconds` {MEMORY_LEASE_S}, so slots are reused "
             f"as records expire. wrk sent {w.requests:,} requests with distinct keys in {w.seconds:.0f} s "
             f"({w.rps:,.0f}/s)" + (" — stopped by its duration limit before the million"
-                                   if mem.capped_by_duration else "") + f". A key whose bucket holds {SLOTS} "
+                                   if mem.capped_by_duration else "") + f". A key whose bucket holds {ways} "
             "live records gets `503` table_full (the rule's `on_table_full: reject`); at this rate about "
             f"{w.rps * MEMORY_TTL_S:,.0f} records are live at any time, {w.rps * MEMORY_TTL_S / buckets:.1f} "
             "per bucket on average.")
@@ -257,9 +258,9 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
         add(f"| Envoy RSS right after / {MEMORY_TTL_S + 3} s later | {mem.rss_end_kib / 1024:.1f} / {mem.rss_after_kib / 1024:.1f} MiB |")
         add(f"| bound: baseline + full table | {bound_kib / 1024:.1f} MiB |")
         add("")
-        add(f"The table bound is buckets × {SLOTS} slots × (slot + recorded response + shared-data entry "
-            f"overhead) = {buckets:,} × {SLOTS} × ({b.slot} + {b.response_value} + {b.response_key + b.map_share}) "
-            f"= {b.total / 2**20:.1f} MiB: the 83-byte slot in its bucket's value; the recorded response, "
+        add(f"The table bound is buckets × {ways} slots × (slot + recorded response + shared-data entry "
+            f"overhead) = {buckets:,} × {ways} × ({b.slot} + {b.response_value} + {b.response_key + b.map_share}) "
+            f"= {b.total / 2**20:.1f} MiB: the {b.slot_bytes}-byte slot in its bucket's value; the recorded response, "
             f"{b.record} bytes here (this upstream's `200 ok` as encoded for replay: status, "
             f"`content-type`, 2-byte body); and, estimated, the response entry's key string "
             f"({b.response_key} bytes) and its share of the growth of Envoy's shared-data hash map "

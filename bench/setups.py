@@ -29,20 +29,26 @@ PRODUCT_CONFIG = REPO / "envoy" / "envoy.yaml"
 BODY = '{"sku":"book","qty":1}'
 RULE = "orders"  # the rule of envoy/envoy.yaml that protects /orders
 STORE_TOKEN = "bench-store-token"
-# Slots per bucket of the filter's local table (crates/idempotency-core/src/table.rs, WAYS).
-SLOTS = 8
+# The filter's shared-data namespace (NAMESPACE in src/root.rs): only the length of the key
+# names the memory bound counts depends on it.
+NAMESPACE = "envoy.filters.http.idempotency"
 MEMORY_CAPACITY = 65536
 MEMORY_TTL_S = 2
 MEMORY_LEASE_S = 1
 # Single-proxy and cluster setups: records live 5 s, so at ~10k new keys/s about 50k are
-# live at once in 131,072 buckets of 8 slots, and a bucket holding eight live records (503
-# table_full for the next key hashed to it) stays rare. The replay setup (d) keeps its one
-# record for longer than its run.
+# live at once, spread over the buckets of this capacity, and a bucket whose every slot holds
+# a live record (503 table_full for the next key hashed to it) stays rare. The replay setup
+# (d) keeps its one record for longer than its run.
 SETUP_CAPACITY = 1_048_576
 SETUP_TTL_S = 5
 SETUP_LEASE_S = 5
 REPLAY_TTL_S = 600
 STAT_PREFIX = f"wasmcustom.idempotency.rule.{RULE}."
+
+
+def geometry(capacity: int) -> harness.TableGeometry:
+    """The filter's table for ``local_table.capacity`` = ``capacity``, from the code."""
+    return harness.table_geometry(capacity, NAMESPACE)
 
 
 # --------------------------------------------------------------------------
