@@ -6,7 +6,10 @@ SIGKILL), never by name. Children also get SIGKILL from the kernel if the test
 process itself dies (PR_SET_PDEATHSIG), and an atexit hook stops whatever is
 still running, so a crashed or interrupted run leaves nothing behind.
 
-Usable without pytest; ``conftest.py`` wraps it in fixtures.
+The processes: the demo upstream, redis-server, the idempotency store and Envoy, plus
+``table_geometry()``, the local table's layout as the code computes it. HTTP goes through
+``client.py``. Usable without pytest (the benchmarks use it too); ``conftest.py`` wraps it
+in fixtures.
 """
 
 from __future__ import annotations
