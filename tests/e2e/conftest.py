@@ -41,7 +41,7 @@ def _failed(request: pytest.FixtureRequest) -> bool:
 @pytest.fixture
 def procs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[harness.ProcessGroup]:
     """A ProcessGroup for this test: ``procs.upstream()``, ``procs.redis()``,
-    ``procs.envoy(config, ...)``, ``procs.process(argv, name=...)``."""
+    ``procs.store(token=...)``, ``procs.envoy(config, ...)``, ``procs.process(argv, name=...)``."""
     group = harness.ProcessGroup(tmp_path)
     try:
         yield group

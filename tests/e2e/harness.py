@@ -6,7 +6,10 @@ SIGKILL), never by name. Children also get SIGKILL from the kernel if the test
 process itself dies (PR_SET_PDEATHSIG), and an atexit hook stops whatever is
 still running, so a crashed or interrupted run leaves nothing behind.
 
-Usable without pytest; ``conftest.py`` wraps it in fixtures.
+The processes: the demo upstream, redis-server, the idempotency store and Envoy, plus
+``table_geometry()``, the local table's layout as the code computes it. HTTP goes through
+``client.py``. Usable without pytest (the benchmarks use it too); ``conftest.py`` wraps it
+in fixtures.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import atexit
 import copy
 import ctypes
+import functools
 import json
 import os
 import random
@@ -23,10 +27,16 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import requests
+import redis as redis_py
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+import client
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
@@ -88,7 +98,7 @@ def wait_for_http(
     timeout: float = 10.0,
     status: int | Iterable[int] = 200,
     proc: "ManagedProcess | None" = None,
-) -> requests.Response:
+) -> client.Response:
     """Polls GET ``url`` until it answers with ``status``; returns that response."""
     wanted = {status} if isinstance(status, int) else set(status)
     deadline = time.monotonic() + timeout
@@ -96,11 +106,11 @@ def wait_for_http(
     while True:
         _check_alive(proc, url)
         try:
-            resp = requests.get(url, timeout=2.0)
+            resp = client.get(url, timeout=2.0)
             if resp.status_code in wanted:
                 return resp
             last = f"status {resp.status_code}: {resp.text[:200]!r}"
-        except requests.RequestException as err:
+        except client.HTTPError as err:
             last = err
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{url} not answering {sorted(wanted)} after {timeout}s: {last}")
@@ -342,6 +352,10 @@ class ProcessGroup:
     def redis(self, **kwargs: Any) -> "Redis":
         return self.add(start_redis(self.tmpdir, **kwargs))
 
+    def store(self, **kwargs: Any) -> "Store":
+        """An idempotency-store, registered before it starts (so stopped even if that fails)."""
+        return self.add(Store(self.tmpdir, **kwargs)).start()
+
     def envoy(self, config: Any, **kwargs: Any) -> "Envoy":
         envoy = Envoy(config, self.tmpdir, **kwargs)
         self.add(envoy)
@@ -398,6 +412,36 @@ def envoy_binary() -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class TableGeometry:
+    """How the filter lays out its local table for one ``local_table.capacity``."""
+
+    capacity_requested: int
+    capacity: int  # records the table holds: buckets × ways
+    buckets: int
+    ways: int  # slots per bucket
+    bucket_bytes: int  # one bucket's value in shared data
+    slot_bytes: int
+    bucket_key: str  # shared-data key of the last bucket
+    response_key: str  # the longest key of a recorded response
+
+
+@functools.lru_cache(maxsize=None)
+def table_geometry(capacity: int, namespace: str = "namespace") -> TableGeometry:
+    """Asks the code (crates/idempotency-core/examples/table_geometry.rs) rather than
+    copying its constants; the first call builds the example (bounded by a timeout)."""
+    argv = [os.environ.get("CARGO", "cargo"), "run", "-q", "--release", "-p", "idempotency-core",
+            "--example", "table_geometry", "--", str(capacity), namespace]
+    try:
+        result = subprocess.run(argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, capture_output=True,
+                                text=True, timeout=600, preexec_fn=_preexec())
+    except subprocess.TimeoutExpired as err:  # run() has killed cargo
+        raise RuntimeError(f"{' '.join(argv)} took over {err.timeout}s") from err
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({result.returncode}):\n{result.stderr}")
+    return TableGeometry(**json.loads(result.stdout))
+
+
 # --------------------------------------------------------------------------
 # demo upstream
 # --------------------------------------------------------------------------
@@ -416,17 +460,17 @@ class Upstream:
 
     def executions(self, path: str) -> int:
         """How many times ``path`` (without query) was executed."""
-        resp = requests.get(self.url("/__count"), params={"path": path}, timeout=5)
+        resp = client.get(self.url("/__count"), params={"path": path}, timeout=5)
         resp.raise_for_status()
         return int(resp.json()["executions"])
 
     def total(self) -> int:
-        resp = requests.get(self.url("/__count"), timeout=5)
+        resp = client.get(self.url("/__count"), timeout=5)
         resp.raise_for_status()
         return int(resp.json()["total"])
 
     def reset(self) -> None:
-        requests.post(self.url("/__reset"), timeout=5).raise_for_status()
+        client.post(self.url("/__reset"), timeout=5).raise_for_status()
 
     def wait_ready(self, timeout: float = 15.0) -> None:
         wait_for_http(self.url("/healthz"), timeout=timeout, proc=self.process)
@@ -472,8 +516,7 @@ def start_upstream(
 # --------------------------------------------------------------------------
 
 
-class RedisError(Exception):
-    pass
+RedisError = redis_py.RedisError
 
 
 class Redis:
@@ -485,18 +528,19 @@ class Redis:
         self.data_dir = data_dir
         self.url = f"redis://{LOOPBACK}:{port}"
 
+    def client(self, timeout: float = 5.0) -> redis_py.Redis:
+        # No retries: a wait or a test decides itself what a refused connection means.
+        return redis_py.Redis(host=LOOPBACK, port=self.port, socket_timeout=timeout,
+                              socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+
     def command(self, *args: str | bytes | int, timeout: float = 5.0) -> Any:
-        """Sends one command, returns the decoded reply (RedisError for -ERR)."""
-        parts = [a if isinstance(a, bytes) else str(a).encode() for a in args]
-        payload = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
-        with socket.create_connection((LOOPBACK, self.port), timeout=timeout) as sock:
-            sock.sendall(payload)
-            reader = sock.makefile("rb")
-            return _read_resp(reader)
+        """Sends one command on a new connection; redis-py's reply (RedisError for -ERR)."""
+        with self.client(timeout) as conn:
+            return conn.execute_command(*args)
 
     def ping(self) -> bool:
         try:
-            return self.command("PING", timeout=1.0) == "PONG"
+            return self.command("PING", timeout=1.0) is True
         except (OSError, RedisError):
             return False
 
@@ -522,29 +566,6 @@ class Redis:
 
     def log_text(self) -> str:
         return self.process.log_text()
-
-
-def _read_resp(reader: Any) -> Any:
-    line = reader.readline()
-    if not line.endswith(b"\r\n"):
-        raise RedisError(f"connection closed mid-reply: {line!r}")
-    kind, rest = line[:1], line[1:-2]
-    if kind == b"+":
-        return rest.decode()
-    if kind == b"-":
-        raise RedisError(rest.decode())
-    if kind == b":":
-        return int(rest)
-    if kind == b"$":
-        n = int(rest)
-        if n < 0:
-            return None
-        data = reader.read(n + 2)
-        return data[:-2]
-    if kind == b"*":
-        n = int(rest)
-        return None if n < 0 else [_read_resp(reader) for _ in range(n)]
-    raise RedisError(f"unexpected reply {line!r}")
 
 
 def start_redis(
@@ -580,6 +601,108 @@ def start_redis(
         proc.stop()
         raise
     return redis
+
+
+# --------------------------------------------------------------------------
+# the idempotency store
+# --------------------------------------------------------------------------
+
+# The store prints this on stdout once it accepts connections, whatever its log level.
+STORE_READY_LINE = "idempotency-store listening on"
+
+
+class Store:
+    """One idempotency-store process (crates/idempotency-store) on a port kept across
+    restarts, its data (embedded backend) under ``<tmpdir>/<name>-data``."""
+
+    def __init__(
+        self,
+        tmpdir: str | os.PathLike[str],
+        *,
+        token: str,
+        backend: str = "embedded",
+        redis: Redis | None = None,
+        name: str = "store",
+        port: int | None = None,
+        log_level: str | None = None,
+    ) -> None:
+        tmpdir = Path(tmpdir)
+        tmpdir.mkdir(parents=True, exist_ok=True)
+        self.backend = backend
+        self.redis = redis
+        self.port = port or free_port()
+        self.base_url = f"http://{LOOPBACK}:{self.port}"
+        self.data_dir = tmpdir / f"{name}-data"
+        self.token = token
+        token_file = tmpdir / f"{name}-token"
+        token_file.write_text(token + "\n")
+        argv: list[Any] = [
+            store_binary(),
+            "--listen", f"{LOOPBACK}:{self.port}",
+            "--backend", backend,
+            "--data-dir", self.data_dir,
+            "--token-file", token_file,
+        ]
+        if backend == "redis":
+            if redis is None:
+                raise ValueError("the redis backend needs a running redis")
+            argv += ["--redis-url", f"{redis.url}/"]
+        if log_level:
+            argv += ["--log-level", log_level]
+        self.process = ManagedProcess(argv, name=name, log_dir=tmpdir)
+        self.paused = False
+
+    def start(self, timeout: float = 20.0) -> "Store":
+        before = self.process.log_text().count(STORE_READY_LINE)
+        self.process.start()
+        try:
+            wait_until(
+                lambda: _check_alive(self.process, "the store's ready line")
+                or self.process.log_text().count(STORE_READY_LINE) > before,
+                timeout=timeout,
+                what=f"{self.process.name} ready line",
+            )
+            wait_for_http(self.url("/healthz"), timeout=timeout, proc=self.process)
+        except BaseException:
+            self.process.stop()
+            raise
+        return self
+
+    def stop(self) -> int | None:
+        self.resume()  # a stopped process would not see SIGTERM until SIGKILL
+        return self.process.stop()
+
+    def restart(self, timeout: float = 20.0) -> "Store":
+        self.stop()
+        return self.start(timeout)
+
+    def pause(self) -> None:
+        """SIGSTOP to this store's PID: connections are accepted by the kernel, nothing answers."""
+        self.process.signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self.process.signal(signal.SIGCONT)
+            self.paused = False
+
+    def url(self, path: str = "/") -> str:
+        return self.base_url + path
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of every sample of ``name`` on ``/metrics`` whose labels include ``labels``
+        (0 if none)."""
+        resp = client.get(self.url("/metrics"), timeout=5)
+        resp.raise_for_status()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(resp.text)
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
+
+    def log_text(self) -> str:
+        return self.process.log_text()
 
 
 # --------------------------------------------------------------------------
@@ -811,9 +934,9 @@ class Envoy:
                 if code is not None:
                     return code, proc.log_text()
                 try:
-                    if requests.get(self.admin_url("/ready"), timeout=1.0).status_code == 200:
+                    if client.get(self.admin_url("/ready"), timeout=1.0).status_code == 200:
                         raise AssertionError(f"{self.name} became ready but was expected to fail\n{proc.log_tail()}")
-                except requests.RequestException:
+                except client.HTTPError:
                     pass
             raise AssertionError(f"{self.name} still running after {timeout}s\n{proc.log_tail()}")
         finally:
@@ -839,16 +962,16 @@ class Envoy:
     def admin_url(self, path: str = "/") -> str:
         return f"http://{LOOPBACK}:{self.admin_port}{path}"
 
-    def admin(self, path: str, method: str = "GET", timeout: float = 5.0) -> requests.Response:
+    def admin(self, path: str, method: str = "GET", timeout: float = 5.0) -> client.Response:
         """One request to the admin interface (e.g. ``admin("/reset_counters", "POST")``)."""
-        return requests.request(method, self.admin_url(path), timeout=timeout)
+        return client.request(method, self.admin_url(path), timeout=timeout)
 
     def stats(self, filter: str | None = None) -> dict[str, int]:
         """Counters and gauges by name (histograms left out); ``filter`` is Envoy's regex."""
         params = {"format": "json"}
         if filter:
             params["filter"] = filter
-        resp = requests.get(self.admin_url("/stats"), params=params, timeout=5)
+        resp = client.get(self.admin_url("/stats"), params=params, timeout=5)
         resp.raise_for_status()
         out: dict[str, int] = {}
         for entry in resp.json().get("stats", []):

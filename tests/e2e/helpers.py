@@ -1,26 +1,30 @@
-"""Small helpers for the filter's end-to-end tests: requests, problem bodies, plugin configs,
-and the log patterns that mean the wasm module crashed."""
+"""What the filter's end-to-end tests share: requests through Envoy (over ``client``), the
+filter's answers and counters, plugin configurations, Envoys built from envoy/envoy.yaml,
+and the log lines that mean the wasm module crashed."""
 
 from __future__ import annotations
 
-import http.client
+import contextlib
+import copy
 import json
 import os
 import re
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
-import requests
 import yaml
 
+import client
 import harness
 
 WASM_PATH = harness.REPO_ROOT / "target" / "wasm32-unknown-unknown" / "release" / "idempotency_filter.wasm"
 PROBLEM_TYPE_BASE = "urn:idempotency-filter:problem:"
 REPLAYED = "idempotent-replayed"
 BODY_OMITTED = "idempotent-body-omitted"
-TIMEOUT = 20.0
+TIMEOUT = client.TIMEOUT
+UPSTREAM_CLUSTER = "demo_upstream"
+STORE_CLUSTER = "idempotency_store"
 
 # Lines a healthy run never logs: the module's panic hook ("idempotency: panic: ..."), a
 # trap in any proxy_on_* callback, or a V8 runtime error with its in-VM backtrace.
@@ -33,6 +37,9 @@ CRASH_PATTERNS = [
     re.compile(r"Uncaught RuntimeError"),
     re.compile(r"in-VM backtrace"),
 ]
+# Envoy's own complaints about a VM (not the module's "wasm log ..." lines, which may say
+# "store Complete failed" on purpose).
+_VM_FAILURE = re.compile(r"failed to .*wasm|wasm.*failed to|wasm vm.*(failed|crash)", re.IGNORECASE)
 
 
 def wasm_path() -> Path:
@@ -43,13 +50,18 @@ def wasm_path() -> Path:
     return path
 
 
-def unique_path(prefix: str) -> str:
+def unique_path(prefix: str = "orders") -> str:
     """``/<prefix>/<uuid>``: a path no other test uses, so upstream counts are per test."""
     return f"/{prefix.strip('/')}/{uuid.uuid4().hex}"
 
 
 def new_key() -> str:
     return str(uuid.uuid4())
+
+
+# --------------------------------------------------------------------------
+# requests and answers
+# --------------------------------------------------------------------------
 
 
 def send(
@@ -60,29 +72,31 @@ def send(
     key: str | bytes | None = None,
     key_header: str = "idempotency-key",
     body: bytes | str | None = b'{"item":"book","qty":1}',
-    headers: Mapping[str, str | bytes] | None = None,
-    session: requests.Session | None = None,
+    headers: client.Headers | None = None,
+    session: Any = None,
     timeout: float = TIMEOUT,
-) -> requests.Response:
-    """One request through Envoy; ``key`` goes in ``key_header`` when given."""
-    all_headers: dict[str, str | bytes] = {}
-    if key is not None:
-        all_headers[key_header] = key
-    if headers:
-        all_headers.update(headers)
-    client = session if session is not None else requests
-    return client.request(method, envoy.url(path), data=body, headers=all_headers, timeout=timeout)
+) -> client.Response:
+    """One request through Envoy; ``key`` goes in ``key_header`` when given. ``headers`` is a
+    mapping (overriding the key header), or (name, value) pairs sent as they are, repeated
+    names and all."""
+    if headers is None or isinstance(headers, Mapping):
+        all_headers: Any = {} if key is None else {key_header: key}
+        all_headers.update(headers or {})
+    else:
+        all_headers = ([] if key is None else [(key_header, key)]) + list(headers)
+    return client.request(method, envoy.url(path), body=body, headers=all_headers, timeout=timeout,
+                          client=session)
 
 
-def post(envoy: harness.Envoy, path: str, **kwargs: Any) -> requests.Response:
+def post(envoy: harness.Envoy, path: str, **kwargs: Any) -> client.Response:
     return send(envoy, path, method="POST", **kwargs)
 
 
-def is_replay(resp: requests.Response, header: str = REPLAYED) -> bool:
+def is_replay(resp: client.Response, header: str = REPLAYED) -> bool:
     return resp.headers.get(header) == "true"
 
 
-def problem(resp: requests.Response | "RawResponse", status: int, kind: str, rule: str | None = None) -> dict:
+def problem(resp: client.Response, status: int, kind: str, rule: str | None = None) -> dict:
     """Asserts an RFC 9457 answer of the filter and returns its JSON body."""
     headers = resp.headers
     assert resp.status_code == status, f"expected {status} {kind}, got {resp.status_code}: {resp.content[:300]!r}"
@@ -96,38 +110,18 @@ def problem(resp: requests.Response | "RawResponse", status: int, kind: str, rul
     return doc
 
 
-class RawResponse:
-    """What ``raw_request`` got back (header names lower-cased)."""
+def rule_counters(envoy: harness.Envoy, rule_name: str) -> dict[str, int]:
+    """The filter's outcome counters of one rule, by outcome (Envoy admin /stats)."""
+    prefix = f"wasmcustom.idempotency.rule.{rule_name}."
+    return {
+        name[len(prefix):]: value
+        for name, value in envoy.stats(filter="^" + re.escape(prefix)).items()
+        if name.startswith(prefix)
+    }
 
-    def __init__(self, status_code: int, headers: dict[str, str], content: bytes) -> None:
-        self.status_code = status_code
-        self.headers = headers
-        self.content = content
 
-
-def raw_request(
-    envoy: harness.Envoy,
-    path: str,
-    headers: Iterable[tuple[str, bytes]],
-    *,
-    method: str = "POST",
-    body: bytes = b"{}",
-    timeout: float = TIMEOUT,
-) -> RawResponse:
-    """Sends header values byte for byte (http.client does not re-encode bytes), for values
-    ``requests`` would refuse or normalise."""
-    conn = http.client.HTTPConnection(harness.LOOPBACK, envoy.port, timeout=timeout)
-    try:
-        conn.putrequest(method, path)
-        for name, value in headers:
-            conn.putheader(name, value)
-        conn.putheader("content-length", str(len(body)))
-        conn.endheaders(body)
-        resp = conn.getresponse()
-        content = resp.read()
-        return RawResponse(resp.status, {k.lower(): v for k, v in resp.getheaders()}, content)
-    finally:
-        conn.close()
+def rule_counter(envoy: harness.Envoy, rule_name: str, outcome: str) -> int:
+    return rule_counters(envoy, rule_name).get(outcome, 0)
 
 
 # --------------------------------------------------------------------------
@@ -155,27 +149,68 @@ def plugin_config(*rules: dict, capacity: int | None = None, **top: Any) -> dict
     return config
 
 
+def envoy_yaml_plugin_config() -> dict:
+    """The plugin configuration of envoy/envoy.yaml, as users get it (a fresh copy)."""
+    config = yaml.safe_load(harness.default_envoy_config().read_text())
+    return copy.deepcopy(harness.get_plugin_configuration(config))
+
+
 def sample_single_proxy_config() -> dict:
     """The plugin configuration of envoy/envoy.yaml without its ``store`` section: what
     that file tells users to do for single-proxy mode."""
-    config = harness.get_plugin_configuration(yaml.safe_load(harness.default_envoy_config().read_text()))
+    config = envoy_yaml_plugin_config()
     config.pop("store", None)
     for each in config.get("rules", []):
         each.pop("store", None)
     return config
 
 
-def envoy_options(upstream: harness.Upstream, config: Any) -> dict:
-    """``harness.Envoy`` keyword arguments for envoy/envoy.yaml in single-proxy mode: the demo
-    cluster on ``upstream``, the store cluster (unused without a ``store`` section) on a
-    port nothing listens on, the freshly built module, and ``config`` as plugin config."""
-    ports = {"demo_upstream": upstream.port}
+def envoy_options(upstream: harness.Upstream, config: Any, *, store_port: int | None = None) -> dict:
+    """``harness.Envoy`` keyword arguments for envoy/envoy.yaml: the demo cluster on
+    ``upstream``, the store cluster on ``store_port`` (by default a port nothing listens on:
+    single-proxy mode has no store), the freshly built module, and ``config`` as plugin
+    configuration (None keeps envoy.yaml's)."""
+    ports = {UPSTREAM_CLUSTER: upstream.port}
     clusters = yaml.safe_load(harness.default_envoy_config().read_text())["static_resources"]["clusters"]
     for cluster in clusters:
-        if cluster["name"] != "demo_upstream":
+        if cluster["name"] != UPSTREAM_CLUSTER:
             ports[cluster["name"]] = harness.free_port()
+    if store_port is not None:
+        ports[STORE_CLUSTER] = store_port
     return {"cluster_ports": ports, "wasm_path": wasm_path(), "plugin_config": config}
 
 
-def crash_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if any(p.search(line) for p in CRASH_PATTERNS)]
+def start_envoy(procs: harness.ProcessGroup, upstream: harness.Upstream, config: Any, *,
+                store_port: int | None = None, **kwargs: Any) -> harness.Envoy:
+    """An Envoy from envoy/envoy.yaml with only its ports, the module and (unless ``config``
+    is None) the plugin configuration changed; ``kwargs`` go to ``harness.Envoy`` (name,
+    mutate, concurrency, ...)."""
+    return procs.envoy(harness.default_envoy_config(), **kwargs,
+                       **envoy_options(upstream, config, store_port=store_port))
+
+
+@contextlib.contextmanager
+def module_envoy(tmpdir: Path, name: str, config: Any, **kwargs: Any) -> Iterator[tuple[harness.Envoy, harness.Upstream]]:
+    """For a module's fixture: an upstream and an Envoy from envoy.yaml with ``config`` that
+    the module's tests share; on the way out, the Envoy's log must show no crash."""
+    with harness.ProcessGroup(tmpdir) as group:
+        upstream = group.upstream()
+        envoy = start_envoy(group, upstream, config, name=name, **kwargs)
+        yield envoy, upstream
+        assert not crash_lines(envoy.log_text())
+
+
+# --------------------------------------------------------------------------
+# logs
+# --------------------------------------------------------------------------
+
+
+def crash_lines(text: str, *, vm_failures: bool = False) -> list[str]:
+    """Lines showing a panic or a trap; with ``vm_failures``, also Envoy's complaints
+    about a failed VM."""
+    return [
+        line
+        for line in text.splitlines()
+        if any(p.search(line) for p in CRASH_PATTERNS)
+        or (vm_failures and "wasm log " not in line and _VM_FAILURE.search(line))
+    ]

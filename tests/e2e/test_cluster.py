@@ -16,37 +16,35 @@ tests the timeout itself. Everything else in the plugin configuration is envoy.y
 from __future__ import annotations
 
 import collections
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 
+import client
 import harness
-from cluster_helpers import (
-    PROBLEM_IN_FLIGHT,
-    abort,
+from cluster import (
+    FakeStore,
     assert_unavailable,
+    cluster_plugin_config as plugin_config,
     complete_while_store_down,
-    crash_lines,
+    post,
+    raw_post,
+    start_cluster,
+    store_over_http1,
+    wait_for_answer,
+    wasm_vm_failures,
+)
+from helpers import (
+    PROBLEM_TYPE_BASE,
+    crash_lines as crash_lines_of,
     is_replay,
     new_key,
-    plugin_config,
-    post,
-    raw_request_bytes,
-    read_response_head,
     rule_counter,
     rule_counters,
-    start_cluster,
-    start_store,
-    store_over_http1,
+    start_envoy,
     unique_path,
-    wait_for_answer,
-    wasm_path,
-    wasm_vm_failures,
-    FakeStore,
 )
 
 BACKENDS = ["embedded", "redis"]
@@ -59,6 +57,12 @@ def config(**changes) -> dict:
     changes.setdefault("timeout_ms", STORE_TIMEOUT_MS)
     return plugin_config(**changes)
 COMPLETED = {"operation": "complete", "outcome": "completed"}
+PROBLEM_IN_FLIGHT = PROBLEM_TYPE_BASE + "request-in-flight"
+
+
+def crash_lines(text: str) -> list[str]:
+    """A panic, a trap, or Envoy complaining about a failed VM."""
+    return crash_lines_of(text, vm_failures=True)
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +81,7 @@ def wait_for_store_completions(cluster, count: int, timeout: float = 10.0) -> No
                        what=f"{count} completion(s) at the store")
 
 
-def assert_in_flight(resp: requests.Response) -> None:
+def assert_in_flight(resp: client.Response) -> None:
     assert resp.status_code == 409, (resp.status_code, resp.content[:200])
     assert resp.headers.get("content-type") == "application/problem+json"
     assert resp.json()["type"] == PROBLEM_IN_FLIGHT
@@ -93,12 +97,12 @@ def test_concurrent_duplicates_across_two_envoys_execute_once(procs, tmp_path, b
     """200 identical requests at once, alternating between two Envoys (2 workers each) that share
     the store: the upstream runs once, every other answer is a replay of that response or a 409,
     never a 5xx; afterwards both Envoys replay the same bytes."""
-    cluster = start_cluster(procs, tmp_path, backend, plugin=config())
+    cluster = start_cluster(procs, backend, plugin=config())
     path, key = unique_path(), new_key()
     n = 200
     barrier = threading.Barrier(n)
 
-    def one(i: int) -> requests.Response:
+    def one(i: int) -> client.Response:
         envoy = cluster.envoys[i % 2]
         barrier.wait(timeout=60)
         return post(envoy, path, key, headers={"x-demo-delay-ms": "300"}, timeout=30)
@@ -140,7 +144,7 @@ def test_concurrent_duplicates_across_two_envoys_execute_once(procs, tmp_path, b
 
 def test_envoy_restart_replays_from_the_store(procs, tmp_path) -> None:
     """A new Envoy process has empty shared data; the retry still replays, from the store."""
-    cluster = start_cluster(procs, tmp_path, plugin=config(), envoys=1)
+    cluster = start_cluster(procs, plugin=config(), envoys=1)
     path, key = unique_path(), new_key()
     first = post(cluster.a, path, key)
     assert first.status_code == 201 and not is_replay(first)
@@ -164,7 +168,7 @@ def test_envoy_restart_replays_from_the_store(procs, tmp_path) -> None:
 def test_completed_record_survives_store_restart(procs, tmp_path, backend) -> None:
     """embedded: same data dir; redis: AOF on, redis and the store both restarted. A fresh Envoy
     (no local copy) replays the record the restarted store still has."""
-    cluster = start_cluster(procs, tmp_path, backend, plugin=config(), envoys=1)
+    cluster = start_cluster(procs, backend, plugin=config(), envoys=1)
     path, key = unique_path(), new_key()
     first = post(cluster.a, path, key)
     assert first.status_code == 201 and not is_replay(first)
@@ -175,7 +179,7 @@ def test_completed_record_survives_store_restart(procs, tmp_path, backend) -> No
         assert cluster.redis is not None
         cluster.redis.restart()
     cluster.store.start()
-    fresh = cluster.add_envoy(procs, "envoy-fresh", config())
+    fresh = cluster.add_envoy("envoy-fresh", config())
 
     retry = post(fresh, path, key)
     assert (retry.status_code, is_replay(retry)) == (201, True), retry.content[:200]
@@ -201,7 +205,7 @@ def test_store_down_fail_closed_and_fail_open_then_dedup_resumes(procs, tmp_path
     fail_open rule executes on the local claim alone (so the other Envoy, which cannot see that
     claim, executes a retry again: the price of fail_open). Once the store is back on its port,
     a new key executes once and replays on the other Envoy."""
-    cluster = start_cluster(procs, tmp_path, plugin=config(extra_rules=[OPEN_RULE]))
+    cluster = start_cluster(procs, plugin=config(extra_rules=[OPEN_RULE]))
     a, b = cluster.a, cluster.b
     cluster.store.stop()
 
@@ -251,9 +255,9 @@ def test_store_slower_than_timeout_fails_closed_in_time(procs, tmp_path) -> None
     callout budget is the generous test one, so a busy machine cannot turn them into 503s.
     """
     lease = 30
-    cluster = start_cluster(procs, tmp_path, plugin=plugin_config(timeout_ms=200, lease_seconds=lease),
+    cluster = start_cluster(procs, plugin=plugin_config(timeout_ms=200, lease_seconds=lease),
                             envoys=1)
-    b = cluster.add_envoy(procs, "envoy-b", config(lease_seconds=lease))
+    b = cluster.add_envoy("envoy-b", config(lease_seconds=lease))
     path, key = unique_path(), new_key()
     cluster.store.pause()
     try:
@@ -287,14 +291,8 @@ def test_store_answering_garbage_fails_by_policy_without_crashing(procs, tmp_pat
     (fail_open: the request runs), is counted as store_error, and the module never traps."""
     fake = FakeStore(procs, tmp_path)
     upstream = procs.upstream()
-    envoy = procs.envoy(
-        harness.default_envoy_config(),
-        name="envoy-garbage",
-        cluster_ports={"demo_upstream": upstream.port, "idempotency_store": fake.port},
-        plugin_config=config(extra_rules=[OPEN_RULE]),
-        wasm_path=wasm_path(),
-        mutate=store_over_http1,
-    )
+    envoy = start_envoy(procs, upstream, config(extra_rules=[OPEN_RULE]), store_port=fake.port,
+                        name="envoy-garbage", mutate=store_over_http1)
     for number, mode in enumerate(GARBAGE_MODES, start=1):
         fake.set_mode(mode)
         path = unique_path()
@@ -320,7 +318,7 @@ def test_store_answering_garbage_fails_by_policy_without_crashing(procs, tmp_pat
 def test_wrong_token_is_refused_and_fails_closed(procs, tmp_path) -> None:
     """Envoy sends a token the store does not accept: 401 at the store, the fail_closed 503 at
     the client, counted on both sides."""
-    cluster = start_cluster(procs, tmp_path, plugin=config(token="not-the-store-token"),
+    cluster = start_cluster(procs, plugin=config(token="not-the-store-token"),
                             envoys=1)
     rejected = cluster.store.metric("idempotency_store_rejected_requests_total", reason="unauthorized")
     path = unique_path()
@@ -350,16 +348,15 @@ def test_client_gone_before_the_upstream_answered(procs, tmp_path) -> None:
       as ``taken_over`` where the stale local claim was), and everyone replays that one.
     """
     lease = 3
-    cluster = start_cluster(procs, tmp_path, plugin=config(lease_seconds=lease))
+    cluster = start_cluster(procs, plugin=config(lease_seconds=lease))
     a, b = cluster.a, cluster.b
     path, key = unique_path(), new_key()
     sent = time.monotonic()
-    with socket.create_connection((harness.LOOPBACK, a.port), timeout=10) as sock:
-        sock.sendall(raw_request_bytes(path, key, headers={"x-demo-delay-ms": "1500"}))
+    with raw_post(a, path, key, headers={"x-demo-delay-ms": "1500"}) as raw:
         harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10,
                            what="the upstream to start executing")
         time.sleep(max(0.0, 0.2 - (time.monotonic() - sent)))
-        abort(sock)
+        raw.abort()
     harness.wait_until(
         lambda: a.stats().get("cluster.demo_upstream.upstream_cx_destroy_local_with_active_rq", 0) == 1,
         timeout=10, what="Envoy to reset the upstream request")
@@ -388,15 +385,14 @@ def test_client_gone_while_the_store_confirms_frees_the_key(procs, tmp_path) -> 
     its local claim at once, and the store claim (applied once the store resumes) through the
     root context's release. A retry through Envoy B then executes, long before the 30 s lease
     would have let it."""
-    cluster = start_cluster(procs, tmp_path, plugin=config(lease_seconds=30))
+    cluster = start_cluster(procs, plugin=config(lease_seconds=30))
     a, b = cluster.a, cluster.b
     path, key = unique_path(), new_key()
     cluster.store.pause()
     try:
-        with socket.create_connection((harness.LOOPBACK, a.port), timeout=10) as sock:
-            sock.sendall(raw_request_bytes(path, key))
+        with raw_post(a, path, key) as raw:
             time.sleep(0.3)
-            abort(sock)
+            raw.abort()
         time.sleep(0.3)
     finally:
         cluster.store.resume()
@@ -419,7 +415,7 @@ def test_completion_survives_client_hangup_and_store_outage(procs, tmp_path) -> 
     (A plain hang-up right after the response is not deterministic: the completion has almost
     always reached a live store before the client's RST arrives.)
     """
-    cluster = start_cluster(procs, tmp_path, plugin=config())
+    cluster = start_cluster(procs, plugin=config())
     a, b = cluster.a, cluster.b
     path, key = unique_path(), new_key()
     body = complete_while_store_down(a, cluster, path, key, delay_ms=2000)
@@ -440,15 +436,12 @@ def test_client_gone_in_the_middle_of_a_large_body_is_recorded_without_it(procs,
     when the stream ends: a retry through the other Envoy gets that answer with the
     omitted-body marker instead of a second execution.
     """
-    cluster = start_cluster(procs, tmp_path, plugin=config(lease_seconds=30))
+    cluster = start_cluster(procs, plugin=config(lease_seconds=30))
     a, b = cluster.a, cluster.b
     path, key = unique_path(), new_key()
-    with socket.create_connection((harness.LOOPBACK, a.port), timeout=10) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(raw_request_bytes(path, key, headers={"x-demo-body-bytes": str(16 * 1024 * 1024)}))
-        status, _, _ = read_response_head(sock, timeout=15)
-        assert status == 201
-        abort(sock)
+    with raw_post(a, path, key, headers={"x-demo-body-bytes": str(16 * 1024 * 1024)}, recv_buffer=4096) as raw:
+        assert raw.read_head(timeout=15).status == 201
+        raw.abort()
     assert cluster.upstream.executions(path) == 1
     replay, conflicts = wait_for_answer(lambda: post(b, path, key), timeout=10, interval=0.2)
     for c in conflicts:
@@ -460,12 +453,9 @@ def test_client_gone_in_the_middle_of_a_large_body_is_recorded_without_it(procs,
 
     # Contrast: a body Envoy holds whole is recorded although the client left after the head.
     path2, key2 = unique_path(), new_key()
-    with socket.create_connection((harness.LOOPBACK, a.port), timeout=10) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(raw_request_bytes(path2, key2, headers={"x-demo-body-bytes": str(256 * 1024)}))
-        status, _, _ = read_response_head(sock, timeout=15)
-        assert status == 201
-        abort(sock)
+    with raw_post(a, path2, key2, headers={"x-demo-body-bytes": str(256 * 1024)}, recv_buffer=4096) as raw:
+        assert raw.read_head(timeout=15).status == 201
+        raw.abort()
     replay, _ = wait_for_answer(lambda: post(b, path2, key2), timeout=10)
     assert (replay.status_code, is_replay(replay), len(replay.content)) == (201, True, 256 * 1024)
     assert cluster.upstream.executions(path2) == 1
@@ -479,7 +469,7 @@ def test_client_gone_in_the_middle_of_a_large_body_is_recorded_without_it(procs,
 def test_store_answer_is_cached_locally(procs, tmp_path) -> None:
     """Once Envoy B replayed a record from the store it keeps a local copy: with the store down,
     B still replays that key, while a new key on B gets the fail_closed 503."""
-    cluster = start_cluster(procs, tmp_path, plugin=config())
+    cluster = start_cluster(procs, plugin=config())
     a, b = cluster.a, cluster.b
     path, key = unique_path(), new_key()
     first = post(a, path, key)
@@ -503,7 +493,7 @@ def test_store_answer_is_cached_locally(procs, tmp_path) -> None:
 def test_upstream_error_releases_the_store_claim(procs, tmp_path) -> None:
     """An upstream 503 releases the claim cluster-wide (the release goes to the store from A's
     root context): a retry through the other Envoy executes again."""
-    cluster = start_cluster(procs, tmp_path, plugin=config())
+    cluster = start_cluster(procs, plugin=config())
     a, b = cluster.a, cluster.b
     path, key = unique_path(), new_key()
     failed = post(a, path, key, headers={"x-demo-status": "503"})
@@ -533,7 +523,7 @@ def test_body_waits_for_the_store_when_the_rule_never_reads_it(procs, tmp_path) 
     claim: a body passed on before the store answered would run the request upstream first.
     The same key with the same body through the other Envoy (no local record there) gets the
     replay, and the upstream ran once. (Regression: Envoy B used to execute it again.)"""
-    cluster = start_cluster(procs, tmp_path, plugin=config(fingerprint="none"))
+    cluster = start_cluster(procs, plugin=config(fingerprint="none"))
     a, b = cluster.a, cluster.b
     path, key = unique_path(), new_key()
     body = b'{"sku":"book","qty":1,"note":"' + b"x" * 4096 + b'"}'
@@ -563,7 +553,7 @@ def test_completion_survives_a_store_outage_of_many_seconds(procs, tmp_path, bac
     buffer), although the claim it completes has lapsed (Redis has even deleted it): it
     carries the claim's fingerprint, so the store records it. A retry through the OTHER Envoy
     then replays instead of executing again. Nothing was dropped."""
-    cluster = start_cluster(procs, tmp_path, backend, plugin=config(lease_seconds=5))
+    cluster = start_cluster(procs, backend, plugin=config(lease_seconds=5))
     a, b = cluster.a, cluster.b
     path, key = unique_path(), new_key()
     down_since = time.monotonic()
@@ -598,15 +588,15 @@ def test_large_bodies_of_a_rule_that_never_reads_them(procs, tmp_path) -> None:
     control instead: the 4 MiB upload executes once and its retry through the other Envoy
     replays."""
     body = b"x" * (4 * 1024 * 1024)
-    buffered = start_cluster(procs, tmp_path, plugin=config(fingerprint="none"), envoys=1)
+    buffered = start_cluster(procs, plugin=config(fingerprint="none"), envoys=1)
     path, key = unique_path(), new_key()
     refused = post(buffered.a, path, key, body=body)
     assert refused.status_code == 413, refused.content[:200]
     assert buffered.upstream.executions(path) == 0
 
-    a = buffered.add_envoy(procs, "envoy-flow-a", config(fingerprint="none"),
+    a = buffered.add_envoy("envoy-flow-a", config(fingerprint="none"),
                            mutate=without_headers_stop_iteration)
-    b = buffered.add_envoy(procs, "envoy-flow-b", config(fingerprint="none"),
+    b = buffered.add_envoy("envoy-flow-b", config(fingerprint="none"),
                            mutate=without_headers_stop_iteration)
     path, key = unique_path(), new_key()
     first = post(a, path, key, body=body)

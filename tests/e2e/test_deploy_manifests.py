@@ -12,9 +12,8 @@ import shutil
 import subprocess
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-import pytest
 import yaml
 
 import harness
@@ -75,16 +74,8 @@ def mesh_like(store_cluster: str, wasm_filter: dict | None = None) -> Callable[[
     return mutate
 
 
-def store_with_manifest_token(procs: harness.ProcessGroup, tmp_path: Path, token: str) -> int:
-    port = harness.free_port()
-    token_file = tmp_path / "token"
-    token_file.write_text(token)
-    store = procs.process(
-        [str(harness.store_binary()), "--listen", f"127.0.0.1:{port}", "--backend", "memory", "--token-file", str(token_file)],
-        name="store",
-    )
-    harness.wait_for_http(f"http://127.0.0.1:{port}/healthz", proc=store)
-    return port
+def store_with_manifest_token(procs: harness.ProcessGroup, token: str) -> int:
+    return procs.store(backend="memory", token=token).port
 
 
 def run_a_retried_write(envoy: harness.Envoy, upstream: harness.Upstream) -> None:
@@ -109,7 +100,7 @@ def run_a_retried_write(envoy: harness.Envoy, upstream: harness.Upstream) -> Non
 def test_wasmplugin_plugin_config_runs_in_the_filter(procs, tmp_path) -> None:
     config = wasmplugin_config()
     upstream = procs.upstream()
-    store_port = store_with_manifest_token(procs, tmp_path, config["store"]["token"])
+    store_port = store_with_manifest_token(procs, config["store"]["token"])
     options = helpers.envoy_options(upstream, config)
     options["cluster_ports"] = {"demo_upstream": upstream.port}
     envoy = procs.envoy(
@@ -128,7 +119,7 @@ def test_envoyfilter_inserts_the_same_filter_with_the_stop_iteration_flag(procs,
     inline_config = json.loads(inner["configuration"]["value"])
     assert inline_config == wasmplugin_config(), "envoyfilter.yaml and wasmplugin.yaml must configure the same rules"
     upstream = procs.upstream()
-    store_port = store_with_manifest_token(procs, tmp_path, inline_config["store"]["token"])
+    store_port = store_with_manifest_token(procs, inline_config["store"]["token"])
     envoy = procs.envoy(
         harness.default_envoy_config(),
         cluster_ports={"demo_upstream": upstream.port},
@@ -263,7 +254,7 @@ def test_a_client_cannot_choose_its_scope_through_the_gateway_filters(procs) -> 
         hcm = envoy_config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["http_filters"][0:0] = [strip, jwt_authn]
 
-    envoy = procs.envoy(harness.default_envoy_config(), mutate=mutate, **helpers.envoy_options(upstream, config))
+    envoy = helpers.start_envoy(procs, upstream, config, mutate=mutate)
 
     def bearer(sub: str) -> dict:
         return {"authorization": "Bearer " + hs256_token(secret, {"iss": jwt_rule["issuer"], "sub": sub, "exp": 4102444800})}
@@ -289,7 +280,7 @@ def test_a_client_cannot_choose_its_scope_through_the_gateway_filters(procs) -> 
         hcm = envoy_config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["http_filters"][0:0] = [strip]
 
-    bare = procs.envoy(harness.default_envoy_config(), name="envoy-strip-only", mutate=strip_only, **helpers.envoy_options(upstream, config))
+    bare = helpers.start_envoy(procs, upstream, config, name="envoy-strip-only", mutate=strip_only)
     helpers.problem(helpers.post(bare, "/orders", key=key, headers={"x-verified-subject": "alice"}), 401, "missing-scope")
 
 

@@ -46,19 +46,9 @@ def add_partner_vhost(config: dict) -> None:
 
 @pytest.fixture(scope="module")
 def sources_envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[harness.Envoy, harness.Upstream]]:
-    group = harness.ProcessGroup(tmp_path_factory.mktemp("sources"))
-    try:
-        upstream = group.upstream()
-        envoy = group.envoy(
-            harness.default_envoy_config(),
-            name="envoy-sources",
-            mutate=add_partner_vhost,
-            **helpers.envoy_options(upstream, {"rules": rules()}),
-        )
-        yield envoy, upstream
-        assert not helpers.crash_lines(envoy.log_text())
-    finally:
-        group.close()
+    with helpers.module_envoy(tmp_path_factory.mktemp("sources"), "envoy-sources", {"rules": rules()},
+                              mutate=add_partner_vhost) as envoy_and_upstream:
+        yield envoy_and_upstream
 
 
 @pytest.mark.parametrize(
@@ -204,13 +194,13 @@ def test_a_repeated_fingerprinted_form_field_counts_every_value(sources_envoy) -
     ids=["bad-escape", "not-utf8", "duplicate"],
 )
 def test_undecodable_or_repeated_query_keys_get_400(sources_envoy, query, detail) -> None:
-    """Sent byte for byte (``requests`` would re-quote `%zz` as `%25zz`)."""
+    """The query goes out byte for byte (the client leaves `%zz` as written)."""
     envoy, upstream = sources_envoy
     path = helpers.unique_path("qk")
-    resp = helpers.raw_request(envoy, f"{path}?{query}", [])
+    resp = helpers.send(envoy, f"{path}?{query}", body=b"{}")
     doc = helpers.problem(resp, 400, "invalid-key", rule="query-key")
     assert "query parameter 'order_no'" in doc["detail"] and detail in doc["detail"], doc
     assert upstream.executions(path) == 0
     # The same key, validly encoded, is a key.
-    ok = helpers.raw_request(envoy, f"{path}?order_no=%41%2D{uuid.uuid4().hex}", [])
+    ok = helpers.send(envoy, f"{path}?order_no=%41%2D{uuid.uuid4().hex}", body=b"{}")
     assert ok.status_code == 201 and upstream.executions(path) == 1

@@ -13,7 +13,6 @@ import hmac
 import json
 import urllib.parse
 import uuid
-from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -34,19 +33,9 @@ def recipe(name: str) -> dict:
 @pytest.fixture(scope="module")
 def recipes_envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[harness.Envoy, harness.Upstream]]:
     """One Envoy whose plugin configuration holds every recipe's rules, unchanged."""
-    group = harness.ProcessGroup(tmp_path_factory.mktemp("recipes"))
-    try:
-        upstream = group.upstream()
-        rules = [r for path in sorted(RECIPES.glob("*.json")) for r in json.loads(path.read_text())["rules"]]
-        envoy = group.envoy(
-            harness.default_envoy_config(),
-            name="envoy-recipes",
-            **helpers.envoy_options(upstream, {"rules": rules}),
-        )
-        yield envoy, upstream
-        assert not helpers.crash_lines(envoy.log_text())
-    finally:
-        group.close()
+    rules = [r for path in sorted(RECIPES.glob("*.json")) for r in json.loads(path.read_text())["rules"]]
+    with helpers.module_envoy(tmp_path_factory.mktemp("recipes"), "envoy-recipes", {"rules": rules}) as envoy_and_upstream:
+        yield envoy_and_upstream
 
 
 def test_every_recipe_file_is_shown_verbatim_in_the_readme() -> None:

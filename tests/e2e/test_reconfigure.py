@@ -13,24 +13,28 @@ table starts empty; in cluster mode the store still holds every record.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
 import yaml
 
 import harness
+from cluster import (
+    cluster_plugin_config,
+    complete_while_store_down,
+    post as cluster_post,
+    start_cluster,
+)
 from helpers import (
     crash_lines,
-    wasm_path as harness_wasm,
-    envoy_options,
     is_replay,
     new_key,
     plugin_config,
     post,
     rule,
+    start_envoy,
     unique_path,
 )
 
@@ -42,7 +46,7 @@ class PushableEnvoy:
     the plugin configuration can be pushed while Envoy runs."""
 
     def __init__(self, procs: harness.ProcessGroup, tmp_path: Path, upstream: harness.Upstream,
-                 config: dict, *, name: str = "envoy-pushed", options: dict | None = None,
+                 config: dict, *, name: str = "envoy-pushed", store_port: int | None = None,
                  **envoy_kwargs) -> None:
         self.lds_dir = tmp_path / f"lds-{name}"
         self.lds_dir.mkdir()
@@ -66,9 +70,8 @@ class PushableEnvoy:
             }
             return envoy_config
 
-        options = options if options is not None else envoy_options(upstream, config)
-        self.envoy = procs.envoy(harness.default_envoy_config(), name=name, mutate=to_lds,
-                                 **options, **envoy_kwargs)
+        self.envoy = start_envoy(procs, upstream, config, store_port=store_port, name=name, mutate=to_lds,
+                                 **envoy_kwargs)
 
     def _write_listener(self) -> None:
         listener = dict(self.listener, **{"@type": LISTENER_TYPE})
@@ -109,7 +112,6 @@ def test_a_push_keeps_every_record_and_claim(procs, tmp_path) -> None:
     assert first.status_code == 201 and not is_replay(first)
 
     slow_path, slow_key = unique_path("orders"), new_key()
-    from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(1) as pool:
         slow = pool.submit(post, envoy, slow_path,
                            key=slow_key, headers={"x-demo-delay-ms": "3000"})
@@ -149,7 +151,8 @@ def test_a_capacity_change_still_replays_and_says_what_it_holds(procs, tmp_path)
     fresh_path, fresh_key = unique_path("orders"), new_key()
     fresh = post(envoy, fresh_path, key=fresh_key)
     assert fresh.status_code == 201 and not is_replay(fresh)
-    assert "local_table.capacity changed: the earlier table of 128 buckets is still consulted" \
+    earlier = harness.table_geometry(1024).buckets
+    assert f"local_table.capacity changed: the earlier table of {earlier} buckets is still consulted" \
         in envoy.log_text()
 
     pushed.push(plugin_config(orders_rule(), capacity=1024))
@@ -166,8 +169,7 @@ def test_a_restart_starts_the_local_table_empty(procs, tmp_path) -> None:
     The README says so and points to cluster mode, whose store keeps them (see
     test_cluster.py::test_envoy_restart_replays_from_the_store)."""
     upstream = procs.upstream()
-    envoy = procs.envoy(harness.default_envoy_config(), name="envoy-restarted",
-                        **envoy_options(upstream, plugin_config(orders_rule())))
+    envoy = start_envoy(procs, upstream, plugin_config(orders_rule()), name="envoy-restarted")
     path, key = unique_path("orders"), new_key()
     first = post(envoy, path, key=key)
     assert first.status_code == 201 and not is_replay(first)
@@ -184,26 +186,16 @@ def test_store_writes_waiting_out_an_outage_survive_a_push(procs, tmp_path) -> N
     listener drains away (drain time 1 s here). The old root context must not take the
     waiting completion with it: once the store is back, the completion lands, and a retry
     through another Envoy replays instead of executing again."""
-    from cluster_helpers import (plugin_config as cluster_plugin, post as cluster_post,
-                                 is_replay as cluster_is_replay, new_key as cluster_key,
-                                 unique_path as cluster_path, complete_while_store_down,
-                                 start_cluster)
-    base = cluster_plugin(timeout_ms=2000, lease_seconds=60)
-    cluster = start_cluster(procs, tmp_path, plugin=base, envoys=1)
+    base = cluster_plugin_config(timeout_ms=2000, lease_seconds=60)
+    cluster = start_cluster(procs, plugin=base, envoys=1)
     b = cluster.a
-    options = {
-        "cluster_ports": {"demo_upstream": cluster.upstream.port,
-                          "idempotency_store": cluster.store.port},
-        "wasm_path": harness_wasm(),
-        "plugin_config": base,
-    }
     pushed = PushableEnvoy(procs, tmp_path, cluster.upstream, base, name="envoy-pushed-cluster",
-                           options=options, extra_args=["--drain-time-s", "1"])
+                           store_port=cluster.store.port, extra_args=["--drain-time-s", "1"])
     a = pushed.envoy
-    path, key = cluster_path(), cluster_key()
+    path, key = unique_path(), new_key()
     complete_while_store_down(a, cluster, path, key)
 
-    pushed.push(cluster_plugin(timeout_ms=2000, lease_seconds=90))
+    pushed.push(cluster_plugin_config(timeout_ms=2000, lease_seconds=90))
     harness.wait_until(
         lambda: a.stat("listener_manager.total_listeners_draining") == 0,
         timeout=20, what="the old listener to drain away")
@@ -213,7 +205,7 @@ def test_store_writes_waiting_out_an_outage_survive_a_push(procs, tmp_path) -> N
     harness.wait_until(lambda: cluster.store_completions() >= 1, timeout=15,
                        what="the waiting completion to reach the store")
     retry = cluster_post(b, path, key)
-    assert (retry.status_code, cluster_is_replay(retry)) == (201, True), retry.content[:200]
+    assert (retry.status_code, is_replay(retry)) == (201, True), retry.content[:200]
     assert cluster.upstream.executions(path) == 1
     log = a.log_text()
     assert "configuration retired with 1 store write(s) still waiting" in log

@@ -11,14 +11,13 @@ import pytest
 import harness
 from helpers import (
     REPLAYED,
-    crash_lines,
-    envoy_options,
+    module_envoy,
     new_key,
     plugin_config,
     post,
     problem,
-    raw_request,
     rule,
+    send,
     unique_path,
 )
 
@@ -31,19 +30,13 @@ CONFIG = plugin_config(
 
 @pytest.fixture(scope="module")
 def scopes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[harness.Envoy, harness.Upstream]]:
-    group = harness.ProcessGroup(tmp_path_factory.mktemp("scopes"))
-    try:
-        upstream = group.upstream()
-        envoy = group.envoy(harness.default_envoy_config(), name="envoy-scopes", **envoy_options(upstream, CONFIG))
-        yield envoy, upstream
-        assert not crash_lines(envoy.log_text())
-    finally:
-        group.close()
+    with module_envoy(tmp_path_factory.mktemp("scopes"), "envoy-scopes", CONFIG) as envoy_and_upstream:
+        yield envoy_and_upstream
 
 
 def send_with_tenants(envoy: harness.Envoy, path: str, key: str, *tenants: bytes):
     headers = [("idempotency-key", key.encode())] + [("x-tenant", t) for t in tenants]
-    return raw_request(envoy, path, headers, body=b'{"item":"book"}')
+    return send(envoy, path, headers=headers, body=b'{"item":"book"}')
 
 
 def test_every_value_of_a_repeated_scope_header_is_part_of_the_scope(scopes) -> None:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-import requests
 
+import client
 import harness
 from helpers import (
     BODY_OMITTED,
@@ -32,10 +32,11 @@ from helpers import (
     plugin_config,
     post,
     problem,
-    raw_request,
     rule,
+    rule_counters,
     sample_single_proxy_config,
     send,
+    start_envoy,
     unique_path,
 )
 
@@ -78,7 +79,7 @@ def shared_upstream(module_group: harness.ProcessGroup) -> harness.Upstream:
 
 
 def _module_envoy(group: harness.ProcessGroup, upstream: harness.Upstream, name: str, config) -> harness.Envoy:
-    envoy = group.envoy(harness.default_envoy_config(), name=name, **envoy_options(upstream, config))
+    envoy = start_envoy(group, upstream, config, name=name)
     assert envoy.process is not None
     _MODULE_PROCESSES.append(envoy.process)
     _watch(envoy.process)
@@ -138,18 +139,9 @@ def envoy_with(procs: harness.ProcessGroup, upstream: harness.Upstream):
     """Starts envoy/envoy.yaml with the given plugin configuration for this test only."""
 
     def start(config, name: str = "envoy") -> harness.Envoy:
-        return procs.envoy(harness.default_envoy_config(), name=name, **envoy_options(upstream, config))
+        return start_envoy(procs, upstream, config, name=name)
 
     return start
-
-
-def rule_stats(envoy: harness.Envoy, rule_name: str) -> dict[str, int]:
-    prefix = f"wasmcustom.idempotency.rule.{rule_name}."
-    return {
-        name[len(prefix):]: value
-        for name, value in envoy.stats(filter=f"^wasmcustom\\.idempotency\\.rule\\.{rule_name}\\.").items()
-        if name.startswith(prefix)
-    }
 
 
 # --------------------------------------------------------------------------
@@ -255,7 +247,7 @@ def test_quoted_and_bare_forms_are_the_same_key(sample_envoy, shared_upstream) -
 )
 def test_invalid_keys_get_400_and_never_reach_the_upstream(sample_envoy, shared_upstream, value, detail) -> None:
     path = unique_path("orders")
-    resp = raw_request(sample_envoy, path, [("idempotency-key", value)])
+    resp = send(sample_envoy, path, headers=[("idempotency-key", value)], body=b"{}")
     doc = problem(resp, 400, "invalid-key", rule="orders")
     assert detail in doc["detail"]
     assert "idempotency-key" in doc["detail"]
@@ -353,13 +345,13 @@ def test_200_concurrent_identical_requests_execute_once(sample_envoy, shared_ups
     path, key = unique_path("orders"), new_key()
     body = b'{"order":"concurrent"}'
     local = threading.local()
-    sessions: list[requests.Session] = []
+    sessions: list[client.Session] = []
     lock = threading.Lock()
 
     def one(_: int) -> tuple[int, bool, bytes, str]:
         session = getattr(local, "session", None)
         if session is None:
-            session = local.session = requests.Session()
+            session = local.session = client.session()
             with lock:
                 sessions.append(session)
         resp = post(sample_envoy, path, key=key, body=body, headers={"x-demo-delay-ms": "200"}, session=session)
@@ -551,7 +543,7 @@ def test_a_claim_past_its_lease_is_taken_over(tuned_envoy, shared_upstream) -> N
     above the route timeout. The slow first attempt then loses ownership: its response
     reaches its client but is not recorded; the takeover's response is the one replayed."""
     path, key = unique_path("takeover"), new_key()
-    before = rule_stats(tuned_envoy, "takeover")
+    before = rule_counters(tuned_envoy, "takeover")
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = pool.submit(post, tuned_envoy, path, key=key, headers={"x-demo-delay-ms": "3000"})
         harness.wait_until(lambda: shared_upstream.executions(path) == 1, timeout=10, what="first request upstream")
@@ -569,7 +561,7 @@ def test_a_claim_past_its_lease_is_taken_over(tuned_envoy, shared_upstream) -> N
     assert shared_upstream.executions(path) == 2
 
     def moved() -> dict[str, int]:
-        now = rule_stats(tuned_envoy, "takeover")
+        now = rule_counters(tuned_envoy, "takeover")
         return {k: now[k] - before.get(k, 0) for k in now if now[k] != before.get(k, 0)}
 
     harness.wait_until(lambda: moved().get("not_recorded") == 1, timeout=5, what="not_recorded counted")
@@ -581,19 +573,21 @@ def test_a_claim_past_its_lease_is_taken_over(tuned_envoy, shared_upstream) -> N
 
 
 def test_a_full_table_rejects_new_keys_or_passes_them_through(envoy_with, upstream) -> None:
-    # capacity 8 is one bucket of 8 slots: every key lands in it, whatever its hash.
+    # A table of one bucket (its slots, as the code lays them out, are the whole capacity):
+    # every key lands in it, whatever its hash.
+    slots = harness.table_geometry(1).capacity
     envoy = envoy_with(
         plugin_config(
             rule("reject", prefixes=["/reject"], lease_seconds=30),
             rule("pass", prefixes=["/pass"], on_table_full="pass_through"),
-            capacity=8,
+            capacity=slots,
         )
     )
-    assert "local table holds 8 records in 1 buckets" in envoy.log_text()
-    holders = [unique_path("reject") for _ in range(8)]
-    with ThreadPoolExecutor(max_workers=8) as pool:
+    assert f"local table holds {slots} records in 1 buckets" in envoy.log_text()
+    holders = [unique_path("reject") for _ in range(slots)]
+    with ThreadPoolExecutor(max_workers=slots) as pool:
         pending = [pool.submit(post, envoy, p, key=new_key(), headers={"x-demo-delay-ms": "2000"}) for p in holders]
-        harness.wait_until(lambda: upstream.total() == 8, timeout=10, what="eight claims in flight")
+        harness.wait_until(lambda: upstream.total() == slots, timeout=10, what=f"{slots} claims in flight")
 
         path = unique_path("reject")
         resp = post(envoy, path, key=new_key())
@@ -607,10 +601,10 @@ def test_a_full_table_rejects_new_keys_or_passes_them_through(envoy_with, upstre
         assert [a.headers["x-execution"] for a in answers] == ["1", "2"]  # unprotected
         assert not any(REPLAYED in a.headers for a in answers)
 
-        assert [f.result(timeout=20).status_code for f in pending] == [201] * 8
+        assert [f.result(timeout=20).status_code for f in pending] == [201] * slots
 
-    reject, passed = rule_stats(envoy, "reject"), rule_stats(envoy, "pass")
-    assert (reject["table_full"], reject["executed"], reject["passed_through"]) == (1, 8, 0)
+    reject, passed = rule_counters(envoy, "reject"), rule_counters(envoy, "pass")
+    assert (reject["table_full"], reject["executed"], reject["passed_through"]) == (1, slots, 0)
     assert (passed["table_full"], passed["passed_through"], passed["executed"]) == (2, 2, 0)
 
 
@@ -727,12 +721,12 @@ def test_outcome_counters_in_stats_and_prometheus(envoy_with) -> None:
             rule("optional", prefixes=["/optional"], key={"required": False}),
         )
     )
-    assert rule_stats(envoy, "orders") == dict.fromkeys(OUTCOMES, 0)
+    assert rule_counters(envoy, "orders") == dict.fromkeys(OUTCOMES, 0)
 
     path, key = unique_path("orders"), new_key()
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = pool.submit(post, envoy, path, key=key, headers={"x-demo-delay-ms": "1000"})  # executed
-        harness.wait_until(lambda: rule_stats(envoy, "orders")["executed"] == 1, timeout=10, what="claim")
+        harness.wait_until(lambda: rule_counters(envoy, "orders")["executed"] == 1, timeout=10, what="claim")
         assert post(envoy, path, key=key).status_code == 409  # conflict
         assert pending.result(timeout=20).status_code == 201
     assert is_replay(post(envoy, path, key=key))  # replayed
@@ -750,10 +744,10 @@ def test_outcome_counters_in_stats_and_prometheus(envoy_with) -> None:
         "optional": dict.fromkeys(OUTCOMES, 0) | {"passed_through": 1},
     }
     harness.wait_until(
-        lambda: all(rule_stats(envoy, r) == e for r, e in expected.items()), timeout=5, what="counters settled"
+        lambda: all(rule_counters(envoy, r) == e for r, e in expected.items()), timeout=5, what="counters settled"
     )
     for rule_name, counts in expected.items():
-        assert rule_stats(envoy, rule_name) == counts
+        assert rule_counters(envoy, rule_name) == counts
 
     # stats_tags in envoy.yaml turn the rule into a label.
     text = envoy.admin("/stats/prometheus").text

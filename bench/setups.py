@@ -1,0 +1,126 @@
+"""What `make bench` runs: Envoy configurations derived from envoy/envoy.yaml, the table
+sizes and timings each uses, and the store behind the cluster-mode ones.
+
+Processes come from tests/e2e/harness.py, so the bench starts and stops them (by PID, on
+loopback) exactly as the end-to-end tests do.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
+
+import harness  # noqa: E402
+import yaml  # noqa: E402
+
+BENCH = REPO / "bench"
+WRK_DIR = BENCH / "wrk"
+WASM_DIR = REPO / "target" / "wasm32-unknown-unknown" / "release"
+FILTER_WASM = WASM_DIR / "idempotency_filter.wasm"
+NOOP_WASM = WASM_DIR / "noop_filter.wasm"
+PRODUCT_CONFIG = REPO / "envoy" / "envoy.yaml"
+
+BODY = '{"sku":"book","qty":1}'
+RULE = "orders"  # the rule of envoy/envoy.yaml that protects /orders
+STORE_TOKEN = "bench-store-token"
+# The filter's shared-data namespace (NAMESPACE in src/root.rs): only the length of the key
+# names the memory bound counts depends on it.
+NAMESPACE = "envoy.filters.http.idempotency"
+MEMORY_CAPACITY = 65536
+MEMORY_TTL_S = 2
+MEMORY_LEASE_S = 1
+# Single-proxy and cluster setups: records live 5 s, so at ~10k new keys/s about 50k are
+# live at once, spread over the buckets of this capacity, and a bucket whose every slot holds
+# a live record (503 table_full for the next key hashed to it) stays rare. The replay setup
+# (d) keeps its one record for longer than its run.
+SETUP_CAPACITY = 1_048_576
+SETUP_TTL_S = 5
+SETUP_LEASE_S = 5
+REPLAY_TTL_S = 600
+STAT_PREFIX = f"wasmcustom.idempotency.rule.{RULE}."
+
+
+def geometry(capacity: int) -> harness.TableGeometry:
+    """The filter's table for ``local_table.capacity`` = ``capacity``, from the code."""
+    return harness.table_geometry(capacity, NAMESPACE)
+
+
+# --------------------------------------------------------------------------
+# Envoy configurations, all derived from envoy/envoy.yaml
+# --------------------------------------------------------------------------
+
+PRODUCT = yaml.safe_load(PRODUCT_CONFIG.read_text())
+PRODUCT_PLUGIN = harness.get_plugin_configuration(PRODUCT)
+
+
+def plugin_config(*, capacity: int, ttl_s: int, lease_s: int, store: bool) -> dict:
+    """The product's plugin configuration with the table size and timings of a run; the
+    store section (cluster mode) kept with the bench token, or removed (single-proxy)."""
+    cfg = copy.deepcopy(PRODUCT_PLUGIN)
+    cfg["local_table"] = {"capacity": capacity}
+    for rule in cfg["rules"]:
+        rule["ttl_seconds"] = ttl_s
+        rule["lease_seconds"] = lease_s
+    if store:
+        cfg["store"]["token"] = STORE_TOKEN
+    else:
+        cfg.pop("store", None)
+    return cfg
+
+
+def without_wasm_filter(config: dict) -> None:
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for net in chain["filters"]:
+                tc = net.get("typed_config") or {}
+                if "http_filters" in tc:
+                    tc["http_filters"] = [f for f in tc["http_filters"] if f.get("name") != harness.IDEMPOTENCY_FILTER_NAME]
+
+
+@dataclass
+class Setup:
+    key: str
+    title: str
+    wasm: Path | None = None
+    plugin: Any = None
+    store_backend: str | None = None  # "embedded" | "redis"
+    mutate: Callable[[dict], None] | None = None
+    replay: bool = False
+    short: str = ""  # chart label
+
+
+def setups() -> list[Setup]:
+    single = plugin_config(capacity=SETUP_CAPACITY, ttl_s=SETUP_TTL_S, lease_s=SETUP_LEASE_S, store=False)
+    cluster = plugin_config(capacity=SETUP_CAPACITY, ttl_s=SETUP_TTL_S, lease_s=SETUP_LEASE_S, store=True)
+    replays = plugin_config(capacity=SETUP_CAPACITY, ttl_s=REPLAY_TTL_S, lease_s=SETUP_LEASE_S, store=False)
+    return [
+        Setup("a", "Envoy, no Wasm filter", mutate=without_wasm_filter, short="no filter"),
+        Setup("b0", "no-op Wasm filter", wasm=NOOP_WASM, plugin={}, short="no-op Wasm"),
+        Setup("b", "no-op Wasm filter, waits for the body", wasm=NOOP_WASM, plugin={"wait_for_body": True},
+              short="no-op Wasm\nwaits for body"),
+        Setup("c", "idempotency, single-proxy, new keys", wasm=FILTER_WASM, plugin=single,
+              short="single-proxy\nnew keys"),
+        Setup("d", "idempotency, single-proxy, replays", wasm=FILTER_WASM, plugin=replays, replay=True,
+              short="single-proxy\nreplays"),
+        Setup("e", "idempotency, cluster, embedded store", wasm=FILTER_WASM, plugin=cluster,
+              store_backend="embedded", short="cluster\nembedded store"),
+        Setup("f", "idempotency, cluster, Redis store", wasm=FILTER_WASM, plugin=cluster, store_backend="redis",
+              short="cluster\nRedis store"),
+    ]
+
+
+
+# --------------------------------------------------------------------------
+# the store
+# --------------------------------------------------------------------------
+
+
+def start_store(tmp: Path, backend: str, redis: harness.Redis | None, name: str) -> harness.Store:
+    return harness.Store(tmp, token=STORE_TOKEN, backend=backend, redis=redis, name=name,
+                         log_level="warn").start()
