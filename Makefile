@@ -31,8 +31,10 @@ build: wasm binaries
 wasm:
 	cargo build --release --target $(WASM_TARGET) -p idempotency-filter
 
+# The table_geometry example lets tests and the bench read the table's layout from the code.
 binaries:
 	cargo build --release -p demo-upstream -p idempotency-store
+	cargo build --release -p idempotency-core --example table_geometry
 
 $(ENVOY): tests/requirements.txt
 	python3 -m venv $(VENV)

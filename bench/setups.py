@@ -29,9 +29,6 @@ PRODUCT_CONFIG = REPO / "envoy" / "envoy.yaml"
 BODY = '{"sku":"book","qty":1}'
 RULE = "orders"  # the rule of envoy/envoy.yaml that protects /orders
 STORE_TOKEN = "bench-store-token"
-# The filter's shared-data namespace (NAMESPACE in src/root.rs): only the length of the key
-# names the memory bound counts depends on it.
-NAMESPACE = "envoy.filters.http.idempotency"
 MEMORY_CAPACITY = 65536
 MEMORY_TTL_S = 2
 MEMORY_LEASE_S = 1
@@ -48,7 +45,7 @@ STAT_PREFIX = f"wasmcustom.idempotency.rule.{RULE}."
 
 def geometry(capacity: int) -> harness.TableGeometry:
     """The filter's table for ``local_table.capacity`` = ``capacity``, from the code."""
-    return harness.table_geometry(capacity, NAMESPACE)
+    return harness.table_geometry(capacity)
 
 
 # --------------------------------------------------------------------------

@@ -427,11 +427,12 @@ class TableGeometry:
 
 
 @functools.lru_cache(maxsize=None)
-def table_geometry(capacity: int, namespace: str = "namespace") -> TableGeometry:
+def table_geometry(capacity: int) -> TableGeometry:
     """Asks the code (crates/idempotency-core/examples/table_geometry.rs) rather than
-    copying its constants; the first call builds the example (bounded by a timeout)."""
+    copying its constants, key names in the filter's own namespace; the first call builds the
+    example (bounded by a timeout)."""
     argv = [os.environ.get("CARGO", "cargo"), "run", "-q", "--release", "-p", "idempotency-core",
-            "--example", "table_geometry", "--", str(capacity), namespace]
+            "--example", "table_geometry", "--", str(capacity)]
     try:
         result = subprocess.run(argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, capture_output=True,
                                 text=True, timeout=600, preexec_fn=_preexec())

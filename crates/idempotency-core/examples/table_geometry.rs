@@ -5,6 +5,8 @@
 //! cargo run -q --release -p idempotency-core --example table_geometry -- <capacity> [namespace]
 //! ```
 //!
+//! The namespace defaults to the filter's own.
+//!
 //! Byte counts and key names are observed through the table's public API writing to an
 //! in-memory shared data, so they are what the filter writes into Envoy's.
 
@@ -12,6 +14,7 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 
+use idempotency_core::plugin::NAMESPACE;
 use idempotency_core::table::{Claim, HostError, SetOutcome, SharedData, Table, WAYS};
 
 /// Shared data with the host's semantics (a write to an absent key always succeeds; an
@@ -98,7 +101,8 @@ fn main() -> ExitCode {
         eprintln!("usage: table_geometry <capacity> [namespace]");
         return ExitCode::from(2);
     };
-    let namespace = args.get(1).map_or("namespace", String::as_str);
+    // By default the filter's own namespace, so key names have their real length.
+    let namespace = args.get(1).map_or(NAMESPACE, String::as_str);
     match geometry(capacity, namespace) {
         Ok(json) => {
             println!("{json}");
