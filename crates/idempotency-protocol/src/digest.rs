@@ -57,15 +57,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hex_is_lowercase_and_byte_ordered() {
-        let mut d = [0u8; 32];
-        d[0] = 0xab;
-        d[31] = 0x01;
-        let h = to_hex(&d);
-        assert!(h.starts_with("ab00") && h.ends_with("01") && h.len() == HEX_LEN);
-        let mut lower = d;
-        lower[0] = 0x9f;
-        assert!(HexDigest::from(&lower) < HexDigest::from(&d));
+    fn hex_is_lowercase_and_orders_like_the_bytes() {
+        let low: Digest = std::array::from_fn(|i| (i as u8).wrapping_mul(8));
+        let h = to_hex(&low);
+        assert_eq!(h.len(), HEX_LEN);
+        assert!(h.starts_with("00081018") && h.ends_with("f8"), "{h}");
+        let mut high = low;
+        high[1] = 0xa0;
+        assert!(HexDigest::from(&low) < HexDigest::from(&high));
     }
 
     #[test]
