@@ -49,7 +49,7 @@ run: deps-run build venv
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy --release --target $(WASM_TARGET) -p idempotency-filter -p idempotency-core -- -D warnings
+	cargo clippy --release --target $(WASM_TARGET) -p idempotency-filter -p idempotency-core -p idempotency-protocol -- -D warnings
 
 unit:
 	cargo test --workspace
@@ -57,7 +57,7 @@ unit:
 unit-wasm:
 	@command -v wasm-bindgen-test-runner >/dev/null || { echo "wasm-bindgen-test-runner missing: cargo install wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION)"; exit 1; }
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
-		cargo test --target $(WASM_TARGET) -p idempotency-core
+		cargo test --target $(WASM_TARGET) -p idempotency-core -p idempotency-protocol
 
 e2e: build venv
 	$(VENV)/bin/pytest -q tests/e2e

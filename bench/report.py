@@ -39,7 +39,8 @@ def machine() -> dict[str, str]:
     mem = re.search(r"MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text())
     envoy_version = sh([str(harness.envoy_binary()), "--version"])
     m = re.search(r"version: \S+/([\d.]+)/", envoy_version)
-    measured = ["src", "crates/idempotency-core", "crates/idempotency-store", "crates/demo-upstream", "envoy"]
+    measured = ["src", "crates/idempotency-protocol", "crates/idempotency-core", "crates/idempotency-store",
+                "crates/demo-upstream", "envoy"]
     dirty = subprocess.run(["git", "status", "--porcelain", "--", *measured], capture_output=True, text=True,
                            timeout=30, cwd=REPO).stdout
     return {

@@ -181,7 +181,7 @@ fn default_store_timeout_ms() -> u64 {
     250
 }
 fn default_store_path_prefix() -> String {
-    "/v1".to_string()
+    idempotency_protocol::wire::path::PREFIX.to_string()
 }
 
 fn default_capacity() -> u64 {
@@ -251,15 +251,13 @@ const MAX_TTL_SECONDS: u64 = 366 * 86_400;
 const MAX_RESPONSE_BYTES: u64 = 64 * 1024 * 1024;
 const MAX_RULE_NAME_LEN: usize = 64;
 
-/// The store's own limits, defined again here because core cannot depend on the store crate:
-/// `MIN_LEASE_MS`, `MAX_LEASE_MS`, `MIN_TTL_MS` and `MAX_TTL_MS` in
-/// `crates/idempotency-store/src/protocol.rs`. The store refuses every claim outside them,
-/// so a rule with a store that exceeds them would fail each request at run time instead of
-/// once at configuration. Keep the two in step.
-pub const STORE_MIN_LEASE_MS: u64 = 1;
-pub const STORE_MAX_LEASE_MS: u64 = 86_400_000;
-pub const STORE_MIN_TTL_MS: u64 = 1;
-pub const STORE_MAX_TTL_MS: u64 = 31_536_000_000;
+/// The store's own limits, from the protocol crate the store shares. The store refuses every
+/// claim outside them, so a rule with a store that exceeds them would fail each request at
+/// run time instead of once at configuration.
+pub const STORE_MIN_LEASE_MS: u64 = idempotency_protocol::wire::MIN_LEASE_MS;
+pub const STORE_MAX_LEASE_MS: u64 = idempotency_protocol::wire::MAX_LEASE_MS;
+pub const STORE_MIN_TTL_MS: u64 = idempotency_protocol::wire::MIN_TTL_MS;
+pub const STORE_MAX_TTL_MS: u64 = idempotency_protocol::wire::MAX_TTL_MS;
 
 /// A configuration error that names the field and says why it was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,8 +3,9 @@
 use sha2::{Digest as _, Sha256};
 use std::fmt;
 
-/// A SHA-256 digest: storage keys and fingerprints.
-pub type Digest = [u8; 32];
+/// A SHA-256 digest (storage keys and fingerprints) and its lowercase hex, for logs and the
+/// store protocol: the protocol crate's, which the store shares.
+pub use idempotency_protocol::digest::{to_hex, Digest};
 
 /// Longest key accepted, in bytes (Stripe's limit; the draft recommends UUIDs).
 pub const MAX_KEY_BYTES: usize = 255;
@@ -173,16 +174,6 @@ pub fn request_scope<'h, 'v>(
         scope.push(scope_value(&values));
     }
     Ok(scope)
-}
-
-/// Lower-case hex of a digest, for logs and the store protocol.
-pub fn to_hex(digest: &Digest) -> String {
-    use std::fmt::Write as _;
-    let mut s = String::with_capacity(64);
-    for b in digest {
-        let _ = write!(s, "{b:02x}");
-    }
-    s
 }
 
 #[cfg(test)]

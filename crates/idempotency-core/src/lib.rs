@@ -11,6 +11,10 @@
 //! upstream response and [`record`] encodes it; in cluster mode [`store_client`] speaks to
 //! the shared store. [`problem`] words every answer the filter gives itself, [`outcome`]
 //! names what the metrics count, [`burst_log`] keeps failures from flooding the log.
+//!
+//! What the filter and the store must agree on lives in the `idempotency-protocol` crate,
+//! which both depend on: the digest type, the store protocol's wire types, and the
+//! claim/complete/release decision that [`table`] follows as the store's backends do.
 
 pub mod burst_log;
 pub mod capture;

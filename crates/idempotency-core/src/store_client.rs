@@ -1,10 +1,11 @@
 //! The filter's side of the store protocol (`docs/store-protocol.md`): request bodies it sends
-//! and how it reads the answers. Anything unexpected is a `StoreFailure`, never a panic: the
-//! rule's store-error policy decides what the client sees.
+//! and how it reads the answers, in the protocol crate's wire types. Anything unexpected is a
+//! `StoreFailure`, never a panic: the rule's store-error policy decides what the client sees.
 
-use base64::engine::general_purpose::STANDARD as BASE64;
-use base64::Engine as _;
-use serde::{Deserialize, Serialize};
+use idempotency_protocol::wire::{
+    decode_record, encode_record, outcome, ClaimBody, ClaimResponse, CompleteBody, OutcomeResponse,
+    ReleaseBody,
+};
 
 use crate::key::{to_hex, Digest};
 use crate::record::RecordedResponse;
@@ -60,45 +61,6 @@ impl std::fmt::Display for StoreFailure {
     }
 }
 
-#[derive(Serialize)]
-struct ClaimBody<'a> {
-    key: &'a str,
-    fingerprint: &'a str,
-    lease_ms: u64,
-    owner: &'a str,
-}
-
-#[derive(Serialize)]
-struct CompleteBody<'a> {
-    key: &'a str,
-    owner: &'a str,
-    ttl_ms: u64,
-    record: String,
-    /// Lets the store record the completion even if the claim lapsed and was removed
-    /// while this write waited out an outage (and nobody claimed the key since).
-    fingerprint: &'a str,
-}
-
-#[derive(Serialize)]
-struct ReleaseBody<'a> {
-    key: &'a str,
-    owner: &'a str,
-}
-
-#[derive(Deserialize)]
-#[serde(tag = "outcome", rename_all = "snake_case")]
-enum ClaimAnswer {
-    Claimed { owner: String },
-    InFlight,
-    Completed { record: String },
-    Mismatch,
-}
-
-#[derive(Deserialize)]
-struct OutcomeAnswer {
-    outcome: String,
-}
-
 /// The owner token this proxy claims with. Chosen by the proxy, not the store, so that a
 /// claim whose answer never arrived (timeout) can still be released by its owner.
 /// `local_owner` is unique within the Envoy process; the clock and the key separate processes.
@@ -115,10 +77,10 @@ pub fn store_owner(local_owner: u64, now_nanos: u64, key: &Digest) -> String {
 
 pub fn claim_body(key: &Digest, fingerprint: &Digest, lease_ms: u64, owner: &str) -> Vec<u8> {
     serde_json::to_vec(&ClaimBody {
-        key: &to_hex(key),
-        fingerprint: &to_hex(fingerprint),
+        key: to_hex(key),
+        fingerprint: to_hex(fingerprint),
         lease_ms,
-        owner,
+        owner: Some(owner.to_owned()),
     })
     .unwrap_or_default()
 }
@@ -131,19 +93,21 @@ pub fn complete_body(
     response: &RecordedResponse,
 ) -> Vec<u8> {
     serde_json::to_vec(&CompleteBody {
-        key: &to_hex(key),
-        owner,
+        key: to_hex(key),
+        owner: owner.to_owned(),
         ttl_ms,
-        record: BASE64.encode(response.encode()),
-        fingerprint: &to_hex(fingerprint),
+        record: encode_record(&response.encode()),
+        // Lets the store record the completion even if the claim lapsed and was removed
+        // while this write waited out an outage (and nobody claimed the key since).
+        fingerprint: Some(to_hex(fingerprint)),
     })
     .unwrap_or_default()
 }
 
 pub fn release_body(key: &Digest, owner: &str) -> Vec<u8> {
     serde_json::to_vec(&ReleaseBody {
-        key: &to_hex(key),
-        owner,
+        key: to_hex(key),
+        owner: owner.to_owned(),
     })
     .unwrap_or_default()
 }
@@ -156,20 +120,19 @@ pub fn read_claim(status: Option<u16>, body: &[u8]) -> Result<StoreClaim, StoreF
         Some(s) => return Err(StoreFailure::Refused(s)),
         None => return Err(StoreFailure::NoAnswer),
     }
-    let answer: ClaimAnswer = serde_json::from_slice(body)
+    let answer: ClaimResponse = serde_json::from_slice(body)
         .map_err(|e| StoreFailure::Garbage(format!("store claim answer unreadable: {e}")))?;
     Ok(match answer {
-        ClaimAnswer::Claimed { owner } if !owner.is_empty() => StoreClaim::Claimed { owner },
-        ClaimAnswer::Claimed { .. } => {
+        ClaimResponse::Claimed { owner, .. } if !owner.is_empty() => StoreClaim::Claimed { owner },
+        ClaimResponse::Claimed { .. } => {
             return Err(StoreFailure::Garbage(
                 "store claim answer has an empty owner".to_string(),
             ))
         }
-        ClaimAnswer::InFlight => StoreClaim::InFlight,
-        ClaimAnswer::Mismatch => StoreClaim::Mismatch,
-        ClaimAnswer::Completed { record } => {
-            let bytes = BASE64
-                .decode(record.as_bytes())
+        ClaimResponse::InFlight { .. } => StoreClaim::InFlight,
+        ClaimResponse::Mismatch => StoreClaim::Mismatch,
+        ClaimResponse::Completed { record } => {
+            let bytes = decode_record(&record)
                 .map_err(|e| StoreFailure::Garbage(format!("store record is not base64: {e}")))?;
             let response = RecordedResponse::decode(&bytes).ok_or_else(|| {
                 StoreFailure::Garbage("store record is not a recorded response".to_string())
@@ -207,8 +170,10 @@ pub fn read_write_answer(kind: WriteKind, status: Option<u16>, body: &[u8]) -> W
     match status {
         // Nothing left to release (released before, expired, or taken over): the goal holds.
         Some(409) if kind == WriteKind::Release => WriteAnswer::Done,
-        Some(200) => match serde_json::from_slice::<OutcomeAnswer>(body) {
-            Ok(a) if a.outcome == "completed" || a.outcome == "released" => WriteAnswer::Done,
+        Some(200) => match serde_json::from_slice::<OutcomeResponse>(body) {
+            Ok(a) if a.outcome == outcome::COMPLETED || a.outcome == outcome::RELEASED => {
+                WriteAnswer::Done
+            }
             Ok(a) => WriteAnswer::Retry(format!("unexpected outcome '{}'", a.outcome)),
             Err(e) => WriteAnswer::Retry(format!("answer unreadable: {e}")),
         },
@@ -229,6 +194,8 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
+    use base64::engine::general_purpose::STANDARD as BASE64;
+    use base64::Engine as _;
 
     fn recorded() -> RecordedResponse {
         RecordedResponse {

@@ -9,6 +9,8 @@
 
 use std::cell::RefCell;
 
+use idempotency_protocol::decision::{self, ClaimDecision, CompleteDecision, ReleaseDecision};
+
 use crate::key::Digest;
 use crate::record::RecordedResponse;
 use crate::wire::Reader;
@@ -143,8 +145,56 @@ const FREE_SLOT: Slot = Slot {
 };
 
 impl Slot {
+    /// What this slot holds for `key`, as the protocol's decisions see it. The response of a
+    /// completed slot lives under its own key, so the decision never sees its bytes.
+    fn record_for(&self, key: &Digest) -> Option<decision::Record<'_, Digest, u64>> {
+        if self.key != *key {
+            return None;
+        }
+        match self.state {
+            SlotState::Free => None,
+            SlotState::InFlight => Some(decision::Record::InFlight {
+                fingerprint: &self.fingerprint,
+                owner: &self.owner,
+                lease_ends_at_ms: self.expires_at_ms,
+            }),
+            SlotState::Completed => Some(decision::Record::Completed {
+                fingerprint: &self.fingerprint,
+                expires_at_ms: self.expires_at_ms,
+                record: None,
+            }),
+        }
+    }
+
     fn live(&self, now_ms: u64) -> bool {
-        self.state != SlotState::Free && now_ms < self.expires_at_ms
+        self.record_for(&self.key)
+            .is_some_and(|r| r.is_live(now_ms))
+    }
+}
+
+/// Which write a held claim makes; both need the claim to be still its holder's.
+#[derive(Debug, Clone, Copy)]
+enum HeldWrite {
+    Complete { now_ms: u64 },
+    Release,
+}
+
+impl HeldWrite {
+    fn allowed(self, current: Option<decision::Record<'_, Digest, u64>>, owner: &u64) -> bool {
+        match self {
+            HeldWrite::Complete { now_ms } => {
+                // No bytes and no fingerprint: a held claim completes once (the table never
+                // sees a resent complete), and a claim gone from its slot is not recorded
+                // afresh (the slot may hold another key by then). Only `Record` remains.
+                let asked = decision::Completion {
+                    owner,
+                    record: &[],
+                    fingerprint: None,
+                };
+                decision::complete(current, &asked, now_ms) == CompleteDecision::Record
+            }
+            HeldWrite::Release => decision::release(current, owner) == ReleaseDecision::Release,
+        }
     }
 }
 
@@ -190,21 +240,19 @@ fn encode_bucket(slots: &[Slot; WAYS]) -> Vec<u8> {
     out
 }
 
-/// What a live record of the claimed key answers, wherever it lives: 422 for another
-/// payload, a replay once completed, 409 while in flight.
-fn answer_from_live(slot: &Slot, at: SlotRef, fingerprint: &Digest, now_ms: u64) -> Claim {
-    if slot.fingerprint != *fingerprint {
-        return Claim::Mismatch;
-    }
-    match slot.state {
-        SlotState::Completed => Claim::Completed {
+/// The table's answer to a claim of a key one of its records holds, wherever that record lives
+/// (this table or a predecessor): 422 for another payload, a replay once completed, 409 while
+/// in flight. None when the protocol's decision is to claim the key.
+fn answer(decided: ClaimDecision, slot: &Slot, at: SlotRef) -> Option<Claim> {
+    match decided {
+        ClaimDecision::Claim | ClaimDecision::TakeOver => None,
+        ClaimDecision::InFlight { retry_after_ms } => Some(Claim::InFlight { retry_after_ms }),
+        ClaimDecision::Replay => Some(Claim::Completed {
             slot: at,
             owner: slot.owner,
             status: slot.status,
-        },
-        _ => Claim::InFlight {
-            retry_after_ms: slot.expires_at_ms.saturating_sub(now_ms).max(1),
-        },
+        }),
+        ClaimDecision::Mismatch => Some(Claim::Mismatch),
     }
 }
 
@@ -291,7 +339,10 @@ impl Table {
                 bucket,
                 way: way as u8,
             };
-            return Ok(Some(answer_from_live(slot, at, fingerprint, now_ms)));
+            let decided = decision::claim(slot.record_for(key), fingerprint, now_ms);
+            if let Some(found) = answer(decided, slot, at) {
+                return Ok(Some(found));
+            }
         }
         Ok(None)
     }
@@ -377,15 +428,16 @@ impl Table {
                 .position(|s| s.state != SlotState::Free && s.key == *key);
             let mut took_over = false;
             if let Some((way, slot)) = same_key.and_then(|w| Some((w, slots.get(w)?))) {
-                if slot.live(now_ms) {
-                    let at = SlotRef {
-                        generation: 0,
-                        bucket,
-                        way: way as u8,
-                    };
-                    return Ok(answer_from_live(slot, at, fingerprint, now_ms));
+                let decided = decision::claim(slot.record_for(key), fingerprint, now_ms);
+                let at = SlotRef {
+                    generation: 0,
+                    bucket,
+                    way: way as u8,
+                };
+                if let Some(found) = answer(decided, slot, at) {
+                    return Ok(found);
                 }
-                took_over = slot.state == SlotState::InFlight;
+                took_over = decided == ClaimDecision::TakeOver;
             }
             if same_key.is_none() && !self.predecessors.borrow().is_empty() {
                 if let Some(found) = self.claim_in_predecessors(shared, key, fingerprint, now_ms)? {
@@ -442,7 +494,8 @@ impl Table {
         // after the write below. A claim with more than the grace left needs only a read
         // (nobody can take it over before it expires); a claim closer to its end is renewed
         // by a CAS.
-        let renewed = self.update_held(shared, held, |slot| {
+        let write = HeldWrite::Complete { now_ms };
+        let renewed = self.update_held(shared, held, write, |slot| {
             let live_long_enough = now_ms.saturating_add(RECORDING_GRACE_MS);
             if slot.expires_at_ms >= live_long_enough {
                 return Ok(false);
@@ -461,7 +514,7 @@ impl Table {
         }
         .encode();
         shared.set(&self.response_key(held.slot), &encoded, None)?;
-        self.update_held(shared, held, |slot| {
+        self.update_held(shared, held, write, |slot| {
             slot.state = SlotState::Completed;
             slot.expires_at_ms = now_ms.saturating_add(ttl_ms);
             slot.status = response.status;
@@ -471,7 +524,7 @@ impl Table {
 
     /// Frees a held claim so that a retry executes again.
     pub fn release(&self, shared: &impl SharedData, held: &Held) -> Result<Completion, TableError> {
-        self.update_held(shared, held, |slot| {
+        self.update_held(shared, held, HeldWrite::Release, |slot| {
             *slot = FREE_SLOT;
             Ok(true)
         })
@@ -481,6 +534,7 @@ impl Table {
         &self,
         shared: &impl SharedData,
         held: &Held,
+        write: HeldWrite,
         mut change: impl FnMut(&mut Slot) -> Result<bool, HostError>,
     ) -> Result<Completion, TableError> {
         for _ in 0..MAX_CAS_ATTEMPTS {
@@ -488,8 +542,7 @@ impl Table {
             let Some(slot) = slots.get_mut(usize::from(held.slot.way)) else {
                 return Ok(Completion::LostOwnership);
             };
-            if slot.state != SlotState::InFlight || slot.key != held.key || slot.owner != held.owner
-            {
+            if !write.allowed(slot.record_for(&held.key), &held.owner) {
                 return Ok(Completion::LostOwnership);
             }
             if !change(slot)? {

@@ -1,21 +1,21 @@
-//! Wire format of the `/v1` API: request bodies, their validation, and the
-//! JSON answers. Kept free of HTTP-framework types so clients (the filter's
-//! tests, other crates) can reuse the same structs.
+//! The `/v1` API as the store reads and answers it: validation of request
+//! bodies into typed requests, and the answers built from storage outcomes.
+//! The wire types themselves, the bounds and the names are the protocol
+//! crate's (`idempotency_protocol::wire`), shared with the filter.
 
-use base64::engine::general_purpose::STANDARD as BASE64;
-use base64::Engine as _;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
-use crate::storage::{
-    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordState, RecordView, ReleaseOutcome,
+use idempotency_protocol::wire::{decode_record, encode_record};
+pub use idempotency_protocol::wire::{
+    outcome, ClaimBody, ClaimResponse, CompleteBody, OutcomeResponse, Problem, RecordResponse,
+    ReleaseBody, MAX_LEASE_MS, MAX_TTL_MS, MIN_LEASE_MS, MIN_TTL_MS, PROBLEM_BAD_REQUEST,
+    PROBLEM_METHOD_NOT_ALLOWED, PROBLEM_NOT_FOUND, PROBLEM_NOT_OWNER, PROBLEM_TOO_LARGE,
+    PROBLEM_UNAUTHORIZED, PROBLEM_UNAVAILABLE,
 };
 
-pub const MIN_LEASE_MS: u64 = 1;
-/// One day: a request still in flight after that is abandoned, not slow.
-pub const MAX_LEASE_MS: u64 = 86_400_000;
-pub const MIN_TTL_MS: u64 = 1;
-/// One year.
-pub const MAX_TTL_MS: u64 = 31_536_000_000;
+use crate::storage::{
+    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome,
+};
 
 /// Why a request body was refused; becomes the problem+json `detail`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,42 +25,6 @@ impl BadRequest {
     fn field(name: &str, why: &str) -> Self {
         Self(format!("field `{name}`: {why}"))
     }
-}
-
-// Raw bodies exactly as sent. Unknown fields are refused so a typo such as
-// `lease` for `lease_ms` is an error rather than a silently ignored option.
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClaimBody {
-    pub key: String,
-    pub fingerprint: String,
-    pub lease_ms: u64,
-    /// Optional owner token chosen by the client; absent → the server
-    /// generates one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub owner: Option<String>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CompleteBody {
-    pub key: String,
-    pub owner: String,
-    pub ttl_ms: u64,
-    /// Standard base64 (with padding) of the bytes to replay.
-    pub record: String,
-    /// The claim's fingerprint: with it, a key whose claim has lapsed and gone is recorded
-    /// rather than refused (see `Storage::complete_or_create`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fingerprint: Option<String>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ReleaseBody {
-    pub key: String,
-    pub owner: String,
 }
 
 // Validated requests.
@@ -132,8 +96,7 @@ pub fn parse_complete(body: &[u8]) -> Result<CompleteRequest, BadRequest> {
         key: parse_key(&raw.key)?,
         owner: parse_owner(&raw.owner)?,
         ttl_ms: check_range("ttl_ms", raw.ttl_ms, MIN_TTL_MS, MAX_TTL_MS)?,
-        record: BASE64
-            .decode(raw.record.as_bytes())
+        record: decode_record(&raw.record)
             .map_err(|e| BadRequest::field("record", &format!("not standard base64: {e}")))?,
         fingerprint: raw
             .fingerprint
@@ -151,24 +114,7 @@ pub fn parse_release(body: &[u8]) -> Result<ReleaseRequest, BadRequest> {
     })
 }
 
-// Responses.
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "outcome", rename_all = "snake_case")]
-pub enum ClaimResponse {
-    Claimed {
-        owner: String,
-        lease_expires_at_ms: u64,
-    },
-    Mismatch,
-    InFlight {
-        retry_after_ms: u64,
-    },
-    Completed {
-        /// Standard base64 of the bytes given at complete.
-        record: String,
-    },
-}
+// Answers.
 
 impl From<ClaimOutcome> for ClaimResponse {
     fn from(o: ClaimOutcome) -> Self {
@@ -183,57 +129,33 @@ impl From<ClaimOutcome> for ClaimResponse {
             ClaimOutcome::Mismatch => Self::Mismatch,
             ClaimOutcome::InFlight { retry_after_ms } => Self::InFlight { retry_after_ms },
             ClaimOutcome::Completed { record } => Self::Completed {
-                record: BASE64.encode(record),
+                record: encode_record(&record),
             },
-        }
-    }
-}
-
-/// Body of a successful complete/release: `{"outcome":"completed"}` or
-/// `{"outcome":"released"}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct OutcomeResponse {
-    pub outcome: String,
-}
-
-impl OutcomeResponse {
-    pub fn new(outcome: &str) -> Self {
-        Self {
-            outcome: outcome.to_owned(),
         }
     }
 }
 
 pub fn complete_outcome_name(o: CompleteOutcome) -> &'static str {
     match o {
-        CompleteOutcome::Completed => "completed",
-        CompleteOutcome::NotOwner => "not_owner",
+        CompleteOutcome::Completed => outcome::COMPLETED,
+        CompleteOutcome::NotOwner => outcome::NOT_OWNER,
     }
 }
 
 pub fn release_outcome_name(o: ReleaseOutcome) -> &'static str {
     match o {
-        ReleaseOutcome::Released => "released",
-        ReleaseOutcome::NotOwner => "not_owner",
+        ReleaseOutcome::Released => outcome::RELEASED,
+        ReleaseOutcome::NotOwner => outcome::NOT_OWNER,
     }
 }
 
 pub fn claim_outcome_name(o: &ClaimOutcome) -> &'static str {
     match o {
-        ClaimOutcome::Claimed { .. } => "claimed",
-        ClaimOutcome::Mismatch => "mismatch",
-        ClaimOutcome::InFlight { .. } => "in_flight",
-        ClaimOutcome::Completed { .. } => "completed",
+        ClaimOutcome::Claimed { .. } => outcome::CLAIMED,
+        ClaimOutcome::Mismatch => outcome::MISMATCH,
+        ClaimOutcome::InFlight { .. } => outcome::IN_FLIGHT,
+        ClaimOutcome::Completed { .. } => outcome::COMPLETED,
     }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RecordResponse {
-    pub state: RecordState,
-    pub fingerprint: String,
-    pub expires_at_ms: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub record: Option<String>,
 }
 
 impl From<RecordView> for RecordResponse {
@@ -242,31 +164,10 @@ impl From<RecordView> for RecordResponse {
             state: v.state,
             fingerprint: v.fingerprint.as_str().to_owned(),
             expires_at_ms: v.expires_at_ms,
-            record: v.record.map(|r| BASE64.encode(r)),
+            record: v.record.map(|r| encode_record(&r)),
         }
     }
 }
-
-/// RFC 9457 problem details. `outcome` is set only on 409 not_owner so a
-/// client can branch on the same field it reads from 200 answers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Problem {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub title: String,
-    pub status: u16,
-    pub detail: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub outcome: Option<String>,
-}
-
-pub const PROBLEM_BAD_REQUEST: &str = "urn:idempotency-store:bad-request";
-pub const PROBLEM_UNAUTHORIZED: &str = "urn:idempotency-store:unauthorized";
-pub const PROBLEM_TOO_LARGE: &str = "urn:idempotency-store:payload-too-large";
-pub const PROBLEM_NOT_FOUND: &str = "urn:idempotency-store:not-found";
-pub const PROBLEM_NOT_OWNER: &str = "urn:idempotency-store:not-owner";
-pub const PROBLEM_METHOD_NOT_ALLOWED: &str = "urn:idempotency-store:method-not-allowed";
-pub const PROBLEM_UNAVAILABLE: &str = "urn:idempotency-store:backend-unavailable";
 
 #[cfg(test)]
 mod tests {

@@ -25,7 +25,10 @@ use tower_service::Service as _;
 
 use crate::metrics::{self, Metrics, Operation, Rejection};
 use crate::protocol::{self, BadRequest, ClaimResponse, OutcomeResponse, Problem, RecordResponse};
-use crate::storage::{CompleteOutcome, Digest, OwnerToken, ReleaseOutcome, Storage, StorageError};
+use crate::storage::{
+    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome, Storage,
+    StorageError,
+};
 
 /// Base64 inflates a 1 MiB response to ~1.4 MiB; 4 MiB leaves room for that
 /// plus JSON framing and headroom for larger recorded responses.
@@ -75,11 +78,13 @@ pub struct AppState {
 }
 
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
+    use idempotency_protocol::wire::path;
+    let at = |operation: &str| format!("{}{operation}", path::PREFIX);
     let v1 = Router::new()
-        .route("/v1/claim", post(claim))
-        .route("/v1/complete", post(complete))
-        .route("/v1/release", post(release))
-        .route("/v1/records/{key}", get(lookup))
+        .route(&at(path::CLAIM), post(claim))
+        .route(&at(path::COMPLETE), post(complete))
+        .route(&at(path::RELEASE), post(release))
+        .route(&format!("{}/{{key}}", at(path::RECORDS)), get(lookup))
         // route_layer: auth only for matched routes, so unknown paths are a
         // plain 404 rather than a misleading 401.
         .route_layer(middleware::from_fn_with_state(state.clone(), require_auth));
@@ -513,146 +518,168 @@ async fn run_detached(
     }
 }
 
-async fn claim(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
-    let req = match parse_body(body, protocol::parse_claim) {
-        Ok(req) => req,
-        Err(refusal) => return refusal.respond(&st),
-    };
-    let started = Instant::now();
-    let task_st = st.clone();
-    run_detached(&st, Operation::Claim, started, async move {
-        claim_op(&task_st, req, started).await
-    })
-    .await
+/// One `/v1` operation: what it asks of storage and how its outcome is answered. Every
+/// operation runs the same way (see [`perform`]): validated input, the storage call on a task
+/// of its own, its outcome counted and timed under [`Self::OPERATION`], a 503 on failure.
+trait V1Operation: Send + 'static {
+    const OPERATION: Operation;
+    type Outcome;
+
+    fn run(
+        self,
+        storage: &dyn Storage,
+    ) -> impl Future<Output = Result<Self::Outcome, StorageError>> + Send;
+
+    /// The outcome's metrics label, and the answer.
+    fn answer(outcome: Self::Outcome) -> (&'static str, Response);
 }
 
-async fn claim_op(st: &AppState, req: protocol::ClaimRequest, started: Instant) -> Response {
-    // The client's own token if it chose one, else a fresh one from the CSPRNG.
-    let owner = match req.owner.map_or_else(OwnerToken::generate, Ok) {
-        Ok(owner) => owner,
-        Err(e) => return backend_failure(st, Operation::Claim, started, &e),
-    };
-    match st
-        .storage
-        .claim(&req.key, &req.fingerprint, req.lease_ms, &owner)
-        .await
-    {
-        Ok(outcome) => {
-            let name = protocol::claim_outcome_name(&outcome);
-            st.metrics
-                .record_operation(Operation::Claim, name, started.elapsed());
-            Json(ClaimResponse::from(outcome)).into_response()
-        }
-        Err(e) => backend_failure(st, Operation::Claim, started, &e),
+impl V1Operation for protocol::ClaimRequest {
+    const OPERATION: Operation = Operation::Claim;
+    type Outcome = ClaimOutcome;
+
+    async fn run(self, storage: &dyn Storage) -> Result<ClaimOutcome, StorageError> {
+        // The client's own token if it chose one, else a fresh one from the CSPRNG.
+        let owner = self.owner.map_or_else(OwnerToken::generate, Ok)?;
+        storage
+            .claim(&self.key, &self.fingerprint, self.lease_ms, &owner)
+            .await
     }
+
+    fn answer(outcome: ClaimOutcome) -> (&'static str, Response) {
+        let name = protocol::claim_outcome_name(&outcome);
+        (name, Json(ClaimResponse::from(outcome)).into_response())
+    }
+}
+
+impl V1Operation for protocol::CompleteRequest {
+    const OPERATION: Operation = Operation::Complete;
+    type Outcome = CompleteOutcome;
+
+    async fn run(self, storage: &dyn Storage) -> Result<CompleteOutcome, StorageError> {
+        storage
+            .complete_or_create(
+                &self.key,
+                &self.owner,
+                self.ttl_ms,
+                self.record,
+                self.fingerprint.as_ref(),
+            )
+            .await
+    }
+
+    fn answer(outcome: CompleteOutcome) -> (&'static str, Response) {
+        let name = protocol::complete_outcome_name(outcome);
+        let resp = match outcome {
+            CompleteOutcome::Completed => Json(OutcomeResponse::new(name)).into_response(),
+            CompleteOutcome::NotOwner => not_owner(
+                "no in-flight record for this key is owned by this owner, \
+                 and no completion with these bytes exists",
+            ),
+        };
+        (name, resp)
+    }
+}
+
+impl V1Operation for protocol::ReleaseRequest {
+    const OPERATION: Operation = Operation::Release;
+    type Outcome = ReleaseOutcome;
+
+    async fn run(self, storage: &dyn Storage) -> Result<ReleaseOutcome, StorageError> {
+        storage.release(&self.key, &self.owner).await
+    }
+
+    fn answer(outcome: ReleaseOutcome) -> (&'static str, Response) {
+        let name = protocol::release_outcome_name(outcome);
+        let resp = match outcome {
+            ReleaseOutcome::Released => Json(OutcomeResponse::new(name)).into_response(),
+            ReleaseOutcome::NotOwner => {
+                not_owner("no in-flight record for this key is owned by this owner")
+            }
+        };
+        (name, resp)
+    }
+}
+
+/// A lookup by the key in its path.
+struct Lookup(Digest);
+
+impl V1Operation for Lookup {
+    const OPERATION: Operation = Operation::Lookup;
+    type Outcome = Option<RecordView>;
+
+    async fn run(self, storage: &dyn Storage) -> Result<Option<RecordView>, StorageError> {
+        storage.lookup(&self.0).await
+    }
+
+    fn answer(outcome: Option<RecordView>) -> (&'static str, Response) {
+        match outcome {
+            Some(view) => ("found", Json(RecordResponse::from(view)).into_response()),
+            None => (
+                "not_found",
+                problem(
+                    StatusCode::NOT_FOUND,
+                    protocol::PROBLEM_NOT_FOUND,
+                    "Not found",
+                    "no live record for this key",
+                ),
+            ),
+        }
+    }
+}
+
+/// The handler of a `POST /v1/...` whose JSON body `parse` reads and validates.
+async fn post_handler<Op: V1Operation>(
+    st: AppState,
+    body: Result<Bytes, BytesRejection>,
+    parse: fn(&[u8]) -> Result<Op, BadRequest>,
+) -> Response {
+    match parse_body(body, parse) {
+        Ok(op) => perform(&st, op).await,
+        Err(refusal) => refusal.respond(&st),
+    }
+}
+
+async fn claim(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    post_handler(st, body, protocol::parse_claim).await
 }
 
 async fn complete(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
-    let req = match parse_body(body, protocol::parse_complete) {
-        Ok(req) => req,
-        Err(refusal) => return refusal.respond(&st),
-    };
-    let started = Instant::now();
-    let task_st = st.clone();
-    run_detached(&st, Operation::Complete, started, async move {
-        complete_op(&task_st, req, started).await
-    })
-    .await
-}
-
-async fn complete_op(st: &AppState, req: protocol::CompleteRequest, started: Instant) -> Response {
-    match st
-        .storage
-        .complete_or_create(
-            &req.key,
-            &req.owner,
-            req.ttl_ms,
-            req.record,
-            req.fingerprint.as_ref(),
-        )
-        .await
-    {
-        Ok(outcome) => {
-            let name = protocol::complete_outcome_name(outcome);
-            st.metrics
-                .record_operation(Operation::Complete, name, started.elapsed());
-            match outcome {
-                CompleteOutcome::Completed => Json(OutcomeResponse::new(name)).into_response(),
-                CompleteOutcome::NotOwner => not_owner(
-                    "no in-flight record for this key is owned by this owner, \
-                     and no completion with these bytes exists",
-                ),
-            }
-        }
-        Err(e) => backend_failure(st, Operation::Complete, started, &e),
-    }
+    post_handler(st, body, protocol::parse_complete).await
 }
 
 async fn release(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
-    let req = match parse_body(body, protocol::parse_release) {
-        Ok(req) => req,
-        Err(refusal) => return refusal.respond(&st),
-    };
-    let started = Instant::now();
-    let task_st = st.clone();
-    run_detached(&st, Operation::Release, started, async move {
-        release_op(&task_st, req, started).await
-    })
-    .await
-}
-
-async fn release_op(st: &AppState, req: protocol::ReleaseRequest, started: Instant) -> Response {
-    match st.storage.release(&req.key, &req.owner).await {
-        Ok(outcome) => {
-            let name = protocol::release_outcome_name(outcome);
-            st.metrics
-                .record_operation(Operation::Release, name, started.elapsed());
-            match outcome {
-                ReleaseOutcome::Released => Json(OutcomeResponse::new(name)).into_response(),
-                ReleaseOutcome::NotOwner => {
-                    not_owner("no in-flight record for this key is owned by this owner")
-                }
-            }
-        }
-        Err(e) => backend_failure(st, Operation::Release, started, &e),
-    }
+    post_handler(st, body, protocol::parse_release).await
 }
 
 async fn lookup(State(st): State<AppState>, key: Result<Path<String>, PathRejection>) -> Response {
-    let key = match key
+    match key
         .map_err(|rej| BadRequest(format!("bad path: {}", rej.body_text())))
         .and_then(|Path(raw)| protocol::parse_key(&raw))
     {
-        Ok(k) => k,
-        Err(bad) => return bad_request(&st, bad),
-    };
-    let started = Instant::now();
-    let task_st = st.clone();
-    run_detached(&st, Operation::Lookup, started, async move {
-        lookup_op(&task_st, key, started).await
-    })
-    .await
+        Ok(key) => perform(&st, Lookup(key)).await,
+        Err(bad) => bad_request(&st, bad),
+    }
 }
 
-async fn lookup_op(st: &AppState, key: Digest, started: Instant) -> Response {
-    match st.storage.lookup(&key).await {
-        Ok(Some(view)) => {
-            st.metrics
-                .record_operation(Operation::Lookup, "found", started.elapsed());
-            Json(RecordResponse::from(view)).into_response()
+/// Runs a validated operation on a task of its own (see [`run_detached`]), counts and times
+/// its outcome, and answers it.
+async fn perform<Op: V1Operation>(st: &AppState, op: Op) -> Response {
+    let started = Instant::now();
+    let task_st = st.clone();
+    run_detached(st, Op::OPERATION, started, async move {
+        match op.run(task_st.storage.as_ref()).await {
+            Ok(outcome) => {
+                let (name, resp) = Op::answer(outcome);
+                task_st
+                    .metrics
+                    .record_operation(Op::OPERATION, name, started.elapsed());
+                resp
+            }
+            Err(e) => backend_failure(&task_st, Op::OPERATION, started, &e),
         }
-        Ok(None) => {
-            st.metrics
-                .record_operation(Operation::Lookup, "not_found", started.elapsed());
-            problem(
-                StatusCode::NOT_FOUND,
-                protocol::PROBLEM_NOT_FOUND,
-                "Not found",
-                "no live record for this key",
-            )
-        }
-        Err(e) => backend_failure(st, Operation::Lookup, started, &e),
-    }
+    })
+    .await
 }
 
 async fn metrics_text(State(st): State<AppState>) -> Response {

@@ -1,6 +1,8 @@
 //! Callouts to the shared store: the request for a protocol operation, and whatever came
 //! back (a reset or timeout arrives with no headers at all).
 
+use idempotency_protocol::wire::path;
+
 use crate::config::StoreConfig;
 use crate::host::{status_of, Callout, Host, HostError};
 use crate::store_client::MAX_STORE_ANSWER_BYTES;
@@ -16,9 +18,9 @@ pub enum StoreOp {
 impl StoreOp {
     fn path(self) -> &'static str {
         match self {
-            StoreOp::Claim => "/claim",
-            StoreOp::Complete => "/complete",
-            StoreOp::Release => "/release",
+            StoreOp::Claim => path::CLAIM,
+            StoreOp::Complete => path::COMPLETE,
+            StoreOp::Release => path::RELEASE,
         }
     }
 }

@@ -1,7 +1,13 @@
 //! The record state machine for backends that keep records themselves
-//! (memory, embedded). Pure functions over "what is stored now", so both
-//! backends share one implementation and only differ in how they make the
-//! read-decide-write step atomic. The redis backend mirrors this in Lua.
+//! (memory, embedded): `idempotency_protocol::decision` decides, these
+//! functions turn its decision into what to store and what to answer. Pure
+//! over "what is stored now", so both backends share one implementation and
+//! only differ in how they make the read-decide-write step atomic. The redis
+//! backend runs the same decisions in Lua.
+
+use idempotency_protocol::decision::{
+    self, ClaimDecision, CompleteDecision, Completion, ReleaseDecision,
+};
 
 use super::{
     ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordState, RecordView, ReleaseOutcome,
@@ -22,8 +28,24 @@ pub(crate) struct StoredRecord {
 }
 
 impl StoredRecord {
+    /// The record as the protocol's decisions see it.
+    fn as_decided(&self) -> decision::Record<'_, Digest, OwnerToken> {
+        match &self.body {
+            StoredBody::InFlight { owner } => decision::Record::InFlight {
+                fingerprint: &self.fingerprint,
+                owner,
+                lease_ends_at_ms: self.expires_at_ms,
+            },
+            StoredBody::Completed { record } => decision::Record::Completed {
+                fingerprint: &self.fingerprint,
+                expires_at_ms: self.expires_at_ms,
+                record: Some(record),
+            },
+        }
+    }
+
     pub fn is_live(&self, now_ms: u64) -> bool {
-        now_ms < self.expires_at_ms
+        self.as_decided().is_live(now_ms)
     }
 }
 
@@ -42,44 +64,38 @@ pub(crate) fn claim(
     now_ms: u64,
     owner: &OwnerToken,
 ) -> Decision<ClaimOutcome> {
-    if let Some(rec) = existing.filter(|r| r.is_live(now_ms)) {
-        if rec.fingerprint != *fingerprint {
-            return Decision::Keep(ClaimOutcome::Mismatch);
+    let current = existing.map(StoredRecord::as_decided);
+    match decision::claim(current, fingerprint, now_ms) {
+        ClaimDecision::Mismatch => Decision::Keep(ClaimOutcome::Mismatch),
+        ClaimDecision::InFlight { retry_after_ms } => {
+            Decision::Keep(ClaimOutcome::InFlight { retry_after_ms })
         }
-        return Decision::Keep(match &rec.body {
-            StoredBody::InFlight { .. } => ClaimOutcome::InFlight {
-                retry_after_ms: rec.expires_at_ms.saturating_sub(now_ms).max(1),
-            },
-            StoredBody::Completed { record } => ClaimOutcome::Completed {
+        ClaimDecision::Replay => match existing.map(|r| &r.body) {
+            Some(StoredBody::Completed { record }) => Decision::Keep(ClaimOutcome::Completed {
                 record: record.clone(),
-            },
-        });
+            }),
+            // Replay is only ever decided for a completed record; answer as if
+            // the key were busy rather than invent a record.
+            _ => Decision::Keep(ClaimOutcome::InFlight { retry_after_ms: 1 }),
+        },
+        ClaimDecision::Claim | ClaimDecision::TakeOver => {
+            let lease_expires_at_ms = now_ms.saturating_add(lease_ms);
+            let rec = StoredRecord {
+                fingerprint: fingerprint.clone(),
+                expires_at_ms: lease_expires_at_ms,
+                body: StoredBody::InFlight {
+                    owner: owner.clone(),
+                },
+            };
+            Decision::Put(
+                rec,
+                ClaimOutcome::Claimed {
+                    owner: owner.clone(),
+                    lease_expires_at_ms,
+                },
+            )
+        }
     }
-    // Absent, expired completion, or lapsed lease (takeover): a new claim.
-    let lease_expires_at_ms = now_ms.saturating_add(lease_ms);
-    let rec = StoredRecord {
-        fingerprint: fingerprint.clone(),
-        expires_at_ms: lease_expires_at_ms,
-        body: StoredBody::InFlight {
-            owner: owner.clone(),
-        },
-    };
-    Decision::Put(
-        rec,
-        ClaimOutcome::Claimed {
-            owner: owner.clone(),
-            lease_expires_at_ms,
-        },
-    )
-}
-
-fn owned_in_flight<'a>(
-    existing: Option<&'a StoredRecord>,
-    owner: &OwnerToken,
-) -> Option<&'a StoredRecord> {
-    // A lapsed lease still belongs to its owner until someone takes it over
-    // (or the sweeper removes it): the work may well have succeeded late.
-    existing.filter(|r| matches!(&r.body, StoredBody::InFlight { owner: o } if o == owner))
 }
 
 pub(crate) fn complete(
@@ -90,50 +106,40 @@ pub(crate) fn complete(
     now_ms: u64,
     fingerprint: Option<&Digest>,
 ) -> Decision<CompleteOutcome> {
-    if let Some(rec) = owned_in_flight(existing, owner) {
-        return Decision::Put(
+    let asked = Completion {
+        owner,
+        record: &record,
+        fingerprint,
+    };
+    let decided = decision::complete(existing.map(StoredRecord::as_decided), &asked, now_ms);
+    // The record keeps the claim's fingerprint; a fresh one takes the caller's.
+    let recorded_under = match decided {
+        CompleteDecision::Record => existing.map(|r| &r.fingerprint),
+        CompleteDecision::RecordAfresh => fingerprint,
+        CompleteDecision::AlreadyRecorded => return Decision::Keep(CompleteOutcome::Completed),
+        CompleteDecision::NotOwner => return Decision::Keep(CompleteOutcome::NotOwner),
+    };
+    match recorded_under {
+        Some(fingerprint) => Decision::Put(
             StoredRecord {
-                fingerprint: rec.fingerprint.clone(),
+                fingerprint: fingerprint.clone(),
                 expires_at_ms: now_ms.saturating_add(ttl_ms),
                 body: StoredBody::Completed { record },
             },
             CompleteOutcome::Completed,
-        );
+        ),
+        // Both decisions above come with a fingerprint; refuse rather than guess one.
+        None => Decision::Keep(CompleteOutcome::NotOwner),
     }
-    // A retried complete (the client resent it after losing the answer) finds
-    // its own bytes already stored: confirm without touching the record, TTL
-    // included. Other bytes are never written over a completion.
-    let already_done = existing.filter(|r| r.is_live(now_ms)).is_some_and(
-        |r| matches!(&r.body, StoredBody::Completed { record: stored } if *stored == record),
-    );
-    if already_done {
-        return Decision::Keep(CompleteOutcome::Completed);
-    }
-    // Nothing live holds the key: the claim lapsed and went while the completion waited
-    // out an outage. Recording it is what a retry needs; a live record of anyone else is
-    // never touched.
-    if let Some(fingerprint) = fingerprint {
-        if existing.is_none_or(|r| !r.is_live(now_ms)) {
-            return Decision::Put(
-                StoredRecord {
-                    fingerprint: fingerprint.clone(),
-                    expires_at_ms: now_ms.saturating_add(ttl_ms),
-                    body: StoredBody::Completed { record },
-                },
-                CompleteOutcome::Completed,
-            );
-        }
-    }
-    Decision::Keep(CompleteOutcome::NotOwner)
 }
 
 pub(crate) fn release(
     existing: Option<&StoredRecord>,
     owner: &OwnerToken,
 ) -> Decision<ReleaseOutcome> {
-    match owned_in_flight(existing, owner) {
-        Some(_) => Decision::Delete(ReleaseOutcome::Released),
-        None => Decision::Keep(ReleaseOutcome::NotOwner),
+    match decision::release(existing.map(StoredRecord::as_decided), owner) {
+        ReleaseDecision::Release => Decision::Delete(ReleaseOutcome::Released),
+        ReleaseDecision::NotOwner => Decision::Keep(ReleaseOutcome::NotOwner),
     }
 }
 

@@ -9,32 +9,12 @@ pub mod memory;
 pub mod redis;
 
 use async_trait::async_trait;
-use serde::{Deserialize, Serialize};
 
-/// A SHA-256 digest as 64 lowercase hex characters (record key or request
-/// fingerprint). Normalised on parse so `AB..` and `ab..` name one record.
-/// Ordered (as its hex text) so the memory backend can index records by
-/// (expiry, key).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Digest(String);
-
-impl Digest {
-    pub const HEX_LEN: usize = 64;
-
-    pub fn parse(raw: &str) -> Result<Self, &'static str> {
-        if raw.len() != Self::HEX_LEN {
-            return Err("must be exactly 64 hex characters");
-        }
-        if !raw.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Err("must contain only hex characters [0-9a-fA-F]");
-        }
-        Ok(Self(raw.to_ascii_lowercase()))
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
+/// A SHA-256 digest (record key or request fingerprint) in its wire form. Records are keyed
+/// by this text (embedded file keys, Redis key names), so the store works in it throughout.
+pub use idempotency_protocol::digest::HexDigest as Digest;
+/// Both a storage fact and the lookup answer's `state`.
+pub use idempotency_protocol::wire::RecordState;
 
 /// The secret a claimant proves ownership with on complete/release. Either
 /// chosen by the client in its claim (so it can release a claim whose answer
@@ -71,13 +51,6 @@ impl OwnerToken {
     pub fn as_str(&self) -> &str {
         &self.0
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RecordState {
-    InFlight,
-    Completed,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

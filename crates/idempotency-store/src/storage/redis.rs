@@ -5,6 +5,12 @@
 //!
 //! Layout: one hash per record at `idem:{<key>}`. The braces make the whole key
 //! the Redis Cluster hash tag, so a record always lives on one slot.
+//!
+//! The scripts implement `idempotency_protocol::decision` (`claim`, `complete`,
+//! `release`), which the other backends and the filter's local table call
+//! directly; they stay Lua so that each decision and its write are one atomic
+//! step on the Redis server. A change to one side must be made to the other;
+//! `tests/contract.rs` runs the same cases against every backend.
 
 use std::time::Duration;
 
@@ -17,8 +23,11 @@ use super::{
     Storage, StorageError,
 };
 
-// ARGV: fingerprint, lease_ms, owner (client-chosen or server-generated).
-// A key that exists is live by definition: Redis deleted it at lease/TTL end.
+// `decision::claim`. ARGV: fingerprint, lease_ms, owner (client-chosen or
+// server-generated). A key that exists is live by definition: Redis deleted it
+// at lease/TTL end, so `Claim` and `TakeOver` are one branch here (a takeover
+// finds the key already gone). Mismatch, then InFlight (retry_after_ms: the
+// key's PTTL, at least 1), then Replay; otherwise claim.
 const CLAIM_LUA: &str = r"
 local k = KEYS[1]
 local cur = redis.call('HMGET', k, 'state', 'fingerprint')
@@ -41,10 +50,15 @@ redis.call('PEXPIRE', k, lease)
 return {'claimed', exp}
 ";
 
-// ARGV: owner, ttl_ms, record bytes, fingerprint (may be empty).
-// A completed record whose stored bytes equal ARGV[3] is a retried complete:
-// confirm it and leave the record and its expiry as they are. Lua strings are
-// 8-bit clean, so `==` compares the raw bytes.
+// `decision::complete`. ARGV: owner, ttl_ms, record bytes, fingerprint (may
+// be empty). The branches in the decision's order: the caller's own in-flight
+// claim → `Record`; a completed record whose stored bytes equal ARGV[3] → a
+// retried complete, `AlreadyRecorded`: confirm it and leave the record and its
+// expiry as they are (Lua strings are 8-bit clean, so `==` compares the raw
+// bytes); no record and a fingerprint → `RecordAfresh`; else `NotOwner`.
+// Unlike the other backends, a lapsed lease is already gone here, so its
+// owner's late complete is recorded only through `RecordAfresh` (with a
+// fingerprint) and refused without one.
 const COMPLETE_LUA: &str = r"
 local k = KEYS[1]
 local cur = redis.call('HMGET', k, 'state', 'owner')
@@ -75,7 +89,8 @@ end
 return 'not_owner'
 ";
 
-// ARGV: owner.
+// `decision::release`. ARGV: owner. Only the owner's in-flight claim is
+// removed; anything else is `NotOwner`.
 const RELEASE_LUA: &str = r"
 local k = KEYS[1]
 local cur = redis.call('HMGET', k, 'state', 'owner')

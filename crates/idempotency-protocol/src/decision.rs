@@ -1,0 +1,412 @@
+//! What a claim, a complete or a release does, given what the key holds now. Written once so
+//! that the store's backends and the filter's local table cannot drift apart; each keeps its
+//! own storage and makes its read-decide-write step atomic its own way. (The store's Redis
+//! backend runs the same decisions as Lua scripts on the server, documented against these
+//! functions.)
+//!
+//! Generic over how a fingerprint and an owner are held (hex text and a token in the store,
+//! bytes and a number in the local table): the decisions only compare them.
+
+/// What a key holds, as a decision needs to see it. An expired record is given as it is,
+/// not left out: whether a lease has passed matters (a takeover; a late completion by the
+/// lease's own owner).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Record<'a, F, O> {
+    InFlight {
+        fingerprint: &'a F,
+        owner: &'a O,
+        lease_ends_at_ms: u64,
+    },
+    Completed {
+        fingerprint: &'a F,
+        expires_at_ms: u64,
+        /// The recorded bytes, where they are kept with the record (the store); `None` where
+        /// they live elsewhere (the local table keeps them under a key of their own).
+        record: Option<&'a [u8]>,
+    },
+}
+
+impl<F, O> Record<'_, F, O> {
+    /// Lease end for an in-flight record, TTL end for a completed one.
+    pub fn expires_at_ms(&self) -> u64 {
+        match self {
+            Self::InFlight {
+                lease_ends_at_ms, ..
+            } => *lease_ends_at_ms,
+            Self::Completed { expires_at_ms, .. } => *expires_at_ms,
+        }
+    }
+
+    /// A record is live while `now < expires_at_ms`; every read treats an expired one as
+    /// absent, whether or not it has been removed yet.
+    pub fn is_live(&self, now_ms: u64) -> bool {
+        now_ms < self.expires_at_ms()
+    }
+
+    fn fingerprint(&self) -> &F {
+        match self {
+            Self::InFlight { fingerprint, .. } | Self::Completed { fingerprint, .. } => fingerprint,
+        }
+    }
+}
+
+/// What a claim of a key does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimDecision {
+    /// Nothing live holds the key (never claimed, released, or its completion expired):
+    /// write a new in-flight record, lease from now.
+    Claim,
+    /// The key holds an in-flight claim whose lease has passed: its owner is presumed gone,
+    /// and the new in-flight record replaces it.
+    TakeOver,
+    /// A live claim for the same payload is still running; nothing changes.
+    InFlight { retry_after_ms: u64 },
+    /// A live completion for the same payload: replay it; nothing changes.
+    Replay,
+    /// A live record holds the key for another payload; nothing changes.
+    Mismatch,
+}
+
+impl ClaimDecision {
+    /// Whether the caller now writes its own in-flight record.
+    pub fn claims(self) -> bool {
+        matches!(self, Self::Claim | Self::TakeOver)
+    }
+}
+
+/// The claim rule: a live record answers for the key (mismatch before anything else, so that
+/// no payload learns about another's progress); otherwise the key is claimed.
+pub fn claim<F: PartialEq, O>(
+    existing: Option<Record<'_, F, O>>,
+    fingerprint: &F,
+    now_ms: u64,
+) -> ClaimDecision {
+    let Some(current) = existing else {
+        return ClaimDecision::Claim;
+    };
+    if !current.is_live(now_ms) {
+        return match current {
+            Record::InFlight { .. } => ClaimDecision::TakeOver,
+            Record::Completed { .. } => ClaimDecision::Claim,
+        };
+    }
+    if current.fingerprint() != fingerprint {
+        return ClaimDecision::Mismatch;
+    }
+    match current {
+        Record::InFlight {
+            lease_ends_at_ms, ..
+        } => ClaimDecision::InFlight {
+            // Never 0: a client told to retry at once would spin while the lease runs.
+            retry_after_ms: lease_ends_at_ms.saturating_sub(now_ms).max(1),
+        },
+        Record::Completed { .. } => ClaimDecision::Replay,
+    }
+}
+
+/// A completion as its caller asks for it.
+#[derive(Debug, Clone, Copy)]
+pub struct Completion<'a, F, O> {
+    pub owner: &'a O,
+    /// The bytes to record. A live completion holding exactly these confirms a resent
+    /// complete.
+    pub record: &'a [u8],
+    /// The claim's fingerprint, when the caller wants a key that holds nothing live (its
+    /// claim lapsed and went while the completion waited) recorded rather than refused.
+    pub fingerprint: Option<&'a F>,
+}
+
+/// What a complete of a key does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompleteDecision {
+    /// The caller's own in-flight claim (its lease may have passed, as long as nobody took
+    /// over): record the bytes under the claim's fingerprint, TTL from now.
+    Record,
+    /// A live completion of exactly these bytes: a resent complete whose answer was lost.
+    /// Confirm it and change nothing, its TTL included.
+    AlreadyRecorded,
+    /// Nothing live holds the key and the caller named its claim's fingerprint: the write
+    /// did execute, so record the bytes under that fingerprint, TTL from now.
+    RecordAfresh,
+    /// Anything else: another owner's claim, another completion, or nothing (without a
+    /// fingerprint). Nothing changes; in particular a completion is never overwritten.
+    NotOwner,
+}
+
+impl CompleteDecision {
+    /// Whether the caller gets a success answer.
+    pub fn completes(self) -> bool {
+        !matches!(self, Self::NotOwner)
+    }
+}
+
+pub fn complete<F, O: PartialEq>(
+    existing: Option<Record<'_, F, O>>,
+    request: &Completion<'_, F, O>,
+    now_ms: u64,
+) -> CompleteDecision {
+    if owns(existing.as_ref(), request.owner) {
+        return CompleteDecision::Record;
+    }
+    let live = existing.filter(|r| r.is_live(now_ms));
+    match live {
+        Some(Record::Completed {
+            record: Some(stored),
+            ..
+        }) if stored == request.record => CompleteDecision::AlreadyRecorded,
+        None if request.fingerprint.is_some() => CompleteDecision::RecordAfresh,
+        _ => CompleteDecision::NotOwner,
+    }
+}
+
+/// What a release of a key does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseDecision {
+    /// The caller's own in-flight claim (lease passed or not): remove it so that a retry
+    /// executes at once.
+    Release,
+    /// Not the caller's claim, or no claim at all: nothing changes.
+    NotOwner,
+}
+
+pub fn release<F, O: PartialEq>(existing: Option<Record<'_, F, O>>, owner: &O) -> ReleaseDecision {
+    if owns(existing.as_ref(), owner) {
+        ReleaseDecision::Release
+    } else {
+        ReleaseDecision::NotOwner
+    }
+}
+
+/// Complete and release both start from ownership. A lapsed lease still belongs to its owner
+/// until someone takes it over (or it is removed): the work may well have succeeded late.
+fn owns<F, O: PartialEq>(existing: Option<&Record<'_, F, O>>, owner: &O) -> bool {
+    matches!(existing, Some(Record::InFlight { owner: held, .. }) if *held == owner)
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+
+    const NOW: u64 = 1_000;
+    const FP: u8 = 1;
+    const OTHER_FP: u8 = 2;
+    const ME: u32 = 7;
+    const SOMEONE: u32 = 8;
+
+    fn in_flight<'a>(
+        fingerprint: &'a u8,
+        owner: &'a u32,
+        ends: u64,
+    ) -> Option<Record<'a, u8, u32>> {
+        Some(Record::InFlight {
+            fingerprint,
+            owner,
+            lease_ends_at_ms: ends,
+        })
+    }
+
+    fn completed<'a>(
+        fingerprint: &'a u8,
+        expires: u64,
+        record: Option<&'a [u8]>,
+    ) -> Option<Record<'a, u8, u32>> {
+        Some(Record::Completed {
+            fingerprint,
+            expires_at_ms: expires,
+            record,
+        })
+    }
+
+    #[test]
+    fn a_claim_takes_a_key_that_holds_nothing_live() {
+        assert_eq!(claim::<u8, u32>(None, &FP, NOW), ClaimDecision::Claim);
+        // A completion at its TTL end is gone, for any payload.
+        assert_eq!(
+            claim(completed(&FP, NOW, None), &FP, NOW),
+            ClaimDecision::Claim
+        );
+        assert_eq!(
+            claim(completed(&OTHER_FP, NOW, None), &FP, NOW),
+            ClaimDecision::Claim
+        );
+    }
+
+    #[test]
+    fn a_claim_takes_over_a_lease_that_has_passed() {
+        assert_eq!(
+            claim(in_flight(&FP, &SOMEONE, NOW), &FP, NOW),
+            ClaimDecision::TakeOver
+        );
+        assert_eq!(
+            claim(in_flight(&OTHER_FP, &SOMEONE, NOW - 1), &FP, NOW),
+            ClaimDecision::TakeOver
+        );
+        assert!(ClaimDecision::TakeOver.claims() && ClaimDecision::Claim.claims());
+    }
+
+    #[test]
+    fn a_live_claim_of_the_same_payload_is_in_flight_until_its_lease_ends() {
+        assert_eq!(
+            claim(in_flight(&FP, &SOMEONE, NOW + 250), &FP, NOW),
+            ClaimDecision::InFlight {
+                retry_after_ms: 250
+            }
+        );
+        assert_eq!(
+            claim(in_flight(&FP, &SOMEONE, NOW + 1), &FP, NOW),
+            ClaimDecision::InFlight { retry_after_ms: 1 }
+        );
+        assert!(!ClaimDecision::InFlight { retry_after_ms: 1 }.claims());
+    }
+
+    #[test]
+    fn a_live_completion_of_the_same_payload_is_replayed() {
+        assert_eq!(
+            claim(completed(&FP, NOW + 1, Some(b"r")), &FP, NOW),
+            ClaimDecision::Replay
+        );
+        assert_eq!(
+            claim(completed(&FP, NOW + 1, None), &FP, NOW),
+            ClaimDecision::Replay
+        );
+    }
+
+    #[test]
+    fn a_live_record_of_another_payload_is_a_mismatch() {
+        assert_eq!(
+            claim(in_flight(&OTHER_FP, &SOMEONE, NOW + 5), &FP, NOW),
+            ClaimDecision::Mismatch
+        );
+        assert_eq!(
+            claim(completed(&OTHER_FP, NOW + 5, None), &FP, NOW),
+            ClaimDecision::Mismatch
+        );
+    }
+
+    fn completion<'a>(
+        owner: &'a u32,
+        record: &'a [u8],
+        fingerprint: Option<&'a u8>,
+    ) -> Completion<'a, u8, u32> {
+        Completion {
+            owner,
+            record,
+            fingerprint,
+        }
+    }
+
+    #[test]
+    fn the_owner_completes_its_claim_even_after_the_lease() {
+        let mine = completion(&ME, b"r", None);
+        assert_eq!(
+            complete(in_flight(&FP, &ME, NOW + 5), &mine, NOW),
+            CompleteDecision::Record
+        );
+        assert_eq!(
+            complete(in_flight(&FP, &ME, NOW - 5), &mine, NOW),
+            CompleteDecision::Record
+        );
+    }
+
+    #[test]
+    fn another_owners_claim_is_never_completed() {
+        for ends in [NOW + 5, NOW - 5] {
+            assert_eq!(
+                complete(
+                    in_flight(&FP, &SOMEONE, ends),
+                    &completion(&ME, b"r", None),
+                    NOW
+                ),
+                CompleteDecision::NotOwner,
+                "lease ends at {ends}"
+            );
+        }
+        // Not even with a fingerprint, while that claim lives.
+        assert_eq!(
+            complete(
+                in_flight(&FP, &SOMEONE, NOW + 5),
+                &completion(&ME, b"r", Some(&FP)),
+                NOW
+            ),
+            CompleteDecision::NotOwner
+        );
+    }
+
+    #[test]
+    fn a_resent_complete_finds_its_own_bytes_and_changes_nothing() {
+        let resent = completion(&ME, b"r", None);
+        assert_eq!(
+            complete(completed(&FP, NOW + 5, Some(b"r")), &resent, NOW),
+            CompleteDecision::AlreadyRecorded
+        );
+        assert!(CompleteDecision::AlreadyRecorded.completes());
+        // Other bytes are never written over a completion, nor confirmed.
+        let other = completion(&ME, b"other", Some(&FP));
+        assert_eq!(
+            complete(completed(&FP, NOW + 5, Some(b"r")), &other, NOW),
+            CompleteDecision::NotOwner
+        );
+        // Where the bytes are kept elsewhere, nothing is confirmed.
+        assert_eq!(
+            complete(completed(&FP, NOW + 5, None), &resent, NOW),
+            CompleteDecision::NotOwner
+        );
+        // An expired completion confirms nothing either.
+        assert_eq!(
+            complete(completed(&FP, NOW, Some(b"r")), &resent, NOW),
+            CompleteDecision::NotOwner
+        );
+    }
+
+    #[test]
+    fn a_completion_with_its_fingerprint_is_recorded_where_nothing_lives() {
+        let late = completion(&ME, b"r", Some(&FP));
+        for existing in [
+            None,
+            in_flight(&OTHER_FP, &SOMEONE, NOW),
+            completed(&OTHER_FP, NOW, Some(b"old")),
+        ] {
+            assert_eq!(
+                complete(existing, &late, NOW),
+                CompleteDecision::RecordAfresh
+            );
+        }
+        assert_eq!(
+            complete(None, &completion(&ME, b"r", None), NOW),
+            CompleteDecision::NotOwner
+        );
+        assert!(!CompleteDecision::NotOwner.completes());
+    }
+
+    #[test]
+    fn only_the_owner_releases_its_claim() {
+        assert_eq!(
+            release(in_flight(&FP, &ME, NOW + 5), &ME),
+            ReleaseDecision::Release
+        );
+        // A lapsed lease nobody took over is still its owner's to release.
+        assert_eq!(
+            release(in_flight(&FP, &ME, NOW - 5), &ME),
+            ReleaseDecision::Release
+        );
+        assert_eq!(
+            release(in_flight(&FP, &SOMEONE, NOW + 5), &ME),
+            ReleaseDecision::NotOwner
+        );
+        assert_eq!(
+            release(completed(&FP, NOW + 5, None), &ME),
+            ReleaseDecision::NotOwner
+        );
+        assert_eq!(release::<u8, u32>(None, &ME), ReleaseDecision::NotOwner);
+    }
+
+    #[test]
+    fn liveness_ends_at_the_expiry_instant() {
+        let r = in_flight(&FP, &ME, NOW);
+        assert!(r.as_ref().is_some_and(|r| r.is_live(NOW - 1)));
+        assert!(r.as_ref().is_some_and(|r| !r.is_live(NOW)));
+    }
+}

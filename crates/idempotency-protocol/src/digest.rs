@@ -1,0 +1,87 @@
+//! SHA-256 digests: record keys and request fingerprints. The filter computes them as bytes;
+//! the wire (and the store's keys) carry them as 64 lowercase hex characters.
+
+use std::fmt::Write as _;
+
+/// A SHA-256 digest as the filter computes it.
+pub type Digest = [u8; 32];
+
+/// Length of a digest's hex text.
+pub const HEX_LEN: usize = 64;
+
+/// Lowercase hex of a digest: its wire form.
+pub fn to_hex(digest: &Digest) -> String {
+    let mut s = String::with_capacity(HEX_LEN);
+    for b in digest {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+/// A digest in its wire form, as a request names it: 64 hex characters, normalised to
+/// lowercase so that `AB..` and `ab..` name one record. Ordered as its text, which is also
+/// the order of the bytes, so a store can index records by it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HexDigest(String);
+
+impl HexDigest {
+    pub const HEX_LEN: usize = HEX_LEN;
+
+    /// Accepts either case; the error says what is wrong, for a 400's detail.
+    pub fn parse(raw: &str) -> Result<Self, &'static str> {
+        if raw.len() != HEX_LEN {
+            return Err("must be exactly 64 hex characters");
+        }
+        if !raw.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err("must contain only hex characters [0-9a-fA-F]");
+        }
+        Ok(Self(raw.to_ascii_lowercase()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&Digest> for HexDigest {
+    fn from(digest: &Digest) -> Self {
+        Self(to_hex(digest))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+
+    #[test]
+    fn hex_is_lowercase_and_orders_like_the_bytes() {
+        let low: Digest = std::array::from_fn(|i| (i as u8).wrapping_mul(8));
+        let h = to_hex(&low);
+        assert_eq!(h.len(), HEX_LEN);
+        assert!(h.starts_with("00081018") && h.ends_with("f8"), "{h}");
+        let mut high = low;
+        high[1] = 0xa0;
+        assert!(HexDigest::from(&low) < HexDigest::from(&high));
+    }
+
+    #[test]
+    fn parse_normalises_case_and_names_the_fault() {
+        let upper = "AB".repeat(32);
+        assert_eq!(
+            HexDigest::parse(&upper).map(|h| h.as_str().to_owned()),
+            Ok("ab".repeat(32))
+        );
+        assert_eq!(HexDigest::parse(&upper), Ok(HexDigest::from(&[0xab; 32])));
+        assert_eq!(
+            HexDigest::parse("ab"),
+            Err("must be exactly 64 hex characters")
+        );
+        assert_eq!(
+            HexDigest::parse(&"zz".repeat(32)),
+            Err("must contain only hex characters [0-9a-fA-F]")
+        );
+    }
+}

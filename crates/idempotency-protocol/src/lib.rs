@@ -1,0 +1,14 @@
+//! What the idempotency filter and its store agree on, defined once: the digests both speak
+//! in ([`digest`]), the store protocol's JSON bodies and the facts around them ([`wire`]:
+//! outcome names, problem types, lease and TTL bounds), and the decision a claim, complete
+//! or release makes given what a key holds ([`decision`]), which the store's backends and the
+//! filter's local table both follow.
+//!
+//! Host-free and runtime-free (no proxy-wasm, no async), so that it builds for wasm32 inside
+//! the filter as well as natively inside the store.
+
+pub mod decision;
+pub mod digest;
+pub mod wire;
+
+pub use digest::Digest;

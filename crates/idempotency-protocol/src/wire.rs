@@ -1,0 +1,245 @@
+//! The store protocol's JSON bodies (`docs/store-protocol.md`), exactly as they travel: digests
+//! and owners as hex text, records as base64. Validation of what a request carries (digest
+//! and owner syntax) is the store's; these types only fix the shape both sides read and write.
+
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+
+// The store refuses a `lease_ms` or `ttl_ms` outside these; the filter refuses such a rule
+// at configure rather than fail each request.
+pub const MIN_LEASE_MS: u64 = 1;
+/// One day: a request still in flight after that is abandoned, not slow.
+pub const MAX_LEASE_MS: u64 = 86_400_000;
+pub const MIN_TTL_MS: u64 = 1;
+/// One year.
+pub const MAX_TTL_MS: u64 = 31_536_000_000;
+
+/// Where the store serves each operation: under `PREFIX` by default (the filter's
+/// `store.path_prefix` may name another, for a store behind a path-routing proxy).
+pub mod path {
+    pub const PREFIX: &str = "/v1";
+    pub const CLAIM: &str = "/claim";
+    pub const COMPLETE: &str = "/complete";
+    pub const RELEASE: &str = "/release";
+    /// Followed by `/{key}`: a record's state, for operators.
+    pub const RECORDS: &str = "/records";
+}
+
+/// The `outcome` values of 200 answers (and of the 409 problem on complete/release).
+pub mod outcome {
+    pub const CLAIMED: &str = "claimed";
+    pub const IN_FLIGHT: &str = "in_flight";
+    pub const COMPLETED: &str = "completed";
+    pub const MISMATCH: &str = "mismatch";
+    pub const RELEASED: &str = "released";
+    pub const NOT_OWNER: &str = "not_owner";
+}
+
+/// Problem `type` URIs of error answers.
+pub const PROBLEM_BAD_REQUEST: &str = "urn:idempotency-store:bad-request";
+pub const PROBLEM_UNAUTHORIZED: &str = "urn:idempotency-store:unauthorized";
+pub const PROBLEM_TOO_LARGE: &str = "urn:idempotency-store:payload-too-large";
+pub const PROBLEM_NOT_FOUND: &str = "urn:idempotency-store:not-found";
+pub const PROBLEM_NOT_OWNER: &str = "urn:idempotency-store:not-owner";
+pub const PROBLEM_METHOD_NOT_ALLOWED: &str = "urn:idempotency-store:method-not-allowed";
+pub const PROBLEM_UNAVAILABLE: &str = "urn:idempotency-store:backend-unavailable";
+
+/// A record's bytes on the wire: standard base64 with padding.
+pub fn encode_record(bytes: &[u8]) -> String {
+    BASE64.encode(bytes)
+}
+
+pub fn decode_record(text: &str) -> Result<Vec<u8>, base64::DecodeError> {
+    BASE64.decode(text.as_bytes())
+}
+
+// Unknown fields are refused so that a typo such as `lease` for `lease_ms` is an error rather
+// than a silently ignored option.
+
+/// `POST /v1/claim`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimBody {
+    pub key: String,
+    pub fingerprint: String,
+    pub lease_ms: u64,
+    /// Chosen by the client so that it can release a claim whose answer it never received;
+    /// absent → the store generates one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+}
+
+/// `POST /v1/complete`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompleteBody {
+    pub key: String,
+    pub owner: String,
+    pub ttl_ms: u64,
+    /// See [`encode_record`].
+    pub record: String,
+    /// The claim's fingerprint: with it, a key whose claim has lapsed and gone is recorded
+    /// rather than refused (see [`crate::decision::CompleteDecision::RecordAfresh`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<String>,
+}
+
+/// `POST /v1/release`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseBody {
+    pub key: String,
+    pub owner: String,
+}
+
+/// The 200 answer to a claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum ClaimResponse {
+    Claimed {
+        owner: String,
+        // The store always sends the times; a reader that does not act on them (the filter)
+        // does not insist on them.
+        #[serde(default)]
+        lease_expires_at_ms: u64,
+    },
+    Mismatch,
+    InFlight {
+        #[serde(default)]
+        retry_after_ms: u64,
+    },
+    Completed {
+        /// The bytes given at complete, see [`encode_record`].
+        record: String,
+    },
+}
+
+/// The 200 answer to a complete or release: `{"outcome":"completed"}` or
+/// `{"outcome":"released"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutcomeResponse {
+    pub outcome: String,
+}
+
+impl OutcomeResponse {
+    pub fn new(outcome: &str) -> Self {
+        Self {
+            outcome: outcome.to_owned(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordState {
+    InFlight,
+    Completed,
+}
+
+/// The 200 answer to `GET /v1/records/{key}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordResponse {
+    pub state: RecordState,
+    pub fingerprint: String,
+    pub expires_at_ms: u64,
+    /// Present only for completed records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub record: Option<String>,
+}
+
+/// RFC 9457 problem details. `outcome` is set only on 409 not_owner so that a client can
+/// branch on the same field it reads from 200 answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Problem {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn claim_answers_carry_the_outcome_names() {
+        let answers = [
+            (
+                ClaimResponse::Claimed {
+                    owner: "ab".into(),
+                    lease_expires_at_ms: 9,
+                },
+                json!({"outcome": outcome::CLAIMED, "owner": "ab", "lease_expires_at_ms": 9}),
+            ),
+            (
+                ClaimResponse::InFlight { retry_after_ms: 3 },
+                json!({"outcome": outcome::IN_FLIGHT, "retry_after_ms": 3}),
+            ),
+            (
+                ClaimResponse::Completed {
+                    record: "aGk=".into(),
+                },
+                json!({"outcome": outcome::COMPLETED, "record": "aGk="}),
+            ),
+            (
+                ClaimResponse::Mismatch,
+                json!({"outcome": outcome::MISMATCH}),
+            ),
+        ];
+        for (answer, wire) in answers {
+            assert_eq!(serde_json::to_value(&answer).unwrap(), wire);
+            assert_eq!(
+                serde_json::from_value::<ClaimResponse>(wire).unwrap(),
+                answer
+            );
+        }
+    }
+
+    #[test]
+    fn optional_request_fields_are_left_out_and_unknown_ones_refused() {
+        let claim = ClaimBody {
+            key: "k".into(),
+            fingerprint: "f".into(),
+            lease_ms: 5,
+            owner: None,
+        };
+        assert_eq!(
+            serde_json::to_value(&claim).unwrap(),
+            json!({"key": "k", "fingerprint": "f", "lease_ms": 5})
+        );
+        let typo = json!({"key": "k", "fingerprint": "f", "lease": 5});
+        assert!(serde_json::from_value::<ClaimBody>(typo).is_err());
+        let complete = json!({"key": "k", "owner": "o", "ttl_ms": 1, "record": ""});
+        let parsed: CompleteBody = serde_json::from_value(complete).unwrap();
+        assert_eq!(parsed.fingerprint, None);
+    }
+
+    #[test]
+    fn records_are_standard_padded_base64() {
+        assert_eq!(encode_record(b"hi"), "aGk=");
+        assert_eq!(decode_record("aGk=").unwrap(), b"hi");
+        assert!(decode_record("!!").is_err());
+    }
+
+    #[test]
+    fn problems_name_their_type_field_type() {
+        let p = Problem {
+            kind: PROBLEM_NOT_OWNER.into(),
+            title: "Not the owner".into(),
+            status: 409,
+            detail: "d".into(),
+            outcome: Some(outcome::NOT_OWNER.into()),
+        };
+        let v = serde_json::to_value(&p).unwrap();
+        assert_eq!(v["type"], PROBLEM_NOT_OWNER);
+        assert_eq!(v["outcome"], "not_owner");
+    }
+}
