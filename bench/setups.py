@@ -43,9 +43,14 @@ REPLAY_TTL_S = 600
 STAT_PREFIX = f"wasmcustom.idempotency.rule.{RULE}."
 
 
+def budget_for(capacity: int) -> int:
+    """A ``local_table.max_bytes`` that lets ``capacity`` slots keep small responses inline."""
+    return capacity * 2048
+
+
 def geometry(capacity: int) -> harness.TableGeometry:
     """The filter's table for ``local_table.capacity`` = ``capacity``, from the code."""
-    return harness.table_geometry(capacity)
+    return harness.table_geometry(capacity, budget_for(capacity))
 
 
 # --------------------------------------------------------------------------
@@ -60,7 +65,7 @@ def plugin_config(*, capacity: int, ttl_s: int, lease_s: int, store: bool) -> di
     """The product's plugin configuration with the table size and timings of a run; the
     store section (cluster mode) kept with the bench token, or removed (single-proxy)."""
     cfg = copy.deepcopy(PRODUCT_PLUGIN)
-    cfg["local_table"] = {"capacity": capacity}
+    cfg["local_table"] = {"capacity": capacity, "max_bytes": budget_for(capacity)}
     for rule in cfg["rules"]:
         rule["ttl_seconds"] = ttl_s
         rule["lease_seconds"] = lease_s

@@ -113,6 +113,14 @@ impl Host for EnvoyHost {
         host::increment_counter(id);
     }
 
+    fn define_gauge(&self, name: &str) -> Result<u32, HostError> {
+        host::define_gauge(name).map_err(error)
+    }
+
+    fn set_gauge(&self, id: u32, value: u64) {
+        host::set_gauge(id, value);
+    }
+
     fn register_queue(&self, name: &str) -> Result<u32, HostError> {
         host::register_shared_queue(name).map_err(error)
     }

@@ -124,6 +124,7 @@ extern "C" {
         return_id: *mut u32,
     ) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+    fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
 }
 
 /// Takes ownership of a buffer the host allocated through the module's allocator.
@@ -302,21 +303,27 @@ pub fn send_local_response(status: u32, headers: &[(&str, &[u8])], body: &[u8]) 
 }
 
 pub fn define_counter(name: &str) -> HostResult<u32> {
+    define_metric(MetricType::Counter, name)
+}
+
+pub fn define_gauge(name: &str) -> HostResult<u32> {
+    define_metric(MetricType::Gauge, name)
+}
+
+fn define_metric(kind: MetricType, name: &str) -> HostResult<u32> {
     let mut id: u32 = 0;
-    check(unsafe {
-        proxy_define_metric(
-            MetricType::Counter as u32,
-            name.as_ptr(),
-            name.len(),
-            &mut id,
-        )
-    })?;
+    check(unsafe { proxy_define_metric(kind as u32, name.as_ptr(), name.len(), &mut id) })?;
     Ok(id)
 }
 
 pub fn increment_counter(id: u32) {
     // A lost increment is not worth failing a request over.
     let _ = unsafe { proxy_increment_metric(id, 1) };
+}
+
+pub fn set_gauge(id: u32, value: u64) {
+    // Nor is a lost gauge value.
+    let _ = unsafe { proxy_record_metric(id, value) };
 }
 
 /// Header maps cross the ABI as: count, then (name length, value length) pairs, then each

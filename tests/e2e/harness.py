@@ -413,26 +413,39 @@ def envoy_binary() -> Path:
 
 
 @dataclass(frozen=True)
-class TableGeometry:
-    """How the filter lays out its local table for one ``local_table.capacity``."""
+class PageClass:
+    page_bytes: int  # one page: an 8-byte header and the encoded response
+    pages: int
 
-    capacity_requested: int
+
+@dataclass(frozen=True)
+class TableGeometry:
+    """How the filter lays out its local table for one ``local_table`` setting."""
+
     capacity: int  # records the table holds: buckets × ways
     buckets: int
     ways: int  # slots per bucket
     bucket_bytes: int  # one bucket's value in shared data
     slot_bytes: int
+    inline_bytes: int  # largest encoded response kept in a slot's own entry
+    page_classes: tuple  # PageClass, smallest first: larger responses go to a ring of pages
+    bound_bytes: int  # what the layout can hold at most, keys and values (≤ local_table.max_bytes)
     bucket_key: str  # shared-data key of the last bucket
     response_key: str  # the longest key of a recorded response
 
 
 @functools.lru_cache(maxsize=None)
-def table_geometry(capacity: int) -> TableGeometry:
+def table_geometry(capacity: int | None = None, max_bytes: int | None = None,
+                   largest_response: int | None = None) -> TableGeometry:
     """Asks the code (crates/idempotency-core/examples/table_geometry.rs) rather than
     copying its constants, key names in the filter's own namespace; the first call builds the
     example (bounded by a timeout)."""
     argv = [os.environ.get("CARGO", "cargo"), "run", "-q", "--release", "-p", "idempotency-core",
-            "--example", "table_geometry", "--", str(capacity)]
+            "--example", "table_geometry", "--", str(capacity or "auto")]
+    if max_bytes is not None or largest_response is not None:
+        argv.append(str(max_bytes or 64 << 20))
+    if largest_response is not None:
+        argv.append(str(largest_response))
     try:
         result = subprocess.run(argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, capture_output=True,
                                 text=True, timeout=600, preexec_fn=_preexec())
@@ -440,7 +453,9 @@ def table_geometry(capacity: int) -> TableGeometry:
         raise RuntimeError(f"{' '.join(argv)} took over {err.timeout}s") from err
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({result.returncode}):\n{result.stderr}")
-    return TableGeometry(**json.loads(result.stdout))
+    fields = json.loads(result.stdout)
+    fields["page_classes"] = tuple(PageClass(**c) for c in fields["page_classes"])
+    return TableGeometry(**fields)
 
 
 # --------------------------------------------------------------------------

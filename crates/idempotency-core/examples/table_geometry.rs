@@ -1,11 +1,13 @@
-//! Prints the local table's geometry for one `local_table.capacity` as JSON, so that the
+//! Prints the local table's layout for one `local_table` setting as JSON, so that the
 //! benchmarks and the end-to-end tests read it from the code instead of copying it:
 //!
 //! ```sh
-//! cargo run -q --release -p idempotency-core --example table_geometry -- <capacity> [namespace]
+//! cargo run -q --release -p idempotency-core --example table_geometry -- \
+//!     <capacity|auto> [max_bytes] [largest max_response_bytes]
 //! ```
 //!
-//! The namespace defaults to the filter's own.
+//! `max_bytes` and the largest response default to the filter's defaults; key names are in
+//! the filter's namespace.
 //!
 //! Byte counts and key names are observed through the table's public API writing to an
 //! in-memory shared data, so they are what the filter writes into Envoy's.
@@ -16,6 +18,7 @@ use std::process::ExitCode;
 
 use idempotency_core::plugin::NAMESPACE;
 use idempotency_core::table::{Claim, HostError, SetOutcome, SharedData, Table, WAYS};
+use idempotency_core::table_layout::Layout;
 
 /// Shared data with the host's semantics (a write to an absent key always succeeds; an
 /// existing key only takes a write carrying its cas, or none), keeping the order of writes.
@@ -45,8 +48,8 @@ impl SharedData for Recorder {
     }
 }
 
-fn geometry(capacity: u32, namespace: &str) -> Result<serde_json::Value, String> {
-    let table = Table::new(namespace, capacity);
+fn geometry(layout: Layout) -> Result<serde_json::Value, String> {
+    let table = Table::new(NAMESPACE, layout.clone(), 0);
     let buckets = table.bucket_count();
     let shared = Recorder::default();
 
@@ -83,9 +86,16 @@ fn geometry(capacity: u32, namespace: &str) -> Result<serde_json::Value, String>
         .max_by_key(|key| key.len())
         .ok_or("emptying wrote no response key")?;
 
+    let classes: Vec<serde_json::Value> = layout
+        .classes
+        .iter()
+        .map(|c| serde_json::json!({"page_bytes": c.page_bytes, "pages": c.pages}))
+        .collect();
     Ok(serde_json::json!({
-        "capacity_requested": capacity,
         "capacity": table.capacity(),
+        "inline_bytes": layout.inline_bytes,
+        "page_classes": classes,
+        "bound_bytes": layout.bound_bytes(),
         "buckets": buckets,
         "ways": WAYS,
         "bucket_bytes": bucket_bytes,
@@ -97,13 +107,27 @@ fn geometry(capacity: u32, namespace: &str) -> Result<serde_json::Value, String>
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(capacity) = args.first().and_then(|a| a.parse::<u32>().ok()) else {
-        eprintln!("usage: table_geometry <capacity> [namespace]");
+    let number =
+        |i: usize, default: u64| args.get(i).map_or(Some(default), |a| a.parse::<u64>().ok());
+    let capacity = match args.first().map(String::as_str) {
+        Some("auto") => Some(None),
+        Some(n) => n.parse::<u64>().ok().map(Some),
+        None => None,
+    };
+    let (Some(capacity), Some(max_bytes), Some(largest)) =
+        (capacity, number(1, 64 << 20), number(2, 1 << 20))
+    else {
+        eprintln!("usage: table_geometry <capacity|auto> [max_bytes] [largest max_response_bytes]");
         return ExitCode::from(2);
     };
-    // By default the filter's own namespace, so key names have their real length.
-    let namespace = args.get(1).map_or(NAMESPACE, String::as_str);
-    match geometry(capacity, namespace) {
+    let layout = match Layout::plan(max_bytes, capacity, largest) {
+        Ok(layout) => layout,
+        Err(e) => {
+            eprintln!("table_geometry: {}: {}", e.field, e.reason);
+            return ExitCode::FAILURE;
+        }
+    };
+    match geometry(layout) {
         Ok(json) => {
             println!("{json}");
             ExitCode::SUCCESS

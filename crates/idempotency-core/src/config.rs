@@ -7,6 +7,7 @@ use std::fmt;
 use crate::fingerprint::FingerprintMode;
 use crate::key_source::FieldSource;
 use crate::response_policy::{HeaderFilter, ReleasePolicy};
+use crate::table_layout::Layout;
 
 /// Raw JSON shape of the plugin configuration. Every field has a documented default.
 #[derive(Debug, Deserialize)]
@@ -39,14 +40,18 @@ struct RawStore {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawLocalTable {
-    #[serde(default = "default_capacity")]
-    capacity: u64,
+    #[serde(default = "default_table_max_bytes")]
+    max_bytes: u64,
+    /// Derived from `max_bytes` when absent.
+    #[serde(default)]
+    capacity: Option<u64>,
 }
 
 impl Default for RawLocalTable {
     fn default() -> Self {
         RawLocalTable {
-            capacity: default_capacity(),
+            max_bytes: default_table_max_bytes(),
+            capacity: None,
         }
     }
 }
@@ -184,8 +189,10 @@ fn default_store_path_prefix() -> String {
     idempotency_protocol::wire::path::PREFIX.to_string()
 }
 
-fn default_capacity() -> u64 {
-    16_384
+/// Suits a sidecar: 16,384 records with their responses inline up to about 1.6 KiB, and
+/// pages for larger ones up to `max_response_bytes`.
+fn default_table_max_bytes() -> u64 {
+    64 * 1024 * 1024
 }
 fn default_metadata_namespace() -> Option<String> {
     Some("idempotency".to_string())
@@ -246,7 +253,9 @@ pub fn default_replay_skip_headers() -> Vec<String> {
 }
 
 /// Upper bounds that keep one rule from exhausting the proxy.
-const MAX_CAPACITY: u64 = 4_000_000;
+const MAX_CAPACITY: u64 = crate::table_layout::MAX_SLOTS;
+const MIN_TABLE_BYTES: u64 = 1024 * 1024;
+const MAX_TABLE_BYTES: u64 = 64 * 1024 * 1024 * 1024;
 const MAX_TTL_SECONDS: u64 = 366 * 86_400;
 const MAX_RESPONSE_BYTES: u64 = 64 * 1024 * 1024;
 const MAX_RULE_NAME_LEN: usize = 64;
@@ -286,7 +295,8 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
 /// The validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
-    pub table_capacity: u32,
+    /// The local table's slots and pages, laid out within `local_table.max_bytes`.
+    pub table_layout: Layout,
     /// Route metadata namespace whose `rule` key names the rule for a route; None disables it.
     pub route_metadata_namespace: Option<String>,
     pub rules: Vec<Rule>,
@@ -367,10 +377,17 @@ impl Config {
     }
 
     fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
-        if raw.local_table.capacity == 0 || raw.local_table.capacity > MAX_CAPACITY {
+        let table = &raw.local_table;
+        if table.capacity.is_some_and(|c| c == 0 || c > MAX_CAPACITY) {
             return Err(invalid(
                 "local_table.capacity",
                 format!("must be between 1 and {MAX_CAPACITY}"),
+            ));
+        }
+        if !(MIN_TABLE_BYTES..=MAX_TABLE_BYTES).contains(&table.max_bytes) {
+            return Err(invalid(
+                "local_table.max_bytes",
+                format!("must be between {MIN_TABLE_BYTES} and {MAX_TABLE_BYTES}"),
             ));
         }
         if let Some(ns) = &raw.route_metadata_namespace {
@@ -393,9 +410,16 @@ impl Config {
             }
             rules.push(rule);
         }
+        let largest_body = rules
+            .iter()
+            .map(|r| r.max_response_bytes as u64)
+            .max()
+            .unwrap_or(0);
+        let table = raw.local_table;
+        let table_layout = Layout::plan(table.max_bytes, table.capacity, largest_body)
+            .map_err(|e| invalid(e.field, e.reason))?;
         Ok(Config {
-            table_capacity: u32::try_from(raw.local_table.capacity)
-                .map_err(|_| invalid("local_table.capacity", "too large"))?,
+            table_layout,
             route_metadata_namespace: raw.route_metadata_namespace,
             needs_route_name: rules.iter().any(|r| !r.matcher.route_names.is_empty()),
             needs_virtual_host: rules.iter().any(|r| !r.matcher.virtual_hosts.is_empty()),
@@ -743,9 +767,24 @@ mod tests {
     #[test]
     fn empty_config_has_defaults_and_no_rules() {
         let c = Config::parse(b"").unwrap();
-        assert_eq!(c.table_capacity, 16_384);
+        assert_eq!(c.table_layout.slots(), 16_384);
+        assert!(c.table_layout.bound_bytes() <= 64 * 1024 * 1024);
         assert!(c.rules.is_empty());
         assert_eq!(c.route_metadata_namespace.as_deref(), Some("idempotency"));
+    }
+
+    #[test]
+    fn the_table_budget_sets_the_slots_and_pages_fit_the_largest_response() {
+        let c = Config::parse(
+            br#"{"local_table":{"max_bytes":268435456},
+                 "rules":[{"name":"a"},{"name":"b","max_response_bytes":8388608}]}"#,
+        )
+        .unwrap();
+        let layout = &c.table_layout;
+        assert_eq!(layout.slots(), 65_536);
+        assert!(layout.class_for(8 * 1024 * 1024).is_some(), "{layout:?}");
+        let given = Config::parse(br#"{"local_table":{"capacity":64}}"#).unwrap();
+        assert_eq!(given.table_layout.slots(), 64);
     }
 
     #[test]
@@ -815,6 +854,14 @@ mod tests {
                 "rules[0].scope_headers[0]",
             ),
             (br#"{"local_table":{"capacity":0}}"#, "local_table.capacity"),
+            (
+                br#"{"local_table":{"capacity":1000000,"max_bytes":67108864}}"#,
+                "local_table.capacity",
+            ),
+            (
+                br#"{"local_table":{"max_bytes":1000}}"#,
+                "local_table.max_bytes",
+            ),
             (
                 br#"{"rules":[{"name":"a","on_table_full":"explode"}]}"#,
                 "(json)",

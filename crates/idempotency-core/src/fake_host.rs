@@ -144,6 +144,15 @@ impl FakeHost {
             .map_or(0, |(_, v)| *v)
     }
 
+    /// The value of the gauge `name`; None until it is defined.
+    pub fn gauge(&self, name: &str) -> Option<u64> {
+        self.counters
+            .borrow()
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| *v)
+    }
+
     /// Messages waiting in the queue named `name`.
     pub fn queued(&self, name_prefix: &str) -> usize {
         self.queues
@@ -290,6 +299,18 @@ impl Host for FakeHost {
         let index = (id as usize).saturating_sub(1);
         if let Some((_, value)) = self.counters.borrow_mut().get_mut(index) {
             *value += 1;
+        }
+    }
+
+    // Gauges share the counters' table: ids never collide and `gauge` reads them by name.
+    fn define_gauge(&self, name: &str) -> Result<u32, HostError> {
+        self.define_counter(name)
+    }
+
+    fn set_gauge(&self, id: u32, value: u64) {
+        let index = (id as usize).saturating_sub(1);
+        if let Some((_, current)) = self.counters.borrow_mut().get_mut(index) {
+            *current = value;
         }
     }
 

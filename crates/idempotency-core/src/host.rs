@@ -61,6 +61,9 @@ pub trait Host: SharedData {
     fn define_counter(&self, name: &str) -> Result<u32, HostError>;
     /// A lost increment is not worth failing a request over, so nothing is returned.
     fn increment_counter(&self, id: u32);
+    fn define_gauge(&self, name: &str) -> Result<u32, HostError>;
+    /// Like a lost increment, a lost value is not worth failing a request over.
+    fn set_gauge(&self, id: u32, value: u64);
 
     fn register_queue(&self, name: &str) -> Result<u32, HostError>;
     fn enqueue(&self, queue: u32, value: &[u8]) -> Result<(), HostError>;

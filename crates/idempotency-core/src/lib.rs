@@ -37,5 +37,6 @@ pub mod response_policy;
 pub mod rule_select;
 pub mod store_client;
 pub mod table;
+pub mod table_layout;
 pub mod table_lineage;
 mod wire;

@@ -21,8 +21,14 @@ pub enum Outcome {
     Released,
     /// A matched request went upstream unprotected (optional key absent, or a fail-open policy).
     PassedThrough,
-    /// No slot was free for a new key.
+    /// Every slot of the new key's bucket held a claim in flight (single-proxy mode).
     TableFull,
+    /// A new key took the slot of another key's completed record before its TTL (the local
+    /// table is full; see the retention gauge).
+    Evicted,
+    /// The response was recorded without its body (larger than `max_response_bytes` or than
+    /// the local table's largest page, or cut short): a retry gets the body-omitted marker.
+    BodyOmitted,
     /// An in-flight claim past its lease was taken over.
     TakenOver,
     /// The response could not be recorded (ownership lost, or a host error).
@@ -39,7 +45,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 16] = [
+    pub const ALL: [Outcome; 18] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -50,6 +56,8 @@ impl Outcome {
         Outcome::Released,
         Outcome::PassedThrough,
         Outcome::TableFull,
+        Outcome::Evicted,
+        Outcome::BodyOmitted,
         Outcome::TakenOver,
         Outcome::NotRecorded,
         Outcome::TableError,
@@ -70,6 +78,8 @@ impl Outcome {
             Outcome::Released => "released",
             Outcome::PassedThrough => "passed_through",
             Outcome::TableFull => "table_full",
+            Outcome::Evicted => "evicted",
+            Outcome::BodyOmitted => "body_omitted",
             Outcome::TakenOver => "taken_over",
             Outcome::NotRecorded => "not_recorded",
             Outcome::TableError => "table_error",

@@ -1,11 +1,14 @@
 //! The local claim table: a fixed set of bucket keys in Envoy's shared data, each holding a
-//! few slots, updated only with compare-and-swap.
+//! few slots, updated only with compare-and-swap; and the recorded responses, each under its
+//! slot's key or, when larger, in a page of a size class (see `table_layout`).
 //!
 //! Why fixed buckets: the host's CAS does not protect the creation of a key (a write to an
 //! absent key always succeeds), so every bucket is created before traffic and claims only
-//! ever CAS an existing bucket. Memory is bounded by the capacity; a slot is reused once its
-//! record has expired; an in-flight slot is never evicted. Every operation touches one bucket,
-//! so its cost does not grow with the table.
+//! ever CAS an existing bucket. Memory is bounded by the layout's byte budget. A new key
+//! takes a free or expired slot of its bucket, else the slot of the bucket's oldest
+//! completed record (a cache under pressure keeps records for less time, it does not refuse
+//! writes); an in-flight slot is never evicted. Every claim touches one bucket, so its cost
+//! does not grow with the table.
 
 use std::cell::RefCell;
 
@@ -13,14 +16,16 @@ use idempotency_protocol::decision::{self, ClaimDecision, CompleteDecision, Rele
 
 use crate::key::Digest;
 use crate::record::RecordedResponse;
+use crate::table_layout::{Layout, PAGE_HEADER_BYTES};
 use crate::wire::Reader;
 
-/// Slots per bucket. Each claim copies one bucket (8 × 83 bytes), and a key is refused only
-/// when all slots of its bucket hold live records: with 8 slots that stays rare (about 0.1 %
-/// of new keys) while a quarter of the table is live, where 4 slots refused about 2 % in the
-/// million-key benchmark.
+/// Slots per bucket. Each claim copies one bucket (8 × 91 bytes); a new key evicts the
+/// oldest completed record of its bucket, so more ways make eviction closer to oldest-first
+/// across the table, and a burst of in-flight claims less likely to fill a bucket.
 pub const WAYS: usize = 8;
-const SLOT_BYTES: usize = 1 + 32 + 32 + 8 + 8 + 2;
+pub const SLOT_BYTES: usize = 1 + 32 + 32 + 8 + 8 + 8 + 2;
+/// A slot's response key holding, instead of the response, where in the pages it is.
+const PAGE_POINTER_MAGIC: &[u8; 4] = b"IDP1";
 /// CAS retries before giving up on one bucket (only other workers' writes cause retries).
 const MAX_CAS_ATTEMPTS: usize = 32;
 /// How long a completing claim is kept live while its response is written: far longer than
@@ -81,7 +86,9 @@ pub struct SlotRef {
 /// A claim this request holds until it completes or releases it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Held {
-    pub slot: SlotRef,
+    /// None: the table holds nothing for this request (cluster mode, every slot of the
+    /// key's bucket in flight: the store's claim alone guards the key).
+    pub slot: Option<SlotRef>,
     pub key: Digest,
     /// The payload the claim was made for (a late store completion recreates the record
     /// with it if the store's claim has lapsed and gone).
@@ -89,6 +96,29 @@ pub struct Held {
     pub owner: u64,
     /// The slot held an abandoned in-flight claim of the same key whose lease had passed.
     pub took_over: bool,
+    /// The slot held another key's completed record, evicted before its TTL for this claim.
+    pub evicted: Option<Evicted>,
+}
+
+impl Held {
+    /// A claim the table does not hold (see `slot`).
+    pub fn unheld(key: Digest, fingerprint: Digest, owner: u64) -> Held {
+        Held {
+            slot: None,
+            key,
+            fingerprint,
+            owner,
+            took_over: false,
+            evicted: None,
+        }
+    }
+}
+
+/// A completed record a new claim displaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Evicted {
+    /// How long it had been recorded: the retention the table achieved for it.
+    pub age_ms: u64,
 }
 
 /// What a claim attempt found.
@@ -106,14 +136,20 @@ pub enum Claim {
     },
     /// The key is live with a different payload.
     Mismatch,
-    /// No free or expired slot in the key's bucket.
+    /// Every slot of the key's bucket holds a claim in flight.
     Full,
 }
 
-/// What completing a held claim did.
+/// What completing (or releasing) a held claim did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Completion {
     Recorded,
+    /// Recorded, but the body fit no page of the budget: a retry gets the status and headers
+    /// with the body-omitted marker.
+    RecordedWithoutBody,
+    /// The table keeps no record for this request: it held no claim (`Held::slot` is None),
+    /// or the body fit no page and `OversizedBody::LeaveToStore` freed the slot.
+    NotHeld,
     /// The lease passed and another request took the key over; nothing was overwritten.
     LostOwnership,
 }
@@ -132,6 +168,8 @@ struct Slot {
     fingerprint: Digest,
     owner: u64,
     expires_at_ms: u64,
+    /// When the response was recorded (completed slots): eviction takes the oldest.
+    recorded_at_ms: u64,
     status: u16,
 }
 
@@ -141,6 +179,7 @@ const FREE_SLOT: Slot = Slot {
     fingerprint: [0; 32],
     owner: 0,
     expires_at_ms: 0,
+    recorded_at_ms: 0,
     status: 0,
 };
 
@@ -223,6 +262,7 @@ fn decode_slot(r: &mut Reader<'_>) -> Option<Slot> {
         fingerprint: r.array()?,
         owner: r.u64()?,
         expires_at_ms: r.u64()?,
+        recorded_at_ms: r.u64()?,
         status: r.u16()?,
     })
 }
@@ -235,6 +275,7 @@ fn encode_bucket(slots: &[Slot; WAYS]) -> Vec<u8> {
         out.extend_from_slice(&s.fingerprint);
         out.extend_from_slice(&s.owner.to_be_bytes());
         out.extend_from_slice(&s.expires_at_ms.to_be_bytes());
+        out.extend_from_slice(&s.recorded_at_ms.to_be_bytes());
         out.extend_from_slice(&s.status.to_be_bytes());
     }
     out
@@ -256,60 +297,173 @@ fn answer(decided: ClaimDecision, slot: &Slot, at: SlotRef) -> Option<Claim> {
     }
 }
 
-/// The table's geometry and key names.
+/// What `complete` does with a response whose body fits no page of the budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OversizedBody {
+    /// Record the status and headers; a retry gets the body-omitted marker.
+    RecordWithoutIt,
+    /// Free the slot: the store holds the whole response and answers the retries (cluster mode).
+    LeaveToStore,
+}
+
+/// The table's layout and key names.
 #[derive(Debug, Clone)]
 pub struct Table {
     prefix: String,
-    buckets: u32,
-    /// Tables an earlier capacity replaced whose records may still be live, newest first:
+    layout: Layout,
+    /// Mixed into the bucket choice, so a client cannot compute which keys share a bucket
+    /// and fill one with claims in flight (see `bucket_salt`).
+    salt: u64,
+    /// Tables an earlier layout replaced whose records may still be live, newest first:
     /// consulted (read only) for a key this table does not hold. Changes while the table is
     /// in use: Envoy may bring an older configuration's root context back without
     /// configuring it again (see `table_lineage::LineageWatch`).
     predecessors: RefCell<Vec<Table>>,
 }
 
-impl Table {
-    /// `namespace` separates tables of plugins sharing one VM id (Istio sets none).
-    pub fn new(namespace: &str, capacity: u32) -> Table {
-        Table::with_buckets(namespace, capacity.div_ceil(WAYS as u32))
+/// The process's bucket salt: created once (the first configure's `seed`, any later one
+/// finds it), kept across configurations so that every table of the process agrees.
+pub fn bucket_salt(shared: &impl SharedData, namespace: &str, seed: u64) -> Result<u64, HostError> {
+    let key = format!("{namespace}/idempotency/v2/salt");
+    for _ in 0..2 {
+        if let Some((bytes, _)) = shared.get(&key)? {
+            let mut r = Reader::new(&bytes);
+            if let Some(salt) = r.u64() {
+                return Ok(salt);
+            }
+        }
+        // Refused when another worker created it first; the next read finds theirs.
+        shared.set(&key, &mix(seed).to_be_bytes(), Some(CREATE_IF_ABSENT_CAS))?;
+    }
+    Err(HostError("bucket salt could not be created".to_string()))
+}
+
+/// A bijective 64-bit mixer (SplitMix64's finalizer).
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Where a response too large to keep inline was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PagePointer {
+    class: u8,
+    seq: u64,
+    owner: u64,
+}
+
+impl PagePointer {
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(4 + 1 + 8 + 8);
+        out.extend_from_slice(PAGE_POINTER_MAGIC);
+        out.push(self.class);
+        out.extend_from_slice(&self.seq.to_be_bytes());
+        out.extend_from_slice(&self.owner.to_be_bytes());
+        out
     }
 
-    pub fn with_buckets(namespace: &str, buckets: u32) -> Table {
-        let buckets = buckets.max(1);
+    fn decode(bytes: &[u8]) -> Option<PagePointer> {
+        let mut r = Reader::new(bytes);
+        if r.take(4)? != PAGE_POINTER_MAGIC {
+            return None;
+        }
+        let pointer = PagePointer {
+            class: r.u8()?,
+            seq: r.u64()?,
+            owner: r.u64()?,
+        };
+        r.is_empty().then_some(pointer)
+    }
+}
+
+impl Table {
+    /// `namespace` separates tables of plugins sharing one VM id (Istio sets none).
+    pub fn new(namespace: &str, layout: Layout, salt: u64) -> Table {
+        let layout = Layout {
+            buckets: layout.buckets.max(1),
+            ..layout
+        };
         Table {
-            prefix: format!("{namespace}/idempotency/v1/{buckets}x{WAYS}"),
-            buckets,
+            prefix: format!("{namespace}/idempotency/v2/{}", layout.tag()),
+            layout,
+            salt,
             predecessors: RefCell::new(Vec::new()),
         }
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    pub fn salt(&self) -> u64 {
+        self.salt
     }
 
     pub fn set_predecessors(&self, predecessors: Vec<Table>) {
         *self.predecessors.borrow_mut() = predecessors;
     }
 
-    /// Empties up to `count` buckets, from `first`, and their recorded responses, of a table
-    /// no configuration uses any more (the host cannot delete keys: each stays, with an
-    /// empty value). Returns where to go on, or None when the table is empty. In steps, so
-    /// that emptying a large table never holds the process-wide shared-data lock for long.
+    /// Units `empty_buckets` goes through: the buckets, then the pages of every class.
+    fn units(&self) -> u64 {
+        let pages: u64 = self.layout.classes.iter().map(|c| u64::from(c.pages)).sum();
+        u64::from(self.layout.buckets) + pages
+    }
+
+    /// Empties up to `count` units, from `first`, of a table no configuration uses any more
+    /// (a bucket with its slots' responses, or one page; the host cannot delete keys: each
+    /// stays, with an empty value). Returns where to go on, or None when the table is empty.
+    /// In steps, so that emptying a large table never holds the process-wide shared-data
+    /// lock for long.
     pub fn empty_buckets(
         &self,
         shared: &impl SharedData,
         first: u32,
         count: u32,
     ) -> Result<Option<u32>, HostError> {
-        let end = first.saturating_add(count).min(self.buckets);
-        for bucket in first..end {
-            shared.set(&self.bucket_key(bucket), &[], None)?;
-            for way in 0..WAYS as u8 {
-                let slot = SlotRef {
-                    generation: 0,
-                    bucket,
-                    way,
-                };
-                shared.set(&self.response_key(slot), &[], None)?;
+        let units = self.units();
+        let end = u64::from(first.saturating_add(count)).min(units);
+        for unit in u64::from(first)..end {
+            match u32::try_from(unit)
+                .ok()
+                .filter(|&b| b < self.layout.buckets)
+            {
+                Some(bucket) => {
+                    shared.set(&self.bucket_key(bucket), &[], None)?;
+                    for way in 0..WAYS as u8 {
+                        let slot = SlotRef {
+                            generation: 0,
+                            bucket,
+                            way,
+                        };
+                        shared.set(&self.response_key(slot), &[], None)?;
+                    }
+                }
+                None => {
+                    if let Some(key) = self.nth_page_key(unit - u64::from(self.layout.buckets)) {
+                        shared.set(&key, &[], None)?;
+                    }
+                }
             }
         }
-        Ok((end < self.buckets).then_some(end))
+        if end < units {
+            return Ok(u32::try_from(end).ok());
+        }
+        for class in 0..self.layout.classes.len() {
+            shared.set(&self.cursor_key(class as u8), &[], None)?;
+        }
+        Ok(None)
+    }
+
+    /// The page key of the `n`-th page counting across classes.
+    fn nth_page_key(&self, mut n: u64) -> Option<String> {
+        for (class, c) in self.layout.classes.iter().enumerate() {
+            if n < u64::from(c.pages) {
+                return Some(self.page_key(class as u8, n));
+            }
+            n -= u64::from(c.pages);
+        }
+        None
     }
 
     /// What a predecessor holds for `key`: a live record stops a new claim in this table.
@@ -348,12 +502,12 @@ impl Table {
     }
 
     pub fn bucket_count(&self) -> u32 {
-        self.buckets
+        self.layout.buckets
     }
 
     /// Upper bound of records the table holds.
     pub fn capacity(&self) -> u64 {
-        u64::from(self.buckets) * WAYS as u64
+        self.layout.slots()
     }
 
     fn bucket_key(&self, bucket: u32) -> String {
@@ -364,34 +518,61 @@ impl Table {
         format!("{}/r/{}/{}", self.prefix, slot.bucket, slot.way)
     }
 
+    fn page_key(&self, class: u8, page: u64) -> String {
+        format!("{}/p{class}/{page}", self.prefix)
+    }
+
+    /// The sequence number of the next page written in `class`.
+    fn cursor_key(&self, class: u8) -> String {
+        format!("{}/p{class}/next", self.prefix)
+    }
+
     fn bucket_of(&self, key: &Digest) -> u32 {
         let mut head = [0u8; 8];
         for (dst, src) in head.iter_mut().zip(key.iter()) {
             *dst = *src;
         }
-        (u64::from_be_bytes(head) % u64::from(self.buckets)) as u32
+        let mixed = mix(u64::from_be_bytes(head) ^ self.salt);
+        (mixed % u64::from(self.layout.buckets)) as u32
     }
 
-    /// Creates every bucket that does not exist yet; safe to run from every worker at once.
+    /// Creates every bucket and page cursor that does not exist yet; safe to run from every
+    /// worker at once.
     pub fn create_buckets(&self, shared: &impl SharedData) -> Result<(), HostError> {
-        for bucket in 0..self.buckets {
-            self.create_bucket(shared, bucket)?;
+        for bucket in 0..self.layout.buckets {
+            self.create_if_absent(shared, &self.bucket_key(bucket))?;
+        }
+        for class in 0..self.layout.classes.len() {
+            self.create_if_absent(shared, &self.cursor_key(class as u8))?;
         }
         Ok(())
     }
 
-    fn create_bucket(&self, shared: &impl SharedData, bucket: u32) -> Result<(), HostError> {
-        let key = self.bucket_key(bucket);
-        // Every configure (each Istio push) runs this over live buckets: an existing bucket is
-        // never written, since the host's cas is a wrapping counter and a bucket whose cas
+    fn create_if_absent(&self, shared: &impl SharedData, key: &str) -> Result<(), HostError> {
+        // Every configure (each Istio push) runs this over live keys: an existing key is
+        // never written, since the host's cas is a wrapping counter and a key whose cas
         // happens to equal CREATE_IF_ABSENT_CAS would otherwise be replaced by an empty one.
-        if shared.get(&key)?.is_some() {
+        if shared.get(key)?.is_some() {
             return Ok(());
         }
         // Refused (CasMismatch) when another worker created it since: that is the point.
-        shared
-            .set(&key, &[], Some(CREATE_IF_ABSENT_CAS))
-            .map(|_| ())
+        shared.set(key, &[], Some(CREATE_IF_ABSENT_CAS)).map(|_| ())
+    }
+
+    /// A key created before traffic: (value, cas), creating it now, race-free, if creation
+    /// at configure time failed.
+    fn read_created(
+        &self,
+        shared: &impl SharedData,
+        key: &str,
+    ) -> Result<(Vec<u8>, u32), HostError> {
+        for _ in 0..2 {
+            if let Some(found) = shared.get(key)? {
+                return Ok(found);
+            }
+            self.create_if_absent(shared, key)?;
+        }
+        Err(HostError(format!("{key} could not be created")))
     }
 
     fn read_bucket(
@@ -399,15 +580,8 @@ impl Table {
         shared: &impl SharedData,
         bucket: u32,
     ) -> Result<([Slot; WAYS], u32), HostError> {
-        let key = self.bucket_key(bucket);
-        for _ in 0..2 {
-            if let Some((bytes, cas)) = shared.get(&key)? {
-                return Ok((decode_bucket(&bytes), cas));
-            }
-            // Missing only if creation at configure time failed; create it now, race-free.
-            self.create_bucket(shared, bucket)?;
-        }
-        Err(HostError("bucket could not be created".to_string()))
+        let (bytes, cas) = self.read_created(shared, &self.bucket_key(bucket))?;
+        Ok((decode_bucket(&bytes), cas))
     }
 
     /// Claims `key` for a request with payload `fingerprint`, or reports who holds it.
@@ -444,9 +618,18 @@ impl Table {
                     return Ok(found);
                 }
             }
-            let way = same_key.or_else(|| slots.iter().position(|s| !s.live(now_ms)));
-            let Some(way) = way else {
-                return Ok(Claim::Full);
+            let mut evicted = None;
+            let way = match same_key.or_else(|| slots.iter().position(|s| !s.live(now_ms))) {
+                Some(way) => way,
+                None => match oldest_completed(&slots) {
+                    Some(way) => {
+                        evicted = slots.get(way).map(|s| Evicted {
+                            age_ms: now_ms.saturating_sub(s.recorded_at_ms),
+                        });
+                        way
+                    }
+                    None => return Ok(Claim::Full),
+                },
             };
             let Some(slot) = slots.get_mut(way) else {
                 return Ok(Claim::Full);
@@ -457,20 +640,22 @@ impl Table {
                 fingerprint: *fingerprint,
                 owner,
                 expires_at_ms: now_ms.saturating_add(lease_ms),
+                recorded_at_ms: 0,
                 status: 0,
             };
             let bucket_key = self.bucket_key(bucket);
             if shared.set(&bucket_key, &encode_bucket(&slots), Some(cas))? == SetOutcome::Stored {
                 return Ok(Claim::Claimed(Held {
-                    slot: SlotRef {
+                    slot: Some(SlotRef {
                         generation: 0,
                         bucket,
                         way: way as u8,
-                    },
+                    }),
                     key: *key,
                     fingerprint: *fingerprint,
                     owner,
                     took_over,
+                    evicted,
                 }));
             }
         }
@@ -485,48 +670,128 @@ impl Table {
         response: &RecordedResponse,
         now_ms: u64,
         ttl_ms: u64,
+        oversized: OversizedBody,
     ) -> Result<Completion, TableError> {
-        // The response key is written without a cas (a slot's previous response may be
-        // megabytes; reading it for its cas would copy it into the VM). So first prove
-        // ownership on a claim that stays live for a moment: a late finisher whose lease has
-        // passed can then never overwrite the response of a request that took its slot over,
-        // because that takeover either happened before the proof or cannot happen until
-        // after the write below. A claim with more than the grace left needs only a read
-        // (nobody can take it over before it expires); a claim closer to its end is renewed
-        // by a CAS.
+        let Some(at) = held.slot else {
+            return Ok(Completion::NotHeld);
+        };
+        // The response is written without a cas (a slot's previous response may be large;
+        // reading it for its cas would copy it into the VM). So first prove ownership on a
+        // claim that stays live for a moment: a late finisher whose lease has passed can
+        // then never overwrite the response of a request that took its slot over, because
+        // that takeover either happened before the proof or cannot happen until after the
+        // write below. A claim with more than the grace left needs only a read (nobody can
+        // take it over before it expires); a claim closer to its end is renewed by a CAS.
         let write = HeldWrite::Complete { now_ms };
-        let renewed = self.update_held(shared, held, write, |slot| {
+        let renewed = self.update_held(shared, held, at, write, |slot| {
             let live_long_enough = now_ms.saturating_add(RECORDING_GRACE_MS);
             if slot.expires_at_ms >= live_long_enough {
-                return Ok(false);
+                return false;
             }
             slot.expires_at_ms = live_long_enough;
-            Ok(true)
+            true
         })?;
         if renewed == Completion::LostOwnership {
             return Ok(Completion::LostOwnership);
         }
         // Written before the slot flips to completed, so a reader that sees "completed" finds
         // the response; the owner inside ties it to this claim.
+        let (value, kept_body) = self.store_response(shared, held.owner, response)?;
+        if !kept_body && oversized == OversizedBody::LeaveToStore {
+            return Ok(match self.release(shared, held)? {
+                Completion::LostOwnership => Completion::LostOwnership,
+                _ => Completion::NotHeld,
+            });
+        }
+        shared.set(&self.response_key(at), &value, None)?;
+        let flipped = self.update_held(shared, held, at, write, |slot| {
+            slot.state = SlotState::Completed;
+            slot.expires_at_ms = now_ms.saturating_add(ttl_ms);
+            slot.recorded_at_ms = now_ms;
+            slot.status = response.status;
+            true
+        })?;
+        Ok(match flipped {
+            Completion::Recorded if !kept_body => Completion::RecordedWithoutBody,
+            other => other,
+        })
+    }
+
+    /// What the slot's response key holds for `response`: the response itself when it fits
+    /// inline, else a pointer to the page it was written to, else the response without its
+    /// body. True when the body was kept.
+    fn store_response(
+        &self,
+        shared: &impl SharedData,
+        owner: u64,
+        response: &RecordedResponse,
+    ) -> Result<(Vec<u8>, bool), HostError> {
         let encoded = RecordedResponse {
-            owner: held.owner,
+            owner,
             ..response.clone()
         }
         .encode();
-        shared.set(&self.response_key(held.slot), &encoded, None)?;
-        self.update_held(shared, held, write, |slot| {
-            slot.state = SlotState::Completed;
-            slot.expires_at_ms = now_ms.saturating_add(ttl_ms);
-            slot.status = response.status;
-            Ok(true)
-        })
+        let inline = self.layout.inline_bytes as usize;
+        if encoded.len() <= inline {
+            return Ok((encoded, true));
+        }
+        if let Some(class) = self.layout.class_for(encoded.len()) {
+            if let Some(seq) = self.next_page(shared, class)? {
+                let mut page = Vec::with_capacity(PAGE_HEADER_BYTES + encoded.len());
+                page.extend_from_slice(&seq.to_be_bytes());
+                page.extend_from_slice(&encoded);
+                shared.set(&self.page_key(class, self.page_of(class, seq)), &page, None)?;
+                return Ok((PagePointer { class, seq, owner }.encode(), true));
+            }
+        }
+        let mut without_body = RecordedResponse {
+            owner,
+            status: response.status,
+            headers: response.headers.clone(),
+            body: Vec::new(),
+            body_omitted: true,
+        };
+        let mut encoded = without_body.encode();
+        if encoded.len() > inline {
+            // Headers alone too large: the status is all a retry gets back.
+            without_body.headers.clear();
+            encoded = without_body.encode();
+        }
+        Ok((encoded, false))
+    }
+
+    fn page_of(&self, class: u8, seq: u64) -> u64 {
+        let pages = self
+            .layout
+            .classes
+            .get(usize::from(class))
+            .map_or(1, |c| u64::from(c.pages).max(1));
+        seq % pages
+    }
+
+    /// Takes the next sequence number of `class`; its page is the ring's oldest. None when
+    /// other workers kept winning the cursor (the body is then not kept).
+    fn next_page(&self, shared: &impl SharedData, class: u8) -> Result<Option<u64>, HostError> {
+        let key = self.cursor_key(class);
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let (bytes, cas) = self.read_created(shared, &key)?;
+            let seq = Reader::new(&bytes).u64().unwrap_or(0);
+            let next = seq.wrapping_add(1);
+            if shared.set(&key, &next.to_be_bytes(), Some(cas))? == SetOutcome::Stored {
+                return Ok(Some(seq));
+            }
+        }
+        Ok(None)
     }
 
     /// Frees a held claim so that a retry executes again.
     pub fn release(&self, shared: &impl SharedData, held: &Held) -> Result<Completion, TableError> {
-        self.update_held(shared, held, HeldWrite::Release, |slot| {
+        let Some(at) = held.slot else {
+            return Ok(Completion::NotHeld);
+        };
+        self.update_held(shared, held, at, HeldWrite::Release, |slot| {
             *slot = FREE_SLOT;
-            Ok(true)
+            true
         })
     }
 
@@ -534,22 +799,23 @@ impl Table {
         &self,
         shared: &impl SharedData,
         held: &Held,
+        at: SlotRef,
         write: HeldWrite,
-        mut change: impl FnMut(&mut Slot) -> Result<bool, HostError>,
+        mut change: impl FnMut(&mut Slot) -> bool,
     ) -> Result<Completion, TableError> {
         for _ in 0..MAX_CAS_ATTEMPTS {
-            let (mut slots, cas) = self.read_bucket(shared, held.slot.bucket)?;
-            let Some(slot) = slots.get_mut(usize::from(held.slot.way)) else {
+            let (mut slots, cas) = self.read_bucket(shared, at.bucket)?;
+            let Some(slot) = slots.get_mut(usize::from(at.way)) else {
                 return Ok(Completion::LostOwnership);
             };
             if !write.allowed(slot.record_for(&held.key), &held.owner) {
                 return Ok(Completion::LostOwnership);
             }
-            if !change(slot)? {
+            if !change(slot) {
                 // Nothing to write: ownership was proven by the read.
                 return Ok(Completion::Recorded);
             }
-            let key = self.bucket_key(held.slot.bucket);
+            let key = self.bucket_key(at.bucket);
             if shared.set(&key, &encode_bucket(&slots), Some(cas))? == SetOutcome::Stored {
                 return Ok(Completion::Recorded);
             }
@@ -557,31 +823,66 @@ impl Table {
         Err(TableError::Contended)
     }
 
-    /// The response recorded by claim `owner` in `slot`, if it is still there intact.
+    /// The response recorded by claim `owner` in `slot`, if it is still there intact (a
+    /// page is reused once its ring has come round: its sequence number tells).
     pub fn load_response(
         &self,
         shared: &impl SharedData,
         slot: SlotRef,
         owner: u64,
     ) -> Result<Option<RecordedResponse>, HostError> {
-        let key = match slot.generation {
-            0 => self.response_key(slot),
+        match slot.generation {
+            0 => self.load_own_response(shared, slot, owner),
             n => match self.predecessors.borrow().get(usize::from(n) - 1) {
-                Some(old) => old.response_key(slot),
-                None => return Ok(None),
+                Some(old) => old.load_own_response(shared, slot, owner),
+                None => Ok(None),
             },
-        };
-        Ok(shared
-            .get(&key)?
-            .and_then(|(bytes, _)| RecordedResponse::decode(&bytes))
-            .filter(|r| r.owner == owner))
+        }
     }
+
+    fn load_own_response(
+        &self,
+        shared: &impl SharedData,
+        slot: SlotRef,
+        owner: u64,
+    ) -> Result<Option<RecordedResponse>, HostError> {
+        let Some((bytes, _)) = shared.get(&self.response_key(slot))? else {
+            return Ok(None);
+        };
+        let encoded = match PagePointer::decode(&bytes) {
+            Some(pointer) if pointer.owner == owner => {
+                let key = self.page_key(pointer.class, self.page_of(pointer.class, pointer.seq));
+                let Some((page, _)) = shared.get(&key)? else {
+                    return Ok(None);
+                };
+                let (seq, encoded) = page.split_at(PAGE_HEADER_BYTES.min(page.len()));
+                if Reader::new(seq).u64() != Some(pointer.seq) {
+                    return Ok(None);
+                }
+                encoded.to_vec()
+            }
+            Some(_) => return Ok(None),
+            None => bytes,
+        };
+        Ok(RecordedResponse::decode(&encoded).filter(|r| r.owner == owner))
+    }
+}
+
+/// The way of the bucket's oldest completed record, if any slot holds one.
+fn oldest_completed(slots: &[Slot; WAYS]) -> Option<usize> {
+    slots
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.state == SlotState::Completed)
+        .min_by_key(|(_, s)| s.recorded_at_ms)
+        .map(|(way, _)| way)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::fake_shared::FakeShared;
+    use crate::table::OversizedBody::RecordWithoutIt;
     use std::cell::RefCell;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -600,8 +901,12 @@ mod tests {
         }
     }
 
+    fn layout(capacity: u32) -> Layout {
+        Layout::plan(64 << 20, Some(u64::from(capacity)), 1 << 20).unwrap()
+    }
+
     fn table(shared: &FakeShared, capacity: u32) -> Table {
-        let t = Table::new("test", capacity);
+        let t = Table::new("test", layout(capacity), 0);
         t.create_buckets(shared).unwrap();
         t
     }
@@ -627,7 +932,8 @@ mod tests {
             }
         );
         assert_eq!(
-            t.complete(&s, &h, &response(201), 2_000, 10_000).unwrap(),
+            t.complete(&s, &h, &response(201), 2_000, 10_000, RecordWithoutIt)
+                .unwrap(),
             Completion::Recorded
         );
         let Claim::Completed {
@@ -654,7 +960,8 @@ mod tests {
             t.claim(&s, &k, &digest(3), 8, 1, 1_000).unwrap(),
             Claim::Mismatch
         );
-        t.complete(&s, &h, &response(200), 2, 10_000).unwrap();
+        t.complete(&s, &h, &response(200), 2, 10_000, RecordWithoutIt)
+            .unwrap();
         assert_eq!(
             t.claim(&s, &k, &digest(3), 8, 3, 1_000).unwrap(),
             Claim::Mismatch
@@ -671,7 +978,8 @@ mod tests {
         let t = table(&s, 64);
         let (k, fp) = (digest(1), digest(2));
         let h = held(t.claim(&s, &k, &fp, 7, 0, 1_000).unwrap());
-        t.complete(&s, &h, &response(200), 10, 5_000).unwrap();
+        t.complete(&s, &h, &response(200), 10, 5_000, RecordWithoutIt)
+            .unwrap();
         assert!(matches!(
             t.claim(&s, &k, &fp, 8, 5_009, 1_000).unwrap(),
             Claim::Completed { .. }
@@ -689,13 +997,13 @@ mod tests {
         let second = held(t.claim(&s, &k, &fp, 8, 1_000, 1_000).unwrap());
         assert!(second.took_over);
         assert_eq!(
-            t.complete(&s, &first, &response(200), 1_100, 5_000)
+            t.complete(&s, &first, &response(200), 1_100, 5_000, RecordWithoutIt)
                 .unwrap(),
             Completion::LostOwnership
         );
         assert_eq!(t.release(&s, &first).unwrap(), Completion::LostOwnership);
         assert_eq!(
-            t.complete(&s, &second, &response(201), 1_200, 5_000)
+            t.complete(&s, &second, &response(201), 1_200, 5_000, RecordWithoutIt)
                 .unwrap(),
             Completion::Recorded
         );
@@ -758,6 +1066,190 @@ mod tests {
         ));
     }
 
+    fn claim_and_record(t: &Table, s: &FakeShared, n: u8, now_ms: u64, body: usize) -> Completion {
+        let h = held(
+            t.claim(s, &digest(n), &digest(0), u64::from(n), now_ms, 1_000)
+                .unwrap(),
+        );
+        let mut r = response(201);
+        r.body = vec![n; body];
+        t.complete(s, &h, &r, now_ms, 60_000, RecordWithoutIt)
+            .unwrap()
+    }
+
+    #[test]
+    fn a_full_bucket_evicts_its_oldest_completed_record_and_never_one_in_flight() {
+        let s = FakeShared::default();
+        let t = table(&s, 1); // one bucket: every key lands in it
+                              // Slot 0 completed long ago, slot 1 recently, the others in flight.
+        claim_and_record(&t, &s, 10, 100, 4);
+        claim_and_record(&t, &s, 11, 900, 4);
+        for n in 12..10 + WAYS as u8 {
+            held(
+                t.claim(&s, &digest(n), &digest(0), 50, 1_000, 60_000)
+                    .unwrap(),
+            );
+        }
+        let first = held(
+            t.claim(&s, &digest(90), &digest(0), 90, 1_000, 60_000)
+                .unwrap(),
+        );
+        assert_eq!(first.evicted, Some(Evicted { age_ms: 900 }));
+        let second = held(
+            t.claim(&s, &digest(91), &digest(0), 91, 1_000, 60_000)
+                .unwrap(),
+        );
+        assert_eq!(second.evicted, Some(Evicted { age_ms: 100 }));
+        // Only claims in flight remain: a new key finds the bucket full.
+        assert_eq!(
+            t.claim(&s, &digest(92), &digest(0), 92, 1_000, 60_000)
+                .unwrap(),
+            Claim::Full
+        );
+        // The evicted keys are new again; the in-flight ones still answer 409.
+        for n in 12..10 + WAYS as u8 {
+            assert!(matches!(
+                t.claim(&s, &digest(n), &digest(0), 60, 1_001, 60_000)
+                    .unwrap(),
+                Claim::InFlight { .. }
+            ));
+        }
+    }
+
+    #[test]
+    fn the_most_recent_records_of_a_bucket_always_replay() {
+        let s = FakeShared::default();
+        let t = table(&s, 1);
+        for n in 0..100u8 {
+            assert_eq!(
+                claim_and_record(&t, &s, n, u64::from(n) * 10, 4),
+                Completion::Recorded
+            );
+        }
+        for n in 100 - WAYS as u8..100 {
+            assert!(
+                matches!(
+                    t.claim(&s, &digest(n), &digest(0), 999, 5_000, 1_000)
+                        .unwrap(),
+                    Claim::Completed { .. }
+                ),
+                "key {n}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_large_response_is_kept_in_a_page_until_its_ring_comes_round() {
+        let s = FakeShared::default();
+        let t = table(&s, 64);
+        let class = t.layout().class_for(100_000).unwrap();
+        let pages = t.layout().classes[usize::from(class)].pages;
+        assert_eq!(
+            claim_and_record(&t, &s, 1, 0, 100_000),
+            Completion::Recorded
+        );
+        let Claim::Completed { slot, owner, .. } =
+            t.claim(&s, &digest(1), &digest(0), 99, 1, 1_000).unwrap()
+        else {
+            panic!("expected a replay");
+        };
+        let replay = t.load_response(&s, slot, owner).unwrap().unwrap();
+        assert_eq!(replay.body, vec![1; 100_000]);
+        assert!(!replay.body_omitted);
+        // As many newer responses of that size as the ring has pages: the first page is reused.
+        for n in 0..pages {
+            let mut key = [0xEE; 32];
+            key[..4].copy_from_slice(&n.to_be_bytes());
+            let h = held(
+                t.claim(&s, &key, &digest(0), 100 + u64::from(n), 10, 1_000)
+                    .unwrap(),
+            );
+            let mut r = response(201);
+            r.body = vec![2; 100_000];
+            t.complete(&s, &h, &r, 10, 60_000, RecordWithoutIt).unwrap();
+        }
+        assert_eq!(t.load_response(&s, slot, owner).unwrap(), None);
+    }
+
+    #[test]
+    fn a_response_larger_than_every_page_is_recorded_without_its_body_or_left_to_the_store() {
+        let s = FakeShared::default();
+        let t = Table::new("test", Layout::plan(2 << 20, Some(64), 1 << 20).unwrap(), 0);
+        t.create_buckets(&s).unwrap();
+        assert_eq!(
+            claim_and_record(&t, &s, 1, 0, 1 << 20),
+            Completion::RecordedWithoutBody
+        );
+        let Claim::Completed {
+            slot,
+            owner,
+            status,
+        } = t.claim(&s, &digest(1), &digest(0), 99, 1, 1_000).unwrap()
+        else {
+            panic!("expected a replay");
+        };
+        let replay = t.load_response(&s, slot, owner).unwrap().unwrap();
+        assert_eq!(
+            (status, replay.status, replay.body_omitted),
+            (201, 201, true)
+        );
+        assert!(replay.body.is_empty());
+        assert_eq!(replay.headers, response(201).headers);
+
+        // Cluster mode: the store has the body, so the slot is freed for the store to answer.
+        let h = held(t.claim(&s, &digest(2), &digest(0), 2, 0, 1_000).unwrap());
+        let mut big = response(201);
+        big.body = vec![0; 1 << 20];
+        assert_eq!(
+            t.complete(&s, &h, &big, 1, 60_000, OversizedBody::LeaveToStore)
+                .unwrap(),
+            Completion::NotHeld
+        );
+        assert!(matches!(
+            t.claim(&s, &digest(2), &digest(0), 3, 2, 1_000).unwrap(),
+            Claim::Claimed(_)
+        ));
+    }
+
+    #[test]
+    fn whatever_is_recorded_the_table_stays_within_its_layout_bound() {
+        let s = FakeShared::default();
+        let layout = Layout::plan(4 << 20, Some(64), 1 << 20).unwrap();
+        let bound = layout.bound_bytes();
+        let t = Table::new("test", layout, 0);
+        t.create_buckets(&s).unwrap();
+        let sizes = [0, 10, 1_500, 5_000, 20_000, 200_000, 900_000, 1 << 20];
+        for round in 0..600u32 {
+            let mut key = [0u8; 32];
+            key[..4].copy_from_slice(&round.to_be_bytes());
+            key[4] = 0xA5;
+            let h = held(
+                t.claim(
+                    &s,
+                    &key,
+                    &digest(0),
+                    u64::from(round),
+                    u64::from(round),
+                    1_000,
+                )
+                .unwrap(),
+            );
+            let mut r = response(201);
+            r.body = vec![7; sizes[round as usize % sizes.len()]];
+            t.complete(&s, &h, &r, u64::from(round), 60_000, RecordWithoutIt)
+                .unwrap();
+            let entries = s
+                .map
+                .borrow()
+                .keys()
+                .filter(|k| k.starts_with("test/"))
+                .count() as u64;
+            let held_bytes =
+                s.bytes_under("test/") as u64 + entries * crate::table_layout::ENTRY_OVERHEAD_BYTES;
+            assert!(held_bytes <= bound, "round {round}: {held_bytes} > {bound}");
+        }
+    }
+
     #[test]
     fn creating_buckets_never_clobbers_a_claim() {
         let s = FakeShared::default();
@@ -791,7 +1283,7 @@ mod tests {
             ) -> Result<SetOutcome, HostError> {
                 if cas.is_some() && self.lose_next.replace(false) {
                     // The rival claims the same key first.
-                    let t = Table::new("test", 4);
+                    let t = Table::new("test", layout(4), 0);
                     let rival = t
                         .claim(&self.inner, &digest(1), &digest(2), 99, 0, 1_000)
                         .unwrap();
@@ -879,7 +1371,7 @@ mod tests {
                 theirs.body = b"the new owner's body".to_vec();
                 assert_eq!(
                     rival_table
-                        .complete(shared, &taker, &theirs, 2_001, 60_000)
+                        .complete(shared, &taker, &theirs, 2_001, 60_000, RecordWithoutIt)
                         .unwrap(),
                     Completion::Recorded
                 );
@@ -888,7 +1380,7 @@ mod tests {
         let mut mine = response(200);
         mine.body = b"the late finisher's body".to_vec();
         assert_eq!(
-            t.complete(&interleaved, &late, &mine, 2_000, 60_000)
+            t.complete(&interleaved, &late, &mine, 2_000, 60_000, RecordWithoutIt)
                 .unwrap(),
             Completion::LostOwnership
         );
@@ -909,13 +1401,15 @@ mod tests {
         let writes = || *s.next_cas.borrow();
         let h = held(t.claim(&s, &k, &fp, 7, 0, 60_000).unwrap());
         let before = writes();
-        t.complete(&s, &h, &response(201), 1_000, 60_000).unwrap();
+        t.complete(&s, &h, &response(201), 1_000, 60_000, RecordWithoutIt)
+            .unwrap();
         // The response and the flip to completed; no renewal.
         assert_eq!(writes() - before, 2);
         // Near the end of its lease a claim is renewed first.
         let h = held(t.claim(&s, &digest(3), &fp, 8, 0, 6_000).unwrap());
         let before = writes();
-        t.complete(&s, &h, &response(201), 2_000, 60_000).unwrap();
+        t.complete(&s, &h, &response(201), 2_000, 60_000, RecordWithoutIt)
+            .unwrap();
         assert_eq!(writes() - before, 3);
     }
 

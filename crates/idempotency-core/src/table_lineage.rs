@@ -1,7 +1,7 @@
-//! Which local tables exist in this Envoy process, so a change of `local_table.capacity`
-//! neither loses the records of the table it replaces nor strands that table's memory.
+//! Which local tables exist in this Envoy process, so a change of `local_table.capacity` or
+//! `max_bytes` neither loses the records of the table it replaces nor strands its memory.
 //!
-//! A table's key names carry its geometry, so a new capacity means a new table. Shared data
+//! A table's key names carry its layout, so a new layout means a new table. Shared data
 //! has no delete and no key listing: only this registry (one key, changed by CAS like the
 //! buckets) remembers the tables that came before. A replaced table is *retired*: the new
 //! table still answers from it (a retry of a write recorded before the change replays, a
@@ -10,15 +10,16 @@
 //! root context.
 
 use crate::table::{HostError, SetOutcome, SharedData, Table};
+use crate::table_layout::Layout;
 
 /// Retired tables remembered at most; an older one is reclaimed at once (its records lost).
 pub const MAX_RETIRED: usize = 4;
 const MAX_CAS_ATTEMPTS: usize = 32;
 
 /// One table in the registry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableEntry {
-    pub buckets: u32,
+    pub layout: Layout,
     /// How long a record of this table can live after its claim, at most: the longest
     /// lease plus the longest TTL any configuration using it had (a claim made just before
     /// the table was retired may complete a lease later).
@@ -45,19 +46,19 @@ pub struct Lineage {
 }
 
 fn registry_key(namespace: &str) -> String {
-    format!("{namespace}/idempotency/v1/tables")
+    format!("{namespace}/idempotency/v2/tables")
 }
 
 fn decode(bytes: &[u8]) -> Vec<TableEntry> {
     let text = std::str::from_utf8(bytes).unwrap_or("");
     text.lines()
         .filter_map(|line| {
-            let mut fields = line.split(' ').map(str::parse::<u64>);
-            let buckets = u32::try_from(fields.next()?.ok()?).ok()?;
-            let record_life_ms = fields.next()?.ok()?;
-            let retired = fields.next()?.ok()?;
+            let mut fields = line.split(' ');
+            let layout = Layout::parse(fields.next()?)?;
+            let record_life_ms = fields.next()?.parse().ok()?;
+            let retired = fields.next()?.parse::<u64>().ok()?;
             Some(TableEntry {
-                buckets,
+                layout,
                 record_life_ms,
                 retired_at_ms: (retired != 0).then_some(retired),
             })
@@ -71,7 +72,7 @@ fn encode(entries: &[TableEntry]) -> Vec<u8> {
         .map(|e| {
             format!(
                 "{} {} {}\n",
-                e.buckets,
+                e.layout.tag(),
                 e.record_life_ms,
                 e.retired_at_ms.unwrap_or(0)
             )
@@ -100,14 +101,14 @@ pub fn register(
             None => (Vec::new(), None),
         };
         let mut current = TableEntry {
-            buckets: table.bucket_count(),
+            layout: table.layout().clone(),
             record_life_ms,
             retired_at_ms: None,
         };
         let mut retired = Vec::new();
         for entry in entries {
-            if entry.buckets == current.buckets {
-                // This very table again (the same capacity, or back to an earlier one): its
+            if entry.layout == current.layout {
+                // This very table again (the same layout, or back to an earlier one): its
                 // records are still valid, and it must outlive the longest record life it served.
                 current.record_life_ms = current.record_life_ms.max(entry.record_life_ms);
                 continue;
@@ -133,7 +134,7 @@ pub fn register(
             }
         }
         let mut all = vec![current];
-        all.extend(kept.iter().copied());
+        all.extend(kept.iter().cloned());
         let value = encode(&all);
         let unchanged = stored.is_some_and(|(bytes, _)| bytes == value);
         if unchanged || shared.set(&key, &value, cas)? == SetOutcome::Stored {
@@ -179,7 +180,7 @@ impl LineageWatch {
             lineage
                 .retired
                 .iter()
-                .map(|e| Table::with_buckets(&self.namespace, e.buckets))
+                .map(|e| Table::new(&self.namespace, e.layout.clone(), table.salt()))
                 .collect(),
         );
         self.seen_cas.set(
@@ -240,6 +241,7 @@ mod tests {
     use crate::fake_shared::FakeShared;
     use crate::key::Digest;
     use crate::record::RecordedResponse;
+    use crate::table::OversizedBody::RecordWithoutIt;
     use crate::table::{Claim, Completion};
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -259,12 +261,12 @@ mod tests {
         ttl_ms: u64,
         now_ms: u64,
     ) -> (Table, LineageWatch, Lineage) {
-        let table = Table::new("ns", capacity);
+        let table = Table::new("ns", layout(u64::from(capacity)), 0);
         table.create_buckets(shared).unwrap();
         let watch = LineageWatch::new("ns", ttl_ms);
         let lineage = watch.adopt(shared, &table, now_ms).unwrap();
         for old in &lineage.to_reclaim {
-            let old = Table::with_buckets("ns", old.buckets);
+            let old = Table::new("ns", old.layout.clone(), 0);
             let mut next = Some(0);
             while let Some(first) = next {
                 next = old.empty_buckets(shared, first, 3).unwrap();
@@ -283,7 +285,8 @@ mod tests {
             Claim::Claimed(h) => h,
             other => panic!("{other:?}"),
         };
-        b.complete(&s, &h, &response(), 21, DAY).unwrap();
+        b.complete(&s, &h, &response(), 21, DAY, RecordWithoutIt)
+            .unwrap();
         // Envoy serves A's root context again, without configuring it.
         let lineage = a_watch.refresh(&s, &a, 30).unwrap().unwrap();
         assert_eq!(lineage.retired.len(), 1);
@@ -300,6 +303,10 @@ mod tests {
             b.claim(&s, &d(5), &d(9), 3, 70, 60_000).unwrap(),
             Claim::Completed { .. }
         ));
+    }
+
+    fn layout(capacity: u64) -> Layout {
+        Layout::plan(64 << 20, Some(capacity), 1 << 20).unwrap()
     }
 
     fn d(n: u8) -> Digest {
@@ -334,7 +341,8 @@ mod tests {
             other => panic!("{other:?}"),
         };
         assert_eq!(
-            old.complete(&s, &done, &response(), 1, DAY).unwrap(),
+            old.complete(&s, &done, &response(), 1, DAY, RecordWithoutIt)
+                .unwrap(),
             Completion::Recorded
         );
         assert!(matches!(
@@ -379,8 +387,10 @@ mod tests {
             Claim::Claimed(h) => h,
             other => panic!("{other:?}"),
         };
-        old.complete(&s, &h, &response(), 1, DAY).unwrap();
-        let old_prefix = "ns/idempotency/v1/8x8/";
+        old.complete(&s, &h, &response(), 1, DAY, RecordWithoutIt)
+            .unwrap();
+        let old_prefix = format!("ns/idempotency/v2/{}/", layout(64).tag());
+        let old_prefix = old_prefix.as_str();
         assert!(s.bytes_under(old_prefix) > 10_000);
 
         let (_, lineage) = configure(&s, 1024, DAY / 2, 1_000);
@@ -402,7 +412,7 @@ mod tests {
         assert_eq!(reclaim_due(&s, "ns", DAY).unwrap(), vec![]);
         let due = reclaim_due(&s, "ns", DAY + 1_000).unwrap();
         assert_eq!(due.len(), 1);
-        assert_eq!(due[0].buckets, 8);
+        assert_eq!(due[0].layout.buckets, 8);
         assert_eq!(reclaim_due(&s, "ns", DAY + 2_000).unwrap(), vec![]);
         let (_, lineage) = configure(&s, 1024, DAY, DAY + 3_000);
         assert_eq!(lineage, Lineage::default());
@@ -416,11 +426,12 @@ mod tests {
             Claim::Claimed(h) => h,
             other => panic!("{other:?}"),
         };
-        a.complete(&s, &h, &response(), 1, DAY).unwrap();
+        a.complete(&s, &h, &response(), 1, DAY, RecordWithoutIt)
+            .unwrap();
         configure(&s, 1024, DAY, 10);
         let (a_again, lineage) = configure(&s, 64, DAY, 20);
         assert_eq!(lineage.retired.len(), 1);
-        assert_eq!(lineage.retired[0].buckets, 128);
+        assert_eq!(lineage.retired[0].layout.buckets, 128);
         assert!(matches!(
             a_again.claim(&s, &d(1), &d(9), 2, 30, 60_000).unwrap(),
             Claim::Completed { .. }
@@ -431,12 +442,12 @@ mod tests {
     fn registry_text_round_trips_and_garbage_reads_as_empty() {
         let entries = vec![
             TableEntry {
-                buckets: 2048,
+                layout: layout(16_384),
                 record_life_ms: DAY,
                 retired_at_ms: None,
             },
             TableEntry {
-                buckets: 8,
+                layout: layout(64),
                 record_life_ms: 5,
                 retired_at_ms: Some(77),
             },

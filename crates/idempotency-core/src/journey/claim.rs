@@ -15,7 +15,7 @@ use crate::plugin::store_calls::{self, StoreAnswer, StoreOp};
 use crate::problem::Problem;
 use crate::record::RecordedResponse;
 use crate::store_client::{self, read_claim, StoreClaim, StoreFailure};
-use crate::table::{Claim, Held, SlotRef};
+use crate::table::{Claim, Held, OversizedBody, SlotRef};
 
 impl RequestJourney {
     /// The key and payload are known: claim the key and act on the answer.
@@ -40,34 +40,25 @@ impl RequestJourney {
                     log::warn!("rule {name}: took over a claim whose lease had passed");
                     rule.count(host, Outcome::TakenOver);
                 }
-                match rule.store.clone() {
-                    Some(store) => {
-                        let owner = store_client::store_owner(held.owner, host.now_nanos(), &key);
-                        let body = store_client::claim_body(
-                            &key,
-                            &fingerprint,
-                            rule.rule.lease_ms,
-                            &owner,
-                        );
-                        match store_calls::send(host, &store, StoreOp::Claim, &body) {
-                            // Resumed (or answered) when the store replies.
-                            Ok(token) => (
-                                Journey::AwaitingStore(StoreWait {
-                                    rule,
-                                    held,
-                                    token,
-                                    owner,
-                                }),
-                                Verdict::Pause,
-                            ),
-                            Err(e) => {
-                                let failure = StoreFailure::NotSent(e.0);
-                                self.store_failed(host, rule, held, None, &failure)
-                            }
-                        }
-                    }
-                    None => execute(host, rule, held, None),
+                if let Some(evicted) = held.evicted {
+                    rule.count(host, Outcome::Evicted);
+                    plugin.retention.on_eviction(host, now, evicted.age_ms);
                 }
+                self.confirm_or_execute(host, rule, held)
+            }
+            // Cluster mode: the local table is only a cache of the store, so when it cannot
+            // take the claim (every slot of the bucket in flight, or a host error) the
+            // store's claim alone guards the key: no 503 for local pressure.
+            Ok(Claim::Full) if rule.store.is_some() => {
+                rule.count(host, Outcome::TableFull);
+                let held = Held::unheld(key, fingerprint, owner);
+                self.confirm_or_execute(host, rule, held)
+            }
+            Err(e) if rule.store.is_some() => {
+                log::warn!("rule {name}: local claim failed, the store alone guards the key: {e}");
+                rule.count(host, Outcome::TableError);
+                let held = Held::unheld(key, fingerprint, owner);
+                self.confirm_or_execute(host, rule, held)
             }
             Ok(Claim::InFlight { .. }) => {
                 rule.count(host, Outcome::Conflict);
@@ -79,12 +70,31 @@ impl RequestJourney {
             }
             Ok(Claim::Completed {
                 slot,
-                owner,
+                owner: recorded_by,
                 status,
-            }) => {
-                rule.count(host, Outcome::Replayed);
-                self.replay(host, &rule, slot, owner, status)
-            }
+            }) => match self.load_recorded(host, &rule, slot, recorded_by) {
+                Some(recorded) => {
+                    rule.count(host, Outcome::Replayed);
+                    send_replay(host, &rule, &recorded)
+                }
+                // Cluster mode: the local copy is gone (its page was reused), the store
+                // still has the whole response.
+                None if rule.store.is_some() => {
+                    let held = Held::unheld(key, fingerprint, owner);
+                    self.confirm_or_execute(host, rule, held)
+                }
+                None => {
+                    // Only the status survived: replay it with the omitted-body marker
+                    // rather than execute again.
+                    rule.count(host, Outcome::Replayed);
+                    let recorded = RecordedResponse {
+                        status,
+                        body_omitted: true,
+                        ..RecordedResponse::default()
+                    };
+                    send_replay(host, &rule, &recorded)
+                }
+            },
             Ok(Claim::Full) => {
                 // Logged once per burst: a full table means heavy load already.
                 if let Some(suppressed) = plugin.table_full_log.borrow_mut().admit(now) {
@@ -101,6 +111,32 @@ impl RequestJourney {
                 rule.count(host, Outcome::TableError);
                 let problem = Problem::unavailable("the proxy's idempotency table is unavailable");
                 self.overloaded(host, &rule, problem)
+            }
+        }
+    }
+
+    /// Cluster mode: asks the store to confirm the claim; otherwise executes.
+    fn confirm_or_execute(&self, host: &impl Host, rule: Rc<RuleHandle>, held: Held) -> Step {
+        let Some(store) = rule.store.clone() else {
+            return execute(host, rule, held, None);
+        };
+        let owner = store_client::store_owner(held.owner, host.now_nanos(), &held.key);
+        let body =
+            store_client::claim_body(&held.key, &held.fingerprint, rule.rule.lease_ms, &owner);
+        match store_calls::send(host, &store, StoreOp::Claim, &body) {
+            // Resumed (or answered) when the store replies.
+            Ok(token) => (
+                Journey::AwaitingStore(StoreWait {
+                    rule,
+                    held,
+                    token,
+                    owner,
+                }),
+                Verdict::Pause,
+            ),
+            Err(e) => {
+                let failure = StoreFailure::NotSent(e.0);
+                self.store_failed(host, rule, held, None, &failure)
             }
         }
     }
@@ -147,6 +183,7 @@ impl RequestJourney {
                     &recorded,
                     host.now_ms(),
                     rule.rule.ttl_ms,
+                    OversizedBody::LeaveToStore,
                 ) {
                     log::warn!(
                         "rule {}: store record not cached locally: {e}",
@@ -232,34 +269,26 @@ impl RequestJourney {
         }
     }
 
-    fn replay(
+    /// The response recorded in `slot`; None when it is gone (a host error, the slot
+    /// rewritten between reads, or its page reused by newer responses).
+    fn load_recorded(
         &self,
         host: &impl Host,
         rule: &RuleHandle,
         slot: SlotRef,
-        owner: u64,
-        status: u16,
-    ) -> Step {
-        let recorded = match self.plugin.table.load_response(host, slot, owner) {
-            Ok(Some(r)) => r,
-            other => {
-                // Only the status survived (a host error, or the slot was rewritten between
-                // reads): replay it with the omitted-body marker rather than execute again.
-                if let Err(e) = other {
-                    log::error!(
-                        "rule {}: recorded response unreadable: {}",
-                        rule.rule.name,
-                        e.0
-                    );
-                }
-                RecordedResponse {
-                    status,
-                    body_omitted: true,
-                    ..RecordedResponse::default()
-                }
+        recorded_by: u64,
+    ) -> Option<RecordedResponse> {
+        match self.plugin.table.load_response(host, slot, recorded_by) {
+            Ok(found) => found,
+            Err(e) => {
+                log::error!(
+                    "rule {}: recorded response unreadable: {}",
+                    rule.rule.name,
+                    e.0
+                );
+                None
             }
-        };
-        send_replay(host, rule, &recorded)
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use crate::plugin::store_calls::StoreOp;
 use crate::plugin::store_writes::{LeanBody, PendingWrite};
 use crate::record::RecordedResponse;
 use crate::store_client;
-use crate::table::{Completion, Held};
+use crate::table::{Completion, Held, OversizedBody};
 
 use std::rc::Rc;
 
@@ -111,7 +111,7 @@ impl RequestJourney {
             self.submit_store_release(host, &rule, owner.confirmed, body);
         }
         match self.plugin.table.release(host, &held) {
-            Ok(Completion::Recorded) => {}
+            Ok(Completion::Recorded | Completion::RecordedWithoutBody | Completion::NotHeld) => {}
             Ok(Completion::LostOwnership) => {
                 log::warn!("release skipped: the claim had been taken over");
             }
@@ -139,12 +139,20 @@ impl RequestJourney {
             self.submit_store_completion(host, &rule, &held, &owner, &response);
         }
         let ttl_ms = rule.rule.ttl_ms;
-        match self
-            .plugin
-            .table
-            .complete(host, &held, &response, host.now_ms(), ttl_ms)
-        {
-            Ok(Completion::Recorded) => {}
+        match self.plugin.table.complete(
+            host,
+            &held,
+            &response,
+            host.now_ms(),
+            ttl_ms,
+            oversized(&rule),
+        ) {
+            Ok(Completion::Recorded | Completion::NotHeld) => {
+                if response.body_omitted {
+                    rule.count(host, Outcome::BodyOmitted);
+                }
+            }
+            Ok(Completion::RecordedWithoutBody) => rule.count(host, Outcome::BodyOmitted),
             Ok(Completion::LostOwnership) => {
                 log::warn!(
                     "rule {}: response not recorded: the lease passed and another request took the key over",
@@ -219,5 +227,13 @@ impl RequestJourney {
             write.best_effort()
         };
         self.plugin.writes.submit(host, write);
+    }
+}
+
+/// A body the local budget cannot keep: recorded without it, unless the store keeps it.
+pub(super) fn oversized(rule: &RuleHandle) -> OversizedBody {
+    match rule.store {
+        Some(_) => OversizedBody::LeaveToStore,
+        None => OversizedBody::RecordWithoutIt,
     }
 }

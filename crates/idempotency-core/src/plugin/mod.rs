@@ -4,6 +4,7 @@
 //! context's life around it.
 
 pub mod owner_tokens;
+pub mod retention;
 pub mod root;
 pub mod rule_handle;
 pub mod store_calls;
@@ -16,8 +17,9 @@ use std::rc::Rc;
 use crate::burst_log::BurstLog;
 use crate::config::Config;
 use crate::host::Host;
-use crate::table::Table;
+use crate::table::{self, Table};
 use owner_tokens::OwnerTokens;
+use retention::Retention;
 use rule_handle::RuleHandle;
 use store_writes::StoreWrites;
 use table_upkeep::TableUpkeep;
@@ -40,6 +42,8 @@ pub struct Plugin {
     pub table_full_log: RefCell<BurstLog>,
     /// Keeps `table` in step with the tables other configurations use or retired.
     pub upkeep: TableUpkeep,
+    /// How long evicted records had been kept.
+    pub retention: Retention,
 }
 
 impl Plugin {
@@ -47,7 +51,9 @@ impl Plugin {
     /// makes Envoy refuse the configuration.
     pub fn configure(host: &impl Host, bytes: &[u8]) -> Result<Plugin, String> {
         let mut config = Config::parse(bytes).map_err(|e| e.to_string())?;
-        let table = Table::new(NAMESPACE, config.table_capacity);
+        let salt = table::bucket_salt(host, NAMESPACE, host.now_nanos())
+            .map_err(|e| format!("shared data table could not be created: {}", e.0))?;
+        let table = Table::new(NAMESPACE, config.table_layout.clone(), salt);
         table
             .create_buckets(host)
             .map_err(|e| format!("shared data table could not be created: {}", e.0))?;
@@ -77,6 +83,7 @@ impl Plugin {
             store_failures: RefCell::new(BurstLog::new(10_000)),
             table_full_log: RefCell::new(BurstLog::new(10_000)),
             upkeep,
+            retention: Retention::define(host),
         })
     }
 

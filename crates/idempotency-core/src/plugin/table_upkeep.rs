@@ -15,6 +15,8 @@ const BUCKETS_PER_TICK: u32 = 64;
 
 pub struct TableUpkeep {
     namespace: String,
+    /// The process's bucket salt (emptying does not depend on it; building a table does).
+    salt: u64,
     watch: LineageWatch,
     /// When the next retired table's records have all expired and it can be emptied.
     next_reclaim_ms: Cell<Option<u64>>,
@@ -33,6 +35,7 @@ impl TableUpkeep {
     ) -> TableUpkeep {
         let upkeep = TableUpkeep {
             namespace: namespace.to_string(),
+            salt: table.salt(),
             watch: LineageWatch::new(namespace, max_record_life_ms),
             next_reclaim_ms: Cell::new(None),
             emptying: RefCell::new(VecDeque::new()),
@@ -41,10 +44,9 @@ impl TableUpkeep {
             Ok(lineage) => {
                 for old in &lineage.retired {
                     log::warn!(
-                        "local_table.capacity changed: the earlier table of {} buckets is still \
-                         consulted and its memory held until its records expire ({} ms from \
-                         its retirement)",
-                        old.buckets,
+                        "local_table changed: the earlier table {} is still consulted and its \
+                         memory held until its records expire ({} ms from its retirement)",
+                        old.layout.tag(),
                         old.record_life_ms
                     );
                 }
@@ -87,15 +89,15 @@ impl TableUpkeep {
             Ok(Some(next)) => *first = next,
             Ok(None) => {
                 log::info!(
-                    "emptied the retired local table of {} buckets: its records had expired",
-                    table.bucket_count()
+                    "emptied the retired local table {}: its records had expired",
+                    table.layout().tag()
                 );
                 emptying.pop_front();
             }
             Err(e) => {
                 log::warn!(
-                    "retired table of {} buckets not emptied: {}",
-                    table.bucket_count(),
+                    "retired table {} not emptied: {}",
+                    table.layout().tag(),
                     e.0
                 );
                 emptying.pop_front();
@@ -116,7 +118,8 @@ impl TableUpkeep {
     fn start_emptying(&self, tables: &[TableEntry]) {
         let mut emptying = self.emptying.borrow_mut();
         for old in tables {
-            emptying.push_back((Table::with_buckets(&self.namespace, old.buckets), 0));
+            let table = Table::new(&self.namespace, old.layout.clone(), self.salt);
+            emptying.push_back((table, 0));
         }
     }
 }

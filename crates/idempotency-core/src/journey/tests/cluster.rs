@@ -288,3 +288,73 @@ fn the_completion_reaches_the_store_through_the_root_with_the_claims_owner() {
     let recorded = RecordedResponse::decode(&record).unwrap();
     assert_eq!((recorded.status, recorded.body), (201, b"created".to_vec()));
 }
+
+/// A request the store let through, answered by the upstream with `body`.
+fn executed_via_store(host: &FakeHost, plugin: &Rc<Plugin>, key: &str, body: &[u8]) {
+    let (mut request, token, _) = claimed_at_store(host, plugin, key);
+    let claimed = r#"{"outcome":"claimed","owner":"o"}"#;
+    assert_eq!(
+        answer(host, &mut request, token, Some(200), claimed),
+        Verdict::Continue
+    );
+    respond(host, &mut request, 201, body);
+    let _ = host.take_effects();
+}
+
+#[test]
+fn a_local_table_full_of_claims_in_flight_sends_new_keys_to_the_store_not_503() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"local_table":{"capacity":1},"store":{"cluster":"store"},
+            "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]}}]}"#,
+    );
+    let mut in_flight = Vec::new();
+    for i in 0..8 {
+        let (mut request, token, _) = claimed_at_store(&host, &plugin, &format!("k{i}"));
+        answer(
+            &host,
+            &mut request,
+            token,
+            Some(200),
+            r#"{"outcome":"claimed","owner":"o"}"#,
+        );
+        in_flight.push(request);
+    }
+    let _ = host.take_effects();
+    // The ninth key finds every local slot in flight: the store alone decides.
+    let (mut request, token, _) = claimed_at_store(&host, &plugin, "k8");
+    assert_eq!(host.counter("orders", Outcome::TableFull), 1);
+    let claimed = r#"{"outcome":"claimed","owner":"o"}"#;
+    assert_eq!(
+        answer(&host, &mut request, token, Some(200), claimed),
+        Verdict::Continue
+    );
+    respond(&host, &mut request, 201, b"stored");
+    assert!(replies(&host.take_effects()).is_empty());
+    // Its completion went to the store; nothing local holds it, so a retry asks the store.
+    claimed_at_store(&host, &plugin, "k8");
+}
+
+#[test]
+fn a_local_copy_whose_page_was_reused_is_fetched_again_from_the_store() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"local_table":{"capacity":8,"max_bytes":1048576},"store":{"cluster":"store"},
+            "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]}}]}"#,
+    );
+    let layout = &plugin.config.table_layout;
+    let class = layout.class_for(100_100).expect("a page class for 100 kB");
+    let pages = layout.classes[usize::from(class)].pages;
+    for i in 0..=pages {
+        executed_via_store(&host, &plugin, &format!("k{i}"), &vec![b'a'; 100_000]);
+    }
+    // The newest is still local: replayed without a callout.
+    post(&host, &plugin, &format!("k{pages}"), b"{}");
+    let effects = host.take_effects();
+    assert!(callouts(&effects).is_empty());
+    assert_eq!(the_reply(&effects).2.len(), 100_000);
+    // The first one's page holds a newer response now: the store answers for it.
+    claimed_at_store(&host, &plugin, "k0");
+}

@@ -161,3 +161,64 @@ fn a_replay_without_a_body_gets_its_content_type_back_on_the_way_out() {
     );
     assert!(matches!(replay.state(), Journey::AnsweredLocally));
 }
+
+#[test]
+fn a_table_full_of_records_evicts_the_oldest_for_a_new_key_and_shows_its_age() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"local_table":{"capacity":1},"rules":[{"name":"orders",
+            "match":{"path_prefixes":["/orders"]}}]}"#,
+    );
+    // One bucket of eight slots, each holding a record, one second apart.
+    for i in 0..8 {
+        let (mut request, _) = post(&host, &plugin, &format!("k{i}"), b"{}");
+        respond(&host, &mut request, 201, format!("order {i}").as_bytes());
+        host.advance_ms(1_000);
+    }
+    let _ = host.take_effects();
+    let (mut request, verdict) = post(&host, &plugin, "k8", b"{}");
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(is_executing(&request));
+    assert_eq!(host.counter("orders", Outcome::Evicted), 1);
+    assert_eq!(host.counter("orders", Outcome::TableFull), 0);
+    assert_eq!(
+        host.gauge(crate::plugin::retention::GAUGE_NAME),
+        Some(8_000),
+        "k0 was recorded 8 s before"
+    );
+    respond(&host, &mut request, 201, b"order 8");
+    let _ = host.take_effects();
+    // The seven younger records and the new one replay; the evicted key is new again.
+    for i in 1..9 {
+        post(&host, &plugin, &format!("k{i}"), b"{}");
+        let (status, _, body) = the_reply(&host.take_effects());
+        assert_eq!((status, body), (201, format!("order {i}").into_bytes()));
+    }
+    let (again, _) = post(&host, &plugin, "k0", b"{}");
+    assert!(is_executing(&again));
+}
+
+#[test]
+fn a_response_too_large_for_the_budget_replays_its_status_without_the_body() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"local_table":{"capacity":8,"max_bytes":1048576},"rules":[{"name":"orders",
+            "match":{"path_prefixes":["/orders"]}}]}"#,
+    );
+    let big = vec![b'x'; 900_000];
+    let (mut request, _) = post(&host, &plugin, "k1", b"{}");
+    respond(&host, &mut request, 201, &big);
+    assert_eq!(host.counter("orders", Outcome::BodyOmitted), 1);
+    let _ = host.take_effects();
+    post(&host, &plugin, "k1", b"{}");
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 201);
+    assert!(body.is_empty());
+    assert_eq!(
+        header(&headers, "idempotent-body-omitted"),
+        Some(&b"true"[..])
+    );
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+}
