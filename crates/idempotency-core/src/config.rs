@@ -39,22 +39,34 @@ struct RawStore {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[derive(Default)]
 struct RawLocalTable {
-    #[serde(default = "default_table_max_bytes")]
-    max_bytes: u64,
+    /// See `RawLocalTable::budget` when absent.
+    #[serde(default)]
+    max_bytes: Option<u64>,
     /// Derived from `max_bytes` when absent.
     #[serde(default)]
     capacity: Option<u64>,
 }
 
-impl Default for RawLocalTable {
-    fn default() -> Self {
-        RawLocalTable {
-            max_bytes: default_table_max_bytes(),
-            capacity: None,
+impl RawLocalTable {
+    /// The budget given, or the default; a capacity given alone (as every configuration
+    /// before the budget existed did) still loads: the budget then grows to give each slot
+    /// `BUDGET_PER_GIVEN_SLOT`, so an upgrade never refuses a configuration that worked.
+    fn budget(&self) -> u64 {
+        match (self.max_bytes, self.capacity) {
+            (Some(max_bytes), _) => max_bytes,
+            (None, Some(capacity)) => default_table_max_bytes()
+                .max(capacity.saturating_mul(BUDGET_PER_GIVEN_SLOT))
+                .min(MAX_TABLE_BYTES),
+            (None, None) => default_table_max_bytes(),
         }
     }
 }
+
+/// Budget per slot when only `local_table.capacity` is set: room for a 1.6 KiB response
+/// inline, and as much again for pages.
+const BUDGET_PER_GIVEN_SLOT: u64 = 2048;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -384,7 +396,7 @@ impl Config {
                 format!("must be between 1 and {MAX_CAPACITY}"),
             ));
         }
-        if !(MIN_TABLE_BYTES..=MAX_TABLE_BYTES).contains(&table.max_bytes) {
+        if !(MIN_TABLE_BYTES..=MAX_TABLE_BYTES).contains(&table.budget()) {
             return Err(invalid(
                 "local_table.max_bytes",
                 format!("must be between {MIN_TABLE_BYTES} and {MAX_TABLE_BYTES}"),
@@ -416,7 +428,7 @@ impl Config {
             .max()
             .unwrap_or(0);
         let table = raw.local_table;
-        let table_layout = Layout::plan(table.max_bytes, table.capacity, largest_body)
+        let table_layout = Layout::plan(table.budget(), table.capacity, largest_body)
             .map_err(|e| invalid(e.field, e.reason))?;
         Ok(Config {
             table_layout,
@@ -785,6 +797,20 @@ mod tests {
         assert!(layout.class_for(8 * 1024 * 1024).is_some(), "{layout:?}");
         let given = Config::parse(br#"{"local_table":{"capacity":64}}"#).unwrap();
         assert_eq!(given.table_layout.slots(), 64);
+    }
+
+    #[test]
+    fn a_capacity_set_without_a_budget_still_loads_with_a_budget_that_fits_it() {
+        // Configurations written before local_table.max_bytes existed.
+        let c = Config::parse(br#"{"local_table":{"capacity":65536}}"#).unwrap();
+        let layout = &c.table_layout;
+        assert_eq!(layout.slots(), 65_536);
+        assert!(layout.inline_bytes >= 512, "{layout:?}");
+        assert!(layout.bound_bytes() <= 65_536 * 2048, "{layout:?}");
+        // Given together, the budget is the budget.
+        let err = Config::parse(br#"{"local_table":{"capacity":65536,"max_bytes":67108864}}"#)
+            .unwrap_err();
+        assert_eq!(err.field, "local_table.capacity");
     }
 
     #[test]
