@@ -19,7 +19,6 @@ from typing import Callable
 from setups import (  # first: it puts tests/e2e on sys.path
     BODY,
     FILTER_WASM,
-    MEMORY_CAPACITY,
     MEMORY_LEASE_S,
     MEMORY_TTL_S,
     PRODUCT,
@@ -28,9 +27,12 @@ from setups import (  # first: it puts tests/e2e on sys.path
     STORE_TOKEN,
     WRK_DIR,
     Setup,
-    geometry,
     harness,
+    memory_geometry,
+    memory_max_bytes,
+    memory_plugin_config,
     plugin_config,
+    rule_max_response_bytes,
     start_store,
 )
 
@@ -95,7 +97,8 @@ def parse_wrk(out: str) -> WrkResult:
         raise ValueError(f"wrk output lacks the request count:\n{out}")
     seconds = _ms(m.group(2) + m.group(3)) / 1000.0
     sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
-    extra = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", grab(r"bench-counts: (.*)", ""))}
+    extra = {k: int(v) for line in re.findall(r"bench-counts: (.*)", out)
+             for k, v in re.findall(r"(\w+)=(\d+)", line)}
     return WrkResult(
         requests=int(m.group(1)),
         seconds=seconds,
@@ -226,7 +229,7 @@ IGNORED_LOG = ("no configured limit to the number of allowed active downstream c
 
 
 def filter_stats(envoy: harness.Envoy) -> dict[str, int]:
-    wanted = ("idempotency.rule", "downstream_rq_", "upstream_rq_total", "upstream_rq_timeout")
+    wanted = ("idempotency.rule", "idempotency.local_table", "downstream_rq_", "upstream_rq_total", "upstream_rq_timeout")
     out = {}
     for name, value in envoy.stats().items():
         if any(w in name for w in wanted):
@@ -282,11 +285,11 @@ def check_setup(s: Setup, w: WrkResult, stats: dict[str, int]) -> list[str]:
     return notes
 
 
-def prime_replay(envoy: harness.Envoy, key: str) -> dict[str, str]:
+def prime_replay(envoy: harness.Envoy, key: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """Records one response for `key` and checks that its retry is a replay; returns the
     replay's headers (and body under "__body__"), plus "__409s__": how many immediate
     retries were answered 409 (in flight) before the replay came."""
-    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json", **(extra or {})}
     first = client.post(envoy.url("/orders"), body=BODY, headers=headers, timeout=5)
     conflicts = 0
     for _ in range(50):
@@ -295,7 +298,7 @@ def prime_replay(envoy: harness.Envoy, key: str) -> dict[str, str]:
             break
         conflicts += 1
         time.sleep(0.02)
-    if first.status_code != 200 or second.headers.get("idempotent-replayed") != "true":
+    if not 200 <= first.status_code < 300 or second.headers.get("idempotent-replayed") != "true":
         raise BenchFailure(f"priming the replay failed: {first.status_code} then {second.status_code} "
                            f"{dict(second.headers)} {second.text[:300]!r}")
     if conflicts:
@@ -363,6 +366,21 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
 NEVER_RECORDED = {"content-length", "date", "server", "connection", "keep-alive", "proxy-connection",
                   "transfer-encoding", "upgrade", "te", "trailer", "set-cookie", "set-cookie2",
                   "idempotent-replayed", "idempotent-body-omitted"}
+# A page starts with the sequence number it was written under (PAGE_HEADER_BYTES in
+# crates/idempotency-core/src/table_layout.rs): a response fits a page when its encoding
+# plus these bytes does.
+PAGE_HEADER_BYTES = 8
+# Recorded headers grow a little during the run (the demo upstream's `x-execution` counter
+# gains digits): responses are sized this much below their limit.
+SIZE_MARGIN_BYTES = 24
+# How many requests of a thread get each page class's size: one in 10, 100, 1000, smallest
+# class first (the largest responses are the rarest).
+PAGE_CLASS_EVERY = (10, 100, 1000)
+# The memory run's body size for the header-overhead probe.
+PROBE_BODY_BYTES = 100
+RETENTION_GAUGE = "wasmcustom.idempotency.local_table.youngest_evicted_age_ms"
+# The filter's gauge window (WINDOW_MS in crates/idempotency-core/src/plugin/retention.rs).
+RETENTION_WINDOW_S = 10.0
 
 
 def recorded_size(replay: dict[str, str]) -> int:
@@ -376,87 +394,200 @@ def recorded_size(replay: dict[str, str]) -> int:
 
 
 @dataclass
+class SizeClass:
+    """One size of the memory run's response mix."""
+
+    every: int  # one request in `every` (1: the rest)
+    body_bytes: int
+    recorded_bytes: int  # the response as encoded for replay, at the start of the run
+    where: str  # "inline" or "pages of N bytes"
+    limit_bytes: int  # largest encoding `where` takes
+    sent: int = 0
+
+
+def response_mix(table: harness.TableGeometry, header_bytes: int, max_response_bytes: int) -> list[SizeClass]:
+    """Body sizes that fill the slots and every page ring to what the layout allows them:
+    each encoded response (``header_bytes`` of status and headers on top of its body) just
+    under its place's limit, the largest also within the rule's ``max_response_bytes``."""
+    def body_for(limit: int) -> int:
+        return max(0, min(max_response_bytes, limit - header_bytes - SIZE_MARGIN_BYTES))
+
+    inline = body_for(table.inline_bytes)
+    mix = [SizeClass(1, inline, inline + header_bytes, "inline", table.inline_bytes)]
+    if len(table.page_classes) > len(PAGE_CLASS_EVERY):
+        raise BenchFailure(f"{len(table.page_classes)} page classes, the mix has sizes for {len(PAGE_CLASS_EVERY)}")
+    for every, c in zip(PAGE_CLASS_EVERY, table.page_classes):
+        body = body_for(c.page_bytes - PAGE_HEADER_BYTES)
+        mix.append(SizeClass(every, body, body + header_bytes, f"pages of {c.page_bytes:,} bytes",
+                             c.page_bytes - PAGE_HEADER_BYTES))
+    return mix
+
+
+def mix_arg(mix: list[SizeClass]) -> str:
+    """The mix as bench/wrk/post_mixed.lua reads it."""
+    return ",".join([str(mix[0].body_bytes)] + [f"{m.every}:{m.body_bytes}" for m in mix[1:]])
+
+
+def simulate_youngest_eviction(capacity: int, ways: int, rate: float, requests: int,
+                               seed: int = 1) -> float:
+    """What the retention gauge would read at the end of the run if keys hashed uniformly to
+    buckets and arrived evenly at ``rate``: a new key takes a free slot of its bucket or
+    evicts the bucket's oldest record; the gauge is the youngest age evicted in the current
+    10 s window, windows starting at the first eviction after the last one ended (as
+    crates/idempotency-core/src/plugin/retention.rs keeps it). In seconds; 0 without
+    evictions."""
+    import random
+    from collections import deque
+
+    rng = random.Random(seed)
+    buckets = max(1, capacity // ways)
+    # Records arrive in time order, so a bucket's oldest is the first of its queue.
+    held: list[deque[float]] = [deque() for _ in range(buckets)]
+    window_end, youngest = -1.0, 0.0
+    step = 1.0 / rate
+    for i in range(requests):
+        now = i * step
+        slots = held[rng.randrange(buckets)]
+        slots.append(now)
+        if len(slots) <= ways:
+            continue
+        age = now - slots.popleft()
+        if now >= window_end:
+            window_end, youngest = now + RETENTION_WINDOW_S, age
+        elif age < youngest:
+            youngest = age
+    return youngest
+
+
+def heap_allocated(envoy: harness.Envoy) -> int:
+    """Bytes Envoy's allocator (tcmalloc) has handed out and not got back (admin `/memory`):
+    the shared data and the rest of Envoy's heap, without the Wasm VM's own memory and
+    without memory the allocator holds free."""
+    resp = envoy.admin("/memory")
+    resp.raise_for_status()
+    return int(resp.json()["allocated"])
+
+
+# Bytes of a page pointer, what a slot's response entry holds when the response went to a page
+# (PagePointer::encode in crates/idempotency-core/src/table.rs: magic, class, sequence, owner).
+PAGE_POINTER_BYTES = 4 + 1 + 8 + 8
+
+
+def table_values_bytes(table: harness.TableGeometry, mix: list[SizeClass]) -> tuple[int, int]:
+    """What the memory run leaves in the table's entries added after start-up (every response
+    entry and every page written), values only, and how many entries that is. One request in
+    ``mix[1].every`` goes to a page, so that share of slots ends holding a page pointer."""
+    slots = table.capacity
+    to_pages = 1 / mix[1].every if len(mix) > 1 else 0.0
+    values = slots * ((1 - to_pages) * mix[0].recorded_bytes + to_pages * PAGE_POINTER_BYTES)
+    entries = slots
+    for m, c in zip(mix[1:], table.page_classes):
+        values += c.pages * (PAGE_HEADER_BYTES + m.recorded_bytes)
+        entries += c.pages
+    return int(values), entries
+
+
+@dataclass
+class MemorySample:
+    t: float
+    rss_kib: int
+    evicted: int
+    youngest_evicted_ms: int
+    allocated: int
+
+
+@dataclass
 class MemoryResult:
     keys_target: int
     wrk: WrkResult
+    table: harness.TableGeometry
+    max_bytes: int
+    header_bytes: int
+    mix: list[SizeClass]
     rss_start_kib: int
+    rss_warm_kib: int
     rss_peak_kib: int
     rss_end_kib: int
-    rss_after_kib: int
-    samples: list[tuple[float, int]]
+    samples: list[MemorySample]
     stats: dict[str, int]
-    rss_warm_kib: int
-    bound: TableBound
+    retention_ms: int
+    simulated_retention_s: float
+    allocated_warm: int
+    allocated_peak: int
+    allocated_end: int
     command: str
     capped_by_duration: bool
 
     @property
-    def bound_table_bytes(self) -> int:
-        return self.bound.total
-
-
-def _round16(n: int) -> int:
-    return (n + 15) // 16 * 16
-
-
-def _swiss_capacity(entries: int) -> int:
-    """Slots of an absl::flat_hash_map holding `entries` (2^k - 1, at most 7/8 full)."""
-    cap = 15
-    while entries > cap - cap // 8:
-        cap = cap * 2 + 1
-    return cap
-
-
-@dataclass
-class TableBound:
-    buckets: int
-    ways: int  # slots per bucket
-    record: int
-    slot_bytes: int  # one slot in its bucket's value, as encoded
-    slot: int  # bytes of one slot in its bucket's value, allocator rounding included
-    response_value: int
-    response_key: int
-    map_share: int
+    def executed(self) -> int:
+        return outcome(self.stats, "executed")
 
     @property
-    def per_slot(self) -> int:
-        return self.slot + self.response_value + self.response_key + self.map_share
+    def write_rate(self) -> float:
+        """Recorded writes per second over the measured run."""
+        return self.executed / self.wrk.seconds if self.wrk.seconds > 0 else 0.0
 
     @property
-    def total(self) -> int:
-        return self.buckets * self.ways * self.per_slot
+    def predicted_retention_s(self) -> float:
+        """Slots ÷ writes per second: how long a record stays on average once the table is full."""
+        return self.table.capacity / self.write_rate if self.write_rate > 0 else 0.0
+
+    @property
+    def growth_bytes(self) -> int:
+        return (self.rss_peak_kib - self.rss_warm_kib) * 1024
+
+    @property
+    def heap_growth_bytes(self) -> int:
+        """Growth of Envoy's allocated heap (shared data included, Wasm VM not) at its peak."""
+        return self.allocated_peak - self.allocated_warm
+
+    @property
+    def values(self) -> tuple[int, int]:
+        return table_values_bytes(self.table, self.mix)
+
+    @property
+    def table_heap_bytes(self) -> int:
+        """Envoy's allocated heap once the load has stopped (its connections closed), over the
+        baseline: what the table's entries added, and little else."""
+        return self.allocated_end - self.allocated_warm
+
+    @property
+    def per_entry_overhead(self) -> float:
+        """That growth beyond the values written, per entry added: the host's cost of an entry
+        (map node, key text, allocation rounding), which the layout estimates at 256 bytes,
+        plus any other heap growth spread over the entries."""
+        values, entries = self.values
+        return (self.table_heap_bytes - values) / entries
+
+    @property
+    def outside_heap_growth_bytes(self) -> int:
+        """RSS growth that is not Envoy's allocated heap (at the peaks): the Wasm VM's linear
+        memory and pages the allocator holds free."""
+        return self.growth_bytes - self.heap_growth_bytes
+
+    @property
+    def budget_kib(self) -> float:
+        """The target: the warmed-up baseline plus the whole `local_table.max_bytes`."""
+        return self.rss_warm_kib + self.max_bytes / 1024
 
 
-def table_bound(table: harness.TableGeometry, record: int) -> TableBound:
-    """What a full table adds to Envoy over the empty one its configuration creates.
-
-    Each slot is its share of its bucket's value and, once used, one shared-data entry of
-    its own for the recorded response (key `<prefix>/r/<bucket>/<way>`); sizes and key names
-    come from the code (``table``). Per such entry: the value and key strings on the heap
-    (rounded to 16 bytes, about what the allocator's size classes cost) and its share of the
-    growth of Envoy's shared-data hash map (a swiss table of std::string key and
-    (std::string value, cas) slots, 72 bytes plus one control byte each), from the bucket keys
-    alone to bucket keys plus one response key per slot.
-    """
-    buckets, slots = table.buckets, table.capacity
-    before = _swiss_capacity(buckets + 8)
-    after = _swiss_capacity(buckets + slots + 8)
-    return TableBound(
-        buckets=buckets,
-        ways=table.ways,
-        record=record,
-        slot_bytes=table.slot_bytes,
-        slot=_round16(table.bucket_bytes) // table.ways,
-        response_value=_round16(record),
-        response_key=_round16(len(table.response_key) + 1),
-        map_share=-(-(after - before) * 73 // slots),
-    )
+def prime_sized(envoy: harness.Envoy, key: str, body_bytes: int) -> dict[str, str]:
+    """Records one response of ``body_bytes`` (the demo upstream's x-demo-body-bytes) for
+    ``key`` and returns its replay, as prime_replay does."""
+    return prime_replay(envoy, key, {"x-demo-body-bytes": str(body_bytes)})
 
 
-def run_memory(tmp: Path, upstream: harness.Upstream, keys: int, max_seconds: float) -> MemoryResult:
-    log(f"memory run: {keys} distinct keys, capacity {MEMORY_CAPACITY}, ttl {MEMORY_TTL_S}s, lease {MEMORY_LEASE_S}s")
-    cfg = plugin_config(capacity=MEMORY_CAPACITY, ttl_s=MEMORY_TTL_S, lease_s=MEMORY_LEASE_S, store=False)
+def run_memory(tmp: Path, keys: int, max_seconds: float) -> MemoryResult:
+    cfg = memory_plugin_config()
+    table = memory_geometry()
+    max_bytes = memory_max_bytes()
+    log(f"memory run: {keys} distinct keys, product's local_table (max_bytes {max_bytes}: {table.capacity} slots "
+        f"inline up to {table.inline_bytes} bytes, pages "
+        + ", ".join(f"{c.pages}x{c.page_bytes}" for c in table.page_classes)
+        + f"; bound {table.bound_bytes}), ttl {MEMORY_TTL_S}s, lease {MEMORY_LEASE_S}s")
     with harness.ProcessGroup(tmp) as group:
+        # The counting upstream (not --fast): it answers x-demo-body-bytes.
+        upstream = group.add(harness.start_upstream(tmp, name="upstream-memory"))
         envoy = harness.Envoy(PRODUCT, tmp, cluster_ports={"demo_upstream": upstream.port}, plugin_config=cfg,
                               wasm_path=FILTER_WASM, name="envoy-memory", concurrency=1, log_level="warn")
         group.add(envoy)
@@ -464,46 +595,72 @@ def run_memory(tmp: Path, upstream: harness.Upstream, keys: int, max_seconds: fl
         pid = envoy.process.pid
         time.sleep(1.0)
         rss_start = rss_kib(pid)
+        nonce = f"m{int(time.time() * 1000)}"
+        # What the demo upstream's status and headers add to a body once encoded for replay.
+        probe = prime_sized(envoy, f"memory-probe-{nonce}", PROBE_BODY_BYTES)
+        header_bytes = recorded_size(probe) - PROBE_BODY_BYTES
+        mix = response_mix(table, header_bytes, rule_max_response_bytes(cfg))
+        for m in mix:
+            log(f"  1 in {m.every}: body {m.body_bytes} bytes, recorded {m.recorded_bytes} ({m.where}, "
+                f"up to {m.limit_bytes})")
         # Warm Envoy up with the same load on a path no rule covers (the filter lets it pass
-        # untouched and records nothing), so that connections, buffers, allocator caches and
-        # the Wasm heap are in the baseline and only the table's growth is left to compare.
+        # untouched and records nothing), so that connections, buffers and allocator caches
+        # for these response sizes are in the baseline and only the table's growth is left.
         url = envoy.url("/")
-        run_wrk(wrk_argv(url, 5, WRK_DIR / "post.lua", ["unique", "warm", BODY, "/unprotected"]), 5)
-        replay = prime_replay(envoy, f"memory-size-{int(time.time())}")
-        record = recorded_size(replay)
+        run_wrk(wrk_argv(url, 5, WRK_DIR / "post_mixed.lua", ["w" + nonce, BODY, "0", "/unprotected", mix_arg(mix)]),
+                5)
         time.sleep(1.0)
         rss_warm = rss_kib(pid)
+        allocated_warm = heap_allocated(envoy)
         envoy.admin("/reset_counters", "POST").raise_for_status()
-        nonce = f"m{int(time.time() * 1000)}"
         per_thread = -(-keys // WRK_THREADS)
-        argv = wrk_argv(url, max_seconds, WRK_DIR / "post_limited.lua", ["unique", nonce, BODY, str(per_thread)])
-        samples: list[tuple[float, int]] = []
+        argv = wrk_argv(url, max_seconds, WRK_DIR / "post_mixed.lua",
+                        [nonce, BODY, str(per_thread), "/orders", mix_arg(mix)])
+        samples: list[MemorySample] = []
         t0 = time.monotonic()
         last = [0.0]
+        watched = f"{re.escape(RETENTION_GAUGE)}|{re.escape(STAT_PREFIX)}evicted"
 
         def sample() -> None:
             now = time.monotonic()
             if now - last[0] >= 1.0:
                 last[0] = now
-                samples.append((now - t0, rss_kib(pid)))
+                st = envoy.stats(watched)
+                samples.append(MemorySample(now - t0, rss_kib(pid), st.get(STAT_PREFIX + "evicted", 0),
+                                            st.get(RETENTION_GAUGE, 0), heap_allocated(envoy)))
 
         w = run_wrk(argv, max_seconds, sampler=sample)
-        rss_end = rss_kib(pid)
-        samples.append((time.monotonic() - t0, rss_end))
-        time.sleep(MEMORY_TTL_S + 3)  # every record has expired
-        rss_after = rss_kib(pid)
         stats = filter_stats(envoy)
-        if w.requests == 0 or w.socket_errors > w.requests / 2 or outcome(stats, "executed") < w.requests / 2:
+        rss_end = rss_kib(pid)
+        allocated_end = heap_allocated(envoy)
+        samples.append(MemorySample(time.monotonic() - t0, rss_end, outcome(stats, "evicted"),
+                                    stats.get(RETENTION_GAUGE, 0), allocated_end))
+        executed = outcome(stats, "executed")
+        if w.requests == 0 or w.socket_errors > w.requests / 2 or executed < w.requests / 2:
             raise BenchFailure(f"memory run mostly failed: {w.requests} requests, executed "
-                               f"{outcome(stats, 'executed')}, {w.non2xx} non-2xx\n{w.output}")
-        bound = table_bound(geometry(MEMORY_CAPACITY), record)
-        peak = max(v for _, v in samples)
+                               f"{executed}, {w.non2xx} non-2xx\n{w.output}")
+        for i, m in enumerate(mix):
+            m.sent = w.extra.get(f"sent_size_{i}", 0)
+        peak = max(s.rss_kib for s in samples)
+        rate = executed / w.seconds if w.seconds > 0 else 0.0
+        simulated = simulate_youngest_eviction(table.capacity, table.ways, rate, executed) if rate > 0 else 0.0
         command = display_cmd(argv, {url: "http://127.0.0.1:$ENVOY_PORT/", nonce: "$NONCE"})
-        log(f"  {w.requests} requests in {w.seconds:.0f}s, table_full {outcome(stats, 'table_full')}, "
+        result = MemoryResult(keys, w, table, max_bytes, header_bytes, mix, rss_start, rss_warm, peak, rss_end,
+                              samples, stats, stats.get(RETENTION_GAUGE, 0), simulated, allocated_warm,
+                              max(x.allocated for x in samples), allocated_end, command,
+                              capped_by_duration=w.requests < keys)
+        log(f"  {w.requests} requests in {w.seconds:.0f}s ({rate:.0f} writes/s), table_full "
+            f"{outcome(stats, 'table_full')}, evicted {outcome(stats, 'evicted')}, body_omitted "
+            f"{outcome(stats, 'body_omitted')}; retention gauge {result.retention_ms / 1000:.1f}s "
+            f"(slots/rate {result.predicted_retention_s:.1f}s, simulated youngest {simulated:.1f}s); "
             f"RSS {rss_start / 1024:.1f} -> warm {rss_warm / 1024:.1f} -> peak {peak / 1024:.1f} -> "
-            f"{rss_after / 1024:.1f} MiB (bound {(rss_warm * 1024 + bound.total) / 2**20:.1f} MiB)")
-    return MemoryResult(keys, w, rss_start, peak, rss_end, rss_after, samples, stats, rss_warm, bound,
-                        command, capped_by_duration=w.requests < keys)
+            f"end {rss_end / 1024:.1f} MiB (growth {result.growth_bytes / 2**20:.1f} MiB; bound_bytes "
+            f"{table.bound_bytes / 2**20:.1f} MiB, max_bytes {max_bytes / 2**20:.1f} MiB); Envoy heap "
+            f"allocated +{result.heap_growth_bytes / 2**20:.1f} MiB at its peak, "
+            f"+{result.table_heap_bytes / 2**20:.1f} MiB after the run, values written "
+            f"{result.values[0] / 2**20:.1f} MiB in {result.values[1]} entries: "
+            f"{result.per_entry_overhead:.0f} bytes per entry beyond its value")
+    return result
 
 
 # --------------------------------------------------------------------------

@@ -9,10 +9,18 @@ import re
 import subprocess
 from pathlib import Path
 
-from measure import Durations, MemoryResult, RedisBench, SetupResult, StoreResult, outcome
+from measure import (
+    PAGE_HEADER_BYTES,
+    PAGE_POINTER_BYTES,
+    Durations,
+    MemoryResult,
+    RedisBench,
+    SetupResult,
+    StoreResult,
+    outcome,
+)
 from setups import (
     BODY,
-    MEMORY_CAPACITY,
     MEMORY_LEASE_S,
     MEMORY_TTL_S,
     REPLAY_TTL_S,
@@ -24,6 +32,9 @@ from setups import (
 )
 
 WASM_SIZE_TARGET = 512 * 1024
+# What the layout counts per shared-data entry (ENTRY_OVERHEAD_BYTES in
+# crates/idempotency-core/src/table_layout.rs).
+ENTRY_OVERHEAD_BYTES = 256
 
 
 def sh(cmd: list[str]) -> str:
@@ -105,6 +116,123 @@ def write_chart(results: list[SetupResult], path: Path) -> None:
     plt.close(fig)
 
 
+def add_memory_section(add, mem: MemoryResult) -> None:
+    w, t = mem.wrk, mem.table
+    tf = outcome(mem.stats, "table_full")
+    evicted = outcome(mem.stats, "evicted")
+    omitted = outcome(mem.stats, "body_omitted")
+    status_503 = w.extra.get("status_503", 0)
+    mib = 2**20
+    pages = ", ".join(f"{c.pages:,} × {c.page_bytes:,} bytes" for c in t.page_classes)
+    add(f"Single-proxy mode with the product's `local_table` as envoy/envoy.yaml has it: `max_bytes` "
+        f"{mem.max_bytes:,} ({mem.max_bytes / mib:.0f} MiB), capacity derived from it. The code "
+        f"(`table_geometry`) lays that out as {t.capacity:,} slots ({t.buckets:,} buckets of {t.ways}), "
+        f"each keeping a response of up to {t.inline_bytes:,} encoded bytes inline, and rings of pages "
+        f"for larger ones: {pages}; counted at their largest, with the estimated per-entry host "
+        f"overhead, these keys and values come to at most `bound_bytes` = {t.bound_bytes:,} bytes "
+        f"({t.bound_bytes / mib:.1f} MiB). `ttl_seconds` {MEMORY_TTL_S:,} and `lease_seconds` "
+        f"{MEMORY_LEASE_S}: no record expires during the run, so once the slots are used every new key "
+        f"evicts the oldest completed record of its bucket.")
+    add("")
+    add(f"wrk sent {w.requests:,} requests with distinct keys in {w.seconds:.0f} s "
+        f"({mem.write_rate:,.0f} recorded writes/s)"
+        + (f" — stopped by its duration limit before the {mem.keys_target:,}" if mem.capped_by_duration else "")
+        + ". The counting demo upstream answers each with a body of the size the request asks for "
+          "(`x-demo-body-bytes`, set per request by `bench/wrk/post_mixed.lua`), sized from the layout "
+          f"so that each encoded response (status and the upstream's headers add {mem.header_bytes} bytes "
+          "to the body) lands just under the limit of its place, and the slots and every page ring fill "
+          "up to what the layout gives them:")
+    add("")
+    add("| requests | body bytes | encoded bytes | kept | limit | sent |")
+    add("| --- | ---: | ---: | --- | ---: | ---: |")
+    for m in mem.mix:
+        share = "the rest" if m.every == 1 else f"1 in {m.every:,}"
+        add(f"| {share} | {m.body_bytes:,} | {m.recorded_bytes:,} | {m.where} | {m.limit_bytes:,} | {m.sent:,} |")
+    add("")
+    if mem.mix and mem.mix[-1].every > 1:
+        add(f"(The rule's `max_response_bytes` caps the largest body; its pages are sized for it plus "
+            f"room for headers. A request whose number is a multiple of several periods gets the "
+            f"largest size.)")
+        add("")
+    add("| | |")
+    add("| --- | ---: |")
+    add(f"| requests (distinct keys) | {w.requests:,} in {w.seconds:.1f} s |")
+    add(f"| executed (recorded) | {mem.executed:,} ({mem.write_rate:,.0f}/s) |")
+    add(f"| refused: 503 `table_full` (every slot of the key's bucket in flight) | **{tf:,}** |")
+    add(f"| evicted (oldest completed record of the bucket replaced before its TTL) | {evicted:,} |")
+    add(f"| `body_omitted` (response fit no slot or page) | {omitted:,} |")
+    add(f"| non-2xx counted by wrk (503 among them) / socket errors | {w.non2xx:,} ({status_503:,}) / "
+        f"{w.socket_errors:,} |")
+    add(f"| achieved retention: `youngest_evicted_age_ms` at the end | **{mem.retention_ms / 1000:.2f} s** |")
+    readings = [x.youngest_evicted_ms for x in mem.samples if x.evicted > 0 and x.youngest_evicted_ms > 0]
+    if readings:
+        add(f"| the gauge's lowest reading during the run (read every second) | {min(readings) / 1000:.2f} s |")
+    add(f"| slots ÷ write rate ({t.capacity:,} ÷ {mem.write_rate:,.0f}/s): mean age at eviction | "
+        f"{mem.predicted_retention_s:.2f} s |")
+    add(f"| the gauge simulated for uniform hashing at that rate | {mem.simulated_retention_s:.2f} s |")
+    add(f"| Envoy RSS when ready (filter loaded, empty buckets created) | {mem.rss_start_kib / 1024:.1f} MiB |")
+    add(f"| Envoy RSS after 5 s of the same load on a path no rule covers (baseline) | "
+        f"{mem.rss_warm_kib / 1024:.1f} MiB |")
+    add(f"| Envoy RSS peak during the run | {mem.rss_peak_kib / 1024:.1f} MiB |")
+    add(f"| Envoy RSS at the end | {mem.rss_end_kib / 1024:.1f} MiB |")
+    add(f"| peak − baseline | **{mem.growth_bytes / mib:.1f} MiB** |")
+    add(f"| `bound_bytes` (the layout's bound, host overhead estimated) | {t.bound_bytes / mib:.1f} MiB |")
+    add(f"| `local_table.max_bytes` | {mem.max_bytes / mib:.1f} MiB |")
+    add(f"| Envoy heap allocated (admin `/memory`): baseline → peak → after the run | "
+        f"{mem.allocated_warm / mib:.1f} → {mem.allocated_peak / mib:.1f} → {mem.allocated_end / mib:.1f} MiB |")
+    add("")
+    growth = mem.growth_bytes
+    within_max = growth <= mem.max_bytes
+    add(f"Peak RSS grew {growth / mib:.1f} MiB over the warmed-up baseline: "
+        f"{100 * growth / t.bound_bytes:.0f} % of `bound_bytes` and "
+        f"{100 * growth / mem.max_bytes:.0f} % of `max_bytes`"
+        + ("" if within_max else " — **more than the budget**")
+        + f". Of that, Envoy's allocated heap (where shared data lives) grew "
+          f"{mem.heap_growth_bytes / mib:.1f} MiB at its peak and kept {mem.table_heap_bytes / mib:.1f} MiB "
+          f"once the load had stopped; the other {mem.outside_heap_growth_bytes / mib:.1f} MiB is outside "
+          "that heap: the filter's Wasm linear memory, which grows to copy the largest responses and is "
+          "never returned, and pages the allocator holds free. The bucket entries exist before traffic "
+          "and are in the baseline.")
+    add("")
+    values, entries = mem.values
+    over = mem.per_entry_overhead
+    add(f"The entries the run added ({entries:,}: a response entry per slot, one per page) hold "
+        f"about {values / mib:.1f} MiB of values at the end (one slot in {mem.mix[1].every if len(mem.mix) > 1 else 1} "
+        f"holds a {PAGE_POINTER_BYTES}-byte page pointer, the others an inline response; each page its "
+        f"response and {PAGE_HEADER_BYTES}-byte header). The heap kept {mem.table_heap_bytes / mib:.1f} MiB, "
+        f"so an entry cost about **{over:.0f} bytes** beyond its value (map node, key text, allocation "
+        f"rounding, and any other heap growth spread over them), against the "
+        f"{ENTRY_OVERHEAD_BYTES} bytes the layout counts (`ENTRY_OVERHEAD_BYTES`)"
+        + (": the estimate held." if over <= ENTRY_OVERHEAD_BYTES else
+           f": the estimate is low by about {over - ENTRY_OVERHEAD_BYTES:.0f} bytes per entry, "
+           f"{(over - ENTRY_OVERHEAD_BYTES) * entries / mib:.1f} MiB over this table.")
+        + " Once every slot and page has been written, entries are only overwritten, never added: "
+          "memory stays flat however many keys follow.")
+    add("")
+    add(f"Retention: the gauge holds the age of the youngest record evicted in the last 10 s, i.e. the "
+        f"shortest time a completed key was remembered. With {t.capacity:,} slots at "
+        f"{mem.write_rate:,.0f} writes/s a record lives {mem.predicted_retention_s:.1f} s on average, but "
+        f"a key evicts the oldest of only the {t.ways} records of its own bucket, and buckets that "
+        f"happen to receive keys in quick succession evict younger records: the youngest eviction in a "
+        f"window is well below the mean, as the simulation of this table (uniform hashing, the same "
+        f"rate and number of keys) also gives. The reading at the end covers the last window only, "
+        f"however far into it the run stopped. At this write rate every completed key was kept at "
+        f"least about {mem.retention_ms / 1000:.1f} s; a retry later than that may find it forgotten "
+        f"(and execute again). To keep keys for the rule's TTL of a day, the budget would have to "
+        f"hold a day of writes.")
+    add("")
+    pts = [s for s in mem.samples]
+    if len(pts) > 2:
+        step = max(1, len(pts) // 12)
+        shown = pts[::step]
+        if shown[-1] is not pts[-1]:
+            shown.append(pts[-1])
+        add("During the run (s: RSS MiB, evicted so far, retention gauge s): "
+            + "; ".join(f"{p.t:.0f}: {p.rss_kib / 1024:.1f}, {p.evicted:,}, {p.youngest_evicted_ms / 1000:.2f}"
+                        for p in shown))
+        add("")
+
+
 def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durations",
                results: list[SetupResult], mem: MemoryResult | None, stores: list[StoreResult],
                rb: RedisBench | None, wasm_size: int, noop_size: int, elapsed: float,
@@ -125,9 +253,13 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     targets.append(("Wasm module ≤ 512 KiB", wasm_size <= WASM_SIZE_TARGET,
                     f"{wasm_size / 1024:.0f} KiB ({wasm_size:,} bytes)"))
     if mem:
-        bound_kib = mem.rss_warm_kib + mem.bound_table_bytes / 1024
-        targets.append(("memory run: RSS within warmed-up baseline + table bound", mem.rss_peak_kib <= bound_kib,
-                        f"peak {mem.rss_peak_kib / 1024:.1f} MiB vs {bound_kib / 1024:.1f} MiB"))
+        refused = outcome(mem.stats, "table_full")
+        targets.append(("memory run: no key refused (`table_full`)", refused == 0,
+                        f"{refused:,} of {mem.wrk.requests:,}"))
+        targets.append(("memory run: peak RSS ≤ warmed-up baseline + `local_table.max_bytes`",
+                        mem.rss_peak_kib <= mem.budget_kib,
+                        f"peak {mem.rss_peak_kib / 1024:.1f} MiB vs {mem.rss_warm_kib / 1024:.1f} + "
+                        f"{mem.max_bytes / 2**20:.0f} = {mem.budget_kib / 1024:.1f} MiB"))
 
     L: list[str] = []
     add = L.append
@@ -229,56 +361,10 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                 f"{emb.wrk.rps:,.0f} claims/s here, and every request of (e) needs a claim and a "
                 f"complete, so about {ceiling:,.0f} requests/s is its ceiling on this disk.")
     add("")
-    add(f"## Memory: a million keys through a {MEMORY_CAPACITY:,}-record table")
+    add("## Memory: a million keys through the default byte budget")
     add("")
     if mem:
-        w = mem.wrk
-        tf = outcome(mem.stats, "table_full")
-        b = mem.bound
-        buckets, ways = b.buckets, b.ways
-        bound_kib = mem.rss_warm_kib + b.total / 1024
-        add(f"Single-proxy mode, `local_table.capacity` {MEMORY_CAPACITY:,} ({buckets:,} buckets of {ways} "
-            f"slots), `ttl_seconds` {MEMORY_TTL_S}, `lease_seconds` {MEMORY_LEASE_S}, so slots are reused "
-            f"as records expire. wrk sent {w.requests:,} requests with distinct keys in {w.seconds:.0f} s "
-            f"({w.rps:,.0f}/s)" + (" — stopped by its duration limit before the million"
-                                   if mem.capped_by_duration else "") + f". A key whose bucket holds {ways} "
-            "live records gets `503` table_full (the rule's `on_table_full: reject`); at this rate about "
-            f"{w.rps * MEMORY_TTL_S:,.0f} records are live at any time, {w.rps * MEMORY_TTL_S / buckets:.1f} "
-            "per bucket on average.")
-        add("")
-        add("| | |")
-        add("| --- | ---: |")
-        add(f"| executed (recorded) | {outcome(mem.stats, 'executed'):,} |")
-        add(f"| 503 table_full (no free slot in the key's bucket) | {tf:,} ({100 * tf / max(1, w.requests):.2f} %) |")
-        add(f"| 503 answers counted by wrk | {w.extra.get('status_503', 0):,} |")
-        add(f"| other non-2xx / socket errors | {max(0, w.non2xx - w.extra.get('status_503', 0)):,} / "
-            f"{w.socket_errors:,} |")
-        add(f"| Envoy RSS when ready (filter loaded, empty buckets created) | {mem.rss_start_kib / 1024:.1f} MiB |")
-        add(f"| Envoy RSS after 5 s of the same load on a path no rule covers (baseline) | {mem.rss_warm_kib / 1024:.1f} MiB |")
-        add(f"| Envoy RSS peak during the run | {mem.rss_peak_kib / 1024:.1f} MiB |")
-        add(f"| Envoy RSS right after / {MEMORY_TTL_S + 3} s later | {mem.rss_end_kib / 1024:.1f} / {mem.rss_after_kib / 1024:.1f} MiB |")
-        add(f"| bound: baseline + full table | {bound_kib / 1024:.1f} MiB |")
-        add("")
-        add(f"The table bound is buckets × {ways} slots × (slot + recorded response + shared-data entry "
-            f"overhead) = {buckets:,} × {ways} × ({b.slot} + {b.response_value} + {b.response_key + b.map_share}) "
-            f"= {b.total / 2**20:.1f} MiB: the {b.slot_bytes}-byte slot in its bucket's value; the recorded response, "
-            f"{b.record} bytes here (this upstream's `200 ok` as encoded for replay: status, "
-            f"`content-type`, 2-byte body); and, estimated, the response entry's key string "
-            f"({b.response_key} bytes) and its share of the growth of Envoy's shared-data hash map "
-            f"({b.map_share} bytes), with heap sizes rounded up to 16 bytes. The bucket keys exist "
-            f"before traffic and are in the baseline. Peak RSS "
-            f"{'stayed within' if mem.rss_peak_kib <= bound_kib else 'exceeded'} the bound: "
-            f"{(mem.rss_peak_kib - mem.rss_warm_kib) / 1024:+.1f} MiB over the baseline against "
-            f"{b.total / 2**20:.1f} MiB for a full table. Response entries are overwritten in place and "
-            f"never removed, so once every slot has been used, memory stays flat however many keys follow.")
-        add("")
-        if len(mem.samples) > 2:
-            step = max(1, len(mem.samples) // 12)
-            pts = mem.samples[::step]
-            if pts[-1] != mem.samples[-1]:
-                pts.append(mem.samples[-1])
-            add("RSS during the run (s → MiB): " + ", ".join(f"{t:.0f} → {v / 1024:.1f}" for t, v in pts))
-            add("")
+        add_memory_section(add, mem)
     else:
         add("Not run.")
         add("")

@@ -29,9 +29,11 @@ PRODUCT_CONFIG = REPO / "envoy" / "envoy.yaml"
 BODY = '{"sku":"book","qty":1}'
 RULE = "orders"  # the rule of envoy/envoy.yaml that protects /orders
 STORE_TOKEN = "bench-store-token"
-MEMORY_CAPACITY = 65536
-MEMORY_TTL_S = 2
-MEMORY_LEASE_S = 1
+# The memory run keeps the product's `local_table` (envoy/envoy.yaml: max_bytes only, the
+# capacity derived from it) and a TTL no record reaches during the run, so that once the
+# slots are used every new key evicts a record: the table runs full for most of the run.
+MEMORY_TTL_S = 86_400
+MEMORY_LEASE_S = 10
 # Single-proxy and cluster setups: records live 5 s, so at ~10k new keys/s about 50k are
 # live at once, spread over the buckets of this capacity, and a bucket whose every slot holds
 # a live record (503 table_full for the next key hashed to it) stays rare. The replay setup
@@ -74,6 +76,42 @@ def plugin_config(*, capacity: int, ttl_s: int, lease_s: int, store: bool) -> di
     else:
         cfg.pop("store", None)
     return cfg
+
+
+def memory_plugin_config() -> dict:
+    """The product's plugin configuration, single-proxy, its `local_table` untouched, with
+    the memory run's timings."""
+    cfg = copy.deepcopy(PRODUCT_PLUGIN)
+    for rule in cfg["rules"]:
+        rule["ttl_seconds"] = MEMORY_TTL_S
+        rule["lease_seconds"] = MEMORY_LEASE_S
+    cfg.pop("store", None)
+    return cfg
+
+
+def memory_local_table() -> dict:
+    """The product's `local_table` section as envoy/envoy.yaml has it."""
+    return dict(PRODUCT_PLUGIN.get("local_table") or {})
+
+
+def memory_max_bytes() -> int:
+    """The memory run's `local_table.max_bytes` (the filter's default, 64 MiB, when unset)."""
+    return int(memory_local_table().get("max_bytes", 64 << 20))
+
+
+def rule_max_response_bytes(cfg: dict, rule: str = RULE) -> int:
+    """`max_response_bytes` of ``rule`` (the filter's default, 1 MiB, when unset)."""
+    found = next(r for r in cfg["rules"] if r["name"] == rule)
+    return int(found.get("max_response_bytes", 1 << 20))
+
+
+def memory_geometry() -> harness.TableGeometry:
+    """The table of the memory run's configuration, from the code: the product's budget, and
+    pages up to the largest response any rule records."""
+    cfg = memory_plugin_config()
+    table = memory_local_table()
+    largest = max(int(r.get("max_response_bytes", 1 << 20)) for r in cfg["rules"])
+    return harness.table_geometry(table.get("capacity"), table.get("max_bytes"), largest)
 
 
 def without_wasm_filter(config: dict) -> None:
