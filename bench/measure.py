@@ -42,6 +42,12 @@ WRK_THREADS = 2
 WRK_CONNECTIONS = 32
 
 
+
+# The memory run's Envoy workers, and the working overhead per worker the README allows
+# beyond local_table.max_bytes, in units of the largest max_response_bytes.
+MEMORY_WORKERS = 1
+WORKING_OVERHEAD_RESPONSES = 16
+
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -517,6 +523,8 @@ class MemoryResult:
     allocated_end: int
     command: str
     capped_by_duration: bool
+    # README (Sizing the local table): 16 × the largest max_response_bytes per worker.
+    working_overhead_bytes: int = 0
 
     @property
     def executed(self) -> int:
@@ -567,8 +575,9 @@ class MemoryResult:
 
     @property
     def budget_kib(self) -> float:
-        """The target: the warmed-up baseline plus the whole `local_table.max_bytes`."""
-        return self.rss_warm_kib + self.max_bytes / 1024
+        """The target: the warmed-up baseline, the whole `local_table.max_bytes`, and the
+        working overhead the README documents."""
+        return self.rss_warm_kib + (self.max_bytes + self.working_overhead_bytes) / 1024
 
 
 def prime_sized(envoy: harness.Envoy, key: str, body_bytes: int) -> dict[str, str]:
@@ -589,7 +598,8 @@ def run_memory(tmp: Path, keys: int, max_seconds: float) -> MemoryResult:
         # The counting upstream (not --fast): it answers x-demo-body-bytes.
         upstream = group.add(harness.start_upstream(tmp, name="upstream-memory"))
         envoy = harness.Envoy(PRODUCT, tmp, cluster_ports={"demo_upstream": upstream.port}, plugin_config=cfg,
-                              wasm_path=FILTER_WASM, name="envoy-memory", concurrency=1, log_level="warn")
+                              wasm_path=FILTER_WASM, name="envoy-memory", concurrency=MEMORY_WORKERS,
+                              log_level="warn")
         group.add(envoy)
         envoy.start(timeout=120)
         pid = envoy.process.pid
@@ -648,7 +658,9 @@ def run_memory(tmp: Path, keys: int, max_seconds: float) -> MemoryResult:
         result = MemoryResult(keys, w, table, max_bytes, header_bytes, mix, rss_start, rss_warm, peak, rss_end,
                               samples, stats, stats.get(RETENTION_GAUGE, 0), simulated, allocated_warm,
                               max(x.allocated for x in samples), allocated_end, command,
-                              capped_by_duration=w.requests < keys)
+                              capped_by_duration=w.requests < keys,
+                              working_overhead_bytes=WORKING_OVERHEAD_RESPONSES * rule_max_response_bytes(cfg)
+                              * MEMORY_WORKERS)
         log(f"  {w.requests} requests in {w.seconds:.0f}s ({rate:.0f} writes/s), table_full "
             f"{outcome(stats, 'table_full')}, evicted {outcome(stats, 'evicted')}, body_omitted "
             f"{outcome(stats, 'body_omitted')}; retention gauge {result.retention_ms / 1000:.1f}s "

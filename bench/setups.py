@@ -47,7 +47,7 @@ STAT_PREFIX = f"wasmcustom.idempotency.rule.{RULE}."
 
 def budget_for(capacity: int) -> int:
     """A ``local_table.max_bytes`` that lets ``capacity`` slots keep small responses inline."""
-    return capacity * 2048
+    return capacity * 3072
 
 
 def geometry(capacity: int) -> harness.TableGeometry:

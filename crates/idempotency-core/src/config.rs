@@ -64,9 +64,9 @@ impl RawLocalTable {
     }
 }
 
-/// Budget per slot when only `local_table.capacity` is set: room for a 1.6 KiB response
-/// inline, and as much again for pages.
-const BUDGET_PER_GIVEN_SLOT: u64 = 2048;
+/// Budget per slot when only `local_table.capacity` is set: room for an 869-byte response
+/// inline (a typical answer to a write), and as much again for pages.
+const BUDGET_PER_GIVEN_SLOT: u64 = 3072;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -806,7 +806,7 @@ mod tests {
         let layout = &c.table_layout;
         assert_eq!(layout.slots(), 65_536);
         assert!(layout.inline_bytes >= 512, "{layout:?}");
-        assert!(layout.bound_bytes() <= 65_536 * 2048, "{layout:?}");
+        assert!(layout.bound_bytes() <= 65_536 * 3072, "{layout:?}");
         // Given together, the budget is the budget.
         let err = Config::parse(br#"{"local_table":{"capacity":65536,"max_bytes":67108864}}"#)
             .unwrap_err();

@@ -13,8 +13,9 @@
 use crate::table::{SLOT_BYTES, WAYS};
 
 /// What one shared-data entry costs the host beyond its value: the map node, the key text
-/// and allocation rounding (measured on Envoy 1.40; see docs/benchmarks.md).
-pub const ENTRY_OVERHEAD_BYTES: u64 = 256;
+/// and allocation rounding. Measured on Envoy 1.40 by the benchmarks' memory run (about 488
+/// bytes per entry the table added; see docs/benchmarks.md), rounded up.
+pub const ENTRY_OVERHEAD_BYTES: u64 = 512;
 /// A slot's fixed cost: its share of the bucket entry, and its response entry.
 pub const SLOT_FIXED_BYTES: u64 =
     SLOT_BYTES as u64 + ENTRY_OVERHEAD_BYTES / WAYS as u64 + ENTRY_OVERHEAD_BYTES;
@@ -196,7 +197,7 @@ mod tests {
     fn the_default_budget_holds_sixteen_thousand_slots_and_pages_up_to_a_megabyte() {
         let layout = Layout::plan(64 * MIB, None, MIB).unwrap();
         assert_eq!(layout.slots(), 16_384);
-        assert!(layout.inline_bytes >= 1_500, "{layout:?}");
+        assert!(layout.inline_bytes >= 1_300, "{layout:?}");
         let pages: Vec<u32> = layout.classes.iter().map(|c| c.page_bytes).collect();
         assert_eq!(
             pages,
