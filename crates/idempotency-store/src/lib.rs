@@ -4,6 +4,7 @@
 //! e.g. the filter's cluster-mode tests) can start the real router in-process.
 
 pub mod clock;
+pub mod grpc;
 pub mod metrics;
 pub mod protocol;
 pub mod server;

@@ -80,7 +80,11 @@ fn check_range(name: &str, v: u64, min: u64, max: u64) -> Result<u64, BadRequest
 }
 
 pub fn parse_claim(body: &[u8]) -> Result<ClaimRequest, BadRequest> {
-    let raw: ClaimBody = parse_json(body)?;
+    validate_claim(parse_json(body)?)
+}
+
+/// A claim's fields, however they arrived (JSON or the gRPC stream).
+pub fn validate_claim(raw: ClaimBody) -> Result<ClaimRequest, BadRequest> {
     Ok(ClaimRequest {
         key: parse_key(&raw.key)?,
         fingerprint: Digest::parse(&raw.fingerprint)
@@ -92,15 +96,32 @@ pub fn parse_claim(body: &[u8]) -> Result<ClaimRequest, BadRequest> {
 
 pub fn parse_complete(body: &[u8]) -> Result<CompleteRequest, BadRequest> {
     let raw: CompleteBody = parse_json(body)?;
+    let record = decode_record(&raw.record)
+        .map_err(|e| BadRequest::field("record", &format!("not standard base64: {e}")))?;
+    validate_complete(
+        &raw.key,
+        &raw.owner,
+        raw.ttl_ms,
+        record,
+        raw.fingerprint.as_deref(),
+    )
+}
+
+/// A completion's fields with its record already as bytes (base64-decoded from JSON, or
+/// as the gRPC stream carries it).
+pub fn validate_complete(
+    key: &str,
+    owner: &str,
+    ttl_ms: u64,
+    record: Vec<u8>,
+    fingerprint: Option<&str>,
+) -> Result<CompleteRequest, BadRequest> {
     Ok(CompleteRequest {
-        key: parse_key(&raw.key)?,
-        owner: parse_owner(&raw.owner)?,
-        ttl_ms: check_range("ttl_ms", raw.ttl_ms, MIN_TTL_MS, MAX_TTL_MS)?,
-        record: decode_record(&raw.record)
-            .map_err(|e| BadRequest::field("record", &format!("not standard base64: {e}")))?,
-        fingerprint: raw
-            .fingerprint
-            .as_deref()
+        key: parse_key(key)?,
+        owner: parse_owner(owner)?,
+        ttl_ms: check_range("ttl_ms", ttl_ms, MIN_TTL_MS, MAX_TTL_MS)?,
+        record,
+        fingerprint: fingerprint
             .map(|f| Digest::parse(f).map_err(|why| BadRequest::field("fingerprint", why)))
             .transpose()?,
     })
@@ -108,9 +129,13 @@ pub fn parse_complete(body: &[u8]) -> Result<CompleteRequest, BadRequest> {
 
 pub fn parse_release(body: &[u8]) -> Result<ReleaseRequest, BadRequest> {
     let raw: ReleaseBody = parse_json(body)?;
+    validate_release(&raw.key, &raw.owner)
+}
+
+pub fn validate_release(key: &str, owner: &str) -> Result<ReleaseRequest, BadRequest> {
     Ok(ReleaseRequest {
-        key: parse_key(&raw.key)?,
-        owner: parse_owner(&raw.owner)?,
+        key: parse_key(key)?,
+        owner: parse_owner(owner)?,
     })
 }
 

@@ -47,7 +47,7 @@ impl Auth {
         Self::Bearer(Arc::from(token.as_bytes()))
     }
 
-    fn allows(&self, headers: &HeaderMap) -> bool {
+    pub(crate) fn allows(&self, headers: &HeaderMap) -> bool {
         let Self::Bearer(expected) = self else {
             return true;
         };
@@ -88,10 +88,18 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         // route_layer: auth only for matched routes, so unknown paths are a
         // plain 404 rather than a misleading 401.
         .route_layer(middleware::from_fn_with_state(state.clone(), require_auth));
+    let streams =
+        crate::grpc::StoreStreams::new(state.clone(), crate::grpc::DEFAULT_MAX_CALLS_IN_FLIGHT);
+    let stream_path = format!(
+        "/{}/{{*method}}",
+        crate::grpc::pb::store_server::SERVICE_NAME
+    );
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/metrics", get(metrics_text))
         .merge(v1)
+        // The gRPC stream, on the same port: it authenticates by metadata itself.
+        .route_service(&stream_path, streams.service(max_body_bytes))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))
@@ -461,10 +469,13 @@ fn parse_body<T>(
     parse(&bytes).map_err(Refusal::Bad)
 }
 
-fn backend_failure(st: &AppState, op: Operation, started: Instant, e: &StorageError) -> Response {
+fn count_backend_failure(st: &AppState, op: Operation, started: Instant, e: &StorageError) {
     tracing::warn!(operation = op.as_str(), error = %e, "storage backend failed");
     st.metrics.record_operation(op, "error", started.elapsed());
     st.metrics.backend_error(st.storage.backend_name());
+}
+
+fn unavailable() -> Response {
     problem(
         StatusCode::SERVICE_UNAVAILABLE,
         protocol::PROBLEM_UNAVAILABLE,
@@ -499,39 +510,40 @@ fn not_owner(detail: &str) -> Response {
 /// matters: every backend applies a write atomically (one redb transaction,
 /// committed by the embedded writer thread before it answers; one Redis
 /// script; one locked map update), and the metrics die with the process anyway.
-async fn run_detached(
+async fn run_detached<Op: V1Operation>(
     st: &AppState,
-    op: Operation,
     started: Instant,
-    work: impl Future<Output = Response> + Send + 'static,
-) -> Response {
+    work: impl Future<Output = Result<Op::Outcome, StorageError>> + Send + 'static,
+) -> Result<Op::Outcome, StorageError> {
     match tokio::spawn(work).await {
-        Ok(resp) => resp,
+        Ok(result) => result,
         // Only a panic in the operation (or a runtime shutting down) gets
         // here; answer like any other backend failure, never re-panic.
-        Err(e) => backend_failure(
-            st,
-            op,
-            started,
-            &StorageError::Backend(format!("operation task failed: {e}")),
-        ),
+        Err(e) => {
+            let e = StorageError::Backend(format!("operation task failed: {e}"));
+            count_backend_failure(st, Op::OPERATION, started, &e);
+            Err(e)
+        }
     }
 }
 
 /// One `/v1` operation: what it asks of storage and how its outcome is answered. Every
 /// operation runs the same way (see [`perform`]): validated input, the storage call on a task
 /// of its own, its outcome counted and timed under [`Self::OPERATION`], a 503 on failure.
-trait V1Operation: Send + 'static {
+pub(crate) trait V1Operation: Send + 'static {
     const OPERATION: Operation;
-    type Outcome;
+    type Outcome: Send + 'static;
 
     fn run(
         self,
         storage: &dyn Storage,
     ) -> impl Future<Output = Result<Self::Outcome, StorageError>> + Send;
 
-    /// The outcome's metrics label, and the answer.
-    fn answer(outcome: Self::Outcome) -> (&'static str, Response);
+    /// The outcome's metrics label.
+    fn name(outcome: &Self::Outcome) -> &'static str;
+
+    /// The HTTP answer.
+    fn answer(outcome: Self::Outcome) -> Response;
 }
 
 impl V1Operation for protocol::ClaimRequest {
@@ -546,9 +558,12 @@ impl V1Operation for protocol::ClaimRequest {
             .await
     }
 
-    fn answer(outcome: ClaimOutcome) -> (&'static str, Response) {
-        let name = protocol::claim_outcome_name(&outcome);
-        (name, Json(ClaimResponse::from(outcome)).into_response())
+    fn name(outcome: &ClaimOutcome) -> &'static str {
+        protocol::claim_outcome_name(outcome)
+    }
+
+    fn answer(outcome: ClaimOutcome) -> Response {
+        Json(ClaimResponse::from(outcome)).into_response()
     }
 }
 
@@ -568,16 +583,20 @@ impl V1Operation for protocol::CompleteRequest {
             .await
     }
 
-    fn answer(outcome: CompleteOutcome) -> (&'static str, Response) {
-        let name = protocol::complete_outcome_name(outcome);
-        let resp = match outcome {
-            CompleteOutcome::Completed => Json(OutcomeResponse::new(name)).into_response(),
+    fn name(outcome: &CompleteOutcome) -> &'static str {
+        protocol::complete_outcome_name(*outcome)
+    }
+
+    fn answer(outcome: CompleteOutcome) -> Response {
+        match outcome {
+            CompleteOutcome::Completed => {
+                Json(OutcomeResponse::new(Self::name(&outcome))).into_response()
+            }
             CompleteOutcome::NotOwner => not_owner(
                 "no in-flight record for this key is owned by this owner, \
                  and no completion with these bytes exists",
             ),
-        };
-        (name, resp)
+        }
     }
 }
 
@@ -589,15 +608,19 @@ impl V1Operation for protocol::ReleaseRequest {
         storage.release(&self.key, &self.owner).await
     }
 
-    fn answer(outcome: ReleaseOutcome) -> (&'static str, Response) {
-        let name = protocol::release_outcome_name(outcome);
-        let resp = match outcome {
-            ReleaseOutcome::Released => Json(OutcomeResponse::new(name)).into_response(),
+    fn name(outcome: &ReleaseOutcome) -> &'static str {
+        protocol::release_outcome_name(*outcome)
+    }
+
+    fn answer(outcome: ReleaseOutcome) -> Response {
+        match outcome {
+            ReleaseOutcome::Released => {
+                Json(OutcomeResponse::new(Self::name(&outcome))).into_response()
+            }
             ReleaseOutcome::NotOwner => {
                 not_owner("no in-flight record for this key is owned by this owner")
             }
-        };
-        (name, resp)
+        }
     }
 }
 
@@ -612,17 +635,22 @@ impl V1Operation for Lookup {
         storage.lookup(&self.0).await
     }
 
-    fn answer(outcome: Option<RecordView>) -> (&'static str, Response) {
+    fn name(outcome: &Option<RecordView>) -> &'static str {
+        if outcome.is_some() {
+            "found"
+        } else {
+            "not_found"
+        }
+    }
+
+    fn answer(outcome: Option<RecordView>) -> Response {
         match outcome {
-            Some(view) => ("found", Json(RecordResponse::from(view)).into_response()),
-            None => (
-                "not_found",
-                problem(
-                    StatusCode::NOT_FOUND,
-                    protocol::PROBLEM_NOT_FOUND,
-                    "Not found",
-                    "no live record for this key",
-                ),
+            Some(view) => Json(RecordResponse::from(view)).into_response(),
+            None => problem(
+                StatusCode::NOT_FOUND,
+                protocol::PROBLEM_NOT_FOUND,
+                "Not found",
+                "no live record for this key",
             ),
         }
     }
@@ -662,24 +690,35 @@ async fn lookup(State(st): State<AppState>, key: Result<Path<String>, PathReject
     }
 }
 
-/// Runs a validated operation on a task of its own (see [`run_detached`]), counts and times
-/// its outcome, and answers it.
-async fn perform<Op: V1Operation>(st: &AppState, op: Op) -> Response {
+/// Runs a validated operation on a task of its own (see [`run_detached`]) and counts and
+/// times its outcome: the one implementation behind the HTTP API and the gRPC stream.
+pub(crate) async fn execute<Op: V1Operation>(
+    st: &AppState,
+    op: Op,
+) -> Result<Op::Outcome, StorageError> {
     let started = Instant::now();
     let task_st = st.clone();
-    run_detached(st, Op::OPERATION, started, async move {
-        match op.run(task_st.storage.as_ref()).await {
-            Ok(outcome) => {
-                let (name, resp) = Op::answer(outcome);
-                task_st
-                    .metrics
-                    .record_operation(Op::OPERATION, name, started.elapsed());
-                resp
-            }
-            Err(e) => backend_failure(&task_st, Op::OPERATION, started, &e),
+    run_detached::<Op>(st, started, async move {
+        let result = op.run(task_st.storage.as_ref()).await;
+        match &result {
+            Ok(outcome) => task_st.metrics.record_operation(
+                Op::OPERATION,
+                Op::name(outcome),
+                started.elapsed(),
+            ),
+            Err(e) => count_backend_failure(&task_st, Op::OPERATION, started, e),
         }
+        result
     })
     .await
+}
+
+/// [`execute`], answered over HTTP.
+async fn perform<Op: V1Operation>(st: &AppState, op: Op) -> Response {
+    match execute(st, op).await {
+        Ok(outcome) => Op::answer(outcome),
+        Err(_) => unavailable(),
+    }
 }
 
 async fn metrics_text(State(st): State<AppState>) -> Response {

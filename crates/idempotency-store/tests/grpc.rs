@@ -1,0 +1,369 @@
+//! The gRPC stream (`proto/idempotency_store.proto`) on the real router over loopback, on the
+//! embedded and the Redis backend: one stream carries every operation, answers come back by id,
+//! and the stream and the HTTP API see the same records.
+
+// Test code: a failed unwrap/index is a failed test, which is the point.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_store::clock::SystemClock;
+use idempotency_store::grpc::pb;
+use idempotency_store::grpc::pb::answer::Result as Reply;
+use idempotency_store::grpc::pb::call::Op;
+use idempotency_store::grpc::pb::store_client::StoreClient;
+use idempotency_store::metrics::Metrics;
+use idempotency_store::server::{self, AppState, Auth};
+use idempotency_store::storage::embedded::EmbeddedStorage;
+use idempotency_store::storage::redis::RedisStorage;
+use idempotency_store::storage::Storage;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Streaming};
+
+use common::{random_digest, RedisServer};
+
+const TOKEN: &str = "grpc-test-token-0123";
+const LEASE_MS: u64 = 60_000;
+const TTL_MS: u64 = 600_000;
+
+struct Store {
+    addr: String,
+    _stop: oneshot::Sender<()>,
+    _guard: Box<dyn Send>,
+}
+
+impl Store {
+    async fn start(storage: Arc<dyn Storage>, guard: Box<dyn Send>) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = server::router(
+            AppState {
+                storage,
+                metrics: Arc::new(Metrics::new()),
+                auth: Auth::bearer(TOKEN),
+            },
+            server::DEFAULT_MAX_BODY_BYTES,
+        );
+        let (stop, stopped) = oneshot::channel::<()>();
+        tokio::spawn(server::serve(listener, app, async {
+            let _ = stopped.await;
+        }));
+        Self {
+            addr: format!("http://{addr}"),
+            _stop: stop,
+            _guard: guard,
+        }
+    }
+
+    async fn embedded() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let storage = EmbeddedStorage::open(dir.path(), Arc::new(SystemClock)).unwrap();
+        Self::start(Arc::new(storage), Box::new(dir)).await
+    }
+
+    async fn redis() -> Self {
+        let redis = RedisServer::start();
+        let storage = RedisStorage::connect(&redis.url()).await.unwrap();
+        Self::start(Arc::new(storage), Box::new(redis)).await
+    }
+
+    async fn client(&self) -> StoreClient<Channel> {
+        let channel = Channel::from_shared(self.addr.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        StoreClient::new(channel).max_decoding_message_size(16 << 20)
+    }
+
+    /// Opens a stream with `token`; calls go in through the sender.
+    async fn open(
+        &self,
+        token: &str,
+    ) -> Result<(mpsc::Sender<pb::Call>, Streaming<pb::Answer>), tonic::Status> {
+        let (calls, rx) = mpsc::channel(4096);
+        let mut request = Request::new(ReceiverStream::new(rx));
+        request
+            .metadata_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+        let answers = self.client().await.coordinate(request).await?.into_inner();
+        Ok((calls, answers))
+    }
+}
+
+/// One stream and the ids of its calls.
+struct Conversation {
+    calls: mpsc::Sender<pb::Call>,
+    answers: Streaming<pb::Answer>,
+    next_id: u64,
+}
+
+impl Conversation {
+    async fn open(store: &Store) -> Self {
+        let (calls, answers) = store.open(TOKEN).await.unwrap();
+        Self {
+            calls,
+            answers,
+            next_id: 1,
+        }
+    }
+
+    async fn send(&mut self, op: Op) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.calls
+            .send(pb::Call { id, op: Some(op) })
+            .await
+            .unwrap();
+        id
+    }
+
+    async fn next(&mut self) -> pb::Answer {
+        tokio::time::timeout(Duration::from_secs(10), self.answers.message())
+            .await
+            .expect("an answer within 10 s")
+            .unwrap()
+            .expect("the stream still open")
+    }
+
+    /// One call, and its answer.
+    async fn call(&mut self, op: Op) -> Reply {
+        let id = self.send(op).await;
+        let answer = self.next().await;
+        assert_eq!(answer.id, id);
+        answer.result.unwrap()
+    }
+}
+
+fn claim(key: &str, fingerprint: &str, owner: &str) -> Op {
+    Op::Claim(pb::Claim {
+        key: key.into(),
+        fingerprint: fingerprint.into(),
+        lease_ms: LEASE_MS,
+        owner: owner.into(),
+    })
+}
+
+fn complete(key: &str, owner: &str, record: &[u8]) -> Op {
+    Op::Complete(pb::Complete {
+        key: key.into(),
+        owner: owner.into(),
+        ttl_ms: TTL_MS,
+        record: record.to_vec(),
+        fingerprint: String::new(),
+    })
+}
+
+fn release(key: &str, owner: &str) -> Op {
+    Op::Release(pb::Release {
+        key: key.into(),
+        owner: owner.into(),
+    })
+}
+
+async fn one_stream_carries_every_operation(store: Store) {
+    let mut s = Conversation::open(&store).await;
+    let (key, fp, other_fp) = (random_digest(), random_digest(), random_digest());
+    let (key, fp, other_fp) = (key.as_str(), fp.as_str(), other_fp.as_str());
+
+    let Reply::Claimed(claimed) = s.call(claim(key, fp, "")).await else {
+        panic!("a new key is claimed");
+    };
+    assert!(!claimed.owner.is_empty() && claimed.lease_expires_at_ms > 0);
+    assert!(matches!(s.call(claim(key, fp, "")).await, Reply::InFlight(f) if f.retry_after_ms > 0));
+    assert!(matches!(
+        s.call(claim(key, other_fp, "")).await,
+        Reply::Mismatch(_)
+    ));
+    assert!(matches!(
+        s.call(complete(key, "abcdef", b"x")).await,
+        Reply::NotOwner(_)
+    ));
+
+    let record = b"HTTP/1.1 201 recorded response bytes".to_vec();
+    assert!(matches!(
+        s.call(complete(key, &claimed.owner, &record)).await,
+        Reply::Recorded(_)
+    ));
+    match s.call(claim(key, fp, "")).await {
+        Reply::Completed(found) => assert_eq!(found.record, record),
+        other => panic!("a completed key replays its record, got {other:?}"),
+    }
+
+    let released_key = random_digest();
+    let owner = "0123456789abcdef";
+    assert!(
+        matches!(s.call(claim(released_key.as_str(), fp, owner)).await, Reply::Claimed(c) if c.owner == owner)
+    );
+    assert!(matches!(
+        s.call(release(released_key.as_str(), "fedcba")).await,
+        Reply::NotOwner(_)
+    ));
+    assert!(matches!(
+        s.call(release(released_key.as_str(), owner)).await,
+        Reply::Released(_)
+    ));
+    assert!(matches!(
+        s.call(claim(released_key.as_str(), fp, "")).await,
+        Reply::Claimed(_)
+    ));
+}
+
+#[tokio::test]
+async fn one_stream_carries_every_operation_on_the_embedded_backend() {
+    one_stream_carries_every_operation(Store::embedded().await).await;
+}
+
+#[tokio::test]
+async fn one_stream_carries_every_operation_on_redis() {
+    one_stream_carries_every_operation(Store::redis().await).await;
+}
+
+#[tokio::test]
+async fn many_calls_in_flight_are_each_answered_once_by_id_and_a_bad_one_fails_alone() {
+    let store = Store::embedded().await;
+    let mut s = Conversation::open(&store).await;
+    let fp = random_digest();
+    let mut expected = HashMap::new();
+    for _ in 0..300 {
+        let key = random_digest();
+        let id = s.send(claim(key.as_str(), fp.as_str(), "")).await;
+        expected.insert(id, "claimed");
+    }
+    let bad = s.send(claim("not-a-digest", fp.as_str(), "")).await;
+    expected.insert(bad, "bad_request");
+    let empty = s
+        .calls
+        .send(pb::Call {
+            id: 9_999,
+            op: None,
+        })
+        .await
+        .map(|()| 9_999)
+        .unwrap();
+    expected.insert(empty, "bad_request");
+
+    let mut seen = HashMap::new();
+    for _ in 0..expected.len() {
+        let answer = s.next().await;
+        let kind = match answer.result.unwrap() {
+            Reply::Claimed(_) => "claimed",
+            Reply::Failure(f) if f.kind == pb::failure::Kind::BadRequest as i32 => {
+                if answer.id == bad {
+                    assert!(f.detail.contains("key"), "{}", f.detail);
+                }
+                "bad_request"
+            }
+            other => panic!("unexpected {other:?}"),
+        };
+        assert!(
+            seen.insert(answer.id, kind).is_none(),
+            "id {} answered twice",
+            answer.id
+        );
+    }
+    assert_eq!(seen, expected);
+
+    // The failures did not end the stream.
+    let key = random_digest();
+    assert!(matches!(
+        s.call(claim(key.as_str(), fp.as_str(), "")).await,
+        Reply::Claimed(_)
+    ));
+}
+
+#[tokio::test]
+async fn a_stream_without_the_token_is_refused() {
+    let store = Store::embedded().await;
+    match store.open("wrong-token").await {
+        Err(status) => assert_eq!(status.code(), Code::Unauthenticated),
+        Ok((calls, mut answers)) => {
+            // Some transports report the refusal on the first read instead.
+            let _ = calls
+                .send(pb::Call {
+                    id: 1,
+                    op: Some(claim(
+                        random_digest().as_str(),
+                        random_digest().as_str(),
+                        "",
+                    )),
+                })
+                .await;
+            let status = answers.message().await.unwrap_err();
+            assert_eq!(status.code(), Code::Unauthenticated);
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_three_mebibyte_record_round_trips_in_one_message() {
+    let store = Store::embedded().await;
+    let mut s = Conversation::open(&store).await;
+    let (key, fp) = (random_digest(), random_digest());
+    let Reply::Claimed(claimed) = s.call(claim(key.as_str(), fp.as_str(), "")).await else {
+        panic!("claimed");
+    };
+    let record: Vec<u8> = (0..3 * 1024 * 1024).map(|i| (i % 251) as u8).collect();
+    assert!(matches!(
+        s.call(complete(key.as_str(), &claimed.owner, &record))
+            .await,
+        Reply::Recorded(_)
+    ));
+    match s.call(claim(key.as_str(), fp.as_str(), "")).await {
+        Reply::Completed(found) => assert!(found.record == record),
+        other => panic!("replay expected, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn the_stream_and_the_http_api_see_the_same_records() {
+    let store = Store::embedded().await;
+    let mut s = Conversation::open(&store).await;
+    let (key, fp) = (random_digest(), random_digest());
+    assert!(matches!(
+        s.call(claim(key.as_str(), fp.as_str(), "")).await,
+        Reply::Claimed(_)
+    ));
+
+    let http = reqwest::Client::new()
+        .post(format!("{}/v1/claim", store.addr))
+        .bearer_auth(TOKEN)
+        .json(
+            &serde_json::json!({"key": key.as_str(), "fingerprint": fp.as_str(), "lease_ms": 1000}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(http.status(), reqwest::StatusCode::OK);
+    let body: serde_json::Value = http.json().await.unwrap();
+    assert_eq!(body["outcome"], "in_flight");
+}
+
+#[tokio::test]
+async fn a_message_over_the_body_limit_ends_the_stream_with_out_of_range() {
+    let store = Store::embedded().await;
+    let mut s = Conversation::open(&store).await;
+    let (key, fp) = (random_digest(), random_digest());
+    let Reply::Claimed(claimed) = s.call(claim(key.as_str(), fp.as_str(), "")).await else {
+        panic!("claimed");
+    };
+    let record = vec![7u8; server::DEFAULT_MAX_BODY_BYTES + 1];
+    s.send(complete(key.as_str(), &claimed.owner, &record))
+        .await;
+    let status = tokio::time::timeout(Duration::from_secs(10), s.answers.message())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+}
