@@ -1,0 +1,162 @@
+//! The filter's hand-written stream codec (`idempotency_protocol::stream`) against the code
+//! protoc generates from `proto/idempotency_store.proto`: what one side encodes, the other
+//! decodes to the same message, for every operation and every kind of answer.
+
+// Test code: a failed unwrap/index is a failed test, which is the point.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use idempotency_protocol::stream::{self, Answer, Call, CallOp, FailureKind, Reply};
+use idempotency_store::grpc::pb;
+use idempotency_store::grpc::pb::answer::Result as PbReply;
+use idempotency_store::grpc::pb::call::Op as PbOp;
+use prost::Message as _;
+
+const HEX: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+#[test]
+fn calls_the_filter_encodes_are_the_calls_the_store_reads() {
+    let cases = [
+        (
+            Call {
+                id: 7,
+                op: CallOp::Claim {
+                    key: HEX.into(),
+                    fingerprint: HEX.into(),
+                    lease_ms: 60_000,
+                    owner: "00ff".into(),
+                },
+            },
+            pb::Call {
+                id: 7,
+                op: Some(PbOp::Claim(pb::Claim {
+                    key: HEX.into(),
+                    fingerprint: HEX.into(),
+                    lease_ms: 60_000,
+                    owner: "00ff".into(),
+                })),
+            },
+        ),
+        (
+            Call {
+                id: u64::MAX,
+                op: CallOp::Complete {
+                    key: HEX.into(),
+                    owner: "ab".into(),
+                    ttl_ms: 86_400_000,
+                    record: (0..100_000).map(|i| (i % 253) as u8).collect(),
+                    fingerprint: String::new(),
+                },
+            },
+            pb::Call {
+                id: u64::MAX,
+                op: Some(PbOp::Complete(pb::Complete {
+                    key: HEX.into(),
+                    owner: "ab".into(),
+                    ttl_ms: 86_400_000,
+                    record: (0..100_000).map(|i| (i % 253) as u8).collect(),
+                    fingerprint: String::new(),
+                })),
+            },
+        ),
+        (
+            Call {
+                id: 0,
+                op: CallOp::Release {
+                    key: HEX.into(),
+                    owner: "cd".into(),
+                },
+            },
+            pb::Call {
+                id: 0,
+                op: Some(PbOp::Release(pb::Release {
+                    key: HEX.into(),
+                    owner: "cd".into(),
+                })),
+            },
+        ),
+    ];
+    for (ours, theirs) in cases {
+        let encoded = stream::encode_call(&ours);
+        assert_eq!(pb::Call::decode(encoded.as_slice()).unwrap(), theirs);
+        assert_eq!(
+            encoded,
+            theirs.encode_to_vec(),
+            "byte for byte, as protoc's code writes it"
+        );
+        assert_eq!(stream::decode_call(&theirs.encode_to_vec()).unwrap(), ours);
+    }
+}
+
+#[test]
+fn answers_the_store_encodes_are_the_answers_the_filter_reads() {
+    let empty = pb::Empty {};
+    let cases = [
+        (
+            PbReply::Claimed(pb::Claimed {
+                owner: "0a".into(),
+                lease_expires_at_ms: 1_700_000_000_123,
+            }),
+            Reply::Claimed {
+                owner: "0a".into(),
+                lease_expires_at_ms: 1_700_000_000_123,
+            },
+        ),
+        (
+            PbReply::InFlight(pb::InFlight { retry_after_ms: 0 }),
+            Reply::InFlight { retry_after_ms: 0 },
+        ),
+        (
+            PbReply::Completed(pb::Recorded {
+                record: vec![1; 3 << 20],
+            }),
+            Reply::Completed {
+                record: vec![1; 3 << 20],
+            },
+        ),
+        (PbReply::Mismatch(empty), Reply::Mismatch),
+        (PbReply::Recorded(empty), Reply::Recorded),
+        (PbReply::Released(empty), Reply::Released),
+        (PbReply::NotOwner(empty), Reply::NotOwner),
+        (
+            PbReply::Failure(pb::Failure {
+                kind: pb::failure::Kind::Unavailable.into(),
+                detail: "backend down".into(),
+            }),
+            Reply::Failure {
+                kind: FailureKind::Unavailable,
+                detail: "backend down".into(),
+            },
+        ),
+        (
+            PbReply::Failure(pb::Failure {
+                kind: pb::failure::Kind::BadRequest.into(),
+                detail: String::new(),
+            }),
+            Reply::Failure {
+                kind: FailureKind::BadRequest,
+                detail: String::new(),
+            },
+        ),
+    ];
+    for (i, (theirs, ours)) in cases.into_iter().enumerate() {
+        let id = (i as u64) * 1_000_003;
+        let pb_answer = pb::Answer {
+            id,
+            result: Some(theirs),
+        };
+        let ours = Answer { id, reply: ours };
+        assert_eq!(
+            stream::decode_answer(&pb_answer.encode_to_vec()).unwrap(),
+            ours
+        );
+        assert_eq!(
+            pb::Answer::decode(stream::encode_answer(&ours).as_slice()).unwrap(),
+            pb_answer
+        );
+    }
+}
