@@ -36,6 +36,7 @@ pub mod request_fields;
 pub mod response_policy;
 pub mod rule_select;
 pub mod store_client;
+pub mod store_stream;
 pub mod table;
 pub mod table_layout;
 pub mod table_lineage;
