@@ -237,6 +237,9 @@ impl HeldWrite {
     }
 }
 
+/// A bucket's slots and the cas they were read under.
+type BucketRead = ([Slot; WAYS], u32);
+
 fn decode_bucket(bytes: &[u8]) -> [Slot; WAYS] {
     let mut slots = [FREE_SLOT; WAYS];
     let mut r = Reader::new(bytes);
@@ -683,7 +686,7 @@ impl Table {
         // write below. A claim with more than the grace left needs only a read (nobody can
         // take it over before it expires); a claim closer to its end is renewed by a CAS.
         let write = HeldWrite::Complete { now_ms };
-        let renewed = self.update_held(shared, held, at, write, |slot| {
+        let (renewed, proven) = self.update_held(shared, held, at, write, None, |slot| {
             let live_long_enough = now_ms.saturating_add(RECORDING_GRACE_MS);
             if slot.expires_at_ms >= live_long_enough {
                 return false;
@@ -704,7 +707,9 @@ impl Table {
             });
         }
         shared.set(&self.response_key(at), &value, None)?;
-        let flipped = self.update_held(shared, held, at, write, |slot| {
+        // The bucket as the proof read it: when nobody has written it since, the flip needs
+        // no second read (its CAS says so); otherwise it reads again.
+        let (flipped, _) = self.update_held(shared, held, at, write, proven, |slot| {
             slot.state = SlotState::Completed;
             slot.expires_at_ms = now_ms.saturating_add(ttl_ms);
             slot.recorded_at_ms = now_ms;
@@ -789,35 +794,48 @@ impl Table {
         let Some(at) = held.slot else {
             return Ok(Completion::NotHeld);
         };
-        self.update_held(shared, held, at, HeldWrite::Release, |slot| {
+        self.update_held(shared, held, at, HeldWrite::Release, None, |slot| {
             *slot = FREE_SLOT;
             true
         })
+        .map(|(completion, _)| completion)
     }
 
+    /// Changes a held claim's slot by CAS on its bucket, starting from `known` (a bucket and
+    /// cas read earlier) instead of a read when given. Also returns the bucket as read when
+    /// `change` left it as it was, for a later call to start from.
     fn update_held(
         &self,
         shared: &impl SharedData,
         held: &Held,
         at: SlotRef,
         write: HeldWrite,
+        mut known: Option<BucketRead>,
         mut change: impl FnMut(&mut Slot) -> bool,
-    ) -> Result<Completion, TableError> {
+    ) -> Result<(Completion, Option<BucketRead>), TableError> {
         for _ in 0..MAX_CAS_ATTEMPTS {
-            let (mut slots, cas) = self.read_bucket(shared, at.bucket)?;
+            let from_known = known.is_some();
+            let (mut slots, cas) = match known.take() {
+                Some(bucket) => bucket,
+                None => self.read_bucket(shared, at.bucket)?,
+            };
+            let unchanged = slots;
             let Some(slot) = slots.get_mut(usize::from(at.way)) else {
-                return Ok(Completion::LostOwnership);
+                return Ok((Completion::LostOwnership, None));
             };
             if !write.allowed(slot.record_for(&held.key), &held.owner) {
-                return Ok(Completion::LostOwnership);
+                if from_known {
+                    continue; // judge ownership on a fresh read, never on an old one
+                }
+                return Ok((Completion::LostOwnership, None));
             }
             if !change(slot) {
                 // Nothing to write: ownership was proven by the read.
-                return Ok(Completion::Recorded);
+                return Ok((Completion::Recorded, Some((unchanged, cas))));
             }
             let key = self.bucket_key(at.bucket);
             if shared.set(&key, &encode_bucket(&slots), Some(cas))? == SetOutcome::Stored {
-                return Ok(Completion::Recorded);
+                return Ok((Completion::Recorded, None));
             }
         }
         Err(TableError::Contended)
@@ -1391,6 +1409,51 @@ mod tests {
         assert_eq!(owner, 8);
         let replay = t.load_response(&s, slot, owner).unwrap().unwrap();
         assert_eq!(replay.body, b"the new owner's body");
+    }
+
+    #[test]
+    fn a_bucket_changed_between_the_proof_and_the_flip_is_read_again_not_overwritten() {
+        let s = FakeShared::default();
+        let t = table(&s, 8); // one bucket: every key shares it
+        let (k, fp, other) = (digest(1), digest(2), digest(3));
+        let mine = held(t.claim(&s, &k, &fp, 7, 0, 60_000).unwrap());
+        // Right after the completion's proof read, another worker claims another key of the
+        // same bucket: the flip must not write back the bucket as the proof saw it.
+        let rival_table = t.clone();
+        let interleaved = Interleaved {
+            inner: &s,
+            reads_before_rival: RefCell::new(1),
+            rival: RefCell::new(Some(Box::new(move |shared: &FakeShared| {
+                let theirs = rival_table
+                    .claim(shared, &other, &fp, 8, 1_000, 60_000)
+                    .unwrap();
+                assert!(matches!(theirs, Claim::Claimed(_)));
+            }))),
+        };
+        assert_eq!(
+            t.complete(
+                &interleaved,
+                &mine,
+                &response(201),
+                1_000,
+                60_000,
+                RecordWithoutIt
+            )
+            .unwrap(),
+            Completion::Recorded
+        );
+        assert!(matches!(
+            t.claim(&s, &other, &fp, 9, 2_000, 60_000).unwrap(),
+            Claim::InFlight { .. }
+        ));
+        let Claim::Completed { slot, owner, .. } = t.claim(&s, &k, &fp, 9, 2_000, 60_000).unwrap()
+        else {
+            panic!("expected the completed record");
+        };
+        assert_eq!(
+            t.load_response(&s, slot, owner).unwrap().unwrap().status,
+            201
+        );
     }
 
     #[test]
