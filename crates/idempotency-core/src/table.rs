@@ -98,6 +98,9 @@ pub struct Held {
     pub took_over: bool,
     /// The slot held another key's completed record, evicted before its TTL for this claim.
     pub evicted: Option<Evicted>,
+    /// Unheld only: the local table knows the key completed with this status, but no
+    /// longer has its body; what to replay if the store cannot be asked.
+    pub completed_status: Option<u16>,
 }
 
 impl Held {
@@ -110,6 +113,7 @@ impl Held {
             owner,
             took_over: false,
             evicted: None,
+            completed_status: None,
         }
     }
 }
@@ -659,6 +663,7 @@ impl Table {
                     owner,
                     took_over,
                     evicted,
+                    completed_status: None,
                 }));
             }
         }

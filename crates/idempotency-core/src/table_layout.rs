@@ -34,6 +34,11 @@ pub const BUDGET_PER_DERIVED_SLOT: u64 = 4_096;
 pub const MAX_SLOTS: u64 = 4_000_000;
 /// A page starts with the sequence number it was written under.
 pub const PAGE_HEADER_BYTES: usize = 8;
+/// The few entries beside slots and pages, counted at their largest: the bucket salt, the
+/// registry of tables (at most five short lines) and the owner-token counter.
+pub const FIXED_ENTRIES_BYTES: u64 = 3 * (ENTRY_OVERHEAD_BYTES + 512);
+/// Each page class's cursor (the next sequence number).
+pub const CURSOR_BYTES: u64 = 8 + ENTRY_OVERHEAD_BYTES;
 
 /// One ring of pages of one size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,8 +94,11 @@ impl Layout {
             });
         }
         let inline_bytes = (per_slot - SLOT_FIXED_BYTES).min(MAX_INLINE_BYTES);
-        let spill = max_bytes.saturating_sub(slots * (SLOT_FIXED_BYTES + inline_bytes));
         let sizes = page_sizes(largest_body.saturating_add(HEADER_ALLOWANCE_BYTES));
+        let spill = max_bytes
+            .saturating_sub(slots * (SLOT_FIXED_BYTES + inline_bytes))
+            .saturating_sub(FIXED_ENTRIES_BYTES)
+            .saturating_sub(sizes.len() as u64 * CURSOR_BYTES);
         let share = spill / sizes.len().max(1) as u64;
         let classes = sizes
             .into_iter()
@@ -123,9 +131,11 @@ impl Layout {
         let pages: u64 = self
             .classes
             .iter()
-            .map(|c| u64::from(c.pages) * (u64::from(c.page_bytes) + ENTRY_OVERHEAD_BYTES))
+            .map(|c| {
+                u64::from(c.pages) * (u64::from(c.page_bytes) + ENTRY_OVERHEAD_BYTES) + CURSOR_BYTES
+            })
             .sum();
-        slots + pages
+        slots + pages + FIXED_ENTRIES_BYTES
     }
 
     /// The page class for an encoded response of `len` bytes; None when it fits none.

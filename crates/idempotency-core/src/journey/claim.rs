@@ -80,19 +80,17 @@ impl RequestJourney {
                 // Cluster mode: the local copy is gone (its page was reused), the store
                 // still has the whole response.
                 None if rule.store.is_some() => {
-                    let held = Held::unheld(key, fingerprint, owner);
+                    let held = Held {
+                        completed_status: Some(status),
+                        ..Held::unheld(key, fingerprint, owner)
+                    };
                     self.confirm_or_execute(host, rule, held)
                 }
                 None => {
                     // Only the status survived: replay it with the omitted-body marker
                     // rather than execute again.
                     rule.count(host, Outcome::Replayed);
-                    let recorded = RecordedResponse {
-                        status,
-                        body_omitted: true,
-                        ..RecordedResponse::default()
-                    };
-                    send_replay(host, &rule, &recorded)
+                    send_replay(host, &rule, &status_only(status))
                 }
             },
             Ok(Claim::Full) => {
@@ -227,6 +225,23 @@ impl RequestJourney {
                  ({suppressed} similar failures not logged)"
             );
         }
+        if held.slot.is_none() {
+            if let Some(status) = held.completed_status {
+                // This proxy recorded the write itself: replay what it kept, whatever the
+                // policy, rather than run it again or refuse it.
+                rule.count(host, Outcome::Replayed);
+                return send_replay(host, &rule, &status_only(status));
+            }
+        }
+        // Fail-open runs the write on the local claim alone; without one (every slot of
+        // its bucket in flight) the table-full policy decides instead.
+        let no_local_claim = held.slot.is_none();
+        let policy = match (policy, rule.rule.on_table_full) {
+            (StoreErrorPolicy::FailOpen, OverloadPolicy::Reject) if no_local_claim => {
+                StoreErrorPolicy::FailClosed
+            }
+            (policy, _) => policy,
+        };
         match policy {
             StoreErrorPolicy::FailClosed => {
                 self.release_local(host, &held);
@@ -236,7 +251,12 @@ impl RequestJourney {
                     let body = store_client::release_body(&held.key, &owner);
                     self.submit_store_release(host, &rule, false, body);
                 }
-                let problem = Problem::unavailable("the idempotency store could not be reached");
+                let problem =
+                    if no_local_claim && rule.rule.on_store_error == StoreErrorPolicy::FailOpen {
+                        Problem::table_full()
+                    } else {
+                        Problem::unavailable("the idempotency store could not be reached")
+                    };
                 self.answer_problem(host, &rule, &problem)
             }
             StoreErrorPolicy::FailOpen => {
@@ -307,6 +327,15 @@ fn execute(
         capture: None,
     };
     (Journey::Executing(run), Verdict::Continue)
+}
+
+/// A recorded write whose body is gone: its status, marked as omitted.
+fn status_only(status: u16) -> RecordedResponse {
+    RecordedResponse {
+        status,
+        body_omitted: true,
+        ..RecordedResponse::default()
+    }
 }
 
 fn send_replay(host: &impl Host, rule: &RuleHandle, recorded: &RecordedResponse) -> Step {

@@ -357,4 +357,54 @@ fn a_local_copy_whose_page_was_reused_is_fetched_again_from_the_store() {
     assert_eq!(the_reply(&effects).2.len(), 100_000);
     // The first one's page holds a newer response now: the store answers for it.
     claimed_at_store(&host, &plugin, "k0");
+
+    // And when the store cannot answer, the status this proxy recorded is replayed: the
+    // write is never run again nor refused for it.
+    let (mut request, token, _) = claimed_at_store(&host, &plugin, "k0");
+    assert_eq!(answer(&host, &mut request, token, None, ""), Verdict::Pause);
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.len()), (201, 0));
+    assert_eq!(
+        header(&headers, "idempotent-body-omitted"),
+        Some(&b"true"[..])
+    );
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+}
+
+#[test]
+fn fail_open_without_a_local_claim_follows_the_table_full_policy() {
+    let config = |on_table_full: &str| {
+        format!(
+            r#"{{"local_table":{{"capacity":1}},"store":{{"cluster":"store"}},
+                "rules":[{{"name":"orders","match":{{"path_prefixes":["/orders"]}},
+                           "on_store_error":"fail_open","on_table_full":"{on_table_full}"}}]}}"#
+        )
+    };
+    for (policy, executes) in [("reject", false), ("pass_through", true)] {
+        let host = FakeHost::default();
+        let plugin = plugin(&host, &config(policy));
+        let mut in_flight = Vec::new();
+        for i in 0..8 {
+            let (mut request, token, _) = claimed_at_store(&host, &plugin, &format!("k{i}"));
+            let claimed = r#"{"outcome":"claimed","owner":"o"}"#;
+            answer(&host, &mut request, token, Some(200), claimed);
+            in_flight.push(request);
+        }
+        let _ = host.take_effects();
+        // The ninth key has no local slot, and the store does not answer: fail-open would
+        // run it unguarded on this proxy, so the table-full policy decides.
+        let (mut request, token, _) = claimed_at_store(&host, &plugin, "k8");
+        let verdict = answer(&host, &mut request, token, None, "");
+        if executes {
+            assert_eq!(verdict, Verdict::Continue, "{policy}");
+        } else {
+            assert_eq!(verdict, Verdict::Pause, "{policy}");
+            let (status, _, body) = the_reply(&host.take_effects());
+            assert_eq!(status, 503);
+            assert!(
+                problem_type(&body).ends_with("capacity-exhausted"),
+                "{policy}"
+            );
+        }
+    }
 }
