@@ -185,9 +185,17 @@ def test_cluster_mode_local_pressure_falls_back_to_the_store(procs) -> None:
     assert [f.status_code for f in firsts] == [201] * len(slow)
     for _ in range(40):
         assert cluster_post(envoy, unique_path("orders"), new_key()).status_code == 201
+
+    def replayed_by_store() -> float:
+        return cluster.store.metric("idempotency_store_operations_total", operation="claim",
+                                    outcome="completed")
+
+    before = replayed_by_store()
     for (path, key), first in zip(slow, firsts):
         retry = cluster_post(envoy, path, key)
         assert is_replay(retry) and retry.content == first.content
         assert upstream.executions(path) == 1
+    # None of them was still local: each replay came from the store.
+    assert replayed_by_store() - before == len(slow)
     counters = rule_counters(envoy, "orders")
     assert counters["table_full"] >= len(slow) - 8 and counters["evicted"] > 0

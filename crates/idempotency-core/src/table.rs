@@ -1417,6 +1417,27 @@ mod tests {
     }
 
     #[test]
+    fn the_bucket_salt_is_made_once_per_process_and_moves_keys_between_buckets() {
+        let s = FakeShared::default();
+        let first = bucket_salt(&s, "ns", 1).unwrap();
+        // Every later configure (another worker, a push) finds the same salt.
+        assert_eq!(bucket_salt(&s, "ns", 2).unwrap(), first);
+        let other_process = bucket_salt(&FakeShared::default(), "ns", 2).unwrap();
+        assert_ne!(first, other_process);
+
+        let here = Table::new("ns", layout(1024), first);
+        let again = Table::new("ns", layout(1024), first);
+        let there = Table::new("ns", layout(1024), other_process);
+        let keys: Vec<Digest> = (0..64).map(digest).collect();
+        assert!(keys.iter().all(|k| here.bucket_of(k) == again.bucket_of(k)));
+        let moved = keys
+            .iter()
+            .filter(|k| here.bucket_of(k) != there.bucket_of(k))
+            .count();
+        assert!(moved > 48, "only {moved} of 64 keys changed bucket");
+    }
+
+    #[test]
     fn a_bucket_changed_between_the_proof_and_the_flip_is_read_again_not_overwritten() {
         let s = FakeShared::default();
         let t = table(&s, 8); // one bucket: every key shares it
