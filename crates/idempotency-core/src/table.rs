@@ -295,6 +295,9 @@ fn answer(decided: ClaimDecision, slot: &Slot, at: SlotRef) -> Option<Claim> {
     match decided {
         ClaimDecision::Claim | ClaimDecision::TakeOver => None,
         ClaimDecision::InFlight { retry_after_ms } => Some(Claim::InFlight { retry_after_ms }),
+        // Never decided here: every request claims with an owner of its own (None below),
+        // so an owner asking again is a request we have not seen; treat it as busy.
+        ClaimDecision::AlreadyClaimed { .. } => Some(Claim::InFlight { retry_after_ms: 1 }),
         ClaimDecision::Replay => Some(Claim::Completed {
             slot: at,
             owner: slot.owner,
@@ -500,7 +503,7 @@ impl Table {
                 bucket,
                 way: way as u8,
             };
-            let decided = decision::claim(slot.record_for(key), fingerprint, now_ms);
+            let decided = decision::claim(slot.record_for(key), fingerprint, None, now_ms);
             if let Some(found) = answer(decided, slot, at) {
                 return Ok(Some(found));
             }
@@ -609,7 +612,7 @@ impl Table {
                 .position(|s| s.state != SlotState::Free && s.key == *key);
             let mut took_over = false;
             if let Some((way, slot)) = same_key.and_then(|w| Some((w, slots.get(w)?))) {
-                let decided = decision::claim(slot.record_for(key), fingerprint, now_ms);
+                let decided = decision::claim(slot.record_for(key), fingerprint, None, now_ms);
                 let at = SlotRef {
                     generation: 0,
                     bucket,

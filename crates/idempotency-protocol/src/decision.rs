@@ -61,6 +61,9 @@ pub enum ClaimDecision {
     TakeOver,
     /// A live claim for the same payload is still running; nothing changes.
     InFlight { retry_after_ms: u64 },
+    /// The caller's own live claim (same owner, same payload), asked for again because the
+    /// answer to its claim was lost: it is the caller's; nothing changes, its lease included.
+    AlreadyClaimed { lease_ends_at_ms: u64 },
     /// A live completion for the same payload: replay it; nothing changes.
     Replay,
     /// A live record holds the key for another payload; nothing changes.
@@ -75,10 +78,12 @@ impl ClaimDecision {
 }
 
 /// The claim rule: a live record answers for the key (mismatch before anything else, so that
-/// no payload learns about another's progress); otherwise the key is claimed.
-pub fn claim<F: PartialEq, O>(
+/// no payload learns about another's progress); otherwise the key is claimed. `owner` is the
+/// caller's own token when it chose one: its own live claim is answered as claimed again.
+pub fn claim<F: PartialEq, O: PartialEq>(
     existing: Option<Record<'_, F, O>>,
     fingerprint: &F,
+    owner: Option<&O>,
     now_ms: u64,
 ) -> ClaimDecision {
     let Some(current) = existing else {
@@ -94,6 +99,11 @@ pub fn claim<F: PartialEq, O>(
         return ClaimDecision::Mismatch;
     }
     match current {
+        Record::InFlight {
+            owner: holder,
+            lease_ends_at_ms,
+            ..
+        } if owner == Some(holder) => ClaimDecision::AlreadyClaimed { lease_ends_at_ms },
         Record::InFlight {
             lease_ends_at_ms, ..
         } => ClaimDecision::InFlight {
@@ -222,14 +232,14 @@ mod tests {
 
     #[test]
     fn a_claim_takes_a_key_that_holds_nothing_live() {
-        assert_eq!(claim::<u8, u32>(None, &FP, NOW), ClaimDecision::Claim);
+        assert_eq!(claim::<u8, u32>(None, &FP, None, NOW), ClaimDecision::Claim);
         // A completion at its TTL end is gone, for any payload.
         assert_eq!(
-            claim(completed(&FP, NOW, None), &FP, NOW),
+            claim(completed(&FP, NOW, None), &FP, None, NOW),
             ClaimDecision::Claim
         );
         assert_eq!(
-            claim(completed(&OTHER_FP, NOW, None), &FP, NOW),
+            claim(completed(&OTHER_FP, NOW, None), &FP, None, NOW),
             ClaimDecision::Claim
         );
     }
@@ -237,11 +247,11 @@ mod tests {
     #[test]
     fn a_claim_takes_over_a_lease_that_has_passed() {
         assert_eq!(
-            claim(in_flight(&FP, &SOMEONE, NOW), &FP, NOW),
+            claim(in_flight(&FP, &SOMEONE, NOW), &FP, None, NOW),
             ClaimDecision::TakeOver
         );
         assert_eq!(
-            claim(in_flight(&OTHER_FP, &SOMEONE, NOW - 1), &FP, NOW),
+            claim(in_flight(&OTHER_FP, &SOMEONE, NOW - 1), &FP, None, NOW),
             ClaimDecision::TakeOver
         );
         assert!(ClaimDecision::TakeOver.claims() && ClaimDecision::Claim.claims());
@@ -250,26 +260,67 @@ mod tests {
     #[test]
     fn a_live_claim_of_the_same_payload_is_in_flight_until_its_lease_ends() {
         assert_eq!(
-            claim(in_flight(&FP, &SOMEONE, NOW + 250), &FP, NOW),
+            claim(in_flight(&FP, &SOMEONE, NOW + 250), &FP, None, NOW),
             ClaimDecision::InFlight {
                 retry_after_ms: 250
             }
         );
         assert_eq!(
-            claim(in_flight(&FP, &SOMEONE, NOW + 1), &FP, NOW),
+            claim(in_flight(&FP, &SOMEONE, NOW + 1), &FP, None, NOW),
             ClaimDecision::InFlight { retry_after_ms: 1 }
         );
         assert!(!ClaimDecision::InFlight { retry_after_ms: 1 }.claims());
     }
 
     #[test]
+    fn the_owner_of_a_live_claim_asking_again_gets_it_back_and_nobody_else_does() {
+        let other: u32 = SOMEONE + 1;
+        assert_eq!(
+            claim(
+                in_flight(&FP, &SOMEONE, NOW + 250),
+                &FP,
+                Some(&SOMEONE),
+                NOW
+            ),
+            ClaimDecision::AlreadyClaimed {
+                lease_ends_at_ms: NOW + 250
+            }
+        );
+        assert!(!ClaimDecision::AlreadyClaimed {
+            lease_ends_at_ms: 1
+        }
+        .claims());
+        assert_eq!(
+            claim(in_flight(&FP, &SOMEONE, NOW + 250), &FP, Some(&other), NOW),
+            ClaimDecision::InFlight {
+                retry_after_ms: 250
+            }
+        );
+        // Another payload under the same owner is still a mismatch; a lapsed lease is
+        // taken over as for anyone.
+        assert_eq!(
+            claim(
+                in_flight(&OTHER_FP, &SOMEONE, NOW + 250),
+                &FP,
+                Some(&SOMEONE),
+                NOW
+            ),
+            ClaimDecision::Mismatch
+        );
+        assert_eq!(
+            claim(in_flight(&FP, &SOMEONE, NOW), &FP, Some(&SOMEONE), NOW),
+            ClaimDecision::TakeOver
+        );
+    }
+
+    #[test]
     fn a_live_completion_of_the_same_payload_is_replayed() {
         assert_eq!(
-            claim(completed(&FP, NOW + 1, Some(b"r")), &FP, NOW),
+            claim(completed(&FP, NOW + 1, Some(b"r")), &FP, None, NOW),
             ClaimDecision::Replay
         );
         assert_eq!(
-            claim(completed(&FP, NOW + 1, None), &FP, NOW),
+            claim(completed(&FP, NOW + 1, None), &FP, None, NOW),
             ClaimDecision::Replay
         );
     }
@@ -277,11 +328,11 @@ mod tests {
     #[test]
     fn a_live_record_of_another_payload_is_a_mismatch() {
         assert_eq!(
-            claim(in_flight(&OTHER_FP, &SOMEONE, NOW + 5), &FP, NOW),
+            claim(in_flight(&OTHER_FP, &SOMEONE, NOW + 5), &FP, None, NOW),
             ClaimDecision::Mismatch
         );
         assert_eq!(
-            claim(completed(&OTHER_FP, NOW + 5, None), &FP, NOW),
+            claim(completed(&OTHER_FP, NOW + 5, None), &FP, None, NOW),
             ClaimDecision::Mismatch
         );
     }

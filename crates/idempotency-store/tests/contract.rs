@@ -441,6 +441,46 @@ async fn given_owner_can_release_and_complete(h: &Harness) {
     );
 }
 
+async fn the_owner_asking_again_gets_its_claim_back(h: &Harness) {
+    // A claim whose answer was lost: the client claims again with the same token.
+    let (k, fp) = (random_digest(), random_digest());
+    let mine = OwnerToken::parse("0123456789abcdef").unwrap();
+    let ClaimOutcome::Claimed {
+        lease_expires_at_ms: first_lease,
+        ..
+    } = h.claim_as(&k, &fp, LONG_LEASE_MS, &mine).await
+    else {
+        panic!("expected claimed");
+    };
+    match h.claim_as(&k, &fp, LONG_LEASE_MS, &mine).await {
+        ClaimOutcome::Claimed {
+            owner,
+            lease_expires_at_ms,
+        } => {
+            assert_eq!(owner, mine);
+            assert_eq!(
+                lease_expires_at_ms, first_lease,
+                "the lease is not extended"
+            );
+        }
+        other => panic!("the owner's own claim is claimed again, got {other:?}"),
+    }
+    // Anyone else still finds it in flight, and another payload a mismatch.
+    assert!(matches!(
+        h.claim_as(&k, &fp, LONG_LEASE_MS, &foreign_owner()).await,
+        ClaimOutcome::InFlight { .. }
+    ));
+    assert_eq!(
+        h.claim_as(&k, &random_digest(), LONG_LEASE_MS, &mine).await,
+        ClaimOutcome::Mismatch
+    );
+    // And it is still the owner's to complete.
+    assert_eq!(
+        h.complete(&k, &mine, LONG_TTL_MS, b"once").await,
+        CompleteOutcome::Completed
+    );
+}
+
 async fn retried_complete_with_same_bytes_succeeds_unchanged(h: &Harness) {
     let (k, fp) = (random_digest(), random_digest());
     let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
@@ -614,6 +654,7 @@ macro_rules! contract_suite {
                 late_finisher_never_overwrites_the_new_owner,
                 ttl_expiry_allows_new_claim,
                 given_owner_can_release_and_complete,
+                the_owner_asking_again_gets_its_claim_back,
                 retried_complete_with_same_bytes_succeeds_unchanged,
                 release_of_a_gone_record_is_not_owner,
                 concurrent_claims_have_one_winner,

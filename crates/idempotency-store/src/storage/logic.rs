@@ -65,8 +65,14 @@ pub(crate) fn claim(
     owner: &OwnerToken,
 ) -> Decision<ClaimOutcome> {
     let current = existing.map(StoredRecord::as_decided);
-    match decision::claim(current, fingerprint, now_ms) {
+    match decision::claim(current, fingerprint, Some(owner), now_ms) {
         ClaimDecision::Mismatch => Decision::Keep(ClaimOutcome::Mismatch),
+        ClaimDecision::AlreadyClaimed { lease_ends_at_ms } => {
+            Decision::Keep(ClaimOutcome::Claimed {
+                owner: owner.clone(),
+                lease_expires_at_ms: lease_ends_at_ms,
+            })
+        }
         ClaimDecision::InFlight { retry_after_ms } => {
             Decision::Keep(ClaimOutcome::InFlight { retry_after_ms })
         }

@@ -26,13 +26,17 @@ use super::{
 // `decision::claim`. ARGV: fingerprint, lease_ms, owner (client-chosen or
 // server-generated). A key that exists is live by definition: Redis deleted it
 // at lease/TTL end, so `Claim` and `TakeOver` are one branch here (a takeover
-// finds the key already gone). Mismatch, then InFlight (retry_after_ms: the
-// key's PTTL, at least 1), then Replay; otherwise claim.
+// finds the key already gone). Mismatch, then AlreadyClaimed (the caller's own
+// claim: its lease end, unchanged), then InFlight (retry_after_ms: the key's
+// PTTL, at least 1), then Replay; otherwise claim.
 const CLAIM_LUA: &str = r"
 local k = KEYS[1]
-local cur = redis.call('HMGET', k, 'state', 'fingerprint')
+local cur = redis.call('HMGET', k, 'state', 'fingerprint', 'owner', 'expires_at_ms')
 if cur[1] then
   if cur[2] ~= ARGV[1] then return {'mismatch'} end
+  if cur[1] == 'in_flight' and cur[3] == ARGV[3] then
+    return {'claimed', tonumber(cur[4])}
+  end
   if cur[1] == 'in_flight' then
     local left = redis.call('PTTL', k)
     if left < 1 then left = 1 end
