@@ -201,7 +201,7 @@ fn default_store_path_prefix() -> String {
     idempotency_protocol::wire::path::PREFIX.to_string()
 }
 
-/// Suits a sidecar: 16,384 records with their responses inline up to about 1.6 KiB, and
+/// Suits a sidecar: 16,384 records with their responses inline up to about 1.3 KiB, and
 /// pages for larger ones up to `max_response_bytes`.
 fn default_table_max_bytes() -> u64 {
     64 * 1024 * 1024

@@ -585,11 +585,7 @@ impl Table {
         Err(HostError(format!("{key} could not be created")))
     }
 
-    fn read_bucket(
-        &self,
-        shared: &impl SharedData,
-        bucket: u32,
-    ) -> Result<([Slot; WAYS], u32), HostError> {
+    fn read_bucket(&self, shared: &impl SharedData, bucket: u32) -> Result<BucketRead, HostError> {
         let (bytes, cas) = self.read_created(shared, &self.bucket_key(bucket))?;
         Ok((decode_bucket(&bytes), cas))
     }

@@ -172,6 +172,14 @@ fn build(fill: impl FnOnce(&mut Writer)) -> Vec<u8> {
     w.0
 }
 
+/// A Call or an Answer: its id, and its oneof member (field number `member`) holding `body`.
+fn wrap(id: u64, member: u32, body: &[u8]) -> Vec<u8> {
+    build(|w| {
+        w.uint(field::ID, id);
+        w.message(member, body);
+    })
+}
+
 pub fn encode_call(call: &Call) -> Vec<u8> {
     let (field, body) = match &call.op {
         CallOp::Claim {
@@ -212,10 +220,7 @@ pub fn encode_call(call: &Call) -> Vec<u8> {
             }),
         ),
     };
-    build(|w| {
-        w.uint(field::ID, call.id);
-        w.message(field, &body);
-    })
+    wrap(call.id, field, &body)
 }
 
 pub fn encode_answer(answer: &Answer) -> Vec<u8> {
@@ -246,10 +251,7 @@ pub fn encode_answer(answer: &Answer) -> Vec<u8> {
             }),
         ),
     };
-    build(|w| {
-        w.uint(field::ID, answer.id);
-        w.message(field, &body);
-    })
+    wrap(answer.id, field, &body)
 }
 
 // ------------------------------------------------------------------------------------------

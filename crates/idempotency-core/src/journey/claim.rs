@@ -225,22 +225,21 @@ impl RequestJourney {
                  ({suppressed} similar failures not logged)"
             );
         }
-        if held.slot.is_none() {
-            if let Some(status) = held.completed_status {
-                // This proxy recorded the write itself: replay what it kept, whatever the
-                // policy, rather than run it again or refuse it.
-                rule.count(host, Outcome::Replayed);
-                return send_replay(host, &rule, &status_only(status));
-            }
+        if let Some(status) = held.completed_status {
+            // This proxy recorded the write itself: replay what it kept, whatever the
+            // policy, rather than run it again or refuse it.
+            rule.count(host, Outcome::Replayed);
+            return send_replay(host, &rule, &status_only(status));
         }
         // Fail-open runs the write on the local claim alone; without one (every slot of
         // its bucket in flight) the table-full policy decides instead.
-        let no_local_claim = held.slot.is_none();
-        let policy = match (policy, rule.rule.on_table_full) {
-            (StoreErrorPolicy::FailOpen, OverloadPolicy::Reject) if no_local_claim => {
-                StoreErrorPolicy::FailClosed
-            }
-            (policy, _) => policy,
+        let table_full_rejects = held.slot.is_none()
+            && policy == StoreErrorPolicy::FailOpen
+            && rule.rule.on_table_full == OverloadPolicy::Reject;
+        let policy = if table_full_rejects {
+            StoreErrorPolicy::FailClosed
+        } else {
+            policy
         };
         match policy {
             StoreErrorPolicy::FailClosed => {
@@ -251,12 +250,11 @@ impl RequestJourney {
                     let body = store_client::release_body(&held.key, &owner);
                     self.submit_store_release(host, &rule, false, body);
                 }
-                let problem =
-                    if no_local_claim && rule.rule.on_store_error == StoreErrorPolicy::FailOpen {
-                        Problem::table_full()
-                    } else {
-                        Problem::unavailable("the idempotency store could not be reached")
-                    };
+                let problem = if table_full_rejects {
+                    Problem::table_full()
+                } else {
+                    Problem::unavailable("the idempotency store could not be reached")
+                };
                 self.answer_problem(host, &rule, &problem)
             }
             StoreErrorPolicy::FailOpen => {

@@ -32,22 +32,18 @@ impl Retention {
 
     /// A record `age_ms` old was evicted now.
     pub fn on_eviction(&self, host: &impl Host, now_ms: u64, age_ms: u64) {
-        let youngest = match self.window.get() {
+        let ends_at = match self.window.get() {
             Some((ends_at, youngest)) if now_ms < ends_at => {
                 if age_ms >= youngest {
                     return;
                 }
-                self.window.set(Some((ends_at, age_ms)));
-                age_ms
+                ends_at
             }
-            _ => {
-                self.window
-                    .set(Some((now_ms.saturating_add(WINDOW_MS), age_ms)));
-                age_ms
-            }
+            _ => now_ms.saturating_add(WINDOW_MS),
         };
+        self.window.set(Some((ends_at, age_ms)));
         if self.gauge != 0 {
-            host.set_gauge(self.gauge, youngest);
+            host.set_gauge(self.gauge, age_ms);
         }
     }
 }
