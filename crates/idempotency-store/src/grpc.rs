@@ -68,9 +68,24 @@ impl pb::store_server::Store for StoreStreams {
         let (answers, out) = mpsc::channel(self.max_calls_in_flight);
         let slots = Arc::new(Semaphore::new(self.max_calls_in_flight));
         let state = self.state.clone();
+        let max_calls = self.max_calls_in_flight;
         tokio::spawn(async move {
             loop {
-                let call = match calls.message().await {
+                let message = tokio::select! {
+                    biased;
+                    () = state.draining.cancelled() => {
+                        // Shutting down: answer what was taken, then tell the client to go
+                        // elsewhere (it reconnects to another instance or after the restart).
+                        let all = u32::try_from(max_calls).unwrap_or(u32::MAX);
+                        let _ = slots.acquire_many(all).await;
+                        let _ = answers
+                            .send(Err(Status::unavailable("the store is shutting down")))
+                            .await;
+                        break;
+                    }
+                    message = calls.message() => message,
+                };
+                let call = match message {
                     Ok(Some(call)) => call,
                     Ok(None) => break,
                     Err(status) => {

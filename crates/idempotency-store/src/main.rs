@@ -235,11 +235,13 @@ async fn run(cli: Cli) -> Result<(), String> {
     let addr = listener
         .local_addr()
         .map_err(|e| format!("cannot read bound address: {e}"))?;
+    let draining = tokio_util::sync::CancellationToken::new();
     let app = server::router(
         AppState {
             storage,
             metrics,
             auth,
+            draining: draining.clone(),
         },
         cli.max_body_bytes,
     );
@@ -257,7 +259,11 @@ async fn run(cli: Cli) -> Result<(), String> {
         h2_keepalive_timeout: Duration::from_secs(cli.h2_keepalive_timeout_secs),
         shutdown_grace: Duration::from_secs(cli.shutdown_grace_secs),
     };
-    let served = server::serve_with(listener, app, limits, shutdown_signal()).await;
+    let shutdown = async move {
+        shutdown_signal().await;
+        draining.cancel();
+    };
+    let served = server::serve_with(listener, app, limits, shutdown).await;
     sweeper.abort();
     served.map_err(|e| format!("server error: {e}"))
 }

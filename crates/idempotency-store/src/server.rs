@@ -75,6 +75,9 @@ pub struct AppState {
     pub storage: Arc<dyn Storage>,
     pub metrics: Arc<Metrics>,
     pub auth: Auth,
+    /// Cancelled when the store starts shutting down: long-lived gRPC streams end then
+    /// (after answering what they hold) instead of holding the shutdown for its grace period.
+    pub draining: tokio_util::sync::CancellationToken,
 }
 
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {

@@ -39,6 +39,8 @@ const TTL_MS: u64 = 600_000;
 
 struct Store {
     addr: String,
+    /// Cancelled to start a shutdown, as the store's signal handler does.
+    draining: tokio_util::sync::CancellationToken,
     _stop: oneshot::Sender<()>,
     _guard: Box<dyn Send>,
 }
@@ -47,11 +49,13 @@ impl Store {
     async fn start(storage: Arc<dyn Storage>, guard: Box<dyn Send>) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let draining = tokio_util::sync::CancellationToken::new();
         let app = server::router(
             AppState {
                 storage,
                 metrics: Arc::new(Metrics::new()),
                 auth: Auth::bearer(TOKEN),
+                draining: draining.clone(),
             },
             server::DEFAULT_MAX_BODY_BYTES,
         );
@@ -61,6 +65,7 @@ impl Store {
         }));
         Self {
             addr: format!("http://{addr}"),
+            draining,
             _stop: stop,
             _guard: guard,
         }
@@ -366,4 +371,22 @@ async fn a_message_over_the_body_limit_ends_the_stream_with_out_of_range() {
         .unwrap()
         .unwrap_err();
     assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+}
+
+#[tokio::test]
+async fn a_shutdown_ends_open_streams_after_answering_their_calls() {
+    // A stream never ends by itself: without this, a stopping store would wait out its whole
+    // grace period for every connected proxy.
+    let store = Store::embedded().await;
+    let mut s = Conversation::open(&store).await;
+    let (key, fp) = (random_digest(), random_digest());
+    let id = s.send(claim(key.as_str(), fp.as_str(), "")).await;
+    let answer = s.next().await;
+    assert_eq!(answer.id, id);
+    store.draining.cancel();
+    let ended = tokio::time::timeout(Duration::from_secs(5), s.answers.message())
+        .await
+        .expect("the stream ends within 5 s of the shutdown");
+    let status = ended.expect_err("the stream ends with a status");
+    assert_eq!(status.code(), Code::Unavailable, "{status}");
 }

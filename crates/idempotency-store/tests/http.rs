@@ -57,6 +57,7 @@ impl TestServer {
                 storage,
                 metrics: Arc::new(Metrics::new()),
                 auth,
+                draining: Default::default(),
             },
             max_body,
         ));
