@@ -105,6 +105,34 @@ impl Host for EnvoyHost {
             .map_err(error)
     }
 
+    fn open_grpc_stream(
+        &self,
+        cluster: &str,
+        service: &str,
+        method: &str,
+        metadata: &[(&str, &[u8])],
+    ) -> Result<u32, HostError> {
+        host::open_grpc_stream(cluster, service, method, metadata).map_err(error)
+    }
+
+    fn send_grpc_message(&self, stream: u32, message: &[u8]) -> Result<(), HostError> {
+        host::send_grpc_message(stream, message).map_err(error)
+    }
+
+    fn close_grpc_stream(&self, stream: u32, reset: bool) -> Result<(), HostError> {
+        host::close_grpc_stream(stream, reset).map_err(error)
+    }
+
+    fn grpc_message(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        host::get_buffer(BufferType::GrpcReceiveBuffer, 0, size)
+            .map(Option::unwrap_or_default)
+            .map_err(error)
+    }
+
+    fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
+        host::set_effective_context(context_id).map_err(error)
+    }
+
     fn define_counter(&self, name: &str) -> Result<u32, HostError> {
         host::define_counter(name).map_err(error)
     }

@@ -94,6 +94,11 @@ extern "C" {
         cas: u32,
     ) -> u32;
     fn proxy_continue_stream(stream_type: u32) -> u32;
+    fn proxy_grpc_send(token: u32, message: *const u8, message_size: usize, end_stream: u32)
+        -> u32;
+    fn proxy_grpc_close(token: u32) -> u32;
+    fn proxy_grpc_cancel(token: u32) -> u32;
+    fn proxy_set_effective_context(context_id: u32) -> u32;
     fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
     fn proxy_done() -> u32;
     fn proxy_register_shared_queue(
@@ -284,6 +289,38 @@ pub fn dispatch_http_call(
     let timeout = timeout.max(Duration::from_millis(1));
     proxy_wasm::hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
         .map_err(|status| HostStatus(status as u32))
+}
+
+/// Opens a gRPC stream through the SDK, which must learn the token so the stream's messages
+/// reach the opening context. Envoy answers ParseFailure for an unknown cluster and
+/// InternalFailure when it cannot create the stream, both of which the SDK returns.
+pub fn open_grpc_stream(
+    cluster: &str,
+    service: &str,
+    method: &str,
+    metadata: &[(&str, &[u8])],
+) -> HostResult<u32> {
+    proxy_wasm::hostcalls::open_grpc_stream(cluster, service, method, metadata.to_vec())
+        .map_err(|status| HostStatus(status as u32))
+}
+
+pub fn send_grpc_message(token: u32, message: &[u8]) -> HostResult<()> {
+    check(unsafe { proxy_grpc_send(token, message.as_ptr(), message.len(), 0) })
+}
+
+/// Half-closes the stream (`reset`: false), or resets it at once.
+pub fn close_grpc_stream(token: u32, reset: bool) -> HostResult<()> {
+    check(unsafe {
+        if reset {
+            proxy_grpc_cancel(token)
+        } else {
+            proxy_grpc_close(token)
+        }
+    })
+}
+
+pub fn set_effective_context(context_id: u32) -> HostResult<()> {
+    check(unsafe { proxy_set_effective_context(context_id) })
 }
 
 pub fn send_local_response(status: u32, headers: &[(&str, &[u8])], body: &[u8]) -> HostResult<()> {

@@ -2,6 +2,9 @@
 //! verdicts into actions. Where the journey goes is decided in
 //! `idempotency_core::journey`.
 
+use std::cell::RefCell;
+use std::rc::Rc;
+
 use idempotency_core::journey::{Event, RequestJourney, Verdict};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
@@ -9,16 +12,25 @@ use proxy_wasm::types::Action;
 use crate::envoy_host::EnvoyHost;
 
 pub struct HttpFilter {
-    journey: RequestJourney,
+    /// Shared with the root, which hands it the answers that arrive on the store stream.
+    journey: Rc<RefCell<RequestJourney>>,
 }
 
 impl HttpFilter {
-    pub fn new(journey: RequestJourney) -> HttpFilter {
+    pub fn new(journey: Rc<RefCell<RequestJourney>>) -> HttpFilter {
         HttpFilter { journey }
     }
 
     fn feed(&mut self, event: Event) -> Action {
-        match self.journey.on(&EnvoyHost, event) {
+        // Envoy runs one callback at a time, so the root never holds the journey now.
+        let verdict = match self.journey.try_borrow_mut() {
+            Ok(mut journey) => journey.on(&EnvoyHost, event),
+            Err(_) => {
+                log::error!("request journey busy; event {event:?} let through");
+                Verdict::Continue
+            }
+        };
+        match verdict {
             Verdict::Continue => Action::Continue,
             Verdict::Pause => Action::Pause,
         }

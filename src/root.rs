@@ -14,9 +14,9 @@ pub struct FilterRoot {
 }
 
 impl FilterRoot {
-    pub fn new(_context_id: u32) -> FilterRoot {
+    pub fn new(context_id: u32) -> FilterRoot {
         FilterRoot {
-            root: PluginRoot::new(),
+            root: PluginRoot::new(context_id),
         }
     }
 }
@@ -35,6 +35,15 @@ impl Context for FilterRoot {
     ) {
         self.root
             .on_callout_answer(&EnvoyHost, token, num_headers, body_size);
+    }
+
+    fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
+        self.root
+            .on_grpc_message(&EnvoyHost, token_id, message_size);
+    }
+
+    fn on_grpc_stream_close(&mut self, token_id: u32, status_code: u32) {
+        self.root.on_grpc_close(&EnvoyHost, token_id, status_code);
     }
 }
 
@@ -55,10 +64,10 @@ impl RootContext for FilterRoot {
         self.root.on_tick(&EnvoyHost);
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // The SDK panics on None: an unconfigured root (Envoy refuses it anyway) gets a
         // filter that lets everything through.
-        Some(match self.root.new_request() {
+        Some(match self.root.new_request(context_id) {
             Some(journey) => Box::new(HttpFilter::new(journey)),
             None => Box::new(Unconfigured),
         })

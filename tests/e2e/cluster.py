@@ -43,16 +43,20 @@ def cluster_plugin_config(
     *,
     timeout_ms: int | None = None,
     token: str | None = None,
+    transport: str | None = None,
     extra_rules: Iterable[dict] = (),
     **orders: Any,
 ) -> dict:
     """envoy/envoy.yaml's plugin configuration with the global store's ``timeout_ms`` /
-    ``token`` changed, fields of the ``orders`` rule overridden, and rules appended."""
+    ``token`` / ``transport`` changed, fields of the ``orders`` rule overridden, and rules
+    appended."""
     config = envoy_yaml_plugin_config()
     if timeout_ms is not None:
         config["store"]["timeout_ms"] = timeout_ms
     if token is not None:
         config["store"]["token"] = token
+    if transport is not None:
+        config["store"]["transport"] = transport
     for rule in config["rules"]:
         if rule["name"] == "orders":
             rule.update(orders)

@@ -25,6 +25,23 @@ pub(crate) enum Effect {
         body: Vec<u8>,
     },
     Resume,
+    StreamOpened {
+        stream: u32,
+        cluster: String,
+        metadata: Vec<(String, Vec<u8>)>,
+    },
+    /// A message sent on `stream` while `context` was the effective context.
+    StreamMessage {
+        stream: u32,
+        context: u32,
+        message: Vec<u8>,
+    },
+    StreamClosed {
+        stream: u32,
+        reset: bool,
+    },
+    /// The effective context changed.
+    Switched(u32),
     ReplaceResponseHeader(String, Vec<u8>),
     RemoveResponseHeader(String),
     Done,
@@ -41,6 +58,8 @@ pub(crate) enum HostCall {
     Resume,
     Callout,
     SharedData,
+    OpenStream,
+    StreamSend,
 }
 
 pub(crate) struct FakeHost {
@@ -60,6 +79,12 @@ pub(crate) struct FakeHost {
     counters: RefCell<Vec<(String, u64)>>,
     queues: RefCell<Vec<(String, VecDeque<Vec<u8>>)>>,
     next_token: Cell<u32>,
+    /// The message being delivered on a stream.
+    pub grpc_message: RefCell<Vec<u8>>,
+    /// The context host calls act on; tests set it as Envoy would for each callback.
+    pub effective_context: Cell<u32>,
+    /// Contexts that are gone: switching to them fails, as in Envoy.
+    pub gone_contexts: RefCell<HashSet<u32>>,
 }
 
 impl Default for FakeHost {
@@ -80,6 +105,9 @@ impl Default for FakeHost {
             counters: RefCell::default(),
             queues: RefCell::default(),
             next_token: Cell::new(1),
+            grpc_message: RefCell::default(),
+            effective_context: Cell::new(0),
+            gone_contexts: RefCell::default(),
         }
     }
 }
@@ -287,6 +315,61 @@ impl Host for FakeHost {
             .take(size)
             .copied()
             .collect())
+    }
+
+    fn open_grpc_stream(
+        &self,
+        cluster: &str,
+        _service: &str,
+        _method: &str,
+        metadata: &[(&str, &[u8])],
+    ) -> Result<u32, HostError> {
+        self.check(HostCall::OpenStream)?;
+        let stream = self.next_token.get();
+        self.next_token.set(stream + 1);
+        self.record(Effect::StreamOpened {
+            stream,
+            cluster: cluster.to_string(),
+            metadata: metadata
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_vec()))
+                .collect(),
+        });
+        Ok(stream)
+    }
+
+    fn send_grpc_message(&self, stream: u32, message: &[u8]) -> Result<(), HostError> {
+        self.check(HostCall::StreamSend)?;
+        self.record(Effect::StreamMessage {
+            stream,
+            context: self.effective_context.get(),
+            message: message.to_vec(),
+        });
+        Ok(())
+    }
+
+    fn close_grpc_stream(&self, stream: u32, reset: bool) -> Result<(), HostError> {
+        self.record(Effect::StreamClosed { stream, reset });
+        Ok(())
+    }
+
+    fn grpc_message(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        Ok(self
+            .grpc_message
+            .borrow()
+            .iter()
+            .take(size)
+            .copied()
+            .collect())
+    }
+
+    fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
+        if self.gone_contexts.borrow().contains(&context_id) {
+            return Err(HostError(format!("context {context_id} is gone")));
+        }
+        self.effective_context.set(context_id);
+        self.record(Effect::Switched(context_id));
+        Ok(())
     }
 
     fn define_counter(&self, name: &str) -> Result<u32, HostError> {

@@ -58,6 +58,26 @@ pub trait Host: SharedData {
     /// The body of the callout answer being delivered.
     fn callout_response_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
 
+    /// Opens a bidirectional gRPC stream to `cluster`'s `service/method`; its messages and
+    /// its close reach the context that opened it (the root).
+    fn open_grpc_stream(
+        &self,
+        cluster: &str,
+        service: &str,
+        method: &str,
+        metadata: &[(&str, &[u8])],
+    ) -> Result<u32, HostError>;
+    /// Sends one message; the host buffers it (no backpressure). Only the context that opened
+    /// the stream may send: switch to it first.
+    fn send_grpc_message(&self, stream: u32, message: &[u8]) -> Result<(), HostError>;
+    /// Ends a stream the store closed, or resets one that stopped answering.
+    fn close_grpc_stream(&self, stream: u32, reset: bool) -> Result<(), HostError>;
+    /// The message being delivered on a stream.
+    fn grpc_message(&self, size: usize) -> Result<Vec<u8>, HostError>;
+    /// Makes `context_id` the context later host calls act on, until the callback returns or
+    /// the next switch. Fails for a context that is gone.
+    fn set_effective_context(&self, context_id: u32) -> Result<(), HostError>;
+
     fn define_counter(&self, name: &str) -> Result<u32, HostError>;
     /// A lost increment is not worth failing a request over, so nothing is returned.
     fn increment_counter(&self, id: u32);

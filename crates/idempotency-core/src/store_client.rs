@@ -2,6 +2,7 @@
 //! and how it reads the answers, in the protocol crate's wire types. Anything unexpected is a
 //! `StoreFailure`, never a panic: the rule's store-error policy decides what the client sees.
 
+use idempotency_protocol::stream::{CallOp, FailureKind, Reply};
 use idempotency_protocol::wire::{
     decode_record, encode_record, outcome, ClaimBody, ClaimResponse, CompleteBody, OutcomeResponse,
     ReleaseBody,
@@ -75,41 +76,145 @@ pub fn store_owner(local_owner: u64, now_nanos: u64, key: &Digest) -> String {
     to_hex(&digest).chars().take(32).collect()
 }
 
-pub fn claim_body(key: &Digest, fingerprint: &Digest, lease_ms: u64, owner: &str) -> Vec<u8> {
-    serde_json::to_vec(&ClaimBody {
+/// A claim as a protocol call (the same call goes on the stream or, as JSON, in a callout).
+pub fn claim_call(key: &Digest, fingerprint: &Digest, lease_ms: u64, owner: &str) -> CallOp {
+    CallOp::Claim {
         key: to_hex(key),
         fingerprint: to_hex(fingerprint),
         lease_ms,
-        owner: Some(owner.to_owned()),
-    })
-    .unwrap_or_default()
+        owner: owner.to_owned(),
+    }
 }
 
-pub fn complete_body(
+pub fn complete_call(
     key: &Digest,
     fingerprint: &Digest,
     owner: &str,
     ttl_ms: u64,
     response: &RecordedResponse,
-) -> Vec<u8> {
-    serde_json::to_vec(&CompleteBody {
+) -> CallOp {
+    CallOp::Complete {
         key: to_hex(key),
         owner: owner.to_owned(),
         ttl_ms,
-        record: encode_record(&response.encode()),
+        record: response.encode(),
         // Lets the store record the completion even if the claim lapsed and was removed
         // while this write waited out an outage (and nobody claimed the key since).
-        fingerprint: Some(to_hex(fingerprint)),
-    })
-    .unwrap_or_default()
+        fingerprint: to_hex(fingerprint),
+    }
 }
 
-pub fn release_body(key: &Digest, owner: &str) -> Vec<u8> {
-    serde_json::to_vec(&ReleaseBody {
+pub fn release_call(key: &Digest, owner: &str) -> CallOp {
+    CallOp::Release {
         key: to_hex(key),
         owner: owner.to_owned(),
-    })
-    .unwrap_or_default()
+    }
+}
+
+/// The JSON body of `call` for the HTTP API.
+pub fn http_body(call: &CallOp) -> Vec<u8> {
+    let json = match call {
+        CallOp::Claim {
+            key,
+            fingerprint,
+            lease_ms,
+            owner,
+        } => serde_json::to_vec(&ClaimBody {
+            key: key.clone(),
+            fingerprint: fingerprint.clone(),
+            lease_ms: *lease_ms,
+            owner: Some(owner.clone()),
+        }),
+        CallOp::Complete {
+            key,
+            owner,
+            ttl_ms,
+            record,
+            fingerprint,
+        } => serde_json::to_vec(&CompleteBody {
+            key: key.clone(),
+            owner: owner.clone(),
+            ttl_ms: *ttl_ms,
+            record: encode_record(record),
+            fingerprint: Some(fingerprint.clone()),
+        }),
+        CallOp::Release { key, owner } => serde_json::to_vec(&ReleaseBody {
+            key: key.clone(),
+            owner: owner.clone(),
+        }),
+    };
+    json.unwrap_or_default()
+}
+
+/// Bytes a call holds (what a waiting write costs the retry budget).
+pub fn call_bytes(call: &CallOp) -> usize {
+    match call {
+        CallOp::Complete { record, .. } => record.len().saturating_add(256),
+        CallOp::Claim { .. } | CallOp::Release { .. } => 256,
+    }
+}
+
+/// Reads a claim's answer on the stream, with the same rules as `read_claim`.
+pub fn read_claim_reply(reply: Reply) -> Result<StoreClaim, StoreFailure> {
+    match reply {
+        Reply::Claimed { owner, .. } if !owner.is_empty() => Ok(StoreClaim::Claimed { owner }),
+        Reply::Claimed { .. } => Err(StoreFailure::Garbage(
+            "store claim answer has an empty owner".to_string(),
+        )),
+        Reply::InFlight { .. } => Ok(StoreClaim::InFlight),
+        Reply::Mismatch => Ok(StoreClaim::Mismatch),
+        Reply::Completed { record } => replayable(&record).map(StoreClaim::Completed),
+        // The backend failed mid-call: the claim may have landed.
+        Reply::Failure {
+            kind: FailureKind::Unavailable | FailureKind::Other(_),
+            ..
+        } => Err(StoreFailure::ServerError(503)),
+        Reply::Failure {
+            kind: FailureKind::BadRequest,
+            ..
+        } => Err(StoreFailure::Refused(400)),
+        Reply::Recorded | Reply::Released | Reply::NotOwner => Err(StoreFailure::Garbage(
+            "store answered a claim with a write's outcome".to_string(),
+        )),
+    }
+}
+
+/// Reads a completion's or release's answer on the stream.
+pub fn read_write_reply(kind: WriteKind, reply: &Reply) -> WriteAnswer {
+    match (kind, reply) {
+        (WriteKind::Complete, Reply::Recorded) | (WriteKind::Release, Reply::Released) => {
+            WriteAnswer::Done
+        }
+        // Nothing left to release (released before, expired, or taken over): the goal holds.
+        (WriteKind::Release, Reply::NotOwner) => WriteAnswer::Done,
+        (WriteKind::Complete, Reply::NotOwner) => {
+            WriteAnswer::Refused("the store says this proxy no longer owns the key".to_string())
+        }
+        (
+            _,
+            Reply::Failure {
+                kind: FailureKind::BadRequest,
+                detail,
+            },
+        ) => WriteAnswer::Refused(format!("store refused the call: {detail}")),
+        (_, Reply::Failure { detail, .. }) => WriteAnswer::Retry(format!("store failed: {detail}")),
+        (_, other) => WriteAnswer::Retry(format!("unexpected answer {other:?}")),
+    }
+}
+
+/// A recorded response from the store, if this filter may replay it.
+fn replayable(bytes: &[u8]) -> Result<RecordedResponse, StoreFailure> {
+    let response = RecordedResponse::decode(bytes).ok_or_else(|| {
+        StoreFailure::Garbage("store record is not a recorded response".to_string())
+    })?;
+    // A header this filter could never have recorded means the record is corrupt or was
+    // written by someone else: the whole answer is garbage, as for an undecodable record
+    // (fail_closed answers 503, the retry tries again). Replaying it without the bad
+    // headers instead would present a changed response as the recorded one.
+    response
+        .check_headers()
+        .map_err(|why| StoreFailure::Garbage(format!("store record cannot be replayed: {why}")))?;
+    Ok(response)
 }
 
 /// Reads a claim answer: only a 200 with a well-formed body counts.
@@ -134,17 +239,7 @@ pub fn read_claim(status: Option<u16>, body: &[u8]) -> Result<StoreClaim, StoreF
         ClaimResponse::Completed { record } => {
             let bytes = decode_record(&record)
                 .map_err(|e| StoreFailure::Garbage(format!("store record is not base64: {e}")))?;
-            let response = RecordedResponse::decode(&bytes).ok_or_else(|| {
-                StoreFailure::Garbage("store record is not a recorded response".to_string())
-            })?;
-            // A header this filter could never have recorded means the record is corrupt or
-            // was written by someone else: the whole answer is garbage, as for an undecodable
-            // record (fail_closed answers 503, the retry tries again). Replaying it without
-            // the bad headers instead would present a changed response as the recorded one.
-            response.check_headers().map_err(|why| {
-                StoreFailure::Garbage(format!("store record cannot be replayed: {why}"))
-            })?;
-            StoreClaim::Completed(response)
+            StoreClaim::Completed(replayable(&bytes)?)
         }
     })
 }
@@ -209,15 +304,25 @@ mod tests {
 
     #[test]
     fn request_bodies_follow_the_protocol() {
-        let v: serde_json::Value =
-            serde_json::from_slice(&claim_body(&[0xab; 32], &[1; 32], 60_000, "0a1b")).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&http_body(&claim_call(
+            &[0xab; 32],
+            &[1; 32],
+            60_000,
+            "0a1b",
+        )))
+        .unwrap();
         assert_eq!(v["owner"], "0a1b");
         assert_eq!(v["key"].as_str().unwrap(), "ab".repeat(32));
         assert_eq!(v["fingerprint"].as_str().unwrap(), "01".repeat(32));
         assert_eq!(v["lease_ms"], 60_000);
-        let v: serde_json::Value =
-            serde_json::from_slice(&complete_body(&[0; 32], &[2; 32], "own", 5, &recorded()))
-                .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&http_body(&complete_call(
+            &[0; 32],
+            &[2; 32],
+            "own",
+            5,
+            &recorded(),
+        )))
+        .unwrap();
         let bytes = BASE64.decode(v["record"].as_str().unwrap()).unwrap();
         assert_eq!(RecordedResponse::decode(&bytes), Some(recorded()));
         assert_eq!(v["owner"], "own");

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use idempotency_protocol::stream::{self, Call, CallOp, DecodeError, Reply};
+use idempotency_protocol::stream::{self, CallOp, DecodeError, Reply};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamLimits {
@@ -88,6 +88,8 @@ pub struct StoreStream<W> {
     next_id: u64,
     outstanding: BTreeMap<u64, Outstanding<W>>,
     last_answer_ms: u64,
+    /// When a stream was last opened or tried.
+    last_attempt_ms: u64,
 }
 
 impl<W> StoreStream<W> {
@@ -99,6 +101,7 @@ impl<W> StoreStream<W> {
             next_id: 1,
             outstanding: BTreeMap::new(),
             last_answer_ms: 0,
+            last_attempt_ms: 0,
         }
     }
 
@@ -107,12 +110,14 @@ impl<W> StoreStream<W> {
         matches!(self.link, Link::Closed { reopen_at_ms } if now_ms >= reopen_at_ms)
     }
 
-    pub fn opened(&mut self, handle: u32) {
+    pub fn opened(&mut self, now_ms: u64, handle: u32) {
+        self.last_attempt_ms = now_ms;
         self.link = Link::Open { handle };
     }
 
     /// The host refused to open a stream (the cluster is unknown, say): try again later.
     pub fn open_failed(&mut self, now_ms: u64) {
+        self.last_attempt_ms = now_ms;
         self.back_off(now_ms);
     }
 
@@ -127,23 +132,42 @@ impl<W> StoreStream<W> {
         self.outstanding.len()
     }
 
-    /// Registers `op` for `waiter`, answered by `now_ms + timeout_ms` at the latest, and
-    /// returns the message to send. When the host then fails to send it, call `forget`.
-    pub fn submit(
-        &mut self,
-        now_ms: u64,
-        op: CallOp,
-        waiter: W,
-        timeout_ms: u64,
-    ) -> Result<Outgoing, NotSent> {
+    /// A fresh call id.
+    pub fn next_call_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        id
+    }
+
+    /// Whether a call waiting for a stream may open one now, ahead of the backoff: no
+    /// stream is open and the last attempt is at least `min_backoff_ms` old. Traffic then
+    /// finds a store that is back at once, and a down store sees a few attempts a second.
+    pub fn due_on_demand(&self, now_ms: u64) -> bool {
+        matches!(self.link, Link::Closed { .. })
+            && now_ms
+                >= self
+                    .last_attempt_ms
+                    .saturating_add(self.limits.min_backoff_ms)
+    }
+
+    /// The message carrying `op` on the open stream, under the call id `id`. Once the host
+    /// has sent it, `track` the call; a call the host refused is simply never tracked.
+    pub fn prepare(&mut self, id: u64, op: &CallOp) -> Result<Outgoing, NotSent> {
         let Link::Open { handle } = self.link else {
             return Err(NotSent::NoStream);
         };
         if self.outstanding.len() >= self.limits.max_outstanding {
             return Err(NotSent::TooManyOutstanding);
         }
-        let id = self.next_id;
-        self.next_id = self.next_id.wrapping_add(1).max(1);
+        Ok(Outgoing {
+            handle,
+            id,
+            message: stream::encode_call_parts(id, op),
+        })
+    }
+
+    /// The call `id` was sent for `waiter`; it must be answered by `now_ms + timeout_ms`.
+    pub fn track(&mut self, id: u64, now_ms: u64, waiter: W, timeout_ms: u64) {
         self.outstanding.insert(
             id,
             Outstanding {
@@ -152,14 +176,9 @@ impl<W> StoreStream<W> {
                 deadline_ms: now_ms.saturating_add(timeout_ms),
             },
         );
-        Ok(Outgoing {
-            handle,
-            id,
-            message: stream::encode_call(&Call { id, op }),
-        })
     }
 
-    /// Takes back a call the host did not send.
+    /// Takes back a call nobody waits for any more.
     pub fn forget(&mut self, id: u64) -> Option<W> {
         self.outstanding.remove(&id).map(|o| o.waiter)
     }
@@ -252,6 +271,19 @@ mod tests {
         })
     }
 
+    /// Prepares and tracks a call, as the root does once the host has sent it.
+    fn submit<W>(
+        s: &mut StoreStream<W>,
+        now: u64,
+        waiter: W,
+        timeout: u64,
+    ) -> Result<Outgoing, NotSent> {
+        let id = s.next_call_id();
+        let out = s.prepare(id, &claim())?;
+        s.track(out.id, now, waiter, timeout);
+        Ok(out)
+    }
+
     fn limits() -> StreamLimits {
         StreamLimits {
             max_outstanding: 3,
@@ -263,15 +295,15 @@ mod tests {
     fn open() -> StoreStream<&'static str> {
         let mut s = StoreStream::new(limits());
         assert!(s.due_to_open(0));
-        s.opened(9);
+        s.opened(0, 9);
         s
     }
 
     #[test]
     fn answers_reach_the_request_that_sent_the_call_in_any_order() {
         let mut s = open();
-        let a = s.submit(0, claim(), "a", 250).unwrap();
-        let b = s.submit(0, claim(), "b", 250).unwrap();
+        let a = submit(&mut s, 0, "a", 250).unwrap();
+        let b = submit(&mut s, 0, "b", 250).unwrap();
         assert_eq!((a.handle, b.handle), (9, 9));
         assert_ne!(a.id, b.id);
         assert_eq!(stream::decode_call(&a.message).unwrap().op, claim());
@@ -291,27 +323,29 @@ mod tests {
     #[test]
     fn calls_beyond_the_bound_or_without_a_stream_are_refused_not_queued() {
         let mut s: StoreStream<&str> = StoreStream::new(limits());
-        assert_eq!(s.submit(0, claim(), "x", 250), Err(NotSent::NoStream));
-        s.opened(1);
+        assert_eq!(submit(&mut s, 0, "x", 250), Err(NotSent::NoStream));
+        s.opened(0, 1);
         for w in ["a", "b", "c"] {
-            assert!(s.submit(0, claim(), w, 250).is_ok());
+            assert!(submit(&mut s, 0, w, 250).is_ok());
         }
         assert_eq!(
-            s.submit(0, claim(), "d", 250),
+            submit(&mut s, 0, "d", 250),
             Err(NotSent::TooManyOutstanding)
         );
-        // A call the host failed to send is taken back and frees its place.
+        // A call taken back frees its place; one prepared but never sent takes none.
         let mut t = open();
-        let c = t.submit(0, claim(), "c", 250).unwrap();
+        let c = submit(&mut t, 0, "c", 250).unwrap();
         assert_eq!(t.forget(c.id), Some("c"));
+        let id = t.next_call_id();
+        t.prepare(id, &claim()).unwrap();
         assert_eq!(t.outstanding(), 0);
     }
 
     #[test]
     fn a_close_fails_every_outstanding_call_and_reopens_after_a_growing_backoff() {
         let mut s = open();
-        s.submit(0, claim(), "a", 250).unwrap();
-        s.submit(0, claim(), "b", 250).unwrap();
+        submit(&mut s, 0, "a", 250).unwrap();
+        submit(&mut s, 0, "b", 250).unwrap();
         let mut failed = s.on_close(1_000);
         failed.sort_unstable();
         assert_eq!(failed, vec!["a", "b"]);
@@ -321,7 +355,7 @@ mod tests {
         // A store that closes every new stream at once: 200, 400, 800, then the cap.
         let mut now = 1_100;
         for wait in [200, 400, 800, 1_000, 1_000] {
-            s.opened(2);
+            s.opened(0, 2);
             s.on_close(now);
             assert!(
                 !s.due_to_open(now + wait - 1) && s.due_to_open(now + wait),
@@ -330,18 +364,36 @@ mod tests {
             now += wait;
         }
         // One answer resets the backoff.
-        s.opened(3);
-        let c = s.submit(now, claim(), "c", 250).unwrap();
+        s.opened(0, 3);
+        let c = submit(&mut s, now, "c", 250).unwrap();
         s.on_message(now, &answer(c.id)).unwrap();
         s.on_close(now);
         assert!(s.due_to_open(now + 100));
     }
 
     #[test]
+    fn calls_waiting_for_a_stream_may_open_one_ahead_of_the_backoff_but_not_in_a_loop() {
+        let mut s: StoreStream<&str> = StoreStream::new(limits());
+        // A store that keeps closing streams: the idle backoff grows to its cap...
+        let mut now = 0;
+        for _ in 0..6 {
+            s.opened(now, 1);
+            s.on_close(now);
+            now += 10;
+        }
+        assert!(!s.due_to_open(now));
+        // ...but a waiting call may try again once the last attempt is min_backoff old.
+        assert!(!s.due_on_demand(now - 10 + 99));
+        assert!(s.due_on_demand(now - 10 + 100));
+        s.opened(now, 2);
+        assert!(!s.due_on_demand(now + 1_000), "a stream is open");
+    }
+
+    #[test]
     fn a_frozen_store_is_caught_by_deadlines_and_a_slow_answer_is_not_mistaken_for_one() {
         let mut s = open();
-        let a = s.submit(0, claim(), "a", 250).unwrap();
-        s.submit(100, claim(), "b", 250).unwrap();
+        let a = submit(&mut s, 0, "a", 250).unwrap();
+        submit(&mut s, 100, "b", 250).unwrap();
         let none = s.expire(249);
         assert!(none.waiters.is_empty() && !none.stream_frozen);
         let first = s.expire(250);

@@ -181,7 +181,12 @@ fn wrap(id: u64, member: u32, body: &[u8]) -> Vec<u8> {
 }
 
 pub fn encode_call(call: &Call) -> Vec<u8> {
-    let (field, body) = match &call.op {
+    encode_call_parts(call.id, &call.op)
+}
+
+/// `encode_call` for a call the caller keeps (a write that may be sent again).
+pub fn encode_call_parts(id: u64, op: &CallOp) -> Vec<u8> {
+    let (field, body) = match op {
         CallOp::Claim {
             key,
             fingerprint,
@@ -220,7 +225,18 @@ pub fn encode_call(call: &Call) -> Vec<u8> {
             }),
         ),
     };
-    wrap(call.id, field, &body)
+    wrap(id, field, &body)
+}
+
+/// Envoy's `envoy.config.core.v3.GrpcService` naming `cluster` and the `:authority` its
+/// streams carry. Given to Envoy instead of a bare cluster name, whose default authority (the
+/// cluster name) is not a valid host where the name has Istio's `outbound|port||fqdn` form.
+pub fn envoy_grpc_service(cluster: &str, authority: &str) -> Vec<u8> {
+    let envoy_grpc = build(|w| {
+        w.bytes(1, cluster.as_bytes());
+        w.bytes(2, authority.as_bytes());
+    });
+    build(|w| w.message(1, &envoy_grpc))
 }
 
 pub fn encode_answer(answer: &Answer) -> Vec<u8> {
@@ -577,6 +593,21 @@ mod tests {
                 reply,
             })
             .collect()
+    }
+
+    #[test]
+    fn the_grpc_service_names_its_cluster_and_authority() {
+        // GrpcService{envoy_grpc(1): EnvoyGrpc{cluster_name(1): "c", authority(2): "a"}}
+        assert_eq!(
+            envoy_grpc_service("c", "a"),
+            vec![0x0a, 0x06, 0x0a, 0x01, b'c', 0x12, 0x01, b'a']
+        );
+        let istio = "outbound|8081||idempotency-store.idempotency.svc.cluster.local";
+        let bytes = envoy_grpc_service(istio, "idempotency-store");
+        assert!(
+            std::str::from_utf8(&bytes).is_ok(),
+            "passed to the host as text"
+        );
     }
 
     #[test]

@@ -4,14 +4,16 @@
 use std::rc::Rc;
 
 use super::{
-    pass, send_local, Execution, Journey, RequestJourney, Step, StoreOwner, StoreWait, Verdict,
+    pass, send_local, Execution, Journey, RequestJourney, Step, StoreCall, StoreOwner, StoreWait,
+    Verdict,
 };
-use crate::config::{OverloadPolicy, StoreErrorPolicy};
+use crate::config::{OverloadPolicy, StoreErrorPolicy, StoreTransport};
 use crate::host::Host;
 use crate::key::Digest;
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::store_calls::{self, StoreAnswer, StoreOp};
+use crate::plugin::store_link::{ClaimWaiter, Waiter};
 use crate::problem::Problem;
 use crate::record::RecordedResponse;
 use crate::store_client::{self, read_claim, StoreClaim, StoreFailure};
@@ -119,39 +121,92 @@ impl RequestJourney {
             return execute(host, rule, held, None);
         };
         let owner = store_client::store_owner(held.owner, host.now_nanos(), &held.key);
-        let body =
-            store_client::claim_body(&held.key, &held.fingerprint, rule.rule.lease_ms, &owner);
-        match store_calls::send(host, &store, StoreOp::Claim, &body) {
+        let call =
+            store_client::claim_call(&held.key, &held.fingerprint, rule.rule.lease_ms, &owner);
+        let sent = match store.transport {
+            StoreTransport::Grpc => self.send_on_stream(host, &rule, &held, &owner, &call),
+            StoreTransport::Http => {
+                let body = store_client::http_body(&call);
+                store_calls::send(host, &store, StoreOp::Claim, &body)
+                    .map(StoreCall::Callout)
+                    .map_err(|e| e.0)
+            }
+        };
+        match sent {
             // Resumed (or answered) when the store replies.
-            Ok(token) => (
+            Ok(call) => (
                 Journey::AwaitingStore(StoreWait {
                     rule,
                     held,
-                    token,
+                    call,
                     owner,
                 }),
                 Verdict::Pause,
             ),
-            Err(e) => {
-                let failure = StoreFailure::NotSent(e.0);
+            Err(why) => {
+                let failure = StoreFailure::NotSent(why);
                 self.store_failed(host, rule, held, None, &failure)
             }
         }
     }
 
+    /// Sends the claim on the worker's stream to the store; the root hands this request the
+    /// answer (or the failure) when it comes.
+    fn send_on_stream(
+        &self,
+        host: &impl Host,
+        rule: &Rc<RuleHandle>,
+        held: &Held,
+        owner: &str,
+        call: &idempotency_protocol::stream::CallOp,
+    ) -> Result<StoreCall, String> {
+        let plugin = &self.plugin;
+        let link = plugin
+            .link_for(rule)
+            .ok_or_else(|| "no stream serves this rule's store".to_string())?;
+        let waiter = Waiter::Claim(ClaimWaiter {
+            call_id: 0,
+            context_id: self.context_id,
+            journey: self.me.clone(),
+            rule: Rc::clone(rule),
+            key: held.key,
+            owner: owner.to_owned(),
+        });
+        let sent = link.send(
+            host,
+            plugin.root_context.get(),
+            self.context_id,
+            call,
+            waiter,
+        );
+        if link.has_waiting() {
+            // The claim waits for a stream: the root opens one when it wakes.
+            plugin.writes.wake_root(host);
+        }
+        sent.map(StoreCall::Stream).map_err(|unsent| unsent.why)
+    }
+
+    /// A claim callout's answer, read.
+    pub(super) fn read_callout_claim(
+        &self,
+        host: &impl Host,
+        num_headers: usize,
+        body_size: usize,
+    ) -> Result<StoreClaim, StoreFailure> {
+        let StoreAnswer { status, body } = store_calls::read_answer(host, num_headers, body_size);
+        read_claim(status, &body)
+    }
+
     /// The store answered the claim (or failed to).
-    pub(super) fn on_store_answer(
+    pub(super) fn on_store_claim(
         &self,
         host: &impl Host,
         wait: StoreWait,
-        num_headers: usize,
-        body_size: usize,
+        answer: Result<StoreClaim, StoreFailure>,
     ) -> Step {
         let StoreWait {
             rule, held, owner, ..
         } = wait;
-        let StoreAnswer { status, body } = store_calls::read_answer(host, num_headers, body_size);
-        let answer = read_claim(status, &body);
         if answer.is_ok() {
             self.plugin.writes.store_answered();
         }
@@ -201,9 +256,15 @@ impl RequestJourney {
     /// The client left while the store was confirming: free the key here and (should the
     /// store have applied it) in the store.
     pub(super) fn abandon_store_wait(&self, host: &impl Host, wait: StoreWait) -> Step {
+        if let StoreCall::Stream(id) = wait.call {
+            // Nobody is left to take the answer.
+            if let Some(link) = self.plugin.link_for(&wait.rule) {
+                link.forget(id);
+            }
+        }
         self.release_local(host, &wait.held);
-        let body = store_client::release_body(&wait.held.key, &wait.owner);
-        self.submit_store_release(host, &wait.rule, false, body);
+        let call = store_client::release_call(&wait.held.key, &wait.owner);
+        self.submit_store_release(host, &wait.rule, false, call);
         (Journey::Finished, Verdict::Continue)
     }
 
@@ -247,8 +308,8 @@ impl RequestJourney {
                 if let Some(owner) = sent_owner {
                     // The store may have applied the claim after the timeout: release it, or
                     // the key would answer 409 everywhere until the lease ends.
-                    let body = store_client::release_body(&held.key, &owner);
-                    self.submit_store_release(host, &rule, false, body);
+                    let call = store_client::release_call(&held.key, &owner);
+                    self.submit_store_release(host, &rule, false, call);
                 }
                 let problem = if table_full_rejects {
                     Problem::table_full()

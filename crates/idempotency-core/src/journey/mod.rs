@@ -11,17 +11,19 @@ mod claim;
 mod intake;
 mod response;
 
-use std::rc::Rc;
+use std::cell::RefCell;
+use std::rc::{Rc, Weak};
 
 use crate::capture::ResponseCapture;
 use crate::host::Host;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::Plugin;
 use crate::problem::Problem;
+use crate::store_client::{StoreClaim, StoreFailure};
 use crate::table::Held;
 
 /// What Envoy delivers to a request's filter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
     RequestHeaders {
         end_of_stream: bool,
@@ -37,6 +39,12 @@ pub enum Event {
         token: u32,
         num_headers: usize,
         body_size: usize,
+    },
+    /// The answer to the claim this request sent on the store stream (delivered by the root,
+    /// which made this request's context the effective one), or why none came.
+    StoreReply {
+        id: u64,
+        answer: Result<StoreClaim, StoreFailure>,
     },
     ResponseHeaders {
         end_of_stream: bool,
@@ -95,10 +103,19 @@ pub struct PendingRequest {
 pub struct StoreWait {
     pub rule: Rc<RuleHandle>,
     pub held: Held,
-    /// The callout carrying the claim.
-    pub token: u32,
+    /// The call carrying the claim.
+    pub call: StoreCall,
     /// The owner this proxy claimed with (it chooses it, so it can release it).
     pub owner: String,
+}
+
+/// How a claim went to the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreCall {
+    /// An HTTP callout with this token.
+    Callout(u32),
+    /// A message on the worker's store stream with this id.
+    Stream(u64),
 }
 
 /// A request that holds the claim and went upstream.
@@ -127,14 +144,34 @@ type Step = (Journey, Verdict);
 pub struct RequestJourney {
     plugin: Rc<Plugin>,
     journey: Journey,
+    /// The host's id of this request's context.
+    context_id: u32,
+    /// Itself, for the root to deliver a store stream's answer to (see `shared`).
+    me: Weak<RefCell<RequestJourney>>,
 }
 
 impl RequestJourney {
+    /// A journey only its own callbacks reach: claims go to the store by callout alone.
     pub fn new(plugin: Rc<Plugin>) -> RequestJourney {
         RequestJourney {
             plugin,
             journey: Journey::Arrived,
+            context_id: 0,
+            me: Weak::new(),
         }
+    }
+
+    /// A journey the root can also reach, to hand it the answer to a claim sent on the store
+    /// stream; `context_id` is the host's id of the request's context.
+    pub fn shared(plugin: Rc<Plugin>, context_id: u32) -> Rc<RefCell<RequestJourney>> {
+        Rc::new_cyclic(|me| {
+            RefCell::new(RequestJourney {
+                plugin,
+                journey: Journey::Arrived,
+                context_id,
+                me: me.clone(),
+            })
+        })
     }
 
     /// Where the request is now.
@@ -173,24 +210,24 @@ impl RequestJourney {
             (wait @ J::AwaitingStore(_), E::RequestBody { .. } | E::RequestTrailers) => {
                 (wait, Verdict::Pause)
             }
-            (J::AwaitingStore(wait), E::CalloutAnswer { token, .. }) if token != wait.token => {
-                (J::AwaitingStore(wait), Verdict::Pause)
-            }
             (
                 J::AwaitingStore(wait),
                 E::CalloutAnswer {
+                    token,
                     num_headers,
                     body_size,
-                    ..
                 },
-            ) => {
-                let (next, verdict) = self.on_store_answer(host, wait, num_headers, body_size);
-                if verdict == Verdict::Continue {
-                    if let Err(e) = host.resume_request() {
-                        log::error!("request could not be resumed: {}", e.0);
-                    }
-                }
-                (next, verdict)
+            ) if wait.call == StoreCall::Callout(token) => {
+                let answer = self.read_callout_claim(host, num_headers, body_size);
+                resumed(host, self.on_store_claim(host, wait, answer))
+            }
+            (J::AwaitingStore(wait), E::StoreReply { id, answer })
+                if wait.call == StoreCall::Stream(id) =>
+            {
+                resumed(host, self.on_store_claim(host, wait, answer))
+            }
+            (wait @ J::AwaitingStore(_), E::CalloutAnswer { .. } | E::StoreReply { .. }) => {
+                (wait, Verdict::Pause)
             }
             // The client left while the store was confirming: nothing went upstream.
             (J::AwaitingStore(wait), E::StreamEnd) => self.abandon_store_wait(host, wait),
@@ -243,6 +280,16 @@ fn restore_replay_headers(host: &impl Host, restore: &[(String, Vec<u8>)]) {
             log::warn!("replayed {name} not restored: {}", e.0);
         }
     }
+}
+
+/// A request held for the store goes on once the store's answer says so.
+fn resumed(host: &impl Host, (next, verdict): Step) -> Step {
+    if verdict == Verdict::Continue {
+        if let Err(e) = host.resume_request() {
+            log::error!("request could not be resumed: {}", e.0);
+        }
+    }
+    (next, verdict)
 }
 
 /// Lets the request go on without protection.

@@ -7,8 +7,9 @@ use crate::capture::ResponseCapture;
 use crate::host::{status_of, Host};
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
-use crate::plugin::store_calls::StoreOp;
-use crate::plugin::store_writes::{LeanBody, PendingWrite};
+use idempotency_protocol::stream::CallOp;
+
+use crate::plugin::store_writes::{LeanRecord, PendingWrite};
 use crate::record::RecordedResponse;
 use crate::store_client;
 use crate::table::{Completion, Held, OversizedBody};
@@ -107,8 +108,8 @@ impl RequestJourney {
         } = run;
         rule.count(host, Outcome::Released);
         if let Some(owner) = store_owner {
-            let body = store_client::release_body(&held.key, &owner.token);
-            self.submit_store_release(host, &rule, owner.confirmed, body);
+            let call = store_client::release_call(&held.key, &owner.token);
+            self.submit_store_release(host, &rule, owner.confirmed, call);
         }
         match self.plugin.table.release(host, &held) {
             Ok(Completion::Recorded | Completion::RecordedWithoutBody | Completion::NotHeld) => {}
@@ -175,10 +176,10 @@ impl RequestJourney {
         host: &impl Host,
         rule: &Rc<RuleHandle>,
         confirmed: bool,
-        body: Vec<u8>,
+        call: CallOp,
     ) {
         let deadline = host.now_ms().saturating_add(rule.rule.lease_ms);
-        let write = PendingWrite::new(Rc::clone(rule), StoreOp::Release, body, deadline);
+        let write = PendingWrite::new(Rc::clone(rule), call, deadline);
         self.submit(host, write, confirmed);
     }
 
@@ -194,7 +195,7 @@ impl RequestJourney {
         response: &RecordedResponse,
     ) {
         let ttl_ms = rule.rule.ttl_ms;
-        let body = store_client::complete_body(
+        let call = store_client::complete_call(
             &held.key,
             &held.fingerprint,
             &owner.token,
@@ -202,9 +203,8 @@ impl RequestJourney {
             response,
         );
         let deadline = host.now_ms().saturating_add(ttl_ms);
-        let mut write = PendingWrite::new(Rc::clone(rule), StoreOp::Complete, body, deadline);
+        let mut write = PendingWrite::new(Rc::clone(rule), call, deadline);
         if !response.body.is_empty() {
-            let (key, fingerprint, token) = (held.key, held.fingerprint, owner.token.clone());
             let without_body = RecordedResponse {
                 owner: response.owner,
                 status: response.status,
@@ -212,10 +212,8 @@ impl RequestJourney {
                 body: Vec::new(),
                 body_omitted: true,
             };
-            let lean: LeanBody = Box::new(move || {
-                store_client::complete_body(&key, &fingerprint, &token, ttl_ms, &without_body)
-            });
-            write = write.with_lean_body(lean);
+            let lean: LeanRecord = Box::new(move || without_body.encode());
+            write = write.with_lean_record(lean);
         }
         self.submit(host, write, owner.confirmed);
     }

@@ -8,20 +8,22 @@ pub mod retention;
 pub mod root;
 pub mod rule_handle;
 pub mod store_calls;
+pub mod store_link;
 pub mod store_writes;
 pub mod table_upkeep;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use crate::burst_log::BurstLog;
-use crate::config::Config;
+use crate::config::{Config, StoreTransport};
 use crate::host::Host;
 use crate::table::{self, Table};
 use owner_tokens::OwnerTokens;
 use retention::Retention;
 use rule_handle::RuleHandle;
-use store_writes::StoreWrites;
+use store_link::StoreLink;
+use store_writes::{Links, StoreWrites};
 use table_upkeep::TableUpkeep;
 
 /// Shared-data namespace of this filter (Istio sets no VM id, so keys need a prefix).
@@ -36,6 +38,10 @@ pub struct Plugin {
     pub table: Table,
     pub owners: OwnerTokens,
     pub writes: StoreWrites,
+    /// One gRPC stream per store the rules use over that transport.
+    pub links: Vec<StoreLink>,
+    /// The root context that owns the streams (set by the root once configured).
+    pub root_context: Cell<u32>,
     /// Store failures seen by requests, logged once per burst.
     pub store_failures: RefCell<BurstLog>,
     /// Claims refused for a full table, logged once per burst.
@@ -65,10 +71,16 @@ impl Plugin {
             .max()
             .unwrap_or(0);
         let upkeep = TableUpkeep::adopt(host, NAMESPACE, &table, record_life_ms);
-        let rules = std::mem::take(&mut config.rules)
+        let rules: Vec<Rc<RuleHandle>> = std::mem::take(&mut config.rules)
             .into_iter()
             .map(|rule| Rc::new(RuleHandle::resolve(rule, host)))
             .collect();
+        let mut links: Vec<StoreLink> = Vec::new();
+        for store in rules.iter().filter_map(|r| r.store.as_ref()) {
+            if store.transport == StoreTransport::Grpc && !links.iter().any(|l| l.store == *store) {
+                links.push(StoreLink::new(Rc::clone(store)));
+            }
+        }
         let owners = OwnerTokens::allocate(host, &format!("{NAMESPACE}/owner-vm-sequence"));
         let writes = StoreWrites::new(
             host,
@@ -80,11 +92,27 @@ impl Plugin {
             table,
             owners,
             writes,
+            links,
+            root_context: Cell::new(0),
             store_failures: RefCell::new(BurstLog::new(10_000)),
             table_full_log: RefCell::new(BurstLog::new(10_000)),
             upkeep,
             retention: Retention::define(host),
         })
+    }
+
+    /// The streams, for the store writes.
+    pub fn links(&self) -> Links<'_> {
+        Links {
+            links: &self.links,
+            root_context: self.root_context.get(),
+        }
+    }
+
+    /// The stream that serves `rule`'s store, if it uses one.
+    pub fn link_for(&self, rule: &RuleHandle) -> Option<&StoreLink> {
+        let store = rule.store.as_ref()?;
+        self.links.iter().find(|l| l.store == *store)
     }
 
     /// Cluster mode for at least one rule.

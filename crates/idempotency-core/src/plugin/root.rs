@@ -2,28 +2,46 @@
 //! journey, deliver store writes on wake-ups and ticks, and stay after a push retired the
 //! configuration until the writes it holds are taken.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 
+use idempotency_protocol::stream::Reply;
+
 use crate::host::Host;
-use crate::journey::RequestJourney;
+use crate::journey::{Event, RequestJourney};
+use crate::plugin::store_link::{ClaimWaiter, Waiter};
+use crate::plugin::store_writes::PendingWrite;
 use crate::plugin::Plugin;
+use crate::store_client::{self, read_claim_reply, StoreClaim, StoreFailure};
 
 /// How often the root retries store writes that failed.
 pub const STORE_RETRY_TICK_MS: u32 = 200;
+/// With store streams: how often the root checks their deadlines and reopens them.
+pub const STREAM_TICK_MS: u32 = 100;
+/// The first tick after a configuration comes this soon: it opens the streams (a worker's
+/// clusters may not exist yet while it is being configured).
+pub const FIRST_TICK_MS: u32 = 10;
 /// Without a store: how often the root looks after retired tables.
 pub const UPKEEP_TICK_MS: u32 = 1_000;
 
 #[derive(Default)]
 pub struct PluginRoot {
+    /// The host's id of this root context, which owns the store streams.
+    context_id: u32,
     plugin: Option<Rc<Plugin>>,
+    /// The tick runs at FIRST_TICK_MS until the streams were first opened.
+    first_tick_pending: bool,
     /// Envoy is retiring this configuration (a push replaced it) but store writes still wait:
     /// the root stays until they are taken or their deadlines pass.
     finishing: bool,
 }
 
 impl PluginRoot {
-    pub fn new() -> PluginRoot {
-        PluginRoot::default()
+    pub fn new(context_id: u32) -> PluginRoot {
+        PluginRoot {
+            context_id,
+            ..PluginRoot::default()
+        }
     }
 
     /// False makes Envoy refuse the configuration.
@@ -36,6 +54,10 @@ impl PluginRoot {
                     plugin.table.capacity(),
                     plugin.table.bucket_count()
                 );
+                plugin.root_context.set(self.context_id);
+                self.first_tick_pending = !plugin.links.is_empty();
+                // Opened now if the worker's clusters exist yet, else on the first tick.
+                self.open_streams(host, &plugin);
                 self.plugin = Some(Rc::new(plugin));
                 true
             }
@@ -47,10 +69,10 @@ impl PluginRoot {
     }
 
     /// A new request's journey; None before a configuration was accepted.
-    pub fn new_request(&self) -> Option<RequestJourney> {
+    pub fn new_request(&self, context_id: u32) -> Option<Rc<RefCell<RequestJourney>>> {
         self.plugin
             .as_ref()
-            .map(|p| RequestJourney::new(Rc::clone(p)))
+            .map(|p| RequestJourney::shared(Rc::clone(p), context_id))
     }
 
     /// A push retired this configuration. Completions and releases still waiting out a store
@@ -85,21 +107,124 @@ impl PluginRoot {
         self.finish_if_idle(host);
     }
 
-    /// A request queued a store write.
+    /// A request queued a store write, or waits for a store stream to open.
     pub fn on_queue_ready(&self, host: &impl Host, queue_id: u32) {
         if let Some(plugin) = &self.plugin {
             if plugin.writes.is_wake_queue(queue_id) {
-                plugin.writes.on_wake(host);
+                self.open_streams(host, plugin);
+                plugin.writes.on_wake(host, &plugin.links());
             }
         }
     }
 
     pub fn on_tick(&mut self, host: &impl Host) {
         if let Some(plugin) = &self.plugin {
-            plugin.writes.on_tick(host);
+            self.open_streams(host, plugin);
+            for link in &plugin.links {
+                let (sent, never_sent) = link.expire(host);
+                for waiter in sent {
+                    self.deliver(host, plugin, waiter, Err(StoreFailure::NoAnswer));
+                }
+                for waiter in never_sent {
+                    self.deliver(host, plugin, waiter, Err(no_stream()));
+                }
+            }
+            plugin.writes.on_tick(host, &plugin.links());
             plugin.upkeep.on_tick(host);
+            if self.first_tick_pending {
+                self.first_tick_pending = false;
+                if let Err(e) = host.set_tick_period_ms(STREAM_TICK_MS) {
+                    log::warn!("tick period refused: {}", e.0);
+                }
+            }
         }
         self.finish_if_idle(host);
+    }
+
+    /// Opens the store streams that are due; claims that waited for one go out on it.
+    fn open_streams(&self, host: &impl Host, plugin: &Plugin) {
+        let writes_due = plugin.writes.due(host.now_ms());
+        for link in &plugin.links {
+            for waiter in link.open_if_due(host, writes_due) {
+                self.deliver(host, plugin, waiter, Err(no_stream()));
+            }
+        }
+    }
+
+    /// A message arrived on a store stream: hand the answer to whoever waits for it.
+    pub fn on_grpc_message(&mut self, host: &impl Host, stream: u32, size: usize) {
+        if let Some(plugin) = &self.plugin {
+            let answered = plugin
+                .links
+                .iter()
+                .find_map(|link| link.on_message(host, stream, size));
+            if let Some((waiter, reply)) = answered {
+                self.deliver(host, plugin, waiter, Ok(reply));
+            }
+        }
+        self.finish_if_idle(host);
+    }
+
+    /// A store stream closed: every call on it failed; the tick reopens it.
+    pub fn on_grpc_close(&mut self, host: &impl Host, stream: u32, status: u32) {
+        if let Some(plugin) = &self.plugin {
+            let failed = plugin
+                .links
+                .iter()
+                .find_map(|link| link.on_close(host, stream, status))
+                .unwrap_or_default();
+            for waiter in failed {
+                self.deliver(host, plugin, waiter, Err(StoreFailure::NoAnswer));
+            }
+        }
+        self.finish_if_idle(host);
+    }
+
+    /// Hands a stream call's outcome to its waiter: the store writes, or a request, whose
+    /// context becomes the effective one while its journey acts (resume, replay, answer).
+    fn deliver(
+        &self,
+        host: &impl Host,
+        plugin: &Plugin,
+        waiter: Waiter,
+        answer: Result<Reply, StoreFailure>,
+    ) {
+        let claim = match waiter {
+            Waiter::Write(write) => {
+                match answer {
+                    Ok(reply) => plugin.writes.on_stream_answer(host, write, &reply),
+                    Err(_) => plugin.writes.on_stream_failure(host, write),
+                }
+                return;
+            }
+            Waiter::Claim(claim) => claim,
+        };
+        let answer = answer.and_then(read_claim_reply);
+        if answer.is_ok() {
+            plugin.writes.store_answered();
+        }
+        let Some(journey) = claim.journey.upgrade() else {
+            return orphaned(host, plugin, claim, &answer);
+        };
+        if let Err(e) = host.set_effective_context(claim.context_id) {
+            log::debug!("request gone before its store answer: {}", e.0);
+            return orphaned(host, plugin, claim, &answer);
+        }
+        match journey.try_borrow_mut() {
+            Ok(mut journey) => {
+                journey.on(
+                    host,
+                    Event::StoreReply {
+                        id: claim.call_id,
+                        answer,
+                    },
+                );
+            }
+            Err(_) => orphaned(host, plugin, claim, &answer),
+        }
+        if let Err(e) = host.set_effective_context(self.context_id) {
+            log::error!("root context not restored: {}", e.0);
+        }
     }
 
     /// A finishing root whose writes are all taken tells Envoy it is done.
@@ -120,8 +245,11 @@ fn configure(host: &impl Host) -> Result<Plugin, String> {
         .plugin_configuration()
         .map_err(|e| format!("plugin configuration unreadable: {}", e.0))?;
     let plugin = Plugin::configure(host, &bytes)?;
-    // The tick is always set: it retries store writes and empties retired tables.
-    let tick = if plugin.uses_store() {
+    // The tick is always set: it opens store streams, retries store writes and empties
+    // retired tables.
+    let tick = if !plugin.links.is_empty() {
+        FIRST_TICK_MS
+    } else if plugin.uses_store() {
         STORE_RETRY_TICK_MS
     } else {
         UPKEEP_TICK_MS
@@ -129,4 +257,34 @@ fn configure(host: &impl Host) -> Result<Plugin, String> {
     host.set_tick_period_ms(tick)
         .map_err(|e| format!("tick period refused: {}", e.0))?;
     Ok(plugin)
+}
+
+/// A claim answered after its request was gone (without the stream end that would have
+/// withdrawn it): a claim the store may hold is released, or the key would answer 409
+/// everywhere until the lease ends.
+fn orphaned(
+    host: &impl Host,
+    plugin: &Plugin,
+    claim: ClaimWaiter,
+    answer: &Result<StoreClaim, StoreFailure>,
+) {
+    let may_hold = match answer {
+        Ok(StoreClaim::Claimed { .. }) => true,
+        Ok(_) => false,
+        Err(failure) => failure.may_have_been_applied(),
+    };
+    log::warn!(
+        "rule {}: a store answer found its request gone; its local claim ends with its lease",
+        claim.rule.rule.name
+    );
+    if may_hold {
+        let deadline = host.now_ms().saturating_add(claim.rule.rule.lease_ms);
+        let call = store_client::release_call(&claim.key, &claim.owner);
+        let write = PendingWrite::new(Rc::clone(&claim.rule), call, deadline).best_effort();
+        plugin.writes.submit(host, write);
+    }
+}
+
+fn no_stream() -> StoreFailure {
+    StoreFailure::NotSent("no stream to the store could carry the call".to_string())
 }

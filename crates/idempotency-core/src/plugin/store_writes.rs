@@ -16,12 +16,18 @@ use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::rc::Rc;
 
+use idempotency_protocol::stream::{CallOp, Reply};
+
 use crate::burst_log::BurstLog;
+use crate::config::StoreTransport;
 use crate::host::Host;
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::store_calls::{self, StoreOp};
-use crate::store_client::{read_write_answer, WriteAnswer, WriteKind};
+use crate::plugin::store_link::{StoreLink, Waiter, MAX_MESSAGE_BYTES};
+use crate::store_client::{
+    call_bytes, http_body, read_write_answer, read_write_reply, WriteAnswer, WriteKind,
+};
 
 const FIRST_BACKOFF_MS: u64 = 100;
 /// Longest wait between two attempts of one write: once the store is back, a queued
@@ -60,16 +66,16 @@ mod retry_bytes_in_vm {
     }
 }
 
-/// Builds the leaner form of a write when the retry budget runs short.
-pub type LeanBody = Box<dyn FnOnce() -> Vec<u8>>;
+/// Builds the record without its response body, for a completion that cannot keep it.
+pub type LeanRecord = Box<dyn FnOnce() -> Vec<u8>>;
 
 pub struct PendingWrite {
     /// The rule whose store takes the write and whose counters count its failures.
     pub rule: Rc<RuleHandle>,
-    pub op: StoreOp,
-    pub body: Vec<u8>,
-    /// A completion with a response body: the same completion without the body.
-    lean: Option<LeanBody>,
+    /// A completion or a release.
+    pub call: CallOp,
+    /// A completion with a response body: its record without the body.
+    lean: Option<LeanRecord>,
     /// Writes to a claim whose answer was lost: best effort, so failures are logged but not
     /// counted as store errors (the failed claim already was).
     best_effort: bool,
@@ -80,11 +86,10 @@ pub struct PendingWrite {
 }
 
 impl PendingWrite {
-    pub fn new(rule: Rc<RuleHandle>, op: StoreOp, body: Vec<u8>, deadline_ms: u64) -> PendingWrite {
+    pub fn new(rule: Rc<RuleHandle>, call: CallOp, deadline_ms: u64) -> PendingWrite {
         PendingWrite {
             rule,
-            op,
-            body,
+            call,
             lean: None,
             best_effort: false,
             attempts: 0,
@@ -100,22 +105,41 @@ impl PendingWrite {
         }
     }
 
-    /// What to send instead when the retry budget cannot hold `body`.
-    pub fn with_lean_body(self, lean: LeanBody) -> PendingWrite {
+    /// The record to send instead when the retry budget or the stream cannot hold it.
+    pub fn with_lean_record(self, lean: LeanRecord) -> PendingWrite {
         PendingWrite {
             lean: Some(lean),
             ..self
         }
     }
 
-    /// Swaps the body for its lean form; false when there is none.
+    /// Swaps the record for its lean form; false when there is none.
     fn slim_down(&mut self) -> bool {
-        match self.lean.take() {
-            Some(lean) => {
-                self.body = lean();
+        match (self.lean.take(), &mut self.call) {
+            (Some(lean), CallOp::Complete { record, .. }) => {
+                *record = lean();
                 true
             }
-            None => false,
+            _ => false,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        call_bytes(&self.call)
+    }
+
+    fn op(&self) -> StoreOp {
+        match self.call {
+            CallOp::Claim { .. } => StoreOp::Claim,
+            CallOp::Complete { .. } => StoreOp::Complete,
+            CallOp::Release { .. } => StoreOp::Release,
+        }
+    }
+
+    fn kind(&self) -> WriteKind {
+        match self.call {
+            CallOp::Release { .. } => WriteKind::Release,
+            _ => WriteKind::Complete,
         }
     }
 }
@@ -153,6 +177,8 @@ pub struct StoreWrites {
     /// The store answered since the last failure: send what waits without its backoff.
     store_is_back: Cell<bool>,
     sent: RefCell<HashMap<u32, PendingWrite>>,
+    /// Writes out on a store stream, awaiting their answer there.
+    on_stream: Cell<usize>,
     wake_queue: Option<u32>,
     failures: RefCell<BurstLog>,
     drops: RefCell<BurstLog>,
@@ -176,6 +202,7 @@ impl StoreWrites {
             next_seq: Cell::new(0),
             store_is_back: Cell::new(false),
             sent: RefCell::new(HashMap::new()),
+            on_stream: Cell::new(0),
             wake_queue,
             failures: RefCell::new(BurstLog::new(10_000)),
             drops: RefCell::new(BurstLog::new(10_000)),
@@ -185,7 +212,20 @@ impl StoreWrites {
     /// Writes not yet taken by the store: submitted, waiting for a retry, or awaiting an
     /// answer.
     pub fn pending(&self) -> usize {
-        self.fresh.borrow().len() + self.retrying.borrow().len() + self.sent.borrow().len()
+        self.fresh.borrow().len()
+            + self.retrying.borrow().len()
+            + self.sent.borrow().len()
+            + self.on_stream.get()
+    }
+
+    /// Whether a write is ready to go: submitted, or due for its retry (or hurried).
+    pub fn due(&self, now_ms: u64) -> bool {
+        !self.fresh.borrow().is_empty()
+            || self
+                .retrying
+                .borrow()
+                .peek()
+                .is_some_and(|Reverse(w)| self.store_is_back.get() || w.not_before_ms <= now_ms)
     }
 
     pub fn is_wake_queue(&self, queue_id: u32) -> bool {
@@ -195,9 +235,15 @@ impl StoreWrites {
     /// Called from a request's context: queue the write and wake the root.
     pub fn submit(&self, host: &impl Host, write: PendingWrite) {
         self.fresh.borrow_mut().push_back(write);
+        self.wake_root(host);
+    }
+
+    /// Wakes the root (`on_wake`) soon after the current callback; without a wake-up
+    /// queue, its tick does the same work later.
+    pub fn wake_root(&self, host: &impl Host) {
         if let Some(queue) = self.wake_queue {
             if let Err(e) = host.enqueue(queue, b"") {
-                log::debug!("wake-up not queued ({}); the tick will send the write", e.0);
+                log::debug!("wake-up not queued ({}); the tick does the work", e.0);
             }
         }
     }
@@ -212,7 +258,7 @@ impl StoreWrites {
     }
 
     /// Called from the root: empty the wake-up queue, then send what is due.
-    pub fn on_wake(&self, host: &impl Host) {
+    pub fn on_wake(&self, host: &impl Host, links: &Links<'_>) {
         if let Some(queue) = self.wake_queue {
             // Bounded: the queue only holds one empty message per submitted write.
             for _ in 0..10_000 {
@@ -223,11 +269,11 @@ impl StoreWrites {
             }
         }
         let fresh: Vec<PendingWrite> = self.fresh.borrow_mut().drain(..).collect();
-        self.send(host, fresh);
+        self.send(host, links, fresh);
     }
 
     /// Called from the root on its tick: new writes a wake-up missed, and retries now due.
-    pub fn on_tick(&self, host: &impl Host) {
+    pub fn on_tick(&self, host: &impl Host, links: &Links<'_>) {
         let now = host.now_ms();
         let mut due: Vec<PendingWrite> = self.fresh.borrow_mut().drain(..).collect();
         {
@@ -243,7 +289,7 @@ impl StoreWrites {
                 let Some(Reverse(waiting)) = retrying.pop() else {
                     break;
                 };
-                retry_bytes_in_vm::release(waiting.write.body.len());
+                retry_bytes_in_vm::release(waiting.write.bytes());
                 if now >= waiting.write.deadline_ms {
                     self.drop_write(host, &waiting.write, "its deadline passed");
                 } else {
@@ -254,20 +300,88 @@ impl StoreWrites {
                 self.store_is_back.set(false);
             }
         }
-        self.send(host, due);
+        self.send(host, links, due);
     }
 
-    fn send(&self, host: &impl Host, due: Vec<PendingWrite>) {
+    fn send(&self, host: &impl Host, links: &Links<'_>, due: Vec<PendingWrite>) {
         for write in due {
             let Some(store) = write.rule.store.clone() else {
                 continue;
             };
-            match store_calls::send(host, &store, write.op, &write.body) {
-                Ok(token) => {
-                    self.sent.borrow_mut().insert(token, write);
+            match store.transport {
+                StoreTransport::Http => {
+                    let body = http_body(&write.call);
+                    match store_calls::send(host, &store, write.op(), &body) {
+                        Ok(token) => {
+                            self.sent.borrow_mut().insert(token, write);
+                        }
+                        Err(e) => {
+                            self.retry_later(host, write, &format!("callout refused: {}", e.0))
+                        }
+                    }
                 }
-                Err(e) => self.retry_later(host, write, &format!("callout refused: {}", e.0)),
+                StoreTransport::Grpc => self.send_on_stream(host, links, write),
             }
+        }
+    }
+
+    fn send_on_stream(&self, host: &impl Host, links: &Links<'_>, mut write: PendingWrite) {
+        let Some(link) = write.rule.store.as_ref().and_then(|s| links.find(s)) else {
+            self.drop_write(host, &write, "no stream serves its store");
+            return;
+        };
+        if write.bytes() > MAX_MESSAGE_BYTES && !write.slim_down() {
+            self.drop_write(host, &write, "it is larger than a stream message may be");
+            return;
+        }
+        let call = write.call.clone();
+        let root = links.root_context;
+        match link.send(host, root, root, &call, Waiter::Write(write)) {
+            Ok(_) => self.on_stream.set(self.on_stream.get().saturating_add(1)),
+            Err(unsent) => {
+                let unsent = *unsent;
+                if let Waiter::Write(write) = unsent.waiter {
+                    self.retry_later(host, write, &unsent.why);
+                }
+            }
+        }
+    }
+
+    /// Called from the root when a write's answer arrives on a stream.
+    pub fn on_stream_answer(&self, host: &impl Host, write: PendingWrite, reply: &Reply) {
+        self.on_stream.set(self.on_stream.get().saturating_sub(1));
+        if write.best_effort
+            && write.kind() == WriteKind::Release
+            && *reply == Reply::NotOwner
+            && write.attempts.saturating_add(1) < BEST_EFFORT_NOT_OWNER_ATTEMPTS
+        {
+            self.retry_later(
+                host,
+                write,
+                "the claim to release has not reached the store yet",
+            );
+            return;
+        }
+        let answer = read_write_reply(write.kind(), reply);
+        self.settle(host, write, answer);
+    }
+
+    /// Called from the root when a write's stream closed or its deadline passed.
+    pub fn on_stream_failure(&self, host: &impl Host, write: PendingWrite) {
+        self.on_stream.set(self.on_stream.get().saturating_sub(1));
+        self.retry_later(host, write, "store stream closed or timed out");
+    }
+
+    fn settle(&self, host: &impl Host, write: PendingWrite, answer: WriteAnswer) {
+        match answer {
+            WriteAnswer::Done => self.store_answered(),
+            WriteAnswer::Refused(why) => {
+                if !write.best_effort {
+                    write.rule.count(host, Outcome::StoreError);
+                }
+                log::warn!("store {:?} refused: {why}", write.op());
+            }
+            WriteAnswer::Retry(why) => self.retry_later(host, write, &why),
         }
     }
 
@@ -284,12 +398,9 @@ impl StoreWrites {
         };
         let store_calls::StoreAnswer { status, body } =
             store_calls::read_answer(host, num_headers, body_size);
-        let kind = match write.op {
-            StoreOp::Release => WriteKind::Release,
-            _ => WriteKind::Complete,
-        };
+        let kind = write.kind();
         if write.best_effort
-            && write.op == StoreOp::Release
+            && kind == WriteKind::Release
             && status == Some(409)
             && write.attempts.saturating_add(1) < BEST_EFFORT_NOT_OWNER_ATTEMPTS
         {
@@ -300,16 +411,8 @@ impl StoreWrites {
             );
             return true;
         }
-        match read_write_answer(kind, status, &body) {
-            WriteAnswer::Done => self.store_answered(),
-            WriteAnswer::Refused(why) => {
-                if !write.best_effort {
-                    write.rule.count(host, Outcome::StoreError);
-                }
-                log::warn!("store {:?} refused: {why}", write.op);
-            }
-            WriteAnswer::Retry(why) => self.retry_later(host, write, &why),
-        }
+        let answer = read_write_answer(kind, status, &body);
+        self.settle(host, write, answer);
         true
     }
 
@@ -325,7 +428,7 @@ impl StoreWrites {
             log::warn!(
                 "store {:?} failed (attempt {}): {why}; retried until its deadline \
                  ({suppressed} similar failures not logged)",
-                write.op,
+                write.op(),
                 write.attempts
             );
         }
@@ -333,15 +436,15 @@ impl StoreWrites {
             self.drop_write(host, &write, "its deadline passed");
             return;
         }
-        if retry_bytes_in_vm::get().saturating_add(write.body.len()) > RETRY_BUDGET_BYTES
+        if retry_bytes_in_vm::get().saturating_add(write.bytes()) > RETRY_BUDGET_BYTES
             && write.slim_down()
         {
             log::warn!(
                 "store {:?} kept without its response body: the retry buffer is full",
-                write.op
+                write.op()
             );
         }
-        let bytes = write.body.len();
+        let bytes = write.bytes();
         if retry_bytes_in_vm::get().saturating_add(bytes) > RETRY_BUDGET_BYTES {
             self.drop_write(host, &write, "the retry buffer's byte budget is spent");
             return;
@@ -365,9 +468,22 @@ impl StoreWrites {
             log::error!(
                 "store {:?} given up after {} attempt(s): {why}; the store's lease decides what \
                  a retry gets ({suppressed} similar drops not logged)",
-                write.op,
+                write.op(),
                 write.attempts
             );
         }
+    }
+}
+
+/// The streams writes go out on, and the root context that owns them.
+pub struct Links<'a> {
+    pub links: &'a [StoreLink],
+    pub root_context: u32,
+}
+
+impl Links<'_> {
+    /// The stream to `store` (rules that share a store share its stream).
+    pub fn find(&self, store: &crate::config::StoreConfig) -> Option<&StoreLink> {
+        self.links.iter().find(|l| *l.store == *store)
     }
 }

@@ -1,4 +1,4 @@
-//! Cluster mode: the claim confirmed by the store over a callout, every kind of answer, and
+//! Cluster mode over the HTTP transport: the claim confirmed by the store over a callout, every kind of answer, and
 //! the request held while the store decides.
 
 #[cfg(target_arch = "wasm32")]
@@ -14,7 +14,7 @@ use crate::record::RecordedResponse;
 
 fn cluster_config(policy: &str) -> String {
     format!(
-        r#"{{"store":{{"cluster":"store","token":"s3cret"}},
+        r#"{{"store":{{"cluster":"store","token":"s3cret","transport":"http"}},
             "rules":[{{"name":"orders","match":{{"path_prefixes":["/orders"]}},
             "on_store_error":"{policy}"}}]}}"#
     )
@@ -77,7 +77,7 @@ fn the_store_confirms_the_claim_and_the_request_resumes_upstream() {
     let host = FakeHost::default();
     let plugin = plugin(
         &host,
-        r#"{"store":{"cluster":"store","token":"s3cret"},"rules":[{"name":"orders",
+        r#"{"store":{"cluster":"store","token":"s3cret","transport":"http"},"rules":[{"name":"orders",
             "match":{"path_prefixes":["/orders"]},"fingerprint":"none"}]}"#,
     );
     host.set_request(&post_headers("/orders", Some("k1")), b"");
@@ -195,7 +195,7 @@ fn fail_closed_answers_503_and_undoes_a_claim_the_store_may_hold() {
         // A release goes through the root's queue, then out on its wake-up.
         let root_host_queue = host.queued("envoy.filters.http.idempotency/store-writes/");
         assert_eq!(root_host_queue, usize::from(may_hold), "{status:?}");
-        plugin.writes.on_wake(&host);
+        plugin.writes.on_wake(&host, &plugin.links());
         let releases = callouts(&host.take_effects());
         assert_eq!(releases.len(), usize::from(may_hold), "{status:?}");
         if let Some((_, path, release)) = releases.first() {
@@ -245,7 +245,7 @@ fn a_client_gone_while_the_store_decides_frees_the_key_here_and_there() {
     let (mut request, _, claim) = claimed_at_store(&host, &plugin, "k1");
     assert_eq!(request.on(&host, Event::StreamEnd), Verdict::Continue);
     assert!(matches!(request.state(), Journey::Finished));
-    plugin.writes.on_wake(&host);
+    plugin.writes.on_wake(&host, &plugin.links());
     let releases = callouts(&host.take_effects());
     assert_eq!(releases.len(), 1);
     assert_eq!(releases[0].1, "/v1/release");
@@ -276,7 +276,7 @@ fn the_completion_reaches_the_store_through_the_root_with_the_claims_owner() {
     answer(&host, &mut request, token, Some(200), owner);
     respond(&host, &mut request, 201, b"created");
     let _ = host.take_effects();
-    plugin.writes.on_wake(&host);
+    plugin.writes.on_wake(&host, &plugin.links());
     let writes = callouts(&host.take_effects());
     assert_eq!(writes.len(), 1);
     let (_, path, body) = &writes[0];
@@ -306,7 +306,7 @@ fn a_local_table_full_of_claims_in_flight_sends_new_keys_to_the_store_not_503() 
     let host = FakeHost::default();
     let plugin = plugin(
         &host,
-        r#"{"local_table":{"capacity":1},"store":{"cluster":"store"},
+        r#"{"local_table":{"capacity":1},"store":{"cluster":"store","transport":"http"},
             "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]}}]}"#,
     );
     let mut in_flight = Vec::new();
@@ -341,7 +341,7 @@ fn a_local_copy_whose_page_was_reused_is_fetched_again_from_the_store() {
     let host = FakeHost::default();
     let plugin = plugin(
         &host,
-        r#"{"local_table":{"capacity":8,"max_bytes":1048576},"store":{"cluster":"store"},
+        r#"{"local_table":{"capacity":8,"max_bytes":1048576},"store":{"cluster":"store","transport":"http"},
             "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]}}]}"#,
     );
     let layout = &plugin.config.table_layout;
@@ -375,7 +375,7 @@ fn a_local_copy_whose_page_was_reused_is_fetched_again_from_the_store() {
 fn fail_open_without_a_local_claim_follows_the_table_full_policy() {
     let config = |on_table_full: &str| {
         format!(
-            r#"{{"local_table":{{"capacity":1}},"store":{{"cluster":"store"}},
+            r#"{{"local_table":{{"capacity":1}},"store":{{"cluster":"store","transport":"http"}},
                 "rules":[{{"name":"orders","match":{{"path_prefixes":["/orders"]}},
                            "on_store_error":"fail_open","on_table_full":"{on_table_full}"}}]}}"#
         )

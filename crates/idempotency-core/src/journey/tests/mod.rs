@@ -7,6 +7,7 @@ mod intake;
 mod local_claim;
 mod response;
 mod root;
+mod stream;
 
 use std::rc::Rc;
 

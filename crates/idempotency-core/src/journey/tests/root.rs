@@ -8,12 +8,12 @@ use super::*;
 use crate::outcome::Outcome;
 use crate::plugin::root::{PluginRoot, STORE_RETRY_TICK_MS, UPKEEP_TICK_MS};
 
-const CLUSTER: &str = r#"{"store":{"cluster":"store"},
+const CLUSTER: &str = r#"{"store":{"cluster":"store","transport":"http"},
     "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"ttl_seconds":60}]}"#;
 
 fn configured(host: &FakeHost, config: &str) -> PluginRoot {
     *host.configuration.borrow_mut() = config.as_bytes().to_vec();
-    let mut root = PluginRoot::new();
+    let mut root = PluginRoot::new(1);
     assert!(root.on_configure(host));
     root
 }
@@ -25,7 +25,8 @@ fn completed_request(host: &FakeHost, root: &PluginRoot) {
 
 fn completed_request_with(host: &FakeHost, root: &PluginRoot, response_body: &[u8]) {
     host.set_request(&post_headers("/orders", Some("k1")), b"");
-    let mut request = root.new_request().unwrap();
+    let request = root.new_request(2).unwrap();
+    let mut request = request.borrow_mut();
     request.on(
         host,
         Event::RequestHeaders {
@@ -73,9 +74,9 @@ fn completion_bodies(host: &FakeHost) -> Vec<(u32, Vec<u8>)> {
 fn a_bad_configuration_is_refused_and_a_good_one_sets_the_tick() {
     let host = FakeHost::default();
     *host.configuration.borrow_mut() = br#"{"rules":[{"name":""}]}"#.to_vec();
-    let mut root = PluginRoot::new();
+    let mut root = PluginRoot::new(1);
     assert!(!root.on_configure(&host));
-    assert!(root.new_request().is_none());
+    assert!(root.new_request(2).is_none());
     configured(&host, ORDERS);
     assert_eq!(host.tick_period_ms.get(), Some(UPKEEP_TICK_MS));
     configured(&host, CLUSTER);
@@ -171,7 +172,7 @@ fn a_completion_too_large_for_the_retry_budget_waits_without_its_body() {
     let host = FakeHost::default();
     let mut root = configured(
         &host,
-        r#"{"store":{"cluster":"store"},"rules":[{"name":"orders",
+        r#"{"store":{"cluster":"store","transport":"http"},"rules":[{"name":"orders",
             "match":{"path_prefixes":["/orders"]},"max_response_bytes":33554432}]}"#,
     );
     let large = vec![b'x'; RETRY_BUDGET_BYTES + 1];

@@ -1,0 +1,399 @@
+//! Cluster mode over the store stream: claims go out as the root from the request's context,
+//! answers come back through the root into the request's context, and a stream that closes,
+//! freezes or is not open yet gives each waiting request its rule's policy, never a hang.
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+use std::cell::RefCell;
+
+use idempotency_protocol::stream::{decode_call, encode_answer, Answer, CallOp, Reply};
+
+use super::*;
+use crate::fake_host::HostCall;
+use crate::host::HeaderPairs;
+use crate::outcome::Outcome;
+use crate::plugin::root::PluginRoot;
+use crate::plugin::store_link::MAX_MESSAGE_BYTES;
+use crate::record::RecordedResponse;
+
+const ROOT: u32 = 1;
+const REQUEST: u32 = 7;
+
+fn config(policy: &str) -> String {
+    format!(
+        r#"{{"store":{{"cluster":"store","token":"s3cret","timeout_ms":250}},
+            "rules":[{{"name":"orders","match":{{"path_prefixes":["/orders"]}},
+            "on_store_error":"{policy}","max_response_bytes":8388608}}]}}"#
+    )
+}
+
+/// A root configured as Envoy does it (the root's context is the effective one).
+fn root_with(host: &FakeHost, config: &str) -> PluginRoot {
+    *host.configuration.borrow_mut() = config.as_bytes().to_vec();
+    host.effective_context.set(ROOT);
+    let mut root = PluginRoot::new(ROOT);
+    assert!(root.on_configure(host));
+    root
+}
+
+/// The streams opened and the calls sent (stream, sending context, call) among `effects`.
+fn opened(effects: &[Effect]) -> Vec<(u32, HeaderPairs)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::StreamOpened {
+                stream, metadata, ..
+            } => Some((*stream, metadata.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn calls(effects: &[Effect]) -> Vec<(u32, u32, idempotency_protocol::stream::Call)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::StreamMessage {
+                stream,
+                context,
+                message,
+            } => Some((*stream, *context, decode_call(message).unwrap())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A request in its own context: headers and body of a POST to /orders with `key`.
+fn request(host: &FakeHost, root: &PluginRoot, key: &str) -> Rc<RefCell<RequestJourney>> {
+    host.effective_context.set(REQUEST);
+    host.set_request(&post_headers("/orders", Some(key)), b"{}");
+    let journey = root.new_request(REQUEST).unwrap();
+    journey.borrow_mut().on(
+        host,
+        Event::RequestHeaders {
+            end_of_stream: false,
+        },
+    );
+    let verdict = journey.borrow_mut().on(
+        host,
+        Event::RequestBody {
+            size: 2,
+            end_of_stream: true,
+        },
+    );
+    assert_eq!(verdict, Verdict::Pause, "held for the store");
+    journey
+}
+
+/// The store's answer to call `id`, delivered to the root in the root's context.
+fn answer(host: &FakeHost, root: &mut PluginRoot, stream: u32, id: u64, reply: Reply) {
+    host.effective_context.set(ROOT);
+    let message = encode_answer(&Answer { id, reply });
+    let size = message.len();
+    *host.grpc_message.borrow_mut() = message;
+    root.on_grpc_message(host, stream, size);
+}
+
+fn claimed(owner: &str) -> Reply {
+    Reply::Claimed {
+        owner: owner.into(),
+        lease_expires_at_ms: 1,
+    }
+}
+
+/// The one claim among the calls sent since the last look: its id and owner.
+fn sent_claim(host: &FakeHost) -> (u64, String) {
+    let sent = calls(&host.take_effects());
+    match &sent[..] {
+        [(_, _, call)] => match &call.op {
+            CallOp::Claim { owner, .. } => (call.id, owner.clone()),
+            other => panic!("not a claim: {other:?}"),
+        },
+        _ => panic!("expected one call, got {sent:?}"),
+    }
+}
+
+/// A configured root whose stream opened: the host, the root and the stream.
+fn connected(policy: &str) -> (FakeHost, PluginRoot, u32) {
+    let host = FakeHost::default();
+    let root = root_with(&host, &config(policy));
+    let stream = opened(&host.take_effects())[0].0;
+    (host, root, stream)
+}
+
+/// The write queue's wake-up, as Envoy delivers it to the root.
+fn wake(host: &FakeHost, root: &PluginRoot) {
+    host.effective_context.set(ROOT);
+    root.on_queue_ready(host, 1);
+}
+
+#[test]
+fn a_claim_goes_out_as_the_root_and_its_answer_resumes_the_request_in_its_own_context() {
+    let host = FakeHost::default();
+    let mut root = root_with(&host, &config("fail_closed"));
+    let streams = opened(&host.take_effects());
+    assert_eq!(streams.len(), 1, "opened at configuration");
+    let (stream, metadata) = streams.into_iter().next().unwrap();
+    assert_eq!(
+        metadata,
+        vec![("authorization".to_string(), b"Bearer s3cret".to_vec())]
+    );
+
+    let journey = request(&host, &root, "k1");
+    let effects = host.take_effects();
+    let sent = calls(&effects);
+    assert_eq!(sent.len(), 1);
+    let (on, context, call) = sent.into_iter().next().unwrap();
+    assert_eq!(
+        (on, context),
+        (stream, ROOT),
+        "sent as the root, which owns the stream"
+    );
+    let CallOp::Claim { owner, .. } = call.op else {
+        panic!("a claim: {:?}", call.op);
+    };
+    assert_eq!(host.effective_context.get(), REQUEST, "switched back");
+
+    answer(&host, &mut root, stream, call.id, claimed(&owner));
+    assert_eq!(
+        host.take_effects(),
+        vec![
+            Effect::Switched(REQUEST),
+            Effect::Resume,
+            Effect::Switched(ROOT)
+        ]
+    );
+    assert!(is_executing(&journey.borrow()));
+
+    // The response is recorded; its completion goes on the stream from the root.
+    host.effective_context.set(REQUEST);
+    respond(&host, &mut journey.borrow_mut(), 201, b"{\"id\":1}");
+    wake(&host, &root);
+    let sent = calls(&host.take_effects());
+    assert_eq!(sent.len(), 1);
+    let (_, context, complete) = sent.into_iter().next().unwrap();
+    assert_eq!(context, ROOT);
+    let CallOp::Complete {
+        owner: completed_by,
+        record,
+        ..
+    } = complete.op
+    else {
+        panic!("a completion: {:?}", complete.op);
+    };
+    assert_eq!(completed_by, owner);
+    assert_eq!(
+        RecordedResponse::decode(&record).unwrap().body,
+        b"{\"id\":1}"
+    );
+    assert!(!root.on_done(), "the completion is still unanswered");
+    answer(&host, &mut root, stream, complete.id, Reply::Recorded);
+    assert_eq!(host.counter("orders", Outcome::StoreError), 0);
+}
+
+#[test]
+fn the_store_saying_in_flight_or_completed_answers_the_request_in_its_context() {
+    let (host, mut root, stream) = connected("fail_closed");
+
+    let first = request(&host, &root, "busy");
+    let id = calls(&host.take_effects())[0].2.id;
+    answer(
+        &host,
+        &mut root,
+        stream,
+        id,
+        Reply::InFlight { retry_after_ms: 5 },
+    );
+    let effects = host.take_effects();
+    assert_eq!(the_reply(&effects).0, 409);
+    assert_eq!(effects.first(), Some(&Effect::Switched(REQUEST)));
+    assert!(matches!(first.borrow().state(), Journey::AnsweredLocally));
+
+    let recorded = RecordedResponse {
+        owner: 9,
+        status: 201,
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: b"{\"id\":2}".to_vec(),
+        body_omitted: false,
+    };
+    let _held_by_envoy = request(&host, &root, "done");
+    let id = calls(&host.take_effects())[0].2.id;
+    let record = recorded.encode();
+    answer(&host, &mut root, stream, id, Reply::Completed { record });
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.as_slice()), (201, &b"{\"id\":2}"[..]));
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+}
+
+#[test]
+fn a_claim_made_before_the_stream_opens_waits_for_it() {
+    let host = FakeHost::default();
+    // The worker's cluster does not exist yet while it is configured.
+    host.fail(HostCall::OpenStream);
+    let mut root = root_with(&host, &config("fail_closed"));
+    assert!(opened(&host.take_effects()).is_empty());
+    host.heal(HostCall::OpenStream);
+
+    let journey = request(&host, &root, "early");
+    assert!(calls(&host.take_effects()).is_empty(), "no stream yet");
+    // The claim woke the root, but the last attempt is too recent: the tick opens it.
+    wake(&host, &root);
+    assert!(opened(&host.take_effects()).is_empty());
+    host.advance_ms(100);
+    root.on_tick(&host);
+    let effects = host.take_effects();
+    let stream = opened(&effects)[0].0;
+    let sent = calls(&effects);
+    assert_eq!(sent.len(), 1, "sent once the stream opened");
+    let CallOp::Claim { owner, .. } = &sent[0].2.op else {
+        panic!("a claim");
+    };
+    answer(&host, &mut root, stream, sent[0].2.id, claimed(owner));
+    assert!(is_executing(&journey.borrow()));
+}
+
+#[test]
+fn a_claim_that_waits_too_long_for_a_stream_gets_the_failure_policy() {
+    let host = FakeHost::default();
+    host.fail(HostCall::OpenStream);
+    let mut root = root_with(&host, &config("fail_closed"));
+    let journey = request(&host, &root, "never");
+    host.advance_ms(250);
+    root.on_tick(&host);
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 503);
+    assert!(problem_type(&body).ends_with("idempotency-unavailable"));
+    assert!(matches!(journey.borrow().state(), Journey::AnsweredLocally));
+    // Never sent: nothing to release.
+    wake(&host, &root);
+    assert!(calls(&host.take_effects()).is_empty());
+    assert_eq!(host.counter("orders", Outcome::StoreError), 1);
+}
+
+#[test]
+fn a_closed_stream_fails_its_claims_by_policy_and_releases_them_on_the_next_stream() {
+    for policy in ["fail_closed", "fail_open"] {
+        let host = FakeHost::default();
+        let mut root = root_with(&host, &config(policy));
+        let stream = opened(&host.take_effects())[0].0;
+        let journey = request(&host, &root, "k1");
+        let CallOp::Claim { owner, .. } = calls(&host.take_effects())[0].2.op.clone() else {
+            panic!("a claim");
+        };
+
+        // The store was killed: Envoy closes the stream (UNAVAILABLE).
+        host.effective_context.set(ROOT);
+        root.on_grpc_close(&host, stream, 14);
+        let effects = host.take_effects();
+        assert!(effects.contains(&Effect::StreamClosed {
+            stream,
+            reset: false
+        }));
+        match policy {
+            "fail_closed" => assert_eq!(the_reply(&effects).0, 503, "{policy}"),
+            _ => {
+                assert!(effects.contains(&Effect::Resume), "{policy}: {effects:?}");
+                assert!(is_executing(&journey.borrow()), "{policy}");
+            }
+        }
+        assert_eq!(host.counter("orders", Outcome::StoreError), 1, "{policy}");
+
+        if policy == "fail_closed" {
+            // The claim may have landed before the close: it is released on the next stream.
+            wake(&host, &root);
+            host.advance_ms(200);
+            root.on_tick(&host);
+            let effects = host.take_effects();
+            let reopened = opened(&effects);
+            assert_eq!(reopened.len(), 1, "{policy}: reopened after the backoff");
+            let sent = calls(&effects);
+            assert!(
+                matches!(&sent[..], [(s, ROOT, c)] if *s == reopened[0].0
+                    && matches!(&c.op, CallOp::Release { owner: o, .. } if *o == owner)),
+                "{policy}: {sent:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_frozen_stream_is_reset_at_the_deadline_and_its_claims_fail_in_time() {
+    let (host, mut root, stream) = connected("fail_closed");
+    let _held_by_envoy = request(&host, &root, "k1");
+    host.take_effects();
+    host.advance_ms(249);
+    root.on_tick(&host);
+    assert!(replies(&host.take_effects()).is_empty(), "not yet");
+    host.advance_ms(1);
+    root.on_tick(&host);
+    let effects = host.take_effects();
+    assert!(effects.contains(&Effect::StreamClosed {
+        stream,
+        reset: true
+    }));
+    assert_eq!(the_reply(&effects).0, 503);
+}
+
+#[test]
+fn a_request_that_leaves_withdraws_its_claim_and_a_late_answer_finds_nobody() {
+    let (host, mut root, stream) = connected("fail_closed");
+    let journey = request(&host, &root, "k1");
+    let (claim_id, owner) = sent_claim(&host);
+    // The client hangs up while the store decides.
+    journey.borrow_mut().on(&host, Event::StreamEnd);
+    drop(journey);
+    host.gone_contexts.borrow_mut().insert(REQUEST);
+    wake(&host, &root);
+    let releases = calls(&host.take_effects());
+    assert!(
+        matches!(&releases[..], [(_, ROOT, c)] if matches!(&c.op, CallOp::Release { owner: o, .. } if *o == owner)),
+        "{releases:?}"
+    );
+    // The claim's answer then arrives: nobody is switched to, nothing breaks.
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    assert!(!host
+        .take_effects()
+        .iter()
+        .any(|e| matches!(e, Effect::Switched(REQUEST) | Effect::Resume)));
+}
+
+#[test]
+fn a_claim_answered_after_its_context_vanished_is_released() {
+    let (host, mut root, stream) = connected("fail_closed");
+    let journey = request(&host, &root, "k1");
+    let (claim_id, owner) = sent_claim(&host);
+    // Envoy destroyed the context without the stream end that withdraws the claim.
+    host.gone_contexts.borrow_mut().insert(REQUEST);
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    assert!(replies(&host.take_effects()).is_empty());
+    wake(&host, &root);
+    let sent = calls(&host.take_effects());
+    assert!(
+        matches!(&sent[..], [(_, _, c)] if matches!(&c.op, CallOp::Release { owner: o, .. } if *o == owner)),
+        "{sent:?}"
+    );
+    drop(journey);
+}
+
+#[test]
+fn a_completion_larger_than_a_stream_message_goes_without_its_body() {
+    let (host, mut root, stream) = connected("fail_closed");
+    let journey = request(&host, &root, "big");
+    let (claim_id, owner) = sent_claim(&host);
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    host.effective_context.set(REQUEST);
+    let large = vec![b'x'; MAX_MESSAGE_BYTES + 1];
+    respond(&host, &mut journey.borrow_mut(), 201, &large);
+    wake(&host, &root);
+    let sent = calls(&host.take_effects());
+    let [(_, _, complete)] = &sent[..] else {
+        panic!("one completion: {}", sent.len());
+    };
+    let CallOp::Complete { record, .. } = &complete.op else {
+        panic!("a completion");
+    };
+    let recorded = RecordedResponse::decode(record).unwrap();
+    assert_eq!(recorded.status, 201);
+    assert!(recorded.body.is_empty() && recorded.body_omitted);
+}
