@@ -26,7 +26,7 @@ impl HttpFilter {
         let verdict = match self.journey.try_borrow_mut() {
             Ok(mut journey) => journey.on(&EnvoyHost, event),
             Err(_) => {
-                log::error!("request journey busy; event {event:?} let through");
+                log::error!("request journey busy; the event is let through");
                 Verdict::Continue
             }
         };

@@ -10,7 +10,7 @@
 //! deadline checked on the tick; a down store closes new streams at once, so reopening
 //! waits out a backoff that grows until an answer arrives.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 
 use idempotency_protocol::stream::{self, CallOp, DecodeError, Reply};
 
@@ -86,7 +86,7 @@ pub struct StoreStream<W> {
     /// Closes in a row without an answer in between; sets the backoff.
     failures: u32,
     next_id: u64,
-    outstanding: BTreeMap<u64, Outstanding<W>>,
+    outstanding: HashMap<u64, Outstanding<W>>,
     last_answer_ms: u64,
     /// When a stream was last opened or tried.
     last_attempt_ms: u64,
@@ -99,7 +99,7 @@ impl<W> StoreStream<W> {
             link: Link::Closed { reopen_at_ms: 0 },
             failures: 0,
             next_id: 1,
-            outstanding: BTreeMap::new(),
+            outstanding: HashMap::new(),
             last_answer_ms: 0,
             last_attempt_ms: 0,
         }
