@@ -49,7 +49,7 @@ run: deps-run build venv
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy --release --target $(WASM_TARGET) -p idempotency-filter -p idempotency-core -p idempotency-protocol -- -D warnings
+	cargo clippy --release --target $(WASM_TARGET) -p idempotency-filter -p idempotency-core -p idempotency-protocol -p noop-filter -- -D warnings
 
 unit:
 	cargo test --workspace
@@ -70,9 +70,11 @@ test: deps
 noop-wasm:
 	cargo build --release --target $(WASM_TARGET) -p noop-filter
 
+# BENCH_ARGS passes options to bench/run.py, e.g. a short look at a few setups without writing
+# the page: make bench BENCH_ARGS="--only a,c,g --duration 5 --warmup 2 --rate-duration 5"
 bench: build venv noop-wasm
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r bench/requirements.txt
-	$(PYTHON) bench/run.py
+	$(PYTHON) bench/run.py $(BENCH_ARGS)
 
 clean:
 	cargo clean

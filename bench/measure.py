@@ -24,6 +24,7 @@ from setups import (  # first: it puts tests/e2e on sys.path
     PRODUCT,
     REPO,
     STAT_PREFIX,
+    STORE_CLUSTER,
     STORE_TOKEN,
     WRK_DIR,
     Setup,
@@ -33,6 +34,7 @@ from setups import (  # first: it puts tests/e2e on sys.path
     memory_plugin_config,
     plugin_config,
     rule_max_response_bytes,
+    start_echo,
     start_store,
 )
 
@@ -40,6 +42,9 @@ import client  # noqa: E402  (from tests/e2e, the tests' own request client)
 
 WRK_THREADS = 2
 WRK_CONNECTIONS = 32
+# The fixed-rate runs: the same threads and connections, each thread on its own schedule
+# (bench/wrk/post_rate.lua). A setup that stays this far below the rate did not sustain it.
+RATE_SUSTAINED = 0.95
 
 
 
@@ -211,11 +216,38 @@ class Durations:
     memory_keys: int
     memory_max: float
     redis_requests: int
+    # The fixed-rate runs: requests/s in total, and how long (0: not run).
+    rate_rps: float = 1000
+    rate_seconds: float = 10
 
 
 # --------------------------------------------------------------------------
 # one Envoy setup
 # --------------------------------------------------------------------------
+
+
+@dataclass
+class RateResult:
+    """One setup at the fixed moderate rate."""
+
+    target_rps: float
+    wrk: WrkResult
+    cpu_us_per_request: float
+    checks: list[str]
+    command: str
+
+    @property
+    def late(self) -> int:
+        """Requests sent more than 2 ms after their slot (every connection was busy)."""
+        return self.wrk.extra.get("late", 0)
+
+    @property
+    def max_lag_ms(self) -> float:
+        return self.wrk.extra.get("max_lag_us", 0) / 1000
+
+    @property
+    def sustained(self) -> bool:
+        return self.wrk.rps >= RATE_SUSTAINED * self.target_rps
 
 
 @dataclass
@@ -228,6 +260,7 @@ class SetupResult:
     stats: dict[str, int]
     checks: list[str]
     command: str
+    rate: RateResult | None = None
 
 
 # Envoy's startup advice about the overload manager: not about what is measured.
@@ -247,8 +280,10 @@ def outcome(stats: dict[str, int], name: str) -> int:
     return stats.get(STAT_PREFIX + name, 0)
 
 
-def check_setup(s: Setup, w: WrkResult, stats: dict[str, int]) -> list[str]:
-    """What the counters say happened; raises BenchFailure when the run measured the wrong thing."""
+def check_setup(s: Setup, w: WrkResult, stats: dict[str, int], coordination: dict[str, int]) -> list[str]:
+    """What the counters say happened; raises BenchFailure when the run measured the wrong thing.
+    ``coordination``: what the store counted during the run (`claim`, `complete`), or the
+    echo server (`calls`)."""
     notes = []
     if w.requests == 0 or w.errors > w.requests / 2:
         raise BenchFailure(
@@ -259,10 +294,17 @@ def check_setup(s: Setup, w: WrkResult, stats: dict[str, int]) -> list[str]:
     if any(codes.values()):
         notes.append("Envoy answered " + ", ".join(f"{v} {c}" for c, v in codes.items() if v))
     upstream = stats.get("cluster.demo_upstream.upstream_rq_total", 0)
+    streams = stats.get(f"cluster.{STORE_CLUSTER}.upstream_rq_total", 0)
     if s.wasm != FILTER_WASM:
         notes.append(f"upstream requests {upstream}")
         if upstream < 0.9 * ok2xx:
             raise BenchFailure(f"setup ({s.key}): only {upstream} upstream requests for {ok2xx} 2xx answers")
+        if s.echo:
+            calls = coordination.get("calls", 0)
+            notes.append(f"stream calls answered by the echo server {calls}; streams opened during the run {streams}")
+            if calls < 0.95 * ok2xx:
+                raise BenchFailure(f"setup ({s.key}): the echo server answered {calls} calls for {ok2xx} 2xx "
+                                   "answers; requests did not wait for a stream round trip")
         return notes
     executed, replayed = outcome(stats, "executed"), outcome(stats, "replayed")
     bad = {n: outcome(stats, n) for n in ("conflict", "mismatch", "missing_key", "invalid_key", "table_full",
@@ -281,10 +323,20 @@ def check_setup(s: Setup, w: WrkResult, stats: dict[str, int]) -> list[str]:
         if replayed > 0.01 * max(1, executed):
             raise BenchFailure(f"setup ({s.key}): {replayed} replays although every key was new")
     if s.store_backend:
-        store_rq = stats.get("cluster.idempotency_store.upstream_rq_total", 0)
-        notes.append(f"store callouts {store_rq}")
-        if store_rq < 1.9 * executed:
-            raise BenchFailure(f"setup ({s.key}): {store_rq} store callouts for {executed} executions "
+        claims, completes = coordination.get("claim", 0), coordination.get("complete", 0)
+        counted = f"the store counted {claims} claims and {completes} completions"
+        if s.transport == "http":
+            notes.append(f"store callouts {streams}; {counted}")
+            if streams < 1.9 * executed:
+                raise BenchFailure(f"setup ({s.key}): {streams} store callouts for {executed} executions "
+                                   "(expected a claim and a complete each)")
+        else:
+            notes.append(f"{counted}, as stream messages; streams opened during the run {streams}")
+            if streams > 0.01 * max(1, executed):
+                raise BenchFailure(f"setup ({s.key}): {streams} requests to the store cluster for {executed} "
+                                   "executions: not one stream per worker")
+        if claims < 0.95 * executed or completes < 0.9 * executed:
+            raise BenchFailure(f"setup ({s.key}): {counted} for {executed} executions "
                                "(expected a claim and a complete each)")
     if sum(bad.values()) > 0.5 * max(1, w.requests):
         raise BenchFailure(f"setup ({s.key}): mostly failed outcomes: {bad}")
@@ -315,15 +367,34 @@ def prime_replay(envoy: harness.Envoy, key: str, extra: dict[str, str] | None = 
     return out
 
 
+def coordination_counts(s: Setup, store: harness.Store | None, echo: harness.Upstream | None) -> dict[str, int]:
+    """What the process behind the store cluster has counted so far: the store's operations
+    (its /metrics, whatever the transport) or the calls the echo server answered."""
+    if store is not None:
+        return {op: int(store.metric("idempotency_store_operations_total", operation=op))
+                for op in ("claim", "complete")}
+    if echo is not None:
+        return {"calls": echo.total()}
+    return {}
+
+
+def since(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
 def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durations",
               redis: harness.Redis | None) -> SetupResult:
     log(f"setup ({s.key}) {s.title}")
     group = harness.ProcessGroup(tmp)
     with group:
         cluster_ports = {"demo_upstream": upstream.port}
+        store = echo = None
         if s.store_backend:
             store = group.add(start_store(tmp, s.store_backend, redis, f"store-{s.key}"))
-            cluster_ports["idempotency_store"] = store.port
+            cluster_ports[STORE_CLUSTER] = store.port
+        elif s.echo:
+            echo = group.add(start_echo(tmp, f"echo-{s.key}"))
+            cluster_ports[STORE_CLUSTER] = echo.port
         envoy = harness.Envoy(
             PRODUCT, tmp, cluster_ports=cluster_ports, plugin_config=s.plugin, wasm_path=s.wasm,
             mutate=s.mutate, name=f"envoy-{s.key}", concurrency=1, log_level="warn")
@@ -344,13 +415,14 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
             run_wrk(wrk_argv(url, durations.warmup, WRK_DIR / "post.lua",
                              args if s.replay else ["unique", "w" + nonce, BODY]), durations.warmup)
         envoy.admin("/reset_counters", "POST").raise_for_status()
+        before = coordination_counts(s, store, echo)
         argv = wrk_argv(url, durations.setup, WRK_DIR / "post.lua", args)
         cpu0 = cpu_seconds(pid)
         w = run_wrk(argv, durations.setup)
         cpu = cpu_seconds(pid) - cpu0
         rss = rss_kib(pid)
         stats = filter_stats(envoy)
-        checks = check_setup(s, w, stats)
+        checks = check_setup(s, w, stats, since(before, coordination_counts(s, store, echo)))
         if primed.get("__409s__", "0") != "0":
             checks.append(f"while priming, {primed['__409s__']} immediate retries got 409 before the replay")
         warnings = [ln for ln in envoy.log_text().splitlines()
@@ -362,7 +434,35 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
             f"{'; '.join(checks)}")
         command = display_cmd(argv, {url: "http://127.0.0.1:$ENVOY_PORT/", nonce: "$NONCE"}
                               | ({key: "$KEY"} if s.replay else {}))
-    return SetupResult(s, w, rss, rss_start, 1e6 * cpu / max(1, w.requests), stats, checks, command)
+        rate = None
+        if s.rate and durations.rate_rps > 0 and durations.rate_seconds > 0:
+            rate = run_rate(s, envoy, durations, lambda: coordination_counts(s, store, echo))
+    return SetupResult(s, w, rss, rss_start, 1e6 * cpu / max(1, w.requests), stats, checks, command, rate)
+
+
+def run_rate(s: Setup, envoy: harness.Envoy, durations: "Durations",
+             counts: Callable[[], dict[str, int]]) -> RateResult:
+    """The same Envoy, already warm from its saturating run, at the fixed moderate rate."""
+    time.sleep(1.0)  # let the saturating run's last requests and completions drain
+    pid = envoy.process.pid
+    url = envoy.url("/")
+    nonce = f"r{s.key}{int(time.time() * 1000)}"
+    per_thread = durations.rate_rps / WRK_THREADS
+    argv = wrk_argv(url, durations.rate_seconds, WRK_DIR / "post_rate.lua", ["unique", nonce, BODY, f"{per_thread:g}"])
+    envoy.admin("/reset_counters", "POST").raise_for_status()
+    before = counts()
+    cpu0 = cpu_seconds(pid)
+    w = run_wrk(argv, durations.rate_seconds)
+    cpu = cpu_seconds(pid) - cpu0
+    checks = check_setup(s, w, filter_stats(envoy), since(before, counts()))
+    r = RateResult(durations.rate_rps, w, 1e6 * cpu / max(1, w.requests), checks,
+                   display_cmd(argv, {url: "http://127.0.0.1:$ENVOY_PORT/", nonce: "$NONCE"}))
+    if not r.sustained:
+        r.checks.insert(0, f"did not sustain the rate: {w.rps:.0f} of {r.target_rps:.0f} req/s")
+    log(f"  at {r.target_rps:.0f} req/s: {w.rps:.0f} req/s, p50 {w.p50_ms:.2f} ms, p99 {w.p99_ms:.2f} ms, "
+        f"non-2xx {w.non2xx}, CPU {r.cpu_us_per_request:.0f} us/req, {r.late} sent late "
+        f"(largest lag {r.max_lag_ms:.1f} ms); {'; '.join(r.checks)}")
+    return r
 
 
 # --------------------------------------------------------------------------

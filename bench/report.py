@@ -12,6 +12,9 @@ from pathlib import Path
 from measure import (
     PAGE_HEADER_BYTES,
     PAGE_POINTER_BYTES,
+    RATE_SUSTAINED,
+    WRK_CONNECTIONS,
+    WRK_THREADS,
     Durations,
     MemoryResult,
     RedisBench,
@@ -51,7 +54,7 @@ def machine() -> dict[str, str]:
     envoy_version = sh([str(harness.envoy_binary()), "--version"])
     m = re.search(r"version: \S+/([\d.]+)/", envoy_version)
     measured = ["src", "crates/idempotency-protocol", "crates/idempotency-core", "crates/idempotency-store",
-                "crates/demo-upstream", "envoy"]
+                "crates/demo-upstream", "crates/noop-filter", "envoy"]
     dirty = subprocess.run(["git", "status", "--porcelain", "--", *measured], capture_output=True, text=True,
                            timeout=30, cwd=REPO).stdout
     return {
@@ -73,7 +76,10 @@ def ratio(x: float, ref: float) -> str:
     return f"{x / ref:.2f}×" if ref > 0 else "–"
 
 
-def verdict(ok: bool) -> str:
+def verdict(ok: bool | None) -> str:
+    """None: a figure the page reports, with no threshold to meet."""
+    if ok is None:
+        return "reported"
     return "**met**" if ok else "**missed**"
 
 
@@ -87,7 +93,9 @@ def write_chart(results: list[SetupResult], path: Path) -> None:
     rps = [r.wrk.rps for r in results]
     p50 = [r.wrk.p50_ms for r in results]
     p99 = [r.wrk.p99_ms for r in results]
-    colors = ["#7f7f7f", "#bcbcbc", "#9e9e9e", "#1f77b4", "#2ca02c", "#ff7f0e", "#d62728"][: len(results)]
+    palette = {"a": "#7f7f7f", "b0": "#bcbcbc", "b": "#9e9e9e", "c": "#1f77b4", "d": "#2ca02c", "e": "#ff7f0e",
+               "f": "#d62728", "g": "#c7c7c7", "h": "#ffbb78"}
+    colors = [palette.get(r.setup.key, "#17becf") for r in results]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8.5), sharex=True)
     fig.patch.set_facecolor("white")
     bars = ax1.bar(range(len(results)), rps, color=colors)
@@ -235,22 +243,83 @@ def add_memory_section(add, mem: MemoryResult) -> None:
         add("")
 
 
+def add_rate_section(add, rated: list[SetupResult], rate_a, durations: "Durations") -> None:
+    """Latency at the fixed moderate rate, added over Envoy alone."""
+    rate = rate_a.target_rps
+    add(f"## Latency at a fixed rate: {rate:,.0f} requests/s")
+    add("")
+    add(f"Right after its saturating run, each setup below is measured again in the same (warm) "
+        f"Envoy at a fixed rate of {rate:,.0f} requests/s for {durations.rate_seconds:.0f} s: a load "
+        f"that leaves Envoy's worker idle part of the time, so that the latencies are what the filter "
+        f"adds to a request rather than time spent queueing behind others. wrk holds each request "
+        f"to a schedule (`bench/wrk/post_rate.lua`: {WRK_THREADS} threads of "
+        f"{WRK_CONNECTIONS // WRK_THREADS} connections, each thread sending one request every "
+        f"{1000 * WRK_THREADS / rate:.1f} ms from its start; a slot missed, because every connection "
+        f"was busy or wrk itself did not get a core in time, is sent at once, and counted late when "
+        f"that is more than 2 ms after it) and times each request from when it is written. \"Added\" is the setup's percentile minus (a)'s, "
+        f"the figure comparable middleware publishes. A setup that does not reach "
+        f"{RATE_SUSTAINED:.0%} of the rate, or sends many requests late, was saturated: its "
+        f"latencies include queueing.")
+    add("")
+    add("| setup | req/s | p50 ms | p99 ms | p50 added over (a) | p99 added over (a) | Envoy CPU µs/req | sent late (largest lag) | non-2xx |")
+    add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    a50, a99 = rate_a.wrk.p50_ms, rate_a.wrk.p99_ms
+    for r in rated:
+        rr, w = r.rate, r.rate.wrk
+        added50 = "–" if r.setup.key == "a" else f"{w.p50_ms - a50:+.2f} ms"
+        added99 = "–" if r.setup.key == "a" else f"{w.p99_ms - a99:+.2f} ms"
+        rps = f"{w.rps:,.0f}" + ("" if rr.sustained else " (**not sustained**)")
+        add(f"| ({r.setup.key}) {r.setup.title} | {rps} | {w.p50_ms:.2f} | {w.p99_ms:.2f} | {added50} | {added99} "
+            f"| {rr.cpu_us_per_request:.0f} | {rr.late:,} ({rr.max_lag_ms:.1f} ms) | {w.non2xx + w.socket_errors} |")
+    add("")
+    add("Counters of the fixed-rate runs (reset before each):")
+    add("")
+    for r in rated:
+        add(f"- ({r.setup.key}) {r.rate.wrk.requests:,} requests in {r.rate.wrk.seconds:.1f} s: {'; '.join(r.rate.checks)}")
+    add("")
+
+
 def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durations",
                results: list[SetupResult], mem: MemoryResult | None, stores: list[StoreResult],
                rb: RedisBench | None, wasm_size: int, noop_size: int, elapsed: float,
-               envoy_cmd: str) -> list[tuple[str, bool, str]]:
+               envoy_cmd: str) -> list[tuple[str, bool | None, str]]:
     by = {r.setup.key: r for r in results}
     a, b = by["a"].wrk, by["b"].wrk
-    targets: list[tuple[str, bool, str]] = []
-    c, d, e = by["c"].wrk, by["d"].wrk, by["e"].wrk
-    targets.append(("(c) throughput ≥ 0.9× (b)", c.rps >= 0.9 * b.rps, f"{c.rps / b.rps:.2f}×"))
+    targets: list[tuple[str, bool | None, str]] = []
+    c, d = by["c"].wrk, by["d"].wrk
+    cb = c.rps / b.rps
+    targets.append(("(c) throughput ≥ 0.75× (b), stretch 0.9×", cb >= 0.75,
+                    f"{cb:.2f}× (stretch: {'met' if cb >= 0.9 else 'missed'})"))
     targets.append(("(d) throughput ≥ 1.0× (b)", d.rps >= 1.0 * b.rps, f"{d.rps / b.rps:.2f}×"))
-    targets.append(("(e) p50 at most 0.5 ms above (c)", e.p50_ms <= c.p50_ms + 0.5,
-                    f"{e.p50_ms:.2f} ms vs {c.p50_ms:.2f} ms (+{e.p50_ms - c.p50_ms:.2f} ms)"))
-    targets.append(("(e) throughput ≥ 0.6× (c)", e.rps >= 0.6 * c.rps, f"{e.rps / c.rps:.2f}×"))
+    cluster = [by[k] for k in ("e", "f") if k in by]
+    for r in cluster:
+        x = r.wrk
+        targets.append((f"({r.setup.key}) throughput ≥ 0.8× (c)", x.rps >= 0.8 * c.rps,
+                        f"{x.rps / c.rps:.2f}× ({x.rps:,.0f} vs {c.rps:,.0f} req/s)"))
+    g = by.get("g")
+    if g:
+        for r in cluster:
+            x = r.wrk
+            targets.append((f"({r.setup.key}) throughput ≥ 0.8× (g), the coordination floor",
+                            x.rps >= 0.8 * g.wrk.rps,
+                            f"{x.rps / g.wrk.rps:.2f}× ({x.rps:,.0f} vs {g.wrk.rps:,.0f} req/s)"))
+    for r in cluster:
+        x = r.wrk
+        targets.append((f"({r.setup.key}) p99 ≤ 2× (c) p99", x.p99_ms <= 2 * c.p99_ms,
+                        f"{x.p99_ms:.2f} vs {c.p99_ms:.2f} ms = {x.p99_ms / c.p99_ms:.2f}×"))
+    rate_a = by["a"].rate
+    if rate_a:
+        for k in ("c", "e", "f"):
+            rr = by[k].rate if k in by else None
+            if rr is None:
+                continue
+            caveat = "" if rr.sustained and rate_a.sustained else " (rate not sustained, see below)"
+            targets.append((f"({k}) at {rr.target_rps:,.0f} req/s: p50 and p99 added over (a)", None,
+                            f"+{rr.wrk.p50_ms - rate_a.wrk.p50_ms:.2f} ms p50, "
+                            f"+{rr.wrk.p99_ms - rate_a.wrk.p99_ms:.2f} ms p99{caveat}"))
     store_redis = next((s for s in stores if s.backend == "redis"), None)
     if store_redis and rb:
-        targets.append(("store on Redis ≥ 0.5× redis-benchmark SET NX", store_redis.wrk.rps >= 0.5 * rb.rps,
+        targets.append(("store on Redis ≥ 0.7× redis-benchmark SET NX", store_redis.wrk.rps >= 0.7 * rb.rps,
                         f"{store_redis.wrk.rps:,.0f} vs {rb.rps:,.0f} /s = {store_redis.wrk.rps / rb.rps:.2f}×"))
     targets.append(("Wasm module ≤ 512 KiB", wasm_size <= WASM_SIZE_TARGET,
                     f"{wasm_size / 1024:.0f} KiB ({wasm_size:,} bytes)"))
@@ -307,29 +376,44 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
             f"| {w.non2xx + w.socket_errors} | {r.cpu_us_per_request:.0f} "
             f"| {r.cpu_us_per_request * w.rps / 1e6:.2f} | {r.rss_start_kib / 1024:.0f} → {r.rss_kib / 1024:.0f} |")
     add("")
-    add("What each setup's counters showed (Envoy admin `/stats`, reset after the warm-up; the bench "
-        "fails if a setup answers mostly errors or its counters show another path than the one it "
-        "claims to measure):")
+    add("What each setup's counters showed (Envoy admin `/stats`, reset after the warm-up, and what "
+        "the store or the echo server counted during the run; the bench fails if a setup answers "
+        "mostly errors or its counters show another path than the one it claims to measure):")
     add("")
     for r in results:
         add(f"- ({r.setup.key}) {r.wrk.requests:,} requests in {r.wrk.seconds:.1f} s: {'; '.join(r.checks)}")
     add("")
     start_c, start_b = by["c"].rss_start_kib, by["b"].rss_start_kib
     setup_table = geometry(SETUP_CAPACITY)
-    add(f"(c) to (f) use `local_table.capacity` {SETUP_CAPACITY:,} and `ttl_seconds` = `lease_seconds` = "
+    add(f"(c) to (f) and (h) use `local_table.capacity` {SETUP_CAPACITY:,} and `ttl_seconds` = `lease_seconds` = "
         f"{SETUP_TTL_S} ((d): `ttl_seconds` {REPLAY_TTL_S}, so its one record outlives the run): at these "
         "rates a few tens of thousands of records are live at once, and a key that finds its bucket's "
         f"{setup_table.ways} slots all live (`table_full`, counted above) is rare. "
         f"That table's {setup_table.buckets:,} buckets are created in shared data before the first "
         f"request: (c) starts at {start_c / 1024:.0f} MiB against {start_b / 1024:.0f} MiB for the no-op "
         f"filter, about {(start_c - start_b) * 1024 / SETUP_CAPACITY:.0f} bytes per record of capacity "
-        "before any record exists. (e) and (f) confirm every claim with the store (`POST /v1/claim`) "
-        "and record every response there (`POST /v1/complete`, from the root context), over one "
-        "HTTP/2 connection per worker.")
+        "before any record exists.")
+    add("")
+    add("(e) and (f) confirm every claim with the store before the upstream and record every response "
+        "there after it (from the root context), each a message on the one bidirectional gRPC stream "
+        "(`idempotency.store.v1.Store/Coordinate`) that the worker's root context keeps open to the "
+        "store, the filter's default `store.transport`. (h) is (e) over the older transport, "
+        "`store.transport: \"http\"`: one HTTP/2 callout per claim and per completion "
+        "(`POST /v1/claim`, `POST /v1/complete`), so the two rows are before and after in one run.")
+    if g:
+        add("")
+        add("(g) is the coordination floor: the no-op filter of (b) which, once a request's body has "
+            "arrived, sends one claim (a `Call` as the filter encodes it) on a stream of the same kind, "
+            "opened by its root context on the first tick, to an instant store "
+            "(`demo-upstream --grpc-echo`: it answers each call as it reads it, nothing behind it), "
+            "pauses the request, and resumes it from the root context when the answer arrives. It is "
+            "what one round trip of coordination costs any Wasm filter in Envoy, without a store; "
+            "cluster mode makes two (a claim and a completion) and waits for one.")
     add("")
     add("### Reading the numbers")
     add("")
     cpu = {r.setup.key: r.cpu_us_per_request for r in results}
+    busy = {r.setup.key: r.cpu_us_per_request * r.wrk.rps / 1e6 for r in results}
     add("Envoy's CPU time per request is steadier than throughput on a shared machine, and "
         "differences between setups say where the time goes — as long as Envoy's worker was the "
         "bottleneck (\"cores busy\" close to 1; Envoy's main thread is idle here). Where something "
@@ -337,33 +421,43 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     add("")
     add(f"- The Wasm floor: a no-op filter costs {cpu['b0'] - cpu['a']:+.0f} µs per request over (a), "
         f"{cpu['b'] - cpu['a']:+.0f} µs when it also holds the request until the body has arrived (b).")
+    if "g" in cpu:
+        add(f"- One coordination round trip (g): a message out on the worker's stream, its answer read "
+            f"back, the request paused and resumed from the root context, costs "
+            f"{cpu['g'] - cpu['b']:+.0f} µs per request over (b).")
     add(f"- New keys (c): the filter adds {cpu['c'] - cpu['b']:+.0f} µs per request over (b): reading "
         "the headers and body through the ABI, two SHA-256 digests (scope key and fingerprint), a "
         "shared-data read and compare-and-swap to claim, then on the response reading its headers "
         "and body, writing the recorded response and a second read-and-swap to complete the slot.")
     add(f"- Replays (d) skip the upstream: {cpu['d']:.0f} µs per request against {cpu['a']:.0f} µs for a "
         "request Envoy proxies without any filter.")
-    if "f" in cpu:
-        add(f"- Cluster mode on Redis (f) adds {cpu['f'] - cpu['c']:+.0f} µs of Envoy CPU per request over (c): "
-            "two HTTP/2 callouts to the store (claim before the upstream, complete after it), each an "
-            "Envoy async request with its own headers, body and answer read back into the module.")
+    for k, store_name in (("e", "the embedded store"), ("f", "Redis")):
+        if k in cpu:
+            floor = f" (the floor (g) puts one round trip at {cpu['g'] - cpu['b']:+.0f} µs)" if "g" in cpu else ""
+            add(f"- Cluster mode on {store_name} ({k}) adds {cpu[k] - cpu['c']:+.0f} µs of Envoy CPU per request "
+                f"over (c): a claim message before the upstream and a completion message after it, and "
+                f"their answers read back into the module{floor}. Envoy's worker was busy "
+                f"{busy[k]:.2f} of the time"
+                + (": it was the bottleneck." if busy[k] >= 0.85 else
+                   ": something else (the store, or the cores the load generator and the store share "
+                   "with it) bounded the rate, and Envoy's CPU per request rises with the idle time."))
+    if "h" in cpu and "e" in cpu:
+        add(f"- The HTTP transport (h) costs {cpu['h'] - cpu['e']:+.0f} µs of Envoy CPU per request more than "
+            "the stream (e) on the same store: each claim and completion is an Envoy async HTTP/2 request "
+            "with its own headers, JSON body and answer read back into the module.")
     emb = next((x for x in stores if x.backend == "embedded"), None)
     e_run = by.get("e")
     if emb and e_run:
         # Every request of (e) costs the store a claim and a complete.
         ceiling = emb.wrk.rps / 2
-        if e_run.wrk.rps < 0.8 * ceiling:
-            # The same callouts as (f) then decide its cost.
-            add(f"- Cluster mode on the embedded store (e) is bounded by Envoy, like (f), not by the "
-                f"store: alone the store managed {emb.wrk.rps:,.0f} claims/s here (its writes are "
-                f"group-committed: one durable redb transaction for every batch of queued operations), "
-                f"so its ceiling of about {ceiling:,.0f} requests/s (a claim and a complete each) is well "
-                f"above the {e_run.wrk.rps:,.0f} requests/s (e) reached.")
-        else:
-            add(f"- Cluster mode on the embedded store (e) is bounded by the store: alone it managed "
-                f"{emb.wrk.rps:,.0f} claims/s here, and every request of (e) needs a claim and a "
-                f"complete, so about {ceiling:,.0f} requests/s is its ceiling on this disk.")
+        add(f"- The embedded store alone (below, over its HTTP API) managed {emb.wrk.rps:,.0f} claims/s "
+            f"here (its writes are group-committed: one durable redb transaction for every batch of "
+            f"queued operations); a request of (e) costs it a claim and a completion, about "
+            f"{ceiling:,.0f} requests/s at that rate, against the {e_run.wrk.rps:,.0f} requests/s (e) reached.")
     add("")
+    rated = [r for r in results if r.rate]
+    if rated and rate_a:
+        add_rate_section(add, rated, rate_a, durations)
     add("## Memory: a million keys through the default byte budget")
     add("")
     if mem:
@@ -396,7 +490,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     add("")
     add(f"- `target/wasm32-unknown-unknown/release/idempotency_filter.wasm`: **{wasm_size / 1024:.0f} KiB** "
         f"({wasm_size:,} bytes), target ≤ 512 KiB: {verdict(wasm_size <= WASM_SIZE_TARGET)}")
-    add(f"- `noop_filter.wasm` (the proxy-wasm SDK alone): {noop_size / 1024:.0f} KiB")
+    add(f"- `noop_filter.wasm` (the proxy-wasm SDK, and the stream codec for (g)): {noop_size / 1024:.0f} KiB")
     add("")
     add("## Machine")
     add("")
@@ -419,7 +513,9 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     add("```")
     add("")
     add("Load, per setup (`bench/wrk/post.lua`: `POST /orders`, `content-type: application/json`, "
-        f"body `{BODY}`, `Idempotency-Key` `<nonce>-<thread>-<n>`, or one fixed key for (d)):")
+        f"body `{BODY}`, `Idempotency-Key` `<nonce>-<thread>-<n>`, or one fixed key for (d); "
+        "`bench/wrk/post_rate.lua` sends the same at a fixed rate, its last argument the requests/s "
+        "of each thread):")
     add("")
     add("```sh")
     seen = set()
@@ -427,6 +523,10 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
         if r.command not in seen:
             seen.add(r.command)
             add(f"{r.command}   # {', '.join('(' + x.setup.key + ')' for x in results if x.command == r.command)}")
+    rate_cmds = [r for r in results if r.rate]
+    for cmd in dict.fromkeys(r.rate.command for r in rate_cmds):
+        keys = ", ".join(f"({r.setup.key})" for r in rate_cmds if r.rate.command == cmd)
+        add(f"{cmd}   # fixed rate: {keys}")
     if mem:
         add(f"{mem.command}   # memory run")
     for cmd in dict.fromkeys(s.command for s in stores):
@@ -436,7 +536,8 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
         add(rb.command)
     add("```")
     add("")
-    add("Upstream: `target/release/demo-upstream --listen 127.0.0.1:$PORT --fast`. Store: "
+    add("Upstream: `target/release/demo-upstream --listen 127.0.0.1:$PORT --fast`. Instant store of (g): "
+        "`target/release/demo-upstream --listen 127.0.0.1:$PORT --grpc-echo`. Store: "
         "`target/release/idempotency-store --listen 127.0.0.1:$PORT --backend embedded|redis|memory "
         "--token-file $FILE [--data-dir $DIR | --redis-url redis://127.0.0.1:$REDIS_PORT/]`. "
         "Redis: `redis-server --save '' --appendonly no` (the harness's `start_redis`).")

@@ -63,9 +63,10 @@ PRODUCT = yaml.safe_load(PRODUCT_CONFIG.read_text())
 PRODUCT_PLUGIN = harness.get_plugin_configuration(PRODUCT)
 
 
-def plugin_config(*, capacity: int, ttl_s: int, lease_s: int, store: bool) -> dict:
+def plugin_config(*, capacity: int, ttl_s: int, lease_s: int, store: bool, transport: str | None = None) -> dict:
     """The product's plugin configuration with the table size and timings of a run; the
-    store section (cluster mode) kept with the bench token, or removed (single-proxy)."""
+    store section (cluster mode) kept with the bench token, or removed (single-proxy).
+    ``transport`` sets `store.transport` (unset: the filter's default, the gRPC stream)."""
     cfg = copy.deepcopy(PRODUCT_PLUGIN)
     cfg["local_table"] = {"capacity": capacity, "max_bytes": budget_for(capacity)}
     for rule in cfg["rules"]:
@@ -73,9 +74,19 @@ def plugin_config(*, capacity: int, ttl_s: int, lease_s: int, store: bool) -> di
         rule["lease_seconds"] = lease_s
     if store:
         cfg["store"]["token"] = STORE_TOKEN
+        if transport is not None:
+            cfg["store"]["transport"] = transport
     else:
         cfg.pop("store", None)
     return cfg
+
+
+def store_transport(cfg: Any) -> str | None:
+    """`store.transport` of a plugin configuration of this filter ("grpc", the default, or
+    "http"); None without a store."""
+    if not isinstance(cfg, dict) or "store" not in cfg:
+        return None
+    return cfg["store"].get("transport", "grpc")
 
 
 def memory_plugin_config() -> dict:
@@ -133,25 +144,45 @@ class Setup:
     mutate: Callable[[dict], None] | None = None
     replay: bool = False
     short: str = ""  # chart label
+    # The store cluster points at `demo-upstream --grpc-echo` (an instant store) instead.
+    echo: bool = False
+    # Also measured at the fixed moderate rate (after its saturating run, same Envoy).
+    rate: bool = False
+
+    @property
+    def transport(self) -> str | None:
+        return store_transport(self.plugin) if self.wasm == FILTER_WASM else None
+
+
+# The store's cluster in envoy/envoy.yaml, which the floor (g) streams to as well.
+STORE_CLUSTER = PRODUCT_PLUGIN["store"]["cluster"]
 
 
 def setups() -> list[Setup]:
     single = plugin_config(capacity=SETUP_CAPACITY, ttl_s=SETUP_TTL_S, lease_s=SETUP_LEASE_S, store=False)
     cluster = plugin_config(capacity=SETUP_CAPACITY, ttl_s=SETUP_TTL_S, lease_s=SETUP_LEASE_S, store=True)
+    cluster_http = plugin_config(capacity=SETUP_CAPACITY, ttl_s=SETUP_TTL_S, lease_s=SETUP_LEASE_S, store=True,
+                                 transport="http")
     replays = plugin_config(capacity=SETUP_CAPACITY, ttl_s=REPLAY_TTL_S, lease_s=SETUP_LEASE_S, store=False)
     return [
-        Setup("a", "Envoy, no Wasm filter", mutate=without_wasm_filter, short="no filter"),
+        Setup("a", "Envoy, no Wasm filter", mutate=without_wasm_filter, short="no filter", rate=True),
         Setup("b0", "no-op Wasm filter", wasm=NOOP_WASM, plugin={}, short="no-op Wasm"),
         Setup("b", "no-op Wasm filter, waits for the body", wasm=NOOP_WASM, plugin={"wait_for_body": True},
-              short="no-op Wasm\nwaits for body"),
+              short="no-op Wasm\nwaits for body", rate=True),
         Setup("c", "idempotency, single-proxy, new keys", wasm=FILTER_WASM, plugin=single,
-              short="single-proxy\nnew keys"),
+              short="single-proxy\nnew keys", rate=True),
         Setup("d", "idempotency, single-proxy, replays", wasm=FILTER_WASM, plugin=replays, replay=True,
               short="single-proxy\nreplays"),
         Setup("e", "idempotency, cluster, embedded store", wasm=FILTER_WASM, plugin=cluster,
-              store_backend="embedded", short="cluster\nembedded store"),
+              store_backend="embedded", short="cluster\nembedded store", rate=True),
         Setup("f", "idempotency, cluster, Redis store", wasm=FILTER_WASM, plugin=cluster, store_backend="redis",
-              short="cluster\nRedis store"),
+              short="cluster\nRedis store", rate=True),
+        Setup("g", "no-op Wasm filter, one stream message per request (the coordination floor)", wasm=NOOP_WASM,
+              plugin={"stream_cluster": STORE_CLUSTER}, echo=True, short="no-op Wasm\nstream round trip",
+              rate=True),
+        Setup("h", "idempotency, cluster, embedded store, HTTP callouts (`transport: \"http\"`)",
+              wasm=FILTER_WASM, plugin=cluster_http, store_backend="embedded",
+              short="cluster, embedded\nHTTP callouts"),
     ]
 
 
@@ -164,3 +195,10 @@ def setups() -> list[Setup]:
 def start_store(tmp: Path, backend: str, redis: harness.Redis | None, name: str) -> harness.Store:
     return harness.Store(tmp, token=STORE_TOKEN, backend=backend, redis=redis, name=name,
                          log_level="warn").start()
+
+
+def start_echo(tmp: Path, name: str) -> harness.Upstream:
+    """`demo-upstream --grpc-echo`, the floor's instant store: it answers every call on the
+    store's gRPC stream as it reads it (and HTTP/1.1 `/healthz`, `/__count` on the same port,
+    so the harness starts and probes it like the demo upstream)."""
+    return harness.start_upstream(tmp, name=name, extra_args=["--grpc-echo"])

@@ -25,6 +25,10 @@
 //!
 //! Endpoints that are never counted: `GET /healthz`, `GET /__count[?path=P]`,
 //! `POST /__reset`. In fast mode every request gets `200 ok` at once.
+//!
+//! [`grpc_echo`] is another mode: an instant store for the benchmark's coordination floor.
+
+pub mod grpc_echo;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -125,21 +129,28 @@ impl Counters {
     }
 }
 
+/// The next connection, with Nagle off (small responses should not wait for it); accept
+/// errors (typically EMFILE under load) back off briefly instead of spinning.
+pub async fn accept(listener: &TcpListener) -> tokio::net::TcpStream {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _peer)) => {
+                let _ = stream.set_nodelay(true);
+                return stream;
+            }
+            Err(err) => {
+                eprintln!("demo-upstream: accept failed: {err}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
 /// Accepts connections on `listener` forever, serving each on its own task
 /// with HTTP/1.1 keep-alive.
 pub async fn serve(listener: TcpListener, options: Options, counters: Arc<Counters>) {
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _peer)) => stream,
-            Err(err) => {
-                // Typically EMFILE under load: back off briefly instead of spinning.
-                eprintln!("demo-upstream: accept failed: {err}");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                continue;
-            }
-        };
-        // Best effort: small responses should not wait for Nagle.
-        let _ = stream.set_nodelay(true);
+        let stream = accept(&listener).await;
         let counters = Arc::clone(&counters);
         tokio::spawn(async move {
             let service = service_fn(move |req: Request<Incoming>| {

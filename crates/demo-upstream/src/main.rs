@@ -1,22 +1,27 @@
-//! `demo-upstream [--listen ADDR] [--fast] [--threads N]`: the counting test
-//! upstream (see the library docs for what it answers).
+//! `demo-upstream [--listen ADDR] [--fast | --grpc-echo] [--threads N]`: the counting test
+//! upstream (see the library docs for what it answers), or the benchmark's instant store
+//! (`--grpc-echo`, see `demo_upstream::grpc_echo`).
 
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use demo_upstream::grpc_echo::{serve_grpc_echo, EchoCounters};
 use demo_upstream::{serve, Counters, Options};
 
-const USAGE: &str = "usage: demo-upstream [--listen ADDR] [--fast] [--threads N]
+const USAGE: &str = "usage: demo-upstream [--listen ADDR] [--fast | --grpc-echo] [--threads N]
 
   --listen ADDR   address to listen on (default 127.0.0.1:8080; port 0 picks one)
   --fast          answer every request with `200 ok` at once, counting nothing
+  --grpc-echo     be an instant store instead: answer every call on the store's gRPC
+                  stream (idempotency.store.v1.Store/Coordinate, cleartext HTTP/2) at once
   --threads N     runtime worker threads (default: one per core)";
 
 struct Args {
     listen: SocketAddr,
     options: Options,
+    grpc_echo: bool,
     threads: Option<usize>,
 }
 
@@ -24,6 +29,7 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, St
     let mut parsed = Args {
         listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
         options: Options::default(),
+        grpc_echo: false,
         threads: None,
     };
     while let Some(arg) = args.next() {
@@ -53,9 +59,13 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, St
                 parsed.threads = Some(n);
             }
             "--fast" => parsed.options.fast = true,
+            "--grpc-echo" => parsed.grpc_echo = true,
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown argument {other:?}")),
         }
+    }
+    if parsed.grpc_echo && parsed.options.fast {
+        return Err(String::from("--fast and --grpc-echo exclude each other"));
     }
     Ok(Some(parsed))
 }
@@ -100,6 +110,14 @@ async fn run(args: Args) -> ExitCode {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "demo-upstream listening on {addr}");
         let _ = out.flush();
+    }
+    if args.grpc_echo {
+        eprintln!("demo-upstream: gRPC echo mode, answering every store call at once");
+        let counters = Arc::new(EchoCounters::default());
+        return tokio::select! {
+            () = serve_grpc_echo(listener, counters) => ExitCode::SUCCESS,
+            () = shutdown_signal() => ExitCode::SUCCESS,
+        };
     }
     if args.options.fast {
         eprintln!("demo-upstream: fast mode, answering 200 ok to everything, counting nothing");
