@@ -72,7 +72,11 @@ noop-wasm:
 
 # BENCH_ARGS passes options to bench/run.py, e.g. a short look at a few setups without writing
 # the page: make bench BENCH_ARGS="--only a,c,g --duration 5 --warmup 2 --rate-duration 5"
-bench: build venv noop-wasm
+.PHONY: bench-tools
+bench-tools: noop-wasm
+	cargo build --release -p idempotency-store --example stream_load
+
+bench: build venv bench-tools
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 	$(PYTHON) bench/run.py $(BENCH_ARGS)
 

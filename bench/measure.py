@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import re
 import signal
@@ -786,6 +787,8 @@ class StoreResult:
     wrk: WrkResult
     claimed: int
     command: str
+    # "http": POST /v1/claim per request (wrk); "stream": calls on one gRPC stream.
+    transport: str = "http"
 
 
 @dataclass
@@ -799,6 +802,34 @@ class RedisBench:
 def claimed_so_far(store: harness.Store) -> int:
     """The claims the store has granted (its /metrics)."""
     return int(store.metric("idempotency_store_operations_total", operation="claim", outcome="claimed"))
+
+
+STREAM_LOAD = REPO / "target" / "release" / "examples" / "stream_load"
+
+
+def run_stream_load(store: harness.Store, backend: str, url: str, seconds: float) -> StoreResult:
+    """Claims of new keys on one gRPC stream to the store, as many in flight as wrk has
+    connections (`crates/idempotency-store/examples/stream_load.rs`)."""
+    before = claimed_so_far(store)
+    argv = [str(STREAM_LOAD), "--url", url, "--token", STORE_TOKEN, "--in-flight", str(WRK_CONNECTIONS),
+            "--streams", "1", "--seconds", str(seconds)]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60,
+                         preexec_fn=harness._preexec())
+    if res.returncode != 0:
+        raise BenchFailure(f"stream_load ({backend}) failed: {res.stdout}\n{res.stderr}")
+    try:
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError) as err:
+        raise BenchFailure(f"stream_load ({backend}) printed no result: {res.stdout}") from err
+    claimed = claimed_so_far(store) - before
+    if out["errors"] > out["calls"] / 2 or claimed < 0.95 * (out["calls"] - out["errors"]):
+        raise BenchFailure(f"stream_load ({backend}): {out}, {claimed} claimed")
+    w = WrkResult(requests=out["calls"], seconds=out["seconds"], rps=out["rps"], p50_ms=out["p50_ms"],
+                  p75_ms=0.0, p90_ms=0.0, p99_ms=out["p99_ms"], non2xx=out["errors"], socket_errors=0,
+                  output=res.stdout)
+    log(f"  stream: {w.rps:.0f} claims/s, p50 {w.p50_ms:.2f} ms, p99 {w.p99_ms:.2f} ms")
+    command = display_cmd(argv, {url: "http://127.0.0.1:$STORE_PORT", STORE_TOKEN: "$TOKEN"})
+    return StoreResult(backend, w, claimed, command, transport="stream")
 
 
 def run_store_alone(tmp: Path, redis: harness.Redis, seconds: float, warmup: float,
@@ -822,6 +853,7 @@ def run_store_alone(tmp: Path, redis: harness.Redis, seconds: float, warmup: flo
             log(f"  {w.rps:.0f} claims/s, p50 {w.p50_ms:.2f} ms, p99 {w.p99_ms:.2f} ms, non-2xx {w.non2xx}")
             results.append(StoreResult(backend, w, claimed, display_cmd(
                 argv, {url: "http://127.0.0.1:$STORE_PORT", STORE_TOKEN: "$TOKEN", nonce: "$NONCE"})))
+            results.append(run_stream_load(store, backend, url, seconds))
     log("redis-benchmark SET NX")
     redis.command("FLUSHALL")
     argv = ["redis-benchmark", "-h", harness.LOOPBACK, "-p", str(redis.port), "-c", str(WRK_CONNECTIONS),
