@@ -224,7 +224,10 @@ impl RequestJourney {
         } else {
             write.best_effort()
         };
-        self.plugin.writes.submit(host, write);
+        let plugin = &self.plugin;
+        plugin
+            .writes
+            .submit_from(host, &plugin.links(), self.context_id, write);
     }
 }
 

@@ -232,6 +232,29 @@ impl StoreWrites {
         self.wake_queue == Some(queue_id)
     }
 
+    /// Called from the request whose context is `context_id`: a write for a store whose
+    /// stream is open goes on it at once (sent as the root; the answer comes to the root
+    /// even if the request is gone by then), saving the root's wake-up; any other is queued.
+    pub fn submit_from(
+        &self,
+        host: &impl Host,
+        links: &Links<'_>,
+        context_id: u32,
+        write: PendingWrite,
+    ) {
+        let open = write
+            .rule
+            .store
+            .as_ref()
+            .and_then(|s| links.find(s))
+            .is_some_and(|link| link.handle().is_some());
+        if context_id != 0 && open {
+            self.send_on_stream(host, links, context_id, write);
+        } else {
+            self.submit(host, write);
+        }
+    }
+
     /// Called from a request's context: queue the write and wake the root.
     pub fn submit(&self, host: &impl Host, write: PendingWrite) {
         self.fresh.borrow_mut().push_back(write);
@@ -320,12 +343,19 @@ impl StoreWrites {
                         }
                     }
                 }
-                StoreTransport::Grpc => self.send_on_stream(host, links, write),
+                StoreTransport::Grpc => self.send_on_stream(host, links, links.root_context, write),
             }
         }
     }
 
-    fn send_on_stream(&self, host: &impl Host, links: &Links<'_>, mut write: PendingWrite) {
+    /// Sends `write` on its store's stream from `from_context` (the root, or a request).
+    fn send_on_stream(
+        &self,
+        host: &impl Host,
+        links: &Links<'_>,
+        from_context: u32,
+        mut write: PendingWrite,
+    ) {
         let Some(link) = write.rule.store.as_ref().and_then(|s| links.find(s)) else {
             self.drop_write(host, &write, "no stream serves its store");
             return;
@@ -335,8 +365,13 @@ impl StoreWrites {
             return;
         }
         let call = write.call.clone();
-        let root = links.root_context;
-        match link.send(host, root, root, &call, Waiter::Write(write)) {
+        match link.send(
+            host,
+            links.root_context,
+            from_context,
+            &call,
+            Waiter::Write(write),
+        ) {
             Ok(_) => self.on_stream.set(self.on_stream.get().saturating_add(1)),
             Err(unsent) => {
                 let unsent = *unsent;

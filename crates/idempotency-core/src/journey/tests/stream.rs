@@ -166,10 +166,11 @@ fn a_claim_goes_out_as_the_root_and_its_answer_resumes_the_request_in_its_own_co
     );
     assert!(is_executing(&journey.borrow()));
 
-    // The response is recorded; its completion goes on the stream from the root.
+    // The response is recorded; its completion goes on the stream at once (as the root, no
+    // wake-up of the root needed), and the request's context is restored.
     host.effective_context.set(REQUEST);
     respond(&host, &mut journey.borrow_mut(), 201, b"{\"id\":1}");
-    wake(&host, &root);
+    assert_eq!(host.effective_context.get(), REQUEST);
     let sent = calls(&host.take_effects());
     assert_eq!(sent.len(), 1);
     let (_, context, complete) = sent.into_iter().next().unwrap();
