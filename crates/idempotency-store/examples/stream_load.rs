@@ -47,7 +47,10 @@ fn args() -> Result<Args, String> {
         }
     }
     if a.url.is_empty() || a.in_flight == 0 || a.streams == 0 || a.seconds <= 0.0 {
-        return Err("usage: stream_load --url URL --token T [--in-flight N] [--streams N] [--seconds S]".into());
+        return Err(
+            "usage: stream_load --url URL --token T [--in-flight N] [--streams N] [--seconds S]"
+                .into(),
+        );
     }
     Ok(a)
 }
