@@ -54,9 +54,14 @@ struct Cli {
     #[arg(long, default_value = "./.run/store-data")]
     data_dir: PathBuf,
 
-    /// Redis URL for --backend redis, e.g. redis://127.0.0.1:6379/
+    /// Redis URL for --backend redis, e.g. redis://127.0.0.1:6379/. Several,
+    /// comma-separated, are the seed nodes of a Redis (or Valkey) Cluster.
     #[arg(long)]
     redis_url: Option<String>,
+
+    /// Treat a single --redis-url as a seed node of a Redis Cluster.
+    #[arg(long)]
+    redis_cluster: bool,
 
     /// File holding the bearer token clients must present (surrounding
     /// whitespace ignored). Takes precedence over IDEMPOTENCY_STORE_TOKEN.
@@ -178,7 +183,7 @@ async fn open_storage(cli: &Cli) -> Result<(Arc<dyn Storage>, Option<BatchMetric
                 .ok_or("--backend redis needs --redis-url redis://HOST:PORT/")?;
             (
                 Arc::new(
-                    RedisStorage::connect(url)
+                    RedisStorage::connect_to(url, cli.redis_cluster)
                         .await
                         .map_err(|e| format!("cannot connect to redis: {e}"))?,
                 ),

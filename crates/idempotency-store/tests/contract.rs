@@ -25,7 +25,7 @@ use idempotency_store::storage::{
     ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordState, ReleaseOutcome, Storage,
 };
 
-use common::{random_digest, RedisServer};
+use common::{random_digest, RedisCluster, RedisServer};
 
 const LONG_LEASE_MS: u64 = 60_000;
 const LONG_TTL_MS: u64 = 86_400_000;
@@ -71,6 +71,17 @@ impl Harness {
             storage: Arc::new(storage),
             time: Time::Real,
             _guard: Box::new(server),
+        }
+    }
+
+    async fn redis_cluster(cluster: &Arc<RedisCluster>) -> Self {
+        let storage = RedisStorage::connect_to(&cluster.urls(), true)
+            .await
+            .unwrap();
+        Self {
+            storage: Arc::new(storage),
+            time: Time::Real,
+            _guard: Box::new(Arc::clone(cluster)),
         }
     }
 
@@ -677,6 +688,36 @@ macro_rules! contract_suite {
 contract_suite!(memory, Harness::memory());
 contract_suite!(embedded, Harness::embedded());
 contract_suite!(redis, Harness::redis().await);
+
+/// The whole contract on a real six-node Redis Cluster: one cluster for every case (each
+/// uses keys of its own, spread over the three primaries' slots), run in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_contract_holds_on_a_redis_cluster() {
+    let cluster = Arc::new(RedisCluster::start());
+    let h = Harness::redis_cluster(&cluster).await;
+    first_claim_claims(&h).await;
+    second_claim_same_fingerprint_is_in_flight(&h).await;
+    different_fingerprint_is_mismatch_and_untouched(&h).await;
+    complete_then_claim_replays_bytes(&h).await;
+    complete_by_wrong_owner_is_refused(&h).await;
+    completed_record_is_never_overwritten(&h).await;
+    release_by_owner_deletes(&h).await;
+    release_by_non_owner_is_refused(&h).await;
+    lease_expiry_allows_takeover(&h).await;
+    late_finisher_never_overwrites_the_new_owner(&h).await;
+    ttl_expiry_allows_new_claim(&h).await;
+    given_owner_can_release_and_complete(&h).await;
+    the_owner_asking_again_gets_its_claim_back(&h).await;
+    retried_complete_with_same_bytes_succeeds_unchanged(&h).await;
+    release_of_a_gone_record_is_not_owner(&h).await;
+    concurrent_claims_have_one_winner(&h).await;
+    complete_after_the_claim_is_gone_records_with_its_fingerprint(&h).await;
+    complete_after_the_claim_is_gone_never_touches_a_newer_record(&h).await;
+    // Many keys: every primary owns some of them, and each is served where its slot lives.
+    for _ in 0..64 {
+        first_claim_claims(&h).await;
+    }
+}
 
 // Service-clock backends only: behaviour that Redis's own expiry cannot show
 // (it deletes a lapsed lease at once) or that needs exact time.

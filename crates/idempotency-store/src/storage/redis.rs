@@ -4,7 +4,10 @@
 //! so store replicas with skewed clocks still agree.
 //!
 //! Layout: one hash per record at `idem:{<key>}`. The braces make the whole key
-//! the Redis Cluster hash tag, so a record always lives on one slot.
+//! the Redis Cluster hash tag, so a record always lives on one slot, and every
+//! script touches that one key: on a Redis (or Valkey) Cluster each operation
+//! runs on the node that owns the record's slot, and the client follows
+//! MOVED/ASK redirections and topology changes.
 //!
 //! The scripts implement `idempotency_protocol::decision` (`claim`, `complete`,
 //! `release`), which the other backends and the filter's local table call
@@ -15,8 +18,10 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::aio::ConnectionManager;
-use redis::{Script, Value};
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
 use super::{
     ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordState, RecordView, ReleaseOutcome,
@@ -109,8 +114,43 @@ if not v[1] then return false end
 return v
 ";
 
+/// One Redis server (or a Sentinel-managed primary behind one URL), or a Redis Cluster.
+#[derive(Clone)]
+enum Connection {
+    Node(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Connection::Node(c) => c.req_packed_command(cmd),
+            Connection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Connection::Node(c) => c.req_packed_commands(cmd, offset, count),
+            Connection::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Node(c) => c.get_db(),
+            Connection::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
 pub struct RedisStorage {
-    conn: ConnectionManager,
+    conn: Connection,
     claim: Script,
     complete: Script,
     release: Script,
@@ -129,27 +169,103 @@ fn unexpected(what: &str, v: &Value) -> StorageError {
     StorageError::Backend(format!("redis: unexpected {what} reply: {v:?}"))
 }
 
+/// Bounded timeouts: a stuck Redis must become a 503, not a hung claim.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl RedisStorage {
     /// Connects eagerly so a wrong URL fails at startup, not on the first request.
+    /// One URL is one server; several (comma-separated) are seed nodes of a Redis
+    /// Cluster, as is one URL when `cluster` is set.
+    pub async fn connect_to(urls: &str, cluster: bool) -> Result<Self, StorageError> {
+        let seeds: Vec<&str> = urls
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .collect();
+        let conn = match seeds.as_slice() {
+            [] => return Err(StorageError::Backend("redis: no URL given".into())),
+            [one] if !cluster => Connection::Node(connect_node(one).await?),
+            many => Connection::Cluster(connect_cluster(many).await?),
+        };
+        for seed in &seeds {
+            warn_if_evicting(seed).await;
+        }
+        Ok(Self::with(conn))
+    }
+
+    /// One Redis server at `url`.
     pub async fn connect(url: &str) -> Result<Self, StorageError> {
-        let client = redis::Client::open(url).map_err(backend)?;
-        // Bounded timeouts: a stuck Redis must become a 503, not a hung claim.
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(2)))
-            .set_response_timeout(Some(Duration::from_secs(5)))
-            .set_number_of_retries(2);
-        let conn = client
-            .get_connection_manager_with_config(config)
-            .await
-            .map_err(backend)?;
-        Ok(Self {
+        Self::connect_to(url, false).await
+    }
+
+    fn with(conn: Connection) -> Self {
+        Self {
             conn,
             claim: Script::new(CLAIM_LUA),
             complete: Script::new(COMPLETE_LUA),
             release: Script::new(RELEASE_LUA),
             lookup: Script::new(LOOKUP_LUA),
-        })
+        }
     }
+}
+
+async fn connect_node(url: &str) -> Result<ConnectionManager, StorageError> {
+    let client = redis::Client::open(url).map_err(backend)?;
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(CONNECT_TIMEOUT))
+        .set_response_timeout(Some(RESPONSE_TIMEOUT))
+        .set_number_of_retries(2);
+    client
+        .get_connection_manager_with_config(config)
+        .await
+        .map_err(backend)
+}
+
+/// Redis may delete keys under memory pressure unless `maxmemory-policy` is
+/// `noeviction`; the `volatile-*` policies pick exactly the keys with a TTL, which
+/// every claim and record here has. An evicted claim lets a retry execute again.
+pub fn eviction_is_unsafe(policy: &str) -> bool {
+    policy != "noeviction"
+}
+
+/// Warns at start when the server at `url` may evict claims (only seeds are asked; a
+/// server that refuses `CONFIG GET`, as some managed ones do, is noted and trusted).
+async fn warn_if_evicting(url: &str) {
+    let policy: Result<Vec<String>, redis::RedisError> = async {
+        let client = redis::Client::open(url)?;
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(&mut conn)
+            .await
+    }
+    .await;
+    match policy.as_deref() {
+        Ok([_, policy]) if eviction_is_unsafe(policy) => tracing::warn!(
+            %url,
+            %policy,
+            "redis may evict keys under memory pressure: an evicted claim lets a retry \
+             execute twice; set maxmemory-policy noeviction"
+        ),
+        Ok(_) => {}
+        Err(e) => {
+            tracing::info!(%url, "cannot read maxmemory-policy ({e}); make sure it is noeviction")
+        }
+    }
+}
+
+/// A Redis Cluster from its seed nodes: the client learns the slot map from them, sends
+/// each script to the node owning its key's slot, and follows MOVED/ASK and failovers.
+async fn connect_cluster(seeds: &[&str]) -> Result<ClusterConnection, StorageError> {
+    let client = ClusterClientBuilder::new(seeds.to_vec())
+        .connection_timeout(CONNECT_TIMEOUT)
+        .response_timeout(RESPONSE_TIMEOUT)
+        .retries(3)
+        .build()
+        .map_err(backend)?;
+    client.get_async_connection().await.map_err(backend)
 }
 
 fn as_bytes(v: &Value) -> Option<&[u8]> {
@@ -314,5 +430,19 @@ impl Storage for RedisStorage {
     async fn sweep_expired(&self) -> Result<u64, StorageError> {
         // Redis expires keys itself (PEXPIRE); nothing to do.
         Ok(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::eviction_is_unsafe;
+
+    #[test]
+    fn only_noeviction_keeps_every_claim() {
+        assert!(!eviction_is_unsafe("noeviction"));
+        // volatile-* pick keys with a TTL, which every claim and record has.
+        for policy in ["volatile-lru", "volatile-ttl", "allkeys-lru", "allkeys-random"] {
+            assert!(eviction_is_unsafe(policy), "{policy}");
+        }
     }
 }

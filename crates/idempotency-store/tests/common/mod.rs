@@ -76,6 +76,106 @@ impl Drop for RedisServer {
     }
 }
 
+/// A throwaway six-node Redis Cluster (three primaries, three replicas) on free
+/// loopback ports, made with `redis-cli --cluster create`. Every node is killed by
+/// its own PID when dropped.
+pub struct RedisCluster {
+    nodes: Vec<Child>,
+    pub ports: Vec<u16>,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisCluster {
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir for the cluster");
+        let mut cluster = Self {
+            nodes: Vec::new(),
+            ports: Vec::new(),
+            _dir: tempfile::tempdir().expect("tempdir"),
+        };
+        for i in 0..6 {
+            let port = free_port();
+            let node_dir = dir.path().join(format!("node-{i}"));
+            std::fs::create_dir_all(&node_dir).unwrap();
+            let child = Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(&node_dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot start `redis-server` ({e})"));
+            cluster.nodes.push(child);
+            cluster.ports.push(port);
+        }
+        cluster._dir = dir;
+        for &port in &cluster.ports {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !ping(port) {
+                assert!(
+                    Instant::now() < deadline,
+                    "cluster node {port} did not start"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let addrs: Vec<String> = cluster
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        let created = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("redis-cli on PATH (Debian: redis-tools)");
+        assert!(created.success(), "redis-cli --cluster create failed");
+        cluster.wait_until_ok();
+        cluster
+    }
+
+    /// Seed URLs, comma-separated, as `--redis-url` takes them.
+    pub fn urls(&self) -> String {
+        self.ports
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}/"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Every node reports `cluster_state:ok` (all slots served).
+    fn wait_until_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for &port in &self.ports {
+            loop {
+                let info = Command::new("redis-cli")
+                    .args(["-p", &port.to_string(), "cluster", "info"])
+                    .output()
+                    .expect("redis-cli");
+                if String::from_utf8_lossy(&info.stdout).contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "cluster not ok at node {port}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for child in &mut self.nodes {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 fn ping(port: u16) -> bool {
     let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
         return false;
