@@ -352,6 +352,9 @@ class ProcessGroup:
     def redis(self, **kwargs: Any) -> "Redis":
         return self.add(start_redis(self.tmpdir, **kwargs))
 
+    def redis_cluster(self, **kwargs: Any) -> "RedisCluster":
+        return self.add(start_redis_cluster(self.tmpdir, **kwargs))
+
     def store(self, **kwargs: Any) -> "Store":
         """An idempotency-store, registered before it starts (so stopped even if that fails)."""
         return self.add(Store(self.tmpdir, **kwargs)).start()
@@ -592,6 +595,7 @@ def start_redis(
     name: str = "redis",
     timeout: float = 10.0,
     binary: str = "/usr/bin/redis-server",
+    extra_args: Sequence[str] = (),
 ) -> Redis:
     """Without appendonly nothing is persisted (no RDB either): a restart starts empty."""
     port = port or free_port()
@@ -608,6 +612,7 @@ def start_redis(
         "--daemonize", "no",
         "--protected-mode", "yes",
         "--logfile", "",
+        *extra_args,
     ]
     proc = ManagedProcess(argv, name=name, log_dir=tmpdir).start()
     redis = Redis(proc, port, data_dir)
@@ -617,6 +622,87 @@ def start_redis(
         proc.stop()
         raise
     return redis
+
+
+class RedisCluster:
+    """Six redis-servers on loopback made into a Redis Cluster by ``redis-cli --cluster
+    create``: three primaries, a replica each, failover after ``node_timeout_ms``."""
+
+    def __init__(self, nodes: list[Redis]) -> None:
+        self.nodes = nodes
+
+    @property
+    def urls(self) -> str:
+        """The seed nodes, as the store's ``--redis-url`` takes them."""
+        return ",".join(f"{n.url}/" for n in self.nodes)
+
+    def info(self, node: Redis) -> dict[str, str]:
+        text = node.command("CLUSTER", "INFO")
+        text = text.decode() if isinstance(text, bytes) else str(text)
+        return dict(line.split(":", 1) for line in text.split() if ":" in line)
+
+    def alive(self) -> list[Redis]:
+        return [n for n in self.nodes if n.process.alive()]
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Every running node serves every slot (``cluster_state:ok``)."""
+        def ok() -> bool:
+            try:
+                return all(self.info(n).get("cluster_state") == "ok" for n in self.alive())
+            except (OSError, RedisError):
+                return False
+        wait_until(ok, timeout=timeout, what="redis cluster_state:ok on every node")
+
+    def wait_replicas_synced(self, timeout: float = 30.0) -> None:
+        """Every replica has its link to its primary up (else it could not take over)."""
+        def synced() -> bool:
+            try:
+                return all(self._replication(n).get("master_link_status", "up") == "up"
+                           for n in self.alive())
+            except (OSError, RedisError):
+                return False
+        wait_until(synced, timeout=timeout, what="every replica synced with its primary")
+
+    def _replication(self, node: Redis) -> dict[str, str]:
+        info = node.client().info("replication")
+        return {k: str(v) for k, v in info.items()}
+
+    def primaries(self) -> list[Redis]:
+        """The running nodes that serve slots now."""
+        def role(node: Redis) -> str:
+            first = node.command("ROLE")[0]
+            return first.decode() if isinstance(first, bytes) else str(first)
+        return [n for n in self.alive() if role(n) == "master"]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def start_redis_cluster(tmpdir: str | os.PathLike[str], *, name: str = "redis-cluster",
+                        node_timeout_ms: int = 1000) -> RedisCluster:
+    nodes: list[Redis] = []
+    try:
+        for i in range(6):
+            # The bus port is set, not derived (port + 10000 may not exist or be free).
+            nodes.append(start_redis(tmpdir, name=f"{name}-{i}", extra_args=[
+                "--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
+                "--cluster-config-file", f"nodes-{i}.conf", "--cluster-port", str(free_port()),
+                # Replicas sync at once (the default waits 5 s for more replicas to join).
+                "--repl-diskless-sync-delay", "0"]))
+        addrs = [f"{LOOPBACK}:{n.port}" for n in nodes]
+        created = subprocess.run([os.environ.get("REDIS_CLI_BIN", "redis-cli"), "--cluster", "create", *addrs, "--cluster-replicas", "1",
+                                  "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if created.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout}{created.stderr}")
+        cluster = RedisCluster(nodes)
+        cluster.wait_ok()
+        cluster.wait_replicas_synced()
+        return cluster
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
 
 
 # --------------------------------------------------------------------------
@@ -638,6 +724,7 @@ class Store:
         token: str,
         backend: str = "embedded",
         redis: Redis | None = None,
+        redis_url: str | None = None,
         name: str = "store",
         port: int | None = None,
         log_level: str | None = None,
@@ -660,9 +747,9 @@ class Store:
             "--token-file", token_file,
         ]
         if backend == "redis":
-            if redis is None:
+            if redis is None and redis_url is None:
                 raise ValueError("the redis backend needs a running redis")
-            argv += ["--redis-url", f"{redis.url}/"]
+            argv += ["--redis-url", redis_url or f"{redis.url}/"]
         if log_level:
             argv += ["--log-level", log_level]
         self.process = ManagedProcess(argv, name=name, log_dir=tmpdir)

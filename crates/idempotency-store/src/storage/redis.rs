@@ -441,7 +441,12 @@ mod tests {
     fn only_noeviction_keeps_every_claim() {
         assert!(!eviction_is_unsafe("noeviction"));
         // volatile-* pick keys with a TTL, which every claim and record has.
-        for policy in ["volatile-lru", "volatile-ttl", "allkeys-lru", "allkeys-random"] {
+        for policy in [
+            "volatile-lru",
+            "volatile-ttl",
+            "allkeys-lru",
+            "allkeys-random",
+        ] {
             assert!(eviction_is_unsafe(policy), "{policy}");
         }
     }

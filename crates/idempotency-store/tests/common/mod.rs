@@ -100,6 +100,8 @@ impl RedisCluster {
             let child = Command::new("redis-server")
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
                 .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+                // The bus port is set, not derived (port + 10000 may not exist or be free).
+                .args(["--cluster-port", &free_port().to_string()])
                 .args(["--save", "", "--appendonly", "no"])
                 .arg("--dir")
                 .arg(&node_dir)
