@@ -807,29 +807,94 @@ def claimed_so_far(store: harness.Store) -> int:
 STREAM_LOAD = REPO / "target" / "release" / "examples" / "stream_load"
 
 
-def run_stream_load(store: harness.Store, backend: str, url: str, seconds: float) -> StoreResult:
-    """Claims of new keys on one gRPC stream to the store, as many in flight as wrk has
-    connections (`crates/idempotency-store/examples/stream_load.rs`)."""
-    before = claimed_so_far(store)
-    argv = [str(STREAM_LOAD), "--url", url, "--token", STORE_TOKEN, "--in-flight", str(WRK_CONNECTIONS),
+def stream_load_argv(url: str, in_flight: int, seconds: float) -> list[str]:
+    return [str(STREAM_LOAD), "--url", url, "--token", STORE_TOKEN, "--in-flight", str(in_flight),
             "--streams", "1", "--seconds", str(seconds)]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60,
-                         preexec_fn=harness._preexec())
+
+
+def stream_load_result(backend: str, argv: list[str], res: subprocess.CompletedProcess) -> WrkResult:
+    """`stream_load`'s JSON line as a WrkResult (errors: answers other than claimed)."""
     if res.returncode != 0:
         raise BenchFailure(f"stream_load ({backend}) failed: {res.stdout}\n{res.stderr}")
     try:
         out = json.loads(res.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError) as err:
         raise BenchFailure(f"stream_load ({backend}) printed no result: {res.stdout}") from err
+    return WrkResult(requests=out["calls"], seconds=out["seconds"], rps=out["rps"], p50_ms=out["p50_ms"],
+                     p75_ms=0.0, p90_ms=0.0, p99_ms=out["p99_ms"], non2xx=out["errors"], socket_errors=0,
+                     output=res.stdout)
+
+
+def run_stream_load(store: harness.Store, backend: str, url: str, seconds: float) -> StoreResult:
+    """Claims of new keys on one gRPC stream to the store, as many in flight as wrk has
+    connections (`crates/idempotency-store/examples/stream_load.rs`)."""
+    before = claimed_so_far(store)
+    argv = stream_load_argv(url, WRK_CONNECTIONS, seconds)
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60,
+                         preexec_fn=harness._preexec())
+    w = stream_load_result(backend, argv, res)
     claimed = claimed_so_far(store) - before
-    if out["errors"] > out["calls"] / 2 or claimed < 0.95 * (out["calls"] - out["errors"]):
-        raise BenchFailure(f"stream_load ({backend}): {out}, {claimed} claimed")
-    w = WrkResult(requests=out["calls"], seconds=out["seconds"], rps=out["rps"], p50_ms=out["p50_ms"],
-                  p75_ms=0.0, p90_ms=0.0, p99_ms=out["p99_ms"], non2xx=out["errors"], socket_errors=0,
-                  output=res.stdout)
+    if w.non2xx > w.requests / 2 or claimed < 0.95 * (w.requests - w.non2xx):
+        raise BenchFailure(f"stream_load ({backend}): {w.output}, {claimed} claimed")
     log(f"  stream: {w.rps:.0f} claims/s, p50 {w.p50_ms:.2f} ms, p99 {w.p99_ms:.2f} ms")
     command = display_cmd(argv, {url: "http://127.0.0.1:$STORE_PORT", STORE_TOKEN: "$TOKEN"})
     return StoreResult(backend, w, claimed, command, transport="stream")
+
+
+@dataclass
+class ClusterScale:
+    """The store on a three-primary Redis Cluster, over its stream, at WRK_CONNECTIONS calls
+    in flight in all: one instance, then two instances sharing the calls."""
+    one: WrkResult
+    two: list[WrkResult]
+    redis_benchmark: RedisBench
+    command: str
+
+    @property
+    def two_rps(self) -> float:
+        return sum(w.rps for w in self.two)
+
+
+def run_store_on_cluster(tmp: Path, seconds: float, warmup: float, redis_requests: int) -> ClusterScale:
+    log("store on a Redis Cluster (3 primaries, 3 replicas)")
+    with harness.ProcessGroup(tmp) as group:
+        cluster = group.redis_cluster()
+        stores = [group.add(start_store(tmp, "redis", None, f"store-cluster-{i}", redis_url=cluster.urls))
+                  for i in range(2)]
+        urls = [f"http://{harness.LOOPBACK}:{s.port}" for s in stores]
+        if warmup > 0:
+            subprocess.run(stream_load_argv(urls[0], WRK_CONNECTIONS, warmup), capture_output=True,
+                           timeout=warmup + 60, preexec_fn=harness._preexec())
+        argv = stream_load_argv(urls[0], WRK_CONNECTIONS, seconds)
+        one = stream_load_result("cluster", argv, subprocess.run(
+            argv, capture_output=True, text=True, timeout=seconds + 60, preexec_fn=harness._preexec()))
+        log(f"  one instance: {one.rps:.0f} claims/s, p50 {one.p50_ms:.2f} ms, p99 {one.p99_ms:.2f} ms")
+        half = WRK_CONNECTIONS // 2
+        procs = [subprocess.Popen(stream_load_argv(u, half, seconds), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, preexec_fn=harness._preexec())
+                 for u in urls]
+        two = []
+        for u, proc in zip(urls, procs):
+            out, err = proc.communicate(timeout=seconds + 60)
+            two.append(stream_load_result("cluster", [], subprocess.CompletedProcess([], proc.returncode, out, err)))
+        log(f"  two instances: {sum(w.rps for w in two):.0f} claims/s "
+            f"({' + '.join(f'{w.rps:.0f}' for w in two)})")
+        if any(w.non2xx for w in [one, *two]):
+            raise BenchFailure(f"store on the cluster answered other than claimed: {one.output} {two}")
+        seed = cluster.nodes[0].port
+        rb_argv = ["redis-benchmark", "--cluster", "-h", harness.LOOPBACK, "-p", str(seed), "-c",
+                   str(WRK_CONNECTIONS), "--threads", str(WRK_THREADS), "-n", str(redis_requests), "-r",
+                   "100000000", "--csv", "SET", "key:{tag}:__rand_int__", "x", "NX"]
+        res = subprocess.run(rb_argv, capture_output=True, text=True, timeout=180, preexec_fn=harness._preexec())
+        rows = [r for r in csv.reader(io.StringIO(res.stdout)) if r and r[0] != "test"]
+        if res.returncode != 0 or not rows:
+            raise BenchFailure(f"redis-benchmark --cluster failed: {res.stdout}\n{res.stderr}")
+        row = rows[-1]
+        rb = RedisBench(float(row[1]), float(row[4]), float(row[6]),
+                        display_cmd(rb_argv, {str(seed): "$SEED_PORT"}))
+        log(f"  redis-benchmark --cluster: {rb.rps:.0f} SET NX/s")
+        command = display_cmd(argv, {urls[0]: "http://127.0.0.1:$STORE_PORT", STORE_TOKEN: "$TOKEN"})
+        return ClusterScale(one, two, rb, command)
 
 
 def run_store_alone(tmp: Path, redis: harness.Redis, seconds: float, warmup: float,

@@ -19,6 +19,7 @@ from measure import (
     MemoryResult,
     RedisBench,
     SetupResult,
+    ClusterScale,
     StoreResult,
     outcome,
 )
@@ -281,8 +282,8 @@ def add_rate_section(add, rated: list[SetupResult], rate_a, durations: "Duration
 
 def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durations",
                results: list[SetupResult], mem: MemoryResult | None, stores: list[StoreResult],
-               rb: RedisBench | None, wasm_size: int, noop_size: int, elapsed: float,
-               envoy_cmd: str) -> list[tuple[str, bool | None, str]]:
+               rb: RedisBench | None, scale: ClusterScale | None, wasm_size: int, noop_size: int,
+               elapsed: float, envoy_cmd: str) -> list[tuple[str, bool | None, str]]:
     by = {r.setup.key: r for r in results}
     a, b = by["a"].wrk, by["b"].wrk
     targets: list[tuple[str, bool | None, str]] = []
@@ -322,6 +323,11 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
         targets.append(("store on Redis (over its stream) ≥ 0.7× redis-benchmark SET NX",
                         store_redis.wrk.rps >= 0.7 * rb.rps,
                         f"{store_redis.wrk.rps:,.0f} vs {rb.rps:,.0f} /s = {store_redis.wrk.rps / rb.rps:.2f}×"))
+    if scale:
+        targets.append(("store on a 3-primary Redis Cluster: one and two instances, against "
+                        "redis-benchmark --cluster", None,
+                        f"{scale.one.rps:,.0f} and {scale.two_rps:,.0f} claims/s vs "
+                        f"{scale.redis_benchmark.rps:,.0f} SET NX/s"))
     targets.append(("Wasm module ≤ 512 KiB", wasm_size <= WASM_SIZE_TARGET,
                     f"{wasm_size / 1024:.0f} KiB ({wasm_size:,} bytes)"))
     if mem:
@@ -490,6 +496,8 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
             "`TIME`, `DEL`, `HSET`, `PEXPIRE`) instead of one `SET NX`, and the store's own task, "
             "metrics and answer; the store, Redis and the load generator share the machine's two cores.")
         add("")
+    if scale:
+        add_cluster_section(add, scale)
     add("## Module size")
     add("")
     add(f"- `target/wasm32-unknown-unknown/release/idempotency_filter.wasm`: **{wasm_size / 1024:.0f} KiB** "
@@ -548,3 +556,34 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     add("")
     path.write_text("\n".join(L))
     return targets
+
+
+def add_cluster_section(add, scale: ClusterScale) -> None:
+    add("## The store on a Redis Cluster")
+    add("")
+    add("Six redis-servers made into a cluster (`redis-cli --cluster create`, three primaries with a "
+        "replica each), all on this machine's two cores with the store and the load. Claims of new "
+        "keys over the store's stream, 32 calls in flight in all: first on one store instance, then "
+        "16 each on two instances sharing the cluster. The keys spread over the three primaries' "
+        "slots; the store sends each script to the primary owning its key.")
+    add("")
+    add("| | claims/s | p50 ms | p99 ms |")
+    add("| --- | ---: | ---: | ---: |")
+    add(f"| one store instance | {scale.one.rps:,.0f} | {scale.one.p50_ms:.2f} | {scale.one.p99_ms:.2f} |")
+    for i, w in enumerate(scale.two, start=1):
+        add(f"| two instances: instance {i} | {w.rps:,.0f} | {w.p50_ms:.2f} | {w.p99_ms:.2f} |")
+    add(f"| two instances together | {scale.two_rps:,.0f} | | |")
+    rb = scale.redis_benchmark
+    add(f"| redis-benchmark `--cluster` `SET key NX` (Redis itself) | {rb.rps:,.0f} | {rb.p50_ms:.2f} "
+        f"| {rb.p99_ms:.2f} |")
+    add("")
+    add(f"One instance reaches {scale.one.rps / rb.rps:.2f}× of redis-benchmark on the same cluster; "
+        f"two reach {scale.two_rps / rb.rps:.2f}×. On one 2-core machine a second instance adds "
+        "processes, not cores, so this shows that instances share a cluster without coordination, "
+        "not how they scale on separate machines.")
+    add("")
+    add("```sh")
+    add(f"{scale.command}   # one instance")
+    add(rb.command)
+    add("```")
+    add("")

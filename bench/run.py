@@ -61,6 +61,7 @@ from measure import (
     run_memory,
     run_setup,
     run_store_alone,
+    run_store_on_cluster,
 )
 from report import machine, write_chart, write_page
 from setups import FILTER_WASM, NOOP_WASM, PRODUCT, REPO, harness, setups
@@ -78,7 +79,7 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=1000, help="requests/s of the fixed-rate runs (0 skips them)")
     p.add_argument("--rate-duration", type=float, default=10, help="seconds of each fixed-rate run")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,memory,store (development; writes no page)")
+                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,memory,store,cluster (development; writes no page)")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary directory of logs and configs")
     p.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"), help="page to write")
     args = p.parse_args()
@@ -107,6 +108,7 @@ def main() -> int:
     mem = None
     stores: list[StoreResult] = []
     rb = None
+    scale = None
     envoy_cmd = ""
     try:
         with harness.ProcessGroup(tmp) as group:
@@ -126,6 +128,9 @@ def main() -> int:
             if not only or "store" in only:
                 stores, rb = run_store_alone(tmp / "store", redis, args.store_duration, durations.store_warmup,
                                              args.redis_requests)
+            if not only or "cluster" in only:
+                scale = run_store_on_cluster(tmp / "cluster", args.store_duration, durations.store_warmup,
+                                             args.redis_requests)
     except BenchFailure as err:
         print(f"\nBENCH FAILED: {err}\n(logs in {tmp})", file=sys.stderr, flush=True)
         return 1
@@ -136,7 +141,7 @@ def main() -> int:
     out = Path(args.out)
     chart = out.with_suffix(".png")
     write_chart(results, chart)
-    targets = write_page(out, chart, info, durations, results, mem, stores, rb, FILTER_WASM.stat().st_size,
+    targets = write_page(out, chart, info, durations, results, mem, stores, rb, scale, FILTER_WASM.stat().st_size,
                          NOOP_WASM.stat().st_size, elapsed, envoy_cmd)
     log(f"wrote {out} and {chart} in {elapsed:.0f}s")
     for name, ok, detail in targets:

@@ -192,9 +192,10 @@ def setups() -> list[Setup]:
 # --------------------------------------------------------------------------
 
 
-def start_store(tmp: Path, backend: str, redis: harness.Redis | None, name: str) -> harness.Store:
-    return harness.Store(tmp, token=STORE_TOKEN, backend=backend, redis=redis, name=name,
-                         log_level="warn").start()
+def start_store(tmp: Path, backend: str, redis: harness.Redis | None, name: str,
+                redis_url: str | None = None) -> harness.Store:
+    return harness.Store(tmp, token=STORE_TOKEN, backend=backend, redis=redis, redis_url=redis_url,
+                         name=name, log_level="warn").start()
 
 
 def start_echo(tmp: Path, name: str) -> harness.Upstream:

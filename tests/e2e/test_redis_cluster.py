@@ -8,6 +8,7 @@ worker stream. Everything on 127.0.0.1; processes are stopped by their own PID."
 from __future__ import annotations
 
 import collections
+import json
 import shutil
 import threading
 import time
@@ -128,3 +129,48 @@ def test_recorded_keys_replay_after_a_primary_fails_over(procs) -> None:
             assert (resp.status_code, is_replay(resp)) == (201, True), (i, resp.status_code, resp.content[:200])
             assert resp.content == first[key]
         assert upstream.executions(path) == 1, path
+
+
+def test_the_kubernetes_store_deployment_runs_on_a_redis_cluster(procs, tmp_path) -> None:
+    """deploy/kubernetes/store-on-redis-cluster.yaml: the store Deployment's own arguments
+    start the real store against a real cluster (only the listen address, the seed and the
+    token file are swapped for loopback ones) and a claim made through it lands; its Service
+    and Secret are the ones the mesh samples' plugin configuration already names."""
+    from test_deploy_manifests import ISTIO, load_all, one
+
+    path = harness.REPO_ROOT / "deploy" / "kubernetes" / "store-on-redis-cluster.yaml"
+    deployment = one(path, "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--backend=redis" in args and "--redis-cluster" in args
+    redis = procs.redis_cluster()
+    token_file = tmp_path / "token"
+    token_file.write_text("manifest-test-token\n")
+    port = harness.free_port()
+    swapped = []
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        swapped.append({"--listen": f"--listen={harness.LOOPBACK}:{port}",
+                        "--redis-url": f"--redis-url={redis.nodes[0].url}/",
+                        "--token-file": f"--token-file={token_file}"}.get(flag, arg))
+    process = procs.add(harness.ManagedProcess([harness.store_binary(), *swapped], name="store-manifest",
+                                               log_dir=tmp_path).start())
+    harness.wait_for_http(f"http://{harness.LOOPBACK}:{port}/healthz", timeout=20, proc=process)
+    def claim() -> client.Response:
+        body = json.dumps({"key": "ab" * 32, "fingerprint": "cd" * 32, "lease_ms": 60000})
+        return client.post(f"http://{harness.LOOPBACK}:{port}/v1/claim", body=body, timeout=10,
+                           headers={"authorization": "Bearer manifest-test-token",
+                                    "content-type": "application/json"})
+
+    first = claim()
+    assert first.status_code == 200 and first.json()["outcome"] == "claimed", first.content[:200]
+    # The claim is in the cluster: the same key again is in flight.
+    again = claim()
+    assert again.status_code == 200 and again.json()["outcome"] == "in_flight", again.content[:200]
+
+    service, secret = one(path, "Service"), one(path, "Secret")
+    mesh_service, mesh_secret = one(ISTIO / "store.yaml", "Service"), one(ISTIO / "store.yaml", "Secret")
+    assert service["metadata"] == mesh_service["metadata"]
+    assert service["spec"]["ports"] == mesh_service["spec"]["ports"]
+    assert service["spec"]["ports"][0]["appProtocol"] == "grpc"
+    assert secret["metadata"] == mesh_secret["metadata"]
+    assert [d["kind"] for d in load_all(path)] == ["Secret", "Service", "Deployment"]
