@@ -40,4 +40,6 @@ pub mod store_stream;
 pub mod table;
 pub mod table_layout;
 pub mod table_lineage;
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod table_properties;
 mod wire;
