@@ -3,6 +3,8 @@
 
 use std::rc::Rc;
 
+use idempotency_protocol::stream::CallOp;
+
 use super::{
     pass, send_local, Execution, Journey, RequestJourney, Step, StoreCall, StoreOwner, StoreWait,
     Verdict,
@@ -124,7 +126,7 @@ impl RequestJourney {
         let call =
             store_client::claim_call(&held.key, &held.fingerprint, rule.rule.lease_ms, &owner);
         let sent = match store.transport {
-            StoreTransport::Grpc => self.send_on_stream(host, &rule, &held, &owner, &call),
+            StoreTransport::Grpc => self.send_on_stream(host, &rule, call),
             StoreTransport::Http => {
                 let body = store_client::http_body(&call);
                 store_calls::send(host, &store, StoreOp::Claim, &body)
@@ -156,9 +158,7 @@ impl RequestJourney {
         &self,
         host: &impl Host,
         rule: &Rc<RuleHandle>,
-        held: &Held,
-        owner: &str,
-        call: &idempotency_protocol::stream::CallOp,
+        call: CallOp,
     ) -> Result<StoreCall, String> {
         let plugin = &self.plugin;
         let link = plugin
@@ -169,16 +169,9 @@ impl RequestJourney {
             context_id: self.context_id,
             journey: self.me.clone(),
             rule: Rc::clone(rule),
-            key: held.key,
-            owner: owner.to_owned(),
-        });
-        let sent = link.send(
-            host,
-            plugin.root_context.get(),
-            self.context_id,
             call,
-            waiter,
-        );
+        });
+        let sent = link.send(host, plugin.root_context.get(), self.context_id, waiter);
         if link.has_waiting() {
             // The claim waits for a stream: the root opens one when it wakes.
             plugin.writes.wake_root(host);

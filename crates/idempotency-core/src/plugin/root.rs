@@ -5,14 +5,14 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use idempotency_protocol::stream::Reply;
+use idempotency_protocol::stream::{CallOp, Reply};
 
 use crate::host::Host;
 use crate::journey::{Event, RequestJourney};
 use crate::plugin::store_link::{ClaimWaiter, Waiter};
 use crate::plugin::store_writes::PendingWrite;
 use crate::plugin::Plugin;
-use crate::store_client::{self, read_claim_reply, StoreClaim, StoreFailure};
+use crate::store_client::{read_claim_reply, StoreClaim, StoreFailure};
 
 /// How often the root retries store writes that failed.
 pub const STORE_RETRY_TICK_MS: u32 = 200;
@@ -277,9 +277,9 @@ fn orphaned(
         "rule {}: a store answer found its request gone; its local claim ends with its lease",
         claim.rule.rule.name
     );
-    if may_hold {
+    if let (true, CallOp::Claim { key, owner, .. }) = (may_hold, claim.call) {
         let deadline = host.now_ms().saturating_add(claim.rule.rule.lease_ms);
-        let call = store_client::release_call(&claim.key, &claim.owner);
+        let call = CallOp::Release { key, owner };
         let write = PendingWrite::new(Rc::clone(&claim.rule), call, deadline).best_effort();
         plugin.writes.submit(host, write);
     }

@@ -16,7 +16,6 @@ use idempotency_protocol::stream::{self, CallOp, Reply};
 use crate::config::StoreConfig;
 use crate::host::Host;
 use crate::journey::RequestJourney;
-use crate::key::Digest;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::store_writes::PendingWrite;
 use crate::store_stream::{NotSent, StoreStream, StreamLimits};
@@ -35,16 +34,24 @@ pub struct ClaimWaiter {
     pub call_id: u64,
     pub context_id: u32,
     pub journey: Weak<RefCell<RequestJourney>>,
-    /// What it takes to undo the claim should the request be gone when the answer comes.
+    /// The rule and the claim, to undo it should the request be gone when the answer comes.
     pub rule: Rc<RuleHandle>,
-    pub key: Digest,
-    pub owner: String,
+    pub call: CallOp,
 }
 
-/// Who waits for a call's answer.
+/// Who waits for a call's answer; each carries the call it sent.
 pub enum Waiter {
     Claim(ClaimWaiter),
     Write(PendingWrite),
+}
+
+impl Waiter {
+    fn call(&self) -> &CallOp {
+        match self {
+            Waiter::Claim(claim) => &claim.call,
+            Waiter::Write(write) => &write.call,
+        }
+    }
 }
 
 /// Why a call did not go out.
@@ -59,7 +66,6 @@ const MAX_WAITING_FOR_STREAM: usize = 1024;
 /// A claim waiting for the stream to open.
 struct WaitingForStream {
     id: u64,
-    op: CallOp,
     waiter: Waiter,
     deadline_ms: u64,
 }
@@ -129,7 +135,7 @@ impl StoreLink {
         }
     }
 
-    /// Sends `op` for `waiter`. `from_context` is the context running now; the send itself
+    /// Sends `waiter`'s call. `from_context` is the context running now; the send itself
     /// happens as the root, which owns the stream. A claim made while no stream is open
     /// waits for one, within its deadline: the caller wakes the root, which opens it.
     pub fn send(
@@ -137,14 +143,13 @@ impl StoreLink {
         host: &impl Host,
         root_context: u32,
         from_context: u32,
-        op: &CallOp,
         mut waiter: Waiter,
     ) -> Result<u64, Box<Unsent>> {
         let id = self.stream.borrow_mut().next_call_id();
         if let Waiter::Claim(claim) = &mut waiter {
             claim.call_id = id;
         }
-        let prepared = self.stream.borrow_mut().prepare(id, op);
+        let prepared = self.stream.borrow_mut().prepare(id, waiter.call());
         let outgoing = match prepared {
             Ok(o) => o,
             Err(NotSent::NoStream)
@@ -154,7 +159,6 @@ impl StoreLink {
                 let deadline_ms = host.now_ms().saturating_add(self.store.timeout_ms);
                 self.waiting.borrow_mut().push_back(WaitingForStream {
                     id,
-                    op: op.clone(),
                     waiter,
                     deadline_ms,
                 });
@@ -206,7 +210,7 @@ impl StoreLink {
         let waiting: Vec<WaitingForStream> = self.waiting.borrow_mut().drain(..).collect();
         let mut failed = Vec::new();
         for w in waiting {
-            let prepared = self.stream.borrow_mut().prepare(w.id, &w.op);
+            let prepared = self.stream.borrow_mut().prepare(w.id, w.waiter.call());
             let sent = prepared
                 .map_err(|_| ())
                 .and_then(|o| host.send_grpc_message(o.handle, &o.message).map_err(|_| ()));

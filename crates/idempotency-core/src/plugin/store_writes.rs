@@ -364,14 +364,7 @@ impl StoreWrites {
             self.drop_write(host, &write, "it is larger than a stream message may be");
             return;
         }
-        let call = write.call.clone();
-        match link.send(
-            host,
-            links.root_context,
-            from_context,
-            &call,
-            Waiter::Write(write),
-        ) {
+        match link.send(host, links.root_context, from_context, Waiter::Write(write)) {
             Ok(_) => self.on_stream.set(self.on_stream.get().saturating_add(1)),
             Err(unsent) => {
                 let unsent = *unsent;
