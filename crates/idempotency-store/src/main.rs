@@ -228,6 +228,7 @@ async fn run(cli: Cli) -> Result<(), String> {
     if let Some(batches) = &batches {
         metrics.register_embedded_batches(batches);
     }
+    metrics.start_error_counters_at_zero(storage.backend_name());
     let metrics = Arc::new(metrics);
     let sweeper = sweeper::spawn(
         Arc::clone(&storage),

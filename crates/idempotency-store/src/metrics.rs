@@ -38,6 +38,8 @@ pub enum Rejection {
 }
 
 impl Rejection {
+    pub const ALL: [Rejection; 3] = [Self::Unauthorized, Self::BadRequest, Self::TooLarge];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Unauthorized => "unauthorized",
@@ -207,6 +209,17 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
+    /// Gives the error counters their series at 0 before anything has failed, so that
+    /// `rate()`, alerts and dashboards see them from the start instead of a missing series.
+    pub fn start_error_counters_at_zero(&self, backend: &'static str) {
+        self.backend_errors.get_or_create(&Backend { backend });
+        for why in Rejection::ALL {
+            self.rejected.get_or_create(&Reason {
+                reason: why.as_str(),
+            });
+        }
+    }
+
     pub fn backend_error(&self, backend: &'static str) {
         self.backend_errors
             .get_or_create(&Backend { backend })
@@ -226,5 +239,27 @@ impl Metrics {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_counters_are_exported_at_zero_before_any_error() {
+        let metrics = Metrics::new();
+        let before = metrics.encode().unwrap();
+        assert!(!before.contains("idempotency_store_backend_errors_total{"));
+        metrics.start_error_counters_at_zero("redis");
+        let text = metrics.encode().unwrap();
+        assert!(text.contains("idempotency_store_backend_errors_total{backend=\"redis\"} 0"));
+        for why in Rejection::ALL {
+            let line = format!(
+                "idempotency_store_rejected_requests_total{{reason=\"{}\"}} 0",
+                why.as_str()
+            );
+            assert!(text.contains(&line), "{line} missing from\n{text}");
+        }
     }
 }

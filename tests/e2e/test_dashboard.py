@@ -1,0 +1,120 @@
+"""The Grafana dashboard in deploy/grafana/ against what the code really exports: every metric
+and label its queries name must appear on a real Envoy's /stats/prometheus (with
+envoy/envoy.yaml's stats_tags) or on the real store's /metrics, after some traffic."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import client
+import harness
+from cluster import post, start_cluster
+from helpers import new_key, unique_path
+
+DASHBOARD = harness.REPO_ROOT / "deploy" / "grafana" / "idempotency-dashboard.json"
+
+# PromQL words that are not metric names.
+PROMQL_WORDS = {
+    "sum", "min", "max", "avg", "count", "rate", "irate", "increase", "histogram_quantile",
+    "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
+    "label_values", "topk", "bottomk", "clamp_min", "clamp_max", "abs", "offset",
+}
+# Labels Prometheus adds when it scrapes, not the exporter.
+SCRAPE_LABELS = {"instance", "job"}
+IDENT = r"[A-Za-z_:][A-Za-z0-9_:]*"
+
+
+def queries(dashboard: dict) -> list[str]:
+    found = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    for var in dashboard["templating"]["list"]:
+        if var.get("type") == "query":
+            found.append(var["definition"])
+    return found
+
+
+def names_in(expr: str) -> tuple[set[str], dict[str, set[str]], set[str]]:
+    """(metric names, labels matched per metric, labels grouped by) of one query."""
+    matched: dict[str, set[str]] = {}
+    for metric, matchers in re.findall(rf"({IDENT})\{{([^}}]*)\}}", expr):
+        matched.setdefault(metric, set()).update(re.findall(rf"({IDENT})\s*=~?", matchers))
+    grouped = {
+        label for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr)
+        for label in re.findall(IDENT, group)
+    }
+    # label_values(metric, label): the second argument is a label.
+    grouped |= set(re.findall(rf"label_values\(\s*{IDENT}\s*,\s*({IDENT})\s*\)", expr))
+    bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\"[^\"]*\"|\b(?:by|without)\s*\([^)]*\)", " ", expr)
+    bare = re.sub(rf"label_values\(\s*({IDENT})\s*,\s*{IDENT}\s*\)", r"\1", bare)
+    metrics = {
+        word for word in re.findall(IDENT, bare)
+        if word not in PROMQL_WORDS and not re.fullmatch(r"[0-9.e]+", word)
+    }
+    return metrics, matched, grouped
+
+
+def samples(text: str) -> dict[str, set[str]]:
+    """Sample name -> every label name it carries, from a Prometheus/OpenMetrics text page. A
+    family declared with no sample yet (a counter nothing has moved, such as backend errors)
+    is there with no labels, under the sample names its type gives."""
+    out: dict[str, set[str]] = {}
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+    for line in text.splitlines():
+        declared = re.match(rf"# TYPE ({IDENT}) (\w+)", line)
+        if declared:
+            family, kind = declared.groups()
+            for suffix in suffixes.get(kind, [""]):
+                name = family if family.endswith(suffix) else family + suffix
+                out.setdefault(name, set())
+            continue
+        if line.startswith("#") or not line.strip():
+            continue
+        match = re.match(rf"({IDENT})(?:\{{([^}}]*)\}})?\s", line)
+        if match:
+            labels = set(re.findall(rf"({IDENT})=\"", match.group(2) or ""))
+            out.setdefault(match.group(1), set()).update(labels)
+    return out
+
+
+def test_every_dashboard_query_names_a_metric_and_labels_the_code_exports(procs) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+
+    # envoy.yaml itself (cluster mode, embedded store): its stats_tags make the rule a label.
+    cluster = start_cluster(procs, envoys=1)
+    envoy = cluster.a
+    path, key = unique_path("orders"), new_key()
+    assert post(envoy, path, key).status_code == 201
+    assert post(envoy, path, key).headers.get("idempotent-replayed") == "true"
+    assert post(envoy, path, key, body=b'{"other":1}').status_code == 422
+    # A store request with a wrong token gives the store's refusal counter a sample.
+    refused = client.post(cluster.store.url("/v1/claim"), body=b"{}",
+                                  headers={"authorization": "Bearer wrong"}, timeout=5)
+    assert refused.status_code == 401
+    harness.wait_until(lambda: cluster.store_completions() >= 1, timeout=10, what="completion stored")
+
+    exported = samples(envoy.admin("/stats/prometheus").text)
+    store_samples = samples(client.get(cluster.store.url("/metrics"), timeout=5).text)
+    for name, labels in store_samples.items():
+        exported.setdefault(name, set()).update(labels)
+
+    checked = set()
+    for expr in queries(dashboard):
+        metrics, matched, grouped = names_in(expr)
+        assert metrics, f"no metric found in {expr!r}"
+        for metric in metrics:
+            assert metric in exported, f"{metric} (in {expr!r}) is exported by neither Envoy nor the store"
+            checked.add(metric)
+            for label in matched.get(metric, set()):
+                assert label in exported[metric], f"{metric} has no label {label} (in {expr!r})"
+        with_samples = [m for m in metrics if exported[m]]
+        for label in grouped - SCRAPE_LABELS - {"le"}:
+            assert not with_samples or any(label in exported[m] for m in with_samples), (
+                f"no metric of {expr!r} has label {label}"
+            )
+
+    # What on-call watches must be on the board.
+    for outcome in ("executed", "replayed", "conflict", "mismatch", "store_error", "store_write_dropped"):
+        assert f"idempotency_rule_{outcome}" in checked, outcome
+    assert "idempotency_store_operation_duration_seconds_bucket" in checked
