@@ -32,8 +32,10 @@ for i in $(seq 1 "$replicas"); do
     # Replica 2 is envoy/envoy-replica-2.yaml: the same config on ports 10001 and 9902.
     config=envoy/envoy.yaml
     (( i == 2 )) && config=envoy/envoy-replica-2.yaml
+    # The access log (one JSON line per request, on stdout) is flushed every 0.5 s.
     .venv/bin/envoy -c "$config" --concurrency 2 --disable-hot-restart --log-level warn \
-        --component-log-level wasm:info > "$run_dir/envoy-$i.log" 2>&1 &
+        --component-log-level wasm:info --file-flush-interval-msec 500 \
+        > "$run_dir/envoy-$i.log" 2>&1 &
     pids+=($!)
 done
 

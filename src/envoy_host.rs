@@ -137,6 +137,14 @@ impl Host for EnvoyHost {
         host::define_counter(name).map_err(error)
     }
 
+    fn publish(&self, name: &str, value: &[u8]) {
+        // Refused outside a request (NotFound) or for a read-only name; the log line just
+        // lacks the value then.
+        if let Err(status) = host::set_property(&[name], value) {
+            log::debug!("{name} not published for the access log: {status}");
+        }
+    }
+
     fn increment_counter(&self, id: u32) {
         host::increment_counter(id);
     }

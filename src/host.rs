@@ -79,6 +79,12 @@ extern "C" {
         return_value_data: *mut *mut u8,
         return_value_size: *mut usize,
     ) -> u32;
+    fn proxy_set_property(
+        path_data: *const u8,
+        path_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
     fn proxy_get_shared_data(
         key_data: *const u8,
         key_size: usize,
@@ -218,6 +224,19 @@ pub fn get_property(path: &[&str]) -> HostResult<Option<Vec<u8>>> {
         1 => Ok(None),
         other => Err(HostStatus(other)),
     }
+}
+
+/// Sets a stream property; Envoy keeps it as filter state `wasm.<path>`.
+pub fn set_property(path: &[&str], value: &[u8]) -> HostResult<()> {
+    let serialized = path.join("\0");
+    check(unsafe {
+        proxy_set_property(
+            serialized.as_ptr(),
+            serialized.len(),
+            value.as_ptr(),
+            value.len(),
+        )
+    })
 }
 
 /// The value (possibly absent) and cas of a shared data key; None when the key does not exist.

@@ -999,6 +999,8 @@ class Envoy:
             "--base-id", str(random.randint(1, 2**30)),
             "--log-level", self.log_level,
             "--disable-hot-restart",
+            # Access-log lines reach the log within 0.2 s instead of Envoy's default 10 s.
+            "--file-flush-interval-msec", "200",
             *self.extra_args,
         ]
 

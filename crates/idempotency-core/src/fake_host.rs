@@ -85,6 +85,8 @@ pub(crate) struct FakeHost {
     pub effective_context: Cell<u32>,
     /// Contexts that are gone: switching to them fails, as in Envoy.
     pub gone_contexts: RefCell<HashSet<u32>>,
+    /// What each context published for the access log, by name.
+    published: RefCell<HashMap<(u32, String), Vec<u8>>>,
 }
 
 impl Default for FakeHost {
@@ -108,6 +110,7 @@ impl Default for FakeHost {
             grpc_message: RefCell::default(),
             effective_context: Cell::new(0),
             gone_contexts: RefCell::default(),
+            published: RefCell::default(),
         }
     }
 }
@@ -119,6 +122,18 @@ fn pairs(list: &[(&str, &str)]) -> HeaderPairs {
 }
 
 impl FakeHost {
+    /// What `context` published as `name` for the access log.
+    pub fn published_in(&self, context: u32, name: &str) -> Option<String> {
+        let published = self.published.borrow();
+        let value = published.get(&(context, name.to_string()))?;
+        Some(String::from_utf8_lossy(value).into_owned())
+    }
+
+    /// What the current context published as `name`.
+    pub fn published(&self, name: &str) -> Option<String> {
+        self.published_in(self.effective_context.get(), name)
+    }
+
     pub fn fail(&self, call: HostCall) {
         self.failing.borrow_mut().insert(call);
     }
@@ -376,6 +391,13 @@ impl Host for FakeHost {
         let mut counters = self.counters.borrow_mut();
         counters.push((name.to_string(), 0));
         Ok(u32::try_from(counters.len()).unwrap_or(u32::MAX))
+    }
+
+    fn publish(&self, name: &str, value: &[u8]) {
+        let context = self.effective_context.get();
+        self.published
+            .borrow_mut()
+            .insert((context, name.to_string()), value.to_vec());
     }
 
     fn increment_counter(&self, id: u32) {

@@ -81,6 +81,10 @@ pub trait Host: SharedData {
     fn define_counter(&self, name: &str) -> Result<u32, HostError>;
     /// A lost increment is not worth failing a request over, so nothing is returned.
     fn increment_counter(&self, id: u32);
+    /// Publishes a value of the current request for Envoy's access log (filter state
+    /// `wasm.<name>`). Like a lost increment, a refused one is not worth failing a request
+    /// over, so nothing is returned.
+    fn publish(&self, name: &str, value: &[u8]);
     fn define_gauge(&self, name: &str) -> Result<u32, HostError>;
     /// Like a lost increment, a lost value is not worth failing a request over.
     fn set_gauge(&self, id: u32, value: u64);

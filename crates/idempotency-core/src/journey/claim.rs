@@ -6,8 +6,8 @@ use std::rc::Rc;
 use idempotency_protocol::stream::CallOp;
 
 use super::{
-    pass, send_local, Execution, Journey, RequestJourney, Step, StoreCall, StoreOwner, StoreWait,
-    Verdict,
+    access_log, pass, send_local, Execution, Journey, RequestJourney, Step, StoreCall, StoreOwner,
+    StoreWait, Verdict,
 };
 use crate::config::{OverloadPolicy, StoreErrorPolicy, StoreTransport};
 use crate::host::Host;
@@ -31,6 +31,7 @@ impl RequestJourney {
         fingerprint: Digest,
     ) -> Step {
         let plugin = &self.plugin;
+        access_log::publish_key(host, &key);
         let owner = plugin.owners.next();
         let now = host.now_ms();
         plugin.upkeep.before_claim(host, &plugin.table, now);
@@ -42,10 +43,10 @@ impl RequestJourney {
             Ok(Claim::Claimed(held)) => {
                 if held.took_over {
                     log::warn!("rule {name}: took over a claim whose lease had passed");
-                    rule.count(host, Outcome::TakenOver);
+                    self.note(host, &rule, Outcome::TakenOver);
                 }
                 if let Some(evicted) = held.evicted {
-                    rule.count(host, Outcome::Evicted);
+                    self.note(host, &rule, Outcome::Evicted);
                     plugin.retention.on_eviction(host, now, evicted.age_ms);
                 }
                 self.confirm_or_execute(host, rule, held)
@@ -54,22 +55,22 @@ impl RequestJourney {
             // take the claim (every slot of the bucket in flight, or a host error) the
             // store's claim alone guards the key: no 503 for local pressure.
             Ok(Claim::Full) if rule.store.is_some() => {
-                rule.count(host, Outcome::TableFull);
+                self.note(host, &rule, Outcome::TableFull);
                 let held = Held::unheld(key, fingerprint, owner);
                 self.confirm_or_execute(host, rule, held)
             }
             Err(e) if rule.store.is_some() => {
                 log::warn!("rule {name}: local claim failed, the store alone guards the key: {e}");
-                rule.count(host, Outcome::TableError);
+                self.note(host, &rule, Outcome::TableError);
                 let held = Held::unheld(key, fingerprint, owner);
                 self.confirm_or_execute(host, rule, held)
             }
             Ok(Claim::InFlight { .. }) => {
-                rule.count(host, Outcome::Conflict);
+                self.note(host, &rule, Outcome::Conflict);
                 self.answer_problem(host, &rule, &Problem::in_flight())
             }
             Ok(Claim::Mismatch) => {
-                rule.count(host, Outcome::Mismatch);
+                self.note(host, &rule, Outcome::Mismatch);
                 self.answer_problem(host, &rule, &Problem::key_reused(&rule.key_label()))
             }
             Ok(Claim::Completed {
@@ -78,7 +79,7 @@ impl RequestJourney {
                 status,
             }) => match self.load_recorded(host, &rule, slot, recorded_by) {
                 Some(recorded) => {
-                    rule.count(host, Outcome::Replayed);
+                    self.note(host, &rule, Outcome::Replayed);
                     send_replay(host, &rule, &recorded)
                 }
                 // Cluster mode: the local copy is gone (its page was reused), the store
@@ -93,7 +94,7 @@ impl RequestJourney {
                 None => {
                     // Only the status survived: replay it with the omitted-body marker
                     // rather than execute again.
-                    rule.count(host, Outcome::Replayed);
+                    self.note(host, &rule, Outcome::Replayed);
                     send_replay(host, &rule, &status_only(status))
                 }
             },
@@ -105,12 +106,12 @@ impl RequestJourney {
                          ({suppressed} similar rejections not logged)"
                     );
                 }
-                rule.count(host, Outcome::TableFull);
+                self.note(host, &rule, Outcome::TableFull);
                 self.overloaded(host, &rule, Problem::table_full())
             }
             Err(e) => {
                 log::error!("rule {name}: claim failed: {e}");
-                rule.count(host, Outcome::TableError);
+                self.note(host, &rule, Outcome::TableError);
                 let problem = Problem::unavailable("the proxy's idempotency table is unavailable");
                 self.overloaded(host, &rule, problem)
             }
@@ -120,7 +121,7 @@ impl RequestJourney {
     /// Cluster mode: asks the store to confirm the claim; otherwise executes.
     fn confirm_or_execute(&self, host: &impl Host, rule: Rc<RuleHandle>, held: Held) -> Step {
         let Some(store) = rule.store.clone() else {
-            return execute(host, rule, held, None);
+            return self.execute(host, rule, held, None);
         };
         let owner = store_client::store_owner(held.owner, host.now_nanos(), &held.key);
         let call =
@@ -209,16 +210,16 @@ impl RequestJourney {
                     token: owner,
                     confirmed: true,
                 };
-                execute(host, rule, held, Some(confirmed))
+                self.execute(host, rule, held, Some(confirmed))
             }
             Ok(StoreClaim::InFlight) => {
                 self.release_local(host, &held);
-                rule.count(host, Outcome::Conflict);
+                self.note(host, &rule, Outcome::Conflict);
                 self.answer_problem(host, &rule, &Problem::in_flight())
             }
             Ok(StoreClaim::Mismatch) => {
                 self.release_local(host, &held);
-                rule.count(host, Outcome::Mismatch);
+                self.note(host, &rule, Outcome::Mismatch);
                 self.answer_problem(host, &rule, &Problem::key_reused(&rule.key_label()))
             }
             Ok(StoreClaim::Completed(recorded)) => {
@@ -236,7 +237,7 @@ impl RequestJourney {
                         rule.rule.name
                     );
                 }
-                rule.count(host, Outcome::Replayed);
+                self.note(host, &rule, Outcome::Replayed);
                 send_replay(host, &rule, &recorded)
             }
             Err(failure) => {
@@ -271,7 +272,7 @@ impl RequestJourney {
         sent_owner: Option<String>,
         failure: &StoreFailure,
     ) -> Step {
-        rule.count(host, Outcome::StoreError);
+        self.note(host, &rule, Outcome::StoreError);
         let policy = rule.rule.on_store_error;
         if let Some(suppressed) = self.plugin.store_failures.borrow_mut().admit(host.now_ms()) {
             log::warn!(
@@ -282,7 +283,7 @@ impl RequestJourney {
         if let Some(status) = held.completed_status {
             // This proxy recorded the write itself: replay what it kept, whatever the
             // policy, rather than run it again or refuse it.
-            rule.count(host, Outcome::Replayed);
+            self.note(host, &rule, Outcome::Replayed);
             return send_replay(host, &rule, &status_only(status));
         }
         // Fail-open runs the write on the local claim alone; without one (every slot of
@@ -314,14 +315,32 @@ impl RequestJourney {
             StoreErrorPolicy::FailOpen => {
                 // The local claim still guards this proxy's own retries; if the store did
                 // apply the claim, completing it with the same owner records it cluster-wide.
-                rule.count(host, Outcome::StoreFailOpen);
+                self.note(host, &rule, Outcome::StoreFailOpen);
                 let owner = sent_owner.map(|token| StoreOwner {
                     token,
                     confirmed: false,
                 });
-                execute(host, rule, held, owner)
+                self.execute(host, rule, held, owner)
             }
         }
+    }
+
+    /// Sends the request upstream holding the claim.
+    fn execute(
+        &self,
+        host: &impl Host,
+        rule: Rc<RuleHandle>,
+        held: Held,
+        store_owner: Option<StoreOwner>,
+    ) -> Step {
+        self.note(host, &rule, Outcome::Executed);
+        let run = Execution {
+            rule,
+            held,
+            store_owner,
+            capture: None,
+        };
+        (Journey::Executing(run), Verdict::Continue)
     }
 
     pub(super) fn release_local(&self, host: &impl Host, held: &Held) {
@@ -335,7 +354,7 @@ impl RequestJourney {
         match rule.rule.on_table_full {
             OverloadPolicy::Reject => self.answer_problem(host, rule, &problem),
             OverloadPolicy::PassThrough => {
-                rule.count(host, Outcome::PassedThrough);
+                self.note(host, rule, Outcome::PassedThrough);
                 pass()
             }
         }
@@ -362,23 +381,6 @@ impl RequestJourney {
             }
         }
     }
-}
-
-/// Sends the request upstream holding the claim.
-fn execute(
-    host: &impl Host,
-    rule: Rc<RuleHandle>,
-    held: Held,
-    store_owner: Option<StoreOwner>,
-) -> Step {
-    rule.count(host, Outcome::Executed);
-    let run = Execution {
-        rule,
-        held,
-        store_owner,
-        capture: None,
-    };
-    (Journey::Executing(run), Verdict::Continue)
 }
 
 /// A recorded write whose body is gone: its status, marked as omitted.

@@ -4,7 +4,7 @@
 
 use std::rc::Rc;
 
-use super::{pass, Journey, PendingRequest, RequestJourney, Step, Verdict};
+use super::{access_log, pass, Journey, PendingRequest, RequestJourney, Step, Verdict};
 use crate::fingerprint::fingerprint;
 use crate::host::Host;
 use crate::key::{request_scope, storage_key};
@@ -86,6 +86,7 @@ impl RequestJourney {
             }
             Selection::MethodNotCovered | Selection::NoRule => return pass(),
         };
+        access_log::publish_rule(host, &rule.rule.name);
         let key_parts = match header_parts(&rule.rule.key_sources, find, path) {
             Ok(parts) => parts,
             Err(failure) => return self.key_failed(host, &rule, &failure, FailedAt::Headers),
@@ -105,7 +106,7 @@ impl RequestJourney {
         ) {
             Ok(scope) => scope,
             Err(header) => {
-                rule.count(host, Outcome::MissingScope);
+                self.note(host, &rule, Outcome::MissingScope);
                 return self.answer_problem(host, &rule, &Problem::missing_scope(header));
             }
         };
@@ -137,10 +138,10 @@ impl RequestJourney {
         if size > limit {
             let rule = &pending.rule;
             if rule.rule.key_required {
-                rule.count(host, Outcome::InvalidKey);
+                self.note(host, rule, Outcome::InvalidKey);
                 return self.answer_problem(host, rule, &Problem::request_too_large(limit));
             }
-            rule.count(host, Outcome::PassedThrough);
+            self.note(host, rule, Outcome::PassedThrough);
             return pass();
         }
         if !end_of_stream {
@@ -198,16 +199,16 @@ impl RequestJourney {
         at: FailedAt,
     ) -> Step {
         if !rule.rule.key_required && (failure.is_missing() || at == FailedAt::Body) {
-            rule.count(host, Outcome::PassedThrough);
+            self.note(host, rule, Outcome::PassedThrough);
             return pass();
         }
         let problem = match failure {
             SourceFailure::Missing { source } => {
-                rule.count(host, Outcome::MissingKey);
+                self.note(host, rule, Outcome::MissingKey);
                 Problem::missing_key(source)
             }
             SourceFailure::Invalid { source, why } => {
-                rule.count(host, Outcome::InvalidKey);
+                self.note(host, rule, Outcome::InvalidKey);
                 Problem::invalid_key(source, why)
             }
         };

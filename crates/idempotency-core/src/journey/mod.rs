@@ -7,6 +7,7 @@
 //! Effects (local replies, callouts, resuming the request, counters, shared data) go
 //! through [`Host`]; the verdict returned tells Envoy whether the stream pauses here.
 
+pub mod access_log;
 mod claim;
 mod intake;
 mod response;
@@ -16,6 +17,7 @@ use std::rc::{Rc, Weak};
 
 use crate::capture::ResponseCapture;
 use crate::host::Host;
+use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::Plugin;
 use crate::problem::Problem;
@@ -148,6 +150,8 @@ pub struct RequestJourney {
     context_id: u32,
     /// Itself, for the root to deliver a store stream's answer to (see `shared`).
     me: Weak<RefCell<RequestJourney>>,
+    /// What the filter decided so far, for the access log.
+    decisions: access_log::Decisions,
 }
 
 impl RequestJourney {
@@ -158,6 +162,7 @@ impl RequestJourney {
             journey: Journey::Arrived,
             context_id: 0,
             me: Weak::new(),
+            decisions: access_log::Decisions::default(),
         }
     }
 
@@ -170,6 +175,7 @@ impl RequestJourney {
                 journey: Journey::Arrived,
                 context_id,
                 me: me.clone(),
+                decisions: access_log::Decisions::default(),
             })
         })
     }
@@ -251,6 +257,12 @@ impl RequestJourney {
             // that cannot change a decision already taken.
             (journey, _) => (journey, Verdict::Continue),
         }
+    }
+
+    /// Counts what happened to this request and adds it to its access-log outcome.
+    fn note(&self, host: &impl Host, rule: &RuleHandle, outcome: Outcome) {
+        rule.count(host, outcome);
+        self.decisions.add(host, outcome);
     }
 
     /// Sends a problem+json reply and stops the request here.

@@ -106,7 +106,7 @@ impl RequestJourney {
             store_owner,
             ..
         } = run;
-        rule.count(host, Outcome::Released);
+        self.note(host, &rule, Outcome::Released);
         if let Some(owner) = store_owner {
             let call = store_client::release_call(&held.key, &owner.token);
             self.submit_store_release(host, &rule, owner.confirmed, call);
@@ -150,20 +150,20 @@ impl RequestJourney {
         ) {
             Ok(Completion::Recorded | Completion::NotHeld) => {
                 if response.body_omitted {
-                    rule.count(host, Outcome::BodyOmitted);
+                    self.note(host, &rule, Outcome::BodyOmitted);
                 }
             }
-            Ok(Completion::RecordedWithoutBody) => rule.count(host, Outcome::BodyOmitted),
+            Ok(Completion::RecordedWithoutBody) => self.note(host, &rule, Outcome::BodyOmitted),
             Ok(Completion::LostOwnership) => {
                 log::warn!(
                     "rule {}: response not recorded: the lease passed and another request took the key over",
                     rule.rule.name
                 );
-                rule.count(host, Outcome::NotRecorded);
+                self.note(host, &rule, Outcome::NotRecorded);
             }
             Err(e) => {
                 log::error!("rule {}: response not recorded: {e}", rule.rule.name);
-                rule.count(host, Outcome::NotRecorded);
+                self.note(host, &rule, Outcome::NotRecorded);
             }
         }
         (Journey::Finished, Verdict::Continue)

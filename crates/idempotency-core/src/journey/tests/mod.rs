@@ -2,6 +2,7 @@
 //! root's `PluginRoot`) through a `FakeHost` and asserts what a client would see: the
 //! verdicts, local replies, callouts, counters and what a retry gets afterwards.
 
+mod access_log;
 mod cluster;
 mod intake;
 mod local_claim;

@@ -165,6 +165,13 @@ fn a_claim_goes_out_as_the_root_and_its_answer_resumes_the_request_in_its_own_co
         ]
     );
     assert!(is_executing(&journey.borrow()));
+    // The access log's outcome belongs to the request, though the root delivered it.
+    let outcome = crate::journey::access_log::OUTCOME;
+    assert_eq!(
+        host.published_in(REQUEST, outcome).as_deref(),
+        Some("executed")
+    );
+    assert_eq!(host.published_in(ROOT, outcome), None);
 
     // The response is recorded; its completion goes on the stream at once (as the root, no
     // wake-up of the root needed), and the request's context is restored.
