@@ -106,6 +106,10 @@ struct RawRule {
     store: Option<RawStore>,
     #[serde(default)]
     on_store_error: StoreErrorPolicy,
+    #[serde(default)]
+    on_in_flight: InFlightPolicy,
+    #[serde(default)]
+    wait_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -192,6 +196,22 @@ pub enum StoreErrorPolicy {
     /// Continue with the local claim only (this proxy still deduplicates its own retries).
     FailOpen,
 }
+
+/// What a duplicate gets while the first request with its key is still running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InFlightPolicy {
+    /// 409 with Retry-After at once: the client retries.
+    #[default]
+    Conflict,
+    /// Hold the duplicate until the first completes and replay its response to it (409 if
+    /// `wait_ms` passes first, a retry-able 503 if the first is released).
+    Wait,
+}
+
+/// How long a held duplicate waits by default, and at most.
+pub const DEFAULT_WAIT_MS: u64 = 10_000;
+pub const MAX_WAIT_MS: u64 = 60_000;
 
 /// How the filter talks to the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -358,6 +378,9 @@ pub struct Rule {
     /// Cluster mode: the store that confirms every claim; None for single-proxy mode.
     pub store: Option<StoreConfig>,
     pub on_store_error: StoreErrorPolicy,
+    pub on_in_flight: InFlightPolicy,
+    /// How long a duplicate is held under `InFlightPolicy::Wait`.
+    pub wait_ms: u64,
 }
 
 /// Where and how the filter reaches the shared store.
@@ -670,6 +693,20 @@ fn validate_rule(
             ));
         }
     }
+    let wait_ms = raw.wait_ms.unwrap_or(DEFAULT_WAIT_MS.min(lease_ms));
+    if raw.wait_ms.is_some() && raw.on_in_flight != InFlightPolicy::Wait {
+        return Err(invalid(
+            at("wait_ms"),
+            "only applies with on_in_flight: \"wait\"",
+        ));
+    }
+    if wait_ms == 0 || wait_ms > MAX_WAIT_MS || wait_ms > lease_ms {
+        // Past the lease the first request is presumed gone and the key is taken over.
+        return Err(invalid(
+            at("wait_ms"),
+            format!("must be between 1 and {MAX_WAIT_MS}, and at most lease_seconds"),
+        ));
+    }
     Ok(Rule {
         name: raw.name,
         matcher: validate_match(index, raw.matcher)?,
@@ -691,6 +728,8 @@ fn validate_rule(
         on_table_full: raw.on_table_full,
         store,
         on_store_error: raw.on_store_error,
+        on_in_flight: raw.on_in_flight,
+        wait_ms,
     })
 }
 
@@ -830,6 +869,39 @@ mod tests {
     }
 
     #[test]
+    fn wait_mode_is_bounded_by_wait_ms_and_the_lease() {
+        let wait = |extra: &str| {
+            Config::parse(
+                format!(r#"{{"rules":[{{"name":"a","on_in_flight":"wait"{extra}}}]}}"#).as_bytes(),
+            )
+        };
+        let r = &wait("").unwrap().rules[0];
+        assert_eq!(
+            (r.on_in_flight, r.wait_ms),
+            (InFlightPolicy::Wait, DEFAULT_WAIT_MS)
+        );
+        let short_lease = wait(r#","lease_seconds":3"#).unwrap();
+        assert_eq!(
+            short_lease.rules[0].wait_ms, 3_000,
+            "never beyond the lease"
+        );
+        assert_eq!(wait(r#","wait_ms":250"#).unwrap().rules[0].wait_ms, 250);
+        for bad in [
+            r#","wait_ms":0"#,
+            r#","wait_ms":60001"#,
+            r#","lease_seconds":5,"wait_ms":6000"#,
+        ] {
+            let e = wait(bad).unwrap_err().to_string();
+            assert!(e.contains("rules[0].wait_ms"), "{bad}: {e}");
+        }
+        let e = Config::parse(br#"{"rules":[{"name":"a","wait_ms":100}]}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("only applies with on_in_flight"), "{e}");
+        assert!(Config::parse(br#"{"rules":[{"name":"a","on_in_flight":"queue"}]}"#).is_err());
+    }
+
+    #[test]
     fn rule_defaults_follow_the_documentation() {
         let c = Config::parse(br#"{"rules":[{"name":"orders"}]}"#).unwrap();
         let r = &c.rules[0];
@@ -856,6 +928,7 @@ mod tests {
         }
         assert_eq!(r.replay_header, "idempotent-replayed");
         assert_eq!(r.on_table_full, OverloadPolicy::Reject);
+        assert_eq!(r.on_in_flight, InFlightPolicy::Conflict);
     }
 
     #[test]

@@ -42,10 +42,19 @@ pub enum Outcome {
     /// Cluster mode: a completion or release was given up before the store took it (its
     /// deadline passed during an outage, or the retry buffer's byte budget was spent).
     StoreWriteDropped,
+    /// A duplicate held while the first request with its key ran (`on_in_flight: "wait"`).
+    Waited,
+    /// A held duplicate answered with the first request's recorded response.
+    ReplayedAfterWait,
+    /// A held duplicate answered 409: the first was still running when `wait_ms` passed.
+    WaitTimedOut,
+    /// A held duplicate answered 503 with Retry-After: the first request's claim was released
+    /// (it failed, or its lease lapsed), so a retry executes.
+    WaitReleased,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 18] = [
+    pub const ALL: [Outcome; 22] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -64,6 +73,10 @@ impl Outcome {
         Outcome::StoreError,
         Outcome::StoreFailOpen,
         Outcome::StoreWriteDropped,
+        Outcome::Waited,
+        Outcome::ReplayedAfterWait,
+        Outcome::WaitTimedOut,
+        Outcome::WaitReleased,
     ];
 
     pub fn name(self) -> &'static str {
@@ -86,6 +99,10 @@ impl Outcome {
             Outcome::StoreError => "store_error",
             Outcome::StoreFailOpen => "store_fail_open",
             Outcome::StoreWriteDropped => "store_write_dropped",
+            Outcome::Waited => "waited",
+            Outcome::ReplayedAfterWait => "replayed_after_wait",
+            Outcome::WaitTimedOut => "wait_timed_out",
+            Outcome::WaitReleased => "wait_released",
         }
     }
 

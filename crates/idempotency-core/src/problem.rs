@@ -97,6 +97,19 @@ impl Problem {
         }
     }
 
+    /// A held duplicate whose first request did not complete: its claim was released (the
+    /// upstream failed or refused it) or lapsed. This request was not executed; a retry is.
+    pub fn first_attempt_released() -> Problem {
+        Problem {
+            status: 503,
+            kind: "first-attempt-released",
+            title: "The first request with this idempotency key did not complete",
+            detail: "This request waited for the first request with the same key, which failed                      or was abandoned without a result to share. This request was not executed:                      retry it with the same key after the Retry-After delay."
+                .to_string(),
+            retry_after_seconds: Some(1),
+        }
+    }
+
     pub fn key_reused(source: &str) -> Problem {
         Problem {
             status: 422,

@@ -669,6 +669,34 @@ impl Table {
         Err(TableError::Contended)
     }
 
+    /// What a claim of `key` would find, without claiming: how a held duplicate sees the
+    /// first request. None when nothing live holds the key any more (released, its lease
+    /// lapsed, or its record expired).
+    pub fn peek(
+        &self,
+        shared: &impl SharedData,
+        key: &Digest,
+        fingerprint: &Digest,
+        now_ms: u64,
+    ) -> Result<Option<Claim>, HostError> {
+        let bucket = self.bucket_of(key);
+        let (slots, _) = self.read_bucket(shared, bucket)?;
+        let found = slots
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.state != SlotState::Free && s.key == *key);
+        if let Some((way, slot)) = found {
+            let decided = decision::claim(slot.record_for(key), fingerprint, None, now_ms);
+            let at = SlotRef {
+                generation: 0,
+                bucket,
+                way: way as u8,
+            };
+            return Ok(answer(decided, slot, at));
+        }
+        self.claim_in_predecessors(shared, key, fingerprint, now_ms)
+    }
+
     /// Records `response` for a held claim and keeps it for `ttl_ms`.
     pub fn complete(
         &self,
@@ -970,6 +998,50 @@ mod tests {
         let replay = t.load_response(&s, slot, owner).unwrap().unwrap();
         assert_eq!(replay.body, b"done");
         assert_eq!(replay.status, 201);
+    }
+
+    #[test]
+    fn a_peek_sees_what_a_claim_would_and_never_claims() {
+        let s = FakeShared::default();
+        let t = table(&s, 64);
+        let (k, fp) = (digest(1), digest(2));
+        assert_eq!(t.peek(&s, &k, &fp, 1_000).unwrap(), None, "nothing yet");
+        let h = held(t.claim(&s, &k, &fp, 7, 1_000, 60_000).unwrap());
+        assert!(matches!(
+            t.peek(&s, &k, &fp, 1_500).unwrap(),
+            Some(Claim::InFlight { .. })
+        ));
+        assert_eq!(
+            t.peek(&s, &k, &digest(3), 1_500).unwrap(),
+            Some(Claim::Mismatch)
+        );
+        // Past the lease the key is free to take over: the waiter is told it was released.
+        assert_eq!(t.peek(&s, &k, &fp, 61_000).unwrap(), None);
+        t.complete(&s, &h, &response(201), 2_000, 10_000, RecordWithoutIt)
+            .unwrap();
+        assert!(matches!(
+            t.peek(&s, &k, &fp, 3_000).unwrap(),
+            Some(Claim::Completed {
+                owner: 7,
+                status: 201,
+                ..
+            })
+        ));
+        // The peeks claimed nothing: the record is still the one completed by owner 7.
+        assert!(matches!(
+            t.claim(&s, &k, &fp, 9, 3_000, 60_000).unwrap(),
+            Claim::Completed { owner: 7, .. }
+        ));
+        t.release(
+            &s,
+            &held(t.claim(&s, &digest(5), &fp, 10, 3_000, 60_000).unwrap()),
+        )
+        .unwrap();
+        assert_eq!(
+            t.peek(&s, &digest(5), &fp, 3_000).unwrap(),
+            None,
+            "released"
+        );
     }
 
     #[test]

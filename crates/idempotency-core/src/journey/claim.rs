@@ -65,10 +65,7 @@ impl RequestJourney {
                 let held = Held::unheld(key, fingerprint, owner);
                 self.confirm_or_execute(host, rule, held)
             }
-            Ok(Claim::InFlight { .. }) => {
-                self.note(host, &rule, Outcome::Conflict);
-                self.answer_problem(host, &rule, &Problem::in_flight())
-            }
+            Ok(Claim::InFlight { .. }) => self.on_in_flight(host, rule, key, fingerprint),
             Ok(Claim::Mismatch) => {
                 self.note(host, &rule, Outcome::Mismatch);
                 self.answer_problem(host, &rule, &Problem::key_reused(&rule.key_label()))
@@ -392,7 +389,11 @@ fn status_only(status: u16) -> RecordedResponse {
     }
 }
 
-fn send_replay(host: &impl Host, rule: &RuleHandle, recorded: &RecordedResponse) -> Step {
+pub(super) fn send_replay(
+    host: &impl Host,
+    rule: &RuleHandle,
+    recorded: &RecordedResponse,
+) -> Step {
     let mut headers: Vec<(&str, &[u8])> = recorded
         .headers
         .iter()

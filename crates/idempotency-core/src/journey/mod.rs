@@ -11,6 +11,7 @@ pub mod access_log;
 mod claim;
 mod intake;
 mod response;
+mod wait;
 
 use std::cell::RefCell;
 use std::rc::{Rc, Weak};
@@ -19,6 +20,7 @@ use crate::capture::ResponseCapture;
 use crate::host::Host;
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
+use crate::plugin::waits::WaitEnd;
 use crate::plugin::Plugin;
 use crate::problem::Problem;
 use crate::store_client::{StoreClaim, StoreFailure};
@@ -48,6 +50,9 @@ pub enum Event {
         id: u64,
         answer: Result<StoreClaim, StoreFailure>,
     },
+    /// The wait of a held duplicate is over (delivered by the root, which made this
+    /// request's context the effective one).
+    WaitOver(WaitEnd),
     ResponseHeaders {
         end_of_stream: bool,
     },
@@ -79,6 +84,8 @@ pub enum Journey {
     AwaitingBody(Box<PendingRequest>),
     /// Cluster mode: the local claim is held; the store is confirming it.
     AwaitingStore(StoreWait),
+    /// A duplicate held until the first request with its key completes.
+    Waiting(Rc<RuleHandle>),
     /// This request holds the claim and went upstream.
     Executing(Execution),
     /// The filter answered itself; its own reply must not be recorded.
@@ -180,6 +187,11 @@ impl RequestJourney {
         })
     }
 
+    /// The configuration this request runs under.
+    pub fn plugin(&self) -> &Plugin {
+        &self.plugin
+    }
+
     /// Where the request is now.
     pub fn state(&self) -> &Journey {
         &self.journey
@@ -237,6 +249,13 @@ impl RequestJourney {
             }
             // The client left while the store was confirming: nothing went upstream.
             (J::AwaitingStore(wait), E::StreamEnd) => self.abandon_store_wait(host, wait),
+            (J::Waiting(rule), E::WaitOver(end)) => self.on_wait_over(host, &rule, end),
+            // A held duplicate whose client left costs nothing further.
+            (J::Waiting(_), E::StreamEnd) => {
+                self.plugin.waits.withdraw(self.context_id);
+                (J::Finished, Verdict::Continue)
+            }
+            (wait @ J::Waiting(_), _) => (wait, Verdict::Pause),
             (J::Replaying { restore }, E::ResponseHeaders { .. }) => {
                 restore_replay_headers(host, &restore);
                 (J::AnsweredLocally, Verdict::Continue)

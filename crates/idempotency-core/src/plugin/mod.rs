@@ -11,12 +11,13 @@ pub mod store_calls;
 pub mod store_link;
 pub mod store_writes;
 pub mod table_upkeep;
+pub mod waits;
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use crate::burst_log::BurstLog;
-use crate::config::{Config, StoreTransport};
+use crate::config::{Config, InFlightPolicy, StoreTransport};
 use crate::host::Host;
 use crate::table::{self, Table};
 use owner_tokens::OwnerTokens;
@@ -25,6 +26,7 @@ use rule_handle::RuleHandle;
 use store_link::StoreLink;
 use store_writes::{Links, StoreWrites};
 use table_upkeep::TableUpkeep;
+use waits::Waits;
 
 /// Shared-data namespace of this filter (Istio sets no VM id, so keys need a prefix).
 pub const NAMESPACE: &str = "envoy.filters.http.idempotency";
@@ -50,6 +52,8 @@ pub struct Plugin {
     pub upkeep: TableUpkeep,
     /// How long evicted records had been kept.
     pub retention: Retention,
+    /// Duplicates held until the first request with their key completes.
+    pub waits: Waits,
 }
 
 impl Plugin {
@@ -98,6 +102,7 @@ impl Plugin {
             table_full_log: RefCell::new(BurstLog::new(10_000)),
             upkeep,
             retention: Retention::define(host),
+            waits: Waits::default(),
         })
     }
 
@@ -113,6 +118,13 @@ impl Plugin {
     pub fn link_for(&self, rule: &RuleHandle) -> Option<&StoreLink> {
         let store = rule.store.as_ref()?;
         self.links.iter().find(|l| l.store == *store)
+    }
+
+    /// Some rule holds duplicates instead of answering 409 at once.
+    pub fn holds_duplicates(&self) -> bool {
+        self.rules
+            .iter()
+            .any(|r| r.rule.on_in_flight == InFlightPolicy::Wait)
     }
 
     /// Cluster mode for at least one rule.

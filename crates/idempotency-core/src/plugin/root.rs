@@ -3,7 +3,7 @@
 //! configuration until the writes it holds are taken.
 
 use std::cell::RefCell;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 
 use idempotency_protocol::stream::{CallOp, Reply};
 
@@ -11,6 +11,7 @@ use crate::host::Host;
 use crate::journey::{Event, RequestJourney};
 use crate::plugin::store_link::{ClaimWaiter, Waiter};
 use crate::plugin::store_writes::PendingWrite;
+use crate::plugin::waits::WAIT_TICK_MS;
 use crate::plugin::Plugin;
 use crate::store_client::{read_claim_reply, StoreClaim, StoreFailure};
 
@@ -34,6 +35,8 @@ pub struct PluginRoot {
     /// Envoy is retiring this configuration (a push replaced it) but store writes still wait:
     /// the root stays until they are taken or their deadlines pass.
     finishing: bool,
+    /// Retired tables are looked after once a second, however fast the tick runs.
+    next_upkeep_ms: u64,
 }
 
 impl PluginRoot {
@@ -129,11 +132,24 @@ impl PluginRoot {
                     self.deliver(host, plugin, waiter, Err(no_stream()));
                 }
             }
+            for (waiter, end) in plugin.waits.due(host, &plugin.table) {
+                self.in_request(
+                    host,
+                    waiter.context_id,
+                    &waiter.journey,
+                    Event::WaitOver(end),
+                );
+            }
             plugin.writes.on_tick(host, &plugin.links());
-            plugin.upkeep.on_tick(host);
+            let now = host.now_ms();
+            if now >= self.next_upkeep_ms {
+                self.next_upkeep_ms = now.saturating_add(u64::from(UPKEEP_TICK_MS));
+                plugin.upkeep.on_tick(host);
+            }
             if self.first_tick_pending {
                 self.first_tick_pending = false;
-                if let Err(e) = host.set_tick_period_ms(STREAM_TICK_MS) {
+                let period = steady_tick_ms(plugin);
+                if let Err(e) = host.set_tick_period_ms(period) {
                     log::warn!("tick period refused: {}", e.0);
                 }
             }
@@ -203,28 +219,43 @@ impl PluginRoot {
         if answer.is_ok() {
             plugin.writes.store_answered();
         }
-        let Some(journey) = claim.journey.upgrade() else {
-            return orphaned(host, plugin, claim, &answer);
+        let event = Event::StoreReply {
+            id: claim.call_id,
+            answer: answer.clone(),
         };
-        if let Err(e) = host.set_effective_context(claim.context_id) {
-            log::debug!("request gone before its store answer: {}", e.0);
-            return orphaned(host, plugin, claim, &answer);
+        if !self.in_request(host, claim.context_id, &claim.journey, event) {
+            orphaned(host, plugin, claim, &answer);
         }
-        match journey.try_borrow_mut() {
+    }
+
+    /// Runs `event` on a request's journey in that request's context, as Envoy would for the
+    /// request's own callback, then makes the root's context the effective one again. False
+    /// when the request is gone (or busy, which a request never is while the root runs).
+    fn in_request(
+        &self,
+        host: &impl Host,
+        context_id: u32,
+        journey: &Weak<RefCell<RequestJourney>>,
+        event: Event,
+    ) -> bool {
+        let Some(journey) = journey.upgrade() else {
+            return false;
+        };
+        if let Err(e) = host.set_effective_context(context_id) {
+            log::debug!("request gone before the root could answer it: {}", e.0);
+            return false;
+        }
+        let delivered = match journey.try_borrow_mut() {
             Ok(mut journey) => {
-                journey.on(
-                    host,
-                    Event::StoreReply {
-                        id: claim.call_id,
-                        answer,
-                    },
-                );
+                journey.on(host, event);
+                true
             }
-            Err(_) => orphaned(host, plugin, claim, &answer),
-        }
+            Err(_) => false,
+        };
         if let Err(e) = host.set_effective_context(self.context_id) {
             log::error!("root context not restored: {}", e.0);
         }
+        delivered
     }
 
     /// A finishing root whose writes are all taken tells Envoy it is done.
@@ -247,12 +278,10 @@ fn configure(host: &impl Host) -> Result<Plugin, String> {
     let plugin = Plugin::configure(host, &bytes)?;
     // The tick is always set: it opens store streams, retries store writes and empties
     // retired tables.
-    let tick = if !plugin.links.is_empty() {
-        FIRST_TICK_MS
-    } else if plugin.uses_store() {
-        STORE_RETRY_TICK_MS
+    let tick = if plugin.links.is_empty() {
+        steady_tick_ms(&plugin)
     } else {
-        UPKEEP_TICK_MS
+        FIRST_TICK_MS
     };
     host.set_tick_period_ms(tick)
         .map_err(|e| format!("tick period refused: {}", e.0))?;
@@ -283,6 +312,22 @@ fn orphaned(
         let write = PendingWrite::new(Rc::clone(&claim.rule), call, deadline).best_effort();
         plugin.writes.submit(host, write);
     }
+}
+
+/// The tick once the streams (if any) are open: as often as the most demanding of its jobs
+/// needs (held duplicates, store streams, store write retries, retired tables).
+fn steady_tick_ms(plugin: &Plugin) -> u32 {
+    let mut tick = UPKEEP_TICK_MS;
+    if plugin.uses_store() {
+        tick = tick.min(STORE_RETRY_TICK_MS);
+    }
+    if !plugin.links.is_empty() {
+        tick = tick.min(STREAM_TICK_MS);
+    }
+    if plugin.holds_duplicates() {
+        tick = tick.min(WAIT_TICK_MS);
+    }
+    tick
 }
 
 fn no_stream() -> StoreFailure {

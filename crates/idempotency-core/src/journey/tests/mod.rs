@@ -9,6 +9,7 @@ mod local_claim;
 mod response;
 mod root;
 mod stream;
+mod wait;
 
 use std::rc::Rc;
 

@@ -1,0 +1,181 @@
+//! Wait mode (`on_in_flight: "wait"`), single-proxy: a duplicate of a request in flight is
+//! held and, on the root's tick, answered with the first request's response; with 409 when
+//! `wait_ms` passes, a retry-able 503 when the first is released; one that leaves costs
+//! nothing; beyond the bound a duplicate gets its 409 at once.
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+use std::cell::RefCell;
+
+use super::*;
+use crate::outcome::Outcome;
+use crate::plugin::root::PluginRoot;
+use crate::plugin::waits::{MAX_WAITERS, WAIT_TICK_MS};
+
+const ROOT: u32 = 1;
+const WAIT: &str = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+    "on_in_flight":"wait","wait_ms":2000}]}"#;
+
+fn root(host: &FakeHost, config: &str) -> PluginRoot {
+    *host.configuration.borrow_mut() = config.as_bytes().to_vec();
+    host.effective_context.set(ROOT);
+    let mut root = PluginRoot::new(ROOT);
+    assert!(root.on_configure(host));
+    root
+}
+
+/// A POST to /orders with `key` in context `context`, as the root hands requests out.
+fn request(
+    host: &FakeHost,
+    root: &PluginRoot,
+    context: u32,
+    key: &str,
+) -> (Rc<RefCell<RequestJourney>>, Verdict) {
+    host.effective_context.set(context);
+    host.set_request(&post_headers("/orders", Some(key)), b"{}");
+    let journey = root.new_request(context).unwrap();
+    journey.borrow_mut().on(
+        host,
+        Event::RequestHeaders {
+            end_of_stream: false,
+        },
+    );
+    let verdict = journey.borrow_mut().on(
+        host,
+        Event::RequestBody {
+            size: 2,
+            end_of_stream: true,
+        },
+    );
+    (journey, verdict)
+}
+
+fn tick(host: &FakeHost, root: &mut PluginRoot) {
+    host.effective_context.set(ROOT);
+    root.on_tick(host);
+}
+
+#[test]
+fn a_held_duplicate_gets_the_first_requests_response_when_it_completes() {
+    let host = FakeHost::default();
+    let mut root = root(&host, WAIT);
+    assert_eq!(host.tick_period_ms.get(), Some(WAIT_TICK_MS));
+    let (first, verdict) = request(&host, &root, 7, "k1");
+    assert_eq!(verdict, Verdict::Continue);
+    let (second, verdict) = request(&host, &root, 8, "k1");
+    assert_eq!(verdict, Verdict::Pause, "held, not answered");
+    assert!(matches!(second.borrow().state(), Journey::Waiting(_)));
+    assert!(host.take_effects().is_empty(), "no 409");
+    tick(&host, &mut root);
+    assert!(host.take_effects().is_empty(), "still running: still held");
+
+    host.effective_context.set(7);
+    respond(&host, &mut first.borrow_mut(), 201, br#"{"order":1}"#);
+    let _ = host.take_effects();
+    tick(&host, &mut root);
+    let effects = host.take_effects();
+    assert_eq!(
+        effects.first(),
+        Some(&Effect::Switched(8)),
+        "answered in its own context"
+    );
+    let (status, headers, body) = the_reply(&effects);
+    assert_eq!((status, body.as_slice()), (201, &br#"{"order":1}"#[..]));
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+    assert_eq!(effects.last(), Some(&Effect::Switched(ROOT)));
+    assert_eq!(host.counter("orders", Outcome::Executed), 1);
+    assert_eq!(host.counter("orders", Outcome::Waited), 1);
+    assert_eq!(host.counter("orders", Outcome::ReplayedAfterWait), 1);
+    assert_eq!(host.counter("orders", Outcome::Conflict), 0);
+    assert_eq!(
+        host.published_in(8, crate::journey::access_log::OUTCOME)
+            .as_deref(),
+        Some("waited+replayed_after_wait")
+    );
+}
+
+#[test]
+fn a_held_duplicate_gets_409_when_its_wait_passes_and_503_when_the_first_is_released() {
+    let host = FakeHost::default();
+    let mut root = root(&host, WAIT);
+    let (first, _) = request(&host, &root, 7, "k1");
+    let (_late, _) = request(&host, &root, 8, "k1");
+    host.advance_ms(2_000);
+    let (_soon, _) = request(&host, &root, 9, "k1");
+    tick(&host, &mut root);
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 409, "the first waiter's 2 s are over");
+    assert_eq!(header(&headers, "retry-after"), Some(&b"1"[..]));
+    assert!(problem_type(&body).ends_with("request-in-flight"));
+    assert_eq!(host.counter("orders", Outcome::WaitTimedOut), 1);
+
+    host.effective_context.set(7);
+    respond(&host, &mut first.borrow_mut(), 503, b"busy");
+    let _ = host.take_effects();
+    tick(&host, &mut root);
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 503);
+    assert_eq!(header(&headers, "retry-after"), Some(&b"1"[..]));
+    assert!(problem_type(&body).ends_with("first-attempt-released"));
+    assert_eq!(host.counter("orders", Outcome::WaitReleased), 1);
+    // Its retry executes.
+    let (_, verdict) = request(&host, &root, 10, "k1");
+    assert_eq!(verdict, Verdict::Continue);
+    assert_eq!(host.counter("orders", Outcome::Executed), 2);
+}
+
+#[test]
+fn a_held_duplicate_whose_client_leaves_costs_nothing_further() {
+    let host = FakeHost::default();
+    let mut root = root(&host, WAIT);
+    let (first, _) = request(&host, &root, 7, "k1");
+    let (second, _) = request(&host, &root, 8, "k1");
+    let (third, _) = request(&host, &root, 9, "k1");
+    host.effective_context.set(8);
+    second.borrow_mut().on(&host, Event::StreamEnd);
+    drop(third); // gone without a stream end
+    assert_eq!(root_waits(&root), 1);
+    host.effective_context.set(7);
+    respond(&host, &mut first.borrow_mut(), 201, b"ok");
+    let _ = host.take_effects();
+    tick(&host, &mut root);
+    assert!(replies(&host.take_effects()).is_empty());
+    assert_eq!(root_waits(&root), 0);
+    assert_eq!(host.counter("orders", Outcome::ReplayedAfterWait), 0);
+}
+
+fn root_waits(root: &PluginRoot) -> usize {
+    root.new_request(0).unwrap().borrow().plugin().waits.len()
+}
+
+#[test]
+fn beyond_the_bound_a_duplicate_gets_409_at_once() {
+    let host = FakeHost::default();
+    let root = root(&host, WAIT);
+    let (_first, _) = request(&host, &root, 7, "k1");
+    let mut held = Vec::new();
+    for i in 0..MAX_WAITERS {
+        let (waiter, verdict) = request(&host, &root, 100 + i as u32, "k1");
+        assert_eq!(verdict, Verdict::Pause);
+        held.push(waiter);
+    }
+    assert!(host.take_effects().is_empty());
+    let (_, verdict) = request(&host, &root, 5_000, "k1");
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, _, _) = the_reply(&host.take_effects());
+    assert_eq!(status, 409);
+    assert_eq!(host.counter("orders", Outcome::Conflict), 1);
+    assert_eq!(host.counter("orders", Outcome::Waited), MAX_WAITERS as u64);
+}
+
+#[test]
+fn without_wait_mode_a_duplicate_still_gets_409_at_once() {
+    let host = FakeHost::default();
+    let root = root(&host, ORDERS);
+    let (_first, _) = request(&host, &root, 7, "k1");
+    let (_, verdict) = request(&host, &root, 8, "k1");
+    assert_eq!(verdict, Verdict::Pause);
+    assert_eq!(the_reply(&host.take_effects()).0, 409);
+    assert_eq!(host.counter("orders", Outcome::Waited), 0);
+}

@@ -1,0 +1,151 @@
+//! Duplicates held while the first request with their key runs (a rule's
+//! `on_in_flight: "wait"`), as one worker keeps them. The first request may run on any
+//! worker of the process, so its completion is seen where every worker records it: the local
+//! table. The root's tick looks at each waited key there once, however many duplicates wait
+//! for it, and hands each waiter its end; a waiter whose client left is dropped unseen.
+
+use std::cell::RefCell;
+use std::rc::{Rc, Weak};
+
+use crate::host::Host;
+use crate::journey::RequestJourney;
+use crate::key::Digest;
+use crate::plugin::rule_handle::RuleHandle;
+use crate::record::RecordedResponse;
+use crate::table::{Claim, Table};
+
+/// Waiters one worker holds at most; beyond, a duplicate gets its 409 at once. Each costs
+/// Envoy the held request (its body is already buffered) and the filter a few hundred bytes.
+pub const MAX_WAITERS: usize = 1024;
+/// How often the root looks at the waited keys: the most a replay waits beyond the first
+/// request's completion.
+pub const WAIT_TICK_MS: u32 = 20;
+
+/// A held duplicate.
+pub struct Waiter {
+    pub rule: Rc<RuleHandle>,
+    pub key: Digest,
+    pub fingerprint: Digest,
+    pub deadline_ms: u64,
+    /// The host's id of the waiter's context, to answer it in.
+    pub context_id: u32,
+    pub journey: Weak<RefCell<RequestJourney>>,
+}
+
+/// How a wait ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WaitEnd {
+    /// The first request completed: replay this.
+    Completed(RecordedResponse),
+    /// The first request's claim was released or lapsed: nothing to replay.
+    Released,
+    /// The key now holds another payload (the first was released and another claimed it).
+    Mismatch,
+    /// `wait_ms` passed with the first still running.
+    TimedOut,
+}
+
+#[derive(Default)]
+pub struct Waits {
+    waiters: RefCell<Vec<Waiter>>,
+}
+
+impl Waits {
+    /// Holds `waiter`; gives it back when the worker already holds `MAX_WAITERS`.
+    pub fn hold(&self, waiter: Waiter) -> Result<(), Waiter> {
+        let mut waiters = self.waiters.borrow_mut();
+        if waiters.len() >= MAX_WAITERS {
+            return Err(waiter);
+        }
+        waiters.push(waiter);
+        Ok(())
+    }
+
+    /// The client of `context_id` left: forget its wait.
+    pub fn withdraw(&self, context_id: u32) {
+        self.waiters
+            .borrow_mut()
+            .retain(|w| w.context_id != context_id);
+    }
+
+    pub fn len(&self) -> usize {
+        self.waiters.borrow().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.waiters.borrow().is_empty()
+    }
+
+    /// The waiters whose wait is over, with how it ended; the rest keep waiting. Each waited
+    /// key is looked up once. A host error looking one up leaves its waiters to their
+    /// deadline.
+    pub fn due(&self, host: &impl Host, table: &Table) -> Vec<(Waiter, WaitEnd)> {
+        let now = host.now_ms();
+        let waiters = std::mem::take(&mut *self.waiters.borrow_mut());
+        let mut seen: Vec<(Digest, Digest, Option<WaitEnd>)> = Vec::new();
+        let mut over = Vec::new();
+        let mut waiting = Vec::new();
+        for waiter in waiters {
+            if waiter.journey.strong_count() == 0 {
+                continue; // its request is gone
+            }
+            let known = seen
+                .iter()
+                .find(|(k, f, _)| *k == waiter.key && *f == waiter.fingerprint)
+                .map(|(_, _, end)| end.clone());
+            let end = match known {
+                Some(end) => end,
+                None => {
+                    let end = look(host, table, &waiter.key, &waiter.fingerprint, now);
+                    seen.push((waiter.key, waiter.fingerprint, end.clone()));
+                    end
+                }
+            };
+            match end {
+                Some(end) => over.push((waiter, end)),
+                None if now >= waiter.deadline_ms => over.push((waiter, WaitEnd::TimedOut)),
+                None => waiting.push(waiter),
+            }
+        }
+        // Requests that arrived while the root delivered stay too.
+        self.waiters.borrow_mut().extend(waiting);
+        over
+    }
+}
+
+/// The end of a wait for `key`, if it has come. A completion whose response is no longer
+/// held in full replays its status with the body-omitted marker.
+fn look(
+    host: &impl Host,
+    table: &Table,
+    key: &Digest,
+    fingerprint: &Digest,
+    now_ms: u64,
+) -> Option<WaitEnd> {
+    match table.peek(host, key, fingerprint, now_ms) {
+        Ok(None) => Some(WaitEnd::Released),
+        Ok(Some(Claim::InFlight { .. } | Claim::Full)) => None,
+        Ok(Some(Claim::Mismatch)) => Some(WaitEnd::Mismatch),
+        Ok(Some(Claim::Completed {
+            slot,
+            owner,
+            status,
+        })) => {
+            let recorded = table
+                .load_response(host, slot, owner)
+                .ok()
+                .flatten()
+                .unwrap_or_else(|| RecordedResponse {
+                    status,
+                    body_omitted: true,
+                    ..RecordedResponse::default()
+                });
+            Some(WaitEnd::Completed(recorded))
+        }
+        Ok(Some(Claim::Claimed(_))) => None,
+        Err(e) => {
+            log::debug!("a waited key could not be read: {}", e.0);
+            None
+        }
+    }
+}

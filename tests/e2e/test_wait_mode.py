@@ -1,0 +1,86 @@
+"""Wait mode (`on_in_flight: "wait"`) through real Envoy: duplicates of a write still running
+are held and answered with its response instead of 409s, across every worker of the process
+(single-proxy); 409 when `wait_ms` passes, a retry-able 503 when the first is released."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import harness
+from helpers import (
+    crash_lines,
+    is_replay,
+    new_key,
+    plugin_config,
+    post,
+    problem,
+    rule,
+    rule_counters,
+    start_envoy,
+    unique_path,
+)
+
+BODY = b'{"sku":"book","qty":1}'
+
+
+def wait_rule(**fields) -> dict:
+    return rule("orders", prefixes=["/orders"], on_in_flight="wait", **fields)
+
+
+def duplicates(envoy: harness.Envoy, path: str, key: str, n: int, *, headers: dict) -> list:
+    """``n`` identical requests at once, on connections of their own (so both workers get some)."""
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        futures = [pool.submit(post, envoy, path, key=key, body=BODY, headers=headers, timeout=30)
+                   for _ in range(n)]
+        return [f.result(timeout=60) for f in futures]
+
+
+def test_concurrent_duplicates_across_workers_get_one_execution_and_identical_replays(procs) -> None:
+    upstream = procs.upstream()
+    envoy = start_envoy(procs, upstream, plugin_config(wait_rule(wait_ms=10_000)), concurrency=2)
+    path, key = unique_path("orders"), new_key()
+    answers = duplicates(envoy, path, key, 40, headers={"x-demo-delay-ms": "1500"})
+
+    assert upstream.executions(path) == 1
+    statuses = sorted({r.status_code for r in answers})
+    assert statuses == [201], [r.status_code for r in answers]
+    bodies = {r.content for r in answers}
+    assert len(bodies) == 1, "every answer is the first request's response, byte for byte"
+    replays = [r for r in answers if is_replay(r)]
+    assert len(replays) == 39
+    counts = rule_counters(envoy, "orders")
+    assert counts["executed"] == 1 and counts["conflict"] == 0, counts
+    assert counts["waited"] + counts["replayed"] == 39, counts
+    assert counts["replayed_after_wait"] == counts["waited"], counts
+    # Both workers held duplicates (connections spread over them): the cross-worker path ran.
+    assert counts["waited"] >= 2, counts
+    assert not crash_lines(envoy.log_text())
+
+
+def test_a_held_duplicate_gets_409_after_wait_ms_and_503_when_the_first_fails(procs) -> None:
+    upstream = procs.upstream()
+    envoy = start_envoy(procs, upstream, plugin_config(wait_rule(wait_ms=500)), concurrency=2)
+
+    path, key = unique_path("orders"), new_key()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first = pool.submit(post, envoy, path, key=key, body=BODY, headers={"x-demo-delay-ms": "2500"})
+        harness.wait_until(lambda: upstream.executions(path) == 1, timeout=10, what="first upstream")
+        late = post(envoy, path, key=key, body=BODY)
+        assert first.result(timeout=20).status_code == 201
+    doc = problem(late, 409, "request-in-flight", rule="orders")
+    assert late.headers.get("retry-after") == "1", doc
+    assert rule_counters(envoy, "orders")["wait_timed_out"] == 1
+
+    path, key = unique_path("orders"), new_key()
+    failing = {"x-demo-delay-ms": "300", "x-demo-status": "503"}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first = pool.submit(post, envoy, path, key=key, body=BODY, headers=failing)
+        harness.wait_until(lambda: upstream.executions(path) == 1, timeout=10, what="first upstream")
+        held = post(envoy, path, key=key, body=BODY)
+        assert first.result(timeout=20).status_code == 503
+    problem(held, 503, "first-attempt-released", rule="orders")
+    assert held.headers.get("retry-after") == "1"
+    assert upstream.executions(path) == 1, "the held duplicate did not run"
+    retry = post(envoy, path, key=key, body=BODY)
+    assert retry.status_code == 201 and upstream.executions(path) == 2
+    assert rule_counters(envoy, "orders")["wait_released"] == 1
