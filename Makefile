@@ -1,5 +1,6 @@
 # Two entry points for users: `make run` (the product, locally) and `make test` (everything
-# CI checks). `make bench` measures; it is not part of `make test`.
+# CI checks). `make bench` measures and `make fuzz` runs the fuzz targets; neither is part of
+# `make test` (which replays the fuzz corpus).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -11,12 +12,13 @@ WASM        := target/$(WASM_TARGET)/release/idempotency_filter.wasm
 # The wasm-bindgen runner must match the wasm-bindgen version in Cargo.lock.
 WASM_BINDGEN_VERSION := $(shell awk '/^name = "wasm-bindgen"$$/{getline; gsub(/"/,"",$$3); print $$3}' Cargo.lock)
 
-.PHONY: help deps deps-run build wasm binaries venv run test lint unit unit-wasm e2e bench clean
+.PHONY: help deps deps-run build wasm binaries venv run test lint unit unit-wasm e2e bench fuzz clean
 
 help:
 	@echo "make run    build the filter and start Envoy + store + demo upstream on loopback"
 	@echo "make test   lint, unit tests (native and wasm32), end-to-end tests against real Envoy"
 	@echo "make bench  benchmarks (writes docs/benchmarks.md)"
+	@echo "make fuzz   every fuzz target for FUZZ_SECONDS each (nightly, cargo-fuzz); fails on a crash"
 
 # Installs only what is missing (Debian packages via apt, the wasm32 target, the wasm-bindgen
 # test runner); see scripts/install-deps.sh.
@@ -79,6 +81,14 @@ bench-tools: noop-wasm
 bench: build venv bench-tools
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 	$(PYTHON) bench/run.py $(BENCH_ARGS)
+
+# Each cargo-fuzz target of fuzz/ for FUZZ_SECONDS (about four minutes in all, plus the first
+# build); new corpus inputs land in fuzz/corpus/, crashes in fuzz/artifacts/. `make test`
+# replays the committed corpus and regressions on stable (crates/fuzz-checks/tests/corpus.rs).
+FUZZ_SECONDS ?= 20
+fuzz:
+	scripts/install-deps.sh --fuzz
+	FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz.sh
 
 clean:
 	cargo clean

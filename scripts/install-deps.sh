@@ -3,10 +3,20 @@
 # already there, so `make run` and `make test` can call it every time.
 #   scripts/install-deps.sh          everything `make test` needs
 #   scripts/install-deps.sh --run    only what `make run` needs
+#   scripts/install-deps.sh --fuzz   only what `make fuzz` needs (cargo-fuzz; nightly must exist)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 mode=${1:-test}
+if [[ $mode == --fuzz ]]; then
+    if ! rustup run nightly rustc --version >/dev/null 2>&1; then
+        echo "make fuzz needs the nightly Rust toolchain (libFuzzer's instrumentation is nightly-only):" >&2
+        echo "    rustup toolchain install nightly --profile minimal" >&2
+        exit 1
+    fi
+    command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+    exit 0
+fi
 as_root=()
 if [[ $(id -u) -ne 0 ]]; then
     if command -v sudo >/dev/null; then as_root=(sudo); fi

@@ -387,6 +387,31 @@ impl PagePointer {
     }
 }
 
+/// The values the table keeps in shared data, as bytes in and bytes out. Public only so that
+/// the fuzz targets (`crates/fuzz-checks`) can reach the codecs; nothing else should use it.
+#[doc(hidden)]
+pub mod codec {
+    use super::{decode_bucket, encode_bucket, PagePointer, SLOT_BYTES, WAYS};
+
+    /// Length of every bucket value the table writes.
+    pub const BUCKET_BYTES: usize = SLOT_BYTES * WAYS;
+
+    /// A bucket value as the table reads it and writes it back: decoded, then encoded.
+    pub fn reencode_bucket(bytes: &[u8]) -> Vec<u8> {
+        encode_bucket(&decode_bucket(bytes))
+    }
+
+    /// A slot's response key holding a page pointer: `(class, seq, owner)`.
+    pub fn encode_page_pointer(class: u8, seq: u64, owner: u64) -> Vec<u8> {
+        PagePointer { class, seq, owner }.encode()
+    }
+
+    /// None for anything but a whole page pointer.
+    pub fn decode_page_pointer(bytes: &[u8]) -> Option<(u8, u64, u64)> {
+        PagePointer::decode(bytes).map(|p| (p.class, p.seq, p.owner))
+    }
+}
+
 impl Table {
     /// `namespace` separates tables of plugins sharing one VM id (Istio sets none).
     pub fn new(namespace: &str, layout: Layout, salt: u64) -> Table {

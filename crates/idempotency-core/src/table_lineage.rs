@@ -49,7 +49,10 @@ fn registry_key(namespace: &str) -> String {
     format!("{namespace}/idempotency/v2/tables")
 }
 
-fn decode(bytes: &[u8]) -> Vec<TableEntry> {
+/// The registry's value: one line per table. Public (with [`encode`]) only for the fuzz
+/// targets (`crates/fuzz-checks`).
+#[doc(hidden)]
+pub fn decode(bytes: &[u8]) -> Vec<TableEntry> {
     let text = std::str::from_utf8(bytes).unwrap_or("");
     text.lines()
         .filter_map(|line| {
@@ -66,7 +69,8 @@ fn decode(bytes: &[u8]) -> Vec<TableEntry> {
         .collect()
 }
 
-fn encode(entries: &[TableEntry]) -> Vec<u8> {
+#[doc(hidden)]
+pub fn encode(entries: &[TableEntry]) -> Vec<u8> {
     entries
         .iter()
         .map(|e| {
