@@ -205,6 +205,29 @@ def module_envoy(tmpdir: Path, name: str, config: Any, **kwargs: Any) -> Iterato
 # --------------------------------------------------------------------------
 
 
+def access_lines(envoy: harness.Envoy) -> list[dict]:
+    """The JSON access-log lines (envoy/envoy.yaml's format) among everything Envoy printed."""
+    lines = []
+    for line in envoy.log_text().splitlines():
+        if line.startswith("{") and '"idempotency_outcome"' in line:
+            lines.append(json.loads(line))
+    return lines
+
+
+def line_for(envoy: harness.Envoy, request_id: str) -> dict:
+    """The one access-log line of the request sent with ``x-request-id: request_id``."""
+    found: list[dict] = []
+
+    def logged() -> bool:
+        found[:] = [e for e in access_lines(envoy) if e.get("request_id") == request_id]
+        return bool(found)
+
+    # The access log is flushed by Envoy on its own schedule.
+    harness.wait_until(logged, timeout=15, what=f"access log line of {request_id}")
+    assert len(found) == 1, found
+    return found[0]
+
+
 def crash_lines(text: str, *, vm_failures: bool = False) -> list[str]:
     """Lines showing a panic or a trap; with ``vm_failures``, also Envoy's complaints
     about a failed VM."""

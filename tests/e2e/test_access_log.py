@@ -4,36 +4,13 @@ real Envoys sharing one store. Nothing secret reaches the log."""
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import harness
 from cluster import HOST, post, start_cluster
-from helpers import new_key, send, unique_path
+from helpers import line_for, new_key, send, unique_path
 
 SECRET_TOKEN = "Bearer caller-secret-7f3a"
-
-
-def access_lines(envoy: harness.Envoy) -> list[dict]:
-    """The JSON access-log lines among everything Envoy printed."""
-    lines = []
-    for line in envoy.log_text().splitlines():
-        if line.startswith("{") and '"idempotency_outcome"' in line:
-            lines.append(json.loads(line))
-    return lines
-
-
-def line_for(envoy: harness.Envoy, request_id: str) -> dict:
-    found: list[dict] = []
-
-    def logged() -> bool:
-        found[:] = [e for e in access_lines(envoy) if e.get("request_id") == request_id]
-        return bool(found)
-
-    # The access log is flushed by Envoy on its own schedule.
-    harness.wait_until(logged, timeout=15, what=f"access log line of {request_id}")
-    assert len(found) == 1, found
-    return found[0]
 
 
 def test_the_access_log_shows_rule_outcome_and_key_hash_for_each_decision(procs) -> None:

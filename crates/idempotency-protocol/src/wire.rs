@@ -22,8 +22,19 @@ pub mod path {
     pub const CLAIM: &str = "/claim";
     pub const COMPLETE: &str = "/complete";
     pub const RELEASE: &str = "/release";
-    /// Followed by `/{key}`: a record's state, for operators.
+    /// Followed by `/{key}`: a record's state (`GET`), or its removal (`DELETE`); alone,
+    /// with `?prefix=<hex>[&limit=N]`, the keys that start with a prefix. For operators.
     pub const RECORDS: &str = "/records";
+}
+
+/// The query of a prefix search, `GET /v1/records?prefix=<hex>&limit=<n>`.
+pub mod search {
+    pub const PREFIX: &str = "prefix";
+    pub const LIMIT: &str = "limit";
+    /// Shorter prefixes would match too many records to name one.
+    pub const MIN_PREFIX_HEX: usize = 8;
+    /// The most keys one search answers, and the default `limit`.
+    pub const MAX_LIMIT: usize = 20;
 }
 
 /// The `outcome` values of 200 answers (and of the 409 problem on complete/release).
@@ -34,6 +45,8 @@ pub mod outcome {
     pub const MISMATCH: &str = "mismatch";
     pub const RELEASED: &str = "released";
     pub const NOT_OWNER: &str = "not_owner";
+    /// A purge that removed a record.
+    pub const PURGED: &str = "purged";
 }
 
 /// Problem `type` URIs of error answers.
@@ -146,6 +159,37 @@ pub struct RecordResponse {
     /// Present only for completed records.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub record: Option<String>,
+    /// The claimant's owner token; present only for in-flight records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// When the record was claimed (in flight) or completed; absent for a record written
+    /// before the store kept that time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub written_at_ms: Option<u64>,
+    /// The store's clock (for Redis, the Redis server's) when it read the record: ages and
+    /// time left are differences from this. Optional only to read older stores.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub now_ms: Option<u64>,
+}
+
+/// The 200 answer to `GET /v1/records?prefix=<hex>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SearchResponse {
+    /// Keys (64 hex) of live records that start with the prefix, in order, at most `limit`.
+    pub keys: Vec<String>,
+    /// More records match than `keys` holds.
+    pub truncated: bool,
+    /// The search was not cut short by its bounds: unless `truncated`, `keys` are all the
+    /// matches. False means others may exist (a Redis keyspace too large to walk at once).
+    pub exhaustive: bool,
+}
+
+/// The 200 answer to `DELETE /v1/records/{key}`: the record that was removed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PurgeResponse {
+    /// [`outcome::PURGED`].
+    pub outcome: String,
+    pub purged: RecordResponse,
 }
 
 /// RFC 9457 problem details. `outcome` is set only on 409 not_owner so that a client can

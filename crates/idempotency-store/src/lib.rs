@@ -4,8 +4,10 @@
 //! e.g. the filter's cluster-mode tests) can start the real router in-process.
 
 pub mod clock;
+pub mod command;
 pub mod grpc;
 pub mod metrics;
+pub mod operator;
 pub mod protocol;
 pub mod server;
 pub mod storage;

@@ -1,4 +1,5 @@
-//! `idempotency-store` binary: parse flags, open the chosen backend, serve.
+//! `idempotency-store` binary: parse flags, open the chosen backend, serve; or, with the
+//! `record` subcommand, look up or purge one record of a running store.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -6,8 +7,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use idempotency_store::clock::SystemClock;
+use idempotency_store::command::{self, RecordCommand};
 use idempotency_store::metrics::{BatchMetrics, Metrics};
 use idempotency_store::server::{self, AppState, Auth};
 use idempotency_store::storage::embedded::EmbeddedStorage;
@@ -17,7 +19,7 @@ use idempotency_store::storage::Storage;
 use idempotency_store::sweeper;
 use tracing_subscriber::EnvFilter;
 
-const TOKEN_ENV: &str = "IDEMPOTENCY_STORE_TOKEN";
+const TOKEN_ENV: &str = command::TOKEN_ENV;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum BackendKind {
@@ -40,9 +42,31 @@ impl BackendKind {
 }
 
 /// Shared idempotency record store for the Envoy idempotency filter (cluster mode).
+///
+/// Without a subcommand it serves (every flag below); `record` looks up or purges one
+/// record of a running store.
+// The server's flags stay at the top level, as every existing invocation passes them; they
+// cannot be mixed with a subcommand, whose own flags are its own.
 #[derive(Debug, Parser)]
-#[command(version)]
+#[command(version, args_conflicts_with_subcommands = true)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+
+    #[command(flatten)]
+    serve: Serve,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Look up or purge one record on a running store (operators; see the README's
+    /// "Operations").
+    #[command(subcommand)]
+    Record(RecordCommand),
+}
+
+#[derive(Debug, Args)]
+struct Serve {
     /// Address to listen on (HTTP/1.1 and h2c prior knowledge).
     #[arg(long, default_value = "127.0.0.1:8081")]
     listen: SocketAddr,
@@ -128,7 +152,7 @@ fn init_logging(level: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn resolve_auth(cli: &Cli) -> Result<Auth, String> {
+fn resolve_auth(cli: &Serve) -> Result<Auth, String> {
     let token = if let Some(path) = &cli.token_file {
         let raw = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?;
@@ -162,7 +186,7 @@ fn resolve_auth(cli: &Cli) -> Result<Auth, String> {
 }
 
 /// The backend, plus the embedded backend's group-commit statistics for `/metrics`.
-async fn open_storage(cli: &Cli) -> Result<(Arc<dyn Storage>, Option<BatchMetrics>), String> {
+async fn open_storage(cli: &Serve) -> Result<(Arc<dyn Storage>, Option<BatchMetrics>), String> {
     Ok(match cli.backend {
         BackendKind::Memory => (Arc::new(MemoryStorage::new(Arc::new(SystemClock))), None),
         BackendKind::Embedded => {
@@ -221,7 +245,7 @@ async fn shutdown_signal() {
     tracing::info!("shutting down: draining connections");
 }
 
-async fn run(cli: Cli) -> Result<(), String> {
+async fn run(cli: Serve) -> Result<(), String> {
     let auth = resolve_auth(&cli)?;
     let (storage, batches) = open_storage(&cli).await?;
     let mut metrics = Metrics::new();
@@ -275,7 +299,22 @@ async fn run(cli: Cli) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let Cli {
+        command,
+        serve: cli,
+    } = Cli::parse();
+    if let Some(Command::Record(record)) = command {
+        return match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt.block_on(command::run(record)),
+            Err(e) => {
+                eprintln!("idempotency-store record: cannot start async runtime: {e}");
+                ExitCode::from(command::EXIT_ERROR)
+            }
+        };
+    }
     if let Err(e) = init_logging(&cli.log_level) {
         eprintln!("idempotency-store: {e}");
         return ExitCode::FAILURE;

@@ -17,6 +17,10 @@ pub enum Operation {
     Complete,
     Release,
     Lookup,
+    /// An operator's `DELETE /v1/records/{key}`.
+    Purge,
+    /// An operator's prefix search, `GET /v1/records?prefix=`.
+    Search,
 }
 
 impl Operation {
@@ -26,9 +30,14 @@ impl Operation {
             Self::Complete => "complete",
             Self::Release => "release",
             Self::Lookup => "lookup",
+            Self::Purge => "purge",
+            Self::Search => "search",
         }
     }
 }
+
+/// The outcomes of a purge: a record removed, or none there.
+pub const PURGE_OUTCOMES: [&str; 2] = [idempotency_protocol::wire::outcome::PURGED, "not_found"];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Rejection {
@@ -211,11 +220,18 @@ impl Metrics {
 
     /// Gives the error counters their series at 0 before anything has failed, so that
     /// `rate()`, alerts and dashboards see them from the start instead of a missing series.
+    /// Purges too: an operator removing records is worth an alert of its own.
     pub fn start_error_counters_at_zero(&self, backend: &'static str) {
-        self.backend_errors.get_or_create(&Backend { backend });
+        let _ = self.backend_errors.get_or_create(&Backend { backend });
         for why in Rejection::ALL {
-            self.rejected.get_or_create(&Reason {
+            let _ = self.rejected.get_or_create(&Reason {
                 reason: why.as_str(),
+            });
+        }
+        for outcome in PURGE_OUTCOMES {
+            let _ = self.operations.get_or_create(&OpOutcome {
+                operation: Operation::Purge.as_str(),
+                outcome,
             });
         }
     }
@@ -258,6 +274,12 @@ mod tests {
             let line = format!(
                 "idempotency_store_rejected_requests_total{{reason=\"{}\"}} 0",
                 why.as_str()
+            );
+            assert!(text.contains(&line), "{line} missing from\n{text}");
+        }
+        for outcome in PURGE_OUTCOMES {
+            let line = format!(
+                "idempotency_store_operations_total{{operation=\"purge\",outcome=\"{outcome}\"}} 0"
             );
             assert!(text.contains(&line), "{line} missing from\n{text}");
         }

@@ -190,6 +190,9 @@ impl From<RecordView> for RecordResponse {
             fingerprint: v.fingerprint.as_str().to_owned(),
             expires_at_ms: v.expires_at_ms,
             record: v.record.map(|r| encode_record(&r)),
+            owner: v.owner.map(|o| o.as_str().to_owned()),
+            written_at_ms: v.written_at_ms,
+            now_ms: Some(v.now_ms),
         }
     }
 }

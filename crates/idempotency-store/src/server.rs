@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::Uri;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -24,6 +25,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tower_service::Service as _;
 
 use crate::metrics::{self, Metrics, Operation, Rejection};
+use crate::operator;
 use crate::protocol::{self, BadRequest, ClaimResponse, OutcomeResponse, Problem, RecordResponse};
 use crate::storage::{
     ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome, Storage,
@@ -87,7 +89,11 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route(&at(path::CLAIM), post(claim))
         .route(&at(path::COMPLETE), post(complete))
         .route(&at(path::RELEASE), post(release))
-        .route(&format!("{}/{{key}}", at(path::RECORDS)), get(lookup))
+        .route(&at(path::RECORDS), get(search))
+        .route(
+            &format!("{}/{{key}}", at(path::RECORDS)),
+            get(lookup).delete(purge),
+        )
         // route_layer: auth only for matched routes, so unknown paths are a
         // plain 404 rather than a misleading 401.
         .route_layer(middleware::from_fn_with_state(state.clone(), require_auth));
@@ -683,12 +689,29 @@ async fn release(State(st): State<AppState>, body: Result<Bytes, BytesRejection>
     post_handler(st, body, protocol::parse_release).await
 }
 
-async fn lookup(State(st): State<AppState>, key: Result<Path<String>, PathRejection>) -> Response {
-    match key
-        .map_err(|rej| BadRequest(format!("bad path: {}", rej.body_text())))
+/// The record key a `/v1/records/{key}` path names.
+fn path_key(key: Result<Path<String>, PathRejection>) -> Result<Digest, BadRequest> {
+    key.map_err(|rej| BadRequest(format!("bad path: {}", rej.body_text())))
         .and_then(|Path(raw)| protocol::parse_key(&raw))
-    {
+}
+
+async fn lookup(State(st): State<AppState>, key: Result<Path<String>, PathRejection>) -> Response {
+    match path_key(key) {
         Ok(key) => perform(&st, Lookup(key)).await,
+        Err(bad) => bad_request(&st, bad),
+    }
+}
+
+async fn purge(State(st): State<AppState>, key: Result<Path<String>, PathRejection>) -> Response {
+    match path_key(key) {
+        Ok(key) => perform(&st, operator::Purge(key)).await,
+        Err(bad) => bad_request(&st, bad),
+    }
+}
+
+async fn search(State(st): State<AppState>, uri: Uri) -> Response {
+    match operator::parse_search(uri.query()) {
+        Ok(search) => perform(&st, search).await,
         Err(bad) => bad_request(&st, bad),
     }
 }

@@ -137,3 +137,309 @@ fn insecure_mode_starts_and_serves_healthz() {
     sigterm(&run.0);
     assert!(wait_exit(&mut run.0).success());
 }
+
+/// The `record` command, run as the binary it is, against a real store.
+mod record_command {
+    use super::*;
+    use idempotency_core::key::{storage_key, to_hex};
+    use idempotency_core::record::RecordedResponse;
+    use idempotency_protocol::wire::encode_record;
+    use serde_json::{json, Value};
+    use std::process::Output;
+
+    const TOKEN: &str = "ops-token";
+
+    struct Store {
+        _run: common::Running,
+        url: String,
+        token_file: std::path::PathBuf,
+        _dir: tempfile::TempDir,
+        client: reqwest::Client,
+    }
+
+    impl Store {
+        fn start() -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            let token_file = dir.path().join("token");
+            std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+            let (run, addr) = start(
+                &[
+                    "--backend",
+                    "memory",
+                    "--token-file",
+                    token_file.to_str().unwrap(),
+                ],
+                &[],
+            );
+            Self {
+                _run: run,
+                url: format!("http://{addr}"),
+                token_file,
+                _dir: dir,
+                client: reqwest::Client::new(),
+            }
+        }
+
+        async fn post(&self, op: &str, body: Value) -> Value {
+            let resp = self
+                .client
+                .post(format!("{}/v1/{op}", self.url))
+                .bearer_auth(TOKEN)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200, "{op}");
+            resp.json().await.unwrap()
+        }
+
+        async fn claim(&self, key: &str, owner: &str) {
+            let claimed = self
+                .post(
+                    "claim",
+                    json!({"key": key, "fingerprint": "f".repeat(64), "lease_ms": 60000, "owner": owner}),
+                )
+                .await;
+            assert_eq!(claimed["outcome"], "claimed");
+        }
+
+        /// Runs `idempotency-store record <args>` with this store's URL and token.
+        fn record(&self, args: &[&str]) -> Output {
+            self.record_with(args, &["--token-file", self.token_file.to_str().unwrap()])
+        }
+
+        fn record_with(&self, args: &[&str], auth: &[&str]) -> Output {
+            let out = Command::new(BIN)
+                .arg("record")
+                .args(args)
+                .args(["--store-url", &self.url])
+                .args(auth)
+                .env_remove("IDEMPOTENCY_STORE_TOKEN")
+                // A panic would print its backtrace: none may appear.
+                .env("RUST_BACKTRACE", "1")
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                !stderr.contains("panicked") && !stderr.contains("backtrace"),
+                "{stderr}"
+            );
+            out
+        }
+    }
+
+    fn text(bytes: &[u8]) -> String {
+        String::from_utf8_lossy(bytes).into_owned()
+    }
+
+    /// The storage key the filter computes for `POST` with this Host, Authorization and
+    /// Idempotency-Key under the `orders` rule's default scope.
+    fn filter_key(key: &str) -> String {
+        to_hex(&storage_key(
+            "orders",
+            &[Some(b"api.test"), Some(b"Bearer caller")],
+            key.as_bytes(),
+        ))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn show_finds_a_record_by_hash_or_by_request_and_purge_removes_it() {
+        let store = Store::start();
+        let done = filter_key("order-42");
+        store.claim(&done, "0a1b").await;
+        let response = RecordedResponse {
+            owner: 5,
+            status: 201,
+            headers: vec![("content-type".into(), b"application/json".to_vec())],
+            body: b"{\"id\":42}".to_vec(),
+            body_omitted: false,
+        };
+        let completed = store
+            .post(
+                "complete",
+                json!({"key": done, "owner": "0a1b", "ttl_ms": 86_400_000,
+                       "record": encode_record(&response.encode())}),
+            )
+            .await;
+        assert_eq!(completed["outcome"], "completed");
+
+        // The access log's 16 hex digits.
+        let out = store.record(&["show", "--hash", &done[..16]]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let shown = text(&out.stdout);
+        for needle in [
+            done.as_str(),
+            "state        completed",
+            "status       201",
+            "headers      1",
+            "body         9 bytes",
+            "ttl left     23h59m",
+        ] {
+            assert!(shown.contains(needle), "{needle} in\n{shown}");
+        }
+        assert!(
+            shown.contains("age          ") && !shown.contains("unknown"),
+            "{shown}"
+        );
+
+        // The request itself: rule, scope headers, key (quoted: the same key).
+        let request = |authorization: &'static str, key: &'static str| {
+            let mut args = vec!["show", "--rule", "orders", "-H", "Host: api.test"];
+            args.extend(["-H", authorization, "--key", key]);
+            args
+        };
+        let mut args = request("authorization: Bearer caller", "\"order-42\"");
+        args.push("--json");
+        let out = store.record(&args);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(doc["records"][0]["key"], done.as_str());
+        assert_eq!(doc["records"][0]["response"]["status"], 201);
+        assert!(doc["records"][0]["age_ms"].as_u64().is_some());
+
+        // Another caller's request is another record: not found, exit 1.
+        let out = store.record(&request("authorization: Bearer someone-else", "order-42"));
+        assert_eq!(out.status.code(), Some(1));
+        assert!(
+            text(&out.stderr).contains("no live record for key"),
+            "{}",
+            text(&out.stderr)
+        );
+
+        // A claim stuck in flight: shown with its owner and lease, then purged.
+        let stuck = filter_key("order-43");
+        store.claim(&stuck, "51bd921f").await;
+        let out = store.record(&["show", "--hash", &stuck[..16]]);
+        let shown = text(&out.stdout);
+        assert!(shown.contains("state        in_flight"), "{shown}");
+        assert!(shown.contains("lease left   59"), "{shown}");
+        assert!(shown.contains("owner        51bd921f"), "{shown}");
+        let out = store.record(&["purge", "--hash", &stuck[..16]]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let purged = text(&out.stdout);
+        assert!(
+            purged.starts_with("purged:") && purged.contains(&stuck),
+            "{purged}"
+        );
+        assert!(purged.contains("in_flight"), "{purged}");
+        let out = store.record(&["show", "--hash", &stuck]);
+        assert_eq!(out.status.code(), Some(1));
+        let out = store.record(&["purge", "--hash", &stuck, "--json"]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(text(&out.stderr).contains("nothing purged"));
+        // The key is free again.
+        store.claim(&stuck, "0c").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_ambiguous_prefix_is_listed_and_never_purged() {
+        let store = Store::start();
+        let prefix = "0123456789abcdef";
+        let (a, b) = (
+            format!("{prefix}{}", "1".repeat(48)),
+            format!("{prefix}{}", "2".repeat(48)),
+        );
+        store.claim(&a, "01").await;
+        store.claim(&b, "02").await;
+        let out = store.record(&["show", "--hash", prefix, "--json"]);
+        assert_eq!(out.status.code(), Some(0));
+        let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(doc["records"].as_array().unwrap().len(), 2);
+        let out = store.record(&["purge", "--hash", prefix]);
+        assert_eq!(out.status.code(), Some(2));
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains(&a) && stderr.contains(&b), "{stderr}");
+        assert!(stderr.contains("nothing purged"), "{stderr}");
+        let out = store.record(&["show", "--hash", &a]);
+        assert_eq!(out.status.code(), Some(0), "still there");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn token_connection_and_usage_errors_exit_2_with_a_sentence() {
+        let store = Store::start();
+        let dir = tempfile::tempdir().unwrap();
+        let wrong = dir.path().join("wrong");
+        std::fs::write(&wrong, "not-the-token").unwrap();
+        let out = store.record_with(
+            &["show", "--hash", "0123456789abcdef"],
+            &["--token-file", wrong.to_str().unwrap()],
+        );
+        assert_eq!(out.status.code(), Some(2));
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains("refused the token from --token-file"),
+            "{stderr}"
+        );
+        let out = store.record_with(&["show", "--hash", "0123456789abcdef"], &[]);
+        assert_eq!(out.status.code(), Some(2));
+        assert!(text(&out.stderr).contains("IDEMPOTENCY_STORE_TOKEN"));
+        let out = store.record(&["show", "--hash", "0123"]);
+        assert_eq!(out.status.code(), Some(2));
+        assert!(text(&out.stderr).contains("16 to 64 hex digits"));
+
+        let closed = format!("http://127.0.0.1:{}", common::free_port());
+        let out = Command::new(BIN)
+            .args([
+                "record",
+                "purge",
+                "--hash",
+                "0123456789abcdef",
+                "--store-url",
+                &closed,
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        assert!(
+            text(&out.stderr).contains("cannot reach the store"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+
+    #[test]
+    fn the_servers_flags_stay_at_the_top_and_do_not_mix_with_record() {
+        let out = Command::new(BIN)
+            .args([
+                "--backend",
+                "memory",
+                "record",
+                "show",
+                "--hash",
+                "0123456789abcdef",
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        assert!(
+            text(&out.stderr).contains("cannot be used with"),
+            "{}",
+            text(&out.stderr)
+        );
+        let out = Command::new(BIN).args(["record", "show"]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        assert!(
+            text(&out.stderr).contains("--hash"),
+            "{}",
+            text(&out.stderr)
+        );
+        let out = Command::new(BIN)
+            .args([
+                "record",
+                "show",
+                "--hash",
+                "0123456789abcdef",
+                "--rule",
+                "orders",
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        let out = Command::new(BIN).args(["--help"]).output().unwrap();
+        let help = text(&out.stdout);
+        assert!(
+            help.contains("--listen") && help.contains("record"),
+            "{help}"
+        );
+    }
+}

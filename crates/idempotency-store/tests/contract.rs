@@ -22,7 +22,8 @@ use idempotency_store::storage::embedded::EmbeddedStorage;
 use idempotency_store::storage::memory::MemoryStorage;
 use idempotency_store::storage::redis::RedisStorage;
 use idempotency_store::storage::{
-    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordState, ReleaseOutcome, Storage,
+    ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, RecordState, RecordView,
+    ReleaseOutcome, Storage,
 };
 
 use common::{random_digest, RedisCluster, RedisServer};
@@ -145,6 +146,12 @@ impl Harness {
         self.s().release(key, owner).await.unwrap()
     }
 
+    /// What is stored for `key`, without the backend's clock at the read (which moves).
+    async fn stored(&self, key: &Digest) -> Option<RecordView> {
+        let view = self.s().lookup(key).await.unwrap()?;
+        Some(RecordView { now_ms: 0, ..view })
+    }
+
     async fn state(&self, key: &Digest) -> Option<RecordState> {
         self.s().lookup(key).await.unwrap().map(|v| v.state)
     }
@@ -262,16 +269,12 @@ async fn completed_record_is_never_overwritten(h: &Harness) {
         h.complete(&k, &owner, LONG_TTL_MS, b"first").await,
         CompleteOutcome::Completed
     );
-    let before = h.s().lookup(&k).await.unwrap();
+    let before = h.stored(&k).await;
     assert_eq!(
         h.complete(&k, &owner, h.short_ms(), b"second").await,
         CompleteOutcome::NotOwner
     );
-    assert_eq!(
-        h.s().lookup(&k).await.unwrap(),
-        before,
-        "bytes and expiry unchanged"
-    );
+    assert_eq!(h.stored(&k).await, before, "bytes and expiry unchanged");
     assert_eq!(
         h.claim(&k, &fp, LONG_LEASE_MS).await,
         ClaimOutcome::Completed {
@@ -500,14 +503,14 @@ async fn retried_complete_with_same_bytes_succeeds_unchanged(h: &Harness) {
         h.complete(&k, &owner, LONG_TTL_MS, &bytes).await,
         CompleteOutcome::Completed
     );
-    let before = h.s().lookup(&k).await.unwrap().unwrap();
+    let before = h.stored(&k).await.unwrap();
     // The retry asks for a much shorter TTL; the stored expiry must not move.
     let short = h.short_ms();
     assert_eq!(
         h.complete(&k, &owner, short, &bytes).await,
         CompleteOutcome::Completed
     );
-    assert_eq!(h.s().lookup(&k).await.unwrap().unwrap(), before);
+    assert_eq!(h.stored(&k).await.unwrap(), before);
     h.pass(short).await;
     assert_eq!(
         h.state(&k).await,
@@ -647,6 +650,106 @@ async fn complete_after_the_claim_is_gone_never_touches_a_newer_record(h: &Harne
     );
 }
 
+/// A random key that starts with `prefix`.
+fn key_with_prefix(prefix: &str) -> Digest {
+    let tail = random_digest();
+    Digest::parse(&format!("{prefix}{}", &tail.as_str()[prefix.len()..])).unwrap()
+}
+
+async fn lookup_shows_the_owner_and_when_the_record_was_written(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = OwnerToken::generate().unwrap();
+    h.claim_as(&k, &fp, LONG_LEASE_MS, &owner).await;
+    let claimed = h.s().lookup(&k).await.unwrap().unwrap();
+    assert_eq!(claimed.owner, Some(owner.clone()));
+    let at = claimed.written_at_ms.expect("the claim's time is kept");
+    assert_eq!(
+        at + LONG_LEASE_MS,
+        claimed.expires_at_ms,
+        "claimed at the lease's start"
+    );
+    assert!(at <= claimed.now_ms, "{at} > {}", claimed.now_ms);
+    h.pass(5).await;
+    assert_eq!(
+        h.complete(&k, &owner, LONG_TTL_MS, b"done").await,
+        CompleteOutcome::Completed
+    );
+    let done = h.s().lookup(&k).await.unwrap().unwrap();
+    assert_eq!(done.owner, None, "a completed record keeps no owner");
+    let completed_at = done.written_at_ms.expect("the completion's time is kept");
+    assert!(completed_at > at, "completed {completed_at}, claimed {at}");
+    assert_eq!(completed_at + LONG_TTL_MS, done.expires_at_ms);
+    assert!(completed_at <= done.now_ms);
+}
+
+async fn purge_removes_a_record_whatever_its_state(h: &Harness) {
+    let (stuck, done, fp) = (random_digest(), random_digest(), random_digest());
+    let owner = h.claim_owner(&stuck, &fp, LONG_LEASE_MS).await;
+    let purged = h.s().purge(&stuck).await.unwrap().expect("a live claim");
+    assert_eq!(purged.state, RecordState::InFlight);
+    assert_eq!(purged.owner, Some(owner.clone()));
+    assert_eq!(h.state(&stuck).await, None);
+    assert_eq!(h.s().purge(&stuck).await.unwrap(), None, "nothing left");
+    // The key is free at once, and the purged claimant has nothing left to release.
+    assert!(matches!(
+        h.claim(&stuck, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Claimed { .. }
+    ));
+    assert_eq!(h.release(&stuck, &owner).await, ReleaseOutcome::NotOwner);
+
+    let o = h.claim_owner(&done, &fp, LONG_LEASE_MS).await;
+    h.complete(&done, &o, LONG_TTL_MS, b"recorded").await;
+    let purged = h
+        .s()
+        .purge(&done)
+        .await
+        .unwrap()
+        .expect("a live completion");
+    assert_eq!(purged.state, RecordState::Completed);
+    assert_eq!(purged.record.as_deref(), Some(&b"recorded"[..]));
+    // A retry now executes again instead of replaying.
+    assert!(matches!(
+        h.claim(&done, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Claimed { .. }
+    ));
+    assert_eq!(h.s().purge(&random_digest()).await.unwrap(), None);
+}
+
+async fn prefix_search_finds_live_records_in_key_order(h: &Harness) {
+    let prefix = &random_digest().as_str()[..16].to_owned();
+    let fp = random_digest();
+    let mut live: Vec<Digest> = (0..3).map(|_| key_with_prefix(prefix)).collect();
+    for k in &live {
+        h.claim_owner(k, &fp, LONG_LEASE_MS).await;
+    }
+    let released = key_with_prefix(prefix);
+    let o = h.claim_owner(&released, &fp, LONG_LEASE_MS).await;
+    h.release(&released, &o).await;
+    let lapsing = key_with_prefix(prefix);
+    h.claim_owner(&lapsing, &fp, h.short_ms()).await;
+    h.pass(h.short_ms()).await;
+    live.sort();
+
+    let find = |p: &str, limit: usize| {
+        let p = KeyPrefix::parse(p).unwrap();
+        async move { h.s().find_by_prefix(&p, limit).await.unwrap() }
+    };
+    let all = find(prefix, 20).await;
+    assert_eq!(all.keys, live, "live records only, in key order");
+    assert!(!all.truncated && all.exhaustive, "{all:?}");
+    let upper = find(&prefix.to_uppercase(), 20).await;
+    assert_eq!(upper.keys, live);
+    let one = find(prefix, 1).await;
+    assert_eq!(one.keys.len(), 1);
+    assert!(one.truncated);
+    assert!(live.contains(&one.keys[0]));
+    let exact = find(live[1].as_str(), 20).await;
+    assert_eq!(exact.keys, vec![live[1].clone()]);
+    // The access log's 16 hex digits of a key that is not there: nothing, for sure.
+    let absent = find(&random_digest().as_str()[..16], 20).await;
+    assert!(absent.keys.is_empty() && !absent.truncated && absent.exhaustive);
+}
+
 macro_rules! contract_suite {
     ($backend:ident, $harness:expr) => {
         mod $backend {
@@ -671,6 +774,9 @@ macro_rules! contract_suite {
                 concurrent_claims_have_one_winner,
                 complete_after_the_claim_is_gone_records_with_its_fingerprint,
                 complete_after_the_claim_is_gone_never_touches_a_newer_record,
+                lookup_shows_the_owner_and_when_the_record_was_written,
+                purge_removes_a_record_whatever_its_state,
+                prefix_search_finds_live_records_in_key_order,
             );
         }
     };
@@ -713,6 +819,11 @@ async fn the_contract_holds_on_a_redis_cluster() {
     concurrent_claims_have_one_winner(&h).await;
     complete_after_the_claim_is_gone_records_with_its_fingerprint(&h).await;
     complete_after_the_claim_is_gone_never_touches_a_newer_record(&h).await;
+    lookup_shows_the_owner_and_when_the_record_was_written(&h).await;
+    purge_removes_a_record_whatever_its_state(&h).await;
+    // Keys with one prefix live on every primary (the whole digest is the hash tag), so the
+    // search must walk them all.
+    prefix_search_finds_live_records_in_key_order(&h).await;
     // Many keys: every primary owns some of them, and each is served where its slot lives.
     for _ in 0..64 {
         first_claim_claims(&h).await;
@@ -871,6 +982,61 @@ async fn redis_records_use_cluster_safe_hash_keys() {
         pttl > 0 && pttl <= 60_000,
         "lease expiry set by Redis: {pttl}"
     );
+}
+
+#[tokio::test]
+async fn redis_records_from_before_the_write_time_are_read_and_purged() {
+    let server = RedisServer::start();
+    let s = RedisStorage::connect(&server.url()).await.unwrap();
+    let (k, fp) = (random_digest(), random_digest());
+    // What the previous release wrote for a claim: no `written_at_ms` field.
+    let client = ::redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let key = format!("idem:{{{}}}", k.as_str());
+    let _: () = ::redis::cmd("HSET")
+        .arg(&key)
+        .arg(&[
+            "state",
+            "in_flight",
+            "fingerprint",
+            fp.as_str(),
+            "owner",
+            "0a1b",
+        ])
+        .arg(&["expires_at_ms", "4102444800000"])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = ::redis::cmd("PEXPIRE")
+        .arg(&key)
+        .arg(LONG_LEASE_MS)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let view = s.lookup(&k).await.unwrap().unwrap();
+    assert_eq!(view.state, RecordState::InFlight);
+    assert_eq!(view.owner, Some(OwnerToken::parse("0a1b").unwrap()));
+    assert_eq!(view.written_at_ms, None);
+    assert!(
+        view.now_ms > 1_600_000_000_000,
+        "Redis's clock: {}",
+        view.now_ms
+    );
+    let prefix = KeyPrefix::parse(&k.as_str()[..16]).unwrap();
+    assert_eq!(
+        s.find_by_prefix(&prefix, 20).await.unwrap().keys,
+        vec![k.clone()]
+    );
+    assert_eq!(
+        s.purge(&k).await.unwrap().map(|v| v.state),
+        Some(RecordState::InFlight)
+    );
+    let exists: i64 = ::redis::cmd("EXISTS")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(exists, 0, "DEL on the record's hash");
 }
 
 #[tokio::test]

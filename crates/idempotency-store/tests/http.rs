@@ -20,8 +20,8 @@ use idempotency_store::metrics::Metrics;
 use idempotency_store::server::{self, AppState, Auth};
 use idempotency_store::storage::memory::MemoryStorage;
 use idempotency_store::storage::{
-    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome, Storage,
-    StorageError,
+    ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
+    ReleaseOutcome, Storage, StorageError,
 };
 use reqwest::{Client, StatusCode, Version};
 use serde_json::{json, Value};
@@ -512,6 +512,136 @@ async fn unknown_paths_and_methods_are_problems() {
     assert_eq!(content_type(&resp), "application/problem+json");
 }
 
+impl TestServer {
+    async fn delete(&self, path: &str, token: Option<&str>) -> (StatusCode, Value) {
+        let mut req = self.client.delete(self.url(path));
+        if let Some(token) = token {
+            req = req.bearer_auth(token);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status();
+        (status, resp.json().await.unwrap())
+    }
+}
+
+#[tokio::test]
+async fn operators_find_records_by_prefix_see_their_owner_and_age_and_purge_them() {
+    let srv = TestServer::start().await;
+    let (st, claimed) = srv
+        .post(
+            "/v1/claim",
+            &json!({"key": K, "fingerprint": FP, "lease_ms": 60000, "owner": "0a1b"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    let (_, rec) = srv.get(&format!("/v1/records/{K}")).await;
+    assert_eq!(rec["state"], "in_flight");
+    assert_eq!(
+        rec["owner"], "0a1b",
+        "the operator sees who holds the claim"
+    );
+    let (written, now) = (
+        rec["written_at_ms"].as_u64().unwrap(),
+        rec["now_ms"].as_u64().unwrap(),
+    );
+    assert!(written <= now && now < claimed["lease_expires_at_ms"].as_u64().unwrap());
+
+    // The access log's 16 hex digits find the record; case does not matter.
+    let (st, found) = srv
+        .get(&format!("/v1/records?prefix={}", &K[..16].to_uppercase()))
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(
+        found,
+        json!({"keys": [K], "truncated": false, "exhaustive": true})
+    );
+    let (_, none) = srv.get("/v1/records?prefix=0123456789abcdef").await;
+    assert_eq!(
+        none,
+        json!({"keys": [], "truncated": false, "exhaustive": true})
+    );
+
+    // Many records under one prefix: at most `limit` (20 by default), and it says so.
+    let shared = "12345678";
+    for i in 0..25 {
+        let key = format!("{shared}{i:056x}");
+        srv.post(
+            "/v1/claim",
+            &json!({"key": key, "fingerprint": FP, "lease_ms": 60000}),
+        )
+        .await;
+    }
+    let (_, many) = srv.get(&format!("/v1/records?prefix={shared}")).await;
+    assert_eq!(many["keys"].as_array().unwrap().len(), 20);
+    assert_eq!(
+        (many["truncated"].clone(), many["exhaustive"].clone()),
+        (json!(true), json!(true))
+    );
+    let (_, few) = srv
+        .get(&format!("/v1/records?prefix={shared}&limit=3"))
+        .await;
+    let first: Vec<String> = (0..3).map(|i| format!("{shared}{i:056x}")).collect();
+    assert_eq!(few["keys"], json!(first), "in key order");
+
+    for (query, mentions) in [
+        ("", "`prefix`: required"),
+        ("?prefix=1234567", "8 to 64 hex"),
+        ("?prefix=1234567x", "hex characters"),
+        ("?prefix=12345678&limit=21", "`limit`"),
+        ("?prefix=12345678&max=3", "unknown query parameter `max`"),
+    ] {
+        let resp = srv
+            .client
+            .get(srv.url(&format!("/v1/records{query}")))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_bad_request(resp, mentions).await;
+    }
+
+    // Purge: authenticated, a full key only, and it answers what it removed.
+    let (st, _) = srv.delete(&format!("/v1/records/{K}"), None).await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+    let resp = srv
+        .client
+        .delete(srv.url(&format!("/v1/records/{}", &K[..16])))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_bad_request(resp, "`key`").await;
+    let (st, purged) = srv.delete(&format!("/v1/records/{K}"), Some(TOKEN)).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(purged["outcome"], "purged");
+    assert_eq!(purged["purged"]["state"], "in_flight");
+    assert_eq!(purged["purged"]["owner"], "0a1b");
+    let (st, _) = srv.get(&format!("/v1/records/{K}")).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    let (st, again) = srv.delete(&format!("/v1/records/{K}"), Some(TOKEN)).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    assert_eq!(again["type"], "urn:idempotency-store:not-found");
+    // The key is free: a new claim takes it at once.
+    let (_, retried) = srv
+        .post(
+            "/v1/claim",
+            &json!({"key": K, "fingerprint": FP, "lease_ms": 60000}),
+        )
+        .await;
+    assert_eq!(retried["outcome"], "claimed");
+
+    let metrics = srv.metrics().await;
+    for needle in [
+        r#"idempotency_store_operations_total{operation="purge",outcome="purged"} 1"#,
+        r#"idempotency_store_operations_total{operation="purge",outcome="not_found"} 1"#,
+        r#"idempotency_store_operations_total{operation="search",outcome="found"} 3"#,
+        r#"idempotency_store_operations_total{operation="search",outcome="not_found"} 1"#,
+        r#"idempotency_store_rejected_requests_total{reason="bad_request"} 6"#,
+    ] {
+        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+    }
+}
+
 #[tokio::test]
 async fn claim_with_client_owner_echoes_it_and_that_owner_can_release() {
     let srv = TestServer::start().await;
@@ -591,8 +721,13 @@ async fn retried_complete_with_same_bytes_is_200_other_bytes_409() {
     assert_eq!(st, StatusCode::CONFLICT);
     assert_eq!(refused["outcome"], "not_owner");
 
-    let (_, after) = srv.get(&format!("/v1/records/{K}")).await;
-    assert_eq!(after, before, "record and expiry unchanged");
+    let (_, mut after) = srv.get(&format!("/v1/records/{K}")).await;
+    // Everything but the store's clock at each read.
+    let mut before = before;
+    for read in [&mut before, &mut after] {
+        read.as_object_mut().unwrap().remove("now_ms");
+    }
+    assert_eq!(after, before, "record, expiry and write time unchanged");
     let metrics = srv.metrics().await;
     for needle in [
         r#"idempotency_store_operations_total{operation="complete",outcome="completed"} 2"#,
@@ -635,6 +770,12 @@ impl Storage for Broken {
     async fn lookup(&self, _: &Digest) -> Result<Option<RecordView>, StorageError> {
         Err(StorageError::Backend("down".into()))
     }
+    async fn purge(&self, _: &Digest) -> Result<Option<RecordView>, StorageError> {
+        Err(StorageError::Backend("down".into()))
+    }
+    async fn find_by_prefix(&self, _: &KeyPrefix, _: usize) -> Result<PrefixMatches, StorageError> {
+        Err(StorageError::Backend("down".into()))
+    }
     async fn sweep_expired(&self) -> Result<u64, StorageError> {
         Err(StorageError::Backend("down".into()))
     }
@@ -653,9 +794,13 @@ async fn backend_failure_is_503_and_counted() {
     assert_eq!(body["type"], "urn:idempotency-store:backend-unavailable");
     let (st, _) = srv.get(&format!("/v1/records/{K}")).await;
     assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
+    let (st, _) = srv.get(&format!("/v1/records?prefix={}", &K[..8])).await;
+    assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
+    let (st, _) = srv.delete(&format!("/v1/records/{K}"), Some(TOKEN)).await;
+    assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
     let metrics = srv.metrics().await;
     assert!(
-        metrics.contains(r#"idempotency_store_backend_errors_total{backend="broken"} 2"#),
+        metrics.contains(r#"idempotency_store_backend_errors_total{backend="broken"} 4"#),
         "{metrics}"
     );
     assert!(metrics
@@ -716,6 +861,16 @@ impl Storage for Gated {
     }
     async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
         self.inner.lookup(key).await
+    }
+    async fn purge(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
+        self.inner.purge(key).await
+    }
+    async fn find_by_prefix(
+        &self,
+        prefix: &KeyPrefix,
+        limit: usize,
+    ) -> Result<PrefixMatches, StorageError> {
+        self.inner.find_by_prefix(prefix, limit).await
     }
     async fn sweep_expired(&self) -> Result<u64, StorageError> {
         self.inner.sweep_expired().await

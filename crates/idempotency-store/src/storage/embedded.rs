@@ -29,8 +29,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::logic::{self, Decision, StoredBody, StoredRecord};
 use super::{
-    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome, Storage,
-    StorageError,
+    ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
+    ReleaseOutcome, Storage, StorageError, PREFIX_SEARCH_MAX_VISITS,
 };
 use crate::clock::Clock;
 use crate::metrics::BatchMetrics;
@@ -561,6 +561,58 @@ impl Storage for EmbeddedStorage {
         .await
     }
 
+    async fn purge(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
+        self.apply(key, logic::purge).await
+    }
+
+    async fn find_by_prefix(
+        &self,
+        prefix: &KeyPrefix,
+        limit: usize,
+    ) -> Result<PrefixMatches, StorageError> {
+        let db = Arc::clone(&self.db);
+        let clock = Arc::clone(&self.clock);
+        let prefix = prefix.clone();
+        run_blocking(move || {
+            let mut found = PrefixMatches {
+                exhaustive: true,
+                ..PrefixMatches::default()
+            };
+            let Some(lowest) = prefix.lowest_key() else {
+                return Ok(found);
+            };
+            let txn = db.begin_read().map_err(|e| backend_err("begin read", e))?;
+            let table = txn
+                .open_table(RECORDS)
+                .map_err(|e| backend_err("open table", e))?;
+            let now = clock.now_ms();
+            // Keys are ordered as text: the matches are one run from the lowest of them.
+            let range = table
+                .range::<&str>(lowest.as_str()..)
+                .map_err(|e| backend_err("prefix range", e))?;
+            for (visited, entry) in range.enumerate() {
+                let (key, value) = entry.map_err(|e| backend_err("prefix read", e))?;
+                let Ok(key) = Digest::parse(key.value()) else {
+                    continue;
+                };
+                if !prefix.matches(&key) {
+                    break;
+                }
+                if visited >= PREFIX_SEARCH_MAX_VISITS {
+                    found.exhaustive = false;
+                    break;
+                }
+                // An undecodable row is left to lookups, which report it.
+                let live = decode(value.value()).is_ok_and(|rec| rec.is_live(now));
+                if live && !found.offer(key, limit) {
+                    break;
+                }
+            }
+            Ok(found)
+        })
+        .await
+    }
+
     async fn sweep_expired(&self) -> Result<u64, StorageError> {
         let cutoff_ms = self.clock.now_ms();
         let mut removed = 0u64;
@@ -583,13 +635,18 @@ impl Storage for EmbeddedStorage {
     }
 }
 
-// On-disk layout of one record (version 1):
-//   [0]      format version (1)
+// On-disk layout of one record, version 2 (what this release writes):
+//   [0]      format version (2)
 //   [1]      state: 0 = in flight, 1 = completed
 //   [2..10]  expires_at_ms, big endian
-//   [10..74] fingerprint, 64 lowercase hex ASCII
-//   [74..]   in flight: owner token ASCII; completed: the recorded bytes
+//   [10..18] written_at_ms (claimed or completed), big endian
+//   [18..82] fingerprint, 64 lowercase hex ASCII
+//   [82..]   in flight: owner token ASCII; completed: the recorded bytes
+// Version 1, written by releases that did not keep the time, is the same without
+// written_at_ms. It is still read (the time is then unknown) and becomes version 2 at the
+// key's next write. An older release cannot read version 2: no downgrade past this one.
 const FORMAT_V1: u8 = 1;
+const FORMAT_V2: u8 = 2;
 const STATE_IN_FLIGHT: u8 = 0;
 const STATE_COMPLETED: u8 = 1;
 
@@ -598,10 +655,18 @@ fn encode(rec: &StoredRecord) -> Vec<u8> {
         StoredBody::InFlight { owner } => (STATE_IN_FLIGHT, owner.as_str().as_bytes()),
         StoredBody::Completed { record } => (STATE_COMPLETED, record.as_slice()),
     };
-    let mut out = Vec::with_capacity(2 + 8 + Digest::HEX_LEN + tail.len());
-    out.push(FORMAT_V1);
+    let mut out = Vec::with_capacity(2 + 8 + 8 + Digest::HEX_LEN + tail.len());
+    // A record whose time is unknown (read from version 1) keeps the format that says so.
+    out.push(if rec.written_at_ms.is_some() {
+        FORMAT_V2
+    } else {
+        FORMAT_V1
+    });
     out.push(state);
     out.extend_from_slice(&rec.expires_at_ms.to_be_bytes());
+    if let Some(written) = rec.written_at_ms {
+        out.extend_from_slice(&written.to_be_bytes());
+    }
     out.extend_from_slice(rec.fingerprint.as_str().as_bytes());
     out.extend_from_slice(tail);
     out
@@ -618,18 +683,27 @@ fn split_header(bytes: &[u8]) -> Option<(u8, u8, u64, &[u8])> {
     Some((version, state, u64::from_be_bytes(*exp), rest))
 }
 
+/// Both versions keep the expiry in the same place, so the sweeper and the index rebuild
+/// read it alike.
 fn expires_at_ms(bytes: &[u8]) -> Option<u64> {
     split_header(bytes)
-        .filter(|(version, ..)| *version == FORMAT_V1)
+        .filter(|(version, ..)| matches!(*version, FORMAT_V1 | FORMAT_V2))
         .map(|(_, _, exp, _)| exp)
 }
 
 fn decode(bytes: &[u8]) -> Result<StoredRecord, StorageError> {
     let (version, state, expires_at_ms, rest) =
         split_header(bytes).ok_or_else(|| corrupt("truncated header"))?;
-    if version != FORMAT_V1 {
-        return Err(corrupt("unknown format version"));
-    }
+    let (written_at_ms, rest) = match version {
+        FORMAT_V1 => (None, rest),
+        FORMAT_V2 => {
+            let (written, rest) = rest
+                .split_first_chunk::<8>()
+                .ok_or_else(|| corrupt("truncated header"))?;
+            (Some(u64::from_be_bytes(*written)), rest)
+        }
+        _ => return Err(corrupt("unknown format version")),
+    };
     let (fp, tail) = rest
         .split_at_checked(Digest::HEX_LEN)
         .ok_or_else(|| corrupt("truncated fingerprint"))?;
@@ -653,6 +727,7 @@ fn decode(bytes: &[u8]) -> Result<StoredRecord, StorageError> {
     Ok(StoredRecord {
         fingerprint,
         expires_at_ms,
+        written_at_ms,
         body,
     })
 }
@@ -968,13 +1043,78 @@ mod tests {
             },
             StoredBody::Completed { record: vec![] },
         ] {
-            let rec = StoredRecord {
-                fingerprint: fp.clone(),
-                expires_at_ms: 1_700_000_000_123,
-                body,
-            };
-            assert_eq!(decode(&encode(&rec)).unwrap(), rec);
+            for written_at_ms in [Some(1_700_000_000_001), None] {
+                let rec = StoredRecord {
+                    fingerprint: fp.clone(),
+                    expires_at_ms: 1_700_000_000_123,
+                    written_at_ms,
+                    body: body.clone(),
+                };
+                let bytes = encode(&rec);
+                let version = if written_at_ms.is_some() { 2 } else { 1 };
+                assert_eq!(bytes.first(), Some(&version));
+                assert_eq!(expires_at_ms(&bytes), Some(1_700_000_000_123));
+                assert_eq!(decode(&bytes).unwrap(), rec);
+            }
         }
+    }
+
+    /// The bytes the release before this one wrote for a record (format 1, spelled out
+    /// here rather than produced by `encode`, so a change to the writer cannot hide a
+    /// change to what is read).
+    fn v1_bytes(state: u8, expires_at_ms: u64, fingerprint: &Digest, tail: &[u8]) -> Vec<u8> {
+        let mut out = vec![1, state];
+        out.extend_from_slice(&expires_at_ms.to_be_bytes());
+        out.extend_from_slice(fingerprint.as_str().as_bytes());
+        out.extend_from_slice(tail);
+        out
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn records_written_by_the_previous_release_are_read_swept_and_rewritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let (claimed, done, lapsed, fp) = (digest(1), digest(2), digest(3), digest(7));
+        {
+            let db = Database::create(dir.path().join(DB_FILE_NAME)).unwrap();
+            let txn = db.begin_write().unwrap();
+            {
+                let mut t = open_tables(&txn).unwrap();
+                for (key, state, exp, tail) in [
+                    (&claimed, 0, START_MS + 60_000, &b"ff"[..]),
+                    (&done, 1, START_MS + 86_400_000, &b"recorded"[..]),
+                    (&lapsed, 0, START_MS + 10, &b"01"[..]),
+                ] {
+                    let bytes = v1_bytes(state, exp, &fp, tail);
+                    t.records.insert(key.as_str(), bytes.as_slice()).unwrap();
+                    t.expiry.insert((exp, key.as_str()), ()).unwrap();
+                }
+            }
+            txn.commit().unwrap();
+        }
+        let clock = Arc::new(ManualClock::new(START_MS + 20));
+        let s = Arc::new(EmbeddedStorage::open(dir.path(), clock.clone()).unwrap());
+        let view = s.lookup(&claimed).await.unwrap().unwrap();
+        assert_eq!(view.state, RecordState::InFlight);
+        assert_eq!(view.owner, Some(owner(0xff)));
+        assert_eq!(view.written_at_ms, None, "format 1 did not keep the time");
+        let view = s.lookup(&done).await.unwrap().unwrap();
+        assert_eq!(view.record.as_deref(), Some(&b"recorded"[..]));
+        assert_eq!(view.expires_at_ms, START_MS + 86_400_000);
+        // The old claim's owner can still complete it; the record is then format 2.
+        assert_eq!(
+            s.complete(&claimed, &owner(0xff), 1_000, b"r".to_vec())
+                .await
+                .unwrap(),
+            CompleteOutcome::Completed
+        );
+        let view = s.lookup(&claimed).await.unwrap().unwrap();
+        assert_eq!(view.written_at_ms, Some(START_MS + 20));
+        // The expiry index still finds old records, and purge removes them.
+        assert_eq!(s.sweep_expired().await.unwrap(), 1);
+        assert!(s.purge(&done).await.unwrap().is_some());
+        let (index, records) = index_and_records(&s);
+        assert_eq!(index, records);
+        assert_eq!(index, vec![(START_MS + 1_020, claimed.as_str().to_owned())]);
     }
 
     #[test]
@@ -984,7 +1124,9 @@ mod tests {
             &[1],
             &[1, 0, 0],
             &[2; 80],
+            &[3; 90],
             &[1, 9, 0, 0, 0, 0, 0, 0, 0, 0],
+            &[2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
         ] {
             assert!(decode(bad).is_err());
         }
@@ -1040,6 +1182,7 @@ mod tests {
                 let rec = StoredRecord {
                     fingerprint: digest(7),
                     expires_at_ms: exp(i),
+                    written_at_ms: Some(START_MS),
                     body: StoredBody::Completed {
                         record: b"HTTP/1.1 201 Created".to_vec(),
                     },
@@ -1088,9 +1231,11 @@ mod tests {
             {
                 let mut t = txn.open_table(RECORDS).unwrap();
                 for i in 0..10 {
+                    // Format 1, as such a store wrote it.
                     let rec = StoredRecord {
                         fingerprint: digest(7),
                         expires_at_ms: START_MS + if i < 4 { 10 } else { 100_000 },
+                        written_at_ms: None,
                         body: StoredBody::Completed { record: vec![] },
                     };
                     t.insert(digest(i).as_str(), encode(&rec).as_slice())

@@ -24,6 +24,8 @@ pub(crate) struct StoredRecord {
     pub fingerprint: Digest,
     /// Lease end for in-flight records, TTL end for completed ones.
     pub expires_at_ms: u64,
+    /// When it was claimed or completed; None for a record stored before that was kept.
+    pub written_at_ms: Option<u64>,
     pub body: StoredBody,
 }
 
@@ -89,6 +91,7 @@ pub(crate) fn claim(
             let rec = StoredRecord {
                 fingerprint: fingerprint.clone(),
                 expires_at_ms: lease_expires_at_ms,
+                written_at_ms: Some(now_ms),
                 body: StoredBody::InFlight {
                     owner: owner.clone(),
                 },
@@ -130,6 +133,7 @@ pub(crate) fn complete(
             StoredRecord {
                 fingerprint: fingerprint.clone(),
                 expires_at_ms: now_ms.saturating_add(ttl_ms),
+                written_at_ms: Some(now_ms),
                 body: StoredBody::Completed { record },
             },
             CompleteOutcome::Completed,
@@ -151,14 +155,25 @@ pub(crate) fn release(
 
 pub(crate) fn view(existing: Option<&StoredRecord>, now_ms: u64) -> Option<RecordView> {
     let rec = existing.filter(|r| r.is_live(now_ms))?;
-    let (state, record) = match &rec.body {
-        StoredBody::InFlight { .. } => (RecordState::InFlight, None),
-        StoredBody::Completed { record } => (RecordState::Completed, Some(record.clone())),
+    let (state, record, owner) = match &rec.body {
+        StoredBody::InFlight { owner } => (RecordState::InFlight, None, Some(owner.clone())),
+        StoredBody::Completed { record } => (RecordState::Completed, Some(record.clone()), None),
     };
     Some(RecordView {
         state,
         fingerprint: rec.fingerprint.clone(),
         expires_at_ms: rec.expires_at_ms,
         record,
+        owner,
+        written_at_ms: rec.written_at_ms,
+        now_ms,
     })
+}
+
+/// Whatever is stored goes; the answer is the live record it was, if it was live.
+pub(crate) fn purge(existing: Option<&StoredRecord>, now_ms: u64) -> Decision<Option<RecordView>> {
+    match existing {
+        Some(rec) => Decision::Delete(view(Some(rec), now_ms)),
+        None => Decision::Keep(None),
+    }
 }

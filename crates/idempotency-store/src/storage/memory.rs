@@ -1,15 +1,15 @@
 //! In-process backend for tests and throwaway demos: nothing survives a
 //! restart and nothing is shared between replicas.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 
 use super::logic::{self, Decision, StoredRecord};
 use super::{
-    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome, Storage,
-    StorageError,
+    ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
+    ReleaseOutcome, Storage, StorageError, PREFIX_SEARCH_MAX_VISITS,
 };
 use crate::clock::Clock;
 
@@ -19,7 +19,8 @@ pub const SWEEP_CHUNK_RECORDS: usize = 1024;
 
 #[derive(Default)]
 struct Records {
-    by_key: HashMap<Digest, StoredRecord>,
+    /// Ordered, so a prefix search reads only the keys with that prefix.
+    by_key: BTreeMap<Digest, StoredRecord>,
     /// (expires_at_ms, key) of every record, so a sweep visits only what
     /// has expired.
     expiry: BTreeSet<(u64, Digest)>,
@@ -137,6 +138,40 @@ impl Storage for MemoryStorage {
     async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
         let map = self.lock()?;
         Ok(logic::view(map.by_key.get(key), self.clock.now_ms()))
+    }
+
+    async fn purge(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
+        self.apply(key, logic::purge)
+    }
+
+    async fn find_by_prefix(
+        &self,
+        prefix: &KeyPrefix,
+        limit: usize,
+    ) -> Result<PrefixMatches, StorageError> {
+        let map = self.lock()?;
+        let now = self.clock.now_ms();
+        let mut found = PrefixMatches {
+            exhaustive: true,
+            ..PrefixMatches::default()
+        };
+        let Some(lowest) = prefix.lowest_key() else {
+            return Ok(found);
+        };
+        let candidates = map
+            .by_key
+            .range(lowest..)
+            .take_while(|(key, _)| prefix.matches(key));
+        for (visited, (key, rec)) in candidates.enumerate() {
+            if visited >= PREFIX_SEARCH_MAX_VISITS {
+                found.exhaustive = false;
+                break;
+            }
+            if rec.is_live(now) && !found.offer(key.clone(), limit) {
+                break;
+            }
+        }
+        Ok(found)
     }
 
     async fn sweep_expired(&self) -> Result<u64, StorageError> {

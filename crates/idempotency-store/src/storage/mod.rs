@@ -89,6 +89,80 @@ pub struct RecordView {
     pub expires_at_ms: u64,
     /// Present only for completed records.
     pub record: Option<Vec<u8>>,
+    /// Present only for in-flight records: the claimant's token.
+    pub owner: Option<OwnerToken>,
+    /// When the record was last written (claimed, or completed); None for a record written
+    /// before the store kept that time.
+    pub written_at_ms: Option<u64>,
+    /// The backend's clock when it read the record, so that ages and time left are measured
+    /// on the clock that expires the record, not on the reader's.
+    pub now_ms: u64,
+}
+
+/// The start of a record key, as an access log shows it: 8 to 64 hex characters,
+/// normalised to lowercase.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyPrefix(String);
+
+impl KeyPrefix {
+    pub const MIN_HEX_LEN: usize = idempotency_protocol::wire::search::MIN_PREFIX_HEX;
+
+    pub fn parse(raw: &str) -> Result<Self, &'static str> {
+        if raw.len() < Self::MIN_HEX_LEN || raw.len() > Digest::HEX_LEN {
+            return Err("must be 8 to 64 hex characters");
+        }
+        if !raw.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err("must contain only hex characters [0-9a-fA-F]");
+        }
+        Ok(Self(raw.to_ascii_lowercase()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    pub fn matches(&self, key: &Digest) -> bool {
+        key.as_str().starts_with(&self.0)
+    }
+
+    /// The smallest key with this prefix, where an ordered search starts.
+    pub fn lowest_key(&self) -> Option<Digest> {
+        Digest::parse(&format!("{:0<64}", self.0)).ok()
+    }
+}
+
+/// What a prefix search found.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PrefixMatches {
+    /// Keys of live records with the prefix, at most the limit asked for, in key order.
+    pub keys: Vec<Digest>,
+    /// More records match than `keys` holds.
+    pub truncated: bool,
+    /// The search was not cut short by its bounds (records visited, time): unless
+    /// `truncated`, `keys` are all the live records with the prefix. False means other
+    /// matches may exist.
+    pub exhaustive: bool,
+}
+
+/// Most keys a prefix search answers.
+pub const PREFIX_SEARCH_MAX_LIMIT: usize = idempotency_protocol::wire::search::MAX_LIMIT;
+
+/// Most stored records with the prefix (live or not yet swept) the memory and embedded
+/// backends look at in one search. Digests are uniform, so an 8-hex prefix matches one
+/// record in four billion: only a pile of expired records could ever reach this.
+pub const PREFIX_SEARCH_MAX_VISITS: usize = 10_000;
+
+impl PrefixMatches {
+    /// Adds `key` unless the limit is reached, in which case the search is truncated.
+    /// Returns whether the search should go on.
+    pub(crate) fn offer(&mut self, key: Digest, limit: usize) -> bool {
+        if self.keys.len() >= limit {
+            self.truncated = true;
+            return false;
+        }
+        self.keys.push(key);
+        true
+    }
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -150,6 +224,19 @@ pub trait Storage: Send + Sync {
     ) -> Result<ReleaseOutcome, StorageError>;
 
     async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError>;
+
+    /// Removes the record for `key` whatever its state (an operator's decision: a claim stuck
+    /// after a crash, a recorded response that must not be replayed). Answers the live
+    /// record it removed, or None if there was none (an expired leftover is removed too).
+    async fn purge(&self, key: &Digest) -> Result<Option<RecordView>, StorageError>;
+
+    /// Keys of live records starting with `prefix`, at most `limit` of them; bounded in
+    /// work, see [`PrefixMatches::exhaustive`].
+    async fn find_by_prefix(
+        &self,
+        prefix: &KeyPrefix,
+        limit: usize,
+    ) -> Result<PrefixMatches, StorageError>;
 
     /// Delete records past their lease/TTL; returns how many were removed.
     /// Backends whose engine expires keys itself return 0.

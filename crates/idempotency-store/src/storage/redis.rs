@@ -7,7 +7,12 @@
 //! the Redis Cluster hash tag, so a record always lives on one slot, and every
 //! script touches that one key: on a Redis (or Valkey) Cluster each operation
 //! runs on the node that owns the record's slot, and the client follows
-//! MOVED/ASK redirections and topology changes.
+//! MOVED/ASK redirections and topology changes. Fields: `state`, `fingerprint`,
+//! `owner` (in flight), `record` (completed), `expires_at_ms`, and
+//! `written_at_ms` (claimed or completed; absent on records older than it).
+//!
+//! The one operation that is not about one key, the operators' prefix search,
+//! walks the keyspace with `SCAN` on the server, or on every primary of a cluster.
 //!
 //! The scripts implement `idempotency_protocol::decision` (`claim`, `complete`,
 //! `release`), which the other backends and the filter's local table call
@@ -15,17 +20,19 @@
 //! step on the Redis server. A change to one side must be made to the other;
 //! `tests/contract.rs` runs the same cases against every backend.
 
-use std::time::Duration;
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
 use super::{
-    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordState, RecordView, ReleaseOutcome,
-    Storage, StorageError,
+    ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordState,
+    RecordView, ReleaseOutcome, Storage, StorageError,
 };
 
 // `decision::claim`. ARGV: fingerprint, lease_ms, owner (client-chosen or
@@ -51,10 +58,11 @@ if cur[1] then
 end
 local lease = tonumber(ARGV[2])
 local t = redis.call('TIME')
-local exp = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + lease
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local exp = now + lease
 redis.call('DEL', k)
 redis.call('HSET', k, 'state', 'in_flight', 'fingerprint', ARGV[1], 'owner', ARGV[3],
-  'expires_at_ms', string.format('%d', exp))
+  'expires_at_ms', string.format('%d', exp), 'written_at_ms', string.format('%d', now))
 redis.call('PEXPIRE', k, lease)
 return {'claimed', exp}
 ";
@@ -74,10 +82,10 @@ local cur = redis.call('HMGET', k, 'state', 'owner')
 if cur[1] == 'in_flight' and cur[2] == ARGV[1] then
   local ttl = tonumber(ARGV[2])
   local t = redis.call('TIME')
-  local exp = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   redis.call('HDEL', k, 'owner')
   redis.call('HSET', k, 'state', 'completed', 'record', ARGV[3],
-    'expires_at_ms', string.format('%d', exp))
+    'expires_at_ms', string.format('%d', now + ttl), 'written_at_ms', string.format('%d', now))
   redis.call('PEXPIRE', k, ttl)
   return 'completed'
 end
@@ -89,9 +97,9 @@ if not cur[1] and ARGV[4] ~= '' then
   -- outage, and nobody claimed the key since: record what executed.
   local ttl = tonumber(ARGV[2])
   local t = redis.call('TIME')
-  local exp = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   redis.call('HSET', k, 'state', 'completed', 'fingerprint', ARGV[4], 'record', ARGV[3],
-    'expires_at_ms', string.format('%d', exp))
+    'expires_at_ms', string.format('%d', now + ttl), 'written_at_ms', string.format('%d', now))
   redis.call('PEXPIRE', k, ttl)
   return 'completed'
 end
@@ -108,11 +116,26 @@ redis.call('DEL', k)
 return 'released'
 ";
 
-const LOOKUP_LUA: &str = r"
-local v = redis.call('HMGET', KEYS[1], 'state', 'fingerprint', 'expires_at_ms', 'record')
+// A lookup, or with ARGV[1] = 'purge' a lookup and delete in one step (so a purge answers
+// exactly what it removed): the record's fields in `parse_view`'s order, then Redis's
+// clock (the clock that expires the record, for its age and time left).
+const RECORD_LUA: &str = r"
+local v = redis.call('HMGET', KEYS[1], 'state', 'fingerprint', 'expires_at_ms', 'record',
+  'owner', 'written_at_ms')
 if not v[1] then return false end
+local t = redis.call('TIME')
+v[7] = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+if ARGV[1] == 'purge' then redis.call('DEL', KEYS[1]) end
 return v
 ";
+
+/// Keys one `SCAN` call is asked to look at (a hint: Redis may return more or fewer).
+const SCAN_COUNT: u64 = 1_000;
+/// Most `SCAN` calls one prefix search makes, over every primary together: about a
+/// million keys looked at, a second or so of Redis time spread over its calls.
+const SCAN_MAX_CALLS: u64 = 1_000;
+/// A prefix search stops after this long, well within the client's response timeout.
+const SCAN_MAX_TIME: Duration = Duration::from_secs(2);
 
 /// One Redis server (or a Sentinel-managed primary behind one URL), or a Redis Cluster.
 #[derive(Clone)]
@@ -154,7 +177,7 @@ pub struct RedisStorage {
     claim: Script,
     complete: Script,
     release: Script,
-    lookup: Script,
+    record: Script,
 }
 
 fn redis_key(key: &Digest) -> String {
@@ -205,7 +228,7 @@ impl RedisStorage {
             claim: Script::new(CLAIM_LUA),
             complete: Script::new(COMPLETE_LUA),
             release: Script::new(RELEASE_LUA),
-            lookup: Script::new(LOOKUP_LUA),
+            record: Script::new(RECORD_LUA),
         }
     }
 }
@@ -302,6 +325,176 @@ fn status_word(what: &str, v: &Value) -> Result<String, StorageError> {
         .ok_or_else(|| unexpected(what, v))
 }
 
+impl RedisStorage {
+    /// RECORD_LUA for `op`, `lookup` or `purge`.
+    async fn read_record(
+        &self,
+        key: &Digest,
+        op: &'static str,
+    ) -> Result<Option<RecordView>, StorageError> {
+        let mut conn = self.conn.clone();
+        let reply: Value = self
+            .record
+            .key(redis_key(key))
+            .arg(op)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(backend)?;
+        parse_view(op, &reply)
+    }
+}
+
+/// Reads what RECORD_LUA answers: nil (no record) or the record's fields followed by
+/// Redis's clock.
+fn parse_view(what: &str, reply: &Value) -> Result<Option<RecordView>, StorageError> {
+    let items = match reply {
+        Value::Nil => return Ok(None),
+        Value::Array(items) => items,
+        other => return Err(unexpected(what, other)),
+    };
+    let bad = || unexpected(what, reply);
+    let field = |i: usize| items.get(i).filter(|v| !matches!(v, Value::Nil));
+    let state = match field(0).and_then(as_bytes) {
+        Some(b"in_flight") => RecordState::InFlight,
+        Some(b"completed") => RecordState::Completed,
+        _ => return Err(bad()),
+    };
+    let fingerprint = field(1)
+        .and_then(as_bytes)
+        .and_then(|b| std::str::from_utf8(b).ok())
+        .and_then(|s| Digest::parse(s).ok())
+        .ok_or_else(bad)?;
+    let expires_at_ms = field(2).and_then(as_u64).ok_or_else(bad)?;
+    let (record, owner) = match state {
+        RecordState::InFlight => {
+            let owner = field(4)
+                .and_then(as_bytes)
+                .and_then(|b| std::str::from_utf8(b).ok())
+                .and_then(|s| OwnerToken::parse(s).ok())
+                .ok_or_else(bad)?;
+            (None, Some(owner))
+        }
+        RecordState::Completed => (
+            Some(field(3).and_then(as_bytes).ok_or_else(bad)?.to_vec()),
+            None,
+        ),
+    };
+    Ok(Some(RecordView {
+        state,
+        fingerprint,
+        expires_at_ms,
+        record,
+        owner,
+        // Absent on records written before the field existed.
+        written_at_ms: field(5).and_then(as_u64),
+        now_ms: field(6).and_then(as_u64).ok_or_else(bad)?,
+    }))
+}
+
+/// The primaries of a cluster as host and port, from the client's own slot map (a PING
+/// sent to all of them answers one entry per primary, keyed by its address).
+async fn primaries(conn: &mut ClusterConnection) -> Result<Vec<(String, u16)>, StorageError> {
+    let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+    let reply = conn
+        .route_command(redis::cmd("PING"), routing)
+        .await
+        .map_err(backend)?;
+    let Value::Map(entries) = &reply else {
+        return Err(unexpected("primaries", &reply));
+    };
+    entries
+        .iter()
+        .map(|(addr, _)| {
+            as_bytes(addr)
+                .and_then(|b| std::str::from_utf8(b).ok())
+                .and_then(|a| a.rsplit_once(':'))
+                .and_then(|(host, port)| Some((host.to_owned(), port.parse().ok()?)))
+                .ok_or_else(|| unexpected("primaries", &reply))
+        })
+        .collect()
+}
+
+/// How a node's walk ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NodeEnd {
+    /// Its cursor came back to 0: every key it holds was looked at.
+    Walked,
+    /// More records matched than the search answers.
+    Enough,
+    /// The calls or the time of the search ran out.
+    Bounded,
+}
+
+/// One prefix search: its bounds, shared by every node it walks, and what it found (a set:
+/// SCAN may return a key twice while the keyspace is rehashed).
+struct Scan<'a> {
+    prefix: &'a KeyPrefix,
+    pattern: String,
+    limit: usize,
+    calls: u64,
+    deadline: Instant,
+    found: BTreeSet<Digest>,
+}
+
+impl Scan<'_> {
+    /// Walks one node's keyspace with `send` (which sends a command to that node).
+    async fn node<F, Fut>(&mut self, send: F) -> Result<NodeEnd, StorageError>
+    where
+        F: Fn(Cmd) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<Value>>,
+    {
+        let mut cursor = 0u64;
+        loop {
+            if self.found.len() > self.limit {
+                return Ok(NodeEnd::Enough);
+            }
+            if self.calls >= SCAN_MAX_CALLS || Instant::now() >= self.deadline {
+                return Ok(NodeEnd::Bounded);
+            }
+            self.calls = self.calls.saturating_add(1);
+            let mut cmd = redis::cmd("SCAN");
+            cmd.arg(cursor)
+                .arg("MATCH")
+                .arg(&self.pattern)
+                .arg("COUNT")
+                .arg(SCAN_COUNT);
+            let reply = send(cmd).await.map_err(backend)?;
+            let (next, keys) = parse_scan(&reply)?;
+            for key in keys {
+                let digest = key
+                    .strip_prefix("idem:{")
+                    .and_then(|rest| rest.strip_suffix('}'))
+                    .and_then(|hex| Digest::parse(hex).ok());
+                if let Some(digest) = digest.filter(|d| self.prefix.matches(d)) {
+                    self.found.insert(digest);
+                }
+            }
+            if next == 0 {
+                return Ok(NodeEnd::Walked);
+            }
+            cursor = next;
+        }
+    }
+}
+
+/// A SCAN reply: the next cursor and the keys of this step.
+fn parse_scan(reply: &Value) -> Result<(u64, Vec<String>), StorageError> {
+    let bad = || unexpected("scan", reply);
+    let Value::Array(items) = reply else {
+        return Err(bad());
+    };
+    let next = items.first().and_then(as_u64).ok_or_else(bad)?;
+    let Some(Value::Array(keys)) = items.get(1) else {
+        return Err(bad());
+    };
+    let keys = keys
+        .iter()
+        .filter_map(|k| as_bytes(k).and_then(|b| std::str::from_utf8(b).ok()))
+        .map(str::to_owned)
+        .collect();
+    Ok((next, keys))
+}
+
 #[async_trait]
 impl Storage for RedisStorage {
     fn backend_name(&self) -> &'static str {
@@ -390,41 +583,63 @@ impl Storage for RedisStorage {
     }
 
     async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
-        let mut conn = self.conn.clone();
-        let reply: Value = self
-            .lookup
-            .key(redis_key(key))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(backend)?;
-        let items = match &reply {
-            Value::Nil => return Ok(None),
-            Value::Array(items) => items,
-            other => return Err(unexpected("lookup", other)),
+        self.read_record(key, "lookup").await
+    }
+
+    async fn purge(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
+        self.read_record(key, "purge").await
+    }
+
+    async fn find_by_prefix(
+        &self,
+        prefix: &KeyPrefix,
+        limit: usize,
+    ) -> Result<PrefixMatches, StorageError> {
+        let mut scan = Scan {
+            prefix,
+            // `{` and `}` are plain characters to SCAN's glob; the braces hold the digest.
+            pattern: format!("idem:{{{}*}}", prefix.as_str()),
+            limit,
+            calls: 0,
+            deadline: Instant::now() + SCAN_MAX_TIME,
+            found: BTreeSet::new(),
         };
-        let bad = || unexpected("lookup", &reply);
-        let field = |i: usize| items.get(i);
-        let state = match field(0).and_then(as_bytes) {
-            Some(b"in_flight") => RecordState::InFlight,
-            Some(b"completed") => RecordState::Completed,
-            _ => return Err(bad()),
-        };
-        let fingerprint = field(1)
-            .and_then(as_bytes)
-            .and_then(|b| std::str::from_utf8(b).ok())
-            .and_then(|s| Digest::parse(s).ok())
-            .ok_or_else(bad)?;
-        let expires_at_ms = field(2).and_then(as_u64).ok_or_else(bad)?;
-        let record = match state {
-            RecordState::InFlight => None,
-            RecordState::Completed => Some(field(3).and_then(as_bytes).ok_or_else(bad)?.to_vec()),
-        };
-        Ok(Some(RecordView {
-            state,
-            fingerprint,
-            expires_at_ms,
-            record,
-        }))
+        let mut walked_all = true;
+        match &self.conn {
+            Connection::Node(conn) => {
+                let end = scan
+                    .node(|cmd| {
+                        let mut conn = conn.clone();
+                        async move { cmd.query_async::<Value>(&mut conn).await }
+                    })
+                    .await?;
+                walked_all = end == NodeEnd::Walked;
+            }
+            Connection::Cluster(conn) => {
+                // Every primary holds its own slots' keys; a replica would only repeat them.
+                for (host, port) in primaries(&mut conn.clone()).await? {
+                    let routing =
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
+                    let end = scan
+                        .node(|cmd| {
+                            let (mut conn, routing) = (conn.clone(), routing.clone());
+                            async move { conn.route_command(cmd, routing).await }
+                        })
+                        .await?;
+                    if end != NodeEnd::Walked {
+                        walked_all = false;
+                        break;
+                    }
+                }
+            }
+        }
+        let truncated = scan.found.len() > limit;
+        Ok(PrefixMatches {
+            keys: scan.found.into_iter().take(limit).collect(),
+            truncated,
+            // Stopping because enough matched is not being cut short.
+            exhaustive: walked_all || truncated,
+        })
     }
 
     async fn sweep_expired(&self) -> Result<u64, StorageError> {

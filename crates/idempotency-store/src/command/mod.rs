@@ -1,0 +1,325 @@
+//! `idempotency-store record show|purge`: an operator's look at one record of a running
+//! store, over its HTTP API with the bearer token, so it works alike on every backend and
+//! the store never sees a raw key or a caller's credentials (the command hashes them
+//! itself, with the filter's own functions; see `naming`).
+//!
+//! Exit codes: 0 found (or purged), 1 no such record, 2 anything else (usage, connection,
+//! token, an ambiguous prefix), always with a sentence on stderr.
+
+mod naming;
+mod report;
+mod store_api;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{ArgGroup, Args, Subcommand};
+use serde_json::json;
+
+pub use naming::{
+    add_key, load_rule, parse_hash, parse_header, storage_key_for, Named, RequestParts,
+};
+pub use report::Shown;
+use store_api::{StoreApi, Token};
+
+use crate::storage::Digest;
+
+/// The variable the store reads its token from; the command reads the same one.
+pub const TOKEN_ENV: &str = "IDEMPOTENCY_STORE_TOKEN";
+
+pub const EXIT_FOUND: u8 = 0;
+pub const EXIT_NOT_FOUND: u8 = 1;
+pub const EXIT_ERROR: u8 = 2;
+
+#[derive(Debug, Subcommand)]
+pub enum RecordCommand {
+    /// Show a record: its state, age, time left, owner and recorded response.
+    Show(RecordArgs),
+    /// Remove one record, whatever its state (a claim stuck after a crash, a recorded
+    /// response that must not be replayed). Prints what was removed.
+    Purge(RecordArgs),
+}
+
+/// How to reach the store, which record, and how to print it.
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("record").required(true).args(["hash", "rule"])))]
+pub struct RecordArgs {
+    /// The store's HTTP address (a path, for a store behind a path-routing proxy, is kept).
+    #[arg(long, default_value = "http://127.0.0.1:8081", value_name = "URL")]
+    pub store_url: String,
+
+    /// File holding the store's bearer token (surrounding whitespace ignored); else the
+    /// IDEMPOTENCY_STORE_TOKEN environment variable, as for the store itself.
+    #[arg(long, value_name = "PATH")]
+    pub token_file: Option<PathBuf>,
+
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+
+    /// 16 to 64 hex digits of the storage key: the access log's idempotency_key_hash (a
+    /// prefix, searched for) or the whole key.
+    #[arg(long, value_name = "HEX", conflicts_with_all = ["rule", "plugin_config", "headers", "key", "path", "body_file"])]
+    pub hash: Option<String>,
+
+    /// The rule that protected the request (its name is part of the storage key).
+    #[arg(long, value_name = "NAME")]
+    pub rule: Option<String>,
+
+    /// The filter's plugin configuration (JSON, as in envoy/envoy.yaml), for the rule's
+    /// scope headers and key sources. Without it: the defaults (scope `:authority` and
+    /// `authorization`, key from the Idempotency-Key header).
+    #[arg(long, value_name = "FILE")]
+    pub plugin_config: Option<PathBuf>,
+
+    /// A header the request carried, `'name: value'`: each scope header (repeat a
+    /// repeated header, in order; leave out one the request did not have). `Host` is
+    /// taken as `:authority`.
+    #[arg(short = 'H', long = "header", value_name = "'NAME: VALUE'")]
+    pub headers: Vec<String>,
+
+    /// The request's Idempotency-Key value (the rule's key header), quoted or bare.
+    #[arg(long, value_name = "VALUE")]
+    pub key: Option<String>,
+
+    /// The request's path with its query, for a rule whose key.sources read the query.
+    #[arg(long, value_name = "PATH?QUERY")]
+    pub path: Option<String>,
+
+    /// The request's body, for a rule whose key.sources read body fields (its type from
+    /// -H 'content-type: ...').
+    #[arg(long, value_name = "FILE")]
+    pub body_file: Option<PathBuf>,
+}
+
+/// A failure with its exit code.
+struct Failure(u8, String);
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure(EXIT_ERROR, message)
+    }
+}
+
+/// Runs the command; the exit code and what to print are decided here, never by a panic.
+pub async fn run(command: RecordCommand) -> ExitCode {
+    let (purge, args) = match command {
+        RecordCommand::Show(args) => (false, args),
+        RecordCommand::Purge(args) => (true, args),
+    };
+    match execute(purge, &args).await {
+        Ok(()) => ExitCode::from(EXIT_FOUND),
+        Err(Failure(code, message)) => {
+            eprintln!("idempotency-store record: {message}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+/// The record the arguments name.
+pub fn resolve(args: &RecordArgs) -> Result<Named, String> {
+    if let Some(hash) = &args.hash {
+        return parse_hash(hash);
+    }
+    let rule_name = args
+        .rule
+        .as_deref()
+        .ok_or("name the record with --hash, or with --rule (and its headers and --key)")?;
+    let rule = load_rule(args.plugin_config.as_deref(), rule_name)?;
+    let mut parts = RequestParts {
+        headers: args
+            .headers
+            .iter()
+            .map(|h| parse_header(h))
+            .collect::<Result<_, _>>()?,
+        path: args.path.clone().unwrap_or_default(),
+        body: match &args.body_file {
+            Some(path) => std::fs::read(path)
+                .map_err(|e| format!("cannot read --body-file {}: {e}", path.display()))?,
+            None => Vec::new(),
+        },
+    };
+    if let Some(key) = &args.key {
+        add_key(&rule, &mut parts, key)?;
+    }
+    storage_key_for(&rule, &parts).map(Named::Key)
+}
+
+fn token(args: &RecordArgs) -> Result<Option<Token>, String> {
+    let token = match &args.token_file {
+        Some(path) => {
+            let raw = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?;
+            Some(Token {
+                secret: raw.trim().to_owned(),
+                source: format!("--token-file {}", path.display()),
+            })
+        }
+        None => std::env::var(TOKEN_ENV).ok().map(|t| Token {
+            secret: t.trim().to_owned(),
+            source: TOKEN_ENV.to_owned(),
+        }),
+    };
+    match token {
+        Some(t) if t.secret.is_empty() => Err(format!("the token from {} is empty", t.source)),
+        other => Ok(other),
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// What a prefix search found, for messages.
+struct Found {
+    keys: Vec<Digest>,
+    truncated: bool,
+    exhaustive: bool,
+}
+
+async fn find(api: &StoreApi, named: &Named) -> Result<Found, Failure> {
+    match named {
+        Named::Key(key) => Ok(Found {
+            keys: vec![key.clone()],
+            truncated: false,
+            exhaustive: true,
+        }),
+        Named::Prefix(prefix) => {
+            let answer = api.search(prefix).await?;
+            let keys = answer
+                .keys
+                .iter()
+                .map(|k| Digest::parse(k))
+                .collect::<Result<_, _>>()
+                .map_err(|why| format!("the store answered a key that {why}"))?;
+            Ok(Found {
+                keys,
+                truncated: answer.truncated,
+                exhaustive: answer.exhaustive,
+            })
+        }
+    }
+}
+
+fn describe(named: &Named) -> String {
+    match named {
+        Named::Key(key) => format!("key {}", key.as_str()),
+        Named::Prefix(prefix) => format!("keys starting with {}", prefix.as_str()),
+    }
+}
+
+/// Notes on a search's answer that change what it means.
+fn caveats(found: &Found) -> Vec<String> {
+    let mut notes = Vec::new();
+    if found.truncated {
+        notes.push(format!(
+            "more than {} records match: give more hex digits",
+            found.keys.len()
+        ));
+    }
+    if !found.exhaustive && !found.truncated {
+        notes.push(
+            "the store stopped searching at its bounds before it had seen every record: \
+             others may match (give the whole 64-digit key to be sure)"
+                .to_owned(),
+        );
+    }
+    notes
+}
+
+async fn execute(purge: bool, args: &RecordArgs) -> Result<(), Failure> {
+    let named = resolve(args)?;
+    let api = StoreApi::new(&args.store_url, token(args)?)?;
+    let found = find(&api, &named).await?;
+    if purge {
+        return purge_one(&api, args, &named, &found).await;
+    }
+    let mut shown = Vec::new();
+    for key in &found.keys {
+        // A record may expire between the search and its lookup.
+        if let Some(answer) = api.lookup(key).await? {
+            shown.push(Shown::new(key.as_str(), &answer, now_ms()));
+        }
+    }
+    let notes = caveats(&found);
+    if args.json {
+        let records: Vec<_> = shown.iter().map(Shown::json).collect();
+        println!(
+            "{}",
+            json!({"records": records, "truncated": found.truncated, "exhaustive": found.exhaustive})
+        );
+    } else {
+        for (i, record) in shown.iter().enumerate() {
+            if i > 0 {
+                println!();
+            }
+            print!("{}", record.text());
+        }
+        for note in &notes {
+            eprintln!("note: {note}");
+        }
+    }
+    if shown.is_empty() {
+        let mut message = format!("no live record for {}", describe(&named));
+        for note in notes {
+            message.push_str("; ");
+            message.push_str(&note);
+        }
+        return Err(Failure(EXIT_NOT_FOUND, message));
+    }
+    Ok(())
+}
+
+async fn purge_one(
+    api: &StoreApi,
+    args: &RecordArgs,
+    named: &Named,
+    found: &Found,
+) -> Result<(), Failure> {
+    let key = match found.keys.as_slice() {
+        [] => {
+            let mut message = format!("no live record for {}; nothing purged", describe(named));
+            for note in caveats(found) {
+                message.push_str("; ");
+                message.push_str(&note);
+            }
+            return Err(Failure(EXIT_NOT_FOUND, message));
+        }
+        [one] if !found.truncated && found.exhaustive => one,
+        many => {
+            let listed: Vec<&str> = many.iter().map(Digest::as_str).collect();
+            let mut message = format!(
+                "purge removes one record, named without doubt; {}: {} (nothing purged). \
+                 Name the one to purge by its whole key, --hash <64 hex digits>:\n  {}",
+                describe(named),
+                if many.len() > 1 || found.truncated {
+                    format!("{} or more records match", many.len())
+                } else {
+                    "one record found, but the search did not see every record".to_owned()
+                },
+                listed.join("\n  ")
+            );
+            for note in caveats(found) {
+                message.push_str("\nnote: ");
+                message.push_str(&note);
+            }
+            return Err(Failure(EXIT_ERROR, message));
+        }
+    };
+    let Some(answer) = api.purge(key).await? else {
+        return Err(Failure(
+            EXIT_NOT_FOUND,
+            format!("no live record for key {}; nothing purged", key.as_str()),
+        ));
+    };
+    let removed = Shown::new(key.as_str(), &answer.purged, now_ms());
+    if args.json {
+        println!("{}", json!({"purged": removed.json()}));
+    } else {
+        println!("purged:");
+        print!("{}", removed.text());
+    }
+    Ok(())
+}

@@ -1,0 +1,343 @@
+//! What `record show` and `record purge` print: one block per record for people, or JSON
+//! for machines. Times are the store's clock (`now_ms` of its answer), so an age or time
+//! left does not depend on the clock of the machine the command runs on.
+
+use std::fmt::Write as _;
+
+use idempotency_core::record::RecordedResponse;
+use idempotency_protocol::wire::{decode_record, RecordResponse, RecordState};
+use serde_json::{json, Value};
+
+/// One record as the store answered it, with what follows from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shown {
+    pub key: String,
+    pub state: RecordState,
+    pub fingerprint: String,
+    pub written_at_ms: Option<u64>,
+    pub expires_at_ms: u64,
+    pub now_ms: u64,
+    pub owner: Option<String>,
+    pub response: Option<Response>,
+}
+
+/// A completed record's bytes, read as the filter's recorded response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Response {
+    Recorded(Summary),
+    /// Not something the filter wrote (or base64 that does not decode): reported, not fatal.
+    Unreadable {
+        bytes: usize,
+        why: String,
+    },
+}
+
+/// What a recorded response holds, without its contents. (Its `owner` is not shown: the
+/// filter sends the store its responses with owner 0, the number means something only in
+/// an Envoy's local table.)
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Summary {
+    pub status: u16,
+    pub headers: usize,
+    pub body_bytes: usize,
+    pub body_omitted: bool,
+}
+
+impl Shown {
+    /// `local_now_ms` stands in for a store that does not send its clock (an older one).
+    pub fn new(key: &str, answer: &RecordResponse, local_now_ms: u64) -> Self {
+        let response = answer
+            .record
+            .as_deref()
+            .map(|text| match decode_record(text) {
+                Err(e) => Response::Unreadable {
+                    bytes: text.len(),
+                    why: format!("not base64: {e}"),
+                },
+                Ok(bytes) => match RecordedResponse::decode(&bytes) {
+                    Some(r) => Response::Recorded(Summary {
+                        status: r.status,
+                        headers: r.headers.len(),
+                        body_bytes: r.body.len(),
+                        body_omitted: r.body_omitted,
+                    }),
+                    None => Response::Unreadable {
+                        bytes: bytes.len(),
+                        why: "not a response recorded by the filter".to_owned(),
+                    },
+                },
+            });
+        Self {
+            key: key.to_owned(),
+            state: answer.state,
+            fingerprint: answer.fingerprint.clone(),
+            written_at_ms: answer.written_at_ms,
+            expires_at_ms: answer.expires_at_ms,
+            now_ms: answer.now_ms.unwrap_or(local_now_ms),
+            owner: answer.owner.clone(),
+            response,
+        }
+    }
+
+    pub fn age_ms(&self) -> Option<u64> {
+        self.written_at_ms.map(|at| self.now_ms.saturating_sub(at))
+    }
+
+    pub fn left_ms(&self) -> u64 {
+        self.expires_at_ms.saturating_sub(self.now_ms)
+    }
+
+    fn state_name(&self) -> &'static str {
+        match self.state {
+            RecordState::InFlight => "in_flight",
+            RecordState::Completed => "completed",
+        }
+    }
+
+    /// The block people read.
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        let mut line = |label: &str, value: String| {
+            let _ = writeln!(out, "  {label:<12} {value}");
+        };
+        let (written, ends) = match self.state {
+            RecordState::InFlight => ("claimed", "lease left"),
+            RecordState::Completed => ("completed", "ttl left"),
+        };
+        line("key", self.key.clone());
+        line("state", self.state_name().to_owned());
+        line(
+            "age",
+            match self.age_ms() {
+                Some(age) => format!(
+                    "{} ({written} {})",
+                    duration(age),
+                    timestamp(self.now_ms.saturating_sub(age))
+                ),
+                None => "unknown (written by a store that did not keep the time)".to_owned(),
+            },
+        );
+        line(
+            ends,
+            format!(
+                "{} (until {})",
+                duration(self.left_ms()),
+                timestamp(self.expires_at_ms)
+            ),
+        );
+        if let Some(owner) = &self.owner {
+            line("owner", owner.clone());
+        }
+        line("fingerprint", self.fingerprint.clone());
+        match &self.response {
+            Some(Response::Recorded(r)) => {
+                line("status", r.status.to_string());
+                line("headers", r.headers.to_string());
+                line(
+                    "body",
+                    if r.body_omitted {
+                        "omitted (larger than the rule's max_response_bytes)".to_owned()
+                    } else {
+                        format!("{} bytes", r.body_bytes)
+                    },
+                );
+            }
+            Some(Response::Unreadable { bytes, why }) => {
+                line("response", format!("unreadable: {why} ({bytes} bytes)"));
+            }
+            None => {}
+        }
+        out
+    }
+
+    pub fn json(&self) -> Value {
+        let response = match &self.response {
+            Some(Response::Recorded(r)) => json!({
+                "status": r.status,
+                "header_count": r.headers,
+                "body_bytes": r.body_bytes,
+                "body_omitted": r.body_omitted,
+            }),
+            Some(Response::Unreadable { bytes, why }) => {
+                json!({"unreadable": why, "record_bytes": bytes})
+            }
+            None => Value::Null,
+        };
+        json!({
+            "key": self.key,
+            "state": self.state_name(),
+            "fingerprint": self.fingerprint,
+            "written_at_ms": self.written_at_ms,
+            "age_ms": self.age_ms(),
+            "expires_at_ms": self.expires_at_ms,
+            "expires_in_ms": self.left_ms(),
+            "store_now_ms": self.now_ms,
+            "owner": self.owner,
+            "response": response,
+        })
+    }
+}
+
+/// `850ms`, `12.3s`, `4m05s`, `3h04m`, `2d03h`: as precise as a person needs.
+pub fn duration(ms: u64) -> String {
+    let s = ms / 1000;
+    match ms {
+        0..=999 => format!("{ms}ms"),
+        1_000..=59_999 => format!("{}.{}s", s, (ms % 1000) / 100),
+        60_000..=3_599_999 => format!("{}m{:02}s", s / 60, s % 60),
+        3_600_000..=86_399_999 => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+        _ => format!("{}d{:02}h", s / 86_400, (s % 86_400) / 3600),
+    }
+}
+
+/// RFC 3339 in UTC with milliseconds, as Envoy's `%START_TIME%` logs it, so a record's
+/// times can be set beside access log lines.
+pub fn timestamp(unix_ms: u64) -> String {
+    let days = unix_ms / 86_400_000;
+    let ms_of_day = unix_ms % 86_400_000;
+    let (year, month, day) = civil_date(days);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        ms_of_day / 3_600_000,
+        (ms_of_day / 60_000) % 60,
+        (ms_of_day / 1000) % 60,
+        ms_of_day % 1000
+    )
+}
+
+/// The Gregorian date `days` after 1970-01-01. Counts in 400-year eras (146,097 days, the
+/// calendar's exact period) of years starting in March, so that a leap day ends its year.
+fn civil_date(days: u64) -> (u64, u64, u64) {
+    // 1970-01-01 is day 719,468 counted from 0000-03-01.
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let day_of_era = z % 146_097;
+    let year_of_era =
+        (day_of_era - day_of_era / 1_460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    // Months from March: 153 days per five months.
+    let month_from_march = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_from_march + 2) / 5 + 1;
+    let month = if month_from_march < 10 {
+        month_from_march + 3
+    } else {
+        month_from_march - 9
+    };
+    let year = era * 400 + year_of_era + u64::from(month <= 2);
+    (year, month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idempotency_protocol::wire::encode_record;
+
+    fn answer(state: RecordState, record: Option<Vec<u8>>) -> RecordResponse {
+        RecordResponse {
+            state,
+            fingerprint: "f".repeat(64),
+            expires_at_ms: 1_700_000_060_000,
+            record: record.map(|r| encode_record(&r)),
+            owner: (state == RecordState::InFlight).then(|| "0a1b".to_owned()),
+            written_at_ms: Some(1_700_000_000_000),
+            now_ms: Some(1_700_000_012_345),
+        }
+    }
+
+    #[test]
+    fn an_in_flight_record_shows_its_age_lease_left_and_owner() {
+        let shown = Shown::new("k", &answer(RecordState::InFlight, None), 0);
+        let text = shown.text();
+        assert!(text.contains("in_flight"), "{text}");
+        assert!(
+            text.contains("age          12.3s (claimed 2023-11-14T22:13:20.000Z)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("lease left   47.6s (until 2023-11-14T22:14:20.000Z)"),
+            "{text}"
+        );
+        assert!(text.contains("owner        0a1b"), "{text}");
+        let json = shown.json();
+        assert_eq!(json["age_ms"], 12_345);
+        assert_eq!(json["expires_in_ms"], 47_655);
+        assert_eq!(json["owner"], "0a1b");
+        assert_eq!(json["response"], Value::Null);
+    }
+
+    #[test]
+    fn a_completed_record_shows_the_recorded_response_or_why_it_cannot() {
+        let recorded = RecordedResponse {
+            owner: 0,
+            status: 201,
+            headers: vec![("content-type".into(), b"application/json".to_vec())],
+            body: b"{\"id\":1}".to_vec(),
+            body_omitted: false,
+        };
+        let shown = Shown::new(
+            "k",
+            &answer(RecordState::Completed, Some(recorded.encode())),
+            0,
+        );
+        let text = shown.text();
+        for needle in [
+            "completed",
+            "ttl left",
+            "status       201",
+            "headers      1",
+            "8 bytes",
+        ] {
+            assert!(text.contains(needle), "{needle} in {text}");
+        }
+        assert_eq!(shown.json()["response"]["status"], 201);
+        let omitted = RecordedResponse {
+            body: vec![],
+            body_omitted: true,
+            ..recorded
+        };
+        let shown = Shown::new(
+            "k",
+            &answer(RecordState::Completed, Some(omitted.encode())),
+            0,
+        );
+        assert!(shown.text().contains("body         omitted"));
+        let junk = Shown::new(
+            "k",
+            &answer(RecordState::Completed, Some(b"junk".to_vec())),
+            0,
+        );
+        assert!(junk
+            .text()
+            .contains("unreadable: not a response recorded by the filter (4 bytes)"));
+        let mut not_base64 = answer(RecordState::Completed, None);
+        not_base64.record = Some("!!".to_owned());
+        assert!(Shown::new("k", &not_base64, 0)
+            .text()
+            .contains("not base64"));
+    }
+
+    #[test]
+    fn an_old_record_has_no_age_and_an_old_store_no_clock() {
+        let mut old = answer(RecordState::InFlight, None);
+        old.written_at_ms = None;
+        old.now_ms = None;
+        let shown = Shown::new("k", &old, 1_700_000_050_000);
+        assert!(shown.text().contains("age          unknown"));
+        assert_eq!(shown.json()["age_ms"], Value::Null);
+        assert_eq!(shown.left_ms(), 10_000, "measured on the local clock then");
+    }
+
+    #[test]
+    fn durations_and_timestamps_read_like_logs() {
+        assert_eq!(duration(850), "850ms");
+        assert_eq!(duration(12_345), "12.3s");
+        assert_eq!(duration(245_000), "4m05s");
+        assert_eq!(duration(11_040_000), "3h04m");
+        assert_eq!(duration(190_800_000), "2d05h");
+        assert_eq!(timestamp(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(timestamp(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(timestamp(951_868_800_000), "2000-03-01T00:00:00.000Z");
+        assert_eq!(timestamp(1_709_251_199_999), "2024-02-29T23:59:59.999Z");
+        assert_eq!(timestamp(4_102_444_800_000), "2100-01-01T00:00:00.000Z");
+    }
+}

@@ -1,0 +1,116 @@
+"""The store's ``record`` command (README, "Operations") on two real Envoys sharing one store:
+a write found from its access-log hash and from the request itself, a claim left stuck in
+flight by an Envoy that crashed, shown with its lease and purged so that a retry through the
+other Envoy executes, and the limit of a purge of a completed record (an Envoy's local copy
+still replays it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import harness
+from cluster import HOST, post, raw_post, start_cluster
+from helpers import REPLAYED, envoy_yaml_plugin_config, line_for, new_key, unique_path
+
+AUTH = "Bearer ops-test-caller"
+
+
+def record(store: harness.Store, *args: str, token: str | None = None) -> subprocess.CompletedProcess:
+    """``idempotency-store record <args>`` against ``store``, with its token from the
+    environment variable the store itself reads (or ``token`` instead)."""
+    env = {k: v for k, v in os.environ.items() if k != "RUST_BACKTRACE"}
+    env["IDEMPOTENCY_STORE_TOKEN"] = token if token is not None else store.token
+    done = subprocess.run(
+        [str(harness.store_binary()), "record", *args, "--store-url", store.base_url],
+        env=env, capture_output=True, text=True, timeout=30,
+    )
+    assert "panicked" not in done.stderr, done.stderr
+    return done
+
+
+def shown(store: harness.Store, *args: str) -> list[dict]:
+    """The records ``record show --json`` finds (asserting it found some)."""
+    done = record(store, "show", *args, "--json")
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    return json.loads(done.stdout)["records"]
+
+
+def by_request(config: Path, key: str, auth: str = AUTH) -> list[str]:
+    """Names a record as the request had it: rule, scope headers, key."""
+    return ["--plugin-config", str(config), "--rule", "orders",
+            "-H", f"Host: {HOST}", "-H", f"authorization: {auth}", "--key", key]
+
+
+def test_record_show_and_purge_through_two_envoys(procs, tmp_path: Path) -> None:
+    cluster = start_cluster(procs)
+    config = tmp_path / "plugin.json"
+    config.write_text(json.dumps(envoy_yaml_plugin_config()))
+    run = new_key().replace("-", "")[:12]
+
+    # A write executed through Envoy A; the access log names its record.
+    path, key = unique_path("orders"), new_key()
+    resp = post(cluster.a, path, key, headers={"authorization": AUTH, "x-request-id": f"write-{run}"})
+    assert resp.status_code == 201
+    key_hash = line_for(cluster.a, f"write-{run}")["idempotency_key_hash"]
+    (done,) = shown(cluster.store, "--hash", key_hash)
+    assert done["key"].startswith(key_hash) and len(done["key"]) == 64
+    assert done["state"] == "completed"
+    assert done["response"]["status"] == 201 and not done["response"]["body_omitted"]
+    assert done["age_ms"] is not None and done["age_ms"] < 60_000, done
+    assert 0 < done["expires_in_ms"] <= 86_400_000
+    # The same record from the request itself, as the filter hashed it.
+    (same,) = shown(cluster.store, *by_request(config, f'"{key}"'))
+    assert same["key"] == done["key"]
+    text = record(cluster.store, "show", "--hash", key_hash).stdout
+    assert "state        completed" in text and "status       201" in text, text
+
+    # Another caller with the same key is another record; a wrong token is refused.
+    missing = record(cluster.store, "show", *by_request(config, key, "Bearer someone-else"))
+    assert missing.returncode == 1 and "no live record" in missing.stderr, missing.stderr
+    refused = record(cluster.store, "show", "--hash", key_hash, token="wrong-token")
+    assert refused.returncode == 2 and "refused the token" in refused.stderr, refused.stderr
+
+    # Envoy A crashes while its upstream runs the write: the store keeps the claim in
+    # flight until its lease ends (60 s), so a retry through B gets 409.
+    stuck_path, stuck_key = unique_path("orders"), new_key()
+    with raw_post(cluster.a, stuck_path, stuck_key,
+                  headers={"authorization": AUTH, "x-demo-delay-ms": "30000"}) as raw:
+        harness.wait_until(lambda: cluster.upstream.executions(stuck_path) == 1, timeout=10,
+                           what="the upstream to start the write")
+        cluster.a.process.kill()
+        raw.abort()
+
+    def retry_through_b():
+        return post(cluster.b, stuck_path, stuck_key, headers={"authorization": AUTH})
+
+    assert retry_through_b().status_code == 409
+    (stuck,) = shown(cluster.store, *by_request(config, stuck_key))
+    assert stuck["state"] == "in_flight" and stuck["owner"], stuck
+    assert 30_000 < stuck["expires_in_ms"] <= 60_000, "the lease has most of a minute left"
+    purged = record(cluster.store, "purge", "--hash", stuck["key"][:16])
+    assert purged.returncode == 0, purged.stderr
+    assert purged.stdout.startswith("purged:") and stuck["key"] in purged.stdout, purged.stdout
+    # B dropped its local claim when the store answered in flight: the retry now executes.
+    resp = retry_through_b()
+    assert resp.status_code == 201 and REPLAYED not in resp.headers, resp.status_code
+    assert cluster.upstream.executions(stuck_path) == 2
+
+    # Purging a completed record: B (which never saw the key) executes a retry again, but A's
+    # local copy still replays it (here A was restarted, so its table is empty: use B's
+    # fresh copy of the record just written and another Envoy that has none).
+    cluster.a.start()
+    assert record(cluster.store, "purge", "--hash", stuck["key"]).returncode == 0
+    resp = retry_through_b()
+    assert resp.status_code == 201 and resp.headers.get(REPLAYED) == "true", "B's local copy"
+    assert cluster.upstream.executions(stuck_path) == 2
+    resp = post(cluster.a, stuck_path, stuck_key, headers={"authorization": AUTH})
+    assert resp.status_code == 201 and REPLAYED not in resp.headers, "A asks the store: gone"
+    assert cluster.upstream.executions(stuck_path) == 3
+
+    assert cluster.store.metric("idempotency_store_operations_total", operation="purge",
+                                outcome="purged") == 2
+    gone = record(cluster.store, "purge", "--hash", "0123456789abcdef")
+    assert gone.returncode == 1 and "nothing purged" in gone.stderr
