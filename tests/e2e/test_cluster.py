@@ -519,6 +519,35 @@ def test_upstream_error_releases_the_store_claim(procs, tmp_path) -> None:
     assert (replay.status_code, is_replay(replay), replay.content) == (201, True, retried.content)
 
 
+def test_a_late_first_attempt_taken_over_on_another_envoy_does_not_replay_its_own_response(
+    procs, tmp_path
+) -> None:
+    """A's request outlives its lease; a retry through B takes the key over and executes again
+    (the documented lease-takeover window). When A's request finally ends, the store refuses
+    its completion (not_recorded), and A drops its local copy: every Envoy replays the one
+    response the store kept. Found by the chaos soak: A kept replaying its own."""
+    lease = 3
+    cluster = start_cluster(procs, plugin=config(lease_seconds=lease))
+    a, b = cluster.a, cluster.b
+    path, key = unique_path(), new_key()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        first = pool.submit(post, a, path, key, headers={"x-demo-delay-ms": str(lease * 1000 + 1500)})
+        harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10, what="first upstream")
+        time.sleep(lease + 0.3)
+        taken_over = post(b, path, key)
+        assert (taken_over.status_code, taken_over.headers.get("x-execution")) == (201, "2")
+        late = first.result(timeout=20)
+    assert (late.status_code, late.headers.get("x-execution")) == (201, "1")
+    harness.wait_until(lambda: rule_counter(a, "orders", "not_recorded") == 1, timeout=10,
+                       what="A's completion refused")
+    assert rule_counter(a, "orders", "store_error") == 0
+    for envoy in (a, b, a):
+        replay = post(envoy, path, key)
+        assert is_replay(replay), replay.content[:200]
+        assert replay.content == taken_over.content, "the response the store kept, everywhere"
+    assert cluster.upstream.executions(path) == 2
+
+
 # --------------------------------------------------------------------------
 # 11. rules that never read the body
 # --------------------------------------------------------------------------

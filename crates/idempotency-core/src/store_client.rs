@@ -187,9 +187,7 @@ pub fn read_write_reply(kind: WriteKind, reply: &Reply) -> WriteAnswer {
         }
         // Nothing left to release (released before, expired, or taken over): the goal holds.
         (WriteKind::Release, Reply::NotOwner) => WriteAnswer::Done,
-        (WriteKind::Complete, Reply::NotOwner) => {
-            WriteAnswer::Refused("the store says this proxy no longer owns the key".to_string())
-        }
+        (WriteKind::Complete, Reply::NotOwner) => WriteAnswer::Superseded,
         (
             _,
             Reply::Failure {
@@ -249,7 +247,11 @@ pub fn read_claim(status: Option<u16>, body: &[u8]) -> Result<StoreClaim, StoreF
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WriteAnswer {
     Done,
-    /// The store refused for good (not the owner any more, or a request it will never take).
+    /// A completion the store refused because the key is no longer this claim's: its lease
+    /// passed and another request took the key over (on another replica, or during an outage
+    /// under fail_open); the store keeps that request's record.
+    Superseded,
+    /// The store refused for good (a request it will never take).
     Refused(String),
     Retry(String),
 }
@@ -272,9 +274,7 @@ pub fn read_write_answer(kind: WriteKind, status: Option<u16>, body: &[u8]) -> W
             Ok(a) => WriteAnswer::Retry(format!("unexpected outcome '{}'", a.outcome)),
             Err(e) => WriteAnswer::Retry(format!("answer unreadable: {e}")),
         },
-        Some(409) => {
-            WriteAnswer::Refused("the store says this proxy no longer owns the key".to_string())
-        }
+        Some(409) => WriteAnswer::Superseded,
         Some(s @ (400 | 401 | 403 | 404 | 413)) => {
             WriteAnswer::Refused(format!("store refused the request with status {s}"))
         }
@@ -416,10 +416,10 @@ mod tests {
             read_write_answer(Release, Some(200), br#"{"outcome":"released"}"#),
             done
         );
-        assert!(matches!(
+        assert_eq!(
             read_write_answer(Complete, Some(409), b""),
-            WriteAnswer::Refused(_)
-        ));
+            WriteAnswer::Superseded
+        );
         assert_eq!(
             read_write_answer(Release, Some(409), b""),
             WriteAnswer::Done

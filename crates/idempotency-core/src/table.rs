@@ -218,8 +218,12 @@ impl Slot {
 /// Which write a held claim makes; both need the claim to be still its holder's.
 #[derive(Debug, Clone, Copy)]
 enum HeldWrite {
-    Complete { now_ms: u64 },
+    Complete {
+        now_ms: u64,
+    },
     Release,
+    /// Dropping a completed record: the change itself checks that the record is the holder's.
+    Forget,
 }
 
 impl HeldWrite {
@@ -237,6 +241,7 @@ impl HeldWrite {
                 decision::complete(current, &asked, now_ms) == CompleteDecision::Record
             }
             HeldWrite::Release => decision::release(current, owner) == ReleaseDecision::Release,
+            HeldWrite::Forget => current.is_some(),
         }
     }
 }
@@ -852,6 +857,27 @@ impl Table {
             return Ok(Completion::NotHeld);
         };
         self.update_held(shared, held, at, HeldWrite::Release, None, |slot| {
+            *slot = FREE_SLOT;
+            true
+        })
+        .map(|(completion, _)| completion)
+    }
+
+    /// Drops the record `held` completed, if its slot still holds it: the store kept another
+    /// request's response for the key, so this copy must not be replayed (a retry asks the
+    /// store instead, and caches what it answers).
+    pub fn forget_recorded(
+        &self,
+        shared: &impl SharedData,
+        held: &Held,
+    ) -> Result<Completion, TableError> {
+        let Some(at) = held.slot.filter(|s| s.generation == 0) else {
+            return Ok(Completion::NotHeld);
+        };
+        self.update_held(shared, held, at, HeldWrite::Forget, None, |slot| {
+            if slot.state != SlotState::Completed || slot.owner != held.owner {
+                return false; // already replaced: nothing of ours to drop
+            }
             *slot = FREE_SLOT;
             true
         })

@@ -203,7 +203,8 @@ impl RequestJourney {
             response,
         );
         let deadline = host.now_ms().saturating_add(ttl_ms);
-        let mut write = PendingWrite::new(Rc::clone(rule), call, deadline);
+        let mut write =
+            PendingWrite::new(Rc::clone(rule), call, deadline).with_local_claim(held.clone());
         if !response.body.is_empty() {
             let without_body = RecordedResponse {
                 owner: response.owner,

@@ -103,7 +103,10 @@ impl PluginRoot {
         body_size: usize,
     ) {
         if let Some(plugin) = &self.plugin {
-            if !plugin.writes.on_answer(host, token, num_headers, body_size) {
+            if !plugin
+                .writes
+                .on_answer(host, &plugin.table, token, num_headers, body_size)
+            {
                 log::debug!("answer for unknown store call {token} ignored");
             }
         }
@@ -208,7 +211,9 @@ impl PluginRoot {
         let claim = match waiter {
             Waiter::Write(write) => {
                 match answer {
-                    Ok(reply) => plugin.writes.on_stream_answer(host, write, &reply),
+                    Ok(reply) => plugin
+                        .writes
+                        .on_stream_answer(host, &plugin.table, write, &reply),
                     Err(_) => plugin.writes.on_stream_failure(host, write),
                 }
                 return;

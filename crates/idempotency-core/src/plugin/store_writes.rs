@@ -28,6 +28,7 @@ use crate::plugin::store_link::{StoreLink, Waiter, MAX_MESSAGE_BYTES};
 use crate::store_client::{
     call_bytes, http_body, read_write_answer, read_write_reply, WriteAnswer, WriteKind,
 };
+use crate::table::{Held, Table};
 
 const FIRST_BACKOFF_MS: u64 = 100;
 /// Longest wait between two attempts of one write: once the store is back, a queued
@@ -83,6 +84,9 @@ pub struct PendingWrite {
     /// After this the write cannot matter any more: the record would have expired (complete)
     /// or the claim's lease has passed and another request may take it over (release).
     deadline_ms: u64,
+    /// A completion: the local claim it completes, whose record is dropped should the store
+    /// say another request's record superseded it.
+    local: Option<Held>,
 }
 
 impl PendingWrite {
@@ -94,6 +98,7 @@ impl PendingWrite {
             best_effort: false,
             attempts: 0,
             deadline_ms,
+            local: None,
         }
     }
 
@@ -109,6 +114,14 @@ impl PendingWrite {
     pub fn with_lean_record(self, lean: LeanRecord) -> PendingWrite {
         PendingWrite {
             lean: Some(lean),
+            ..self
+        }
+    }
+
+    /// The local claim this completion completes.
+    pub fn with_local_claim(self, held: Held) -> PendingWrite {
+        PendingWrite {
+            local: Some(held),
             ..self
         }
     }
@@ -376,7 +389,13 @@ impl StoreWrites {
     }
 
     /// Called from the root when a write's answer arrives on a stream.
-    pub fn on_stream_answer(&self, host: &impl Host, write: PendingWrite, reply: &Reply) {
+    pub fn on_stream_answer(
+        &self,
+        host: &impl Host,
+        table: &Table,
+        write: PendingWrite,
+        reply: &Reply,
+    ) {
         self.on_stream.set(self.on_stream.get().saturating_sub(1));
         if write.best_effort
             && write.kind() == WriteKind::Release
@@ -391,7 +410,7 @@ impl StoreWrites {
             return;
         }
         let answer = read_write_reply(write.kind(), reply);
-        self.settle(host, write, answer);
+        self.settle(host, table, write, answer);
     }
 
     /// Called from the root when a write's stream closed or its deadline passed.
@@ -400,9 +419,25 @@ impl StoreWrites {
         self.retry_later(host, write, "store stream closed or timed out");
     }
 
-    fn settle(&self, host: &impl Host, write: PendingWrite, answer: WriteAnswer) {
+    fn settle(&self, host: &impl Host, table: &Table, write: PendingWrite, answer: WriteAnswer) {
         match answer {
             WriteAnswer::Done => self.store_answered(),
+            WriteAnswer::Superseded => {
+                self.store_answered();
+                // The late first attempt of a key another request took over: the README's
+                // not_recorded. Its local copy would replay a response the store does not.
+                write.rule.count(host, Outcome::NotRecorded);
+                log::warn!(
+                    "rule {}: response not recorded: its lease had passed and another request \
+                     took the key over; the store keeps that request's response",
+                    write.rule.rule.name
+                );
+                if let Some(held) = &write.local {
+                    if let Err(e) = table.forget_recorded(host, held) {
+                        log::error!("superseded local record not dropped: {e}");
+                    }
+                }
+            }
             WriteAnswer::Refused(why) => {
                 if !write.best_effort {
                     write.rule.count(host, Outcome::StoreError);
@@ -417,6 +452,7 @@ impl StoreWrites {
     pub fn on_answer(
         &self,
         host: &impl Host,
+        table: &Table,
         token: u32,
         num_headers: usize,
         body_size: usize,
@@ -440,7 +476,7 @@ impl StoreWrites {
             return true;
         }
         let answer = read_write_answer(kind, status, &body);
-        self.settle(host, write, answer);
+        self.settle(host, table, write, answer);
         true
     }
 

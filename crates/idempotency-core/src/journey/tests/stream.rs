@@ -405,3 +405,50 @@ fn a_completion_larger_than_a_stream_message_goes_without_its_body() {
     assert_eq!(recorded.status, 201);
     assert!(recorded.body.is_empty() && recorded.body_omitted);
 }
+
+#[test]
+fn a_completion_the_store_refuses_because_another_request_took_over_is_not_replayed_here() {
+    // This request's lease ran out while it ran; another replica's retry took the key over
+    // and the store holds that retry's response. This proxy must not keep replaying its own.
+    let (host, mut root, stream) = connected("fail_closed");
+    let journey = request(&host, &root, "k1");
+    let (id, owner) = sent_claim(&host);
+    answer(&host, &mut root, stream, id, claimed(&owner));
+    let _ = host.take_effects();
+    host.effective_context.set(REQUEST);
+    respond(&host, &mut journey.borrow_mut(), 201, b"{\"run\":1}");
+    let sent = calls(&host.take_effects());
+    let (_, _, complete) = sent.into_iter().next().unwrap();
+    answer(&host, &mut root, stream, complete.id, Reply::NotOwner);
+    assert_eq!(host.counter("orders", Outcome::NotRecorded), 1);
+    assert_eq!(
+        host.counter("orders", Outcome::StoreError),
+        0,
+        "the store answered"
+    );
+
+    // The retry asks the store, which replays the response it kept.
+    let retry = request(&host, &root, "k1");
+    let effects = host.take_effects();
+    assert!(replies(&effects).is_empty(), "no local replay: {effects:?}");
+    let sent = calls(&effects);
+    let (_, _, claim) = sent.into_iter().next().expect("a claim to the store");
+    assert!(matches!(claim.op, CallOp::Claim { .. }));
+    let kept = RecordedResponse {
+        status: 201,
+        body: b"{\"run\":2}".to_vec(),
+        ..RecordedResponse::default()
+    };
+    answer(
+        &host,
+        &mut root,
+        stream,
+        claim.id,
+        Reply::Completed {
+            record: kept.encode(),
+        },
+    );
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.as_slice()), (201, &b"{\"run\":2}"[..]));
+    drop(retry);
+}
