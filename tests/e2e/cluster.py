@@ -155,14 +155,17 @@ def raw_post(
     path: str,
     key: str,
     *,
+    body: bytes = BODY,
     headers: Mapping[str, str] | None = None,
     recv_buffer: int | None = None,
+    body_bytes_sent: int | None = None,
 ) -> client.RawExchange:
-    """The request ``post`` sends, on a socket the test holds (to hang up on Envoy)."""
+    """The request ``post`` sends, on a socket the test holds (to hang up on Envoy); see
+    ``client.RawExchange`` for ``recv_buffer`` and ``body_bytes_sent``."""
     all_headers = [("Host", HOST), ("idempotency-key", key), ("content-type", "application/json")]
     all_headers += list((headers or {}).items())
-    return client.RawExchange(harness.LOOPBACK, envoy.port, "POST", path, all_headers, BODY,
-                              recv_buffer=recv_buffer)
+    return client.RawExchange(harness.LOOPBACK, envoy.port, "POST", path, all_headers, body,
+                              recv_buffer=recv_buffer, body_bytes_sent=body_bytes_sent)
 
 
 def assert_unavailable(resp: client.Response, rule: str = "orders") -> dict:

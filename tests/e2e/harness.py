@@ -292,6 +292,14 @@ class ManagedProcess:
         return f"ManagedProcess({self.name!r}, pid={self.pid}, returncode={self.returncode})"
 
 
+def rss_kib(pid: int) -> int:
+    """The resident set of process ``pid`` in KiB (VmRSS in /proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
 def stop_all_processes() -> None:
     """Stops every ManagedProcess still running (safety net for atexit and pytest)."""
     with _live_lock:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import harness
+from harness import rss_kib
 from cluster import cluster_plugin_config, post as cluster_post, start_cluster
 from helpers import (
     is_replay,
@@ -28,13 +28,6 @@ from helpers import (
 GAUGE = "wasmcustom.idempotency.local_table.youngest_evicted_age_ms"
 BODY_OMITTED = "idempotent-body-omitted"
 MIB = 1 << 20
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def write_then_settle(envoy: harness.Envoy, rule_name: str, outcome: str, expected: int) -> dict[str, int]:
