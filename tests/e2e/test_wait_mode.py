@@ -7,6 +7,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import harness
+from cluster import cluster_plugin_config, post as cluster_post, start_cluster
 from helpers import (
     crash_lines,
     is_replay,
@@ -84,3 +85,61 @@ def test_a_held_duplicate_gets_409_after_wait_ms_and_503_when_the_first_fails(pr
     retry = post(envoy, path, key=key, body=BODY)
     assert retry.status_code == 201 and upstream.executions(path) == 2
     assert rule_counters(envoy, "orders")["wait_released"] == 1
+
+
+# --------------------------------------------------------------------------
+# cluster mode: the first request runs on one replica, its duplicates on both
+# --------------------------------------------------------------------------
+
+
+def start_waiting_cluster(procs):
+    plugin = cluster_plugin_config(timeout_ms=2000, on_in_flight="wait", wait_ms=15_000)
+    return start_cluster(procs, plugin=plugin)
+
+
+def test_a_hundred_duplicates_through_two_envoys_wait_and_get_the_first_response(procs) -> None:
+    cluster = start_waiting_cluster(procs)
+    path, key = unique_path("orders"), new_key()
+    slow = {"x-demo-delay-ms": "2500"}
+    with ThreadPoolExecutor(max_workers=101) as pool:
+        first = pool.submit(cluster_post, cluster.a, path, key, headers=slow, timeout=30)
+        harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10, what="first upstream")
+        envoys = [cluster.a, cluster.b]
+        duplicates = [pool.submit(cluster_post, envoys[i % 2], path, key, headers=slow, timeout=30)
+                      for i in range(100)]
+        first = first.result(timeout=60)
+        answers = [d.result(timeout=60) for d in duplicates]
+
+    assert first.status_code == 201 and not is_replay(first)
+    assert cluster.upstream.executions(path) == 1
+    assert [r.status_code for r in answers] == [201] * 100, [r.content[:300] for r in answers if r.status_code != 201]
+    assert all(is_replay(r) for r in answers)
+    assert {r.content for r in answers} == {first.content}, "100 identical replays of the first"
+    counts = [rule_counters(envoy, "orders") for envoy in envoys]
+    assert sum(c["conflict"] for c in counts) == 0
+    assert sum(c["replayed_after_wait"] for c in counts) == 100
+    assert counts[1]["waited"] == 50, "B's duplicates waited on the store"
+    assert cluster.store.metric("idempotency_store_operations_total",
+                                operation="wait", outcome="completed") >= 50
+    for envoy in envoys:
+        assert not crash_lines(envoy.log_text())
+
+
+def test_waiters_through_two_envoys_are_released_when_the_first_fails(procs) -> None:
+    cluster = start_waiting_cluster(procs)
+    path, key = unique_path("orders"), new_key()
+    failing = {"x-demo-delay-ms": "1500", "x-demo-status": "503"}
+    with ThreadPoolExecutor(max_workers=21) as pool:
+        first = pool.submit(cluster_post, cluster.a, path, key, headers=failing, timeout=30)
+        harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10, what="first upstream")
+        held = [pool.submit(cluster_post, (cluster.a, cluster.b)[i % 2], path, key, timeout=30)
+                for i in range(20)]
+        assert first.result(timeout=30).status_code == 503
+        answers = [h.result(timeout=30) for h in held]
+    for resp in answers:
+        problem(resp, 503, "first-attempt-released", rule="orders")
+        assert resp.headers.get("retry-after") == "1"
+    assert cluster.upstream.executions(path) == 1, "no held duplicate ran"
+    retry = cluster_post(cluster.b, path, key)
+    assert retry.status_code == 201 and not is_replay(retry)
+    assert cluster.upstream.executions(path) == 2

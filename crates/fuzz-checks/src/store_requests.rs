@@ -12,8 +12,10 @@ use idempotency_store::grpc::pb;
 use idempotency_store::grpc::pb::call::Op as PbOp;
 use idempotency_store::protocol::{
     parse_claim, parse_complete, parse_key, parse_release, validate_claim, validate_complete,
-    validate_release,
+    validate_release, validate_wait,
 };
+use idempotency_store::storage::Digest;
+use idempotency_store::waits::MAX_WAIT_MS;
 use prost::Message as _;
 use serde_json::Value;
 
@@ -221,6 +223,15 @@ fn to_pb(call: &Call) -> pb::Call {
             key: key.clone(),
             owner: owner.clone(),
         }),
+        CallOp::Wait {
+            key,
+            fingerprint,
+            wait_ms,
+        } => PbOp::Wait(pb::Wait {
+            key: key.clone(),
+            fingerprint: fingerprint.clone(),
+            wait_ms: *wait_ms,
+        }),
     };
     pb::Call {
         id: call.id,
@@ -285,6 +296,20 @@ fn verdicts(op: &CallOp) -> (String, String) {
                 format!("{:?}", parse_release(&json)),
             )
         }
+        // Stream only: judged against the documented bounds instead of a JSON twin.
+        CallOp::Wait {
+            key,
+            fingerprint,
+            wait_ms,
+        } => {
+            let valid = Digest::parse(key).is_ok()
+                && Digest::parse(fingerprint).is_ok()
+                && (1..=MAX_WAIT_MS).contains(wait_ms);
+            (
+                format!("{:?}", validate_wait(key, fingerprint, *wait_ms).is_ok()),
+                format!("{valid:?}"),
+            )
+        }
     }
 }
 
@@ -300,7 +325,7 @@ fn stream_raw(data: &[u8]) {
 }
 
 fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
-    let op = match u.int_in_range(0..=2)? {
+    let op = match u.int_in_range(0..=3)? {
         0 => CallOp::Claim {
             key: digest_text(u)?,
             fingerprint: digest_text(u)?,
@@ -318,9 +343,14 @@ fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
                 String::new()
             },
         },
-        _ => CallOp::Release {
+        2 => CallOp::Release {
             key: digest_text(u)?,
             owner: token_text(u, 66)?,
+        },
+        _ => CallOp::Wait {
+            key: digest_text(u)?,
+            fingerprint: digest_text(u)?,
+            wait_ms: time(u, MAX_WAIT_MS)?,
         },
     };
     let call = Call {

@@ -104,7 +104,9 @@ impl Problem {
             status: 503,
             kind: "first-attempt-released",
             title: "The first request with this idempotency key did not complete",
-            detail: "This request waited for the first request with the same key, which failed                      or was abandoned without a result to share. This request was not executed:                      retry it with the same key after the Retry-After delay."
+            detail: "This request waited for the first request with the same key, which failed \
+                     or was abandoned without a result to share. This request was not executed: \
+                     retry it with the same key after the Retry-After delay."
                 .to_string(),
             retry_after_seconds: Some(1),
         }

@@ -111,7 +111,16 @@ pub fn release_call(key: &Digest, owner: &str) -> CallOp {
     }
 }
 
-/// The JSON body of `call` for the HTTP API.
+/// A held duplicate's wait for `key`'s in-flight record to end (stream only).
+pub fn wait_call(key: &Digest, fingerprint: &Digest, wait_ms: u64) -> CallOp {
+    CallOp::Wait {
+        key: to_hex(key),
+        fingerprint: to_hex(fingerprint),
+        wait_ms,
+    }
+}
+
+/// The JSON body of `call` for the HTTP API (a wait has none: the stream alone carries it).
 pub fn http_body(call: &CallOp) -> Vec<u8> {
     let json = match call {
         CallOp::Claim {
@@ -142,6 +151,7 @@ pub fn http_body(call: &CallOp) -> Vec<u8> {
             key: key.clone(),
             owner: owner.clone(),
         }),
+        CallOp::Wait { .. } => return Vec::new(),
     };
     json.unwrap_or_default()
 }
@@ -150,7 +160,7 @@ pub fn http_body(call: &CallOp) -> Vec<u8> {
 pub fn call_bytes(call: &CallOp) -> usize {
     match call {
         CallOp::Complete { record, .. } => record.len().saturating_add(256),
-        CallOp::Claim { .. } | CallOp::Release { .. } => 256,
+        CallOp::Claim { .. } | CallOp::Release { .. } | CallOp::Wait { .. } => 256,
     }
 }
 

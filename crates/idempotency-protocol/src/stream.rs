@@ -34,6 +34,13 @@ pub enum CallOp {
         key: String,
         owner: String,
     },
+    /// Answered when the key's in-flight record ends (`Completed`, `Released`, `Mismatch`)
+    /// or `wait_ms` passes (`InFlight`).
+    Wait {
+        key: String,
+        fingerprint: String,
+        wait_ms: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,6 +116,7 @@ mod field {
     pub const CLAIM: u32 = 2;
     pub const COMPLETE: u32 = 3;
     pub const RELEASE: u32 = 4;
+    pub const WAIT: u32 = 5;
     // Answer.result
     pub const CLAIMED: u32 = 2;
     pub const IN_FLIGHT: u32 = 3;
@@ -222,6 +230,18 @@ pub fn encode_call_parts(id: u64, op: &CallOp) -> Vec<u8> {
             build(|w| {
                 w.bytes(1, key.as_bytes());
                 w.bytes(2, owner.as_bytes());
+            }),
+        ),
+        CallOp::Wait {
+            key,
+            fingerprint,
+            wait_ms,
+        } => (
+            field::WAIT,
+            build(|w| {
+                w.bytes(1, key.as_bytes());
+                w.bytes(2, fingerprint.as_bytes());
+                w.uint(3, *wait_ms);
             }),
         ),
     };
@@ -394,7 +414,7 @@ fn envelope<'a>(
 }
 
 pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
-    let Envelope { id, member } = envelope(bytes, field::CLAIM..=field::RELEASE)?;
+    let Envelope { id, member } = envelope(bytes, field::CLAIM..=field::WAIT)?;
     let op = match member {
         Some((field::CLAIM, body)) => {
             let (mut key, mut fingerprint, mut lease_ms, mut owner) =
@@ -449,6 +469,23 @@ pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
                 Ok(())
             })?;
             CallOp::Release { key, owner }
+        }
+        Some((field::WAIT, body)) => {
+            let (mut key, mut fingerprint, mut wait_ms) = (String::new(), String::new(), 0);
+            each_field(body, |n, v| {
+                match n {
+                    1 => key = text(want_len(v)?)?,
+                    2 => fingerprint = text(want_len(v)?)?,
+                    3 => wait_ms = want_varint(v)?,
+                    _ => {}
+                }
+                Ok(())
+            })?;
+            CallOp::Wait {
+                key,
+                fingerprint,
+                wait_ms,
+            }
         }
         _ => return Err(DecodeError("a call without a known operation")),
     };
@@ -553,6 +590,14 @@ mod tests {
                 op: CallOp::Release {
                     key: String::new(),
                     owner: "ff".into(),
+                },
+            },
+            Call {
+                id: 9,
+                op: CallOp::Wait {
+                    key: HEX.into(),
+                    fingerprint: HEX.into(),
+                    wait_ms: 10_000,
                 },
             },
         ]

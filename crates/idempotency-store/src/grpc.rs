@@ -12,6 +12,7 @@ use crate::metrics::Rejection;
 use crate::protocol::{self, BadRequest, ClaimBody};
 use crate::server::{self, AppState};
 use crate::storage::{ClaimOutcome, CompleteOutcome, ReleaseOutcome};
+use crate::waits::WaitOutcome;
 
 /// The generated messages, server and client.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]
@@ -96,6 +97,22 @@ impl pb::store_server::Store for StoreStreams {
                         break;
                     }
                 };
+                if matches!(call.op, Some(Op::Wait(_))) {
+                    // A wait may last a minute: it must not hold one of the stream's slots
+                    // (the claims behind it would queue). The wait room bounds waits; one
+                    // whose stream is gone ends with it.
+                    let state = state.clone();
+                    let answers = answers.clone();
+                    tokio::spawn(async move {
+                        tokio::select! {
+                            answer = answer(&state, call) => {
+                                let _ = answers.send(Ok(answer)).await;
+                            }
+                            () = answers.closed() => {}
+                        }
+                    });
+                    continue;
+                }
                 let Ok(slot) = slots.clone().acquire_owned().await else {
                     break;
                 };
@@ -143,6 +160,13 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
                 Err(bad) => refuse(state, bad),
             }
         }
+        Some(Op::Wait(w)) => match protocol::validate_wait(&w.key, &w.fingerprint, w.wait_ms) {
+            Ok(req) => match server::wait_for(state, req).await {
+                Ok(outcome) => wait_reply(outcome),
+                Err(_) => unavailable(),
+            },
+            Err(bad) => refuse(state, bad),
+        },
         Some(Op::Release(r)) => match protocol::validate_release(&r.key, &r.owner) {
             Ok(req) => match server::execute(state, req).await {
                 Ok(ReleaseOutcome::Released) => Reply::Released(pb::Empty {}),
@@ -172,6 +196,17 @@ fn claim_reply(outcome: ClaimOutcome) -> Reply {
         }
         ClaimOutcome::Completed { record } => Reply::Completed(pb::Recorded { record }),
         ClaimOutcome::Mismatch => Reply::Mismatch(pb::Empty {}),
+    }
+}
+
+fn wait_reply(outcome: WaitOutcome) -> Reply {
+    match outcome {
+        WaitOutcome::Completed { record } => Reply::Completed(pb::Recorded { record }),
+        WaitOutcome::Released => Reply::Released(pb::Empty {}),
+        WaitOutcome::Mismatch => Reply::Mismatch(pb::Empty {}),
+        WaitOutcome::InFlight { retry_after_ms } => {
+            Reply::InFlight(pb::InFlight { retry_after_ms })
+        }
     }
 }
 

@@ -12,3 +12,4 @@ pub mod protocol;
 pub mod server;
 pub mod storage;
 pub mod sweeper;
+pub mod waits;

@@ -100,6 +100,11 @@ struct Serve {
     #[arg(long, default_value_t = server::DEFAULT_MAX_BODY_BYTES)]
     max_body_bytes: usize,
 
+    /// Filters' waits for keys in flight (rules with `on_in_flight: "wait"`) held at once;
+    /// beyond, a wait is answered "still in flight" at once and its client gets a 409.
+    #[arg(long, default_value_t = idempotency_store::waits::DEFAULT_MAX_WAITS)]
+    max_waits: usize,
+
     /// Seconds a client has to send a request's headers: a new connection's
     /// first request (any protocol), and on HTTP/1.1 every later one, idle
     /// keep-alive time included. Silent and half-open connections end here.
@@ -267,12 +272,7 @@ async fn run(cli: Serve) -> Result<(), String> {
         .map_err(|e| format!("cannot read bound address: {e}"))?;
     let draining = tokio_util::sync::CancellationToken::new();
     let app = server::router(
-        AppState {
-            storage,
-            metrics,
-            auth,
-            draining: draining.clone(),
-        },
+        AppState::new(storage, metrics, auth, draining.clone(), cli.max_waits),
         cli.max_body_bytes,
     );
     // Scripts and tests wait for exactly this line on stdout.

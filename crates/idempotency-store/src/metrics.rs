@@ -21,6 +21,8 @@ pub enum Operation {
     Purge,
     /// An operator's prefix search, `GET /v1/records?prefix=`.
     Search,
+    /// A filter's wait for a key in flight to end (its duration is the wait's).
+    Wait,
 }
 
 impl Operation {
@@ -32,6 +34,7 @@ impl Operation {
             Self::Lookup => "lookup",
             Self::Purge => "purge",
             Self::Search => "search",
+            Self::Wait => "wait",
         }
     }
 }

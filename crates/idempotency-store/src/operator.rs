@@ -116,6 +116,10 @@ impl V1Operation for Purge {
     const OPERATION: Operation = Operation::Purge;
     type Outcome = Option<RecordView>;
 
+    fn settles(&self) -> Option<Digest> {
+        Some(self.0.clone())
+    }
+
     async fn run(self, storage: &dyn Storage) -> Result<Option<RecordView>, StorageError> {
         let removed = storage.purge(&self.0).await?;
         if let Some(view) = &removed {

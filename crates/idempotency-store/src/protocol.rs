@@ -132,6 +132,27 @@ pub fn parse_release(body: &[u8]) -> Result<ReleaseRequest, BadRequest> {
     validate_release(&raw.key, &raw.owner)
 }
 
+/// A filter's wait for `key`'s in-flight record to end (stream only).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WaitRequest {
+    pub key: Digest,
+    pub fingerprint: Digest,
+    pub wait_ms: u64,
+}
+
+pub fn validate_wait(
+    key: &str,
+    fingerprint: &str,
+    wait_ms: u64,
+) -> Result<WaitRequest, BadRequest> {
+    Ok(WaitRequest {
+        key: parse_key(key)?,
+        fingerprint: Digest::parse(fingerprint)
+            .map_err(|why| BadRequest::field("fingerprint", why))?,
+        wait_ms: check_range("wait_ms", wait_ms, 1, crate::waits::MAX_WAIT_MS)?,
+    })
+}
+
 pub fn validate_release(key: &str, owner: &str) -> Result<ReleaseRequest, BadRequest> {
     Ok(ReleaseRequest {
         key: parse_key(key)?,

@@ -31,6 +31,7 @@ use crate::storage::{
     ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome, Storage,
     StorageError,
 };
+use crate::waits::{WaitOutcome, WaitRoom};
 
 /// Base64 inflates a 1 MiB response to ~1.4 MiB; 4 MiB leaves room for that
 /// plus JSON framing and headroom for larger recorded responses.
@@ -80,6 +81,34 @@ pub struct AppState {
     /// Cancelled when the store starts shutting down: long-lived gRPC streams end then
     /// (after answering what they hold) instead of holding the shutdown for its grace period.
     pub draining: tokio_util::sync::CancellationToken,
+    /// Filters' waits for keys in flight (gRPC stream only).
+    pub waits: Arc<WaitRoom>,
+}
+
+/// How often a wait looks at its key again when the backend is shared with other store
+/// instances, whose completions do not wake it.
+pub const SHARED_BACKEND_WAIT_POLL: Duration = Duration::from_millis(50);
+
+impl AppState {
+    /// The state with a wait room of `max_waits` sized for `storage`.
+    pub fn new(
+        storage: Arc<dyn Storage>,
+        metrics: Arc<Metrics>,
+        auth: Auth,
+        draining: tokio_util::sync::CancellationToken,
+        max_waits: usize,
+    ) -> Self {
+        let poll = storage
+            .shared_with_other_instances()
+            .then_some(SHARED_BACKEND_WAIT_POLL);
+        Self {
+            storage,
+            metrics,
+            auth,
+            draining,
+            waits: Arc::new(WaitRoom::new(max_waits, poll)),
+        }
+    }
 }
 
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
@@ -543,6 +572,11 @@ pub(crate) trait V1Operation: Send + 'static {
     const OPERATION: Operation;
     type Outcome: Send + 'static;
 
+    /// The key whose in-flight record this operation may end: waits for it look again.
+    fn settles(&self) -> Option<Digest> {
+        None
+    }
+
     fn run(
         self,
         storage: &dyn Storage,
@@ -577,6 +611,10 @@ impl V1Operation for protocol::ClaimRequest {
 }
 
 impl V1Operation for protocol::CompleteRequest {
+    fn settles(&self) -> Option<Digest> {
+        Some(self.key.clone())
+    }
+
     const OPERATION: Operation = Operation::Complete;
     type Outcome = CompleteOutcome;
 
@@ -610,6 +648,10 @@ impl V1Operation for protocol::CompleteRequest {
 }
 
 impl V1Operation for protocol::ReleaseRequest {
+    fn settles(&self) -> Option<Digest> {
+        Some(self.key.clone())
+    }
+
     const OPERATION: Operation = Operation::Release;
     type Outcome = ReleaseOutcome;
 
@@ -724,6 +766,7 @@ pub(crate) async fn execute<Op: V1Operation>(
 ) -> Result<Op::Outcome, StorageError> {
     let started = Instant::now();
     let task_st = st.clone();
+    let settles = op.settles();
     run_detached::<Op>(st, started, async move {
         let result = op.run(task_st.storage.as_ref()).await;
         match &result {
@@ -734,9 +777,39 @@ pub(crate) async fn execute<Op: V1Operation>(
             ),
             Err(e) => count_backend_failure(&task_st, Op::OPERATION, started, e),
         }
+        // Whatever the outcome: a waiter only looks again, which is cheap.
+        if let Some(key) = &settles {
+            task_st.waits.settled(key);
+        }
         result
     })
     .await
+}
+
+/// A filter's wait for a key in flight, counted and timed as `operation="wait"`. Not run
+/// detached: a wait changes nothing, so a client that leaves may cancel it.
+pub(crate) async fn wait_for(
+    st: &AppState,
+    request: protocol::WaitRequest,
+) -> Result<WaitOutcome, StorageError> {
+    let started = Instant::now();
+    let result = st
+        .waits
+        .wait(
+            st.storage.as_ref(),
+            &request.key,
+            &request.fingerprint,
+            Duration::from_millis(request.wait_ms),
+        )
+        .await;
+    match &result {
+        Ok(outcome) => {
+            st.metrics
+                .record_operation(Operation::Wait, outcome.name(), started.elapsed())
+        }
+        Err(e) => count_backend_failure(st, Operation::Wait, started, e),
+    }
+    result
 }
 
 /// [`execute`], answered over HTTP.

@@ -51,12 +51,13 @@ impl Store {
         let addr = listener.local_addr().unwrap();
         let draining = tokio_util::sync::CancellationToken::new();
         let app = server::router(
-            AppState {
+            AppState::new(
                 storage,
-                metrics: Arc::new(Metrics::new()),
-                auth: Auth::bearer(TOKEN),
-                draining: draining.clone(),
-            },
+                Arc::new(Metrics::new()),
+                Auth::bearer(TOKEN),
+                draining.clone(),
+                idempotency_store::waits::DEFAULT_MAX_WAITS,
+            ),
             server::DEFAULT_MAX_BODY_BYTES,
         );
         let (stop, stopped) = oneshot::channel::<()>();
@@ -389,4 +390,90 @@ async fn a_shutdown_ends_open_streams_after_answering_their_calls() {
         .expect("the stream ends within 5 s of the shutdown");
     let status = ended.expect_err("the stream ends with a status");
     assert_eq!(status.code(), Code::Unavailable, "{status}");
+}
+
+fn wait(key: &str, fingerprint: &str, wait_ms: u64) -> Op {
+    Op::Wait(pb::Wait {
+        key: key.into(),
+        fingerprint: fingerprint.into(),
+        wait_ms,
+    })
+}
+
+/// Waits end with the record once it completes, as released once it is released, and in
+/// flight at their bound; claims sent behind a held wait are answered at once.
+async fn a_wait_ends_when_the_key_in_flight_does(store: Store) {
+    let mut s = Conversation::open(&store).await;
+    let mut other = Conversation::open(&store).await;
+    let (key, fp) = (random_digest(), random_digest());
+    let (key, fp) = (key.as_str(), fp.as_str());
+    let owner = "00aa11bb";
+    assert!(matches!(
+        s.call(claim(key, fp, owner)).await,
+        Reply::Claimed(_)
+    ));
+
+    let waits: Vec<u64> = [
+        s.send(wait(key, fp, 20_000)).await,
+        s.send(wait(key, fp, 20_000)).await,
+    ]
+    .into();
+    // Held waits do not hold up the calls behind them.
+    let busy = random_digest();
+    assert!(matches!(
+        s.call(claim(busy.as_str(), fp, "")).await,
+        Reply::Claimed(_)
+    ));
+    let record = b"the first response".to_vec();
+    let started = std::time::Instant::now();
+    // Completed over another stream: the waits are woken, not polled.
+    assert!(matches!(
+        other.call(complete(key, owner, &record)).await,
+        Reply::Recorded(_)
+    ));
+    for _ in &waits {
+        let answer = s.next().await;
+        assert!(waits.contains(&answer.id));
+        match answer.result.unwrap() {
+            Reply::Completed(found) => assert_eq!(found.record, record),
+            other => panic!("the waits get the record, got {other:?}"),
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+
+    let (released_key, owner) = (random_digest(), "00cc22dd");
+    assert!(matches!(
+        s.call(claim(released_key.as_str(), fp, owner)).await,
+        Reply::Claimed(_)
+    ));
+    let id = s.send(wait(released_key.as_str(), fp, 20_000)).await;
+    assert!(matches!(
+        other.call(release(released_key.as_str(), owner)).await,
+        Reply::Released(_)
+    ));
+    let answer = s.next().await;
+    assert_eq!(answer.id, id);
+    assert!(matches!(answer.result.unwrap(), Reply::Released(_)));
+
+    // Nobody ends it: in flight at the bound. A bad wait is refused, the stream goes on.
+    let answer = s.call(wait(busy.as_str(), fp, 300)).await;
+    assert!(matches!(answer, Reply::InFlight(f) if f.retry_after_ms > 0));
+    assert!(matches!(
+        s.call(wait(busy.as_str(), fp, 0)).await,
+        Reply::Failure(_)
+    ));
+    assert!(matches!(
+        s.call(wait("nothex", fp, 100)).await,
+        Reply::Failure(_)
+    ));
+}
+
+#[tokio::test]
+async fn a_wait_ends_when_the_key_in_flight_does_on_the_embedded_backend() {
+    a_wait_ends_when_the_key_in_flight_does(Store::embedded().await).await;
+}
+
+#[tokio::test]
+async fn a_wait_ends_when_the_key_in_flight_does_on_redis() {
+    a_wait_ends_when_the_key_in_flight_does(Store::redis().await).await;
 }

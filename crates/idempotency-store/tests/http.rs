@@ -53,12 +53,13 @@ impl TestServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let app = wrap(server::router(
-            AppState {
+            AppState::new(
                 storage,
-                metrics: Arc::new(Metrics::new()),
+                Arc::new(Metrics::new()),
                 auth,
-                draining: Default::default(),
-            },
+                Default::default(),
+                idempotency_store::waits::DEFAULT_MAX_WAITS,
+            ),
             max_body,
         ));
         let (stop, stopped) = oneshot::channel::<()>();

@@ -79,6 +79,24 @@ fn calls_the_filter_encodes_are_the_calls_the_store_reads() {
                 })),
             },
         ),
+        (
+            Call {
+                id: 12,
+                op: CallOp::Wait {
+                    key: HEX.into(),
+                    fingerprint: HEX.into(),
+                    wait_ms: 60_000,
+                },
+            },
+            pb::Call {
+                id: 12,
+                op: Some(PbOp::Wait(pb::Wait {
+                    key: HEX.into(),
+                    fingerprint: HEX.into(),
+                    wait_ms: 60_000,
+                })),
+            },
+        ),
     ];
     for (ours, theirs) in cases {
         let encoded = stream::encode_call(&ours);

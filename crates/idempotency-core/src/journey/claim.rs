@@ -152,7 +152,7 @@ impl RequestJourney {
 
     /// Sends the claim on the worker's stream to the store; the root hands this request the
     /// answer (or the failure) when it comes.
-    fn send_on_stream(
+    pub(super) fn send_on_stream(
         &self,
         host: &impl Host,
         rule: &Rc<RuleHandle>,
@@ -211,8 +211,7 @@ impl RequestJourney {
             }
             Ok(StoreClaim::InFlight) => {
                 self.release_local(host, &held);
-                self.note(host, &rule, Outcome::Conflict);
-                self.answer_problem(host, &rule, &Problem::in_flight())
+                self.on_store_in_flight(host, rule, held.key, held.fingerprint)
             }
             Ok(StoreClaim::Mismatch) => {
                 self.release_local(host, &held);

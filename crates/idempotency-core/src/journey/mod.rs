@@ -18,9 +18,10 @@ use std::rc::{Rc, Weak};
 
 use crate::capture::ResponseCapture;
 use crate::host::Host;
+use crate::key::Digest;
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
-use crate::plugin::waits::WaitEnd;
+use crate::plugin::waits::{StoreWaitTicket, WaitEnd};
 use crate::plugin::Plugin;
 use crate::problem::Problem;
 use crate::store_client::{StoreClaim, StoreFailure};
@@ -85,7 +86,7 @@ pub enum Journey {
     /// Cluster mode: the local claim is held; the store is confirming it.
     AwaitingStore(StoreWait),
     /// A duplicate held until the first request with its key completes.
-    Waiting(Rc<RuleHandle>),
+    Waiting(HeldDuplicate),
     /// This request holds the claim and went upstream.
     Executing(Execution),
     /// The filter answered itself; its own reply must not be recorded.
@@ -106,6 +107,18 @@ pub struct PendingRequest {
     /// Key parts read from headers and query; None for body sources.
     pub key_parts: Vec<Option<Vec<u8>>>,
     pub scope: Vec<Option<Vec<u8>>>,
+}
+
+/// A duplicate held while the first request with its key runs.
+pub struct HeldDuplicate {
+    pub rule: Rc<RuleHandle>,
+    pub key: Digest,
+    pub fingerprint: Digest,
+    /// When its wait ends with a 409, wherever it waits.
+    pub deadline_ms: u64,
+    /// Cluster mode, the first request on another replica: the wait's call on the store
+    /// stream, and its place among the worker's store waits. None: held in the local table.
+    pub store_wait: Option<(u64, StoreWaitTicket)>,
 }
 
 /// A claim held locally while the store confirms it.
@@ -249,12 +262,9 @@ impl RequestJourney {
             }
             // The client left while the store was confirming: nothing went upstream.
             (J::AwaitingStore(wait), E::StreamEnd) => self.abandon_store_wait(host, wait),
-            (J::Waiting(rule), E::WaitOver(end)) => self.on_wait_over(host, &rule, end),
+            (J::Waiting(held), E::WaitOver(end)) => self.on_wait_over(host, held, end),
             // A held duplicate whose client left costs nothing further.
-            (J::Waiting(_), E::StreamEnd) => {
-                self.plugin.waits.withdraw(self.context_id);
-                (J::Finished, Verdict::Continue)
-            }
+            (J::Waiting(held), E::StreamEnd) => self.abandon_wait(held),
             (wait @ J::Waiting(_), _) => (wait, Verdict::Pause),
             (J::Replaying { restore }, E::ResponseHeaders { .. }) => {
                 restore_replay_headers(host, &restore);

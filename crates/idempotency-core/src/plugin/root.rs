@@ -11,7 +11,7 @@ use crate::host::Host;
 use crate::journey::{Event, RequestJourney};
 use crate::plugin::store_link::{ClaimWaiter, Waiter};
 use crate::plugin::store_writes::PendingWrite;
-use crate::plugin::waits::WAIT_TICK_MS;
+use crate::plugin::waits::{read_wait_reply, WAIT_TICK_MS};
 use crate::plugin::Plugin;
 use crate::store_client::{read_claim_reply, StoreClaim, StoreFailure};
 
@@ -220,6 +220,12 @@ impl PluginRoot {
             }
             Waiter::Claim(claim) => claim,
         };
+        if let CallOp::Wait { .. } = claim.call {
+            // A held duplicate's wait: it holds nothing, so a request gone needs no undoing.
+            let end = read_wait_reply(answer);
+            self.in_request(host, claim.context_id, &claim.journey, Event::WaitOver(end));
+            return;
+        }
         let answer = answer.and_then(read_claim_reply);
         if answer.is_ok() {
             plugin.writes.store_answered();

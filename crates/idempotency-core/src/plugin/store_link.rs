@@ -156,7 +156,7 @@ impl StoreLink {
                 if matches!(waiter, Waiter::Claim(_))
                     && self.waiting.borrow().len() < MAX_WAITING_FOR_STREAM =>
             {
-                let deadline_ms = host.now_ms().saturating_add(self.store.timeout_ms);
+                let deadline_ms = host.now_ms().saturating_add(self.timeout_ms(waiter.call()));
                 self.waiting.borrow_mut().push_back(WaitingForStream {
                     id,
                     waiter,
@@ -189,18 +189,25 @@ impl StoreLink {
         }
         match sent {
             Ok(()) => {
-                self.stream.borrow_mut().track(
-                    outgoing.id,
-                    host.now_ms(),
-                    waiter,
-                    self.store.timeout_ms,
-                );
+                let timeout_ms = self.timeout_ms(waiter.call());
+                self.stream
+                    .borrow_mut()
+                    .track(outgoing.id, host.now_ms(), waiter, timeout_ms);
                 Ok(outgoing.id)
             }
             Err(e) => Err(Box::new(Unsent {
                 waiter,
                 why: format!("stream send refused: {}", e.0),
             })),
+        }
+    }
+
+    /// How long the store has to answer `call`: the store's timeout, and for a wait the
+    /// wait's own length on top.
+    fn timeout_ms(&self, call: &CallOp) -> u64 {
+        match call {
+            CallOp::Wait { wait_ms, .. } => self.store.timeout_ms.saturating_add(*wait_ms),
+            _ => self.store.timeout_ms,
         }
     }
 

@@ -143,7 +143,8 @@ impl PendingWrite {
 
     fn op(&self) -> StoreOp {
         match self.call {
-            CallOp::Claim { .. } => StoreOp::Claim,
+            // A write is never a claim or a wait; named for completeness.
+            CallOp::Claim { .. } | CallOp::Wait { .. } => StoreOp::Claim,
             CallOp::Complete { .. } => StoreOp::Complete,
             CallOp::Release { .. } => StoreOp::Release,
         }

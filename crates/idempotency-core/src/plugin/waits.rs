@@ -4,7 +4,7 @@
 //! table. The root's tick looks at each waited key there once, however many duplicates wait
 //! for it, and hands each waiter its end; a waiter whose client left is dropped unseen.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::{Rc, Weak};
 
 use crate::host::Host;
@@ -12,7 +12,9 @@ use crate::journey::RequestJourney;
 use crate::key::Digest;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::record::RecordedResponse;
+use crate::store_client::{read_claim_reply, StoreClaim, StoreFailure};
 use crate::table::{Claim, Table};
+use idempotency_protocol::stream::Reply;
 
 /// Waiters one worker holds at most; beyond, a duplicate gets its 409 at once. Each costs
 /// Envoy the held request (its body is already buffered) and the filter a few hundred bytes.
@@ -48,6 +50,19 @@ pub enum WaitEnd {
 #[derive(Default)]
 pub struct Waits {
     waiters: RefCell<Vec<Waiter>>,
+    /// Duplicates waiting on the store (cluster mode, the first on another replica): bounded
+    /// too, so that they never fill the stream's outstanding calls that claims need.
+    store_waits: Rc<Cell<usize>>,
+}
+
+/// One duplicate waiting on the store, counted while it lives (however its wait ends, or its
+/// request goes).
+pub struct StoreWaitTicket(Rc<Cell<usize>>);
+
+impl Drop for StoreWaitTicket {
+    fn drop(&mut self) {
+        self.0.set(self.0.get().saturating_sub(1));
+    }
 }
 
 impl Waits {
@@ -59,6 +74,20 @@ impl Waits {
         }
         waiters.push(waiter);
         Ok(())
+    }
+
+    /// A ticket for one more wait on the store; None when the worker holds `MAX_WAITERS`.
+    pub fn store_wait_ticket(&self) -> Option<StoreWaitTicket> {
+        let held = self.store_waits.get();
+        if held >= MAX_WAITERS {
+            return None;
+        }
+        self.store_waits.set(held + 1);
+        Some(StoreWaitTicket(Rc::clone(&self.store_waits)))
+    }
+
+    pub fn store_waits(&self) -> usize {
+        self.store_waits.get()
     }
 
     /// The client of `context_id` left: forget its wait.
@@ -147,5 +176,19 @@ fn look(
             log::debug!("a waited key could not be read: {}", e.0);
             None
         }
+    }
+}
+
+/// How a wait on the store ended, from its answer; a failure (or garbage) counts as the
+/// first request still running, which a 409 tells the client.
+pub fn read_wait_reply(reply: Result<Reply, StoreFailure>) -> WaitEnd {
+    match reply {
+        Ok(Reply::Released) => WaitEnd::Released,
+        Ok(reply) => match read_claim_reply(reply) {
+            Ok(StoreClaim::Completed(recorded)) => WaitEnd::Completed(recorded),
+            Ok(StoreClaim::Mismatch) => WaitEnd::Mismatch,
+            Ok(StoreClaim::InFlight | StoreClaim::Claimed { .. }) | Err(_) => WaitEnd::TimedOut,
+        },
+        Err(_) => WaitEnd::TimedOut,
     }
 }

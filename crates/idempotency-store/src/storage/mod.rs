@@ -241,4 +241,11 @@ pub trait Storage: Send + Sync {
     /// Delete records past their lease/TTL; returns how many were removed.
     /// Backends whose engine expires keys itself return 0.
     async fn sweep_expired(&self) -> Result<u64, StorageError>;
+
+    /// Whether other store instances may write the same records (several stores on one
+    /// Redis): a wait must then look at its key again now and then, since their completions
+    /// do not wake it.
+    fn shared_with_other_instances(&self) -> bool {
+        false
+    }
 }

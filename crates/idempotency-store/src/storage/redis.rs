@@ -501,6 +501,10 @@ impl Storage for RedisStorage {
         "redis"
     }
 
+    fn shared_with_other_instances(&self) -> bool {
+        true
+    }
+
     async fn claim(
         &self,
         key: &Digest,

@@ -452,3 +452,172 @@ fn a_completion_the_store_refuses_because_another_request_took_over_is_not_repla
     assert_eq!((status, body.as_slice()), (201, &b"{\"run\":2}"[..]));
     drop(retry);
 }
+
+/// A wait-mode rule in cluster mode, its stream open.
+fn connected_waiting() -> (FakeHost, PluginRoot, u32) {
+    let host = FakeHost::default();
+    let config = r#"{"store":{"cluster":"store","token":"s3cret","timeout_ms":250},
+        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "on_in_flight":"wait","wait_ms":5000}]}"#;
+    let root = root_with(&host, config);
+    let stream = opened(&host.take_effects())[0].0;
+    (host, root, stream)
+}
+
+/// A request of a key the store says is in flight elsewhere: the wait call it then sends.
+fn waiting_request(
+    host: &FakeHost,
+    root: &mut PluginRoot,
+    stream: u32,
+) -> (Rc<RefCell<RequestJourney>>, u64) {
+    let journey = request(host, root, "k1");
+    let (id, _) = sent_claim(host);
+    answer(
+        host,
+        root,
+        stream,
+        id,
+        Reply::InFlight {
+            retry_after_ms: 900,
+        },
+    );
+    let effects = host.take_effects();
+    assert!(replies(&effects).is_empty(), "held, no 409: {effects:?}");
+    let sent = calls(&effects);
+    let [(_, context, call)] = &sent[..] else {
+        panic!("one wait call, got {sent:?}");
+    };
+    assert_eq!(*context, ROOT, "sent as the root");
+    let CallOp::Wait { wait_ms, .. } = call.op else {
+        panic!("a wait: {:?}", call.op);
+    };
+    assert_eq!(wait_ms, 5000);
+    assert_eq!(root_store_waits(root), 1);
+    (journey, call.id)
+}
+
+fn root_store_waits(root: &PluginRoot) -> usize {
+    root.new_request(0)
+        .unwrap()
+        .borrow()
+        .plugin()
+        .waits
+        .store_waits()
+}
+
+#[test]
+fn a_duplicate_of_a_request_on_another_replica_waits_on_the_store_for_its_response() {
+    let (host, mut root, stream) = connected_waiting();
+    let (_journey, wait) = waiting_request(&host, &mut root, stream);
+    let recorded = RecordedResponse {
+        status: 201,
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: b"{\"order\":7}".to_vec(),
+        ..RecordedResponse::default()
+    };
+    answer(
+        &host,
+        &mut root,
+        stream,
+        wait,
+        Reply::Completed {
+            record: recorded.encode(),
+        },
+    );
+    let effects = host.take_effects();
+    assert_eq!(effects.first(), Some(&Effect::Switched(REQUEST)));
+    let (status, headers, body) = the_reply(&effects);
+    assert_eq!((status, body.as_slice()), (201, &b"{\"order\":7}"[..]));
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+    assert_eq!(host.counter("orders", Outcome::Waited), 1);
+    assert_eq!(host.counter("orders", Outcome::ReplayedAfterWait), 1);
+    assert_eq!(host.counter("orders", Outcome::Conflict), 0);
+    assert_eq!(root_store_waits(&root), 0);
+}
+
+#[test]
+fn a_wait_on_the_store_ends_503_when_released_and_409_when_the_stream_fails() {
+    let (host, mut root, stream) = connected_waiting();
+    let (_first, wait) = waiting_request(&host, &mut root, stream);
+    answer(&host, &mut root, stream, wait, Reply::Released);
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 503);
+    assert!(problem_type(&body).ends_with("first-attempt-released"));
+    assert_eq!(host.counter("orders", Outcome::WaitReleased), 1);
+
+    let (_second, _) = waiting_request(&host, &mut root, stream);
+    host.effective_context.set(ROOT);
+    root.on_grpc_close(&host, stream, 14);
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 409, "the first presumably still runs");
+    assert!(problem_type(&body).ends_with("request-in-flight"));
+    assert_eq!(host.counter("orders", Outcome::WaitTimedOut), 1);
+    assert_eq!(root_store_waits(&root), 0);
+}
+
+#[test]
+fn a_duplicate_waiting_on_the_store_whose_client_leaves_is_forgotten() {
+    let (host, mut root, stream) = connected_waiting();
+    let (journey, wait) = waiting_request(&host, &mut root, stream);
+    host.effective_context.set(REQUEST);
+    journey.borrow_mut().on(&host, Event::StreamEnd);
+    assert_eq!(root_store_waits(&root), 0);
+    answer(&host, &mut root, stream, wait, Reply::Released);
+    assert!(replies(&host.take_effects()).is_empty(), "nobody to answer");
+}
+
+#[test]
+fn a_duplicate_held_behind_a_local_claim_that_only_confirmed_with_the_store_waits_on_the_store() {
+    // Two duplicates on this replica of a request running on another: the first claims
+    // locally and asks the store; the second finds that local claim and waits locally. The
+    // store answers the first "in flight", so it lets its local claim go: the second must not
+    // take that for the first request's failure.
+    let (host, mut root, stream) = connected_waiting();
+    let (_one, wait_one) = waiting_request(&host, &mut root, stream);
+    // (waiting_request let the first go already; claim again to hold a local claim.)
+    let second_context = 8;
+    host.effective_context.set(second_context);
+    host.set_request(&post_headers("/orders", Some("k2")), b"{}");
+    let first = root.new_request(second_context).unwrap();
+    first.borrow_mut().on(
+        &host,
+        Event::RequestHeaders {
+            end_of_stream: false,
+        },
+    );
+    first.borrow_mut().on(
+        &host,
+        Event::RequestBody {
+            size: 2,
+            end_of_stream: true,
+        },
+    );
+    let (claim_id, _) = sent_claim(&host);
+    let third = request(&host, &root, "k2");
+    assert!(
+        replies(&host.take_effects()).is_empty(),
+        "held behind the local claim"
+    );
+    answer(
+        &host,
+        &mut root,
+        stream,
+        claim_id,
+        Reply::InFlight {
+            retry_after_ms: 900,
+        },
+    );
+    let _ = host.take_effects(); // the first's wait call
+    host.advance_ms(25);
+    host.effective_context.set(ROOT);
+    root.on_tick(&host);
+    let effects = host.take_effects();
+    assert!(replies(&effects).is_empty(), "no 503: {effects:?}");
+    let sent = calls(&effects);
+    assert!(
+        matches!(&sent[..], [(_, _, call)] if matches!(call.op, CallOp::Wait { .. })),
+        "the held duplicate now waits on the store: {sent:?}"
+    );
+    assert_eq!(host.counter("orders", Outcome::WaitReleased), 0);
+    drop((third, wait_one));
+}
