@@ -21,6 +21,13 @@ use crate::plugin::waits::{WaitEnd, Waiter};
 use crate::problem::Problem;
 use crate::store_client;
 
+/// Where a duplicate waits for the first request's end to show.
+#[derive(Clone, Copy)]
+enum WaitPlace {
+    LocalTable,
+    Store,
+}
+
 /// A duplicate about to be held: what it waits for, and until when.
 struct Duplicate {
     rule: Rc<RuleHandle>,
@@ -39,14 +46,7 @@ impl RequestJourney {
         key: Digest,
         fingerprint: Digest,
     ) -> Step {
-        if let Some(duplicate) = self.may_hold(host, &rule, key, fingerprint) {
-            if let Some(step) = self.wait_locally(duplicate) {
-                self.note(host, &rule, Outcome::Waited);
-                return step;
-            }
-        }
-        self.note(host, &rule, Outcome::Conflict);
-        self.answer_problem(host, &rule, &Problem::in_flight())
+        self.hold_or_conflict(host, rule, key, fingerprint, WaitPlace::LocalTable)
     }
 
     /// Cluster mode: the store says another request with the key is in flight (it runs on
@@ -58,8 +58,23 @@ impl RequestJourney {
         key: Digest,
         fingerprint: Digest,
     ) -> Step {
+        self.hold_or_conflict(host, rule, key, fingerprint, WaitPlace::Store)
+    }
+
+    fn hold_or_conflict(
+        &self,
+        host: &impl Host,
+        rule: Rc<RuleHandle>,
+        key: Digest,
+        fingerprint: Digest,
+        place: WaitPlace,
+    ) -> Step {
         if let Some(duplicate) = self.may_hold(host, &rule, key, fingerprint) {
-            if let Some(step) = self.wait_on_store(host, duplicate) {
+            let held = match place {
+                WaitPlace::LocalTable => self.wait_locally(duplicate),
+                WaitPlace::Store => self.wait_on_store(host, duplicate),
+            };
+            if let Some(step) = held {
                 self.note(host, &rule, Outcome::Waited);
                 return step;
             }

@@ -70,6 +70,33 @@ pub(super) fn send(
     (request, verdict)
 }
 
+/// A POST to /orders with `key` in the host's context `context`, the journey as the root
+/// hands it out (reachable from the root); returns it and the last verdict.
+pub(super) fn post_in_context(
+    host: &FakeHost,
+    root: &crate::plugin::root::PluginRoot,
+    context: u32,
+    key: &str,
+) -> (Rc<std::cell::RefCell<RequestJourney>>, Verdict) {
+    host.effective_context.set(context);
+    host.set_request(&post_headers("/orders", Some(key)), b"{}");
+    let journey = root.new_request(context).unwrap();
+    journey.borrow_mut().on(
+        host,
+        Event::RequestHeaders {
+            end_of_stream: false,
+        },
+    );
+    let verdict = journey.borrow_mut().on(
+        host,
+        Event::RequestBody {
+            size: 2,
+            end_of_stream: true,
+        },
+    );
+    (journey, verdict)
+}
+
 /// A POST to /orders with `key` and `body`.
 pub(super) fn post(
     host: &FakeHost,

@@ -66,22 +66,7 @@ fn calls(effects: &[Effect]) -> Vec<(u32, u32, idempotency_protocol::stream::Cal
 
 /// A request in its own context: headers and body of a POST to /orders with `key`.
 fn request(host: &FakeHost, root: &PluginRoot, key: &str) -> Rc<RefCell<RequestJourney>> {
-    host.effective_context.set(REQUEST);
-    host.set_request(&post_headers("/orders", Some(key)), b"{}");
-    let journey = root.new_request(REQUEST).unwrap();
-    journey.borrow_mut().on(
-        host,
-        Event::RequestHeaders {
-            end_of_stream: false,
-        },
-    );
-    let verdict = journey.borrow_mut().on(
-        host,
-        Event::RequestBody {
-            size: 2,
-            end_of_stream: true,
-        },
-    );
+    let (journey, verdict) = post_in_context(host, root, REQUEST, key);
     assert_eq!(verdict, Verdict::Pause, "held for the store");
     journey
 }
@@ -574,24 +559,8 @@ fn a_duplicate_held_behind_a_local_claim_that_only_confirmed_with_the_store_wait
     // take that for the first request's failure.
     let (host, mut root, stream) = connected_waiting();
     let (_one, wait_one) = waiting_request(&host, &mut root, stream);
-    // (waiting_request let the first go already; claim again to hold a local claim.)
-    let second_context = 8;
-    host.effective_context.set(second_context);
-    host.set_request(&post_headers("/orders", Some("k2")), b"{}");
-    let first = root.new_request(second_context).unwrap();
-    first.borrow_mut().on(
-        &host,
-        Event::RequestHeaders {
-            end_of_stream: false,
-        },
-    );
-    first.borrow_mut().on(
-        &host,
-        Event::RequestBody {
-            size: 2,
-            end_of_stream: true,
-        },
-    );
+    // Another key: its first duplicate holds a local claim while it asks the store.
+    let (_first, _) = post_in_context(&host, &root, 8, "k2");
     let (claim_id, _) = sent_claim(&host);
     let third = request(&host, &root, "k2");
     assert!(

@@ -25,30 +25,13 @@ fn root(host: &FakeHost, config: &str) -> PluginRoot {
     root
 }
 
-/// A POST to /orders with `key` in context `context`, as the root hands requests out.
 fn request(
     host: &FakeHost,
     root: &PluginRoot,
     context: u32,
     key: &str,
 ) -> (Rc<RefCell<RequestJourney>>, Verdict) {
-    host.effective_context.set(context);
-    host.set_request(&post_headers("/orders", Some(key)), b"{}");
-    let journey = root.new_request(context).unwrap();
-    journey.borrow_mut().on(
-        host,
-        Event::RequestHeaders {
-            end_of_stream: false,
-        },
-    );
-    let verdict = journey.borrow_mut().on(
-        host,
-        Event::RequestBody {
-            size: 2,
-            end_of_stream: true,
-        },
-    );
-    (journey, verdict)
+    post_in_context(host, root, context, key)
 }
 
 fn tick(host: &FakeHost, root: &mut PluginRoot) {
