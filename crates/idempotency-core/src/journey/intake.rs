@@ -23,6 +23,9 @@ enum FailedAt {
     Body,
 }
 
+/// What a request costs Envoy beyond its body while it is held (headers, stream state).
+const REQUEST_OVERHEAD_BYTES: usize = 2048;
+
 fn needs_body(rule: &RuleHandle) -> bool {
     rule.rule.fingerprint.needs_body() || rule.rule.key_sources.iter().any(|s| s.in_body())
 }
@@ -120,7 +123,15 @@ impl RequestJourney {
             scope,
         };
         if end_of_stream || !wants_body {
-            // Nothing to wait for: claim now, and let any body stream through.
+            // Nothing to wait for: claim now, and let any body stream through (held with the
+            // request, should it wait, up to what the rule would buffer).
+            let streamed = if end_of_stream {
+                0
+            } else {
+                pending.rule.rule.max_request_bytes
+            };
+            self.held_bytes
+                .set(REQUEST_OVERHEAD_BYTES.saturating_add(streamed));
             return self.claim_request(host, pending, &[]);
         }
         // Hold the headers until the whole body is here.
@@ -159,7 +170,11 @@ impl RequestJourney {
         size: usize,
     ) -> Step {
         match host.request_body(size) {
-            Ok(body) => self.claim_request(host, pending, &body),
+            Ok(body) => {
+                self.held_bytes
+                    .set(REQUEST_OVERHEAD_BYTES.saturating_add(body.len()));
+                self.claim_request(host, pending, &body)
+            }
             Err(e) => {
                 log::error!("request body unreadable: {}", e.0);
                 let problem = Problem::unavailable("the request body could not be read");

@@ -21,7 +21,7 @@ use crate::host::Host;
 use crate::key::Digest;
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
-use crate::plugin::waits::{StoreWaitTicket, WaitEnd};
+use crate::plugin::waits::{HoldTicket, WaitEnd};
 use crate::plugin::Plugin;
 use crate::problem::Problem;
 use crate::store_client::{StoreClaim, StoreFailure};
@@ -118,7 +118,7 @@ pub struct HeldDuplicate {
     pub deadline_ms: u64,
     /// Cluster mode, the first request on another replica: the wait's call on the store
     /// stream, and its place among the worker's store waits. None: held in the local table.
-    pub store_wait: Option<(u64, StoreWaitTicket)>,
+    pub store_wait: Option<(u64, HoldTicket)>,
 }
 
 /// A claim held locally while the store confirms it.
@@ -172,6 +172,9 @@ pub struct RequestJourney {
     me: Weak<RefCell<RequestJourney>>,
     /// What the filter decided so far, for the access log.
     decisions: access_log::Decisions,
+    /// What Envoy holds of this request while it waits (its body, or what a rule that never
+    /// reads the body may let Envoy buffer), charged to the worker's held duplicates.
+    held_bytes: std::cell::Cell<usize>,
 }
 
 impl RequestJourney {
@@ -183,6 +186,7 @@ impl RequestJourney {
             context_id: 0,
             me: Weak::new(),
             decisions: access_log::Decisions::default(),
+            held_bytes: std::cell::Cell::new(0),
         }
     }
 
@@ -196,6 +200,7 @@ impl RequestJourney {
                 context_id,
                 me: me.clone(),
                 decisions: access_log::Decisions::default(),
+                held_bytes: std::cell::Cell::new(0),
             })
         })
     }

@@ -17,7 +17,7 @@ use crate::host::Host;
 use crate::key::Digest;
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
-use crate::plugin::waits::{WaitEnd, Waiter};
+use crate::plugin::waits::{HoldTicket, WaitEnd, Waiter};
 use crate::problem::Problem;
 use crate::store_client;
 
@@ -100,8 +100,10 @@ impl RequestJourney {
         })
     }
 
-    /// Holds the duplicate among the worker's local waits; None when they are full.
+    /// Holds the duplicate among the worker's local waits; None when the worker's budget for
+    /// held duplicates is spent.
     fn wait_locally(&self, d: Duplicate) -> Option<Step> {
+        let ticket = self.hold_ticket(&d)?;
         let waiter = Waiter {
             rule: Rc::clone(&d.rule),
             key: d.key,
@@ -109,15 +111,22 @@ impl RequestJourney {
             deadline_ms: d.deadline_ms,
             context_id: self.context_id,
             journey: self.me.clone(),
+            ticket,
         };
-        if self.plugin.waits.hold(waiter).is_err() {
+        self.plugin.waits.hold(waiter);
+        Some(self.held(d, None))
+    }
+
+    /// A place among the worker's held duplicates for this request.
+    fn hold_ticket(&self, d: &Duplicate) -> Option<HoldTicket> {
+        let ticket = self.plugin.waits.ticket(self.held_bytes.get());
+        if ticket.is_none() {
             log::debug!(
-                "rule {}: too many held duplicates on this worker; answering 409",
+                "rule {}: the worker holds as many duplicates as it may; answering 409",
                 d.rule.rule.name
             );
-            return None;
         }
-        Some(self.held(d, None))
+        ticket
     }
 
     /// Sends the duplicate's wait to the store, for what is left of its time; None when the
@@ -132,7 +141,7 @@ impl RequestJourney {
         if !over_stream || left_ms == 0 {
             return None;
         }
-        let ticket = self.plugin.waits.store_wait_ticket()?;
+        let ticket = self.hold_ticket(&d)?;
         let call = store_client::wait_call(&d.key, &d.fingerprint, left_ms);
         match self.send_on_stream(host, &d.rule, call) {
             Ok(StoreCall::Stream(id)) => Some(self.held(d, Some((id, ticket)))),
@@ -140,11 +149,7 @@ impl RequestJourney {
         }
     }
 
-    fn held(
-        &self,
-        d: Duplicate,
-        store_wait: Option<(u64, crate::plugin::waits::StoreWaitTicket)>,
-    ) -> Step {
+    fn held(&self, d: Duplicate, store_wait: Option<(u64, HoldTicket)>) -> Step {
         let held = HeldDuplicate {
             rule: d.rule,
             key: d.key,

@@ -16,9 +16,13 @@ use crate::store_client::{read_claim_reply, StoreClaim, StoreFailure};
 use crate::table::{Claim, Table};
 use idempotency_protocol::stream::Reply;
 
-/// Waiters one worker holds at most; beyond, a duplicate gets its 409 at once. Each costs
-/// Envoy the held request (its body is already buffered) and the filter a few hundred bytes.
+/// Duplicates one worker holds at most, in its local table and on the store together; beyond,
+/// a duplicate gets its 409 at once. Far below the 4096 calls a store stream may have
+/// outstanding, so waits on the store never crowd out the claims that need it.
 pub const MAX_WAITERS: usize = 1024;
+/// Bytes of held requests one worker keeps at most: Envoy holds each held request, its body
+/// buffered, so a flood of large duplicates must not turn into gigabytes held for `wait_ms`.
+pub const MAX_HELD_BYTES: usize = 64 << 20;
 /// How often the root looks at the waited keys: the most a replay waits beyond the first
 /// request's completion.
 pub const WAIT_TICK_MS: u32 = 20;
@@ -32,6 +36,8 @@ pub struct Waiter {
     /// The host's id of the waiter's context, to answer it in.
     pub context_id: u32,
     pub journey: Weak<RefCell<RequestJourney>>,
+    /// Its place in the worker's budget, given back when the waiter is dropped.
+    pub ticket: HoldTicket,
 }
 
 /// How a wait ended.
@@ -50,44 +56,56 @@ pub enum WaitEnd {
 #[derive(Default)]
 pub struct Waits {
     waiters: RefCell<Vec<Waiter>>,
-    /// Duplicates waiting on the store (cluster mode, the first on another replica): bounded
-    /// too, so that they never fill the stream's outstanding calls that claims need.
-    store_waits: Rc<Cell<usize>>,
+    budget: Rc<HoldBudget>,
 }
 
-/// One duplicate waiting on the store, counted while it lives (however its wait ends, or its
-/// request goes).
-pub struct StoreWaitTicket(Rc<Cell<usize>>);
+/// What the worker's held duplicates cost, wherever they wait.
+#[derive(Default)]
+struct HoldBudget {
+    held: Cell<usize>,
+    bytes: Cell<usize>,
+}
 
-impl Drop for StoreWaitTicket {
+/// One held duplicate's place in the worker's budget (its request's bytes), given back when
+/// it is dropped, however its wait ends or its request goes.
+pub struct HoldTicket {
+    budget: Rc<HoldBudget>,
+    bytes: usize,
+}
+
+impl Drop for HoldTicket {
     fn drop(&mut self) {
-        self.0.set(self.0.get().saturating_sub(1));
+        let b = &self.budget;
+        b.held.set(b.held.get().saturating_sub(1));
+        b.bytes.set(b.bytes.get().saturating_sub(self.bytes));
     }
 }
 
 impl Waits {
-    /// Holds `waiter`; gives it back when the worker already holds `MAX_WAITERS`.
-    pub fn hold(&self, waiter: Waiter) -> Result<(), Waiter> {
-        let mut waiters = self.waiters.borrow_mut();
-        if waiters.len() >= MAX_WAITERS {
-            return Err(waiter);
-        }
-        waiters.push(waiter);
-        Ok(())
-    }
-
-    /// A ticket for one more wait on the store; None when the worker holds `MAX_WAITERS`.
-    pub fn store_wait_ticket(&self) -> Option<StoreWaitTicket> {
-        let held = self.store_waits.get();
-        if held >= MAX_WAITERS {
+    /// A place for one more held duplicate whose request Envoy holds with `request_bytes`;
+    /// None when the worker holds `MAX_WAITERS` or that many bytes would pass `MAX_HELD_BYTES`.
+    pub fn ticket(&self, request_bytes: usize) -> Option<HoldTicket> {
+        let b = &self.budget;
+        let bytes = b.bytes.get().saturating_add(request_bytes);
+        if b.held.get() >= MAX_WAITERS || bytes > MAX_HELD_BYTES {
             return None;
         }
-        self.store_waits.set(held + 1);
-        Some(StoreWaitTicket(Rc::clone(&self.store_waits)))
+        b.held.set(b.held.get() + 1);
+        b.bytes.set(bytes);
+        Some(HoldTicket {
+            budget: Rc::clone(&self.budget),
+            bytes: request_bytes,
+        })
     }
 
-    pub fn store_waits(&self) -> usize {
-        self.store_waits.get()
+    /// Holds `waiter` among the duplicates that wait in the local table.
+    pub fn hold(&self, waiter: Waiter) {
+        self.waiters.borrow_mut().push(waiter);
+    }
+
+    /// Duplicates held now, and the bytes of their requests.
+    pub fn held(&self) -> (usize, usize) {
+        (self.budget.held.get(), self.budget.bytes.get())
     }
 
     /// The client of `context_id` left: forget its wait.
@@ -95,14 +113,6 @@ impl Waits {
         self.waiters
             .borrow_mut()
             .retain(|w| w.context_id != context_id);
-    }
-
-    pub fn len(&self) -> usize {
-        self.waiters.borrow().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.waiters.borrow().is_empty()
     }
 
     /// The waiters whose wait is over, with how it ended; the rest keep waiting. Each waited

@@ -487,7 +487,8 @@ fn root_store_waits(root: &PluginRoot) -> usize {
         .borrow()
         .plugin()
         .waits
-        .store_waits()
+        .held()
+        .0
 }
 
 #[test]

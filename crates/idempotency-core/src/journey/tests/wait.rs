@@ -129,7 +129,13 @@ fn a_held_duplicate_whose_client_leaves_costs_nothing_further() {
 }
 
 fn root_waits(root: &PluginRoot) -> usize {
-    root.new_request(0).unwrap().borrow().plugin().waits.len()
+    root.new_request(0)
+        .unwrap()
+        .borrow()
+        .plugin()
+        .waits
+        .held()
+        .0
 }
 
 #[test]
@@ -161,4 +167,48 @@ fn without_wait_mode_a_duplicate_still_gets_409_at_once() {
     assert_eq!(verdict, Verdict::Pause);
     assert_eq!(the_reply(&host.take_effects()).0, 409);
     assert_eq!(host.counter("orders", Outcome::Waited), 0);
+}
+
+#[test]
+fn held_duplicates_are_bounded_in_bytes_not_only_in_number() {
+    use crate::plugin::waits::MAX_HELD_BYTES;
+    let host = FakeHost::default();
+    let root = root(&host, WAIT);
+    let body = vec![b'x'; 1 << 20];
+    let post_big = |context: u32| {
+        host.effective_context.set(context);
+        host.set_request(&post_headers("/orders", Some("k1")), &body);
+        let journey = root.new_request(context).unwrap();
+        journey.borrow_mut().on(
+            &host,
+            Event::RequestHeaders {
+                end_of_stream: false,
+            },
+        );
+        journey.borrow_mut().on(
+            &host,
+            Event::RequestBody {
+                size: body.len(),
+                end_of_stream: true,
+            },
+        );
+        journey
+    };
+    let _first = post_big(7);
+    let held: Vec<_> = (0..70).map(|i| post_big(100 + i)).collect();
+    let fits = MAX_HELD_BYTES / (body.len() + 2048);
+    assert_eq!(host.counter("orders", Outcome::Waited), fits as u64);
+    assert_eq!(
+        host.counter("orders", Outcome::Conflict),
+        (70 - fits) as u64
+    );
+    assert_eq!(
+        replies(&host.take_effects()).len(),
+        70 - fits,
+        "409s at once"
+    );
+    let (count, bytes) = root.new_request(0).unwrap().borrow().plugin().waits.held();
+    assert_eq!(count, fits);
+    assert!(bytes <= MAX_HELD_BYTES);
+    drop(held);
 }
