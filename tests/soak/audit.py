@@ -15,6 +15,11 @@ extra execution backed by an attempt in the ledger that lost its claim that way:
 | `fail_open_outage` | the `fail_open` rule ran it on the local claim alone while its store was out (it is itself the extra execution, or the one the store later lets run again) |
 | `completion_queued_in_store_outage` | it completed while its store was out; another attempt came after the lease and within 2.2 s (+2 s) of the store's return, before the queued completion could land |
 | `completion_lost_in_envoy_restart` | it completed through an Envoy restarted within 2 s after (or with the store out until then); another attempt came after the restart and the lease |
+
+Replays of one key must be the same response, but for the two cases the README names: under
+`fail_open` each Envoy may replay the answer it ran itself, and after a lease takeover through
+another Envoy the late first attempt's Envoy may replay its own response within a second of
+its end (until the store refuses that completion). Both are counted.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ STORE_RECOVERY_SECONDS = 3.0
 ENVOY_RESTART_MARGIN = 1.0
 # Clock slack between the client's view of an attempt and the filter's.
 SLACK = 0.5
+# README "Lease takeover": after a takeover through another Envoy, the late first attempt's
+# Envoy replays its own response until the store has refused its completion (one store round
+# trip; a second allows for a busy machine).
+SUPERSEDED_WINDOW = 1.0
 # README "Cluster mode, after a store outage": a waiting completion lands within about 2.2 s
 # of the store's return.
 COMPLETION_LANDS_SECONDS = 2.2 + 2.0
@@ -82,6 +91,9 @@ class Audit:
         self.faults = faults
         self.answer_classes: collections.Counter[str] = collections.Counter()
         self.divergent_fail_open = 0  # keys whose Envoys replay their own fail_open execution
+        # keys whose late first attempt's Envoy replayed its own response in the moment before
+        # the store refused that completion
+        self.superseded_window_replays = 0
         self.verdicts: list[KeyVerdict] = [self._judge_key(r) for r in records]
 
     # -- fault windows -----------------------------------------------------
@@ -122,6 +134,10 @@ class Audit:
                     return label, None
                 return label, f"expected 4xx {'/'.join(record.expected_problems)}"
             if a.status == 409 and a.problem == "request-in-flight":
+                return label, None
+            # README "Waiting for the first request": a held duplicate whose first request
+            # was released (failed, or its lease lapsed) gets a retry-able 503.
+            if a.status == 503 and a.problem == "first-attempt-released" and record.rule.waits:
                 return label, None
             if a.status == 422 and a.problem == "key-reused" and a.kind == "key_reused":
                 return label, None
@@ -173,6 +189,23 @@ class Audit:
         self._check_replays(verdict, attempts)
         return verdict
 
+    @staticmethod
+    def _only_in_superseded_window(attempts: list[Attempt], whole: list[Attempt]) -> bool:
+        """Replays of a late first attempt's own response after a takeover elsewhere, all
+        through the Envoy that ran it and within SUPERSEDED_WINDOW of its end (README
+        "Lease takeover": until the store refuses that completion, one round trip); every
+        later replay is the one response the store kept."""
+        latest = max(whole, key=lambda a: a.sent)
+        kept = latest.execution
+        late = [a for a in attempts if a.executed and a.execution != kept]
+        for replay in whole:
+            if replay.execution == kept:
+                continue
+            ran = [a for a in late if a.execution == replay.execution and a.envoy == replay.envoy]
+            if not any(a.ended - SLACK <= replay.sent <= a.ended + SUPERSEDED_WINDOW for a in ran):
+                return False
+        return True
+
     def _check_final_answers(self, verdict: KeyVerdict, attempts: list[Attempt]) -> None:
         """The final round asked each Envoy until it answered 2xx (or a plain 4xx)."""
         last_by_envoy: dict[str, Attempt] = {}
@@ -198,6 +231,8 @@ class Audit:
             # After any other double execution one record must win everywhere.
             if len(replayed_executions) > 1 and "fail_open_outage" in causes:
                 self.divergent_fail_open += 1
+            elif "lease_takeover" in causes and self._only_in_superseded_window(attempts, whole):
+                self.superseded_window_replays += 1
             else:
                 verdict.fail(f"replays of one key differ (extra executions: {', '.join(causes) or 'none'})",
                              "; ".join(f"{a.envoy}@{a.sent:.1f}s x-execution={a.execution} "

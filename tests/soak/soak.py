@@ -66,7 +66,8 @@ STORE_RSS_BOUND_KIB = 256 * MIB // KIB
 WARMUP_RESPONSE_BYTES = 1_000_000
 # Envoy log lines worth a count in the tally (the filter's own warnings about the store).
 LOG_MARKERS = {
-    "completion refused by the store (not the owner)": "store Complete refused",
+    "completion refused by the store (another request took the key over)": "the store keeps that request's response",
+    "completion refused by the store (bad request)": "store Complete refused",
     "completion given up": "store Complete given up",
     "release given up": "store Release given up",
     "lease takeovers": "took over a claim whose lease had passed",
@@ -237,6 +238,7 @@ def build_tally(args, run_dir: Path, ledger: Ledger, faults: FaultLog, audit: Au
         "keys_executed_more_than_once": sum(1 for v in valid if v.executions > 1),
         "unexplained_duplicates": [v.record.id for v in audit.unexplained()],
         "fail_open_keys_replaying_each_envoys_own_execution": audit.divergent_fail_open,
+        "takeover_keys_replaying_the_late_attempt_before_its_completion_was_refused": audit.superseded_window_replays,
         "failing_keys_by_category": dict(audit.failures_by_category().most_common()),
         "filter_counters": summed_counters(book_entries),
         "envoy_processes": len(book_entries),

@@ -3,14 +3,15 @@ backend on a real redis-server with AOF), and two Envoys built from envoy/envoy.
 workers each, sharing both stores. Everything comes from the end-to-end harness
 (tests/e2e); this module only decides the plugin configuration and the second store cluster.
 
-Four rules, one per path prefix, so every key's rule and store follow from its path:
+Five rules, one per path prefix, so every key's rule and store follow from its path:
 
-| rule       | prefix        | store    | on a store error | key                      |
-| ---------- | ------------- | -------- | ---------------- | ------------------------ |
-| `embedded` | `/embedded/`  | embedded | fail_closed      | `Idempotency-Key` header |
-| `redis`    | `/redis/`     | redis    | fail_closed      | `Idempotency-Key` header |
-| `open`     | `/open/`      | embedded | fail_open        | `Idempotency-Key` header |
-| `bodykey`  | `/bodykey/`   | redis    | fail_closed      | the JSON field `/order_id` |
+| rule       | prefix        | store    | on a store error | key                      | a duplicate in flight |
+| ---------- | ------------- | -------- | ---------------- | ------------------------ | --------------------- |
+| `embedded` | `/embedded/`  | embedded | fail_closed      | `Idempotency-Key` header | 409 |
+| `redis`    | `/redis/`     | redis    | fail_closed      | `Idempotency-Key` header | 409 |
+| `open`     | `/open/`      | embedded | fail_open        | `Idempotency-Key` header | 409 |
+| `bodykey`  | `/bodykey/`   | redis    | fail_closed      | the JSON field `/order_id` | 409 |
+| `wait`     | `/wait/`      | redis    | fail_closed      | `Idempotency-Key` header | held (wait mode, 3 s) |
 
 The lease (5 s) is deliberately shorter than the route timeout (8 s), against the README's
 advice, so that slow upstream answers reach the documented "lease takeover" path; the local
@@ -41,6 +42,7 @@ LOCAL_TABLE_BYTES = 4 * MIB
 MAX_REQUEST_BYTES = 256 * KIB
 MAX_RESPONSE_BYTES = 1 * MIB  # the default; sizes Envoy's working-memory allowance
 ENVOY_CONCURRENCY = 2
+WAIT_MS = 3000
 REDIS_STORE_CLUSTER = "idempotency_store_redis"
 
 
@@ -51,6 +53,7 @@ class Rule:
     store: str  # "embedded" or "redis": which store confirms its claims
     fail_open: bool = False
     key_from_body: bool = False
+    waits: bool = False  # on_in_flight: "wait"
 
 
 RULES = {
@@ -60,6 +63,7 @@ RULES = {
         Rule("redis", "/redis/", "redis"),
         Rule("open", "/open/", "embedded", fail_open=True),
         Rule("bodykey", "/bodykey/", "redis", key_from_body=True),
+        Rule("wait", "/wait/", "redis", waits=True),
     )
 }
 HEADER_KEY_RULES = [r for r in RULES.values() if not r.key_from_body]
@@ -91,6 +95,9 @@ def plugin_config() -> dict:
             entry["store"] = _store_section(REDIS_STORE_CLUSTER)
         if rule.key_from_body:
             entry["key"] = {"sources": [{"json": "/order_id"}]}
+        if rule.waits:
+            entry["on_in_flight"] = "wait"
+            entry["wait_ms"] = WAIT_MS
         rules.append(entry)
     config["rules"] = rules
     return config

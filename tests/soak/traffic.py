@@ -72,7 +72,7 @@ SCENARIO_WEIGHTS = {
     "key_reused_with_another_body": 2,
     "lease_takeover": 1,
 }
-RULE_WEIGHTS = {"embedded": 35, "redis": 35, "open": 15, "bodykey": 15}
+RULE_WEIGHTS = {"embedded": 30, "redis": 30, "open": 15, "bodykey": 15, "wait": 10}
 
 # (variant, Idempotency-Key header value or None for none, problem types the filter may answer)
 MALFORMED_KEYS = [
