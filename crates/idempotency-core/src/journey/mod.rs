@@ -205,11 +205,6 @@ impl RequestJourney {
         })
     }
 
-    /// The configuration this request runs under.
-    pub fn plugin(&self) -> &Plugin {
-        &self.plugin
-    }
-
     /// Where the request is now.
     pub fn state(&self) -> &Journey {
         &self.journey

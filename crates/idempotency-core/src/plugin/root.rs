@@ -71,6 +71,12 @@ impl PluginRoot {
         }
     }
 
+    /// The configuration in force (tests look at its held duplicates).
+    #[cfg(test)]
+    pub(crate) fn plugin(&self) -> Option<&Plugin> {
+        self.plugin.as_deref()
+    }
+
     /// A new request's journey; None before a configuration was accepted.
     pub fn new_request(&self, context_id: u32) -> Option<Rc<RefCell<RequestJourney>>> {
         self.plugin
@@ -136,7 +142,8 @@ impl PluginRoot {
                 }
             }
             for (waiter, end) in plugin.waits.due(host, &plugin.table) {
-                self.in_request(
+                // A held duplicate whose request is gone holds nothing to undo.
+                let _ = self.in_request(
                     host,
                     waiter.context_id,
                     &waiter.journey,
@@ -223,7 +230,7 @@ impl PluginRoot {
         if let CallOp::Wait { .. } = claim.call {
             // A held duplicate's wait: it holds nothing, so a request gone needs no undoing.
             let end = read_wait_reply(answer);
-            self.in_request(host, claim.context_id, &claim.journey, Event::WaitOver(end));
+            let _ = self.in_request(host, claim.context_id, &claim.journey, Event::WaitOver(end));
             return;
         }
         let answer = answer.and_then(read_claim_reply);
@@ -232,36 +239,40 @@ impl PluginRoot {
         }
         let event = Event::StoreReply {
             id: claim.call_id,
-            answer: answer.clone(),
+            answer,
         };
-        if !self.in_request(host, claim.context_id, &claim.journey, event) {
+        // The answer comes back undelivered only: no copy of a replayed record is made.
+        if let Err(Event::StoreReply { answer, .. }) =
+            self.in_request(host, claim.context_id, &claim.journey, event)
+        {
             orphaned(host, plugin, claim, &answer);
         }
     }
 
     /// Runs `event` on a request's journey in that request's context, as Envoy would for the
-    /// request's own callback, then makes the root's context the effective one again. False
-    /// when the request is gone (or busy, which a request never is while the root runs).
+    /// request's own callback, then makes the root's context the effective one again. The
+    /// event comes back when the request is gone (or busy, which a request never is while the
+    /// root runs).
     fn in_request(
         &self,
         host: &impl Host,
         context_id: u32,
         journey: &Weak<RefCell<RequestJourney>>,
         event: Event,
-    ) -> bool {
+    ) -> Result<(), Event> {
         let Some(journey) = journey.upgrade() else {
-            return false;
+            return Err(event);
         };
         if let Err(e) = host.set_effective_context(context_id) {
             log::debug!("request gone before the root could answer it: {}", e.0);
-            return false;
+            return Err(event);
         }
         let delivered = match journey.try_borrow_mut() {
             Ok(mut journey) => {
                 journey.on(host, event);
-                true
+                Ok(())
             }
-            Err(_) => false,
+            Err(_) => Err(event),
         };
         if let Err(e) = host.set_effective_context(self.context_id) {
             log::error!("root context not restored: {}", e.0);

@@ -97,6 +97,11 @@ pub(super) fn post_in_context(
     (journey, verdict)
 }
 
+/// The worker's held duplicates and the bytes of their requests.
+pub(super) fn held_duplicates(root: &crate::plugin::root::PluginRoot) -> (usize, usize) {
+    root.plugin().unwrap().waits.held()
+}
+
 /// A POST to /orders with `key` and `body`.
 pub(super) fn post(
     host: &FakeHost,

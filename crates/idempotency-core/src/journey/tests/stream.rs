@@ -477,18 +477,8 @@ fn waiting_request(
         panic!("a wait: {:?}", call.op);
     };
     assert_eq!(wait_ms, 5000);
-    assert_eq!(root_store_waits(root), 1);
+    assert_eq!(held_duplicates(root).0, 1);
     (journey, call.id)
-}
-
-fn root_store_waits(root: &PluginRoot) -> usize {
-    root.new_request(0)
-        .unwrap()
-        .borrow()
-        .plugin()
-        .waits
-        .held()
-        .0
 }
 
 #[test]
@@ -518,7 +508,7 @@ fn a_duplicate_of_a_request_on_another_replica_waits_on_the_store_for_its_respon
     assert_eq!(host.counter("orders", Outcome::Waited), 1);
     assert_eq!(host.counter("orders", Outcome::ReplayedAfterWait), 1);
     assert_eq!(host.counter("orders", Outcome::Conflict), 0);
-    assert_eq!(root_store_waits(&root), 0);
+    assert_eq!(held_duplicates(&root).0, 0);
 }
 
 #[test]
@@ -538,7 +528,7 @@ fn a_wait_on_the_store_ends_503_when_released_and_409_when_the_stream_fails() {
     assert_eq!(status, 409, "the first presumably still runs");
     assert!(problem_type(&body).ends_with("request-in-flight"));
     assert_eq!(host.counter("orders", Outcome::WaitTimedOut), 1);
-    assert_eq!(root_store_waits(&root), 0);
+    assert_eq!(held_duplicates(&root).0, 0);
 }
 
 #[test]
@@ -547,7 +537,7 @@ fn a_duplicate_waiting_on_the_store_whose_client_leaves_is_forgotten() {
     let (journey, wait) = waiting_request(&host, &mut root, stream);
     host.effective_context.set(REQUEST);
     journey.borrow_mut().on(&host, Event::StreamEnd);
-    assert_eq!(root_store_waits(&root), 0);
+    assert_eq!(held_duplicates(&root).0, 0);
     answer(&host, &mut root, stream, wait, Reply::Released);
     assert!(replies(&host.take_effects()).is_empty(), "nobody to answer");
 }

@@ -118,24 +118,14 @@ fn a_held_duplicate_whose_client_leaves_costs_nothing_further() {
     host.effective_context.set(8);
     second.borrow_mut().on(&host, Event::StreamEnd);
     drop(third); // gone without a stream end
-    assert_eq!(root_waits(&root), 1);
+    assert_eq!(held_duplicates(&root).0, 1);
     host.effective_context.set(7);
     respond(&host, &mut first.borrow_mut(), 201, b"ok");
     let _ = host.take_effects();
     tick(&host, &mut root);
     assert!(replies(&host.take_effects()).is_empty());
-    assert_eq!(root_waits(&root), 0);
+    assert_eq!(held_duplicates(&root).0, 0);
     assert_eq!(host.counter("orders", Outcome::ReplayedAfterWait), 0);
-}
-
-fn root_waits(root: &PluginRoot) -> usize {
-    root.new_request(0)
-        .unwrap()
-        .borrow()
-        .plugin()
-        .waits
-        .held()
-        .0
 }
 
 #[test]
@@ -207,7 +197,7 @@ fn held_duplicates_are_bounded_in_bytes_not_only_in_number() {
         70 - fits,
         "409s at once"
     );
-    let (count, bytes) = root.new_request(0).unwrap().borrow().plugin().waits.held();
+    let (count, bytes) = held_duplicates(&root);
     assert_eq!(count, fits);
     assert!(bytes <= MAX_HELD_BYTES);
     drop(held);
