@@ -7,6 +7,7 @@ use wasm_bindgen_test::wasm_bindgen_test as test;
 use super::*;
 use crate::outcome::Outcome;
 use crate::plugin::root::{PluginRoot, STORE_RETRY_TICK_MS, UPKEEP_TICK_MS};
+use crate::plugin::waits::WAIT_TICK_MS;
 
 const CLUSTER: &str = r#"{"store":{"cluster":"store","transport":"http"},
     "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"ttl_seconds":60}]}"#;
@@ -197,4 +198,43 @@ fn a_completion_too_large_for_the_retry_budget_waits_without_its_body() {
     assert_eq!(recorded.status, 201);
     assert!(recorded.body.is_empty() && recorded.body_omitted);
     assert_eq!(host.counter("orders", Outcome::StoreWriteDropped), 0);
+}
+
+#[test]
+fn a_retired_table_is_emptied_a_batch_a_second_however_often_the_root_ticks() {
+    // Wait mode ticks every 20 ms and cluster mode every 100 ms; emptying a retired table
+    // (nine shared-data writes a bucket, under Envoy's process-wide lock) must not speed up
+    // with them.
+    let host = FakeHost::default();
+    let rule = r#""rules":[{"name":"orders","ttl_seconds":1,"lease_seconds":1,
+        "on_in_flight":"wait","wait_ms":500}]"#;
+    configured(
+        &host,
+        &format!(r#"{{"local_table":{{"capacity":8192}},{rule}}}"#),
+    );
+    let mut root = configured(
+        &host,
+        &format!(r#"{{"local_table":{{"capacity":16384}},{rule}}}"#),
+    );
+    assert_eq!(host.tick_period_ms.get(), Some(WAIT_TICK_MS));
+    host.advance_ms(5_000); // the retired table's records have all expired
+    let writes = || *host.shared.next_cas.borrow();
+    let before = writes();
+    root.on_tick(&host);
+    // A batch: 64 buckets, each its bucket key and its eight slots' response keys.
+    let batch = 64 * 9;
+    assert!(
+        writes() - before >= batch,
+        "the first tick empties a batch (and takes the table off the registry)"
+    );
+    for _ in 0..49 {
+        host.advance_ms(u64::from(WAIT_TICK_MS));
+        let at = writes();
+        root.on_tick(&host);
+        assert_eq!(writes(), at, "no more within the second");
+    }
+    host.advance_ms(u64::from(WAIT_TICK_MS));
+    let at = writes();
+    root.on_tick(&host);
+    assert_eq!(writes() - at, batch, "the next batch a second later");
 }
