@@ -143,3 +143,27 @@ def test_waiters_through_two_envoys_are_released_when_the_first_fails(procs) -> 
     retry = cluster_post(cluster.b, path, key)
     assert retry.status_code == 201 and not is_replay(retry)
     assert cluster.upstream.executions(path) == 2
+
+
+def test_a_duplicate_held_across_a_configuration_push_still_gets_the_response(procs, tmp_path) -> None:
+    """Istio pushes configurations all the time: a duplicate held when one arrives is still
+    answered by the configuration that holds it, with the first request's response."""
+    from test_reconfigure import PushableEnvoy
+
+    upstream = procs.upstream()
+    pushed = PushableEnvoy(procs, tmp_path, upstream, plugin_config(wait_rule(wait_ms=10_000)))
+    envoy = pushed.envoy
+    path, key = unique_path("orders"), new_key()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first = pool.submit(post, envoy, path, key=key, body=BODY, headers={"x-demo-delay-ms": "3000"})
+        harness.wait_until(lambda: upstream.executions(path) == 1, timeout=10, what="first upstream")
+        held = pool.submit(post, envoy, path, key=key, body=BODY, timeout=30)
+        harness.wait_until(lambda: rule_counters(envoy, "orders")["waited"] == 1, timeout=10,
+                           what="the duplicate held")
+        pushed.push(plugin_config(wait_rule(wait_ms=10_000, lease_seconds=120)))
+        first, held = first.result(timeout=30), held.result(timeout=30)
+    assert first.status_code == 201
+    assert held.status_code == 201 and is_replay(held), held.content[:300]
+    assert held.content == first.content
+    assert upstream.executions(path) == 1
+    assert not crash_lines(envoy.log_text())

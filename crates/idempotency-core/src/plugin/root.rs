@@ -85,19 +85,30 @@ impl PluginRoot {
     }
 
     /// A push retired this configuration. Completions and releases still waiting out a store
-    /// outage live in this root: keep it (its tick and callouts go on) until they are taken
-    /// or their deadlines pass, instead of losing them with it. True: done now.
+    /// outage live in this root, and so do the duplicates it holds (its tick answers them):
+    /// keep it (its tick, callouts and streams go on) until the writes are taken or their
+    /// deadlines pass and every held duplicate is answered, instead of losing them with it.
+    /// True: done now.
     pub fn on_done(&mut self) -> bool {
-        let pending = self.plugin.as_ref().map_or(0, |p| p.writes.pending());
-        if pending == 0 {
+        let (writes, held) = self.unfinished();
+        if writes == 0 && held == 0 {
             return true;
         }
         log::warn!(
-            "configuration retired with {pending} store write(s) still waiting; \
-             kept until they are taken or their deadlines pass"
+            "configuration retired with {writes} store write(s) still waiting and {held} \
+             duplicate(s) held; kept until the writes are taken or their deadlines pass and \
+             the duplicates are answered"
         );
         self.finishing = true;
         false
+    }
+
+    /// Store writes still waiting, and duplicates still held (each answered within its
+    /// `wait_ms`): a retired configuration's root stays for them.
+    fn unfinished(&self) -> (usize, usize) {
+        self.plugin
+            .as_ref()
+            .map_or((0, 0), |p| (p.writes.pending(), p.waits.held().0))
     }
 
     /// The store answered a write the root sent.
@@ -282,12 +293,15 @@ impl PluginRoot {
 
     /// A finishing root whose writes are all taken tells Envoy it is done.
     fn finish_if_idle(&mut self, host: &impl Host) {
-        if !self.finishing || self.plugin.as_ref().is_some_and(|p| p.writes.pending() > 0) {
+        if !self.finishing || self.unfinished() != (0, 0) {
             return;
         }
         self.finishing = false;
         match host.done() {
-            Ok(()) => log::info!("retired configuration: every waiting store write was taken"),
+            Ok(()) => log::info!(
+                "retired configuration: every waiting store write was taken, every held \
+                 duplicate answered"
+            ),
             Err(e) => log::warn!("retired configuration not released: {}", e.0),
         }
     }

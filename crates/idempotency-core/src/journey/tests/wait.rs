@@ -202,3 +202,34 @@ fn held_duplicates_are_bounded_in_bytes_not_only_in_number() {
     assert!(bytes <= MAX_HELD_BYTES);
     drop(held);
 }
+
+#[test]
+fn a_configuration_retired_by_a_push_stays_until_its_held_duplicates_are_answered() {
+    let host = FakeHost::default();
+    let mut retired = root(&host, WAIT);
+    let (first, _) = request(&host, &retired, 7, "k1");
+    let (_held, _) = request(&host, &retired, 8, "k1");
+    host.effective_context.set(ROOT);
+    assert!(
+        !retired.on_done(),
+        "kept: its tick must answer the held duplicate"
+    );
+    tick(&host, &mut retired);
+    assert!(!host.take_effects().contains(&Effect::Done));
+
+    host.effective_context.set(7);
+    respond(&host, &mut first.borrow_mut(), 201, b"ok");
+    let _ = host.take_effects();
+    tick(&host, &mut retired);
+    let effects = host.take_effects();
+    assert_eq!(
+        the_reply(&effects).0,
+        201,
+        "the held duplicate gets its replay"
+    );
+    assert_eq!(effects.last(), Some(&Effect::Done), "then the root lets go");
+
+    let idle_host = FakeHost::default();
+    let mut idle = root(&idle_host, WAIT);
+    assert!(idle.on_done(), "nothing held: done at once");
+}
