@@ -60,6 +60,10 @@ impl Host for EnvoyHost {
             .map_err(error)
     }
 
+    fn replace_request_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        host::replace_header(MapType::HttpRequestHeaders, name, value).map_err(error)
+    }
+
     fn replace_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
         host::replace_header(MapType::HttpResponseHeaders, name, value).map_err(error)
     }

@@ -12,6 +12,7 @@
 //! | `x-demo-body-bytes: N`  | answer with exactly N bytes of a printable pattern (≤ 16 MiB)   |
 //! | `x-demo-header: k=v`    | add response header `k: v` (repeatable; replaces a default `k`) |
 //! | `x-demo-signed: N`      | act as a signed endpoint (webhook, payment callback), see below |
+//! | `x-demo-reset: 1`       | close the connection without an answer, after counting (and any delay): an upstream that did the write and crashed |
 //!
 //! A signed endpoint executes only a request whose `x-demo-signature` is
 //! `sha256=<hex HMAC-SHA256 of the body under DEMO_SIGNING_KEY>`, as webhook
@@ -31,7 +32,6 @@
 pub mod grpc_echo;
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
@@ -68,6 +68,11 @@ const X_DEMO_BODY_BYTES: HeaderName = HeaderName::from_static("x-demo-body-bytes
 const X_DEMO_HEADER: HeaderName = HeaderName::from_static("x-demo-header");
 const X_DEMO_SIGNED: HeaderName = HeaderName::from_static("x-demo-signed");
 const X_DEMO_SIGNATURE: HeaderName = HeaderName::from_static("x-demo-signature");
+const X_DEMO_RESET: HeaderName = HeaderName::from_static("x-demo-reset");
+
+/// Marks a response that must not be sent: the connection is closed instead (`x-demo-reset`).
+#[derive(Debug, Clone, Copy)]
+pub struct CloseWithoutAnswer;
 
 /// The key signed endpoints verify with. Public on purpose: this is a test upstream.
 pub const DEMO_SIGNING_KEY: &[u8] = b"demo-signing-key";
@@ -155,7 +160,14 @@ pub async fn serve(listener: TcpListener, options: Options, counters: Arc<Counte
         tokio::spawn(async move {
             let service = service_fn(move |req: Request<Incoming>| {
                 let counters = Arc::clone(&counters);
-                async move { Ok::<_, Infallible>(handle(req, options, &counters).await) }
+                async move {
+                    let resp = handle(req, options, &counters).await;
+                    if resp.extensions().get::<CloseWithoutAnswer>().is_some() {
+                        // An error from the service makes hyper drop the connection unanswered.
+                        return Err(std::io::Error::other("x-demo-reset"));
+                    }
+                    Ok(resp)
+                }
             });
             // Errors here are the client going away mid-exchange: nothing to do.
             let _ = http1::Builder::new()
@@ -224,6 +236,11 @@ where
     if !spec.delay.is_zero() {
         tokio::time::sleep(spec.delay).await;
     }
+    if spec.reset {
+        let mut resp = plain(StatusCode::INTERNAL_SERVER_ERROR, Bytes::new());
+        resp.extensions_mut().insert(CloseWithoutAnswer);
+        return resp;
+    }
 
     let no_body = parts.method == Method::HEAD
         || spec.status == StatusCode::NO_CONTENT
@@ -276,6 +293,8 @@ pub struct ResponseSpec {
     /// Execute only requests whose `x-demo-signature` signs the body; refuse the others
     /// with this status.
     pub signed: Option<StatusCode>,
+    /// Close the connection instead of answering (`x-demo-reset: 1`).
+    pub reset: bool,
 }
 
 impl ResponseSpec {
@@ -315,6 +334,11 @@ impl ResponseSpec {
                     .ok_or("x-demo-signed must be a number in 400..=499")?,
             ),
         };
+        let reset = match headers.get(X_DEMO_RESET) {
+            None => false,
+            Some(v) if v.as_bytes() == b"1" => true,
+            Some(_) => return Err("x-demo-reset must be 1"),
+        };
         let mut extra_headers = Vec::new();
         for v in headers.get_all(X_DEMO_HEADER) {
             extra_headers.push(parse_extra_header(v).ok_or(
@@ -328,6 +352,7 @@ impl ResponseSpec {
             body_bytes,
             extra_headers,
             signed,
+            reset,
         })
     }
 }

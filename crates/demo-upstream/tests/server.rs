@@ -322,3 +322,25 @@ fn binary_rejects_bad_arguments() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[tokio::test]
+async fn a_reset_request_is_counted_and_its_connection_closed_unanswered() {
+    let (addr, counters) = start(Options::default()).await;
+    let mut sender = connect(addr).await;
+    let req = Request::builder()
+        .method("POST")
+        .uri("/pay")
+        .header("host", "test")
+        .header("x-demo-reset", "1")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    sender.ready().await.unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), sender.send_request(req))
+        .await
+        .unwrap();
+    assert!(answer.is_err(), "no answer, the connection is gone");
+    assert_eq!(counters.executions("/pay"), 1);
+    let bad = send(addr, "POST", "/pay", &[("x-demo-reset", "yes")], b"{}").await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert_eq!(counters.executions("/pay"), 1);
+}

@@ -2,7 +2,7 @@
 //! product's against (written here from the specifications, not from the product's code).
 
 use arbitrary::{Result, Unstructured};
-use idempotency_core::record::RecordedResponse;
+use idempotency_core::record::{RecordedResponse, UnknownOutcome};
 
 /// Visible ASCII (0x21-0x7E), `len` bytes of it.
 pub fn visible_ascii(u: &mut Unstructured<'_>, len: usize) -> Result<Vec<u8>> {
@@ -254,5 +254,24 @@ pub fn replayable_record(u: &mut Unstructured<'_>) -> Result<RecordedResponse> {
         headers,
         body: u.arbitrary()?,
         body_omitted: u.arbitrary()?,
+        unknown: unknown_outcome(u)?,
     })
+}
+
+/// Now and then what Envoy reported of a write whose outcome is unknown; its details within
+/// the 255 bytes the record keeps.
+pub fn unknown_outcome(u: &mut Unstructured<'_>) -> Result<Option<Box<UnknownOutcome>>> {
+    if !u.arbitrary::<bool>()? {
+        return Ok(None);
+    }
+    let mut details: String = u.arbitrary()?;
+    while details.len() > 255 {
+        details.pop();
+    }
+    Ok(Some(Box::new(UnknownOutcome {
+        proxy_status: u.arbitrary()?,
+        response_flags: u.arbitrary()?,
+        details,
+        attempts: u.arbitrary()?,
+    })))
 }

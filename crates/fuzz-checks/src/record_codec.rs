@@ -58,6 +58,7 @@ fn built(u: &mut Unstructured<'_>) -> Result<()> {
         headers,
         body,
         body_omitted: u.arbitrary()?,
+        unknown: crate::gen::unknown_outcome(u)?,
     };
     let encoded = record.encode();
     // A summary, not the values: they may be hundreds of kilobytes.

@@ -75,6 +75,7 @@ impl ResponseCapture {
             headers: self.headers,
             body: self.body,
             body_omitted: self.body_omitted,
+            unknown: None,
         }
     }
 }

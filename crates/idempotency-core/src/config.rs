@@ -110,6 +110,8 @@ struct RawRule {
     on_in_flight: InFlightPolicy,
     #[serde(default)]
     wait_ms: Option<u64>,
+    #[serde(default)]
+    on_unknown_outcome: UnknownOutcomePolicy,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -209,6 +211,21 @@ pub enum InFlightPolicy {
     Wait,
 }
 
+/// What a write whose outcome is unknown leaves behind: Envoy answered after the request may
+/// have reached the upstream (a route or per-try timeout, a reset after it was sent), or the
+/// client left while it ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownOutcomePolicy {
+    /// Keep the key taken until its TTL (or an operator's purge) and tell every retry that
+    /// the first attempt may have completed: it is never run a second time.
+    #[default]
+    Record,
+    /// Free the key so a retry runs the write again: only for upstreams known to roll a write
+    /// back when their caller goes away.
+    Release,
+}
+
 /// How long a held duplicate waits by default, and at most.
 pub const DEFAULT_WAIT_MS: u64 = 10_000;
 pub const MAX_WAIT_MS: u64 = 60_000;
@@ -258,8 +275,11 @@ fn default_scope_headers() -> Vec<String> {
 fn default_ttl_seconds() -> u64 {
     86_400
 }
+/// A live request's lease is renewed while it runs, so the lease only bounds how long a key
+/// stays blocked after its proxy died mid-request; 30 s rides out a store outage of about
+/// 20 s between renewals.
 fn default_lease_seconds() -> u64 {
-    60
+    30
 }
 fn default_max_response_bytes() -> u64 {
     1024 * 1024
@@ -381,6 +401,7 @@ pub struct Rule {
     pub on_in_flight: InFlightPolicy,
     /// How long a duplicate is held under `InFlightPolicy::Wait`.
     pub wait_ms: u64,
+    pub on_unknown_outcome: UnknownOutcomePolicy,
 }
 
 /// Where and how the filter reaches the shared store.
@@ -730,6 +751,7 @@ fn validate_rule(
         on_store_error: raw.on_store_error,
         on_in_flight: raw.on_in_flight,
         wait_ms,
+        on_unknown_outcome: raw.on_unknown_outcome,
     })
 }
 
@@ -915,7 +937,7 @@ mod tests {
         assert_eq!(r.scope_headers, vec![":authority", "authorization"]);
         assert!(!r.scope_required);
         assert_eq!(r.ttl_ms, 86_400_000);
-        assert_eq!(r.lease_ms, 60_000);
+        assert_eq!(r.lease_ms, 30_000);
         assert_eq!(r.max_response_bytes, 1 << 20);
         assert_eq!(r.matcher.methods, vec!["POST", "PATCH"]);
         assert!(r.release.releases(503) && r.release.releases(429) && !r.release.releases(409));
@@ -929,6 +951,17 @@ mod tests {
         assert_eq!(r.replay_header, "idempotent-replayed");
         assert_eq!(r.on_table_full, OverloadPolicy::Reject);
         assert_eq!(r.on_in_flight, InFlightPolicy::Conflict);
+        assert_eq!(r.on_unknown_outcome, UnknownOutcomePolicy::Record);
+        let released =
+            Config::parse(br#"{"rules":[{"name":"orders","on_unknown_outcome":"release"}]}"#)
+                .unwrap();
+        assert_eq!(
+            released.rules[0].on_unknown_outcome,
+            UnknownOutcomePolicy::Release
+        );
+        assert!(
+            Config::parse(br#"{"rules":[{"name":"a","on_unknown_outcome":"retry"}]}"#).is_err()
+        );
     }
 
     #[test]

@@ -67,6 +67,9 @@ pub(crate) struct FakeHost {
     pub clock_ms: Cell<u64>,
     pub request_headers: RefCell<HeaderPairs>,
     pub request_body: RefCell<Vec<u8>>,
+    /// Request headers the flow set, in order (kept apart from `effects`: every protected
+    /// request sets one).
+    pub request_header_edits: RefCell<HeaderPairs>,
     pub response_headers: RefCell<HeaderPairs>,
     pub response_chunk: RefCell<Vec<u8>>,
     pub properties: RefCell<HashMap<String, Vec<u8>>>,
@@ -96,6 +99,7 @@ impl Default for FakeHost {
             clock_ms: Cell::new(1_700_000_000_000),
             request_headers: RefCell::default(),
             request_body: RefCell::default(),
+            request_header_edits: RefCell::default(),
             response_headers: RefCell::default(),
             response_chunk: RefCell::default(),
             properties: RefCell::default(),
@@ -252,6 +256,14 @@ impl Host for FakeHost {
         self.check(HostCall::ResponseBody)?;
         let chunk = self.response_chunk.borrow();
         Ok(chunk.iter().take(size).copied().collect())
+    }
+
+    fn replace_request_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        self.check(HostCall::RequestHeaders)?;
+        self.request_header_edits
+            .borrow_mut()
+            .push((name.into(), value.to_vec()));
+        Ok(())
     }
 
     fn replace_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {

@@ -33,6 +33,8 @@ pub trait Host: SharedData {
     fn request_headers(&self) -> Result<HeaderPairs, HostError>;
     /// The first `size` bytes of the buffered request body.
     fn request_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
+    /// Sets a request header before the request goes on (request headers callback only).
+    fn replace_request_header(&self, name: &str, value: &[u8]) -> Result<(), HostError>;
     fn response_headers(&self) -> Result<HeaderPairs, HostError>;
     /// The current chunk of the response body (`size` bytes).
     fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError>;

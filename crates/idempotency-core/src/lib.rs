@@ -42,4 +42,5 @@ pub mod table_layout;
 pub mod table_lineage;
 #[cfg(all(test, not(target_arch = "wasm32")))]
 mod table_properties;
+pub mod who_answered;
 mod wire;

@@ -51,10 +51,22 @@ pub enum Outcome {
     /// A held duplicate answered 503 with Retry-After: the first request's claim was released
     /// (it failed, or its lease lapsed), so a retry executes.
     WaitReleased,
+    /// Envoy answered after the request may have reached the upstream (a route or per-try
+    /// timeout, a reset after it was sent), or the client left while it ran: the write may
+    /// have happened. Its key stays taken (`on_unknown_outcome: "record"`) or is freed.
+    OutcomeUnknown,
+    /// A retry (or a held duplicate) told that its first attempt's outcome is unknown.
+    OutcomeUnknownAnswered,
+    /// The router sent a protected request upstream more than once although the filter asked
+    /// it not to retry (`x-envoy-max-retries: 0`): the write may have run more than once.
+    Resent,
+    /// A live request's lease could not be renewed: another request took its key over (its
+    /// proxy's renewals did not reach the store before the lease ended).
+    LeaseLost,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 22] = [
+    pub const ALL: [Outcome; 26] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -77,6 +89,10 @@ impl Outcome {
         Outcome::ReplayedAfterWait,
         Outcome::WaitTimedOut,
         Outcome::WaitReleased,
+        Outcome::OutcomeUnknown,
+        Outcome::OutcomeUnknownAnswered,
+        Outcome::Resent,
+        Outcome::LeaseLost,
     ];
 
     pub fn name(self) -> &'static str {
@@ -103,6 +119,10 @@ impl Outcome {
             Outcome::ReplayedAfterWait => "replayed_after_wait",
             Outcome::WaitTimedOut => "wait_timed_out",
             Outcome::WaitReleased => "wait_released",
+            Outcome::OutcomeUnknown => "outcome_unknown",
+            Outcome::OutcomeUnknownAnswered => "outcome_unknown_answered",
+            Outcome::Resent => "resent",
+            Outcome::LeaseLost => "lease_lost",
         }
     }
 

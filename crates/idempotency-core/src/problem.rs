@@ -112,6 +112,26 @@ impl Problem {
         }
     }
 
+    /// The first request with this key reached the upstream (or may have) and ended without
+    /// its answer: a timeout, a reset, or a client that left. 409, like a request in flight,
+    /// because the key is bound to a request whose end is not known; without Retry-After,
+    /// because waiting will not change it. Not a 5xx: gateways and SDKs resend those on
+    /// their own, and nothing failed that a resend could fix.
+    pub fn outcome_unknown() -> Problem {
+        Problem {
+            status: 409,
+            kind: "outcome-unknown",
+            title: "The first request with this idempotency key may have completed",
+            detail: "The first request with this key reached the service, but no answer came back \
+                     (a timeout, a dropped connection, or a client that left). It may have been \
+                     carried out, so it will not be run again under this key. Check with the \
+                     service whether it took effect (look the resource up) before sending it \
+                     again under a new key."
+                .to_string(),
+            retry_after_seconds: None,
+        }
+    }
+
     pub fn key_reused(source: &str) -> Problem {
         Problem {
             status: 422,
@@ -200,6 +220,19 @@ mod tests {
         assert_eq!(v["type"], "urn:idempotency-filter:problem:missing-scope");
         assert_eq!(v["status"], 401);
         assert!(v["detail"].as_str().unwrap().contains("'authorization'"));
+    }
+
+    #[test]
+    fn an_unknown_outcome_is_a_409_without_retry_after() {
+        let p = Problem::outcome_unknown();
+        let v: serde_json::Value = serde_json::from_slice(&p.body("payments")).unwrap();
+        assert_eq!(v["type"], "urn:idempotency-filter:problem:outcome-unknown");
+        assert_eq!(v["status"], 409);
+        assert!(v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("may have been carried out"));
+        assert!(!p.headers().iter().any(|(n, _)| *n == "retry-after"));
     }
 
     #[test]

@@ -5,6 +5,26 @@ use crate::wire::Reader;
 
 const MAGIC: &[u8; 4] = b"IDR1";
 const FLAG_BODY_OMITTED: u8 = 1;
+/// The record is an unknown outcome; what Envoy reported follows the body.
+const FLAG_OUTCOME_UNKNOWN: u8 = 2;
+/// Envoy's details string is kept to this many bytes (its own strings are far shorter).
+const MAX_DETAILS_BYTES: usize = 255;
+
+/// A write that reached the upstream (or may have) without an answer from it: Envoy's router
+/// timed out, the connection was reset after the request was sent, or the client left. The
+/// write may have happened, so its key stays taken and every retry is told so. What Envoy
+/// reported is kept for the operator (`idempotency-store record show`, the access log).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct UnknownOutcome {
+    /// The status Envoy answered the first attempt with; 0 when the client left before any.
+    pub proxy_status: u16,
+    /// Envoy's response flags (the legacy bit vector of `response.flags`).
+    pub response_flags: u64,
+    /// `response.code_details`, as Envoy set it (cut to 255 bytes).
+    pub details: String,
+    /// `upstream.request_attempt_count`: how many times the router sent the request.
+    pub attempts: u32,
+}
 
 /// A response as recorded for replay.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -17,6 +37,34 @@ pub struct RecordedResponse {
     pub body: Vec<u8>,
     /// The body exceeded the rule's cap and was not recorded.
     pub body_omitted: bool,
+    /// Set when no response was recorded because the write's outcome is unknown (then
+    /// `status` is 0, and headers and body are empty): a retry is told, never replayed.
+    /// (Boxed: rare, and records are moved around a lot.)
+    pub unknown: Option<Box<UnknownOutcome>>,
+}
+
+impl RecordedResponse {
+    /// What is left of a record whose response is gone from the local table (its page was
+    /// reused) but whose slot still says how it ended: its status, marked as omitted, or for
+    /// an unknown outcome (status 0), that.
+    pub fn status_only(status: u16) -> RecordedResponse {
+        if status == 0 {
+            return RecordedResponse::unknown_outcome(UnknownOutcome::default());
+        }
+        RecordedResponse {
+            status,
+            body_omitted: true,
+            ..RecordedResponse::default()
+        }
+    }
+
+    /// The record of a write whose outcome is unknown.
+    pub fn unknown_outcome(outcome: UnknownOutcome) -> RecordedResponse {
+        RecordedResponse {
+            unknown: Some(Box::new(outcome)),
+            ..RecordedResponse::default()
+        }
+    }
 }
 
 impl RecordedResponse {
@@ -30,11 +78,14 @@ impl RecordedResponse {
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&self.owner.to_be_bytes());
         out.extend_from_slice(&self.status.to_be_bytes());
-        out.push(if self.body_omitted {
-            FLAG_BODY_OMITTED
-        } else {
-            0
-        });
+        let mut flags = 0;
+        if self.body_omitted {
+            flags |= FLAG_BODY_OMITTED;
+        }
+        if self.unknown.is_some() {
+            flags |= FLAG_OUTCOME_UNKNOWN;
+        }
+        out.push(flags);
         // Counts and lengths saturate at what the format holds; Envoy's own limits are far lower.
         let count = u16::try_from(self.headers.len()).unwrap_or(u16::MAX);
         out.extend_from_slice(&count.to_be_bytes());
@@ -50,6 +101,14 @@ impl RecordedResponse {
         let body_len = u32::try_from(self.body.len()).unwrap_or(u32::MAX);
         out.extend_from_slice(&body_len.to_be_bytes());
         out.extend_from_slice(self.body.get(..body_len as usize).unwrap_or(&self.body));
+        if let Some(unknown) = &self.unknown {
+            out.extend_from_slice(&unknown.proxy_status.to_be_bytes());
+            out.extend_from_slice(&unknown.response_flags.to_be_bytes());
+            out.extend_from_slice(&unknown.attempts.to_be_bytes());
+            let details = cut_at_char(&unknown.details, MAX_DETAILS_BYTES).as_bytes();
+            out.push(details.len() as u8);
+            out.extend_from_slice(details);
+        }
         out
     }
 
@@ -73,6 +132,21 @@ impl RecordedResponse {
         }
         let body_len = r.u32()?;
         let body = r.take(usize::try_from(body_len).ok()?)?.to_vec();
+        let unknown = if flags & FLAG_OUTCOME_UNKNOWN != 0 {
+            let proxy_status = r.u16()?;
+            let response_flags = r.u64()?;
+            let attempts = r.u32()?;
+            let details_len = r.u8()?;
+            let details = std::str::from_utf8(r.take(usize::from(details_len))?).ok()?;
+            Some(Box::new(UnknownOutcome {
+                proxy_status,
+                response_flags,
+                details: details.to_string(),
+                attempts,
+            }))
+        } else {
+            None
+        };
         if !r.is_empty() {
             return None;
         }
@@ -82,8 +156,18 @@ impl RecordedResponse {
             headers,
             body,
             body_omitted: flags & FLAG_BODY_OMITTED != 0,
+            unknown,
         })
     }
+}
+
+/// The longest prefix of `text` of at most `max` bytes that ends on a character boundary.
+fn cut_at_char(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.get(..end).unwrap_or("")
 }
 
 /// An RFC 9110 token character (`tchar`).
@@ -140,6 +224,7 @@ mod tests {
             ],
             body: b"{\"id\":1}".to_vec(),
             body_omitted: false,
+            unknown: None,
         }
     }
 
@@ -153,6 +238,31 @@ mod tests {
             ..sample()
         };
         assert_eq!(RecordedResponse::decode(&omitted.encode()), Some(omitted));
+    }
+
+    #[test]
+    fn an_unknown_outcome_round_trips_with_what_envoy_reported() {
+        let r = RecordedResponse::unknown_outcome(UnknownOutcome {
+            proxy_status: 504,
+            response_flags: 0x8004,
+            details: "upstream_per_try_timeout".into(),
+            attempts: 1,
+        });
+        let decoded = RecordedResponse::decode(&r.encode()).unwrap();
+        assert_eq!(decoded, r);
+        assert_eq!(decoded.status, 0);
+        // Details beyond what the record keeps are cut on a character boundary.
+        let long = RecordedResponse::unknown_outcome(UnknownOutcome {
+            details: "é".repeat(200),
+            ..UnknownOutcome::default()
+        });
+        let decoded = RecordedResponse::decode(&long.encode()).unwrap();
+        let details = decoded.unknown.unwrap().details;
+        assert_eq!(details.len(), 254);
+        assert!(details.chars().all(|c| c == 'é'));
+        // Lost from the table but for its slot's status 0, it is still an unknown outcome.
+        assert!(RecordedResponse::status_only(0).unknown.is_some());
+        assert!(RecordedResponse::status_only(201).unknown.is_none());
     }
 
     #[test]

@@ -309,6 +309,7 @@ mod tests {
             headers: vec![("content-type".into(), b"application/json".to_vec())],
             body: b"{}".to_vec(),
             body_omitted: false,
+            unknown: None,
         }
     }
 

@@ -222,6 +222,8 @@ enum HeldWrite {
         now_ms: u64,
     },
     Release,
+    /// Extending the lease of a claim whose request still runs.
+    Renew,
     /// Dropping a completed record: the change itself checks that the record is the holder's.
     Forget,
 }
@@ -241,6 +243,10 @@ impl HeldWrite {
                 decision::complete(current, &asked, now_ms) == CompleteDecision::Record
             }
             HeldWrite::Release => decision::release(current, owner) == ReleaseDecision::Release,
+            HeldWrite::Renew => matches!(
+                current,
+                Some(decision::Record::InFlight { owner: holder, .. }) if holder == owner
+            ),
             HeldWrite::Forget => current.is_some(),
         }
     }
@@ -817,6 +823,7 @@ impl Table {
             headers: response.headers.clone(),
             body: Vec::new(),
             body_omitted: true,
+            unknown: response.unknown.clone(),
         };
         let mut encoded = without_body.encode();
         if encoded.len() > inline {
@@ -858,6 +865,30 @@ impl Table {
         };
         self.update_held(shared, held, at, HeldWrite::Release, None, |slot| {
             *slot = FREE_SLOT;
+            true
+        })
+        .map(|(completion, _)| completion)
+    }
+
+    /// Extends a held claim's lease to `now_ms + lease_ms` (never shortens it) while its
+    /// request still runs, so that no other request takes a live write over. The claim's
+    /// lease may have passed, as long as nobody took the key over.
+    pub fn renew(
+        &self,
+        shared: &impl SharedData,
+        held: &Held,
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> Result<Completion, TableError> {
+        let Some(at) = held.slot else {
+            return Ok(Completion::NotHeld);
+        };
+        let until = now_ms.saturating_add(lease_ms);
+        self.update_held(shared, held, at, HeldWrite::Renew, None, |slot| {
+            if slot.expires_at_ms >= until {
+                return false;
+            }
+            slot.expires_at_ms = until;
             true
         })
         .map(|(completion, _)| completion)
@@ -999,6 +1030,7 @@ mod tests {
             headers: vec![("content-type".into(), b"text/plain".to_vec())],
             body: b"done".to_vec(),
             body_omitted: false,
+            unknown: None,
         }
     }
 
@@ -1164,6 +1196,54 @@ mod tests {
         assert_eq!(
             t.load_response(&s, slot, owner).unwrap().unwrap().status,
             201
+        );
+    }
+
+    #[test]
+    fn a_renewed_lease_is_not_taken_over_and_a_lost_one_cannot_be_renewed() {
+        let s = FakeShared::default();
+        let t = table(&s, 64);
+        let first = held(t.claim(&s, &digest(1), &digest(9), 1, 0, 1_000).unwrap());
+        assert_eq!(
+            t.renew(&s, &first, 900, 1_000).unwrap(),
+            Completion::Recorded
+        );
+        // Past the first lease, inside the renewed one: still in flight.
+        assert!(matches!(
+            t.claim(&s, &digest(1), &digest(9), 2, 1_500, 1_000)
+                .unwrap(),
+            Claim::InFlight { .. }
+        ));
+        // A renewal never shortens the lease.
+        assert_eq!(t.renew(&s, &first, 100, 10).unwrap(), Completion::Recorded);
+        assert!(matches!(
+            t.claim(&s, &digest(1), &digest(9), 2, 1_800, 1_000)
+                .unwrap(),
+            Claim::InFlight { .. }
+        ));
+        // Unrenewed past its end, it is taken over, and the old owner cannot renew it back.
+        let second = held(
+            t.claim(&s, &digest(1), &digest(9), 3, 2_000, 1_000)
+                .unwrap(),
+        );
+        assert!(second.took_over);
+        assert_eq!(
+            t.renew(&s, &first, 2_100, 1_000).unwrap(),
+            Completion::LostOwnership
+        );
+        // Nor is a completed record's TTL touched by a renewal.
+        t.complete(
+            &s,
+            &second,
+            &response(201),
+            2_200,
+            50_000,
+            OversizedBody::RecordWithoutIt,
+        )
+        .unwrap();
+        assert_eq!(
+            t.renew(&s, &second, 2_300, 1_000).unwrap(),
+            Completion::LostOwnership
         );
     }
 

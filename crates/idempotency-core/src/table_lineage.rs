@@ -324,6 +324,7 @@ mod tests {
             headers: vec![],
             body: vec![7; 10_000],
             body_omitted: false,
+            unknown: None,
         }
     }
 

@@ -174,6 +174,7 @@ impl Model {
                     headers: Vec::new(),
                     body: body(r.key, r.held.owner),
                     body_omitted: false,
+                    unknown: None,
                 });
                 Some(Prepared::Finish {
                     worker: r.worker,

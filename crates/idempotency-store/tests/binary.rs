@@ -253,6 +253,7 @@ mod record_command {
             headers: vec![("content-type".into(), b"application/json".to_vec())],
             body: b"{\"id\":42}".to_vec(),
             body_omitted: false,
+            unknown: None,
         };
         let completed = store
             .post(

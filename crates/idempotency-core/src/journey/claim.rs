@@ -75,10 +75,7 @@ impl RequestJourney {
                 owner: recorded_by,
                 status,
             }) => match self.load_recorded(host, &rule, slot, recorded_by) {
-                Some(recorded) => {
-                    self.note(host, &rule, Outcome::Replayed);
-                    send_replay(host, &rule, &recorded)
-                }
+                Some(recorded) => self.replay(host, &rule, &recorded, Outcome::Replayed),
                 // Cluster mode: the local copy is gone (its page was reused), the store
                 // still has the whole response.
                 None if rule.store.is_some() => {
@@ -91,8 +88,8 @@ impl RequestJourney {
                 None => {
                     // Only the status survived: replay it with the omitted-body marker
                     // rather than execute again.
-                    self.note(host, &rule, Outcome::Replayed);
-                    send_replay(host, &rule, &status_only(status))
+                    let recorded = RecordedResponse::status_only(status);
+                    self.replay(host, &rule, &recorded, Outcome::Replayed)
                 }
             },
             Ok(Claim::Full) => {
@@ -233,8 +230,7 @@ impl RequestJourney {
                         rule.rule.name
                     );
                 }
-                self.note(host, &rule, Outcome::Replayed);
-                send_replay(host, &rule, &recorded)
+                self.replay(host, &rule, &recorded, Outcome::Replayed)
             }
             Err(failure) => {
                 let sent = failure.may_have_been_applied().then_some(owner);
@@ -279,8 +275,8 @@ impl RequestJourney {
         if let Some(status) = held.completed_status {
             // This proxy recorded the write itself: replay what it kept, whatever the
             // policy, rather than run it again or refuse it.
-            self.note(host, &rule, Outcome::Replayed);
-            return send_replay(host, &rule, &status_only(status));
+            let recorded = RecordedResponse::status_only(status);
+            return self.replay(host, &rule, &recorded, Outcome::Replayed);
         }
         // Fail-open runs the write on the local claim alone; without one (every slot of
         // its bucket in flight) the table-full policy decides instead.
@@ -330,6 +326,13 @@ impl RequestJourney {
         store_owner: Option<StoreOwner>,
     ) -> Step {
         self.note(host, &rule, Outcome::Executed);
+        let store_claim = store_owner
+            .as_ref()
+            .filter(|o| o.confirmed)
+            .map(|o| o.token.clone());
+        self.plugin
+            .leases
+            .begin(&rule, &held, store_claim, host.now_ms());
         let run = Execution {
             rule,
             held,
@@ -343,6 +346,23 @@ impl RequestJourney {
         if let Err(e) = self.plugin.table.release(host, held) {
             log::error!("local claim not released, it expires with its lease: {e}");
         }
+    }
+
+    /// Answers a retry from what the first request left: its recorded response (counted as
+    /// `outcome`), or, when its outcome is unknown, the problem that says so.
+    pub(super) fn replay(
+        &self,
+        host: &impl Host,
+        rule: &RuleHandle,
+        recorded: &RecordedResponse,
+        outcome: Outcome,
+    ) -> Step {
+        if recorded.unknown.is_some() {
+            self.note(host, rule, Outcome::OutcomeUnknownAnswered);
+            return self.answer_problem(host, rule, &Problem::outcome_unknown());
+        }
+        self.note(host, rule, outcome);
+        send_replay(host, rule, recorded)
     }
 
     /// The local table cannot take the claim: reject with `problem`, or pass unprotected.
@@ -379,20 +399,7 @@ impl RequestJourney {
     }
 }
 
-/// A recorded write whose body is gone: its status, marked as omitted.
-fn status_only(status: u16) -> RecordedResponse {
-    RecordedResponse {
-        status,
-        body_omitted: true,
-        ..RecordedResponse::default()
-    }
-}
-
-pub(super) fn send_replay(
-    host: &impl Host,
-    rule: &RuleHandle,
-    recorded: &RecordedResponse,
-) -> Step {
+fn send_replay(host: &impl Host, rule: &RuleHandle, recorded: &RecordedResponse) -> Step {
     let mut headers: Vec<(&str, &[u8])> = recorded
         .headers
         .iter()

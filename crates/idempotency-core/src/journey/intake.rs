@@ -23,6 +23,9 @@ enum FailedAt {
     Body,
 }
 
+/// The request header that caps the router's retries of this request.
+pub const NO_ROUTER_RETRIES: &str = "x-envoy-max-retries";
+
 /// What a request costs Envoy beyond its body while it is held (headers, stream state).
 const REQUEST_OVERHEAD_BYTES: usize = 2048;
 
@@ -113,6 +116,17 @@ impl RequestJourney {
                 return self.answer_problem(host, &rule, &Problem::missing_scope(header));
             }
         };
+        // A protected write goes upstream once: the router must not resend one that may have
+        // reached the upstream (a per-try timeout, a reset); its retries are this filter's to
+        // answer. The header caps the route's retry policy (a filter-set `x-envoy-retry-on`
+        // would only add conditions).
+        if let Err(e) = host.replace_request_header(NO_ROUTER_RETRIES, b"0") {
+            log::warn!(
+                "rule {}: {NO_ROUTER_RETRIES} not set ({}); a route retry policy may resend the write",
+                rule.rule.name,
+                e.0
+            );
+        }
         let wants_body = needs_body(&rule);
         let pending = PendingRequest {
             rule,

@@ -213,7 +213,12 @@ impl RequestJourney {
     /// The transition function: every way a request moves through the filter.
     pub fn on(&mut self, host: &impl Host, event: Event) -> Verdict {
         let journey = std::mem::replace(&mut self.journey, Journey::Finished);
+        let running = running_claim(&journey);
         let (next, verdict) = self.step(host, journey, event);
+        if let (Some(owner), None) = (running, running_claim(&next)) {
+            // Recorded, released or given up: the root stops renewing its lease.
+            self.plugin.leases.end(owner);
+        }
         self.journey = next;
         verdict
     }
@@ -300,6 +305,23 @@ impl RequestJourney {
         let headers = problem.headers();
         let pairs: Vec<(&str, &[u8])> = headers.iter().map(|(n, v)| (*n, v.as_bytes())).collect();
         send_local(host, problem.status, &pairs, &body)
+    }
+}
+
+/// The owner of the claim a request running upstream holds.
+fn running_claim(journey: &Journey) -> Option<u64> {
+    match journey {
+        Journey::Executing(run) => Some(run.held.owner),
+        _ => None,
+    }
+}
+
+impl Drop for RequestJourney {
+    /// A request Envoy let go of while it ran: its lease is no longer renewed.
+    fn drop(&mut self) {
+        if let Some(owner) = running_claim(&self.journey) {
+            self.plugin.leases.end(owner);
+        }
     }
 }
 

@@ -1,9 +1,14 @@
-//! The upstream's answer: release the claim on a releasing status, otherwise copy the
-//! response as it streams to the client and record it at its end (locally, and through the
-//! root's store writes in the store).
+//! The answer to a request that went upstream. Who gave it decides (`who_answered`): the
+//! upstream's own releasing status frees the claim, any other answer of the upstream is
+//! copied as it streams to the client and recorded at its end (locally, and through the
+//! root's store writes in the store); Envoy's answer to a request that never reached the
+//! upstream frees the claim; anything else (a timeout, a reset after the request was sent,
+//! a client that left) is an unknown outcome, recorded so that no retry runs it again.
 
+use super::intake::NO_ROUTER_RETRIES;
 use super::{Execution, Journey, RequestJourney, Step, StoreOwner, Verdict};
 use crate::capture::ResponseCapture;
+use crate::config::UnknownOutcomePolicy;
 use crate::host::{status_of, Host};
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
@@ -13,6 +18,7 @@ use crate::plugin::store_writes::{LeanRecord, PendingWrite};
 use crate::record::RecordedResponse;
 use crate::store_client;
 use crate::table::{Completion, Held, OversizedBody};
+use crate::who_answered::{flag_names, Answerer, EnvoyReport};
 
 use std::rc::Rc;
 
@@ -32,12 +38,35 @@ impl RequestJourney {
                     rule.rule.name,
                     e.0
                 );
-                return self.release(host, run);
+                // Who answered is still known to Envoy; what the status was is not.
+                let report = EnvoyReport::read(host, 0);
+                return match report.answerer() {
+                    Answerer::NeverReached => self.release(host, run),
+                    Answerer::Upstream { .. } | Answerer::Unknown => {
+                        self.unknown_outcome(host, run, &report)
+                    }
+                };
             }
         };
         let status = status_of(&headers).unwrap_or(0);
-        if status == 0 || rule.rule.release.releases(status) {
-            return self.release(host, run);
+        let report = EnvoyReport::read(host, status);
+        match report.answerer() {
+            Answerer::Upstream { resent } => {
+                if resent {
+                    self.note_resent(host, rule, &report);
+                }
+                if status == 0 || rule.rule.release.releases(status) {
+                    // A failure the upstream reports releases the claim, unless the router
+                    // sent the request more than once: an earlier attempt may have run it.
+                    return if resent {
+                        self.unknown_outcome(host, run, &report)
+                    } else {
+                        self.release(host, run)
+                    };
+                }
+            }
+            Answerer::NeverReached => return self.release(host, run),
+            Answerer::Unknown => return self.unknown_outcome(host, run, &report),
         }
         let replay_header = &rule.rule.replay_header;
         if headers.iter().any(|(n, _)| n == replay_header) {
@@ -85,18 +114,72 @@ impl RequestJourney {
         (Journey::Executing(run), Verdict::Continue)
     }
 
-    /// The stream ended (client or upstream gone) after response headers that did not release
-    /// the claim: record what passed without its body, so a retry gets the status and headers
-    /// instead of a second execution. Before any response headers, the claim stays in flight
-    /// until its lease ends: whether the upstream acted is unknowable here.
+    /// The stream ended (client or upstream gone) before the response did. After response
+    /// headers that did not release the claim, what passed is recorded without its body, so a
+    /// retry gets the status and headers instead of a second execution. Before any, the
+    /// upstream may have run the write unless the router never sent it.
     pub(super) fn on_cut_short(&self, host: &impl Host, mut run: Execution) -> Step {
         match run.capture.as_mut() {
             Some(capture) => {
                 capture.omit_body();
                 self.record(host, run)
             }
-            None => (Journey::Finished, Verdict::Continue),
+            None => {
+                let report = EnvoyReport::read(host, 0);
+                match report.answerer() {
+                    Answerer::NeverReached => self.release(host, run),
+                    Answerer::Upstream { .. } | Answerer::Unknown => {
+                        self.unknown_outcome(host, run, &report)
+                    }
+                }
+            }
         }
+    }
+
+    /// The request may have reached the upstream and no answer of the upstream's came back:
+    /// the write may have happened. Recorded as such (a retry is told, never run), or, for
+    /// rules whose upstream rolls a write back when its caller leaves, released.
+    fn unknown_outcome(&self, host: &impl Host, run: Execution, report: &EnvoyReport) -> Step {
+        let rule = Rc::clone(&run.rule);
+        self.note(host, &rule, Outcome::OutcomeUnknown);
+        let release = rule.rule.on_unknown_outcome == UnknownOutcomePolicy::Release;
+        log::warn!(
+            "rule {}: outcome unknown (status {}, flags {}, details {}, attempts {}); {}",
+            rule.rule.name,
+            report.status,
+            flag_names(report.flags),
+            report.details.as_deref().unwrap_or("-"),
+            report.attempts.map_or("-".to_string(), |n| n.to_string()),
+            if release {
+                "key released (on_unknown_outcome: release)"
+            } else {
+                "key kept until its TTL"
+            }
+        );
+        if release {
+            return self.release(host, run);
+        }
+        let Execution {
+            rule,
+            held,
+            store_owner,
+            ..
+        } = run;
+        let response = RecordedResponse::unknown_outcome(report.as_unknown_outcome());
+        self.keep(host, rule, held, store_owner, response)
+    }
+
+    /// The router sent the request more than once: counted and logged, since the write may
+    /// have run more than once before the filter could tell.
+    fn note_resent(&self, host: &impl Host, rule: &RuleHandle, report: &EnvoyReport) {
+        self.note(host, rule, Outcome::Resent);
+        log::warn!(
+            "rule {}: the router sent a protected request {} times (flags {}); \
+             is {NO_ROUTER_RETRIES} stripped or overridden?",
+            rule.rule.name,
+            report.attempts.unwrap_or(0),
+            flag_names(report.flags),
+        );
     }
 
     fn release(&self, host: &impl Host, run: Execution) -> Step {
@@ -135,6 +218,18 @@ impl RequestJourney {
             return (Journey::Finished, Verdict::Continue);
         };
         let response = capture.finish();
+        self.keep(host, rule, held, store_owner, response)
+    }
+
+    /// Records `response` for the held claim, locally and (cluster mode) in the store.
+    fn keep(
+        &self,
+        host: &impl Host,
+        rule: Rc<RuleHandle>,
+        held: Held,
+        store_owner: Option<StoreOwner>,
+        response: RecordedResponse,
+    ) -> Step {
         if let Some(owner) = store_owner {
             // The cluster-wide record matters most: queue it first, from the root context.
             self.submit_store_completion(host, &rule, &held, &owner, &response);
@@ -212,6 +307,7 @@ impl RequestJourney {
                 headers: response.headers.clone(),
                 body: Vec::new(),
                 body_omitted: true,
+                unknown: None,
             };
             let lean: LeanRecord = Box::new(move || without_body.encode());
             write = write.with_lean_record(lean);

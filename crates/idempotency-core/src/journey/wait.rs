@@ -10,7 +10,6 @@
 
 use std::rc::Rc;
 
-use super::claim::send_replay;
 use super::{HeldDuplicate, Journey, RequestJourney, Step, StoreCall, Verdict};
 use crate::config::{InFlightPolicy, StoreTransport};
 use crate::host::Host;
@@ -177,8 +176,7 @@ impl RequestJourney {
         let rule = Rc::clone(&held.rule);
         match end {
             WaitEnd::Completed(recorded) => {
-                self.note(host, &rule, Outcome::ReplayedAfterWait);
-                send_replay(host, &rule, &recorded)
+                self.replay(host, &rule, &recorded, Outcome::ReplayedAfterWait)
             }
             WaitEnd::TimedOut => {
                 self.note(host, &rule, Outcome::WaitTimedOut);

@@ -3,6 +3,7 @@
 //! writes that outlive their request, upkeep of retired tables). [`root`] is the root
 //! context's life around it.
 
+pub mod leases;
 pub mod owner_tokens;
 pub mod retention;
 pub mod root;
@@ -20,6 +21,7 @@ use crate::burst_log::BurstLog;
 use crate::config::{Config, InFlightPolicy, StoreTransport};
 use crate::host::Host;
 use crate::table::{self, Table};
+use leases::Leases;
 use owner_tokens::OwnerTokens;
 use retention::Retention;
 use rule_handle::RuleHandle;
@@ -54,6 +56,8 @@ pub struct Plugin {
     pub retention: Retention,
     /// Duplicates held until the first request with their key completes.
     pub waits: Waits,
+    /// Requests running upstream, whose leases the root renews.
+    pub leases: Leases,
 }
 
 impl Plugin {
@@ -103,6 +107,7 @@ impl Plugin {
             upkeep,
             retention: Retention::define(host),
             waits: Waits::default(),
+            leases: Leases::default(),
         })
     }
 
@@ -125,6 +130,11 @@ impl Plugin {
         self.rules
             .iter()
             .any(|r| r.rule.on_in_flight == InFlightPolicy::Wait)
+    }
+
+    /// The shortest lease of any rule: the tick must come often enough to renew it.
+    pub fn shortest_lease_ms(&self) -> Option<u64> {
+        self.rules.iter().map(|r| r.rule.lease_ms).min()
     }
 
     /// Cluster mode for at least one rule.

@@ -90,25 +90,35 @@ impl PluginRoot {
     /// deadlines pass and every held duplicate is answered, instead of losing them with it.
     /// True: done now.
     pub fn on_done(&mut self) -> bool {
-        let (writes, held) = self.unfinished();
-        if writes == 0 && held == 0 {
+        let Unfinished {
+            writes,
+            held,
+            running,
+        } = self.unfinished();
+        if writes == 0 && held == 0 && running == 0 {
             return true;
         }
         log::warn!(
-            "configuration retired with {writes} store write(s) still waiting and {held} \
-             duplicate(s) held; kept until the writes are taken or their deadlines pass and \
-             the duplicates are answered"
+            "configuration retired with {writes} store write(s) still waiting, {held} \
+             duplicate(s) held and {running} request(s) running upstream; kept until the \
+             writes are taken or their deadlines pass, the duplicates are answered and the \
+             requests end (their leases are renewed meanwhile)"
         );
         self.finishing = true;
         false
     }
 
-    /// Store writes still waiting, and duplicates still held (each answered within its
-    /// `wait_ms`): a retired configuration's root stays for them.
-    fn unfinished(&self) -> (usize, usize) {
+    /// What a retired configuration's root stays for: store writes still waiting, duplicates
+    /// still held (each answered within its `wait_ms`), and requests still running upstream,
+    /// whose leases it renews.
+    fn unfinished(&self) -> Unfinished {
         self.plugin
             .as_ref()
-            .map_or((0, 0), |p| (p.writes.pending(), p.waits.held().0))
+            .map_or(Unfinished::default(), |p| Unfinished {
+                writes: p.writes.pending(),
+                held: p.waits.held().0,
+                running: p.leases.len(),
+            })
     }
 
     /// The store answered a write the root sent.
@@ -161,6 +171,9 @@ impl PluginRoot {
                     Event::WaitOver(end),
                 );
             }
+            plugin
+                .leases
+                .renew_due(host, &plugin.table, &plugin.writes, &plugin.links());
             plugin.writes.on_tick(host, &plugin.links());
             let now = host.now_ms();
             if now >= self.next_upkeep_ms {
@@ -293,7 +306,7 @@ impl PluginRoot {
 
     /// A finishing root whose writes are all taken tells Envoy it is done.
     fn finish_if_idle(&mut self, host: &impl Host) {
-        if !self.finishing || self.unfinished() != (0, 0) {
+        if !self.finishing || self.unfinished() != Unfinished::default() {
             return;
         }
         self.finishing = false;
@@ -305,6 +318,14 @@ impl PluginRoot {
             Err(e) => log::warn!("retired configuration not released: {}", e.0),
         }
     }
+}
+
+/// See `PluginRoot::unfinished`.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Unfinished {
+    writes: usize,
+    held: usize,
+    running: usize,
 }
 
 fn configure(host: &impl Host) -> Result<Plugin, String> {
@@ -362,6 +383,14 @@ fn steady_tick_ms(plugin: &Plugin) -> u32 {
     }
     if plugin.holds_duplicates() {
         tick = tick.min(WAIT_TICK_MS);
+    }
+    // Live leases are renewed every third of a lease: the tick must come at least as often
+    // as a quarter of the shortest.
+    if let Some(lease_ms) = plugin.shortest_lease_ms() {
+        let quarter = u32::try_from(lease_ms / 4)
+            .unwrap_or(u32::MAX)
+            .max(FIRST_TICK_MS);
+        tick = tick.min(quarter);
     }
     tick
 }

@@ -269,6 +269,18 @@ impl StoreWrites {
         }
     }
 
+    /// From the root's tick: renews the store leases of `rule`'s live requests (key and
+    /// owner, in hex).
+    pub fn submit_renewals(
+        &self,
+        _host: &impl Host,
+        _links: &Links<'_>,
+        _rule: &Rc<RuleHandle>,
+        _leases: Vec<(String, String)>,
+        _now_ms: u64,
+    ) {
+    }
+
     /// Called from a request's context: queue the write and wake the root.
     pub fn submit(&self, host: &impl Host, write: PendingWrite) {
         self.fresh.borrow_mut().push_back(write);

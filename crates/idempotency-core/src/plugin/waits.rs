@@ -174,11 +174,7 @@ fn look(
                 .load_response(host, slot, owner)
                 .ok()
                 .flatten()
-                .unwrap_or_else(|| RecordedResponse {
-                    status,
-                    body_omitted: true,
-                    ..RecordedResponse::default()
-                });
+                .unwrap_or_else(|| RecordedResponse::status_only(status));
             Some(WaitEnd::Completed(recorded))
         }
         Ok(Some(Claim::Claimed(_))) => None,

@@ -4,7 +4,8 @@
 
 use std::fmt::Write as _;
 
-use idempotency_core::record::RecordedResponse;
+use idempotency_core::record::{RecordedResponse, UnknownOutcome};
+use idempotency_core::who_answered::flag_names;
 use idempotency_protocol::wire::{decode_record, RecordResponse, RecordState};
 use serde_json::{json, Value};
 
@@ -25,6 +26,9 @@ pub struct Shown {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Response {
     Recorded(Summary),
+    /// No response: the write's outcome is unknown (Envoy gave up on it after it may have
+    /// reached the upstream, or the client left), with what Envoy reported.
+    OutcomeUnknown(UnknownOutcome),
     /// Not something the filter wrote (or base64 that does not decode): reported, not fatal.
     Unreadable {
         bytes: usize,
@@ -55,6 +59,10 @@ impl Shown {
                     why: format!("not base64: {e}"),
                 },
                 Ok(bytes) => match RecordedResponse::decode(&bytes) {
+                    Some(RecordedResponse {
+                        unknown: Some(unknown),
+                        ..
+                    }) => Response::OutcomeUnknown(*unknown),
                     Some(r) => Response::Recorded(Summary {
                         status: r.status,
                         headers: r.headers.len(),
@@ -142,6 +150,31 @@ impl Shown {
                     },
                 );
             }
+            Some(Response::OutcomeUnknown(u)) => {
+                line(
+                    "outcome",
+                    "unknown: the first attempt may have completed; every retry is told so"
+                        .to_owned(),
+                );
+                line(
+                    "envoy said",
+                    format!(
+                        "status {}, flags {}, details {}, attempts {}",
+                        if u.proxy_status == 0 {
+                            "none (the client left)".to_owned()
+                        } else {
+                            u.proxy_status.to_string()
+                        },
+                        flag_names(u.response_flags),
+                        if u.details.is_empty() {
+                            "-"
+                        } else {
+                            &u.details
+                        },
+                        u.attempts
+                    ),
+                );
+            }
             Some(Response::Unreadable { bytes, why }) => {
                 line("response", format!("unreadable: {why} ({bytes} bytes)"));
             }
@@ -157,6 +190,13 @@ impl Shown {
                 "header_count": r.headers,
                 "body_bytes": r.body_bytes,
                 "body_omitted": r.body_omitted,
+            }),
+            Some(Response::OutcomeUnknown(u)) => json!({
+                "outcome": "unknown",
+                "proxy_status": u.proxy_status,
+                "response_flags": flag_names(u.response_flags),
+                "details": u.details,
+                "attempts": u.attempts,
             }),
             Some(Response::Unreadable { bytes, why }) => {
                 json!({"unreadable": why, "record_bytes": bytes})
@@ -266,6 +306,33 @@ mod tests {
     }
 
     #[test]
+    fn an_unknown_outcome_says_so_with_what_envoy_reported() {
+        let unknown = RecordedResponse::unknown_outcome(UnknownOutcome {
+            proxy_status: 504,
+            response_flags: 0x8004,
+            details: "upstream_per_try_timeout".into(),
+            attempts: 1,
+        });
+        let shown = Shown::new(
+            "k",
+            &answer(RecordState::Completed, Some(unknown.encode())),
+            0,
+        );
+        let text = shown.text();
+        assert!(text.contains("outcome      unknown"), "{text}");
+        assert!(
+            text.contains(
+                "envoy said   status 504, flags UT,URX, details upstream_per_try_timeout, attempts 1"
+            ),
+            "{text}"
+        );
+        let json = shown.json();
+        assert_eq!(json["response"]["outcome"], "unknown");
+        assert_eq!(json["response"]["response_flags"], "UT,URX");
+        assert_eq!(json["response"]["attempts"], 1);
+    }
+
+    #[test]
     fn a_completed_record_shows_the_recorded_response_or_why_it_cannot() {
         let recorded = RecordedResponse {
             owner: 0,
@@ -273,6 +340,7 @@ mod tests {
             headers: vec![("content-type".into(), b"application/json".to_vec())],
             body: b"{\"id\":1}".to_vec(),
             body_omitted: false,
+            unknown: None,
         };
         let shown = Shown::new(
             "k",

@@ -151,6 +151,7 @@ fn a_record_from_the_store_is_replayed_and_kept_for_the_next_retry() {
         headers: vec![("content-type".into(), b"text/plain".to_vec())],
         body: b"made elsewhere".to_vec(),
         body_omitted: false,
+        unknown: None,
     };
     let body = format!(
         r#"{{"outcome":"completed","record":"{}"}}"#,
@@ -407,4 +408,50 @@ fn fail_open_without_a_local_claim_follows_the_table_full_policy() {
             );
         }
     }
+}
+
+#[test]
+fn an_unknown_outcome_is_recorded_in_the_store_so_no_replica_runs_it_again() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, &cluster_config("fail_closed"));
+    let (mut request, token, claim) = claimed_at_store(&host, &plugin, "k1");
+    let owner = r#"{"outcome":"claimed","owner":"from-store"}"#;
+    answer(&host, &mut request, token, Some(200), owner);
+    envoy_reports(&host, "response_timeout", 0x4, 1);
+    respond(&host, &mut request, 504, b"");
+    let _ = host.take_effects();
+    plugin.writes.on_wake(&host, &plugin.links());
+    let writes = callouts(&host.take_effects());
+    assert_eq!(writes.len(), 1, "a completion, not a release: {writes:?}");
+    let (_, path, body) = &writes[0];
+    assert_eq!(path, "/v1/complete");
+    assert_eq!(body["owner"], "from-store");
+    assert_eq!(body["key"], claim["key"]);
+    let record = BASE64.decode(body["record"].as_str().unwrap()).unwrap();
+    let recorded = RecordedResponse::decode(&record).unwrap();
+    let unknown = recorded.unknown.expect("an unknown outcome");
+    assert_eq!(
+        (
+            unknown.proxy_status,
+            unknown.response_flags,
+            unknown.attempts
+        ),
+        (504, 0x4, 1)
+    );
+    assert_eq!(unknown.details, "response_timeout");
+    // Another replica's retry gets that record from the store: it is told, not run.
+    let other = FakeHost::default();
+    let replica = super::plugin(&other, &cluster_config("fail_closed"));
+    let (mut retry, token, _) = claimed_at_store(&other, &replica, "k1");
+    let completed = format!(
+        r#"{{"outcome":"completed","record":"{}"}}"#,
+        BASE64.encode(&record)
+    );
+    assert_eq!(
+        answer(&other, &mut retry, token, Some(200), &completed),
+        Verdict::Pause
+    );
+    let (status, _, body) = the_reply(&other.take_effects());
+    assert_eq!(status, 409);
+    assert!(problem_type(&body).ends_with("outcome-unknown"));
 }

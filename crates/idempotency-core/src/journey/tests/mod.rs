@@ -9,6 +9,7 @@ mod local_claim;
 mod response;
 mod root;
 mod stream;
+mod unknown_outcome;
 mod wait;
 
 use std::rc::Rc;
@@ -138,6 +139,21 @@ pub(super) fn respond(host: &FakeHost, request: &mut RequestJourney, status: u16
         );
     }
     request.on(host, Event::StreamEnd);
+}
+
+/// What Envoy reports of the stream: `response.code_details`, `response.flags` and
+/// `upstream.request_attempt_count`, as the host hands them to the filter.
+pub(super) fn envoy_reports(host: &FakeHost, details: &str, flags: u64, attempts: i64) {
+    let mut properties = host.properties.borrow_mut();
+    properties.insert("response.code_details".into(), details.as_bytes().to_vec());
+    properties.insert(
+        "response.flags".into(),
+        (flags as i64).to_le_bytes().to_vec(),
+    );
+    properties.insert(
+        "upstream.request_attempt_count".into(),
+        attempts.to_le_bytes().to_vec(),
+    );
 }
 
 /// A local reply: status, headers and body.

@@ -80,39 +80,63 @@ fn a_stream_cut_after_response_headers_replays_status_and_headers_without_the_bo
 }
 
 #[test]
-fn a_stream_cut_before_any_response_keeps_the_key_in_flight_until_its_lease_ends() {
+fn a_client_that_leaves_after_its_request_went_upstream_leaves_an_unknown_outcome() {
     let host = FakeHost::default();
     let plugin = plugin(
         &host,
         r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"lease_seconds":5}]}"#,
     );
     let (mut request, _) = post(&host, &plugin, "k1", b"{}");
+    envoy_reports(&host, "downstream_remote_disconnect", 0x4000, 1);
     request.on(&host, Event::StreamEnd);
-    // Whether the upstream acted is unknown: a retry must not run it again now.
-    post(&host, &plugin, "k1", b"{}");
-    assert_eq!(the_reply(&host.take_effects()).0, 409);
-    host.advance_ms(5_001);
+    assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 1);
+    // Whether the upstream acted is unknown: no retry runs it again, even past the lease.
+    host.advance_ms(60_000);
+    let (_, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 409);
+    assert!(problem_type(&body).ends_with("outcome-unknown"));
+    assert_eq!(header(&headers, "retry-after"), None);
+    assert_eq!(header(&headers, "idempotent-replayed"), None);
+    assert_eq!(host.counter("orders", Outcome::OutcomeUnknownAnswered), 1);
+    assert_eq!(host.counter("orders", Outcome::Executed), 1);
+}
+
+#[test]
+fn a_client_that_leaves_before_the_router_made_an_attempt_frees_the_key() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut request, _) = post(&host, &plugin, "k1", b"{}");
+    envoy_reports(&host, "downstream_remote_disconnect", 0x4000, 0);
+    request.on(&host, Event::StreamEnd);
+    assert_eq!(host.counter("orders", Outcome::Released), 1);
     let (retry, verdict) = post(&host, &plugin, "k1", b"{}");
     assert_eq!(verdict, Verdict::Continue);
     assert!(is_executing(&retry));
 }
 
 #[test]
-fn unreadable_response_headers_release_the_claim() {
-    let host = FakeHost::default();
-    let plugin = plugin(&host, ORDERS);
-    let (mut request, _) = post(&host, &plugin, "k1", b"{}");
-    host.fail(HostCall::ResponseHeaders);
-    request.on(
-        &host,
-        Event::ResponseHeaders {
-            end_of_stream: true,
-        },
-    );
-    host.heal(HostCall::ResponseHeaders);
-    assert_eq!(host.counter("orders", Outcome::Released), 1);
-    let (_, verdict) = post(&host, &plugin, "k1", b"{}");
-    assert_eq!(verdict, Verdict::Continue);
+fn unreadable_response_headers_leave_an_unknown_outcome_unless_nothing_was_sent() {
+    for (details, flags, attempts, retry_executes) in [
+        ("response_timeout", 0x4, 1, false),
+        ("no_healthy_upstream", 0x2, 1, true),
+    ] {
+        let host = FakeHost::default();
+        let plugin = plugin(&host, ORDERS);
+        let (mut request, _) = post(&host, &plugin, "k1", b"{}");
+        envoy_reports(&host, details, flags, attempts);
+        host.fail(HostCall::ResponseHeaders);
+        request.on(
+            &host,
+            Event::ResponseHeaders {
+                end_of_stream: true,
+            },
+        );
+        host.heal(HostCall::ResponseHeaders);
+        let (_, verdict) = post(&host, &plugin, "k1", b"{}");
+        assert_eq!(verdict == Verdict::Continue, retry_executes, "{details}");
+    }
 }
 
 #[test]

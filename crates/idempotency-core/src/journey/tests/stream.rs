@@ -209,6 +209,7 @@ fn the_store_saying_in_flight_or_completed_answers_the_request_in_its_context() 
         headers: vec![("content-type".into(), b"application/json".to_vec())],
         body: b"{\"id\":2}".to_vec(),
         body_omitted: false,
+        unknown: None,
     };
     let _held_by_envoy = request(&host, &root, "done");
     let id = calls(&host.take_effects())[0].2.id;

@@ -1,0 +1,318 @@
+//! Who answered a protected request, and whether it reached the upstream, from what Envoy
+//! reports on the stream (`response.code_details`, `response.flags`,
+//! `upstream.request_attempt_count`). The filter sits before the router: a route timeout, a
+//! reset after the request was sent, or a router retry all reach it as one answer from
+//! Envoy, and only these properties tell them apart from the upstream's own answer or from a
+//! request that never left the proxy.
+
+use crate::host::Host;
+use crate::record::UnknownOutcome;
+
+/// Envoy's response flags, as the legacy bit vector of `response.flags` numbers them.
+pub mod flag {
+    pub const FAILED_LOCAL_HEALTH_CHECK: u64 = 0x1;
+    pub const NO_HEALTHY_UPSTREAM: u64 = 0x2;
+    pub const UPSTREAM_REQUEST_TIMEOUT: u64 = 0x4;
+    pub const LOCAL_RESET: u64 = 0x8;
+    pub const UPSTREAM_REMOTE_RESET: u64 = 0x10;
+    pub const UPSTREAM_CONNECTION_FAILURE: u64 = 0x20;
+    pub const UPSTREAM_CONNECTION_TERMINATION: u64 = 0x40;
+    pub const UPSTREAM_OVERFLOW: u64 = 0x80;
+    pub const NO_ROUTE_FOUND: u64 = 0x100;
+    pub const UPSTREAM_RETRY_LIMIT_EXCEEDED: u64 = 0x8000;
+    pub const NO_CLUSTER_FOUND: u64 = 0x100_0000;
+    pub const DNS_RESOLUTION_FAILED: u64 = 0x400_0000;
+    pub const DROP_OVERLOAD: u64 = 0x800_0000;
+
+    /// Short names, as Envoy's access log prints them, in bit order.
+    pub(super) const NAMES: [&str; 29] = [
+        "LH", "UH", "UT", "LR", "UR", "UF", "UC", "UO", "NR", "DI", "FI", "RL", "UAEX", "RLSE",
+        "DC", "URX", "SI", "IH", "DPE", "UMSDR", "RFCF", "NFCF", "DT", "UPE", "NC", "OM", "DF",
+        "DO", "DR",
+    ];
+}
+
+/// Flags that say the router never sent the request: no host to send it to, no connection
+/// to it, a circuit breaker or overload refusing it, nothing to route to. `URX` comes with
+/// them whenever a retry policy exists, even one capped at no retry.
+const NEVER_SENT: u64 = flag::FAILED_LOCAL_HEALTH_CHECK
+    | flag::NO_HEALTHY_UPSTREAM
+    | flag::UPSTREAM_CONNECTION_FAILURE
+    | flag::UPSTREAM_OVERFLOW
+    | flag::NO_ROUTE_FOUND
+    | flag::NO_CLUSTER_FOUND
+    | flag::DNS_RESOLUTION_FAILED
+    | flag::DROP_OVERLOAD
+    | flag::UPSTREAM_RETRY_LIMIT_EXCEEDED;
+
+/// Envoy's `response.code_details` for a response the upstream sent.
+const VIA_UPSTREAM: &str = "via_upstream";
+
+/// What Envoy says about how a request ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EnvoyReport {
+    /// The response's status; 0 when none was sent (the client left first).
+    pub status: u16,
+    /// `response.code_details`; None when Envoy gives none.
+    pub details: Option<String>,
+    pub flags: u64,
+    /// `upstream.request_attempt_count` (Envoy 1.33 and later); None when absent.
+    pub attempts: Option<u32>,
+}
+
+/// Who answered, as far as the filter can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answerer {
+    /// The upstream's own response. `resent`: the router sent the request more than once
+    /// (a retry policy the filter could not switch off), so an earlier attempt may also have
+    /// run the write.
+    Upstream { resent: bool },
+    /// Envoy answered, and the request provably never reached the upstream: a retry may run.
+    NeverReached,
+    /// Envoy answered (or the client left) after the request may have reached the upstream:
+    /// whether the write ran is unknown.
+    Unknown,
+}
+
+impl EnvoyReport {
+    /// Reads what Envoy reports for the response whose headers (status `status`) are being
+    /// delivered, or, with status 0, for a stream that ended without one. The upstream's own
+    /// answer costs two reads; flags are read only for Envoy's.
+    pub fn read(host: &impl Host, status: u16) -> EnvoyReport {
+        let details = property(host, &["response", "code_details"])
+            .and_then(|bytes| String::from_utf8(bytes).ok());
+        let attempts = property(host, &["upstream", "request_attempt_count"])
+            .and_then(|bytes| integer(&bytes))
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+        let flags = if details.as_deref() == Some(VIA_UPSTREAM) {
+            0
+        } else {
+            property(host, &["response", "flags"])
+                .and_then(|bytes| integer(&bytes))
+                .unwrap_or(0)
+        };
+        EnvoyReport {
+            status,
+            details,
+            flags,
+            attempts,
+        }
+    }
+
+    pub fn answerer(&self) -> Answerer {
+        let attempts = self.attempts.unwrap_or(1);
+        if self.details.as_deref() == Some(VIA_UPSTREAM) {
+            return Answerer::Upstream {
+                resent: attempts > 1,
+            };
+        }
+        // No attempt at all: a filter after this one answered, or the client left before the
+        // router sent anything.
+        if self.attempts == Some(0) {
+            return Answerer::NeverReached;
+        }
+        // Flags describe the last attempt only (an earlier one that reached the upstream
+        // leaves no trace), so they prove "never sent" for a single attempt alone.
+        if attempts <= 1 && self.flags != 0 && self.flags & !NEVER_SENT == 0 {
+            return Answerer::NeverReached;
+        }
+        // Without details (none given) and without a flag, Envoy reports nothing wrong: the
+        // response is the upstream's, as before Envoy reported details.
+        if self.details.is_none() && self.flags == 0 && self.status != 0 {
+            return Answerer::Upstream {
+                resent: attempts > 1,
+            };
+        }
+        Answerer::Unknown
+    }
+
+    /// What the record of an unknown outcome keeps of this report.
+    pub fn as_unknown_outcome(&self) -> UnknownOutcome {
+        UnknownOutcome {
+            proxy_status: self.status,
+            response_flags: self.flags,
+            details: self.details.clone().unwrap_or_default(),
+            attempts: self.attempts.unwrap_or(0),
+        }
+    }
+}
+
+/// The flags as Envoy's access log prints them (`UT,URX`); `-` for none.
+pub fn flag_names(flags: u64) -> String {
+    let names: Vec<&str> = flag::NAMES
+        .iter()
+        .enumerate()
+        .filter(|(bit, _)| flags & (1u64 << bit) != 0)
+        .map(|(_, name)| *name)
+        .collect();
+    if names.is_empty() {
+        "-".to_string()
+    } else {
+        names.join(",")
+    }
+}
+
+fn property(host: &impl Host, path: &[&str]) -> Option<Vec<u8>> {
+    match host.property(path) {
+        Ok(value) => value,
+        Err(e) => {
+            log::debug!("property {} unreadable: {}", path.join("."), e.0);
+            None
+        }
+    }
+}
+
+/// Envoy hands integer properties over as 8 little-endian bytes.
+fn integer(bytes: &[u8]) -> Option<u64> {
+    let raw: [u8; 8] = bytes.try_into().ok()?;
+    u64::try_from(i64::from_le_bytes(raw)).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn report(status: u16, details: &str, flags: u64, attempts: u32) -> EnvoyReport {
+        EnvoyReport {
+            status,
+            details: Some(details.to_string()),
+            flags,
+            attempts: Some(attempts),
+        }
+    }
+
+    #[test]
+    fn the_upstreams_own_answer_is_told_from_envoys() {
+        assert_eq!(
+            report(500, "via_upstream", 0, 1).answerer(),
+            Answerer::Upstream { resent: false }
+        );
+        assert_eq!(
+            report(201, "via_upstream", 0, 3).answerer(),
+            Answerer::Upstream { resent: true }
+        );
+    }
+
+    #[test]
+    fn a_request_that_never_left_envoy_may_run_again() {
+        for (details, flags, attempts) in [
+            ("no_healthy_upstream", flag::NO_HEALTHY_UPSTREAM, 1),
+            (
+                "upstream_reset_before_response_started{remote_connection_failure}",
+                flag::UPSTREAM_CONNECTION_FAILURE,
+                1,
+            ),
+            (
+                "upstream_reset_before_response_started{connection_failure}",
+                flag::UPSTREAM_CONNECTION_FAILURE | flag::UPSTREAM_RETRY_LIMIT_EXCEEDED,
+                1,
+            ),
+            (
+                "upstream_reset_before_response_started{overflow}",
+                flag::UPSTREAM_OVERFLOW,
+                1,
+            ),
+            ("route_not_found", flag::NO_ROUTE_FOUND, 0),
+            ("cluster_not_found", flag::NO_CLUSTER_FOUND, 0),
+            // A filter after this one answered: the router never ran.
+            ("ext_authz_denied", 0x1000, 0),
+        ] {
+            assert_eq!(
+                report(503, details, flags, attempts).answerer(),
+                Answerer::NeverReached,
+                "{details}"
+            );
+        }
+        // The client left before the router made an attempt.
+        assert_eq!(
+            report(0, "downstream_remote_disconnect", 0x4000, 0).answerer(),
+            Answerer::NeverReached
+        );
+    }
+
+    #[test]
+    fn an_answer_after_the_request_may_have_reached_the_upstream_is_unknown() {
+        for (status, details, flags, attempts) in [
+            (504, "response_timeout", flag::UPSTREAM_REQUEST_TIMEOUT, 1),
+            (
+                504,
+                "upstream_per_try_timeout",
+                flag::UPSTREAM_REQUEST_TIMEOUT | flag::UPSTREAM_RETRY_LIMIT_EXCEEDED,
+                3,
+            ),
+            (
+                503,
+                "upstream_reset_before_response_started{connection_termination}",
+                flag::UPSTREAM_CONNECTION_TERMINATION,
+                1,
+            ),
+            (
+                503,
+                "upstream_reset_before_response_started{remote_reset}",
+                flag::UPSTREAM_REMOTE_RESET,
+                1,
+            ),
+            (
+                502,
+                "upstream_reset_before_response_started{protocol_error}",
+                0x80_0000,
+                1,
+            ),
+            // Flags tell only of the last attempt: a refused connection after an attempt
+            // that was reset (seen on Envoy 1.36 and 1.40) reads as `URX,UF`.
+            (
+                503,
+                "upstream_reset_before_response_started{remote_connection_failure}",
+                flag::UPSTREAM_CONNECTION_FAILURE | flag::UPSTREAM_RETRY_LIMIT_EXCEEDED,
+                2,
+            ),
+            // The client left after the router made its attempt (Envoy reports one even when
+            // the request had not been written to the upstream yet).
+            (0, "downstream_remote_disconnect", 0x4000, 1),
+            // Envoy answered without saying why: nothing proves the upstream was not reached.
+            (503, "some_future_detail", 0, 1),
+        ] {
+            assert_eq!(
+                report(status, details, flags, attempts).answerer(),
+                Answerer::Unknown,
+                "{details} {flags:#x}"
+            );
+        }
+    }
+
+    #[test]
+    fn without_details_a_clean_report_is_the_upstreams_and_a_flagged_one_is_not() {
+        let mut r = EnvoyReport {
+            status: 503,
+            details: None,
+            flags: 0,
+            attempts: None,
+        };
+        assert_eq!(r.answerer(), Answerer::Upstream { resent: false });
+        r.flags = flag::UPSTREAM_REQUEST_TIMEOUT;
+        assert_eq!(r.answerer(), Answerer::Unknown);
+        r.status = 0;
+        r.flags = 0;
+        assert_eq!(r.answerer(), Answerer::Unknown);
+    }
+
+    #[test]
+    fn flags_print_as_envoys_access_log_does() {
+        assert_eq!(flag_names(0), "-");
+        assert_eq!(
+            flag_names(flag::UPSTREAM_REQUEST_TIMEOUT | flag::UPSTREAM_RETRY_LIMIT_EXCEEDED),
+            "UT,URX"
+        );
+        assert_eq!(flag_names(flag::DROP_OVERLOAD), "DO");
+        assert_eq!(flag_names(flag::NO_CLUSTER_FOUND), "NC");
+    }
+
+    #[test]
+    fn integers_are_read_as_envoy_sends_them() {
+        assert_eq!(integer(&3i64.to_le_bytes()), Some(3));
+        assert_eq!(integer(&(-1i64).to_le_bytes()), None);
+        assert_eq!(integer(b"3"), None);
+    }
+}

@@ -1,0 +1,318 @@
+"""End-to-end: a write Envoy, its router or the client gave up on after it may have reached
+the upstream never runs twice (README "Unknown outcomes").
+
+Envoy from envoy/envoy.yaml, with routes added for each way Envoy gives up: a route timeout
+shorter than the write, a retry policy with a per-try timeout, a cluster nobody listens on.
+Each test counts the demo upstream's executions of its own path. Single-proxy mode (the
+sample's plugin configuration without its store), then cluster mode (two Envoys sharing one
+store), since a retry of an unknown outcome may land on any replica.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import pytest
+
+import client
+import harness
+from cluster import raw_post, start_cluster
+from cluster import post as cluster_post
+from helpers import (
+    crash_lines,
+    envoy_yaml_plugin_config,
+    is_replay,
+    new_key,
+    post,
+    problem,
+    rule,
+    rule_counter,
+    sample_single_proxy_config,
+    start_envoy,
+    unique_path,
+)
+
+# The routes each test sends to: their timeouts and policies are what Envoy gives up by.
+SLOW_ROUTE = "/edge-slow"  # route timeout 1 s
+RETRIED = "/edge-retried"  # retry_policy 5xx,reset x2, per-try timeout 1 s (Istio's shape)
+REFUSED = "/edge-refused"  # a cluster whose port nobody listens on
+PLAIN = "/edge"  # the sample's 15 s route
+EDGE_RULE = "edge"
+
+
+def add_routes(config: dict) -> None:
+    """``mutate`` for envoy/envoy.yaml: the routes above, ahead of the catch-all."""
+    hcm = next(
+        f["typed_config"]
+        for listener in config["static_resources"]["listeners"]
+        for chain in listener["filter_chains"]
+        for f in chain["filters"]
+        if f["name"] == "envoy.filters.network.http_connection_manager"
+    )
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    routes[:0] = [
+        {"name": "edge-slow", "match": {"prefix": SLOW_ROUTE + "/"},
+         "route": {"cluster": "demo_upstream", "timeout": "1s"}},
+        {"name": "edge-retried", "match": {"prefix": RETRIED + "/"},
+         "route": {"cluster": "demo_upstream", "timeout": "10s",
+                   "retry_policy": {"retry_on": "5xx,reset", "num_retries": 2,
+                                    "per_try_timeout": "1s"}}},
+        {"name": "edge-refused", "match": {"prefix": REFUSED + "/"},
+         "route": {"cluster": "refused", "timeout": "5s"}},
+    ]
+    config["static_resources"]["clusters"].append({
+        "name": "refused",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": "refused", "endpoints": [{"lb_endpoints": [{
+            "endpoint": {"address": {"socket_address": {
+                "address": harness.LOOPBACK, "port_value": harness.free_port()}}}}]}]},
+    })
+
+
+def edge_rule(**fields: Any) -> dict:
+    return rule(EDGE_RULE, prefixes=[PLAIN], **fields)
+
+
+def single_proxy_config(**fields: Any) -> dict:
+    config = sample_single_proxy_config()
+    config["rules"].append(edge_rule(**fields))
+    return config
+
+
+def assert_outcome_unknown(resp: client.Response) -> dict:
+    """The answer to a retry of a write whose outcome is unknown: 409, no Retry-After."""
+    doc = problem(resp, 409, "outcome-unknown", rule=EDGE_RULE)
+    assert "retry-after" not in resp.headers, dict(resp.headers)
+    assert not is_replay(resp)
+    return doc
+
+
+def wait_done(upstream: harness.Upstream, path: str, executions: int = 1) -> None:
+    """Waits for the upstream to have started the write (it counts before any delay)."""
+    harness.wait_until(lambda: upstream.executions(path) >= executions, timeout=10,
+                       what=f"{executions} execution(s) of {path}")
+
+
+@pytest.fixture
+def edge(procs: harness.ProcessGroup) -> Iterator[tuple[harness.Envoy, harness.Upstream]]:
+    upstream = procs.upstream()
+    envoy = start_envoy(procs, upstream, single_proxy_config(), name="envoy-edge",
+                        mutate=add_routes)
+    yield envoy, upstream
+    assert not crash_lines(envoy.log_text())
+
+
+# --------------------------------------------------------------------------
+# single-proxy mode
+# --------------------------------------------------------------------------
+
+
+def test_a_route_timeout_while_the_upstream_still_works_is_never_run_again(edge) -> None:
+    """The incident the product exists for: Envoy's route timeout answers 504 while the
+    payment goes through; the retry must not charge again."""
+    envoy, upstream = edge
+    path, key = unique_path(SLOW_ROUTE), new_key()
+    first = post(envoy, path, key=key, headers={"x-demo-delay-ms": "2000"})
+    assert first.status_code == 504, first.content[:200]
+    time.sleep(1.3)  # the upstream finished the write meanwhile
+    assert upstream.executions(path) == 1
+    for _ in range(3):
+        assert_outcome_unknown(post(envoy, path, key=key))
+    assert upstream.executions(path) == 1
+    assert rule_counter(envoy, EDGE_RULE, "outcome_unknown") == 1
+    assert rule_counter(envoy, EDGE_RULE, "outcome_unknown_answered") == 3
+    assert rule_counter(envoy, EDGE_RULE, "released") == 0
+
+
+def test_a_per_try_timeout_retry_policy_sends_the_write_once(edge) -> None:
+    """A route retrying 5xx and resets with a 1 s per-try timeout sent one POST to the
+    upstream three times; the filter caps the router at no retry, and the attempt's timeout
+    is an unknown outcome."""
+    envoy, upstream = edge
+    path, key = unique_path(RETRIED), new_key()
+    first = post(envoy, path, key=key, headers={"x-demo-delay-ms": "1500"})
+    assert first.status_code == 504, first.content[:200]
+    time.sleep(1.0)
+    assert upstream.executions(path) == 1, "the router did not resend it"
+    assert_outcome_unknown(post(envoy, path, key=key))
+    assert upstream.executions(path) == 1
+    assert rule_counter(envoy, EDGE_RULE, "resent") == 0
+
+
+def test_an_upstream_that_resets_after_reading_the_request_is_not_run_again(edge) -> None:
+    envoy, upstream = edge
+    path, key = unique_path(PLAIN), new_key()
+    first = post(envoy, path, key=key, headers={"x-demo-reset": "1"})
+    assert first.status_code == 503, first.content[:200]
+    assert upstream.executions(path) == 1
+    assert_outcome_unknown(post(envoy, path, key=key))
+    assert upstream.executions(path) == 1
+
+
+def test_a_client_that_hangs_up_leaves_an_unknown_outcome_not_a_lease(edge) -> None:
+    """Before: retries got 409 until the lease passed, then one executed again."""
+    envoy, upstream = edge
+    path, key = unique_path(PLAIN), new_key()
+    with raw_post(envoy, path, key, headers={"x-demo-delay-ms": "1500"}) as raw:
+        wait_done(upstream, path)
+        raw.abort()
+    harness.wait_until(lambda: rule_counter(envoy, EDGE_RULE, "outcome_unknown") == 1,
+                       timeout=10, what="the hang-up recorded as an unknown outcome")
+    time.sleep(1.7)  # the write completed upstream, unseen
+    for _ in range(2):
+        assert_outcome_unknown(cluster_post(envoy, path, key))
+    assert upstream.executions(path) == 1
+
+
+def test_a_write_that_outlives_its_lease_is_renewed_not_taken_over(edge, procs) -> None:
+    envoy, upstream = edge
+    short = start_envoy(procs, upstream, single_proxy_config(lease_seconds=1),
+                        name="envoy-short-lease", mutate=add_routes)
+    path, key = unique_path(PLAIN), new_key()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        first = pool.submit(post, short, path, key=key, headers={"x-demo-delay-ms": "3000"})
+        wait_done(upstream, path)
+        time.sleep(1.8)  # past the 1 s lease: before renewals, a retry took it over
+        retry = post(short, path, key=key)
+        problem(retry, 409, "request-in-flight", rule=EDGE_RULE)
+        done = first.result(timeout=20)
+    assert done.status_code == 201 and done.headers["x-execution"] == "1"
+    replay = post(short, path, key=key)
+    assert is_replay(replay) and replay.content == done.content
+    assert upstream.executions(path) == 1
+    assert rule_counter(short, EDGE_RULE, "taken_over") == 0
+
+
+def test_a_connection_refusal_stays_retryable(edge) -> None:
+    """Nothing reached an upstream: the key is freed, so a retry is Envoy's to answer again
+    (and executes once the upstream is back), never the filter's 409."""
+    envoy, _ = edge
+    key = new_key()
+    path = unique_path(REFUSED)
+    for attempt in (1, 2):
+        resp = post(envoy, path, key=key)
+        assert resp.status_code == 503 and "problem+json" not in resp.headers.get("content-type", ""), \
+            resp.content[:200]
+        assert rule_counter(envoy, EDGE_RULE, "released") == attempt
+    assert rule_counter(envoy, EDGE_RULE, "outcome_unknown") == 0
+
+
+def test_the_upstreams_own_500_follows_release_on_status(edge) -> None:
+    envoy, upstream = edge
+    path, key = unique_path(PLAIN), new_key()
+    failed = post(envoy, path, key=key, headers={"x-demo-status": "500"})
+    assert failed.status_code == 500
+    again = post(envoy, path, key=key)
+    assert again.status_code == 201 and again.headers["x-execution"] == "2"
+    assert is_replay(post(envoy, path, key=key))
+    assert upstream.executions(path) == 2
+    assert rule_counter(envoy, EDGE_RULE, "outcome_unknown") == 0
+
+
+def test_on_unknown_outcome_release_frees_the_key_as_before(procs) -> None:
+    upstream = procs.upstream()
+    envoy = start_envoy(procs, upstream, single_proxy_config(on_unknown_outcome="release"),
+                        name="envoy-release", mutate=add_routes)
+    path, key = unique_path(SLOW_ROUTE), new_key()
+    assert post(envoy, path, key=key, headers={"x-demo-delay-ms": "1500"}).status_code == 504
+    again = post(envoy, path, key=key)
+    assert again.status_code == 201 and again.headers["x-execution"] == "2"
+    assert rule_counter(envoy, EDGE_RULE, "outcome_unknown") == 1
+    assert rule_counter(envoy, EDGE_RULE, "released") == 1
+
+
+# --------------------------------------------------------------------------
+# cluster mode: two Envoys, one store
+# --------------------------------------------------------------------------
+
+
+def cluster_config(**fields: Any) -> dict:
+    """envoy/envoy.yaml's plugin configuration, store and all, with the edge rule."""
+    config = envoy_yaml_plugin_config()
+    config["rules"].append(edge_rule(**fields))
+    return config
+
+
+@pytest.fixture
+def replicas(procs: harness.ProcessGroup):
+    cluster = start_cluster(procs, envoys=0)
+    for name in ("envoy-a", "envoy-b"):
+        cluster.add_envoy(name, cluster_config(lease_seconds=1), mutate=add_routes)
+    yield cluster
+    for envoy in cluster.envoys:
+        assert not crash_lines(envoy.log_text())
+
+
+def test_cluster_a_route_timeout_on_one_replica_is_not_run_again_on_the_other(replicas) -> None:
+    a, b = replicas.a, replicas.b
+    path, key = unique_path(SLOW_ROUTE), new_key()
+    assert cluster_post(a, path, key, headers={"x-demo-delay-ms": "2000"}).status_code == 504
+    time.sleep(1.3)
+    for envoy in (b, a, b):
+        assert_outcome_unknown(cluster_post(envoy, path, key))
+    assert replicas.upstream.executions(path) == 1
+
+
+def test_cluster_a_per_try_timeout_and_a_reset_are_unknown_everywhere(replicas) -> None:
+    a, b = replicas.a, replicas.b
+    for route, headers, status in ((RETRIED, {"x-demo-delay-ms": "1500"}, 504),
+                                   (PLAIN, {"x-demo-reset": "1"}, 503)):
+        path, key = unique_path(route), new_key()
+        assert cluster_post(a, path, key, headers=headers).status_code == status
+        time.sleep(0.7)
+        assert_outcome_unknown(cluster_post(b, path, key))
+        assert replicas.upstream.executions(path) == 1, route
+
+
+def test_cluster_a_client_hang_up_is_unknown_on_every_replica(replicas) -> None:
+    a, b = replicas.a, replicas.b
+    path, key = unique_path(PLAIN), new_key()
+    with raw_post(a, path, key, headers={"x-demo-delay-ms": "1500"}) as raw:
+        wait_done(replicas.upstream, path)
+        raw.abort()
+    harness.wait_until(lambda: rule_counter(a, EDGE_RULE, "outcome_unknown") == 1,
+                       timeout=10, what="the hang-up recorded")
+    # Past the 1 s lease: no replica takes the key over.
+    time.sleep(2.0)
+    for envoy in (b, a):
+        assert_outcome_unknown(cluster_post(envoy, path, key))
+    assert replicas.upstream.executions(path) == 1
+
+
+def test_cluster_a_write_that_outlives_its_lease_is_not_taken_over_by_another_replica(
+    replicas,
+) -> None:
+    """The store's lease is renewed from the first replica while the write runs: a retry
+    through the other replica long after the 1 s lease finds it in flight."""
+    a, b = replicas.a, replicas.b
+    path, key = unique_path(PLAIN), new_key()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        first = pool.submit(cluster_post, a, path, key, headers={"x-demo-delay-ms": "4000"})
+        wait_done(replicas.upstream, path)
+        for _ in range(3):
+            time.sleep(0.9)
+            problem(cluster_post(b, path, key), 409, "request-in-flight", rule=EDGE_RULE)
+        done = first.result(timeout=20)
+    assert done.status_code == 201
+    replay = cluster_post(b, path, key)
+    assert is_replay(replay) and replay.content == done.content
+    assert replicas.upstream.executions(path) == 1
+    assert rule_counter(b, EDGE_RULE, "taken_over") == 0
+    assert rule_counter(a, EDGE_RULE, "lease_lost") == 0
+
+
+def test_cluster_a_connection_refusal_and_an_upstream_500_can_run_again(replicas) -> None:
+    a, b = replicas.a, replicas.b
+    refused = unique_path(REFUSED)
+    key = new_key()
+    assert cluster_post(a, refused, key).status_code == 503
+    assert cluster_post(b, refused, key).status_code == 503  # Envoy's, not the filter's 409
+    assert rule_counter(b, EDGE_RULE, "released") == 1
+    path, key = unique_path(PLAIN), new_key()
+    assert cluster_post(a, path, key, headers={"x-demo-status": "500"}).status_code == 500
+    again = cluster_post(b, path, key)
+    assert again.status_code == 201 and again.headers["x-execution"] == "2"
+    assert replicas.upstream.executions(path) == 2
