@@ -21,7 +21,7 @@ use idempotency_store::server::{self, AppState, Auth};
 use idempotency_store::storage::memory::MemoryStorage;
 use idempotency_store::storage::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
-    ReleaseOutcome, Storage, StorageError,
+    ReleaseOutcome, RenewOutcome, Storage, StorageError,
 };
 use reqwest::{Client, StatusCode, Version};
 use serde_json::{json, Value};
@@ -768,6 +768,14 @@ impl Storage for Broken {
     async fn release(&self, _: &Digest, _: &OwnerToken) -> Result<ReleaseOutcome, StorageError> {
         Err(StorageError::Backend("down".into()))
     }
+    async fn renew(
+        &self,
+        _: &Digest,
+        _: &OwnerToken,
+        _: u64,
+    ) -> Result<RenewOutcome, StorageError> {
+        Err(StorageError::Backend("down".into()))
+    }
     async fn lookup(&self, _: &Digest) -> Result<Option<RecordView>, StorageError> {
         Err(StorageError::Backend("down".into()))
     }
@@ -859,6 +867,15 @@ impl Storage for Gated {
     ) -> Result<ReleaseOutcome, StorageError> {
         self.hold().await;
         self.inner.release(key, owner).await
+    }
+    async fn renew(
+        &self,
+        key: &Digest,
+        owner: &OwnerToken,
+        lease_ms: u64,
+    ) -> Result<RenewOutcome, StorageError> {
+        self.hold().await;
+        self.inner.renew(key, owner, lease_ms).await
     }
     async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
         self.inner.lookup(key).await
