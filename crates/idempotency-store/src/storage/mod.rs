@@ -110,8 +110,13 @@ pub async fn renew_batch(
     leases: &[Lease],
     lease_ms: u64,
 ) -> Result<Vec<u32>, StorageError> {
-    let outcomes: Vec<Result<RenewOutcome, StorageError>> = stream::iter(leases)
+    // Made up front (they start when polled): a stream combinator holding a closure over
+    // the borrowed leases would keep the caller's future from being `Send`.
+    let renews: Vec<_> = leases
+        .iter()
         .map(|lease| storage.renew(&lease.key, &lease.owner, lease_ms))
+        .collect();
+    let outcomes: Vec<Result<RenewOutcome, StorageError>> = stream::iter(renews)
         .buffered(RENEW_CONCURRENCY)
         .collect()
         .await;
