@@ -366,14 +366,14 @@ mod tests {
     #[test]
     fn renew_rejections_name_the_field_and_the_lease() {
         let lease = |key: &str, owner: &str| format!(r#"{{"key":"{key}","owner":"{owner}"}}"#);
-        let body = |lease_ms: u64, leases: &[String]| {
+        let body = |lease_ms: u64, leases: &[&str]| {
             format!(
                 r#"{{"lease_ms":{lease_ms},"leases":[{}]}}"#,
                 leases.join(",")
             )
         };
         let good = lease(&HEX.to_uppercase(), "AB");
-        let req = parse_renew(body(5, &[good.clone(), lease(HEX, "cd")]).as_bytes()).unwrap();
+        let req = parse_renew(body(5, &[&good, &lease(HEX, "cd")]).as_bytes()).unwrap();
         assert_eq!(req.lease_ms, 5);
         assert_eq!(req.leases.len(), 2);
         assert_eq!(
@@ -381,26 +381,26 @@ mod tests {
             (HEX, "ab"),
             "normalised to lowercase"
         );
-        let too_many = vec![good.clone(); MAX_RENEW_LEASES + 1];
+        let too_many = vec![good.as_str(); MAX_RENEW_LEASES + 1];
         assert!(parse_renew(body(5, &too_many[..MAX_RENEW_LEASES]).as_bytes()).is_ok());
         let cases = [
-            (body(0, &[good.clone()]), "field `lease_ms`"),
-            (body(86_400_001, &[good.clone()]), "field `lease_ms`"),
+            (body(0, &[&good]), "field `lease_ms`"),
+            (body(86_400_001, &[&good]), "field `lease_ms`"),
             (
                 body(5, &[]),
                 "field `leases`: must hold 1 to 1024 leases, got 0",
             ),
             (body(5, &too_many), "got 1025"),
             (
-                body(5, &[good.clone(), lease("ab", "cd")]),
+                body(5, &[&good, &lease("ab", "cd")]),
                 "field `leases[1].key`",
             ),
             (
-                body(5, &[good.clone(), good.clone(), lease(HEX, "")]),
+                body(5, &[&good, &good, &lease(HEX, "")]),
                 "field `leases[2].owner`: must not be empty",
             ),
             (
-                body(5, &[lease(HEX, &"a".repeat(65))]),
+                body(5, &[&lease(HEX, &"a".repeat(65))]),
                 "field `leases[0].owner`",
             ),
             (r#"{"lease_ms":5}"#.to_owned(), "missing field `leases`"),
