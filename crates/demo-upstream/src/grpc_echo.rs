@@ -3,7 +3,8 @@
 //! It serves the store's streaming method (`idempotency.store.v1.Store/Coordinate`,
 //! `proto/idempotency_store.proto`) over cleartext HTTP/2 and answers every call the moment
 //! it has read it, with no storage behind it: a claim is `claimed` (the call's own owner, or
-//! a fixed one), a completion `recorded`, a release `released`. What a filter measures
+//! a fixed one), a completion `recorded`, a release `released`, a renew `renewed` with
+//! nothing lost. What a filter measures
 //! against it is the transport alone: one message out, one back, on a stream kept open.
 //!
 //! gRPC framing is done here by hand (a 1-byte compressed flag, a 4-byte big-endian length,
@@ -259,6 +260,7 @@ fn reply_to(op: CallOp, now_ms: u64) -> Reply {
         },
         CallOp::Complete { .. } => Reply::Recorded,
         CallOp::Release { .. } | CallOp::Wait { .. } => Reply::Released,
+        CallOp::Renew { .. } => Reply::Renewed { lost: Vec::new() },
     }
 }
 

@@ -230,6 +230,15 @@ pub fn token_text(u: &mut Unstructured<'_>, max: usize) -> Result<String> {
     }
 }
 
+/// The leases of a renew: (key, owner) pairs, mostly a few, sometimes none or around the
+/// store's bound of `max`; each key and owner valid or not.
+pub fn renew_leases(u: &mut Unstructured<'_>, max: usize) -> Result<Vec<(String, String)>> {
+    let count = *u.choose(&[0, 1, 1, 2, 3, 5, max, max + 1])?;
+    (0..count)
+        .map(|_| Ok((digest_text(u)?, token_text(u, 66)?)))
+        .collect()
+}
+
 /// A response a sound filter could have recorded: token header names, values without CR, LF
 /// or NUL.
 pub fn replayable_record(u: &mut Unstructured<'_>) -> Result<RecordedResponse> {

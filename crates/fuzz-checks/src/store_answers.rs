@@ -183,6 +183,7 @@ fn to_pb(answer: &Answer) -> pb::Answer {
         Reply::Recorded => PbReply::Recorded(empty),
         Reply::Released => PbReply::Released(empty),
         Reply::NotOwner => PbReply::NotOwner(empty),
+        Reply::Renewed { lost } => PbReply::Renewed(pb::Renewed { lost: lost.clone() }),
         Reply::Failure { kind, detail } => PbReply::Failure(pb::Failure {
             // An enum is an int32 on the wire, sign-extended to 64 bits when negative.
             kind: match kind {
@@ -257,7 +258,7 @@ fn stream_raw(data: &[u8]) {
 }
 
 fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
-    let reply = match u.int_in_range(0..=7)? {
+    let reply = match u.int_in_range(0..=8)? {
         0 => Reply::Claimed {
             owner: token_text(u, 40)?,
             lease_expires_at_ms: u.arbitrary()?,
@@ -276,6 +277,9 @@ fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
         4 => Reply::Recorded,
         5 => Reply::Released,
         6 => Reply::NotOwner,
+        7 => Reply::Renewed {
+            lost: u.arbitrary()?,
+        },
         _ => {
             let number = if u.arbitrary()? {
                 u.arbitrary::<i32>()? as i64 as u64

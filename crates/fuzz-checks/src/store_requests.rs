@@ -5,21 +5,21 @@
 use arbitrary::{Result, Unstructured};
 use idempotency_protocol::stream::{decode_call, encode_call, Call, CallOp};
 use idempotency_protocol::wire::{
-    decode_record, encode_record, ClaimBody, CompleteBody, ReleaseBody, MAX_LEASE_MS, MAX_TTL_MS,
-    MIN_LEASE_MS, MIN_TTL_MS,
+    decode_record, encode_record, ClaimBody, CompleteBody, LeaseBody, ReleaseBody, RenewBody,
+    MAX_LEASE_MS, MAX_RENEW_LEASES, MAX_TTL_MS, MIN_LEASE_MS, MIN_TTL_MS,
 };
 use idempotency_store::grpc::pb;
 use idempotency_store::grpc::pb::call::Op as PbOp;
 use idempotency_store::protocol::{
-    parse_claim, parse_complete, parse_key, parse_release, validate_claim, validate_complete,
-    validate_release, validate_wait,
+    parse_claim, parse_complete, parse_key, parse_release, parse_renew, validate_claim,
+    validate_complete, validate_release, validate_renew, validate_wait,
 };
 use idempotency_store::storage::Digest;
 use idempotency_store::waits::MAX_WAIT_MS;
 use prost::Message as _;
 use serde_json::Value;
 
-use crate::gen::{digest_text, token_text};
+use crate::gen::{digest_text, renew_leases, token_text};
 
 /// Any body: a request the store accepts holds what the body says, normalised (digests and
 /// owners as lowercase hex of the right length, times within the store's bounds, the record
@@ -91,6 +91,31 @@ fn http_raw(data: &[u8]) {
         assert_eq!(req.owner.as_str(), lower(&sent.owner));
         assert!(is_digest(req.key.as_str()) && is_owner(req.owner.as_str()));
     }
+    if let Ok(req) = parse_renew(data) {
+        let sent: RenewBody = serde_json::from_slice(data).expect("accepted, so readable");
+        assert!((MIN_LEASE_MS..=MAX_LEASE_MS).contains(&req.lease_ms));
+        assert_eq!(req.lease_ms, sent.lease_ms);
+        assert!((1..=MAX_RENEW_LEASES).contains(&req.leases.len()));
+        assert_eq!(req.leases.len(), sent.leases.len());
+        for (read, sent) in req.leases.iter().zip(&sent.leases) {
+            assert_eq!(read.key.as_str(), lower(&sent.key));
+            assert_eq!(read.owner.as_str(), lower(&sent.owner));
+            assert!(is_digest(read.key.as_str()) && is_owner(read.owner.as_str()));
+        }
+    }
+}
+
+fn renew_body(lease_ms: u64, leases: &[(String, String)]) -> RenewBody {
+    RenewBody {
+        lease_ms,
+        leases: leases
+            .iter()
+            .map(|(key, owner)| LeaseBody {
+                key: key.clone(),
+                owner: owner.clone(),
+            })
+            .collect(),
+    }
 }
 
 fn time(u: &mut Unstructured<'_>, max: u64) -> Result<u64> {
@@ -109,7 +134,7 @@ fn json_with(body: &impl serde::Serialize, extra: bool) -> Vec<u8> {
 
 fn http_built(u: &mut Unstructured<'_>) -> Result<()> {
     let extra = u.ratio(1, 8)?;
-    match u.int_in_range(0..=2)? {
+    match u.int_in_range(0..=3)? {
         0 => {
             let sent = ClaimBody {
                 key: digest_text(u)?,
@@ -175,7 +200,7 @@ fn http_built(u: &mut Unstructured<'_>) -> Result<()> {
                 }
             }
         }
-        _ => {
+        2 => {
             let sent = ReleaseBody {
                 key: digest_text(u)?,
                 owner: token_text(u, 66)?,
@@ -186,6 +211,28 @@ fn http_built(u: &mut Unstructured<'_>) -> Result<()> {
             if let Ok(req) = read {
                 assert_eq!(req.key.as_str(), lower(&sent.key));
                 assert_eq!(req.owner.as_str(), lower(&sent.owner));
+            }
+        }
+        _ => {
+            let lease_ms = time(u, MAX_LEASE_MS)?;
+            let leases = renew_leases(u, MAX_RENEW_LEASES)?;
+            let sent = renew_body(lease_ms, &leases);
+            let valid = !extra
+                && (MIN_LEASE_MS..=MAX_LEASE_MS).contains(&lease_ms)
+                && (1..=MAX_RENEW_LEASES).contains(&leases.len())
+                && leases.iter().all(|(k, o)| is_digest(k) && is_owner(o));
+            let read = parse_renew(&json_with(&sent, extra));
+            assert_eq!(read.is_ok(), valid, "{sent:?} {read:?}");
+            if let Ok(req) = read {
+                assert_eq!(req.lease_ms, lease_ms);
+                let read: Vec<(String, String)> = req
+                    .leases
+                    .iter()
+                    .map(|l| (l.key.as_str().to_owned(), l.owner.as_str().to_owned()))
+                    .collect();
+                let sent: Vec<(String, String)> =
+                    leases.iter().map(|(k, o)| (lower(k), lower(o))).collect();
+                assert_eq!(read, sent);
             }
         }
     }
@@ -231,6 +278,16 @@ fn to_pb(call: &Call) -> pb::Call {
             key: key.clone(),
             fingerprint: fingerprint.clone(),
             wait_ms: *wait_ms,
+        }),
+        CallOp::Renew { lease_ms, leases } => PbOp::Renew(pb::Renew {
+            lease_ms: *lease_ms,
+            leases: leases
+                .iter()
+                .map(|(key, owner)| pb::Lease {
+                    key: key.clone(),
+                    owner: owner.clone(),
+                })
+                .collect(),
         }),
     };
     pb::Call {
@@ -310,6 +367,14 @@ fn verdicts(op: &CallOp) -> (String, String) {
                 format!("{valid:?}"),
             )
         }
+        CallOp::Renew { lease_ms, leases } => {
+            let body = renew_body(*lease_ms, leases);
+            let json = serde_json::to_vec(&body).expect("serializes");
+            (
+                format!("{:?}", validate_renew(body)),
+                format!("{:?}", parse_renew(&json)),
+            )
+        }
     }
 }
 
@@ -325,7 +390,7 @@ fn stream_raw(data: &[u8]) {
 }
 
 fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
-    let op = match u.int_in_range(0..=3)? {
+    let op = match u.int_in_range(0..=4)? {
         0 => CallOp::Claim {
             key: digest_text(u)?,
             fingerprint: digest_text(u)?,
@@ -347,10 +412,14 @@ fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
             key: digest_text(u)?,
             owner: token_text(u, 66)?,
         },
-        _ => CallOp::Wait {
+        3 => CallOp::Wait {
             key: digest_text(u)?,
             fingerprint: digest_text(u)?,
             wait_ms: time(u, MAX_WAIT_MS)?,
+        },
+        _ => CallOp::Renew {
+            lease_ms: time(u, MAX_LEASE_MS)?,
+            leases: renew_leases(u, MAX_RENEW_LEASES)?,
         },
     };
     let call = Call {

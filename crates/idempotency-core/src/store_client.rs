@@ -120,7 +120,8 @@ pub fn wait_call(key: &Digest, fingerprint: &Digest, wait_ms: u64) -> CallOp {
     }
 }
 
-/// The JSON body of `call` for the HTTP API (a wait has none: the stream alone carries it).
+/// The JSON body of `call` for the HTTP API (a wait has none: the stream alone carries it;
+/// nor has a renew, which no callout of this filter sends).
 pub fn http_body(call: &CallOp) -> Vec<u8> {
     let json = match call {
         CallOp::Claim {
@@ -151,7 +152,7 @@ pub fn http_body(call: &CallOp) -> Vec<u8> {
             key: key.clone(),
             owner: owner.clone(),
         }),
-        CallOp::Wait { .. } => return Vec::new(),
+        CallOp::Wait { .. } | CallOp::Renew { .. } => return Vec::new(),
     };
     json.unwrap_or_default()
 }
@@ -160,6 +161,8 @@ pub fn http_body(call: &CallOp) -> Vec<u8> {
 pub fn call_bytes(call: &CallOp) -> usize {
     match call {
         CallOp::Complete { record, .. } => record.len().saturating_add(256),
+        // A key and an owner of up to 64 hex characters each, per lease.
+        CallOp::Renew { leases, .. } => leases.len().saturating_mul(128).saturating_add(256),
         CallOp::Claim { .. } | CallOp::Release { .. } | CallOp::Wait { .. } => 256,
     }
 }
@@ -183,9 +186,9 @@ pub fn read_claim_reply(reply: Reply) -> Result<StoreClaim, StoreFailure> {
             kind: FailureKind::BadRequest,
             ..
         } => Err(StoreFailure::Refused(400)),
-        Reply::Recorded | Reply::Released | Reply::NotOwner => Err(StoreFailure::Garbage(
-            "store answered a claim with a write's outcome".to_string(),
-        )),
+        Reply::Recorded | Reply::Released | Reply::NotOwner | Reply::Renewed { .. } => Err(
+            StoreFailure::Garbage("store answered a claim with a write's outcome".to_string()),
+        ),
     }
 }
 

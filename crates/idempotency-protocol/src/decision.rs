@@ -1,4 +1,4 @@
-//! What a claim, a complete or a release does, given what the key holds now. Written once so
+//! What a claim, a complete, a release or a renew does, given what the key holds now. Written once so
 //! that the store's backends and the filter's local table cannot drift apart; each keeps its
 //! own storage and makes its read-decide-write step atomic its own way. (The store's Redis
 //! backend runs the same decisions as Lua scripts on the server, documented against these
@@ -187,10 +187,49 @@ pub fn release<F, O: PartialEq>(existing: Option<Record<'_, F, O>>, owner: &O) -
     }
 }
 
-/// Complete and release both start from ownership. A lapsed lease still belongs to its owner
-/// until someone takes it over (or it is removed): the work may well have succeeded late.
+/// What a renew of a claim's lease does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RenewDecision {
+    /// The caller's own in-flight claim (lease passed or not, as long as nobody took over):
+    /// its lease now ends at `lease_ends_at_ms`, which is never earlier than before.
+    Renew { lease_ends_at_ms: u64 },
+    /// Another owner's claim, a completion, or nothing: nothing changes. A renew never
+    /// creates a record and never touches a completed one.
+    NotOwner,
+}
+
+/// The renew rule: the caller's claim runs until `now + lease_ms`, or its current lease end
+/// if that is later (a renew with a shorter lease must not cut short a longer one).
+pub fn renew<F, O: PartialEq>(
+    existing: Option<Record<'_, F, O>>,
+    owner: &O,
+    lease_ms: u64,
+    now_ms: u64,
+) -> RenewDecision {
+    match owned_lease_end(existing.as_ref(), owner) {
+        Some(lease_ends_at_ms) => RenewDecision::Renew {
+            lease_ends_at_ms: lease_ends_at_ms.max(now_ms.saturating_add(lease_ms)),
+        },
+        None => RenewDecision::NotOwner,
+    }
+}
+
+/// Complete, release and renew all start from ownership. A lapsed lease still belongs to its
+/// owner until someone takes it over (or it is removed): the work may well have succeeded late.
 fn owns<F, O: PartialEq>(existing: Option<&Record<'_, F, O>>, owner: &O) -> bool {
-    matches!(existing, Some(Record::InFlight { owner: held, .. }) if *held == owner)
+    owned_lease_end(existing, owner).is_some()
+}
+
+/// The lease end of `owner`'s in-flight claim, if the key holds one.
+fn owned_lease_end<F, O: PartialEq>(existing: Option<&Record<'_, F, O>>, owner: &O) -> Option<u64> {
+    match existing {
+        Some(Record::InFlight {
+            owner: held,
+            lease_ends_at_ms,
+            ..
+        }) if *held == owner => Some(*lease_ends_at_ms),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -452,6 +491,69 @@ mod tests {
             ReleaseDecision::NotOwner
         );
         assert_eq!(release::<u8, u32>(None, &ME), ReleaseDecision::NotOwner);
+    }
+
+    #[test]
+    fn the_owner_renews_its_live_claim_from_now() {
+        assert_eq!(
+            renew(in_flight(&FP, &ME, NOW + 5), &ME, 1_000, NOW),
+            RenewDecision::Renew {
+                lease_ends_at_ms: NOW + 1_000
+            }
+        );
+    }
+
+    #[test]
+    fn a_lapsed_lease_nobody_took_over_is_still_renewed() {
+        for ends in [NOW, NOW - 500] {
+            assert_eq!(
+                renew(in_flight(&FP, &ME, ends), &ME, 1_000, NOW),
+                RenewDecision::Renew {
+                    lease_ends_at_ms: NOW + 1_000
+                },
+                "lease ended at {ends}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_renew_never_shortens_a_lease() {
+        assert_eq!(
+            renew(in_flight(&FP, &ME, NOW + 60_000), &ME, 1_000, NOW),
+            RenewDecision::Renew {
+                lease_ends_at_ms: NOW + 60_000
+            }
+        );
+        // Near the end of time the new end saturates instead of wrapping round to the past.
+        assert_eq!(
+            renew(in_flight(&FP, &ME, NOW), &ME, u64::MAX, NOW),
+            RenewDecision::Renew {
+                lease_ends_at_ms: u64::MAX
+            }
+        );
+    }
+
+    #[test]
+    fn only_the_owners_claim_is_renewed() {
+        // Taken over: the key now holds someone else's claim, live or lapsed.
+        for ends in [NOW + 5, NOW - 5] {
+            assert_eq!(
+                renew(in_flight(&FP, &SOMEONE, ends), &ME, 1_000, NOW),
+                RenewDecision::NotOwner,
+                "lease ends at {ends}"
+            );
+        }
+        // Completed (live or expired), or nothing at all: a renew creates nothing.
+        for expires in [NOW + 5, NOW] {
+            assert_eq!(
+                renew(completed(&FP, expires, Some(b"r")), &ME, 1_000, NOW),
+                RenewDecision::NotOwner
+            );
+        }
+        assert_eq!(
+            renew::<u8, u32>(None, &ME, 1_000, NOW),
+            RenewDecision::NotOwner
+        );
     }
 
     #[test]

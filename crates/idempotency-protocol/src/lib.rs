@@ -1,7 +1,7 @@
 //! What the idempotency filter and its store agree on, defined once: the digests both speak
 //! in ([`digest`]), the store protocol's JSON bodies and the facts around them ([`wire`]:
-//! outcome names, problem types, lease and TTL bounds), and the decision a claim, complete
-//! or release makes given what a key holds ([`decision`]), which the store's backends and the
+//! outcome names, problem types, lease and TTL bounds), and the decision a claim, complete,
+//! release or renew makes given what a key holds ([`decision`]), which the store's backends and the
 //! filter's local table both follow. [`stream`] encodes the messages of the store's gRPC
 //! stream for the filter.
 //!

@@ -41,6 +41,12 @@ pub enum CallOp {
         fingerprint: String,
         wait_ms: u64,
     },
+    /// Keeps the leases of claims still running alive: each `(key, owner)` gets `lease_ms`
+    /// more from now. Answered `Renewed` with the leases that were lost.
+    Renew {
+        lease_ms: u64,
+        leases: Vec<(String, String)>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,6 +71,11 @@ pub enum Reply {
     Recorded,
     Released,
     NotOwner,
+    /// To a renew: the 0-based indexes of its leases that were not renewed (not the caller's
+    /// any more); empty when every lease was.
+    Renewed {
+        lost: Vec<u32>,
+    },
     Failure {
         kind: FailureKind,
         detail: String,
@@ -117,6 +128,7 @@ mod field {
     pub const COMPLETE: u32 = 3;
     pub const RELEASE: u32 = 4;
     pub const WAIT: u32 = 5;
+    pub const RENEW: u32 = 6;
     // Answer.result
     pub const CLAIMED: u32 = 2;
     pub const IN_FLIGHT: u32 = 3;
@@ -126,6 +138,7 @@ mod field {
     pub const RELEASED: u32 = 7;
     pub const NOT_OWNER: u32 = 8;
     pub const FAILURE: u32 = 9;
+    pub const RENEWED: u32 = 10;
 }
 
 const VARINT: u8 = 0;
@@ -171,6 +184,14 @@ impl Writer {
         self.tag(field, LEN);
         self.varint(v.len() as u64);
         self.0.extend_from_slice(v);
+    }
+
+    /// A repeated number field, packed as proto3 writes it: nothing when it is empty.
+    fn packed(&mut self, field: u32, values: &[u32]) {
+        if !values.is_empty() {
+            let numbers = build(|w| values.iter().for_each(|n| w.varint(u64::from(*n))));
+            self.message(field, &numbers);
+        }
     }
 }
 
@@ -244,6 +265,20 @@ pub fn encode_call_parts(id: u64, op: &CallOp) -> Vec<u8> {
                 w.uint(3, *wait_ms);
             }),
         ),
+        CallOp::Renew { lease_ms, leases } => (
+            field::RENEW,
+            build(|w| {
+                w.uint(1, *lease_ms);
+                for (key, owner) in leases {
+                    // Every element is written, even an empty one, as for any repeated message.
+                    let lease = build(|l| {
+                        l.bytes(1, key.as_bytes());
+                        l.bytes(2, owner.as_bytes());
+                    });
+                    w.message(2, &lease);
+                }
+            }),
+        ),
     };
     wrap(id, field, &body)
 }
@@ -279,6 +314,7 @@ pub fn encode_answer(answer: &Answer) -> Vec<u8> {
         Reply::Recorded => (field::RECORDED, Vec::new()),
         Reply::Released => (field::RELEASED, Vec::new()),
         Reply::NotOwner => (field::NOT_OWNER, Vec::new()),
+        Reply::Renewed { lost } => (field::RENEWED, build(|w| w.packed(1, lost))),
         Reply::Failure { kind, detail } => (
             field::FAILURE,
             build(|w| {
@@ -387,6 +423,26 @@ fn want_len(v: Value<'_>) -> Result<&[u8], DecodeError> {
     }
 }
 
+fn want_u32(n: u64) -> Result<u32, DecodeError> {
+    u32::try_from(n).map_err(|_| DecodeError("a uint32 field holds a larger number"))
+}
+
+/// Adds the values of one occurrence of a repeated uint32 field to `into`: packed (one
+/// length-delimited run of varints, as proto3 writes it) or not (one varint), since a reader
+/// must accept both.
+fn repeated_u32(v: Value<'_>, into: &mut Vec<u32>) -> Result<(), DecodeError> {
+    match v {
+        Value::Varint(n) => into.push(want_u32(n)?),
+        Value::Len(run) => {
+            let mut numbers = Fields(run);
+            while !numbers.0.is_empty() {
+                into.push(want_u32(numbers.varint()?)?);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A Call or an Answer: its `id`, and the one member of its oneof that this build knows
 /// (its field number and bytes).
 struct Envelope<'a> {
@@ -414,7 +470,7 @@ fn envelope<'a>(
 }
 
 pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
-    let Envelope { id, member } = envelope(bytes, field::CLAIM..=field::WAIT)?;
+    let Envelope { id, member } = envelope(bytes, field::CLAIM..=field::RENEW)?;
     let op = match member {
         Some((field::CLAIM, body)) => {
             let (mut key, mut fingerprint, mut lease_ms, mut owner) =
@@ -487,13 +543,36 @@ pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
                 wait_ms,
             }
         }
+        Some((field::RENEW, body)) => {
+            let (mut lease_ms, mut leases) = (0, Vec::new());
+            each_field(body, |n, v| {
+                match n {
+                    1 => lease_ms = want_varint(v)?,
+                    2 => {
+                        let (mut key, mut owner) = (String::new(), String::new());
+                        each_field(want_len(v)?, |n, v| {
+                            match n {
+                                1 => key = text(want_len(v)?)?,
+                                2 => owner = text(want_len(v)?)?,
+                                _ => {}
+                            }
+                            Ok(())
+                        })?;
+                        leases.push((key, owner));
+                    }
+                    _ => {}
+                }
+                Ok(())
+            })?;
+            CallOp::Renew { lease_ms, leases }
+        }
         _ => return Err(DecodeError("a call without a known operation")),
     };
     Ok(Call { id, op })
 }
 
 pub fn decode_answer(bytes: &[u8]) -> Result<Answer, DecodeError> {
-    let Envelope { id, member } = envelope(bytes, field::CLAIMED..=field::FAILURE)?;
+    let Envelope { id, member } = envelope(bytes, field::CLAIMED..=field::RENEWED)?;
     let reply = match member {
         Some((field::CLAIMED, body)) => {
             let (mut owner, mut lease_expires_at_ms) = (String::new(), 0);
@@ -534,6 +613,16 @@ pub fn decode_answer(bytes: &[u8]) -> Result<Answer, DecodeError> {
         Some((field::RECORDED, _)) => Reply::Recorded,
         Some((field::RELEASED, _)) => Reply::Released,
         Some((field::NOT_OWNER, _)) => Reply::NotOwner,
+        Some((field::RENEWED, body)) => {
+            let mut lost = Vec::new();
+            each_field(body, |n, v| {
+                if n == 1 {
+                    repeated_u32(v, &mut lost)?;
+                }
+                Ok(())
+            })?;
+            Reply::Renewed { lost }
+        }
         Some((field::FAILURE, body)) => {
             let (mut kind, mut detail) = (0, String::new());
             each_field(body, |n, v| {
@@ -600,6 +689,24 @@ mod tests {
                     wait_ms: 10_000,
                 },
             },
+            Call {
+                id: 10,
+                op: CallOp::Renew {
+                    lease_ms: 30_000,
+                    leases: vec![
+                        (HEX.into(), "0a0b".into()),
+                        (String::new(), String::new()),
+                        (HEX.to_uppercase(), "ff".repeat(32)),
+                    ],
+                },
+            },
+            Call {
+                id: 11,
+                op: CallOp::Renew {
+                    lease_ms: 0,
+                    leases: Vec::new(),
+                },
+            },
         ]
     }
 
@@ -621,6 +728,10 @@ mod tests {
             Reply::Recorded,
             Reply::Released,
             Reply::NotOwner,
+            Reply::Renewed { lost: Vec::new() },
+            Reply::Renewed {
+                lost: vec![0, 1, 127, 128, 1023, u32::MAX],
+            },
             Reply::Failure {
                 kind: FailureKind::BadRequest,
                 detail: "field `key`: must be 64 hex characters".into(),
@@ -721,6 +832,49 @@ mod tests {
             Fields(&too_long).varint(),
             Err(DecodeError("varint longer than 10 bytes"))
         );
+    }
+
+    #[test]
+    fn lost_leases_are_read_packed_or_not() {
+        // Answer{id: 1, renewed(10): Renewed{lost(1): ...}}
+        let packed = [0x08, 0x01, 0x52, 0x05, 0x0a, 0x03, 0x02, 0x80, 0x01];
+        let unpacked = [0x08, 0x01, 0x52, 0x05, 0x08, 0x02, 0x08, 0x80, 0x01];
+        // Both forms in one message add up, as for any repeated field.
+        let mixed = [0x08, 0x01, 0x52, 0x06, 0x08, 0x02, 0x0a, 0x02, 0x80, 0x01];
+        let expected = Answer {
+            id: 1,
+            reply: Reply::Renewed { lost: vec![2, 128] },
+        };
+        for bytes in [&packed[..], &unpacked[..], &mixed[..]] {
+            assert_eq!(decode_answer(bytes), Ok(expected.clone()), "{bytes:?}");
+        }
+        assert_eq!(encode_answer(&expected), packed);
+    }
+
+    #[test]
+    fn a_lost_index_beyond_uint32_or_cut_short_is_refused() {
+        // lost = 2^32, unpacked and packed.
+        let unpacked = [0x52, 0x06, 0x08, 0x80, 0x80, 0x80, 0x80, 0x10];
+        let packed = [0x52, 0x07, 0x0a, 0x05, 0x80, 0x80, 0x80, 0x80, 0x10];
+        for bytes in [&unpacked[..], &packed[..]] {
+            assert_eq!(
+                decode_answer(bytes),
+                Err(DecodeError("a uint32 field holds a larger number"))
+            );
+        }
+        // A packed run whose last varint is cut off.
+        let cut = [0x52, 0x03, 0x0a, 0x01, 0x80];
+        assert_eq!(decode_answer(&cut), Err(DecodeError("truncated varint")));
+    }
+
+    #[test]
+    fn every_truncation_of_a_call_is_an_error_or_a_shorter_call_never_a_panic() {
+        for call in calls() {
+            let bytes = encode_call(&call);
+            for cut in 0..bytes.len() {
+                let _ = decode_call(bytes.get(..cut).unwrap_or_default());
+            }
+        }
     }
 
     #[test]

@@ -12,6 +12,9 @@ pub const MIN_LEASE_MS: u64 = 1;
 /// One day: a request still in flight after that is abandoned, not slow.
 pub const MAX_LEASE_MS: u64 = 86_400_000;
 pub const MIN_TTL_MS: u64 = 1;
+/// Most leases one renew call carries: a worker renews all its live requests in one call
+/// per tick, and a bound keeps one call's work (and its answer) small.
+pub const MAX_RENEW_LEASES: usize = 1024;
 /// One year.
 pub const MAX_TTL_MS: u64 = 31_536_000_000;
 
@@ -22,6 +25,7 @@ pub mod path {
     pub const CLAIM: &str = "/claim";
     pub const COMPLETE: &str = "/complete";
     pub const RELEASE: &str = "/release";
+    pub const RENEW: &str = "/renew";
     /// Followed by `/{key}`: a record's state (`GET`), or its removal (`DELETE`); alone,
     /// with `?prefix=<hex>[&limit=N]`, the keys that start with a prefix. For operators.
     pub const RECORDS: &str = "/records";
@@ -45,6 +49,9 @@ pub mod outcome {
     pub const MISMATCH: &str = "mismatch";
     pub const RELEASED: &str = "released";
     pub const NOT_OWNER: &str = "not_owner";
+    /// A renew call that reached every backend it asked; its `lost` names the leases that
+    /// were not the caller's any more.
+    pub const RENEWED: &str = "renewed";
     /// A purge that removed a record.
     pub const PURGED: &str = "purged";
 }
@@ -104,6 +111,43 @@ pub struct CompleteBody {
 pub struct ReleaseBody {
     pub key: String,
     pub owner: String,
+}
+
+/// One claim whose lease a renew keeps alive.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseBody {
+    pub key: String,
+    pub owner: String,
+}
+
+/// `POST /v1/renew`: every lease gets `lease_ms` more from now (never less than it has).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RenewBody {
+    pub lease_ms: u64,
+    /// 1 to [`MAX_RENEW_LEASES`].
+    pub leases: Vec<LeaseBody>,
+}
+
+/// The 200 answer to a renew: `{"outcome":"renewed","lost":[..]}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RenewResponse {
+    /// [`outcome::RENEWED`].
+    pub outcome: String,
+    /// The 0-based indexes (into the call's `leases`) of the leases that were not renewed
+    /// because they are not the caller's any more: taken over, completed, released or gone.
+    #[serde(default)]
+    pub lost: Vec<u32>,
+}
+
+impl RenewResponse {
+    pub fn renewed(lost: Vec<u32>) -> Self {
+        Self {
+            outcome: outcome::RENEWED.to_owned(),
+            lost,
+        }
+    }
 }
 
 /// The 200 answer to a claim.
@@ -264,6 +308,26 @@ mod tests {
         let complete = json!({"key": "k", "owner": "o", "ttl_ms": 1, "record": ""});
         let parsed: CompleteBody = serde_json::from_value(complete).unwrap();
         assert_eq!(parsed.fingerprint, None);
+    }
+
+    #[test]
+    fn renew_bodies_and_answers_have_the_documented_shape() {
+        let body = RenewBody {
+            lease_ms: 30_000,
+            leases: vec![LeaseBody {
+                key: "k".into(),
+                owner: "o".into(),
+            }],
+        };
+        let wire = json!({"lease_ms": 30_000, "leases": [{"key": "k", "owner": "o"}]});
+        assert_eq!(serde_json::to_value(&body).unwrap(), wire);
+        assert_eq!(serde_json::from_value::<RenewBody>(wire).unwrap(), body);
+        let typo = json!({"lease_ms": 1, "leases": [{"key": "k", "owner": "o", "ownr": "o"}]});
+        assert!(serde_json::from_value::<RenewBody>(typo).is_err());
+        assert_eq!(
+            serde_json::to_value(RenewResponse::renewed(vec![0, 3])).unwrap(),
+            json!({"outcome": outcome::RENEWED, "lost": [0, 3]})
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::Rejection;
-use crate::protocol::{self, BadRequest, ClaimBody};
+use crate::protocol::{self, BadRequest, ClaimBody, LeaseBody, RenewBody};
 use crate::server::{self, AppState};
 use crate::storage::{ClaimOutcome, CompleteOutcome, ReleaseOutcome};
 use crate::waits::WaitOutcome;
@@ -175,6 +175,26 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
             },
             Err(bad) => refuse(state, bad),
         },
+        Some(Op::Renew(r)) => {
+            let raw = RenewBody {
+                lease_ms: r.lease_ms,
+                leases: r
+                    .leases
+                    .into_iter()
+                    .map(|l| LeaseBody {
+                        key: l.key,
+                        owner: l.owner,
+                    })
+                    .collect(),
+            };
+            match protocol::validate_renew(raw) {
+                Ok(req) => match server::execute(state, req).await {
+                    Ok(lost) => Reply::Renewed(pb::Renewed { lost }),
+                    Err(_) => unavailable(),
+                },
+                Err(bad) => refuse(state, bad),
+            }
+        }
     };
     pb::Answer {
         id: call.id,

@@ -23,6 +23,8 @@ pub enum Operation {
     Search,
     /// A filter's wait for a key in flight to end (its duration is the wait's).
     Wait,
+    /// A batch of lease renewals, counted once per call.
+    Renew,
 }
 
 impl Operation {
@@ -35,6 +37,7 @@ impl Operation {
             Self::Purge => "purge",
             Self::Search => "search",
             Self::Wait => "wait",
+            Self::Renew => "renew",
         }
     }
 }

@@ -7,14 +7,15 @@ use serde::Deserialize;
 
 use idempotency_protocol::wire::{decode_record, encode_record};
 pub use idempotency_protocol::wire::{
-    outcome, ClaimBody, ClaimResponse, CompleteBody, OutcomeResponse, Problem, RecordResponse,
-    ReleaseBody, MAX_LEASE_MS, MAX_TTL_MS, MIN_LEASE_MS, MIN_TTL_MS, PROBLEM_BAD_REQUEST,
-    PROBLEM_METHOD_NOT_ALLOWED, PROBLEM_NOT_FOUND, PROBLEM_NOT_OWNER, PROBLEM_TOO_LARGE,
-    PROBLEM_UNAUTHORIZED, PROBLEM_UNAVAILABLE,
+    outcome, ClaimBody, ClaimResponse, CompleteBody, LeaseBody, OutcomeResponse, Problem,
+    RecordResponse, ReleaseBody, RenewBody, RenewResponse, MAX_LEASE_MS, MAX_RENEW_LEASES,
+    MAX_TTL_MS, MIN_LEASE_MS, MIN_TTL_MS, PROBLEM_BAD_REQUEST, PROBLEM_METHOD_NOT_ALLOWED,
+    PROBLEM_NOT_FOUND, PROBLEM_NOT_OWNER, PROBLEM_TOO_LARGE, PROBLEM_UNAUTHORIZED,
+    PROBLEM_UNAVAILABLE,
 };
 
 use crate::storage::{
-    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome,
+    ClaimOutcome, CompleteOutcome, Digest, Lease, OwnerToken, RecordView, ReleaseOutcome,
 };
 
 /// Why a request body was refused; becomes the problem+json `detail`.
@@ -52,6 +53,14 @@ pub struct CompleteRequest {
 pub struct ReleaseRequest {
     pub key: Digest,
     pub owner: OwnerToken,
+}
+
+/// The leases of one renew call, in the order the call named them (the answer's `lost`
+/// indexes into it).
+#[derive(Debug, Clone)]
+pub struct RenewRequest {
+    pub lease_ms: u64,
+    pub leases: Vec<Lease>,
 }
 
 fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, BadRequest> {
@@ -158,6 +167,49 @@ pub fn validate_release(key: &str, owner: &str) -> Result<ReleaseRequest, BadReq
         key: parse_key(key)?,
         owner: parse_owner(owner)?,
     })
+}
+
+pub fn parse_renew(body: &[u8]) -> Result<RenewRequest, BadRequest> {
+    validate_renew(parse_json(body)?)
+}
+
+/// A renew's fields, however they arrived (JSON or the gRPC stream): the lease as a claim's,
+/// 1 to [`MAX_RENEW_LEASES`] leases, each key and owner as a release's, the first fault
+/// named by its place (`leases[3].owner`).
+pub fn validate_renew(raw: RenewBody) -> Result<RenewRequest, BadRequest> {
+    let lease_ms = check_range("lease_ms", raw.lease_ms, MIN_LEASE_MS, MAX_LEASE_MS)?;
+    if !(1..=MAX_RENEW_LEASES).contains(&raw.leases.len()) {
+        return Err(BadRequest::field(
+            "leases",
+            &format!(
+                "must hold 1 to {MAX_RENEW_LEASES} leases, got {}",
+                raw.leases.len()
+            ),
+        ));
+    }
+    let leases = raw
+        .leases
+        .iter()
+        .enumerate()
+        .map(|(i, lease)| {
+            Ok(Lease {
+                key: Digest::parse(&lease.key)
+                    .map_err(|why| BadRequest::field(&format!("leases[{i}].key"), why))?,
+                owner: OwnerToken::parse(&lease.owner)
+                    .map_err(|why| BadRequest::field(&format!("leases[{i}].owner"), why))?,
+            })
+        })
+        .collect::<Result<_, BadRequest>>()?;
+    Ok(RenewRequest { lease_ms, leases })
+}
+
+/// A renew call's outcome for metrics: whether it lost any of its leases.
+pub fn renew_outcome_name(lost: &[u32]) -> &'static str {
+    if lost.is_empty() {
+        outcome::RENEWED
+    } else {
+        outcome::NOT_OWNER
+    }
 }
 
 // Answers.
@@ -309,6 +361,62 @@ mod tests {
             .unwrap_err()
             .0
             .contains("owner"));
+    }
+
+    #[test]
+    fn renew_rejections_name_the_field_and_the_lease() {
+        let lease = |key: &str, owner: &str| format!(r#"{{"key":"{key}","owner":"{owner}"}}"#);
+        let body = |lease_ms: u64, leases: &[&str]| {
+            format!(
+                r#"{{"lease_ms":{lease_ms},"leases":[{}]}}"#,
+                leases.join(",")
+            )
+        };
+        let good = lease(&HEX.to_uppercase(), "AB");
+        let req = parse_renew(body(5, &[&good, &lease(HEX, "cd")]).as_bytes()).unwrap();
+        assert_eq!(req.lease_ms, 5);
+        assert_eq!(req.leases.len(), 2);
+        assert_eq!(
+            (req.leases[0].key.as_str(), req.leases[0].owner.as_str()),
+            (HEX, "ab"),
+            "normalised to lowercase"
+        );
+        let too_many = vec![good.as_str(); MAX_RENEW_LEASES + 1];
+        assert!(parse_renew(body(5, &too_many[..MAX_RENEW_LEASES]).as_bytes()).is_ok());
+        let cases = [
+            (body(0, &[&good]), "field `lease_ms`"),
+            (body(86_400_001, &[&good]), "field `lease_ms`"),
+            (
+                body(5, &[]),
+                "field `leases`: must hold 1 to 1024 leases, got 0",
+            ),
+            (body(5, &too_many), "got 1025"),
+            (
+                body(5, &[&good, &lease("ab", "cd")]),
+                "field `leases[1].key`",
+            ),
+            (
+                body(5, &[&good, &good, &lease(HEX, "")]),
+                "field `leases[2].owner`: must not be empty",
+            ),
+            (
+                body(5, &[&lease(HEX, &"a".repeat(65))]),
+                "field `leases[0].owner`",
+            ),
+            (r#"{"lease_ms":5}"#.to_owned(), "missing field `leases`"),
+            (
+                format!(r#"{{"lease_ms":5,"leases":[{good}],"x":1}}"#),
+                "unknown field `x`",
+            ),
+            (
+                format!(r#"{{"lease_ms":5,"leases":[{{"key":"{HEX}","owner":"ab","x":1}}]}}"#),
+                "unknown field `x`",
+            ),
+        ];
+        for (body, mentions) in cases {
+            let err = parse_renew(body.as_bytes()).unwrap_err();
+            assert!(err.0.contains(mentions), "{body} -> {}", err.0);
+        }
     }
 
     #[test]

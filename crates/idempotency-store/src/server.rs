@@ -26,9 +26,11 @@ use tower_service::Service as _;
 
 use crate::metrics::{self, Metrics, Operation, Rejection};
 use crate::operator;
-use crate::protocol::{self, BadRequest, ClaimResponse, OutcomeResponse, Problem, RecordResponse};
+use crate::protocol::{
+    self, BadRequest, ClaimResponse, OutcomeResponse, Problem, RecordResponse, RenewResponse,
+};
 use crate::storage::{
-    ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome, Storage,
+    self, ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome, Storage,
     StorageError,
 };
 use crate::waits::{WaitOutcome, WaitRoom};
@@ -118,6 +120,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route(&at(path::CLAIM), post(claim))
         .route(&at(path::COMPLETE), post(complete))
         .route(&at(path::RELEASE), post(release))
+        .route(&at(path::RENEW), post(renew))
         .route(&at(path::RECORDS), get(search))
         .route(
             &format!("{}/{{key}}", at(path::RECORDS)),
@@ -675,6 +678,25 @@ impl V1Operation for protocol::ReleaseRequest {
     }
 }
 
+/// Keeps the key of every lease in flight: nothing ends, so no wait looks again.
+impl V1Operation for protocol::RenewRequest {
+    const OPERATION: Operation = Operation::Renew;
+    /// The indexes of the leases that were lost.
+    type Outcome = Vec<u32>;
+
+    async fn run(self, storage: &dyn Storage) -> Result<Vec<u32>, StorageError> {
+        storage::renew_batch(storage, &self.leases, self.lease_ms).await
+    }
+
+    fn name(lost: &Vec<u32>) -> &'static str {
+        protocol::renew_outcome_name(lost)
+    }
+
+    fn answer(lost: Vec<u32>) -> Response {
+        Json(RenewResponse::renewed(lost)).into_response()
+    }
+}
+
 /// A lookup by the key in its path.
 struct Lookup(Digest);
 
@@ -729,6 +751,10 @@ async fn complete(State(st): State<AppState>, body: Result<Bytes, BytesRejection
 
 async fn release(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     post_handler(st, body, protocol::parse_release).await
+}
+
+async fn renew(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    post_handler(st, body, protocol::parse_renew).await
 }
 
 /// The record key a `/v1/records/{key}` path names.

@@ -22,8 +22,8 @@ use idempotency_store::storage::embedded::EmbeddedStorage;
 use idempotency_store::storage::memory::MemoryStorage;
 use idempotency_store::storage::redis::RedisStorage;
 use idempotency_store::storage::{
-    ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, RecordState, RecordView,
-    ReleaseOutcome, Storage,
+    renew_batch, ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, Lease, OwnerToken, RecordState,
+    RecordView, ReleaseOutcome, RenewOutcome, Storage,
 };
 
 use common::{random_digest, RedisCluster, RedisServer};
@@ -144,6 +144,27 @@ impl Harness {
 
     async fn release(&self, key: &Digest, owner: &OwnerToken) -> ReleaseOutcome {
         self.s().release(key, owner).await.unwrap()
+    }
+
+    async fn renew(&self, key: &Digest, owner: &OwnerToken, lease_ms: u64) -> RenewOutcome {
+        self.s().renew(key, owner, lease_ms).await.unwrap()
+    }
+
+    /// Claims `key` for `owner`, which must succeed; answers the lease end.
+    async fn claimed_until(
+        &self,
+        key: &Digest,
+        fp: &Digest,
+        lease_ms: u64,
+        owner: &OwnerToken,
+    ) -> u64 {
+        match self.claim_as(key, fp, lease_ms, owner).await {
+            ClaimOutcome::Claimed {
+                lease_expires_at_ms,
+                ..
+            } => lease_expires_at_ms,
+            other => panic!("expected claimed, got {other:?}"),
+        }
     }
 
     /// What is stored for `key`, without the backend's clock at the read (which moves).
@@ -750,6 +771,159 @@ async fn prefix_search_finds_live_records_in_key_order(h: &Harness) {
     assert!(absent.keys.is_empty() && !absent.truncated && absent.exhaustive);
 }
 
+/// The point of renew: a request still running upstream past its first lease keeps its key.
+async fn a_renewed_claim_is_not_taken_over_until_its_renewed_lease_ends(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let short = h.short_ms();
+    let mine = OwnerToken::generate().unwrap();
+    let first_end = h.claimed_until(&k, &fp, short, &mine).await;
+    let renewed_end = match h.renew(&k, &mine, 4 * short).await {
+        RenewOutcome::Renewed {
+            lease_expires_at_ms,
+        } => lease_expires_at_ms,
+        other => panic!("the owner renews its claim, got {other:?}"),
+    };
+    assert!(renewed_end > first_end, "{renewed_end} <= {first_end}");
+    let view = h.s().lookup(&k).await.unwrap().unwrap();
+    assert_eq!(
+        (view.state, view.expires_at_ms, view.owner),
+        (RecordState::InFlight, renewed_end, Some(mine.clone())),
+        "lookup reports the renewed lease end"
+    );
+    // Past the first lease, within the renewed one: still the owner's.
+    h.pass(short).await;
+    assert!(matches!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::InFlight { .. }
+    ));
+    // Once the renewed lease has passed too, the key is taken over as any lapsed claim is.
+    h.pass(4 * short).await;
+    let taker = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_ne!(taker, mine);
+    assert_eq!(
+        h.renew(&k, &mine, LONG_LEASE_MS).await,
+        RenewOutcome::NotOwner
+    );
+}
+
+async fn a_claim_taken_over_is_not_renewed_for_its_old_owner(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let short = h.short_ms();
+    let old = OwnerToken::generate().unwrap();
+    h.claimed_until(&k, &fp, short, &old).await;
+    h.pass(short).await;
+    let new = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    let before = h.stored(&k).await;
+    assert_eq!(
+        h.renew(&k, &old, LONG_LEASE_MS).await,
+        RenewOutcome::NotOwner
+    );
+    assert_eq!(h.stored(&k).await, before, "the new claim is untouched");
+    assert_eq!(
+        h.complete(&k, &new, LONG_TTL_MS, b"new").await,
+        CompleteOutcome::Completed
+    );
+}
+
+async fn a_renew_of_a_completed_or_absent_record_changes_nothing(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_eq!(
+        h.complete(&k, &owner, LONG_TTL_MS, b"done").await,
+        CompleteOutcome::Completed
+    );
+    let before = h.stored(&k).await;
+    assert_eq!(
+        h.renew(&k, &owner, LONG_LEASE_MS).await,
+        RenewOutcome::NotOwner
+    );
+    assert_eq!(h.stored(&k).await, before, "bytes and expiry unchanged");
+    assert_eq!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Completed {
+            record: b"done".to_vec()
+        },
+        "still replayed"
+    );
+    // A renew creates nothing, for a key never claimed or one released.
+    let never = random_digest();
+    assert_eq!(
+        h.renew(&never, &owner, LONG_LEASE_MS).await,
+        RenewOutcome::NotOwner
+    );
+    assert_eq!(h.state(&never).await, None);
+    let released = random_digest();
+    let o = h.claim_owner(&released, &fp, LONG_LEASE_MS).await;
+    assert_eq!(h.release(&released, &o).await, ReleaseOutcome::Released);
+    assert_eq!(
+        h.renew(&released, &o, LONG_LEASE_MS).await,
+        RenewOutcome::NotOwner
+    );
+    assert_eq!(h.state(&released).await, None);
+}
+
+async fn a_renew_never_shortens_a_lease(h: &Harness) {
+    let (k, fp) = (random_digest(), random_digest());
+    let mine = OwnerToken::generate().unwrap();
+    let end = h.claimed_until(&k, &fp, LONG_LEASE_MS, &mine).await;
+    assert_eq!(
+        h.renew(&k, &mine, 1).await,
+        RenewOutcome::Renewed {
+            lease_expires_at_ms: end
+        }
+    );
+    assert_eq!(h.stored(&k).await.unwrap().expires_at_ms, end);
+    h.pass(h.short_ms()).await;
+    assert_eq!(h.state(&k).await, Some(RecordState::InFlight));
+}
+
+async fn a_batch_answers_the_indexes_of_the_leases_it_lost(h: &Harness) {
+    let (fp, short) = (random_digest(), h.short_ms());
+    let mine = OwnerToken::generate().unwrap();
+    let keys: Vec<Digest> = (0..6).map(|_| random_digest()).collect();
+    // 0 and 5: claims of mine; 1: someone else's; 2: completed; 3: released; 4: never claimed.
+    h.claimed_until(&keys[1], &fp, LONG_LEASE_MS, &foreign_owner())
+        .await;
+    for i in [2, 3] {
+        h.claimed_until(&keys[i], &fp, LONG_LEASE_MS, &mine).await;
+    }
+    h.complete(&keys[2], &mine, LONG_TTL_MS, b"r").await;
+    h.release(&keys[3], &mine).await;
+    // Short leases last, so that on the real clock they are still running at the batch.
+    for i in [0, 5] {
+        h.claimed_until(&keys[i], &fp, short, &mine).await;
+    }
+    let leases: Vec<Lease> = keys
+        .iter()
+        .map(|key| Lease {
+            key: key.clone(),
+            owner: mine.clone(),
+        })
+        .collect();
+    assert_eq!(
+        renew_batch(h.s(), &leases, 4 * short).await.unwrap(),
+        vec![1, 2, 3, 4]
+    );
+    assert_eq!(h.state(&keys[4]).await, None, "a renew creates nothing");
+    // The renewed claims outlive their first lease.
+    h.pass(short).await;
+    for i in [0, 5] {
+        assert!(
+            matches!(
+                h.claim(&keys[i], &fp, LONG_LEASE_MS).await,
+                ClaimOutcome::InFlight { .. }
+            ),
+            "lease {i}"
+        );
+    }
+    let kept = [leases[5].clone(), leases[0].clone()];
+    assert_eq!(
+        renew_batch(h.s(), &kept, LONG_LEASE_MS).await.unwrap(),
+        Vec::<u32>::new(),
+        "every lease renewed: nothing lost"
+    );
+}
+
 macro_rules! contract_suite {
     ($backend:ident, $harness:expr) => {
         mod $backend {
@@ -777,6 +951,11 @@ macro_rules! contract_suite {
                 lookup_shows_the_owner_and_when_the_record_was_written,
                 purge_removes_a_record_whatever_its_state,
                 prefix_search_finds_live_records_in_key_order,
+                a_renewed_claim_is_not_taken_over_until_its_renewed_lease_ends,
+                a_claim_taken_over_is_not_renewed_for_its_old_owner,
+                a_renew_of_a_completed_or_absent_record_changes_nothing,
+                a_renew_never_shortens_a_lease,
+                a_batch_answers_the_indexes_of_the_leases_it_lost,
             );
         }
     };
@@ -821,6 +1000,12 @@ async fn the_contract_holds_on_a_redis_cluster() {
     complete_after_the_claim_is_gone_never_touches_a_newer_record(&h).await;
     lookup_shows_the_owner_and_when_the_record_was_written(&h).await;
     purge_removes_a_record_whatever_its_state(&h).await;
+    a_renewed_claim_is_not_taken_over_until_its_renewed_lease_ends(&h).await;
+    a_claim_taken_over_is_not_renewed_for_its_old_owner(&h).await;
+    a_renew_of_a_completed_or_absent_record_changes_nothing(&h).await;
+    a_renew_never_shortens_a_lease(&h).await;
+    // Its keys live on every primary: one batch renews on all of them.
+    a_batch_answers_the_indexes_of_the_leases_it_lost(&h).await;
     // Keys with one prefix live on every primary (the whole digest is the hash tag), so the
     // search must walk them all.
     prefix_search_finds_live_records_in_key_order(&h).await;
@@ -905,6 +1090,29 @@ async fn sweep_removes_only_expired(h: &Harness) {
     assert_eq!(h.state(&live).await, Some(RecordState::InFlight));
 }
 
+async fn a_lapsed_lease_nobody_took_over_is_renewed(h: &Harness) {
+    // As with a late complete or release: the lapsed claim is still its owner's until a
+    // takeover or the sweeper (Redis has removed it already).
+    let (k, fp) = (random_digest(), random_digest());
+    let mine = OwnerToken::generate().unwrap();
+    h.claimed_until(&k, &fp, 1_000, &mine).await;
+    h.pass(5_000).await;
+    assert_eq!(h.state(&k).await, None, "a lapsed lease reads as absent");
+    assert!(matches!(
+        h.renew(&k, &mine, 10_000).await,
+        RenewOutcome::Renewed { .. }
+    ));
+    assert_eq!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::InFlight {
+            retry_after_ms: 10_000
+        }
+    );
+    // The expiry index moved with the lease: a sweep leaves the renewed claim.
+    assert_eq!(h.s().sweep_expired().await.unwrap(), 0);
+    assert_eq!(h.state(&k).await, Some(RecordState::InFlight));
+}
+
 macro_rules! clock_suite {
     ($backend:ident, $harness:expr) => {
         mod $backend {
@@ -915,6 +1123,7 @@ macro_rules! clock_suite {
                 retried_complete_after_ttl_is_not_owner,
                 retry_after_counts_down,
                 sweep_removes_only_expired,
+                a_lapsed_lease_nobody_took_over_is_renewed,
             );
         }
     };
@@ -1037,6 +1246,40 @@ async fn redis_records_from_before_the_write_time_are_read_and_purged() {
         .await
         .unwrap();
     assert_eq!(exists, 0, "DEL on the record's hash");
+}
+
+#[tokio::test]
+async fn redis_renew_moves_the_key_expiry_with_the_lease() {
+    let server = RedisServer::start();
+    let s = RedisStorage::connect(&server.url()).await.unwrap();
+    let (k, fp) = (random_digest(), random_digest());
+    let mine = OwnerToken::generate().unwrap();
+    s.claim(&k, &fp, 1_000, &mine).await.unwrap();
+    let RenewOutcome::Renewed {
+        lease_expires_at_ms,
+    } = s.renew(&k, &mine, LONG_LEASE_MS).await.unwrap()
+    else {
+        panic!("renewed");
+    };
+    let client = ::redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let key = format!("idem:{{{}}}", k.as_str());
+    let pttl: i64 = ::redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        pttl > 1_000 && pttl <= 60_000,
+        "Redis deletes the key at the renewed lease end: {pttl}"
+    );
+    let stored: u64 = ::redis::cmd("HGET")
+        .arg(&key)
+        .arg("expires_at_ms")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(stored, lease_expires_at_ms);
 }
 
 #[tokio::test]

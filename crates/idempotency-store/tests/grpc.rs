@@ -477,3 +477,110 @@ async fn a_wait_ends_when_the_key_in_flight_does_on_the_embedded_backend() {
 async fn a_wait_ends_when_the_key_in_flight_does_on_redis() {
     a_wait_ends_when_the_key_in_flight_does(Store::redis().await).await;
 }
+
+fn renew(lease_ms: u64, leases: &[(&str, &str)]) -> Op {
+    Op::Renew(pb::Renew {
+        lease_ms,
+        leases: leases
+            .iter()
+            .map(|(key, owner)| pb::Lease {
+                key: (*key).into(),
+                owner: (*owner).into(),
+            })
+            .collect(),
+    })
+}
+
+/// A renew keeps the caller's claims past their first lease and names the leases it lost; a
+/// malformed one is refused naming the field, and the stream goes on.
+async fn a_renew_keeps_the_claims_still_running(store: Store) {
+    let mut s = Conversation::open(&store).await;
+    let (mine, theirs, done, unclaimed, fp) = (
+        random_digest(),
+        random_digest(),
+        random_digest(),
+        random_digest(),
+        random_digest(),
+    );
+    let (mine, theirs, done, unclaimed, fp) = (
+        mine.as_str(),
+        theirs.as_str(),
+        done.as_str(),
+        unclaimed.as_str(),
+        fp.as_str(),
+    );
+    let owner = "00aa11bb";
+    let short = Op::Claim(pb::Claim {
+        key: mine.into(),
+        fingerprint: fp.into(),
+        lease_ms: 1_000,
+        owner: owner.into(),
+    });
+    assert!(matches!(s.call(short).await, Reply::Claimed(_)));
+    assert!(matches!(
+        s.call(claim(theirs, fp, "ffee")).await,
+        Reply::Claimed(_)
+    ));
+    assert!(matches!(
+        s.call(claim(done, fp, owner)).await,
+        Reply::Claimed(_)
+    ));
+    assert!(matches!(
+        s.call(complete(done, owner, b"r")).await,
+        Reply::Recorded(_)
+    ));
+    let leases = [
+        (mine, owner),
+        (theirs, owner),
+        (done, owner),
+        (unclaimed, owner),
+    ];
+    match s.call(renew(LEASE_MS, &leases)).await {
+        Reply::Renewed(renewed) => assert_eq!(renewed.lost, vec![1, 2, 3]),
+        other => panic!("renewed, got {other:?}"),
+    }
+    // Past the first lease, the claim is still the owner's.
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    assert!(matches!(
+        s.call(claim(mine, fp, "")).await,
+        Reply::InFlight(_)
+    ));
+    match s.call(renew(LEASE_MS, &[(mine, owner)])).await {
+        Reply::Renewed(renewed) => assert!(renewed.lost.is_empty()),
+        other => panic!("renewed, got {other:?}"),
+    }
+
+    let too_many = vec![(mine, owner); 1025];
+    let refused = [
+        (renew(LEASE_MS, &[]), "field `leases`"),
+        (renew(0, &[(mine, owner)]), "field `lease_ms`"),
+        (
+            renew(LEASE_MS, &[(mine, owner), ("nothex", owner)]),
+            "field `leases[1].key`",
+        ),
+        (renew(LEASE_MS, &[(mine, "")]), "field `leases[0].owner`"),
+        (renew(LEASE_MS, &too_many), "got 1025"),
+    ];
+    for (op, mentions) in refused {
+        match s.call(op).await {
+            Reply::Failure(f) if f.kind == pb::failure::Kind::BadRequest as i32 => {
+                assert!(f.detail.contains(mentions), "{} lacks {mentions}", f.detail);
+            }
+            other => panic!("refused, got {other:?}"),
+        }
+    }
+    assert!(matches!(
+        s.call(claim(random_digest().as_str(), fp, "")).await,
+        Reply::Claimed(_)
+    ));
+}
+
+#[tokio::test]
+async fn a_renew_keeps_the_claims_still_running_on_the_embedded_backend() {
+    a_renew_keeps_the_claims_still_running(Store::embedded().await).await;
+}
+
+#[tokio::test]
+async fn a_renew_keeps_the_claims_still_running_on_redis() {
+    a_renew_keeps_the_claims_still_running(Store::redis().await).await;
+}

@@ -21,7 +21,7 @@ use idempotency_store::server::{self, AppState, Auth};
 use idempotency_store::storage::memory::MemoryStorage;
 use idempotency_store::storage::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
-    ReleaseOutcome, Storage, StorageError,
+    ReleaseOutcome, RenewOutcome, Storage, StorageError,
 };
 use reqwest::{Client, StatusCode, Version};
 use serde_json::{json, Value};
@@ -693,6 +693,107 @@ async fn claim_with_client_owner_echoes_it_and_that_owner_can_release() {
 }
 
 #[tokio::test]
+async fn renew_keeps_the_callers_claims_and_names_the_leases_it_lost() {
+    let srv = TestServer::start().await;
+    let (mine, other_key, unclaimed) = ("00c0ffee", FP, FP2);
+    let (_, claimed) = srv
+        .post(
+            "/v1/claim",
+            &json!({"key": K, "fingerprint": FP, "lease_ms": 1000, "owner": mine}),
+        )
+        .await;
+    let first_end = claimed["lease_expires_at_ms"].as_u64().unwrap();
+    srv.post(
+        "/v1/claim",
+        &json!({"key": other_key, "fingerprint": FP, "lease_ms": 60000, "owner": "ab"}),
+    )
+    .await;
+    let renew = json!({"lease_ms": 60000, "leases": [
+        {"key": K.to_uppercase(), "owner": "00C0FFEE"},
+        {"key": other_key, "owner": mine},
+        {"key": unclaimed, "owner": mine},
+    ]});
+    let (st, body) = srv.post("/v1/renew", &renew).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(body, json!({"outcome": "renewed", "lost": [1, 2]}));
+    let (_, record) = srv.get(&format!("/v1/records/{K}")).await;
+    let renewed_end = record["expires_at_ms"].as_u64().unwrap();
+    assert!(renewed_end >= first_end + 59_000, "{renewed_end}");
+    assert_eq!(record["owner"], mine);
+    let (_, nothing_lost) = srv
+        .post(
+            "/v1/renew",
+            &json!({"lease_ms": 1, "leases": [{"key": K, "owner": mine}]}),
+        )
+        .await;
+    assert_eq!(nothing_lost, json!({"outcome": "renewed", "lost": []}));
+    let (_, record) = srv.get(&format!("/v1/records/{K}")).await;
+    assert_eq!(record["expires_at_ms"], renewed_end, "never shortened");
+
+    let unauthorized = srv
+        .client
+        .post(srv.url("/v1/renew"))
+        .json(&renew)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unauthorized.status(), StatusCode::UNAUTHORIZED);
+
+    let lease = json!({"key": K, "owner": mine});
+    let too_many: Vec<Value> = vec![lease.clone(); 1025];
+    let refused = [
+        (json!({"lease_ms": 0, "leases": [lease]}), "`lease_ms`"),
+        (
+            json!({"lease_ms": 86_400_001, "leases": [lease]}),
+            "`lease_ms`",
+        ),
+        (
+            json!({"lease_ms": 5, "leases": []}),
+            "`leases`: must hold 1 to 1024",
+        ),
+        (json!({"lease_ms": 5, "leases": too_many}), "got 1025"),
+        (
+            json!({"lease_ms": 5, "leases": [lease, {"key": "ab", "owner": mine}]}),
+            "`leases[1].key`",
+        ),
+        (
+            json!({"lease_ms": 5, "leases": [{"key": K, "owner": "xyz"}]}),
+            "`leases[0].owner`",
+        ),
+        (json!({"leases": [lease]}), "missing field `lease_ms`"),
+        (
+            json!({"lease_ms": 5, "leases": [lease], "owner": mine}),
+            "unknown field `owner`",
+        ),
+        (json!({"lease_ms": 5, "leases": lease}), "invalid type"),
+    ];
+    for (body, mentions) in &refused {
+        let resp = srv
+            .client
+            .post(srv.url("/v1/renew"))
+            .bearer_auth(TOKEN)
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        assert_bad_request(resp, mentions).await;
+    }
+    let metrics = srv.metrics().await;
+    for needle in [
+        r#"idempotency_store_operations_total{operation="renew",outcome="not_owner"} 1"#,
+        r#"idempotency_store_operations_total{operation="renew",outcome="renewed"} 1"#,
+        r#"idempotency_store_operation_duration_seconds_count{operation="renew"} 2"#,
+        r#"idempotency_store_rejected_requests_total{reason="bad_request"} 9"#,
+    ] {
+        assert!(
+            metrics.contains(needle),
+            "missing {needle} in
+{metrics}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn retried_complete_with_same_bytes_is_200_other_bytes_409() {
     let srv = TestServer::start().await;
     let (_, c) = srv
@@ -768,6 +869,14 @@ impl Storage for Broken {
     async fn release(&self, _: &Digest, _: &OwnerToken) -> Result<ReleaseOutcome, StorageError> {
         Err(StorageError::Backend("down".into()))
     }
+    async fn renew(
+        &self,
+        _: &Digest,
+        _: &OwnerToken,
+        _: u64,
+    ) -> Result<RenewOutcome, StorageError> {
+        Err(StorageError::Backend("down".into()))
+    }
     async fn lookup(&self, _: &Digest) -> Result<Option<RecordView>, StorageError> {
         Err(StorageError::Backend("down".into()))
     }
@@ -799,11 +908,22 @@ async fn backend_failure_is_503_and_counted() {
     assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
     let (st, _) = srv.delete(&format!("/v1/records/{K}"), Some(TOKEN)).await;
     assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
+    // A batch fails as a whole, once, whichever of its leases failed.
+    let (st, body) = srv
+        .post(
+            "/v1/renew",
+            &json!({"lease_ms": 1000, "leases": [{"key": K, "owner": "ab"}, {"key": FP, "owner": "ab"}]}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(body["type"], "urn:idempotency-store:backend-unavailable");
     let metrics = srv.metrics().await;
     assert!(
-        metrics.contains(r#"idempotency_store_backend_errors_total{backend="broken"} 4"#),
+        metrics.contains(r#"idempotency_store_backend_errors_total{backend="broken"} 5"#),
         "{metrics}"
     );
+    assert!(metrics
+        .contains(r#"idempotency_store_operations_total{operation="renew",outcome="error"} 1"#));
     assert!(metrics
         .contains(r#"idempotency_store_operations_total{operation="claim",outcome="error"} 1"#));
 }
@@ -859,6 +979,15 @@ impl Storage for Gated {
     ) -> Result<ReleaseOutcome, StorageError> {
         self.hold().await;
         self.inner.release(key, owner).await
+    }
+    async fn renew(
+        &self,
+        key: &Digest,
+        owner: &OwnerToken,
+        lease_ms: u64,
+    ) -> Result<RenewOutcome, StorageError> {
+        self.hold().await;
+        self.inner.renew(key, owner, lease_ms).await
     }
     async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
         self.inner.lookup(key).await

@@ -97,6 +97,73 @@ fn calls_the_filter_encodes_are_the_calls_the_store_reads() {
                 })),
             },
         ),
+        (
+            Call {
+                id: 13,
+                op: CallOp::Renew {
+                    lease_ms: 30_000,
+                    // An empty lease is still an element of the list.
+                    leases: vec![
+                        (HEX.into(), "00ff".into()),
+                        (String::new(), String::new()),
+                        (HEX.to_uppercase(), "ab".repeat(32)),
+                    ],
+                },
+            },
+            pb::Call {
+                id: 13,
+                op: Some(PbOp::Renew(pb::Renew {
+                    lease_ms: 30_000,
+                    leases: vec![
+                        pb::Lease {
+                            key: HEX.into(),
+                            owner: "00ff".into(),
+                        },
+                        pb::Lease::default(),
+                        pb::Lease {
+                            key: HEX.to_uppercase(),
+                            owner: "ab".repeat(32),
+                        },
+                    ],
+                })),
+            },
+        ),
+        (
+            Call {
+                id: 14,
+                op: CallOp::Renew {
+                    lease_ms: 0,
+                    leases: Vec::new(),
+                },
+            },
+            pb::Call {
+                id: 14,
+                op: Some(PbOp::Renew(pb::Renew::default())),
+            },
+        ),
+        (
+            Call {
+                id: 15,
+                op: CallOp::Renew {
+                    lease_ms: 1,
+                    leases: (0..1024)
+                        .map(|i| (format!("{i:064x}"), "cd".into()))
+                        .collect(),
+                },
+            },
+            pb::Call {
+                id: 15,
+                op: Some(PbOp::Renew(pb::Renew {
+                    lease_ms: 1,
+                    leases: (0..1024)
+                        .map(|i| pb::Lease {
+                            key: format!("{i:064x}"),
+                            owner: "cd".into(),
+                        })
+                        .collect(),
+                })),
+            },
+        ),
     ];
     for (ours, theirs) in cases {
         let encoded = stream::encode_call(&ours);
@@ -141,6 +208,18 @@ fn answers_the_store_encodes_are_the_answers_the_filter_reads() {
         (PbReply::Released(empty), Reply::Released),
         (PbReply::NotOwner(empty), Reply::NotOwner),
         (
+            PbReply::Renewed(pb::Renewed { lost: Vec::new() }),
+            Reply::Renewed { lost: Vec::new() },
+        ),
+        (
+            PbReply::Renewed(pb::Renewed {
+                lost: vec![0, 3, 127, 128, 1023, u32::MAX],
+            }),
+            Reply::Renewed {
+                lost: vec![0, 3, 127, 128, 1023, u32::MAX],
+            },
+        ),
+        (
             PbReply::Failure(pb::Failure {
                 kind: pb::failure::Kind::Unavailable.into(),
                 detail: "backend down".into(),
@@ -176,5 +255,44 @@ fn answers_the_store_encodes_are_the_answers_the_filter_reads() {
             pb::Answer::decode(stream::encode_answer(&ours).as_slice()).unwrap(),
             pb_answer
         );
+        if matches!(ours.reply, Reply::Renewed { .. }) {
+            assert_eq!(
+                stream::encode_answer(&ours),
+                pb_answer.encode_to_vec(),
+                "packed, byte for byte, as protoc's code writes it"
+            );
+        }
     }
+}
+
+/// A reader must accept a repeated number field packed or not; prost writes it packed, an
+/// older or other encoder may not.
+#[test]
+fn lost_leases_unpacked_read_as_packed() {
+    let lost = vec![1, 300, 70_000];
+    // Renewed{lost: 1, 300, 70000}, each element as its own varint field.
+    let mut renewed = Vec::new();
+    for n in &lost {
+        renewed.push(0x08);
+        prost::encoding::encode_varint(u64::from(*n), &mut renewed);
+    }
+    let mut unpacked = vec![0x08, 0x05, 0x52, renewed.len() as u8];
+    unpacked.extend_from_slice(&renewed);
+    let expected = pb::Answer {
+        id: 5,
+        result: Some(PbReply::Renewed(pb::Renewed { lost: lost.clone() })),
+    };
+    assert_eq!(pb::Answer::decode(unpacked.as_slice()).unwrap(), expected);
+    assert_eq!(
+        stream::decode_answer(&unpacked).unwrap(),
+        Answer {
+            id: 5,
+            reply: Reply::Renewed { lost }
+        }
+    );
+    assert_ne!(
+        unpacked,
+        expected.encode_to_vec(),
+        "prost itself packs them"
+    );
 }

@@ -143,8 +143,8 @@ impl PendingWrite {
 
     fn op(&self) -> StoreOp {
         match self.call {
-            // A write is never a claim or a wait; named for completeness.
-            CallOp::Claim { .. } | CallOp::Wait { .. } => StoreOp::Claim,
+            // A write is never a claim, a wait or a renew; named for completeness.
+            CallOp::Claim { .. } | CallOp::Wait { .. } | CallOp::Renew { .. } => StoreOp::Claim,
             CallOp::Complete { .. } => StoreOp::Complete,
             CallOp::Release { .. } => StoreOp::Release,
         }

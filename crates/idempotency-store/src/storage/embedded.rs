@@ -30,7 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::logic::{self, Decision, StoredBody, StoredRecord};
 use super::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
-    ReleaseOutcome, Storage, StorageError, PREFIX_SEARCH_MAX_VISITS,
+    ReleaseOutcome, RenewOutcome, Storage, StorageError, PREFIX_SEARCH_MAX_VISITS,
 };
 use crate::clock::Clock;
 use crate::metrics::BatchMetrics;
@@ -127,7 +127,7 @@ trait Job: Send {
     fn finish(self: Box<Self>, batch: Result<(), &BatchFailure>);
 }
 
-/// A claim/complete/release: read one record, let the pure decision function
+/// A claim/complete/release/renew: read one record, let the pure decision function
 /// choose, write that choice.
 struct KeyedJob<T, F> {
     key: String,
@@ -541,6 +541,19 @@ impl Storage for EmbeddedStorage {
         let owner = owner.clone();
         self.apply(key, move |cur, _| logic::release(cur, &owner))
             .await
+    }
+
+    async fn renew(
+        &self,
+        key: &Digest,
+        owner: &OwnerToken,
+        lease_ms: u64,
+    ) -> Result<RenewOutcome, StorageError> {
+        let owner = owner.clone();
+        self.apply(key, move |cur, now| {
+            logic::renew(cur, &owner, lease_ms, now)
+        })
+        .await
     }
 
     async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {

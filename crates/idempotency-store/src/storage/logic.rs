@@ -6,11 +6,12 @@
 //! backend runs the same decisions in Lua.
 
 use idempotency_protocol::decision::{
-    self, ClaimDecision, CompleteDecision, Completion, ReleaseDecision,
+    self, ClaimDecision, CompleteDecision, Completion, ReleaseDecision, RenewDecision,
 };
 
 use super::{
     ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordState, RecordView, ReleaseOutcome,
+    RenewOutcome,
 };
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -150,6 +151,41 @@ pub(crate) fn release(
     match decision::release(existing.map(StoredRecord::as_decided), owner) {
         ReleaseDecision::Release => Decision::Delete(ReleaseOutcome::Released),
         ReleaseDecision::NotOwner => Decision::Keep(ReleaseOutcome::NotOwner),
+    }
+}
+
+/// The claim keeps everything but its lease end (its `written_at_ms` stays the claim's time).
+pub(crate) fn renew(
+    existing: Option<&StoredRecord>,
+    owner: &OwnerToken,
+    lease_ms: u64,
+    now_ms: u64,
+) -> Decision<RenewOutcome> {
+    let decided = decision::renew(
+        existing.map(StoredRecord::as_decided),
+        owner,
+        lease_ms,
+        now_ms,
+    );
+    match (decided, existing) {
+        (RenewDecision::Renew { lease_ends_at_ms }, Some(claim)) => {
+            let renewed = RenewOutcome::Renewed {
+                lease_expires_at_ms: lease_ends_at_ms,
+            };
+            if lease_ends_at_ms == claim.expires_at_ms {
+                return Decision::Keep(renewed);
+            }
+            let record = StoredRecord {
+                expires_at_ms: lease_ends_at_ms,
+                ..claim.clone()
+            };
+            Decision::Put(record, renewed)
+        }
+        // Renew is only ever decided for a stored claim; with nothing stored there is
+        // nothing to renew.
+        (RenewDecision::Renew { .. }, None) | (RenewDecision::NotOwner, _) => {
+            Decision::Keep(RenewOutcome::NotOwner)
+        }
     }
 }
 

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use super::logic::{self, Decision, StoredRecord};
 use super::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
-    ReleaseOutcome, Storage, StorageError, PREFIX_SEARCH_MAX_VISITS,
+    ReleaseOutcome, RenewOutcome, Storage, StorageError, PREFIX_SEARCH_MAX_VISITS,
 };
 use crate::clock::Clock;
 
@@ -133,6 +133,15 @@ impl Storage for MemoryStorage {
         owner: &OwnerToken,
     ) -> Result<ReleaseOutcome, StorageError> {
         self.apply(key, |cur, _| logic::release(cur, owner))
+    }
+
+    async fn renew(
+        &self,
+        key: &Digest,
+        owner: &OwnerToken,
+        lease_ms: u64,
+    ) -> Result<RenewOutcome, StorageError> {
+        self.apply(key, |cur, now| logic::renew(cur, owner, lease_ms, now))
     }
 
     async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {

@@ -9,6 +9,7 @@ pub mod memory;
 pub mod redis;
 
 use async_trait::async_trait;
+use futures_util::stream::{self, StreamExt as _};
 
 /// A SHA-256 digest (record key or request fingerprint) in its wire form. Records are keyed
 /// by this text (embedded file keys, Redis key names), so the store works in it throughout.
@@ -79,6 +80,54 @@ pub enum CompleteOutcome {
 pub enum ReleaseOutcome {
     Released,
     NotOwner,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RenewOutcome {
+    /// The caller's claim now runs until `lease_expires_at_ms` (never earlier than before).
+    Renewed { lease_expires_at_ms: u64 },
+    /// Not the caller's claim any more (taken over, completed, released, gone): nothing
+    /// changed.
+    NotOwner,
+}
+
+/// A claim a renew call keeps alive: its key and the owner it was claimed by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub key: Digest,
+    pub owner: OwnerToken,
+}
+
+/// Renews of one batch that run at once: as many as the embedded writer commits in one
+/// transaction, so a batch costs few commits; on Redis they share the connection's pipeline.
+pub const RENEW_CONCURRENCY: usize = embedded::MAX_BATCH;
+
+/// Renews every lease of a batch by `lease_ms` and answers the indexes of those that were
+/// not the caller's any more. Every renew runs to its end; if any failed in the backend the
+/// whole batch is that failure (which of its leases were renewed is then unknown).
+pub async fn renew_batch(
+    storage: &dyn Storage,
+    leases: &[Lease],
+    lease_ms: u64,
+) -> Result<Vec<u32>, StorageError> {
+    // Made up front (they start when polled): a stream combinator holding a closure over
+    // the borrowed leases would keep the caller's future from being `Send`.
+    let renews: Vec<_> = leases
+        .iter()
+        .map(|lease| storage.renew(&lease.key, &lease.owner, lease_ms))
+        .collect();
+    let outcomes: Vec<Result<RenewOutcome, StorageError>> = stream::iter(renews)
+        .buffered(RENEW_CONCURRENCY)
+        .collect()
+        .await;
+    let mut lost = Vec::new();
+    for (index, outcome) in outcomes.into_iter().enumerate() {
+        if outcome? == RenewOutcome::NotOwner {
+            // A batch is far shorter than u32::MAX (see MAX_RENEW_LEASES).
+            lost.push(u32::try_from(index).unwrap_or(u32::MAX));
+        }
+    }
+    Ok(lost)
 }
 
 /// A live record as seen by `lookup` (expired records are never returned).
@@ -222,6 +271,16 @@ pub trait Storage: Send + Sync {
         key: &Digest,
         owner: &OwnerToken,
     ) -> Result<ReleaseOutcome, StorageError>;
+
+    /// Extend the lease of an in-flight record owned by `owner` to `now + lease_ms` (or
+    /// leave it where it is if it already ends later), so that a request still running
+    /// upstream is not taken over. Never creates a record, never touches a completed one.
+    async fn renew(
+        &self,
+        key: &Digest,
+        owner: &OwnerToken,
+        lease_ms: u64,
+    ) -> Result<RenewOutcome, StorageError>;
 
     async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError>;
 

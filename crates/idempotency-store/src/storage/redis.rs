@@ -15,7 +15,7 @@
 //! walks the keyspace with `SCAN` on the server, or on every primary of a cluster.
 //!
 //! The scripts implement `idempotency_protocol::decision` (`claim`, `complete`,
-//! `release`), which the other backends and the filter's local table call
+//! `release`, `renew`), which the other backends and the filter's local table call
 //! directly; they stay Lua so that each decision and its write are one atomic
 //! step on the Redis server. A change to one side must be made to the other;
 //! `tests/contract.rs` runs the same cases against every backend.
@@ -32,7 +32,7 @@ use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
 use super::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordState,
-    RecordView, ReleaseOutcome, Storage, StorageError,
+    RecordView, ReleaseOutcome, RenewOutcome, Storage, StorageError,
 };
 
 // `decision::claim`. ARGV: fingerprint, lease_ms, owner (client-chosen or
@@ -116,6 +116,25 @@ redis.call('DEL', k)
 return 'released'
 ";
 
+// `decision::renew`. ARGV: owner, lease_ms. Only the owner's in-flight claim is renewed
+// (a lapsed one is gone already, as for complete and release): its lease end becomes
+// max(expires_at_ms, now + lease), and the key's Redis expiry moves with it, since Redis
+// deleting the key at the old instant would end the claim all the same. Answers
+// {'renewed', lease end} or {'not_owner'}.
+const RENEW_LUA: &str = r"
+local k = KEYS[1]
+local cur = redis.call('HMGET', k, 'state', 'owner', 'expires_at_ms')
+if cur[1] ~= 'in_flight' or cur[2] ~= ARGV[1] then return {'not_owner'} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local exp = now + tonumber(ARGV[2])
+local held = tonumber(cur[3])
+if held and held >= exp then return {'renewed', held} end
+redis.call('HSET', k, 'expires_at_ms', string.format('%d', exp))
+redis.call('PEXPIREAT', k, exp)
+return {'renewed', exp}
+";
+
 // A lookup, or with ARGV[1] = 'purge' a lookup and delete in one step (so a purge answers
 // exactly what it removed): the record's fields in `parse_view`'s order, then Redis's
 // clock (the clock that expires the record, for its age and time left).
@@ -177,6 +196,7 @@ pub struct RedisStorage {
     claim: Script,
     complete: Script,
     release: Script,
+    renew: Script,
     record: Script,
 }
 
@@ -228,6 +248,7 @@ impl RedisStorage {
             claim: Script::new(CLAIM_LUA),
             complete: Script::new(COMPLETE_LUA),
             release: Script::new(RELEASE_LUA),
+            renew: Script::new(RENEW_LUA),
             record: Script::new(RECORD_LUA),
         }
     }
@@ -306,15 +327,16 @@ fn as_u64(v: &Value) -> Option<u64> {
     }
 }
 
-fn parse_claim(v: &Value) -> Result<(String, Option<&Value>), StorageError> {
+/// A script's `{tag, payload}` answer (claim, renew).
+fn parse_tagged<'a>(what: &str, v: &'a Value) -> Result<(String, Option<&'a Value>), StorageError> {
     let Value::Array(items) = v else {
-        return Err(unexpected("claim", v));
+        return Err(unexpected(what, v));
     };
     let tag = items
         .first()
         .and_then(as_bytes)
         .and_then(|b| std::str::from_utf8(b).ok())
-        .ok_or_else(|| unexpected("claim", v))?;
+        .ok_or_else(|| unexpected(what, v))?;
     Ok((tag.to_owned(), items.get(1)))
 }
 
@@ -522,7 +544,7 @@ impl Storage for RedisStorage {
             .invoke_async(&mut conn)
             .await
             .map_err(backend)?;
-        let (tag, payload) = parse_claim(&reply)?;
+        let (tag, payload) = parse_tagged("claim", &reply)?;
         let bad = || unexpected("claim", &reply);
         Ok(match tag.as_str() {
             "mismatch" => ClaimOutcome::Mismatch,
@@ -583,6 +605,33 @@ impl Storage for RedisStorage {
             "released" => Ok(ReleaseOutcome::Released),
             "not_owner" => Ok(ReleaseOutcome::NotOwner),
             _ => Err(unexpected("release", &reply)),
+        }
+    }
+
+    async fn renew(
+        &self,
+        key: &Digest,
+        owner: &OwnerToken,
+        lease_ms: u64,
+    ) -> Result<RenewOutcome, StorageError> {
+        let mut conn = self.conn.clone();
+        let reply: Value = self
+            .renew
+            .key(redis_key(key))
+            .arg(owner.as_str())
+            .arg(lease_ms)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(backend)?;
+        let (tag, payload) = parse_tagged("renew", &reply)?;
+        match tag.as_str() {
+            "renewed" => Ok(RenewOutcome::Renewed {
+                lease_expires_at_ms: payload
+                    .and_then(as_u64)
+                    .ok_or_else(|| unexpected("renew", &reply))?,
+            }),
+            "not_owner" => Ok(RenewOutcome::NotOwner),
+            _ => Err(unexpected("renew", &reply)),
         }
     }
 
