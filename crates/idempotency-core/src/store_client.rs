@@ -4,8 +4,8 @@
 
 use idempotency_protocol::stream::{CallOp, FailureKind, Reply};
 use idempotency_protocol::wire::{
-    decode_record, encode_record, outcome, ClaimBody, ClaimResponse, CompleteBody, OutcomeResponse,
-    ReleaseBody,
+    decode_record, encode_record, outcome, ClaimBody, ClaimResponse, CompleteBody, LeaseBody,
+    OutcomeResponse, ReleaseBody, RenewBody, RenewResponse, MAX_RENEW_LEASES,
 };
 
 use crate::key::{to_hex, Digest};
@@ -104,6 +104,17 @@ pub fn complete_call(
     }
 }
 
+/// Renewal calls for `leases` (key and owner, in hex), each within the store's batch bound.
+pub fn renew_calls(lease_ms: u64, leases: Vec<(String, String)>) -> Vec<CallOp> {
+    leases
+        .chunks(MAX_RENEW_LEASES)
+        .map(|chunk| CallOp::Renew {
+            lease_ms,
+            leases: chunk.to_vec(),
+        })
+        .collect()
+}
+
 pub fn release_call(key: &Digest, owner: &str) -> CallOp {
     CallOp::Release {
         key: to_hex(key),
@@ -120,8 +131,7 @@ pub fn wait_call(key: &Digest, fingerprint: &Digest, wait_ms: u64) -> CallOp {
     }
 }
 
-/// The JSON body of `call` for the HTTP API (a wait has none: the stream alone carries it;
-/// nor has a renew, which no callout of this filter sends).
+/// The JSON body of `call` for the HTTP API (a wait has none: the stream alone carries it).
 pub fn http_body(call: &CallOp) -> Vec<u8> {
     let json = match call {
         CallOp::Claim {
@@ -152,7 +162,17 @@ pub fn http_body(call: &CallOp) -> Vec<u8> {
             key: key.clone(),
             owner: owner.clone(),
         }),
-        CallOp::Wait { .. } | CallOp::Renew { .. } => return Vec::new(),
+        CallOp::Renew { lease_ms, leases } => serde_json::to_vec(&RenewBody {
+            lease_ms: *lease_ms,
+            leases: leases
+                .iter()
+                .map(|(key, owner)| LeaseBody {
+                    key: key.clone(),
+                    owner: owner.clone(),
+                })
+                .collect(),
+        }),
+        CallOp::Wait { .. } => return Vec::new(),
     };
     json.unwrap_or_default()
 }
@@ -198,6 +218,7 @@ pub fn read_write_reply(kind: WriteKind, reply: &Reply) -> WriteAnswer {
         (WriteKind::Complete, Reply::Recorded) | (WriteKind::Release, Reply::Released) => {
             WriteAnswer::Done
         }
+        (WriteKind::Renew, Reply::Renewed { lost }) => renewed(lost.len()),
         // Nothing left to release (released before, expired, or taken over): the goal holds.
         (WriteKind::Release, Reply::NotOwner) => WriteAnswer::Done,
         (WriteKind::Complete, Reply::NotOwner) => WriteAnswer::Superseded,
@@ -267,6 +288,8 @@ pub enum WriteAnswer {
     /// The store refused for good (a request it will never take).
     Refused(String),
     Retry(String),
+    /// A renewal whose leases (this many) were no longer this proxy's claims.
+    LeasesLost(usize),
 }
 
 /// Which write an answer is for.
@@ -274,12 +297,29 @@ pub enum WriteAnswer {
 pub enum WriteKind {
     Complete,
     Release,
+    Renew,
+}
+
+/// A renewal's answer: done, or so many of its leases were taken over meanwhile.
+fn renewed(lost: usize) -> WriteAnswer {
+    if lost == 0 {
+        WriteAnswer::Done
+    } else {
+        WriteAnswer::LeasesLost(lost)
+    }
 }
 
 pub fn read_write_answer(kind: WriteKind, status: Option<u16>, body: &[u8]) -> WriteAnswer {
     match status {
         // Nothing left to release (released before, expired, or taken over): the goal holds.
         Some(409) if kind == WriteKind::Release => WriteAnswer::Done,
+        Some(200) if kind == WriteKind::Renew => {
+            match serde_json::from_slice::<RenewResponse>(body) {
+                Ok(a) if a.outcome == outcome::RENEWED => renewed(a.lost.len()),
+                Ok(a) => WriteAnswer::Retry(format!("unexpected outcome '{}'", a.outcome)),
+                Err(e) => WriteAnswer::Retry(format!("answer unreadable: {e}")),
+            }
+        }
         Some(200) => match serde_json::from_slice::<OutcomeResponse>(body) {
             Ok(a) if a.outcome == outcome::COMPLETED || a.outcome == outcome::RELEASED => {
                 WriteAnswer::Done

@@ -34,7 +34,7 @@ pub struct Leases {
 
 /// How often a live lease is renewed: three times a lease, so that one lost renewal (a store
 /// that did not answer in time) still leaves a third of the lease for the next.
-fn renew_every_ms(lease_ms: u64) -> u64 {
+pub fn renew_every_ms(lease_ms: u64) -> u64 {
     (lease_ms / 3).max(1)
 }
 

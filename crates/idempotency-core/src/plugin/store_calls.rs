@@ -13,6 +13,7 @@ pub enum StoreOp {
     Claim,
     Complete,
     Release,
+    Renew,
 }
 
 impl StoreOp {
@@ -21,6 +22,7 @@ impl StoreOp {
             StoreOp::Claim => path::CLAIM,
             StoreOp::Complete => path::COMPLETE,
             StoreOp::Release => path::RELEASE,
+            StoreOp::Renew => path::RENEW,
         }
     }
 }

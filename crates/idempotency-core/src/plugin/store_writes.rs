@@ -1,4 +1,4 @@
-//! Completions and releases sent to the store from the root context.
+//! Completions, releases and lease renewals sent to the store from the root context.
 //!
 //! Why the root: when a client disconnects, Envoy destroys the request's context and cancels
 //! its pending callouts, and the record would be lost. A request instead hands its write to
@@ -22,11 +22,12 @@ use crate::burst_log::BurstLog;
 use crate::config::StoreTransport;
 use crate::host::Host;
 use crate::outcome::Outcome;
+use crate::plugin::leases::renew_every_ms;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::store_calls::{self, StoreOp};
 use crate::plugin::store_link::{StoreLink, Waiter, MAX_MESSAGE_BYTES};
 use crate::store_client::{
-    call_bytes, http_body, read_write_answer, read_write_reply, WriteAnswer, WriteKind,
+    call_bytes, http_body, read_write_answer, read_write_reply, renew_calls, WriteAnswer, WriteKind,
 };
 use crate::table::{Held, Table};
 
@@ -143,16 +144,18 @@ impl PendingWrite {
 
     fn op(&self) -> StoreOp {
         match self.call {
-            // A write is never a claim, a wait or a renew; named for completeness.
-            CallOp::Claim { .. } | CallOp::Wait { .. } | CallOp::Renew { .. } => StoreOp::Claim,
+            // A write is never a claim or a wait; named for completeness.
+            CallOp::Claim { .. } | CallOp::Wait { .. } => StoreOp::Claim,
             CallOp::Complete { .. } => StoreOp::Complete,
             CallOp::Release { .. } => StoreOp::Release,
+            CallOp::Renew { .. } => StoreOp::Renew,
         }
     }
 
     fn kind(&self) -> WriteKind {
         match self.call {
             CallOp::Release { .. } => WriteKind::Release,
+            CallOp::Renew { .. } => WriteKind::Renew,
             _ => WriteKind::Complete,
         }
     }
@@ -270,15 +273,23 @@ impl StoreWrites {
     }
 
     /// From the root's tick: renews the store leases of `rule`'s live requests (key and
-    /// owner, in hex).
+    /// owner, in hex), in as few calls as the store's batch bound allows. Best effort: a
+    /// renewal that fails is retried until the next one would go anyway.
     pub fn submit_renewals(
         &self,
-        _host: &impl Host,
-        _links: &Links<'_>,
-        _rule: &Rc<RuleHandle>,
-        _leases: Vec<(String, String)>,
-        _now_ms: u64,
+        host: &impl Host,
+        links: &Links<'_>,
+        rule: &Rc<RuleHandle>,
+        leases: Vec<(String, String)>,
+        now_ms: u64,
     ) {
+        let lease_ms = rule.rule.lease_ms;
+        let deadline = now_ms.saturating_add(renew_every_ms(lease_ms));
+        let due = renew_calls(lease_ms, leases)
+            .into_iter()
+            .map(|call| PendingWrite::new(Rc::clone(rule), call, deadline).best_effort())
+            .collect();
+        self.send(host, links, due);
     }
 
     /// Called from a request's context: queue the write and wake the root.
@@ -458,6 +469,17 @@ impl StoreWrites {
                 log::warn!("store {:?} refused: {why}", write.op());
             }
             WriteAnswer::Retry(why) => self.retry_later(host, write, &why),
+            WriteAnswer::LeasesLost(lost) => {
+                self.store_answered();
+                for _ in 0..lost {
+                    write.rule.count(host, Outcome::LeaseLost);
+                }
+                log::warn!(
+                    "rule {}: {lost} running request(s) lost their store lease: another request \
+                     took the key over before a renewal landed",
+                    write.rule.rule.name
+                );
+            }
         }
     }
 

@@ -275,3 +275,88 @@ fn a_request_envoy_let_go_of_is_no_longer_renewed() {
     assert!(is_executing(&retry.borrow()));
     assert_eq!(host.counter("orders", Outcome::TakenOver), 1);
 }
+
+#[test]
+fn a_live_request_renews_its_store_lease_in_one_call_per_rule_and_counts_a_lost_one() {
+    let host = FakeHost::default();
+    *host.configuration.borrow_mut() = br#"{"store":{"cluster":"store","transport":"http"},
+        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"lease_seconds":3}]}"#
+        .to_vec();
+    host.effective_context.set(1);
+    let mut root = PluginRoot::new(1);
+    assert!(root.on_configure(&host));
+    let mut running = Vec::new();
+    for (context, key) in [(7, "k1"), (8, "k2")] {
+        let (journey, verdict) = post_in_context(&host, &root, context, key);
+        assert_eq!(verdict, Verdict::Pause, "waits for the store");
+        let token = host
+            .take_effects()
+            .into_iter()
+            .find_map(|e| match e {
+                Effect::Callout { token, .. } => Some(token),
+                _ => None,
+            })
+            .unwrap();
+        let claimed = format!(r#"{{"outcome":"claimed","owner":"0{context}"}}"#);
+        host.set_callout_answer(Some(200), claimed.as_bytes());
+        journey.borrow_mut().on(
+            &host,
+            Event::CalloutAnswer {
+                token,
+                num_headers: 1,
+                body_size: claimed.len(),
+            },
+        );
+        assert!(is_executing(&journey.borrow()));
+        running.push(journey);
+    }
+    let _ = host.take_effects();
+    // Nothing is due before a third of the lease.
+    host.advance_ms(900);
+    root.on_tick(&host);
+    assert!(renewals(&host.take_effects()).is_empty());
+    host.advance_ms(200);
+    root.on_tick(&host);
+    let sent = renewals(&host.take_effects());
+    assert_eq!(sent.len(), 1, "one call for both: {sent:?}");
+    let (token, body) = &sent[0];
+    assert_eq!(body["lease_ms"], 3000);
+    let mut owners: Vec<&str> = body["leases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["owner"].as_str().unwrap())
+        .collect();
+    owners.sort_unstable();
+    assert_eq!(owners, ["07", "08"]);
+    // The store says one of them was taken over meanwhile.
+    let answer = br#"{"outcome":"renewed","lost":[1]}"#;
+    host.set_callout_answer(Some(200), answer);
+    root.on_callout_answer(&host, *token, 1, answer.len());
+    assert_eq!(host.counter("orders", Outcome::LeaseLost), 1);
+    // A request that ended is renewed no more.
+    host.effective_context.set(7);
+    envoy_reports(&host, "via_upstream", 0, 1);
+    respond(&host, &mut running[0].borrow_mut(), 201, b"{}");
+    host.effective_context.set(1);
+    let _ = host.take_effects();
+    host.advance_ms(1_100);
+    root.on_tick(&host);
+    let sent = renewals(&host.take_effects());
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].1["leases"].as_array().unwrap().len(), 1);
+    assert_eq!(sent[0].1["leases"][0]["owner"], "08");
+}
+
+/// The renewal callouts among `effects`: token and JSON body.
+fn renewals(effects: &[Effect]) -> Vec<(u32, serde_json::Value)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Callout {
+                token, path, body, ..
+            } if path.ends_with("/renew") => Some((*token, serde_json::from_slice(body).unwrap())),
+            _ => None,
+        })
+        .collect()
+}
