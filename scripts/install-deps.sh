@@ -30,6 +30,8 @@ if [[ $mode != --run ]]; then
     command -v wrk >/dev/null || need_apt+=(wrk)
     command -v docker-compose >/dev/null || need_apt+=(docker-compose)
     command -v node >/dev/null || need_apt+=(nodejs)
+    # The load balancer of the retrying-clients tests (tests/e2e/test_retrying_clients.py).
+    command -v nginx >/dev/null || [[ -x /usr/sbin/nginx ]] || need_apt+=(nginx-light)
 fi
 if ((${#need_apt[@]})); then
     echo "installing Debian packages: ${need_apt[*]}"

@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -376,6 +377,10 @@ class ProcessGroup:
         proc = ManagedProcess(argv, name=name, log_dir=self.tmpdir, **kwargs)
         self.add(proc)
         return proc.start()
+
+    def nginx(self, **kwargs: Any) -> "Nginx":
+        """An nginx reverse proxy in the foreground (see ``Nginx``), registered before it starts."""
+        return self.add(Nginx(self.tmpdir, **kwargs)).start()
 
 
 # --------------------------------------------------------------------------
@@ -1177,3 +1182,116 @@ def router_config(cluster_name: str = "demo_upstream", route_timeout: str = "15s
             }],
         },
     }
+
+
+# --------------------------------------------------------------------------
+# nginx (a real load balancer in front of Envoys)
+# --------------------------------------------------------------------------
+
+
+def nginx_binary() -> Path:
+    """``$NGINX_BIN``, else nginx on PATH or /usr/sbin/nginx (Debian's nginx-light, installed
+    by scripts/install-deps.sh)."""
+    override = os.environ.get("NGINX_BIN")
+    found = override or shutil.which("nginx") or "/usr/sbin/nginx"
+    path = Path(found)
+    if not path.is_file():
+        raise FileNotFoundError(f"nginx not found at {path}: run scripts/install-deps.sh "
+                                "(Debian package nginx-light) or set NGINX_BIN")
+    return path
+
+
+class Nginx:
+    """nginx as a reverse proxy on 127.0.0.1, balancing over ``servers`` (ports on loopback).
+
+    One process, the PID we hold: ``daemon off`` and ``master_process off`` (no master that
+    forks workers, so nothing outlives a stop by PID, and it runs as the current user with
+    no ``user`` switch). Everything nginx writes stays under ``<tmpdir>/<name>/``: the
+    config, the error log (``error_log_text()``), a JSON access log (``access_entries()``,
+    with ``$upstream_addr`` and ``$upstream_status``: every upstream nginx tried, in order),
+    the pid file and the temp directories. ``proxy_directives`` go into the one location
+    (e.g. ``proxy_next_upstream error timeout non_idempotent;``); ``server_params`` follow
+    each ``server`` line of the upstream block (e.g. ``max_fails=0``).
+    """
+
+    def __init__(
+        self,
+        tmpdir: str | os.PathLike[str],
+        *,
+        servers: Sequence[int],
+        proxy_directives: Sequence[str] = (),
+        server_params: str = "",
+        name: str = "nginx",
+        port: int | None = None,
+    ) -> None:
+        self.name = name
+        self.port = port or free_port()
+        self.dir = Path(tmpdir) / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.conf_path = self.dir / "nginx.conf"
+        self.error_log = self.dir / "error.log"
+        self.access_log = self.dir / "access.log"
+        self.servers = list(servers)
+        upstream_lines = "\n".join(f"        server {LOOPBACK}:{p} {server_params}".rstrip() + ";"
+                                    for p in self.servers)
+        directives = "\n".join(f"            {d.strip()}" for d in proxy_directives)
+        temp = "\n".join(f"    {kind}_temp_path {self.dir / kind};"
+                          for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        self.conf_path.write_text(f"""\
+master_process off;
+worker_processes 1;
+error_log {self.error_log} info;
+events {{ worker_connections 256; }}
+http {{
+    log_format upstreams escape=json '{{"status":"$status","request":"$request",'
+        '"upstream_addr":"$upstream_addr","upstream_status":"$upstream_status",'
+        '"upstream_response_time":"$upstream_response_time","request_time":"$request_time"}}';
+    access_log {self.access_log} upstreams;
+{temp}
+    upstream backends {{
+{upstream_lines}
+    }}
+    server {{
+        listen {LOOPBACK}:{self.port};
+        location / {{
+            proxy_pass http://backends;
+{directives}
+        }}
+    }}
+}}
+""")
+        argv = [nginx_binary(), "-p", self.dir, "-c", self.conf_path, "-e", self.error_log,
+                "-g", f"daemon off; pid {self.dir / 'nginx.pid'};"]
+        self.process = ManagedProcess(argv, name=name, log_dir=tmpdir)
+
+    def start(self, timeout: float = 15.0) -> "Nginx":
+        self.process.start()
+        try:
+            wait_for_tcp(self.port, timeout=timeout, proc=self.process)
+        except BaseException:
+            self.process.stop()
+            raise
+        return self
+
+    def stop(self) -> int | None:
+        return self.process.stop()
+
+    def url(self, path: str = "/") -> str:
+        return f"http://{LOOPBACK}:{self.port}{path}"
+
+    def error_log_text(self) -> str:
+        try:
+            return self.error_log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def access_entries(self) -> list[dict]:
+        """The access log's JSON lines (nginx writes each when its request ends)."""
+        try:
+            lines = self.access_log.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def log_text(self) -> str:
+        return self.process.log_text() + self.error_log_text()

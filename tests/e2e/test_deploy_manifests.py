@@ -317,3 +317,14 @@ def test_the_second_replica_sample_differs_from_envoy_yaml_only_in_its_ports() -
     second["admin"]["address"]["socket_address"]["port_value"] = 9901
     listener["port_value"] = 10000
     assert second == first
+
+
+def test_protected_routes_turn_istios_retries_off() -> None:
+    """Istio retries every route by default, POST included: a route a rule protects must not
+    resend a write that may have reached the service (README "Unknown outcomes")."""
+    protected = {name for r in wasmplugin_config()["rules"] for name in r.get("match", {}).get("route_names", [])}
+    virtual_service = one(ISTIO / "virtualservice.yaml", "VirtualService")["spec"]
+    routes = {r["name"]: r for r in virtual_service["http"]}
+    assert protected and protected <= set(routes), (protected, sorted(routes))
+    for name in protected:
+        assert routes[name].get("retries") == {"attempts": 0}, name

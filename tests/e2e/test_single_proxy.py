@@ -672,7 +672,7 @@ OUTCOMES = [
     "executed", "replayed", "conflict", "mismatch", "missing_key", "invalid_key", "missing_scope", "released",
     "passed_through", "table_full", "evicted", "body_omitted", "taken_over", "not_recorded", "table_error",
     "store_error", "store_fail_open", "store_write_dropped", "waited", "replayed_after_wait", "wait_timed_out",
-    "wait_released",
+    "wait_released", "outcome_unknown", "outcome_unknown_answered", "resent", "lease_lost",
 ]
 
 

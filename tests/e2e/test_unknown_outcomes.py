@@ -18,12 +18,13 @@ import pytest
 
 import client
 import harness
-from cluster import raw_post, start_cluster
+from cluster import raw_post, start_cluster, wait_for_answer
 from cluster import post as cluster_post
 from helpers import (
     crash_lines,
     envoy_yaml_plugin_config,
     is_replay,
+    line_for,
     new_key,
     post,
     problem,
@@ -297,7 +298,8 @@ def test_cluster_a_write_that_outlives_its_lease_is_not_taken_over_by_another_re
             problem(cluster_post(b, path, key), 409, "request-in-flight", rule=EDGE_RULE)
         done = first.result(timeout=20)
     assert done.status_code == 201
-    replay = cluster_post(b, path, key)
+    # A's completion reaches the store from its root, just after A's client got the answer.
+    replay, _ = wait_for_answer(lambda: cluster_post(b, path, key), timeout=10)
     assert is_replay(replay) and replay.content == done.content
     assert replicas.upstream.executions(path) == 1
     assert rule_counter(b, EDGE_RULE, "taken_over") == 0
@@ -309,10 +311,43 @@ def test_cluster_a_connection_refusal_and_an_upstream_500_can_run_again(replicas
     refused = unique_path(REFUSED)
     key = new_key()
     assert cluster_post(a, refused, key).status_code == 503
-    assert cluster_post(b, refused, key).status_code == 503  # Envoy's, not the filter's 409
+    # A releases the store claim from its root; then B's retry is Envoy's 503, not a 409.
+    again, _ = wait_for_answer(lambda: cluster_post(b, refused, key), timeout=10)
+    assert again.status_code == 503
     assert rule_counter(b, EDGE_RULE, "released") == 1
     path, key = unique_path(PLAIN), new_key()
     assert cluster_post(a, path, key, headers={"x-demo-status": "500"}).status_code == 500
-    again = cluster_post(b, path, key)
+    again, _ = wait_for_answer(lambda: cluster_post(b, path, key), timeout=10)
     assert again.status_code == 201 and again.headers["x-execution"] == "2"
     assert replicas.upstream.executions(path) == 2
+
+
+def test_cluster_on_call_sees_the_unknown_outcome_in_the_log_and_the_store(replicas) -> None:
+    """The access log names the outcome; ``record show`` says it is unknown with what Envoy
+    reported; an operator who reconciled the write purges it, and the key runs again."""
+    from test_store_command import record, shown
+
+    a, b = replicas.a, replicas.b
+    path, key = unique_path(SLOW_ROUTE), new_key()
+    request_id = f"unknown-{new_key()}"
+    first = cluster_post(a, path, key, headers={"x-demo-delay-ms": "1500", "x-request-id": request_id})
+    assert first.status_code == 504
+    line = line_for(a, request_id)
+    assert line["idempotency_outcome"] == "executed+outcome_unknown", line
+    assert line["flags"] == "UT", line
+    harness.wait_until(lambda: record(replicas.store, "show", "--hash", line["idempotency_key_hash"]).returncode == 0,
+                       timeout=10, what="the unknown outcome in the store")
+    (found,) = shown(replicas.store, "--hash", line["idempotency_key_hash"])
+    assert found["state"] == "completed"
+    assert found["response"]["outcome"] == "unknown", found
+    assert found["response"]["response_flags"] == "UT"
+    assert found["response"]["details"] == "response_timeout"
+    assert (found["response"]["proxy_status"], found["response"]["attempts"]) == (504, 1)
+    text = record(replicas.store, "show", "--hash", line["idempotency_key_hash"]).stdout
+    assert "outcome      unknown" in text and "details response_timeout" in text, text
+    # Reconciled (the payment did not go through, say): the operator purges it, and a retry
+    # through a replica that kept no local copy runs it (README: a purge does not reach the
+    # copies Envoys keep locally).
+    assert record(replicas.store, "purge", "--hash", line["idempotency_key_hash"]).returncode == 0
+    again = cluster_post(b, path, key)
+    assert again.status_code == 201 and again.headers["x-execution"] == "2"

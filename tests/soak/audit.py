@@ -3,18 +3,25 @@
 Every answer must be one the README allows for that request at that moment; every key must
 end with a final answer; replays of a key must be byte-identical to each other and to the
 answer that was recorded; and a key may execute more than once only on a path the README
-names ("What the lease and the release policy risk", "When a request is cut short"), each
-extra execution backed by an attempt in the ledger that lost its claim that way:
+names ("What can still run twice"), each extra execution backed by an attempt in the ledger
+that lost its claim that way:
 
 | cause | the attempt that lost its claim, and the evidence |
 | --- | --- |
 | `lease_takeover` | the upstream ran it for longer than the lease, and another attempt came once the lease had passed while it still ran |
-| `released_status` | the upstream ran it and answered a released status (5xx, 408, 429, ...; or Envoy's 504 after the route timeout) |
-| `client_gone_before_answer` | the client hung up after sending it whole, before any answer; another attempt came after the lease |
+| `released_status` | the upstream ran it and answered a released status itself (5xx, 408, 429, ...; not Envoy's 504 after the route timeout) |
 | `in_flight_at_envoy_restart` | it reached its Envoy, which was stopped before it answered; another attempt came after the lease |
 | `fail_open_outage` | the `fail_open` rule ran it on the local claim alone while its store was out (it is itself the extra execution, or the one the store later lets run again) |
-| `completion_queued_in_store_outage` | it completed while its store was out; another attempt came after the lease and within 2.2 s (+2 s) of the store's return, before the queued completion could land |
-| `completion_lost_in_envoy_restart` | it completed through an Envoy restarted within 2 s after (or with the store out until then); another attempt came after the restart and the lease |
+| `completion_queued_in_store_outage` | it completed (or left an unknown outcome) while its store was out; another attempt came after the lease and within 2.2 s (+2 s) of the store's return, before the queued completion could land |
+| `completion_lost_in_envoy_restart` | it completed (or left an unknown outcome) through an Envoy restarted within 2 s after (or with the store out until then); another attempt came after the restart and the lease |
+
+An unknown outcome (README "Unknown outcomes": Envoy's 504 after the route timeout, or a client
+that hung up after sending the whole request) explains no extra execution: the key stays taken
+until its TTL and every retry gets `409 outcome-unknown`, which is then an allowed answer and a
+final one. A key that executed more than the evidence above explains after one of its attempts
+left an unknown outcome, or that executed at all after it was answered `409 outcome-unknown`
+(but on a `fail_open` local claim, or where the store may never have got the record), fails as
+`RERUN_AFTER_UNKNOWN`. The tally counts the unknown outcomes (`unknown_outcomes`).
 
 Replays of one key must be the same response, but for the two cases the README names: under
 `fail_open` each Envoy may replay the answer it ran itself, and after a lease takeover through
@@ -28,7 +35,6 @@ import collections
 from dataclasses import dataclass, field
 
 from ledger import (
-    CUT_AFTER_SEND,
     CUT_MID_RESPONSE,
     ENVOY_RESTART,
     UPSTREAM_PAUSE,
@@ -59,12 +65,16 @@ SUPERSEDED_WINDOW = 1.0
 COMPLETION_LANDS_SECONDS = 2.2 + 2.0
 REFUSED_BY_ENVOY = {"oversized_over_buffer": 413}  # Envoy's own answer, before the filter's
 UNEXPLAINED = "unexplained duplicate execution"
+RERUN_AFTER_UNKNOWN = "executed again after an unknown outcome"
+# The causes under which an execution after a 409 outcome-unknown is still README-named: the
+# write ran on a fail_open local claim, or the store may never have got the unknown outcome.
+RERUN_AFTER_ANSWER_CAUSES = {"fail_open_outage", "completion_queued_in_store_outage",
+                             "completion_lost_in_envoy_restart"}
 # How surely each cause's evidence shows an execution that lost its claim (0: seen).
 CERTAINTY = {
     "released_status": 0,
     "fail_open_outage": 0,
     "lease_takeover": 1,
-    "client_gone_before_answer": 2,
     "in_flight_at_envoy_restart": 2,
     "completion_queued_in_store_outage": 2,
     "completion_lost_in_envoy_restart": 3,
@@ -135,6 +145,11 @@ class Audit:
                 return label, f"expected 4xx {'/'.join(record.expected_problems)}"
             if a.status == 409 and a.problem == "request-in-flight":
                 return label, None
+            if a.outcome_unknown:
+                if any(b is not a and b.sent <= a.sent and self._may_have_left_unknown(b)
+                       for b in record.attempts):
+                    return label, None
+                return label, "outcome-unknown, but no earlier attempt of the key could have left one"
             # README "Waiting for the first request": a held duplicate whose first request
             # was released (failed, or its lease lapsed) gets a retry-able 503.
             if a.status == 503 and a.problem == "first-attempt-released" and record.rule.waits:
@@ -216,7 +231,7 @@ class Audit:
             a = last_by_envoy.get(envoy)
             if a is None:
                 verdict.fail("no final answer", f"the final round never reached this key through {envoy}")
-            elif not a.final:
+            elif not (a.final or a.outcome_unknown):
                 verdict.fail("no final answer", f"from {envoy} in the final round: {a.describe()}")
 
     def _check_replays(self, verdict: KeyVerdict, attempts: list[Attempt]) -> None:
@@ -273,9 +288,23 @@ class Audit:
             return
         losses = self.claim_losses(verdict.record, attempts)
         verdict.causes = losses[:extra]
+        unknown = next((a for a in attempts if a.left_outcome_unknown or a.outcome_unknown), None)
         if len(losses) < extra:
-            verdict.fail(UNEXPLAINED, f"executed {verdict.executions} times, the ledger explains "
-                                      f"{len(losses)} extra execution(s): " + ", ".join(c for c, _, _ in losses))
+            # Unknown outcomes explain nothing: the key must have stayed taken.
+            category = RERUN_AFTER_UNKNOWN if unknown is not None else UNEXPLAINED
+            verdict.fail(category, f"executed {verdict.executions} times, the ledger explains "
+                                   f"{len(losses)} extra execution(s): " + ", ".join(c for c, _, _ in losses)
+                                   + (f"; unknown outcome first at {unknown.describe()}" if unknown else ""))
+            return
+        # Even where other evidence accounts for the count: once the filter answered
+        # outcome-unknown, nothing sent later may run, but on the README's store-loss paths.
+        answered = next((a for a in attempts if a.outcome_unknown), None)
+        if answered is None or {c for c, _, _ in losses} & RERUN_AFTER_ANSWER_CAUSES:
+            return
+        rerun = next((b for b in attempts if b.sent >= answered.ended and (b.executed or b.route_timeout)), None)
+        if rerun is not None:
+            verdict.fail(RERUN_AFTER_UNKNOWN, f"answered outcome-unknown at {answered.describe()}, "
+                                              f"then ran {rerun.describe()}")
 
     # -- why a key ran again ------------------------------------------------
 
@@ -298,10 +327,8 @@ class Audit:
             if ran and a.duration >= lease - 0.25 and in_lease:
                 losses.append(("lease_takeover", a, f"ran {a.duration:.1f}s past the {lease}s lease; "
                                                     f"retried at {in_lease.sent:.1f}s"))
-            elif ran and a.status in RELEASED_STATUSES and came_after(a.sent, a):
+            elif ran and a.status in RELEASED_STATUSES and not a.route_timeout and came_after(a.sent, a):
                 losses.append(("released_status", a, f"answered {a.status}"))
-            elif a.cut == CUT_AFTER_SEND and (b := came_after(a.sent + lease - SLACK, a)):
-                losses.append(("client_gone_before_answer", a, f"hung up at {a.ended:.1f}s; retried at {b.sent:.1f}s"))
             elif (not a.answered and a.cut is None and a.reached_envoy and (f := self.envoy_restart(a))
                   and (b := came_after(a.sent + lease - SLACK, a))):
                 losses.append(("in_flight_at_envoy_restart", a, f"cut by {f.id}; retried at {b.sent:.1f}s"))
@@ -309,9 +336,10 @@ class Audit:
                   and (f := self.store_outage(record.rule.store, a.sent, a.ended))
                   and came_after(a.sent, a)):
                 losses.append(("fail_open_outage", a, f"ran on the local claim during {f.id}"))
-            elif ran and a.final and (why := self._completion_queued(record, a, attempts)):
+            # An unknown outcome is recorded like a response, so it can be lost the same ways.
+            elif ((ran and a.final) or a.left_outcome_unknown) and (why := self._completion_queued(record, a, attempts)):
                 losses.append(("completion_queued_in_store_outage", a, why))
-            elif ran and a.final and (why := self._completion_lost_in_restart(record, a, attempts)):
+            elif ((ran and a.final) or a.left_outcome_unknown) and (why := self._completion_lost_in_restart(record, a, attempts)):
                 losses.append(("completion_lost_in_envoy_restart", a, why))
         # The surest evidence first: an execution seen to be released or to run without the
         # store outweighs one that only may have lost its completion.
@@ -355,7 +383,26 @@ class Audit:
         return collections.Counter(cause for v in self.verdicts for cause, _, _ in v.causes)
 
     def unexplained(self) -> list[KeyVerdict]:
-        return [v for v in self.verdicts if any(c == UNEXPLAINED for c, _ in v.problems)]
+        return [v for v in self.verdicts if any(c in (UNEXPLAINED, RERUN_AFTER_UNKNOWN) for c, _ in v.problems)]
+
+    def _may_have_left_unknown(self, a: Attempt) -> bool:
+        """Whether a 409 outcome-unknown can follow ``a``: it left an unknown outcome, or it got
+        no answer while its Envoy restarted (the stop may still have seen it as a hang-up)."""
+        return a.left_outcome_unknown or (not a.answered and a.cut is None and a.reached_envoy
+                                          and self.envoy_restart(a) is not None)
+
+    def unknown_outcomes(self) -> dict[str, int]:
+        """How many unknown outcomes the soak made and the filter answered."""
+        valid = [v.record for v in self.verdicts if not v.record.refused_by_design]
+        attempts = [a for r in valid for a in r.attempts]
+        return {
+            "attempts_that_left_one": sum(1 for a in attempts if a.left_outcome_unknown),
+            "of_which_route_timeouts": sum(1 for a in attempts if a.route_timeout),
+            "keys_answered_outcome_unknown": sum(1 for r in valid if any(a.outcome_unknown for a in r.attempts)),
+            "answers_outcome_unknown": sum(1 for a in attempts if a.outcome_unknown),
+            "keys_executed_again_after_one": sum(1 for v in self.verdicts
+                                                 if any(c == RERUN_AFTER_UNKNOWN for c, _ in v.problems)),
+        }
 
     def failures_by_category(self) -> collections.Counter[str]:
         return collections.Counter(c for v in self.verdicts for c in {c for c, _ in v.problems})

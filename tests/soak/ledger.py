@@ -151,6 +151,21 @@ class Attempt:
         """A 2xx (recorded or replayed): a retry would learn nothing new."""
         return self.status is not None and 200 <= self.status < 300
 
+    @property
+    def outcome_unknown(self) -> bool:
+        """The filter's 409 ``outcome-unknown`` (README "Unknown outcomes"): an earlier attempt
+        with this key may have run without a known result, and the key stays taken until its
+        TTL; as final as a 2xx, a retry learns nothing new."""
+        return self.status == 409 and self.problem == "outcome-unknown"
+
+    @property
+    def left_outcome_unknown(self) -> bool:
+        """This attempt may have run upstream and ended without the upstream's answer: Envoy's
+        504 after the route timeout, or the client hung up after sending it whole. The filter
+        records either as an unknown outcome (a hang-up before the router's attempt frees the
+        key instead: then it never ran)."""
+        return self.route_timeout or self.cut == CUT_AFTER_SEND
+
     def take_response(self, resp: client.Response) -> None:
         self.take_head(resp.status_code, resp.headers)
         self.take_body(resp.content)

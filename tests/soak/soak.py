@@ -235,6 +235,7 @@ def build_tally(args, run_dir: Path, ledger: Ledger, faults: FaultLog, audit: Au
                                              for n, c in sorted(executions_per_key.items())},
         },
         "duplicate_executions_by_cause": dict(extra_by_cause.most_common()),
+        "unknown_outcomes": audit.unknown_outcomes(),
         "keys_executed_more_than_once": sum(1 for v in valid if v.executions > 1),
         "unexplained_duplicates": [v.record.id for v in audit.unexplained()],
         "fail_open_keys_replaying_each_envoys_own_execution": audit.divergent_fail_open,
@@ -276,6 +277,7 @@ def print_tally(tally: dict, audit: Audit, limit: int = 12) -> None:
     line("protected keys by executions", ex["protected_keys_by_executions"])
     line("extra executions by cause", tally["duplicate_executions_by_cause"] or "none")
     line("unexplained duplicates", len(tally["unexplained_duplicates"]))
+    line("unknown outcomes", tally["unknown_outcomes"])
     line("fail_open keys, per-Envoy replays", tally["fail_open_keys_replaying_each_envoys_own_execution"])
     line("failing keys by category", tally["failing_keys_by_category"] or "none")
     line("envoy processes / VM failures", f"{tally['envoy_processes']} / "

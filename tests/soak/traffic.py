@@ -263,8 +263,9 @@ class Traffic:
 
     def new_write(self, rng: random.Random) -> None:
         """A new key. During a slow-upstream window most ask for a delay past the lease (a
-        client that times out retries then: the lease-takeover path) or past the route
-        timeout (Envoy's 504 releases the claim)."""
+        client that times out retries then: lease renewal keeps it from being taken over, but
+        in a store outage) or past the route timeout (Envoy's 504 is an unknown outcome:
+        retries get 409 outcome-unknown)."""
         record = self.new_record("new_write", self.pick_rule(rng))
         headers: dict[str, str] = {}
         retry_after = 1.0
@@ -337,7 +338,7 @@ class Traffic:
 
     def reset_after_send(self, rng: random.Random) -> None:
         """The whole request, then the client hangs up while the upstream works on it (README:
-        client gone before the upstream answered; a retry after the lease executes again)."""
+        client gone after the request went upstream: an unknown outcome, never run again)."""
         record = self.new_record("reset_after_send", self.pick_rule(rng, HEADER_KEY_RULES))
         envoy, _ = self.envoys(rng)
         attempt = self.send_and_hang_up(record, envoy, "reset_after_send", CUT_AFTER_SEND, rng=rng,
@@ -436,8 +437,9 @@ class Traffic:
                 if self.clock.now() >= key_deadline:
                     return
                 attempt = self.send(record, envoy, "final", timeout=10)
-                if attempt.final or (attempt.answered and 400 <= attempt.status < 500
-                                     and attempt.status != 409
-                                     and attempt.status not in RELEASED_STATUSES):
+                # 409 outcome-unknown is as final as a 2xx: it stays until the TTL.
+                if attempt.final or attempt.outcome_unknown or (
+                        attempt.answered and 400 <= attempt.status < 500 and attempt.status != 409
+                        and attempt.status not in RELEASED_STATUSES):
                     break
                 time.sleep(0.5)

@@ -47,6 +47,15 @@ fn retry(host: &FakeHost, plugin: &Rc<Plugin>) -> Option<(u16, String)> {
     Some((status, kind))
 }
 
+/// A root context (id 1) configured with `config`, the effective context.
+fn configured_root(host: &FakeHost, config: &[u8]) -> PluginRoot {
+    *host.configuration.borrow_mut() = config.to_vec();
+    host.effective_context.set(1);
+    let mut root = PluginRoot::new(1);
+    assert!(root.on_configure(host));
+    root
+}
+
 fn is_unknown(answer: &Option<(u16, String)>) -> bool {
     matches!(answer, Some((409, kind)) if kind.ends_with("outcome-unknown"))
 }
@@ -197,12 +206,11 @@ fn on_unknown_outcome_release_frees_the_key_as_before() {
 #[test]
 fn a_held_duplicate_is_told_the_outcome_is_unknown() {
     let host = FakeHost::default();
-    *host.configuration.borrow_mut() = br#"{"rules":[{"name":"orders",
-        "match":{"path_prefixes":["/orders"]},"on_in_flight":"wait","wait_ms":2000}]}"#
-        .to_vec();
-    host.effective_context.set(1);
-    let mut root = PluginRoot::new(1);
-    assert!(root.on_configure(&host));
+    let mut root = configured_root(
+        &host,
+        br#"{"rules":[{"name":"orders",
+        "match":{"path_prefixes":["/orders"]},"on_in_flight":"wait","wait_ms":2000}]}"#,
+    );
     let (first, _) = post_in_context(&host, &root, 7, "k1");
     let (second, verdict) = post_in_context(&host, &root, 8, "k1");
     assert_eq!(verdict, Verdict::Pause);
@@ -223,12 +231,11 @@ fn a_held_duplicate_is_told_the_outcome_is_unknown() {
 #[test]
 fn a_write_that_outlives_its_lease_is_renewed_and_never_taken_over() {
     let host = FakeHost::default();
-    *host.configuration.borrow_mut() = br#"{"rules":[{"name":"orders",
-        "match":{"path_prefixes":["/orders"]},"lease_seconds":3}]}"#
-        .to_vec();
-    host.effective_context.set(1);
-    let mut root = PluginRoot::new(1);
-    assert!(root.on_configure(&host));
+    let mut root = configured_root(
+        &host,
+        br#"{"rules":[{"name":"orders",
+        "match":{"path_prefixes":["/orders"]},"lease_seconds":3}]}"#,
+    );
     // The tick comes often enough to renew a 3 s lease.
     assert!(host.tick_period_ms.get().unwrap() <= 750);
     let (first, _) = post_in_context(&host, &root, 7, "k1");
@@ -255,12 +262,11 @@ fn a_write_that_outlives_its_lease_is_renewed_and_never_taken_over() {
 #[test]
 fn a_request_envoy_let_go_of_is_no_longer_renewed() {
     let host = FakeHost::default();
-    *host.configuration.borrow_mut() = br#"{"rules":[{"name":"orders",
-        "match":{"path_prefixes":["/orders"]},"lease_seconds":3}]}"#
-        .to_vec();
-    host.effective_context.set(1);
-    let mut root = PluginRoot::new(1);
-    assert!(root.on_configure(&host));
+    let mut root = configured_root(
+        &host,
+        br#"{"rules":[{"name":"orders",
+        "match":{"path_prefixes":["/orders"]},"lease_seconds":3}]}"#,
+    );
     let (first, _) = post_in_context(&host, &root, 7, "k1");
     assert_eq!(root.plugin().unwrap().leases.len(), 1);
     drop(first);
@@ -279,12 +285,11 @@ fn a_request_envoy_let_go_of_is_no_longer_renewed() {
 #[test]
 fn a_live_request_renews_its_store_lease_in_one_call_per_rule_and_counts_a_lost_one() {
     let host = FakeHost::default();
-    *host.configuration.borrow_mut() = br#"{"store":{"cluster":"store","transport":"http"},
-        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"lease_seconds":3}]}"#
-        .to_vec();
-    host.effective_context.set(1);
-    let mut root = PluginRoot::new(1);
-    assert!(root.on_configure(&host));
+    let mut root = configured_root(
+        &host,
+        br#"{"store":{"cluster":"store","transport":"http"},
+        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"lease_seconds":3}]}"#,
+    );
     let mut running = Vec::new();
     for (context, key) in [(7, "k1"), (8, "k2")] {
         let (journey, verdict) = post_in_context(&host, &root, context, key);
