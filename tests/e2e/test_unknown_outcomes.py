@@ -351,3 +351,19 @@ def test_cluster_on_call_sees_the_unknown_outcome_in_the_log_and_the_store(repli
     assert record(replicas.store, "purge", "--hash", line["idempotency_key_hash"]).returncode == 0
     again = cluster_post(b, path, key)
     assert again.status_code == 201 and again.headers["x-execution"] == "2"
+
+
+def test_make_runs_own_configuration_never_charges_a_payment_twice(procs) -> None:
+    """envoy/envoy.yaml as `make run` starts it (two replicas, one store): a client gives up on
+    a payment after 1 s while the upstream takes 2 s; its retries, through either replica, are
+    told the outcome is unknown, long after the payment rule's lease."""
+    cluster = start_cluster(procs)
+    path, key = unique_path("payments"), new_key()
+    with pytest.raises(client.HTTPError):
+        cluster_post(cluster.a, path, key, headers={"x-demo-delay-ms": "2000"}, timeout=1.0)
+    wait_done(cluster.upstream, path)
+    time.sleep(1.5)
+    for envoy in (cluster.b, cluster.a):
+        problem(cluster_post(envoy, path, key), 409, "outcome-unknown", rule="payments")
+    assert cluster.upstream.executions(path) == 1
+    assert rule_counter(cluster.a, "payments", "outcome_unknown") == 1
