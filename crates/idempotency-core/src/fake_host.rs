@@ -70,6 +70,8 @@ pub(crate) struct FakeHost {
     /// Request headers the flow set, in order (kept apart from `effects`: every protected
     /// request sets one).
     pub request_header_edits: RefCell<HeaderPairs>,
+    /// Local replies with these statuses are refused (as Envoy refuses a reply it cannot send).
+    pub refused_statuses: RefCell<Vec<u16>>,
     pub response_headers: RefCell<HeaderPairs>,
     pub response_chunk: RefCell<Vec<u8>>,
     pub properties: RefCell<HashMap<String, Vec<u8>>>,
@@ -100,6 +102,7 @@ impl Default for FakeHost {
             request_headers: RefCell::default(),
             request_body: RefCell::default(),
             request_header_edits: RefCell::default(),
+            refused_statuses: RefCell::default(),
             response_headers: RefCell::default(),
             response_chunk: RefCell::default(),
             properties: RefCell::default(),
@@ -287,6 +290,9 @@ impl Host for FakeHost {
         body: &[u8],
     ) -> Result<(), HostError> {
         self.check(HostCall::LocalReply)?;
+        if self.refused_statuses.borrow().contains(&status) {
+            return Err(HostError(format!("local reply {status} refused")));
+        }
         self.record(Effect::LocalReply {
             status,
             headers: headers

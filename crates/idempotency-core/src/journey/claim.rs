@@ -34,8 +34,16 @@ impl RequestJourney {
         access_log::publish_key(host, &key);
         let owner = plugin.owners.next();
         let now = host.now_ms();
-        plugin.upkeep.before_claim(host, &plugin.table, now);
         let name = &rule.rule.name;
+        if now == 0 {
+            // The host's clock failed: a claim made now would be born expired (and so would
+            // its record), free for the next retry to run again. Refuse instead.
+            log::error!("rule {name}: the host clock is unavailable; claim refused");
+            self.note(host, &rule, Outcome::TableError);
+            let problem = Problem::unavailable("the proxy's clock is unavailable");
+            return self.answer_problem(host, &rule, &problem);
+        }
+        plugin.upkeep.before_claim(host, &plugin.table, now);
         match plugin
             .table
             .claim(host, &key, &fingerprint, owner, now, rule.rule.lease_ms)
@@ -204,6 +212,15 @@ impl RequestJourney {
                     token: owner,
                     confirmed: true,
                 };
+                if let Some(status) = held.completed_status {
+                    // This proxy recorded the write itself (only its body is gone here), and
+                    // its completion has not reached the store yet while the store's claim
+                    // lapsed: never run it again. Replay what it kept, and record that in the
+                    // store under the claim it just got.
+                    let kept = RecordedResponse::status_only(status);
+                    self.submit_store_completion(host, &rule, &held, &confirmed, &kept);
+                    return self.replay(host, &rule, &kept, Outcome::Replayed);
+                }
                 self.execute(host, rule, held, Some(confirmed))
             }
             Ok(StoreClaim::InFlight) => {
@@ -409,7 +426,13 @@ fn send_replay(host: &impl Host, rule: &RuleHandle, recorded: &RecordedResponse)
     if recorded.body_omitted {
         headers.push((rule.rule.body_omitted_header.as_str(), b"true"));
     }
-    let (next, verdict) = send_local(host, recorded.status, &headers, &recorded.body);
+    let (next, verdict) = send_local(
+        host,
+        &rule.rule.name,
+        recorded.status,
+        &headers,
+        &recorded.body,
+    );
     if recorded.body.is_empty() && matches!(next, Journey::AnsweredLocally) {
         // Envoy drops content-type from a local reply without a body; the reply passes back
         // through this filter, which puts it back (see `Journey::Replaying`).

@@ -270,6 +270,12 @@ impl RequestJourney {
             (J::Waiting(held), E::WaitOver(end)) => self.on_wait_over(host, held, end),
             // A held duplicate whose client left costs nothing further.
             (J::Waiting(held), E::StreamEnd) => self.abandon_wait(held),
+            // Envoy answered a held duplicate itself (its request or idle timeout fired): that
+            // answer goes out, and the wait ends.
+            (
+                J::Waiting(held),
+                E::ResponseHeaders { .. } | E::ResponseBody { .. } | E::ResponseTrailers,
+            ) => self.abandon_wait(held),
             (wait @ J::Waiting(_), _) => (wait, Verdict::Pause),
             (J::Replaying { restore }, E::ResponseHeaders { .. }) => {
                 restore_replay_headers(host, &restore);
@@ -304,7 +310,7 @@ impl RequestJourney {
         let body = problem.body(&rule.rule.name);
         let headers = problem.headers();
         let pairs: Vec<(&str, &[u8])> = headers.iter().map(|(n, v)| (*n, v.as_bytes())).collect();
-        send_local(host, problem.status, &pairs, &body)
+        send_local(host, &rule.rule.name, problem.status, &pairs, &body)
     }
 }
 
@@ -325,16 +331,38 @@ impl Drop for RequestJourney {
     }
 }
 
-/// Answers from the filter. Should the host refuse, nothing was sent: letting the request on
-/// is the only way to answer at all.
-fn send_local(host: &impl Host, status: u16, headers: &[(&str, &[u8])], body: &[u8]) -> Step {
-    match host.send_local_reply(status, headers, body) {
-        Ok(()) => (Journey::AnsweredLocally, Verdict::Pause),
-        Err(e) => {
-            log::error!("local reply refused by the host: {}", e.0);
-            (Journey::Unprotected, Verdict::Continue)
-        }
+/// Answers from the filter. Should the host refuse the answer (a replay's recorded headers,
+/// say), a plain 503 problem goes instead; should it refuse that too, the request is held
+/// rather than let on unprotected: Envoy's own timeouts end it. A replay, a 409 or a
+/// fail-closed 503 must never turn into a write that runs.
+fn send_local(
+    host: &impl Host,
+    rule: &str,
+    status: u16,
+    headers: &[(&str, &[u8])],
+    body: &[u8],
+) -> Step {
+    let Err(e) = host.send_local_reply(status, headers, body) else {
+        return (Journey::AnsweredLocally, Verdict::Pause);
+    };
+    log::error!(
+        "rule {rule}: local reply ({status}) refused by the host: {}",
+        e.0
+    );
+    let fallback = Problem::unavailable("the proxy could not send its answer");
+    let fallback_headers = fallback.headers();
+    let pairs: Vec<(&str, &[u8])> = fallback_headers
+        .iter()
+        .map(|(n, v)| (*n, v.as_bytes()))
+        .collect();
+    if let Err(e) = host.send_local_reply(fallback.status, &pairs, &fallback.body(rule)) {
+        log::error!(
+            "rule {rule}: the fallback 503 was refused too ({}); the request is held until \
+             Envoy's own timeouts end it",
+            e.0
+        );
     }
+    (Journey::AnsweredLocally, Verdict::Pause)
 }
 
 fn restore_replay_headers(host: &impl Host, restore: &[(String, Vec<u8>)]) {

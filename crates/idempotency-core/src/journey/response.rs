@@ -281,7 +281,7 @@ impl RequestJourney {
     /// Hands a store completion to the root, retried until the record's TTL has passed; the
     /// same completion without the response body is sent instead should the retry buffer run
     /// short during a long outage.
-    fn submit_store_completion(
+    pub(super) fn submit_store_completion(
         &self,
         host: &impl Host,
         rule: &Rc<RuleHandle>,

@@ -83,6 +83,9 @@ impl Leases {
         links: &Links<'_>,
     ) {
         let now = host.now_ms();
+        if now == 0 {
+            return; // the host clock failed: renew on the next tick rather than to 1970
+        }
         let mut lost: Vec<u64> = Vec::new();
         // Store renewals per rule: one lease length, one store, one call.
         let mut for_store: Vec<(Rc<RuleHandle>, Vec<StoreLease>)> = Vec::new();

@@ -370,6 +370,32 @@ fn a_local_copy_whose_page_was_reused_is_fetched_again_from_the_store() {
         Some(&b"true"[..])
     );
     assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+
+    // Its completion never reached the store and the store's claim lapsed: the store lets the
+    // retry claim the key. This proxy knows the write completed: it replays what it kept and
+    // records that in the store, instead of running the write again.
+    let (mut request, token, claim) = claimed_at_store(&host, &plugin, "k0");
+    let claimed = r#"{"outcome":"claimed","owner":"retry"}"#;
+    assert_eq!(
+        answer(&host, &mut request, token, Some(200), claimed),
+        Verdict::Pause
+    );
+    assert!(!is_executing(&request), "before: it executed again");
+    let effects = host.take_effects();
+    let (status, headers, _) = the_reply(&effects);
+    assert_eq!(status, 201);
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+    plugin.writes.on_wake(&host, &plugin.links());
+    let writes = callouts(&host.take_effects());
+    let (_, path, body) = writes.last().expect("a completion");
+    assert_eq!(path, "/v1/complete");
+    assert_eq!(
+        (&body["owner"], &body["key"]),
+        (&"retry".into(), &claim["key"])
+    );
+    let record = BASE64.decode(body["record"].as_str().unwrap()).unwrap();
+    let kept = RecordedResponse::decode(&record).unwrap();
+    assert_eq!((kept.status, kept.body_omitted), (201, true));
 }
 
 #[test]

@@ -210,13 +210,30 @@ fn unreadable_request_headers_let_the_request_pass_and_an_unreadable_body_gets_5
 }
 
 #[test]
-fn a_local_reply_the_host_refuses_lets_the_request_on_rather_than_hang() {
+fn a_local_reply_the_host_refuses_holds_the_request_never_lets_it_on() {
     let host = FakeHost::default();
     let plugin = plugin(&host, ORDERS);
     host.fail(HostCall::LocalReply);
     let (request, verdict) = send(&host, &plugin, &post_headers("/orders", None), b"");
-    assert_eq!(verdict, Verdict::Continue);
-    assert!(matches!(request.state(), Journey::Unprotected));
+    // Before: the request went upstream unprotected. Now Envoy's own timeouts end it.
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(matches!(request.state(), Journey::AnsweredLocally));
+}
+
+#[test]
+fn a_replay_the_host_refuses_becomes_a_503_and_never_runs_the_write() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut first, _) = post(&host, &plugin, "k1", b"{}");
+    respond(&host, &mut first, 201, b"{}");
+    let _ = host.take_effects();
+    host.refused_statuses.borrow_mut().push(201);
+    let (retry, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(!is_executing(&retry));
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 503);
+    assert!(problem_type(&body).ends_with("idempotency-unavailable"));
 }
 
 #[test]

@@ -222,3 +222,24 @@ fn a_response_too_large_for_the_budget_replays_its_status_without_the_body() {
     );
     assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
 }
+
+#[test]
+fn a_claim_without_a_clock_is_refused_not_born_expired() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let now = host.clock_ms.get();
+    // The host's clock call failed: the filter reads 0.
+    host.clock_ms.set(0);
+    let (request, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(
+        !is_executing(&request),
+        "before: claimed with a lease ending in 1970"
+    );
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 503);
+    assert!(problem_type(&body).ends_with("idempotency-unavailable"));
+    host.clock_ms.set(now);
+    let (first, _) = post(&host, &plugin, "k1", b"{}");
+    assert!(is_executing(&first));
+}

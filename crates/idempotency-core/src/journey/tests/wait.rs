@@ -233,3 +233,29 @@ fn a_configuration_retired_by_a_push_stays_until_its_held_duplicates_are_answere
     let mut idle = root(&idle_host, WAIT);
     assert!(idle.on_done(), "nothing held: done at once");
 }
+
+#[test]
+fn envoys_own_timeout_answers_a_held_duplicate_and_ends_its_wait() {
+    let host = FakeHost::default();
+    let root = root(&host, WAIT);
+    let (_first, _) = request(&host, &root, 7, "k1");
+    let (second, verdict) = request(&host, &root, 8, "k1");
+    assert_eq!(verdict, Verdict::Pause);
+    assert_eq!(held_duplicates(&root).0, 1);
+    // Envoy's request timeout fires: its 408 passes back through the filter.
+    host.effective_context.set(8);
+    host.set_response(&[(":status", "408")], b"");
+    let verdict = second.borrow_mut().on(
+        &host,
+        Event::ResponseHeaders {
+            end_of_stream: true,
+        },
+    );
+    assert_eq!(
+        verdict,
+        Verdict::Continue,
+        "before: paused, and the reply hung"
+    );
+    assert_eq!(held_duplicates(&root).0, 0);
+    assert!(matches!(second.borrow().state(), Journey::Finished));
+}
