@@ -38,17 +38,19 @@ const MAX_BACKOFF_MS: u64 = 2_000;
 /// A best-effort release answered "not the owner" is tried this often: the claim it undoes may
 /// still be on its way through the store.
 const BEST_EFFORT_NOT_OWNER_ATTEMPTS: u32 = 3;
-/// Bytes of request bodies waiting for a retry, per worker VM (all its configurations). A
-/// completion's body is at most the store's request limit (4 MiB by default), so this holds a
-/// few of the largest and tens of thousands of ordinary ones.
+/// Bytes of store writes in flight to the store or waiting for a retry, per worker VM (all its
+/// configurations). A completion's body is at most the store's request limit (4 MiB by
+/// default), so this holds a few of the largest and tens of thousands of ordinary ones.
 pub const RETRY_BUDGET_BYTES: usize = 16 * 1024 * 1024;
 /// Writes sent per tick: after an outage the backlog reaches the store in steady batches
 /// rather than as one burst of callouts.
 const MAX_SENDS_PER_TICK: usize = 500;
 
-/// Bytes waiting for a retry across every root context of this VM: a configuration a push
-/// retired keeps its writes until they land, so the budget must not multiply with pushes.
-mod retry_bytes_in_vm {
+/// Bytes of writes in flight or waiting for a retry across every root context of this VM: a
+/// configuration a push retired keeps its writes until they land, so the budget must not
+/// multiply with pushes; and a slow store that still answers must not let sent writes pile up
+/// in the heap unbounded either.
+mod write_bytes_in_vm {
     use std::cell::Cell;
 
     thread_local! {
@@ -199,6 +201,15 @@ pub struct StoreWrites {
     wake_queue: Option<u32>,
     failures: RefCell<BurstLog>,
     drops: RefCell<BurstLog>,
+    /// What these writes hold of the VM's write budget, given back should the configuration
+    /// go with some still held.
+    charged: Cell<usize>,
+}
+
+impl Drop for StoreWrites {
+    fn drop(&mut self) {
+        write_bytes_in_vm::release(self.charged.get());
+    }
 }
 
 impl StoreWrites {
@@ -223,6 +234,7 @@ impl StoreWrites {
             wake_queue,
             failures: RefCell::new(BurstLog::new(10_000)),
             drops: RefCell::new(BurstLog::new(10_000)),
+            charged: Cell::new(0),
         }
     }
 
@@ -349,7 +361,7 @@ impl StoreWrites {
                 let Some(Reverse(waiting)) = retrying.pop() else {
                     break;
                 };
-                retry_bytes_in_vm::release(waiting.write.bytes());
+                self.uncharge(waiting.write.bytes());
                 if now >= waiting.write.deadline_ms {
                     self.drop_write(host, &waiting.write, "its deadline passed");
                 } else {
@@ -370,12 +382,17 @@ impl StoreWrites {
             };
             match store.transport {
                 StoreTransport::Http => {
+                    let mut write = write;
+                    if !self.admit(host, &mut write) {
+                        continue;
+                    }
                     let body = http_body(&write.call);
                     match store_calls::send(host, &store, write.op(), &body) {
                         Ok(token) => {
                             self.sent.borrow_mut().insert(token, write);
                         }
                         Err(e) => {
+                            self.uncharge(write.bytes());
                             self.retry_later(host, write, &format!("callout refused: {}", e.0))
                         }
                     }
@@ -401,15 +418,52 @@ impl StoreWrites {
             self.drop_write(host, &write, "it is larger than a stream message may be");
             return;
         }
+        if !self.admit(host, &mut write) {
+            return;
+        }
+        let bytes = write.bytes();
         match link.send(host, links.root_context, from_context, Waiter::Write(write)) {
             Ok(_) => self.on_stream.set(self.on_stream.get().saturating_add(1)),
             Err(unsent) => {
+                self.uncharge(bytes);
                 let unsent = *unsent;
                 if let Waiter::Write(write) = unsent.waiter {
                     self.retry_later(host, write, &unsent.why);
                 }
             }
         }
+    }
+
+    fn charge(&self, bytes: usize) {
+        write_bytes_in_vm::take(bytes);
+        self.charged.set(self.charged.get().saturating_add(bytes));
+    }
+
+    fn uncharge(&self, bytes: usize) {
+        write_bytes_in_vm::release(bytes);
+        self.charged.set(self.charged.get().saturating_sub(bytes));
+    }
+
+    /// Charges `write` to the VM's write budget as it goes out: without its response body
+    /// when it does not fit, given up (counted, logged) when even that does not. Released when
+    /// its answer (or failure) comes back.
+    fn admit(&self, host: &impl Host, write: &mut PendingWrite) -> bool {
+        let fits = |w: &PendingWrite| {
+            write_bytes_in_vm::get().saturating_add(w.bytes()) <= RETRY_BUDGET_BYTES
+        };
+        if !fits(write) && write.slim_down() {
+            log::warn!(
+                "store {:?} sent without its response body: the worker's store writes hold \
+                 their byte budget",
+                write.op()
+            );
+        }
+        if !fits(write) {
+            self.drop_write(host, write, "the byte budget of store writes is spent");
+            return false;
+        }
+        self.charge(write.bytes());
+        true
     }
 
     /// Called from the root when a write's answer arrives on a stream.
@@ -421,6 +475,7 @@ impl StoreWrites {
         reply: &Reply,
     ) {
         self.on_stream.set(self.on_stream.get().saturating_sub(1));
+        self.uncharge(write.bytes());
         if write.best_effort
             && write.kind() == WriteKind::Release
             && *reply == Reply::NotOwner
@@ -440,6 +495,7 @@ impl StoreWrites {
     /// Called from the root when a write's stream closed or its deadline passed.
     pub fn on_stream_failure(&self, host: &impl Host, write: PendingWrite) {
         self.on_stream.set(self.on_stream.get().saturating_sub(1));
+        self.uncharge(write.bytes());
         self.retry_later(host, write, "store stream closed or timed out");
     }
 
@@ -495,6 +551,7 @@ impl StoreWrites {
         let Some(write) = self.sent.borrow_mut().remove(&token) else {
             return false;
         };
+        self.uncharge(write.bytes());
         let store_calls::StoreAnswer { status, body } =
             store_calls::read_answer(host, num_headers, body_size);
         let kind = write.kind();
@@ -535,7 +592,7 @@ impl StoreWrites {
             self.drop_write(host, &write, "its deadline passed");
             return;
         }
-        if retry_bytes_in_vm::get().saturating_add(write.bytes()) > RETRY_BUDGET_BYTES
+        if write_bytes_in_vm::get().saturating_add(write.bytes()) > RETRY_BUDGET_BYTES
             && write.slim_down()
         {
             log::warn!(
@@ -544,7 +601,7 @@ impl StoreWrites {
             );
         }
         let bytes = write.bytes();
-        if retry_bytes_in_vm::get().saturating_add(bytes) > RETRY_BUDGET_BYTES {
+        if write_bytes_in_vm::get().saturating_add(bytes) > RETRY_BUDGET_BYTES {
             self.drop_write(host, &write, "the retry buffer's byte budget is spent");
             return;
         }
@@ -553,7 +610,7 @@ impl StoreWrites {
             .min(MAX_BACKOFF_MS);
         let seq = self.next_seq.get();
         self.next_seq.set(seq.wrapping_add(1));
-        retry_bytes_in_vm::take(bytes);
+        self.charge(bytes);
         self.retrying.borrow_mut().push(Reverse(Waiting {
             not_before_ms: now.saturating_add(backoff).min(write.deadline_ms),
             seq,

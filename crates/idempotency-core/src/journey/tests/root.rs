@@ -25,7 +25,11 @@ fn completed_request(host: &FakeHost, root: &PluginRoot) {
 }
 
 fn completed_request_with(host: &FakeHost, root: &PluginRoot, response_body: &[u8]) {
-    host.set_request(&post_headers("/orders", Some("k1")), b"");
+    completed_request_key(host, root, "k1", response_body);
+}
+
+fn completed_request_key(host: &FakeHost, root: &PluginRoot, key: &str, response_body: &[u8]) {
+    host.set_request(&post_headers("/orders", Some(key)), b"");
     let request = root.new_request(2).unwrap();
     let mut request = request.borrow_mut();
     request.on(
@@ -162,13 +166,18 @@ fn a_retired_configuration_stays_until_its_waiting_writes_are_taken() {
     assert!(idle.on_done());
 }
 
-#[test]
-fn a_completion_too_large_for_the_retry_budget_waits_without_its_body() {
+/// The record a completion callout carries.
+fn sent_record(body: &[u8]) -> crate::record::RecordedResponse {
     use base64::engine::general_purpose::STANDARD as BASE64;
     use base64::Engine as _;
+    let body: serde_json::Value = serde_json::from_slice(body).unwrap();
+    let record = BASE64.decode(body["record"].as_str().unwrap()).unwrap();
+    crate::record::RecordedResponse::decode(&record).unwrap()
+}
 
+#[test]
+fn a_completion_larger_than_the_write_budget_goes_without_its_body() {
     use crate::plugin::store_writes::RETRY_BUDGET_BYTES;
-    use crate::record::RecordedResponse;
 
     let host = FakeHost::default();
     let mut root = configured(
@@ -181,22 +190,51 @@ fn a_completion_too_large_for_the_retry_budget_waits_without_its_body() {
     root.on_queue_ready(&host, 1);
     let sent = completion_bodies(&host);
     assert_eq!(sent.len(), 1);
-    assert!(
-        sent[0].1.len() > RETRY_BUDGET_BYTES,
-        "the first attempt carries the body"
-    );
+    let recorded = sent_record(&sent[0].1);
+    // A replay of this record carries the status and the omitted-body marker.
+    assert_eq!(recorded.status, 201);
+    assert!(recorded.body.is_empty() && recorded.body_omitted);
+    // Through an outage it waits like any other.
     host.set_callout_answer(None, b"");
     root.on_callout_answer(&host, sent[0].0, 0, 0);
     host.advance_ms(2_000);
     root.on_tick(&host);
-    let retried = completion_bodies(&host);
-    assert_eq!(retried.len(), 1);
-    let body: serde_json::Value = serde_json::from_slice(&retried[0].1).unwrap();
-    let record = BASE64.decode(body["record"].as_str().unwrap()).unwrap();
-    let recorded = RecordedResponse::decode(&record).unwrap();
-    // A replay of this record carries the status and the omitted-body marker.
-    assert_eq!(recorded.status, 201);
-    assert!(recorded.body.is_empty() && recorded.body_omitted);
+    assert_eq!(completion_bodies(&host).len(), 1);
+    assert_eq!(host.counter("orders", Outcome::StoreWriteDropped), 0);
+}
+
+#[test]
+fn completions_in_flight_to_a_slow_store_are_held_to_the_write_budget() {
+    use crate::plugin::store_writes::RETRY_BUDGET_BYTES;
+
+    let host = FakeHost::default();
+    let root = configured(
+        &host,
+        r#"{"store":{"cluster":"store","transport":"http"},"rules":[{"name":"orders",
+            "match":{"path_prefixes":["/orders"]},"max_response_bytes":2097152}]}"#,
+    );
+    // A store that answers, slowly: none of these completions has its answer yet.
+    let response = vec![b'x'; 2 << 20];
+    let mut in_flight = 0;
+    let mut slimmed = 0;
+    for i in 0..12 {
+        completed_request_key(&host, &root, &format!("k{i}"), &response);
+        root.on_queue_ready(&host, 1);
+        for (_, body) in completion_bodies(&host) {
+            let recorded = sent_record(&body);
+            if recorded.body_omitted {
+                slimmed += 1;
+            } else {
+                in_flight += recorded.body.len();
+            }
+        }
+    }
+    // Before: all 24 MiB of bodies sat in the heap waiting for their answers.
+    assert!(
+        in_flight <= RETRY_BUDGET_BYTES,
+        "{in_flight} bytes in flight"
+    );
+    assert!(slimmed >= 4, "{slimmed} sent without their bodies");
     assert_eq!(host.counter("orders", Outcome::StoreWriteDropped), 0);
 }
 
