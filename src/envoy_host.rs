@@ -127,6 +127,10 @@ impl Host for EnvoyHost {
         host::close_grpc_stream(stream, reset).map_err(error)
     }
 
+    fn grpc_initial_metadata(&self) -> Result<HeaderPairs, HostError> {
+        host::get_header_pairs(MapType::GrpcReceiveInitialMetadata).map_err(error)
+    }
+
     fn grpc_message(&self, size: usize) -> Result<Vec<u8>, HostError> {
         host::get_buffer(BufferType::GrpcReceiveBuffer, 0, size)
             .map(Option::unwrap_or_default)

@@ -37,6 +37,10 @@ impl Context for FilterRoot {
             .on_callout_answer(&EnvoyHost, token, num_headers, body_size);
     }
 
+    fn on_grpc_stream_initial_metadata(&mut self, token_id: u32, _num_elements: u32) {
+        self.root.on_grpc_initial_metadata(&EnvoyHost, token_id);
+    }
+
     fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
         self.root
             .on_grpc_message(&EnvoyHost, token_id, message_size);

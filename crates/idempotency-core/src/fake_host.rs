@@ -86,6 +86,7 @@ pub(crate) struct FakeHost {
     next_token: Cell<u32>,
     /// The message being delivered on a stream.
     pub grpc_message: RefCell<Vec<u8>>,
+    pub grpc_initial_metadata: RefCell<HeaderPairs>,
     /// The context host calls act on; tests set it as Envoy would for each callback.
     pub effective_context: Cell<u32>,
     /// Contexts that are gone: switching to them fails, as in Envoy.
@@ -115,6 +116,7 @@ impl Default for FakeHost {
             queues: RefCell::default(),
             next_token: Cell::new(1),
             grpc_message: RefCell::default(),
+            grpc_initial_metadata: RefCell::default(),
             effective_context: Cell::new(0),
             gone_contexts: RefCell::default(),
             published: RefCell::default(),
@@ -384,6 +386,10 @@ impl Host for FakeHost {
     fn close_grpc_stream(&self, stream: u32, reset: bool) -> Result<(), HostError> {
         self.record(Effect::StreamClosed { stream, reset });
         Ok(())
+    }
+
+    fn grpc_initial_metadata(&self) -> Result<HeaderPairs, HostError> {
+        Ok(self.grpc_initial_metadata.borrow().clone())
     }
 
     fn grpc_message(&self, size: usize) -> Result<Vec<u8>, HostError> {

@@ -74,6 +74,8 @@ pub trait Host: SharedData {
     fn send_grpc_message(&self, stream: u32, message: &[u8]) -> Result<(), HostError>;
     /// Ends a stream the store closed, or resets one that stopped answering.
     fn close_grpc_stream(&self, stream: u32, reset: bool) -> Result<(), HostError>;
+    /// The initial metadata of the stream whose headers are being delivered.
+    fn grpc_initial_metadata(&self) -> Result<HeaderPairs, HostError>;
     /// The message being delivered on a stream.
     fn grpc_message(&self, size: usize) -> Result<Vec<u8>, HostError>;
     /// Makes `context_id` the context later host calls act on, until the callback returns or

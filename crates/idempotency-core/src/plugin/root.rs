@@ -201,6 +201,16 @@ impl PluginRoot {
         }
     }
 
+    /// A store stream opened: its metadata says how large a message the store takes.
+    pub fn on_grpc_initial_metadata(&self, host: &impl Host, stream: u32) {
+        if let Some(plugin) = &self.plugin {
+            let _ours = plugin
+                .links
+                .iter()
+                .any(|link| link.on_initial_metadata(host, stream));
+        }
+    }
+
     /// A message arrived on a store stream: hand the answer to whoever waits for it.
     pub fn on_grpc_message(&mut self, host: &impl Host, stream: u32, size: usize) {
         if let Some(plugin) = &self.plugin {

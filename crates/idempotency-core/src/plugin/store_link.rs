@@ -23,10 +23,16 @@ use crate::store_stream::{NotSent, StoreStream, StreamLimits};
 /// The store's streaming method (`proto/idempotency_store.proto`).
 pub const SERVICE: &str = "idempotency.store.v1.Store";
 pub const METHOD: &str = "Coordinate";
-/// Largest message the filter sends: the store's default `--max-body-bytes`. A larger one
-/// would end the stream, and every call on it, so a completion over it goes without its
-/// response body (a replay then carries the omitted-body marker).
+/// Largest message the filter sends until the store announces its own limit: the store's
+/// default `--max-body-bytes`. A completion over the limit goes without its response body (a
+/// replay then carries the omitted-body marker); one the store refuses as too large anyway is
+/// sent again without it.
 pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+/// The initial metadata in which the store announces the largest message it takes.
+pub const STORE_LIMIT_METADATA: &str = "x-idempotency-store-max-message-bytes";
+/// Announced limits are taken within these bounds: below, not even a small completion would
+/// go; above, one message would take most of the worker's 16 MiB write budget.
+const ANNOUNCED_LIMIT_BOUNDS: std::ops::RangeInclusive<usize> = 4096..=(16 * 1024 * 1024);
 
 /// A request whose claim is on the stream.
 pub struct ClaimWaiter {
@@ -74,6 +80,8 @@ pub struct StoreLink {
     pub store: Rc<StoreConfig>,
     stream: RefCell<StoreStream<Waiter>>,
     waiting: RefCell<VecDeque<WaitingForStream>>,
+    /// The largest message the store takes, as it last announced it.
+    max_message_bytes: std::cell::Cell<usize>,
 }
 
 impl StoreLink {
@@ -82,7 +90,52 @@ impl StoreLink {
             store,
             stream: RefCell::new(StoreStream::new(StreamLimits::default())),
             waiting: RefCell::new(VecDeque::new()),
+            max_message_bytes: std::cell::Cell::new(MAX_MESSAGE_BYTES),
         }
+    }
+
+    /// The largest message this stream may carry.
+    pub fn max_message_bytes(&self) -> usize {
+        self.max_message_bytes.get()
+    }
+
+    /// From the root: the stream `handle` opened with this initial metadata; the store's
+    /// announced limit replaces the default. False when the stream is not this link's.
+    pub fn on_initial_metadata(&self, host: &impl Host, handle: u32) -> bool {
+        if self.handle() != Some(handle) {
+            return false;
+        }
+        let metadata = match host.grpc_initial_metadata() {
+            Ok(pairs) => pairs,
+            Err(e) => {
+                log::debug!("store stream metadata unreadable: {}", e.0);
+                return true;
+            }
+        };
+        let announced = metadata
+            .iter()
+            .find(|(name, _)| name == STORE_LIMIT_METADATA)
+            .and_then(|(_, value)| {
+                std::str::from_utf8(value)
+                    .ok()?
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+            });
+        if let Some(limit) = announced {
+            let lo = *ANNOUNCED_LIMIT_BOUNDS.start();
+            let hi = *ANNOUNCED_LIMIT_BOUNDS.end();
+            let taken = limit.clamp(lo, hi);
+            if taken != self.max_message_bytes.get() {
+                log::info!(
+                    "store {} takes messages of up to {limit} bytes; completions over {taken} \
+                     go without their response body",
+                    self.store.cluster
+                );
+            }
+            self.max_message_bytes.set(taken);
+        }
+        true
     }
 
     /// The open stream's handle, if any.

@@ -25,7 +25,7 @@ use crate::outcome::Outcome;
 use crate::plugin::leases::renew_every_ms;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::store_calls::{self, StoreOp};
-use crate::plugin::store_link::{StoreLink, Waiter, MAX_MESSAGE_BYTES};
+use crate::plugin::store_link::{StoreLink, Waiter};
 use crate::store_client::{
     call_bytes, http_body, read_write_answer, read_write_reply, renew_calls, WriteAnswer, WriteKind,
 };
@@ -414,7 +414,7 @@ impl StoreWrites {
             self.drop_write(host, &write, "no stream serves its store");
             return;
         };
-        if write.bytes() > MAX_MESSAGE_BYTES && !write.slim_down() {
+        if write.bytes() > link.max_message_bytes() && !write.slim_down() {
             self.drop_write(host, &write, "it is larger than a stream message may be");
             return;
         }
@@ -517,6 +517,19 @@ impl StoreWrites {
                         log::error!("superseded local record not dropped: {e}");
                     }
                 }
+            }
+            WriteAnswer::Refused(why) if write.lean.is_some() => {
+                // Most likely too large for the store (its limit may be below the one this
+                // filter knows): the same completion without its response body goes instead,
+                // so the write is still recorded.
+                let mut write = write;
+                write.slim_down();
+                log::warn!(
+                    "store {:?} refused ({why}); sent again without its response body",
+                    write.op()
+                );
+                self.fresh.borrow_mut().push_back(write);
+                self.wake_root(host);
             }
             WriteAnswer::Refused(why) => {
                 if !write.best_effort {

@@ -392,6 +392,63 @@ fn a_completion_larger_than_a_stream_message_goes_without_its_body() {
     assert!(recorded.body.is_empty() && recorded.body_omitted);
 }
 
+/// The one completion among the calls sent since the last look: its id and its record.
+fn sent_completion(host: &FakeHost) -> (u64, RecordedResponse) {
+    let sent = calls(&host.take_effects());
+    let [(_, _, complete)] = &sent[..] else {
+        panic!("one completion: {sent:?}");
+    };
+    let CallOp::Complete { record, .. } = &complete.op else {
+        panic!("a completion");
+    };
+    (complete.id, RecordedResponse::decode(record).unwrap())
+}
+
+#[test]
+fn a_completion_over_the_limit_the_store_announced_goes_without_its_body() {
+    let (host, mut root, stream) = connected("fail_closed");
+    // The store runs with --max-body-bytes 1 MiB and says so when the stream opens.
+    *host.grpc_initial_metadata.borrow_mut() = vec![(
+        crate::plugin::store_link::STORE_LIMIT_METADATA.into(),
+        b"1048576".to_vec(),
+    )];
+    root.on_grpc_initial_metadata(&host, stream);
+    let journey = request(&host, &root, "two-megabytes");
+    let (claim_id, owner) = sent_claim(&host);
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    host.effective_context.set(REQUEST);
+    respond(&host, &mut journey.borrow_mut(), 201, &vec![b'x'; 2 << 20]);
+    wake(&host, &root);
+    // Before: sent whole, the store ended the stream, and it never landed.
+    let (_, recorded) = sent_completion(&host);
+    assert_eq!(recorded.status, 201);
+    assert!(recorded.body.is_empty() && recorded.body_omitted);
+}
+
+#[test]
+fn a_completion_the_store_refuses_as_malformed_is_sent_again_without_its_body() {
+    let (host, mut root, stream) = connected("fail_closed");
+    let journey = request(&host, &root, "refused");
+    let (claim_id, owner) = sent_claim(&host);
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    host.effective_context.set(REQUEST);
+    respond(&host, &mut journey.borrow_mut(), 201, &vec![b'y'; 100_000]);
+    let (id, whole) = sent_completion(&host);
+    assert_eq!(whole.body.len(), 100_000);
+    // A store whose limit is lower than this filter knows answers the call, not the stream.
+    let too_large = Reply::Failure {
+        kind: idempotency_protocol::stream::FailureKind::BadRequest,
+        detail: "message of 100400 bytes is over the store's limit of 65536 bytes".into(),
+    };
+    answer(&host, &mut root, stream, id, too_large);
+    wake(&host, &root);
+    let (id, lean) = sent_completion(&host);
+    assert!(lean.body.is_empty() && lean.body_omitted);
+    answer(&host, &mut root, stream, id, Reply::Recorded);
+    assert_eq!(host.counter("orders", Outcome::StoreWriteDropped), 0);
+    assert_eq!(host.counter("orders", Outcome::StoreError), 0);
+}
+
 #[test]
 fn a_completion_the_store_refuses_because_another_request_took_over_is_not_replayed_here() {
     // This request's lease ran out while it ran; another replica's retry took the key over
