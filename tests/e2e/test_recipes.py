@@ -1,4 +1,4 @@
-"""Every recipe in the README, through real Envoy: the configuration users copy from
+"""Every recipe of docs/recipes.md, through real Envoy: the configuration users copy from
 ``envoy/recipes/`` is the one tested here, with the request its sender really makes.
 
 A recipe holds when the first delivery executes, a redelivery executes nothing and gets the
@@ -21,7 +21,7 @@ import harness
 import helpers
 
 RECIPES = harness.REPO_ROOT / "envoy" / "recipes"
-README = harness.REPO_ROOT / "README.md"
+RECIPES_PAGE = harness.REPO_ROOT / "docs" / "recipes.md"
 # The key the demo upstream's signed endpoints verify with (crates/demo-upstream).
 DEMO_SIGNING_KEY = b"demo-signing-key"
 
@@ -38,12 +38,12 @@ def recipes_envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ha
         yield envoy_and_upstream
 
 
-def test_every_recipe_file_is_shown_verbatim_in_the_readme() -> None:
-    readme = README.read_text()
+def test_every_recipe_file_is_shown_verbatim_in_the_recipes_page() -> None:
+    page = RECIPES_PAGE.read_text()
     files = sorted(RECIPES.glob("*.json"))
     assert len(files) == 6
     for path in files:
-        assert path.read_text().strip() in readme, f"README does not show {path.name} as it is"
+        assert path.read_text().strip() in page, f"docs/recipes.md does not show {path.name} as it is"
 
 
 def test_payment_callback_replays_the_recorded_success_to_every_provider_retry(recipes_envoy) -> None:
