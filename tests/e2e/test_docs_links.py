@@ -1,7 +1,8 @@
 """Every relative link in README.md and docs/*.md leads somewhere: the file exists and, for a
 ``#anchor``, the target page has a heading with that anchor under GitHub's rules. Sections
 move between pages; a link left pointing at the old page fails here, not in a reader's
-browser. Pure Python: no process, no build.
+browser. The tests cite the documentation the same way, as ``docs/page.md "Section"`` in
+comments and docstrings: each such section must exist too. Pure Python: no process, no build.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 README = REPO_ROOT / "README.md"
 DOCS = REPO_ROOT / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
+TEST_SOURCES = sorted(p for p in (REPO_ROOT / "tests").rglob("*.py") if p != Path(__file__).resolve())
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 ATX_HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
@@ -106,3 +108,25 @@ def test_every_relative_link_resolves(page: Path) -> None:
             elif anchor not in anchors(dest):
                 broken.append(f"{where}: {dest.relative_to(REPO_ROOT)} has no heading #{anchor}")
     assert not broken, "\n".join(broken)
+
+
+# docs/guarantees.md "Unknown outcomes", or README "Try it", in a comment or docstring that
+# may wrap the section's name over two lines.
+SECTION_REFERENCE = re.compile(r'\b(docs/[\w-]+\.md|README(?:\.md)?)(?:\'s)?,? "([^"]+)"')
+
+
+def section_references(source: Path) -> list[tuple[str, str]]:
+    text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", source.read_text())
+    return SECTION_REFERENCE.findall(text)
+
+
+def test_sections_the_tests_cite_exist() -> None:
+    cited, missing = 0, []
+    for source in TEST_SOURCES:
+        for page, section in section_references(source):
+            cited += 1
+            target = README if page.startswith("README") else REPO_ROOT / page
+            if not target.exists() or slug(section) not in anchors(target):
+                missing.append(f"{source.relative_to(REPO_ROOT)}: {page} \"{section}\"")
+    assert cited > 20
+    assert not missing, "no such section:\n" + "\n".join(missing)
