@@ -93,6 +93,14 @@ def test_the_pages_have_links_to_check() -> None:
     assert sum(len(links(page)) for page in PAGES) > 50
 
 
+def test_the_readme_is_a_front_page_that_links_every_docs_page() -> None:
+    """The reference lives under docs/; the README stays short and names every page of it."""
+    assert len(README.read_text().splitlines()) < 300
+    linked = {(README.parent / target.partition("#")[0]).resolve() for _, target in links(README)}
+    unlisted = [p.name for p in PAGES[1:] if p.resolve() not in linked]
+    assert not unlisted, f"README.md does not link these docs pages: {unlisted}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_every_relative_link_resolves(page: Path) -> None:
     broken = []
