@@ -546,7 +546,8 @@ def test_large_bodies_of_a_rule_that_never_reads_them(procs, tmp_path) -> None:
     """While the store confirms a claim, the body waits in Envoy. With
     ``allow_on_headers_stop_iteration: true`` (needed by any rule that reads the body) the SDK
     can only ask Envoy to buffer it, so a body larger than the listener's buffer limit (1 MiB
-    in envoy.yaml) gets Envoy's own 413 and nothing runs: pinned here, as the README states.
+    in envoy.yaml) gets Envoy's own 413 and nothing runs: pinned here, as
+    docs/configuration.md "Failure policy of the Wasm VM" states.
     Without the flag (possible when no rule reads the body) Envoy holds the body with flow
     control instead: the 4 MiB upload executes once and its retry through the other Envoy
     replays."""

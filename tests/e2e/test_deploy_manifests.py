@@ -321,7 +321,7 @@ def test_the_second_replica_sample_differs_from_envoy_yaml_only_in_its_ports() -
 
 def test_protected_routes_turn_istios_retries_off() -> None:
     """Istio retries every route by default, POST included: a route a rule protects must not
-    resend a write that may have reached the service (README "Unknown outcomes")."""
+    resend a write that may have reached the service (docs/guarantees.md "Unknown outcomes")."""
     protected = {name for r in wasmplugin_config()["rules"] for name in r.get("match", {}).get("route_names", [])}
     virtual_service = one(ISTIO / "virtualservice.yaml", "VirtualService")["spec"]
     routes = {r["name"]: r for r in virtual_service["http"]}

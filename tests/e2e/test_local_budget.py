@@ -92,7 +92,8 @@ def test_an_in_flight_claim_is_never_evicted(procs, upstream) -> None:
 
 def test_hundreds_of_1mb_responses_keep_envoy_within_the_default_budget(procs, upstream) -> None:
     """With every setting at its default (64 MiB), 300 recorded 1 MB responses: Envoy's RSS
-    grows by less than the budget plus the overhead the README documents, the newest
+    grows by less than the budget plus the overhead docs/configuration.md
+    "Sizing the local table" documents, the newest
     response replays whole, and the oldest replays its status with the body-omitted marker."""
     body_bytes = 1_000_000
     envoy = start_envoy(procs, upstream, plugin_config(rule("orders", prefixes=["/orders"])),
@@ -130,7 +131,8 @@ def test_hundreds_of_1mb_responses_keep_envoy_within_the_default_budget(procs, u
     counters = rule_counters(envoy, "orders")
     assert counters["executed"] == len(writes) and counters["table_full"] == 0
     budget_kib = 64 * MIB // 1024
-    # README, Sizing the local table: 16 × the largest max_response_bytes per worker.
+    # docs/configuration.md "Sizing the local table": 16 × the largest max_response_bytes per
+    # worker.
     overhead_kib = envoy.concurrency * 16 * MIB // 1024
     grown = peak - baseline
     print(f"RSS baseline {baseline} KiB, peak {peak} KiB, grown {grown} KiB")

@@ -1,5 +1,6 @@
-"""Every recipe in the README, through real Envoy: the configuration users copy from
-``envoy/recipes/`` is the one tested here, with the request its sender really makes.
+"""Every recipe of docs/recipes.md, through real Envoy: the configuration users copy from
+``envoy/recipes/`` is the one tested here, with the request its sender really makes. So is
+the README's minimal configuration, the first one a newcomer copies.
 
 A recipe holds when the first delivery executes, a redelivery executes nothing and gets the
 recorded answer, and what the sender changes between deliveries (signatures, timestamps,
@@ -11,16 +12,19 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import urllib.parse
 import uuid
 from typing import Iterator
 
 import pytest
+import yaml
 
 import harness
 import helpers
 
 RECIPES = harness.REPO_ROOT / "envoy" / "recipes"
+RECIPES_PAGE = harness.REPO_ROOT / "docs" / "recipes.md"
 README = harness.REPO_ROOT / "README.md"
 # The key the demo upstream's signed endpoints verify with (crates/demo-upstream).
 DEMO_SIGNING_KEY = b"demo-signing-key"
@@ -38,12 +42,70 @@ def recipes_envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ha
         yield envoy_and_upstream
 
 
-def test_every_recipe_file_is_shown_verbatim_in_the_readme() -> None:
-    readme = README.read_text()
+def test_every_recipe_file_is_shown_verbatim_in_the_recipes_page() -> None:
+    page = RECIPES_PAGE.read_text()
     files = sorted(RECIPES.glob("*.json"))
     assert len(files) == 6
     for path in files:
-        assert path.read_text().strip() in readme, f"README does not show {path.name} as it is"
+        assert path.read_text().strip() in page, f"docs/recipes.md does not show {path.name} as it is"
+
+
+def readme_minimal_configuration() -> tuple[dict, dict]:
+    """The JSON plugin configuration and the Envoy filter (YAML) that the README's
+    "A minimal configuration" shows."""
+    section = README.read_text().split("\n## A minimal configuration\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```(\w+)\n(.*?)^```", section, re.S | re.M)
+    json_blocks = [b for lang, b in blocks if lang == "json"]
+    yaml_blocks = [b for lang, b in blocks if lang == "yaml"]
+    assert len(json_blocks) == 1 and len(yaml_blocks) == 1, blocks
+    (http_filter,) = yaml.safe_load(yaml_blocks[0])
+    return json.loads(json_blocks[0]), http_filter
+
+
+def sample_http_filter() -> dict:
+    """The idempotency filter of envoy/envoy.yaml's listener, as users copy it."""
+    config = yaml.safe_load(harness.default_envoy_config().read_text())
+    (listener,) = config["static_resources"]["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return next(f for f in hcm["http_filters"] if f["name"] == "idempotency")
+
+
+def test_the_readme_minimal_configuration_is_the_sample_filter_with_one_rule() -> None:
+    plugin, http_filter = readme_minimal_configuration()
+    assert [r["name"] for r in plugin["rules"]] == ["orders"] and "store" not in plugin
+    shown = http_filter["typed_config"]["config"]
+    assert json.loads(shown["configuration"]["value"]) == plugin
+    # Everything else is envoy/envoy.yaml's filter as it is: name, root and VM, failure
+    # policy, allow_on_headers_stop_iteration, the module make build writes.
+    sample = sample_http_filter()
+    assert {k: v for k, v in shown.items() if k != "configuration"} == \
+        {k: v for k, v in sample["typed_config"]["config"].items() if k != "configuration"}
+    assert shown["configuration"]["@type"] == sample["typed_config"]["config"]["configuration"]["@type"]
+    assert http_filter["typed_config"]["@type"] == sample["typed_config"]["@type"]
+
+
+def test_the_readme_minimal_configuration_replays_a_retry(procs) -> None:
+    """The README's filter, put in envoy/envoy.yaml's place unchanged (but for the module's
+    path), protects a retried POST under /orders as the README says."""
+    _, http_filter = readme_minimal_configuration()
+
+    def use_readme_filter(config: dict) -> None:
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"] = [http_filter if f["name"] == "idempotency" else f for f in hcm["http_filters"]]
+        assert harness.set_wasm_path(config, helpers.wasm_path()) == 1
+
+    upstream = procs.upstream()
+    envoy = helpers.start_envoy(procs, upstream, None, name="envoy-readme", mutate=use_readme_filter)
+    path, key = helpers.unique_path("orders"), helpers.new_key()
+    first = helpers.post(envoy, path, key=key)
+    retry = helpers.post(envoy, path, key=key)
+    assert first.status_code == 201 and not helpers.is_replay(first), first.text
+    assert retry.status_code == 201 and helpers.is_replay(retry) and retry.content == first.content
+    assert upstream.executions(path) == 1
+    helpers.problem(helpers.post(envoy, path, key=key, body=b'{"item":"pen","qty":2}'), 422, "key-reused", rule="orders")
+    helpers.problem(helpers.post(envoy, helpers.unique_path("orders")), 400, "missing-key", rule="orders")
+    assert upstream.executions(path) == 1
+    assert not helpers.crash_lines(envoy.log_text())
 
 
 def test_payment_callback_replays_the_recorded_success_to_every_provider_retry(recipes_envoy) -> None:

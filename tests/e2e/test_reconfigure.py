@@ -165,8 +165,8 @@ def test_a_capacity_change_still_replays_and_says_what_it_holds(procs, tmp_path)
 def test_a_restart_starts_the_local_table_empty(procs, tmp_path) -> None:
     """Single-proxy mode keeps records in the Envoy process's shared data: a new process
     (restart, hot restart, a new pod) starts with none, so a retry after it executes again.
-    The README says so and points to cluster mode, whose store keeps them (see
-    test_cluster.py::test_envoy_restart_replays_from_the_store)."""
+    docs/guarantees.md "What can still run twice" says so and points to cluster mode, whose
+    store keeps them (see test_cluster.py::test_envoy_restart_replays_from_the_store)."""
     upstream = procs.upstream()
     envoy = start_envoy(procs, upstream, plugin_config(orders_rule()), name="envoy-restarted")
     path, key = unique_path("orders"), new_key()

@@ -183,10 +183,11 @@ def test_writes_during_a_failover_execute_once_outside_the_replication_window(pr
     is retried until it answers. A write that failed closed may still have been claimed by
     the store once its Redis client reached the promoted replica, after the filter's
     release had already found nothing to release: such a key answers 409 until its lease
-    (5 s here) ends, then executes once (README, "Store answer lost"). A key may execute
-    twice only if its first write was acknowledged by the dead primary just before the kill
-    and never replicated (the window docs/redis.md describes): such keys are counted, and
-    must have been written within a second of the kill."""
+    (5 s here) ends, then executes once (docs/guarantees.md "When a request is cut short",
+    Store answer lost). A key may execute twice only if its first write was acknowledged by
+    the dead primary just before the kill and never replicated (the window docs/redis.md
+    describes): such keys are counted, and must have been written within a second of the
+    kill."""
     lease_s = 5
     redis, _, upstream, envoys = scale_out(procs, lease_seconds=lease_s)
     sent: list[tuple[str, str, float, int]] = []

@@ -80,8 +80,9 @@ def test_scope_required_refuses_an_unidentified_caller_with_401(scopes) -> None:
 
 def test_without_scope_required_anonymous_callers_share_one_scope(scopes) -> None:
     """The default keeps working for callers without credentials, which is why it is not on
-    by default; the README explains the risk this test shows: two anonymous callers that
-    send the same key and body get one execution between them."""
+    by default; docs/configuration.md "Scoping by a verified caller" explains the risk this
+    test shows: two anonymous callers that send the same key and body get one execution
+    between them."""
     envoy, upstream = scopes
     path, key = unique_path("anonymous-ok"), new_key()
     first = post(envoy, path, key=key)

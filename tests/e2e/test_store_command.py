@@ -1,8 +1,8 @@
-"""The store's ``record`` command (README, "Operations") on two real Envoys sharing one store:
-a write found from its access-log hash and from the request itself, a claim left stuck in
-flight by an Envoy that crashed, shown with its lease and purged so that a retry through the
-other Envoy executes, and the limit of a purge of a completed record (an Envoy's local copy
-still replays it)."""
+"""The store's ``record`` command (docs/operations.md "Looking up and purging a record") on
+two real Envoys sharing one store: a write found from its access-log hash and from the request
+itself, a claim left stuck in flight by an Envoy that crashed, shown with its lease and purged
+so that a retry through the other Envoy executes, and the limit of a purge of a completed
+record (an Envoy's local copy still replays it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """End-to-end: a write Envoy, its router or the client gave up on after it may have reached
-the upstream never runs twice (README "Unknown outcomes").
+the upstream never runs twice (docs/guarantees.md "Unknown outcomes").
 
 Envoy from envoy/envoy.yaml, with routes added for each way Envoy gives up: a route timeout
 shorter than the write, a retry policy with a per-try timeout, a cluster nobody listens on.
@@ -346,8 +346,8 @@ def test_cluster_on_call_sees_the_unknown_outcome_in_the_log_and_the_store(repli
     text = record(replicas.store, "show", "--hash", line["idempotency_key_hash"]).stdout
     assert "outcome      unknown" in text and "details response_timeout" in text, text
     # Reconciled (the payment did not go through, say): the operator purges it, and a retry
-    # through a replica that kept no local copy runs it (README: a purge does not reach the
-    # copies Envoys keep locally).
+    # through a replica that kept no local copy runs it (docs/operations.md "Worked examples":
+    # a purge does not reach the copies Envoys keep locally).
     assert record(replicas.store, "purge", "--hash", line["idempotency_key_hash"]).returncode == 0
     again = cluster_post(b, path, key)
     assert again.status_code == 201 and again.headers["x-execution"] == "2"

@@ -1,10 +1,10 @@
 """The soak's verdict, from the ledger, the fault log and the upstream's execution counts.
 
-Every answer must be one the README allows for that request at that moment; every key must
+Every answer must be one the docs allow for that request at that moment; every key must
 end with a final answer; replays of a key must be byte-identical to each other and to the
-answer that was recorded; and a key may execute more than once only on a path the README
-names ("What can still run twice"), each extra execution backed by an attempt in the ledger
-that lost its claim that way:
+answer that was recorded; and a key may execute more than once only on a path
+docs/guarantees.md names ("What can still run twice"), each extra execution backed by an
+attempt in the ledger that lost its claim that way:
 
 | cause | the attempt that lost its claim, and the evidence |
 | --- | --- |
@@ -15,15 +15,16 @@ that lost its claim that way:
 | `completion_queued_in_store_outage` | it completed (or left an unknown outcome) while its store was out; another attempt came after the lease and within 2.2 s (+2 s) of the store's return, before the queued completion could land |
 | `completion_lost_in_envoy_restart` | it completed (or left an unknown outcome) through an Envoy restarted within 2 s after (or with the store out until then); another attempt came after the restart and the lease |
 
-An unknown outcome (README "Unknown outcomes": Envoy's 504 after the route timeout, or a client
-that hung up after sending the whole request) explains no extra execution: the key stays taken
-until its TTL and every retry gets `409 outcome-unknown`, which is then an allowed answer and a
-final one. A key that executed more than the evidence above explains after one of its attempts
-left an unknown outcome, or that executed at all after it was answered `409 outcome-unknown`
-(but on a `fail_open` local claim, or where the store may never have got the record), fails as
-`RERUN_AFTER_UNKNOWN`. The tally counts the unknown outcomes (`unknown_outcomes`).
+An unknown outcome (docs/guarantees.md "Unknown outcomes": Envoy's 504 after the route timeout,
+or a client that hung up after sending the whole request) explains no extra execution: the key
+stays taken until its TTL and every retry gets `409 outcome-unknown`, which is then an allowed
+answer and a final one. A key that executed more than the evidence above explains after one of
+its attempts left an unknown outcome, or that executed at all after it was answered
+`409 outcome-unknown` (but on a `fail_open` local claim, or where the store may never have got
+the record), fails as `RERUN_AFTER_UNKNOWN`. The tally counts the unknown outcomes
+(`unknown_outcomes`).
 
-Replays of one key must be the same response, but for the two cases the README names: under
+Replays of one key must be the same response, but for the two cases the docs name: under
 `fail_open` each Envoy may replay the answer it ran itself, and after a lease takeover through
 another Envoy the late first attempt's Envoy may replay its own response within a second of
 its end (until the store refuses that completion). Both are counted.
@@ -56,17 +57,17 @@ STORE_RECOVERY_SECONDS = 3.0
 ENVOY_RESTART_MARGIN = 1.0
 # Clock slack between the client's view of an attempt and the filter's.
 SLACK = 0.5
-# README "Lease takeover": after a takeover through another Envoy, the late first attempt's
-# Envoy replays its own response until the store has refused its completion (one store round
-# trip; a second allows for a busy machine).
+# A lease takeover (docs/guarantees.md "What can still run twice"): after a takeover through
+# another Envoy, the late first attempt's Envoy replays its own response until the store has
+# refused its completion (one store round trip; a second allows for a busy machine).
 SUPERSEDED_WINDOW = 1.0
-# README "Cluster mode, after a store outage": a waiting completion lands within about 2.2 s
-# of the store's return.
+# docs/guarantees.md "What can still run twice", a store outage longer than two thirds of a lease:
+# a waiting completion lands within about 2.2 s of the store's return.
 COMPLETION_LANDS_SECONDS = 2.2 + 2.0
 REFUSED_BY_ENVOY = {"oversized_over_buffer": 413}  # Envoy's own answer, before the filter's
 UNEXPLAINED = "unexplained duplicate execution"
 RERUN_AFTER_UNKNOWN = "executed again after an unknown outcome"
-# The causes under which an execution after a 409 outcome-unknown is still README-named: the
+# The causes under which an execution after a 409 outcome-unknown is still named in the docs: the
 # write ran on a fail_open local claim, or the store may never have got the unknown outcome.
 RERUN_AFTER_ANSWER_CAUSES = {"fail_open_outage", "completion_queued_in_store_outage",
                              "completion_lost_in_envoy_restart"}
@@ -150,8 +151,8 @@ class Audit:
                        for b in record.attempts):
                     return label, None
                 return label, "outcome-unknown, but no earlier attempt of the key could have left one"
-            # README "Waiting for the first request": a held duplicate whose first request
-            # was released (failed, or its lease lapsed) gets a retry-able 503.
+            # docs/wait-mode.md "Waiting for the first request": a held duplicate whose first
+            # request was released (failed, or its lease lapsed) gets a retry-able 503.
             if a.status == 503 and a.problem == "first-attempt-released" and record.rule.waits:
                 return label, None
             if a.status == 422 and a.problem == "key-reused" and a.kind == "key_reused":
@@ -168,8 +169,9 @@ class Audit:
             if refused:
                 return "executed", "a request the filter must refuse reached the upstream"
             if a.kind == "key_reused":
-                # README "Cluster mode, fail_open": with the store out, an Envoy that holds no
-                # record of the key runs the write on its local claim alone, whatever its body.
+                # docs/guarantees.md "What can still run twice", Cluster mode, fail_open: with
+                # the store out, an Envoy that holds no record of the key runs the write on its
+                # local claim alone, whatever its body.
                 if record.rule.fail_open and self.store_outage(record.rule.store, a.sent, a.ended):
                     return "executed (fail_open, store fault)", None
                 return "executed", "a reused key with another body executed"
@@ -207,9 +209,9 @@ class Audit:
     @staticmethod
     def _only_in_superseded_window(attempts: list[Attempt], whole: list[Attempt]) -> bool:
         """Replays of a late first attempt's own response after a takeover elsewhere, all
-        through the Envoy that ran it and within SUPERSEDED_WINDOW of its end (README
-        "Lease takeover": until the store refuses that completion, one round trip); every
-        later replay is the one response the store kept."""
+        through the Envoy that ran it and within SUPERSEDED_WINDOW of its end (a lease
+        takeover, docs/guarantees.md "What can still run twice": until the store refuses that
+        completion, one round trip); every later replay is the one response the store kept."""
         latest = max(whole, key=lambda a: a.sent)
         kept = latest.execution
         late = [a for a in attempts if a.executed and a.execution != kept]
@@ -242,7 +244,8 @@ class Audit:
         if len(replayed_executions) > 1 or len({(a.execution, a.body_sha256) for a in whole}) > 1:
             causes = sorted({c for c, _, _ in verdict.causes})
             # Under fail_open each Envoy ran the write on its own local claim and recorded its
-            # own answer (README "Cluster mode, fail_open"): they replay different executions.
+            # own answer (docs/guarantees.md "What can still run twice",
+            # Cluster mode, fail_open): they replay different executions.
             # After any other double execution one record must win everywhere.
             if len(replayed_executions) > 1 and "fail_open_outage" in causes:
                 self.divergent_fail_open += 1
@@ -268,8 +271,9 @@ class Audit:
                 verdict.fail("a body-omitted replay carried a body", a.describe())
 
     def _body_omission_explained(self, record: KeyRecord, replay: Attempt, attempts: list[Attempt]) -> bool:
-        """README: recorded without the body when it is over max_response_bytes or the client
-        left mid-response; replayed without it when the store fails too."""
+        """docs/guarantees.md "When a request is cut short": recorded without the body when it is
+        over max_response_bytes or the client left mid-response; docs/configuration.md "Sizing
+        the local table": replayed without it when the store fails too."""
         for a in attempts:
             if a.executed and a.execution == replay.execution:
                 if (a.body_bytes_asked or 0) > MAX_RESPONSE_BYTES or a.cut == CUT_MID_RESPONSE:
@@ -297,7 +301,8 @@ class Audit:
                                    + (f"; unknown outcome first at {unknown.describe()}" if unknown else ""))
             return
         # Even where other evidence accounts for the count: once the filter answered
-        # outcome-unknown, nothing sent later may run, but on the README's store-loss paths.
+        # outcome-unknown, nothing sent later may run, but on the store-loss paths
+        # docs/guarantees.md names.
         answered = next((a for a in attempts if a.outcome_unknown), None)
         if answered is None or {c for c, _, _ in losses} & RERUN_AFTER_ANSWER_CAUSES:
             return
@@ -309,7 +314,8 @@ class Audit:
     # -- why a key ran again ------------------------------------------------
 
     def claim_losses(self, record: KeyRecord, attempts: list[Attempt]) -> list[tuple[str, Attempt, str]]:
-        """Each attempt that lost its claim on a README-named path, with the evidence."""
+        """Each attempt that lost its claim on a path docs/guarantees.md names, with the
+        evidence."""
         lease = LEASE_SECONDS
 
         def came_after(t: float, a: Attempt) -> Attempt | None:

@@ -98,7 +98,8 @@ class FaultLog:
 # requests
 # --------------------------------------------------------------------------
 
-# How the client left on purpose (the "cut" of an attempt), README "When a request is cut short".
+# How the client left on purpose (the "cut" of an attempt), docs/guarantees.md "When a request
+# is cut short".
 CUT_MID_REQUEST = "mid-request"    # headers and part of the body sent, then RST or FIN
 CUT_AFTER_SEND = "after-send"      # the whole request sent, hung up before the answer's head
 CUT_MID_RESPONSE = "mid-response"  # the head read, hung up during the body
@@ -153,9 +154,9 @@ class Attempt:
 
     @property
     def outcome_unknown(self) -> bool:
-        """The filter's 409 ``outcome-unknown`` (README "Unknown outcomes"): an earlier attempt
-        with this key may have run without a known result, and the key stays taken until its
-        TTL; as final as a 2xx, a retry learns nothing new."""
+        """The filter's 409 ``outcome-unknown`` (docs/guarantees.md "Unknown outcomes"): an
+        earlier attempt with this key may have run without a known result, and the key stays
+        taken until its TTL; as final as a 2xx, a retry learns nothing new."""
         return self.status == 409 and self.problem == "outcome-unknown"
 
     @property

@@ -6,7 +6,7 @@ the demo upstream (see topology.py). Bounded worker threads send mixed traffic (
 while the main thread injects faults one at a time (faults.py). Then the traffic stops, the
 system settles for a lease and more, every key gets a final answer through each Envoy, and
 the audit (audit.py) checks each key against the upstream's execution count, every answer
-against what the README allows at that moment, the Envoys' VM health and logs, and memory.
+against what the docs allow at that moment, the Envoys' VM health and logs, and memory.
 It prints a tally, writes it (and the whole ledger) into the run directory, and exits 1 on
 any failure.
 

@@ -13,9 +13,10 @@ Five rules, one per path prefix, so every key's rule and store follow from its p
 | `bodykey`  | `/bodykey/`   | redis    | fail_closed      | the JSON field `/order_id` | 409 |
 | `wait`     | `/wait/`      | redis    | fail_closed      | `Idempotency-Key` header | held (wait mode, 3 s) |
 
-The lease (5 s) is deliberately shorter than the route timeout (8 s), against the README's
-advice, so that slow upstream answers reach the documented "lease takeover" path; the local
-table is small (4 MiB, 1,024 slots) so that it evicts during the soak.
+The lease (5 s) is deliberately shorter than the route timeout (8 s), against the advice the
+README used to give, so that slow upstream answers reach the "lease takeover" path
+(docs/guarantees.md "What can still run twice"); the local table is small (4 MiB, 1,024
+slots) so that it evicts during the soak.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ RULES = {
     )
 }
 HEADER_KEY_RULES = [r for r in RULES.values() if not r.key_from_body]
-# Released by default (README, rule field `release_on_status`): the retry executes again.
+# Released by default (docs/configuration.md "Rule fields", `release_on_status`): the retry
+# executes again.
 RELEASED_STATUSES = frozenset([401, 403, 407, 408, 425, 429, *range(500, 600)])
 
 
@@ -128,8 +130,8 @@ def envoy_buffer_limit() -> int:
 
 
 def envoy_rss_allowance_kib() -> int:
-    """README "Sizing the local table", Memory: Envoy grows by at most ``max_bytes`` plus
-    16 × the largest ``max_response_bytes`` per worker."""
+    """docs/configuration.md "Sizing the local table", Memory: Envoy grows by at most
+    ``max_bytes`` plus 16 × the largest ``max_response_bytes`` per worker."""
     return (LOCAL_TABLE_BYTES + ENVOY_CONCURRENCY * 16 * MAX_RESPONSE_BYTES) // KIB
 
 

@@ -82,7 +82,7 @@ MALFORMED_KEYS = [
     ("unterminated_quote", '"abc', ("invalid-key",)),
     ("missing", None, ("missing-key",)),
 ]
-# Bodies of the `bodykey` rule its JSON key source cannot read (README, Recipes).
+# Bodies of the `bodykey` rule its JSON key source cannot read (docs/recipes.md).
 BODY_KEY_PROBLEMS = ("invalid-key", "missing-key")
 MALFORMED_BODIES = [
     ("truncated_json", b'{"order_id": "abc'),
@@ -337,8 +337,9 @@ class Traffic:
         self.follow_up(record, attempt, rng, after=0.3)
 
     def reset_after_send(self, rng: random.Random) -> None:
-        """The whole request, then the client hangs up while the upstream works on it (README:
-        client gone after the request went upstream: an unknown outcome, never run again)."""
+        """The whole request, then the client hangs up while the upstream works on it
+        (docs/guarantees.md "When a request is cut short": client gone after the request went
+        upstream: an unknown outcome, never run again)."""
         record = self.new_record("reset_after_send", self.pick_rule(rng, HEADER_KEY_RULES))
         envoy, _ = self.envoys(rng)
         attempt = self.send_and_hang_up(record, envoy, "reset_after_send", CUT_AFTER_SEND, rng=rng,
@@ -399,7 +400,7 @@ class Traffic:
 
     def lease_takeover(self, rng: random.Random) -> None:
         """A write whose upstream outlives the lease, and a retry once the lease has passed:
-        README "Lease takeover", the write runs twice."""
+        a lease takeover (docs/guarantees.md "What can still run twice"), the write runs twice."""
         record = self.new_record("lease_takeover", self.pick_rule(rng, HEADER_KEY_RULES))
         first_envoy, other = self.envoys(rng)
         retry_envoy = rng.choice([first_envoy, other])
