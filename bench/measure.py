@@ -49,7 +49,7 @@ RATE_SUSTAINED = 0.95
 
 
 
-# The memory run's Envoy workers, and the working overhead per worker the README allows
+# The memory run's Envoy workers, and the working overhead per worker docs/configuration.md allows
 # beyond local_table.max_bytes, in units of the largest max_response_bytes.
 MEMORY_WORKERS = 1
 WORKING_OVERHEAD_RESPONSES = 16
@@ -624,7 +624,7 @@ class MemoryResult:
     allocated_end: int
     command: str
     capped_by_duration: bool
-    # README (Sizing the local table): 16 × the largest max_response_bytes per worker.
+    # docs/configuration.md (Sizing the local table): 16 × the largest max_response_bytes per worker.
     working_overhead_bytes: int = 0
 
     @property
@@ -677,7 +677,7 @@ class MemoryResult:
     @property
     def budget_kib(self) -> float:
         """The target: the warmed-up baseline, the whole `local_table.max_bytes`, and the
-        working overhead the README documents."""
+        working overhead docs/configuration.md documents."""
         return self.rss_warm_kib + (self.max_bytes + self.working_overhead_bytes) / 1024
 
 

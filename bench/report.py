@@ -195,9 +195,9 @@ def add_memory_section(add, mem: MemoryResult) -> None:
     add(f"Peak RSS grew {growth / mib:.1f} MiB over the warmed-up baseline: "
         f"{100 * growth / t.bound_bytes:.0f} % of `bound_bytes` and "
         f"{100 * growth / mem.max_bytes:.0f} % of `max_bytes`, "
-        + (f"within `max_bytes` plus the README's working overhead ({mem.working_overhead_bytes / mib:.0f} MiB "
+        + (f"within `max_bytes` plus the working overhead of docs/configuration.md ({mem.working_overhead_bytes / mib:.0f} MiB "
            f"for this one worker)" if growth <= allowed else
-           f"**more than `max_bytes` plus the README's working overhead** ({allowed / mib:.0f} MiB)")
+           f"**more than `max_bytes` plus the working overhead of docs/configuration.md** ({allowed / mib:.0f} MiB)")
         + f". Of that, Envoy's allocated heap (where shared data lives) grew "
           f"{mem.heap_growth_bytes / mib:.1f} MiB at its peak and kept {mem.table_heap_bytes / mib:.1f} MiB "
           f"once the load had stopped; the other {mem.outside_heap_growth_bytes / mib:.1f} MiB is outside "

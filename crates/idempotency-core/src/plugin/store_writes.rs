@@ -504,7 +504,7 @@ impl StoreWrites {
             WriteAnswer::Done => self.store_answered(),
             WriteAnswer::Superseded => {
                 self.store_answered();
-                // The late first attempt of a key another request took over: the README's
+                // The late first attempt of a key another request took over: docs/operations.md's
                 // not_recorded. Its local copy would replay a response the store does not.
                 write.rule.count(host, Outcome::NotRecorded);
                 log::warn!(
