@@ -8,7 +8,7 @@ attempt in the ledger that lost its claim that way:
 
 | cause | the attempt that lost its claim, and the evidence |
 | --- | --- |
-| `lease_takeover` | the upstream ran it for longer than the lease, and another attempt came once the lease had passed while it still ran |
+| `lease_takeover` | the upstream ran it for longer than the lease while its store was out (its renewals could not land), and another attempt came once the lease had passed while it still ran |
 | `released_status` | the upstream ran it and answered a released status itself (5xx, 408, 429, ...; not Envoy's 504 after the route timeout) |
 | `in_flight_at_envoy_restart` | it reached its Envoy, which was stopped before it answered; another attempt came after the lease |
 | `fail_open_outage` | the `fail_open` rule ran it on the local claim alone while its store was out (it is itself the extra execution, or the one the store later lets run again) |
@@ -330,8 +330,12 @@ class Audit:
                 continue
             in_lease = next((b for b in attempts if b is not a
                              and a.sent + lease - SLACK <= b.sent <= a.ended), None)
-            if ran and a.duration >= lease - 0.25 and in_lease:
-                losses.append(("lease_takeover", a, f"ran {a.duration:.1f}s past the {lease}s lease; "
+            # A running request's lease is renewed: it can only be taken over while its
+            # renewals cannot reach the store.
+            outage = self.store_outage(record.rule.store, a.sent, a.ended)
+            if ran and a.duration >= lease - 0.25 and in_lease and outage:
+                losses.append(("lease_takeover", a, f"ran {a.duration:.1f}s past the {lease}s lease "
+                                                    f"while {outage.id} kept its renewals from the store; "
                                                     f"retried at {in_lease.sent:.1f}s"))
             elif ran and a.status in RELEASED_STATUSES and not a.route_timeout and came_after(a.sent, a):
                 losses.append(("released_status", a, f"answered {a.status}"))
