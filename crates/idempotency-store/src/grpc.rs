@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -12,7 +12,7 @@ use crate::metrics::Rejection;
 use crate::protocol::{self, BadRequest, ClaimBody, LeaseBody, RenewBody};
 use crate::server::{self, AppState};
 use crate::storage::{ClaimOutcome, CompleteOutcome, ReleaseOutcome};
-use crate::waits::WaitOutcome;
+use crate::waits::{HeldWait, WaitOutcome};
 
 /// The generated messages, server and client.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]
@@ -68,6 +68,9 @@ impl pb::store_server::Store for StoreStreams {
         let mut calls = request.into_inner();
         let (answers, out) = mpsc::channel(self.max_calls_in_flight);
         let slots = Arc::new(Semaphore::new(self.max_calls_in_flight));
+        // Waits have places of their own, as many as the calls: a wait may last a minute, and
+        // the claims behind it must not queue for it.
+        let wait_places = Arc::new(Semaphore::new(self.max_calls_in_flight));
         let state = self.state.clone();
         let max_calls = self.max_calls_in_flight;
         tokio::spawn(async move {
@@ -97,22 +100,22 @@ impl pb::store_server::Store for StoreStreams {
                         break;
                     }
                 };
-                if matches!(call.op, Some(Op::Wait(_))) {
-                    // A wait may last a minute: it must not hold one of the stream's slots
-                    // (the claims behind it would queue). The wait room bounds waits; one
-                    // whose stream is gone ends with it.
-                    let state = state.clone();
-                    let answers = answers.clone();
-                    tokio::spawn(async move {
-                        tokio::select! {
-                            answer = answer(&state, call) => {
-                                let _ = answers.send(Ok(answer)).await;
+                let call = match call.op {
+                    Some(Op::Wait(wait)) => {
+                        match begin_wait(&state, &wait_places, call.id, wait) {
+                            Wait::Answered(answer) => {
+                                if answers.send(Ok(answer)).await.is_err() {
+                                    break;
+                                }
                             }
-                            () = answers.closed() => {}
+                            Wait::Held(held) => {
+                                tokio::spawn(held.run(state.clone(), answers.clone()));
+                            }
                         }
-                    });
-                    continue;
-                }
+                        continue;
+                    }
+                    op => pb::Call { id: call.id, op },
+                };
                 let Ok(slot) = slots.clone().acquire_owned().await else {
                     break;
                 };
@@ -128,6 +131,84 @@ impl pb::store_server::Store for StoreStreams {
             }
         });
         Ok(Response::new(ReceiverStream::new(out)))
+    }
+}
+
+/// A wait call, once the stream has looked at it.
+enum Wait {
+    /// Refused (malformed, or more waits than the stream or the store instance holds):
+    /// answered at once, with no task of its own.
+    Answered(pb::Answer),
+    /// Has its places, in the stream and in the wait room, and waits on a task of its own.
+    Held(HeldStreamWait),
+}
+
+/// Validates a wait and takes its places before anything is spawned for it: beyond the
+/// stream's places or the room's `--max-waits`, it is answered `in_flight` at once.
+fn begin_wait(state: &AppState, places: &Arc<Semaphore>, id: u64, wait: pb::Wait) -> Wait {
+    let answered = |reply| {
+        Wait::Answered(pb::Answer {
+            id,
+            result: Some(reply),
+        })
+    };
+    let request = match protocol::validate_wait(&wait.key, &wait.fingerprint, wait.wait_ms) {
+        Ok(request) => request,
+        Err(bad) => return answered(refuse(state, bad)),
+    };
+    let Ok(place) = Arc::clone(places).try_acquire_owned() else {
+        return answered(wait_reply(server::wait_refused(state)));
+    };
+    let Some(held) = state.waits.hold(&request.key) else {
+        return answered(wait_reply(server::wait_refused(state)));
+    };
+    Wait::Held(HeldStreamWait {
+        id,
+        request,
+        held,
+        place,
+    })
+}
+
+/// A wait with its places, ready to run.
+struct HeldStreamWait {
+    id: u64,
+    request: protocol::WaitRequest,
+    held: HeldWait,
+    /// The stream's place, kept until the answer is delivered (or the stream is gone), so a
+    /// client that does not read its answers cannot pile up waiting tasks.
+    place: OwnedSemaphorePermit,
+}
+
+impl HeldStreamWait {
+    async fn run(self, state: AppState, answers: mpsc::Sender<Result<pb::Answer, Status>>) {
+        let Self {
+            id,
+            request,
+            held,
+            place,
+        } = self;
+        let answered = async {
+            let reply = match server::wait_for(&state, &held, request).await {
+                Ok(outcome) => wait_reply(outcome),
+                Err(_) => unavailable(),
+            };
+            // The room's place ends with the wait, not with the delivery of its answer.
+            drop(held);
+            let _ = answers
+                .send(Ok(pb::Answer {
+                    id,
+                    result: Some(reply),
+                }))
+                .await;
+        };
+        tokio::select! {
+            () = answered => {}
+            // The stream is gone, whether the wait was still running or its answer waited
+            // for room: nobody is left to answer, and the task ends with its places.
+            () = answers.closed() => {}
+        }
+        drop(place);
     }
 }
 
@@ -160,13 +241,8 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
                 Err(bad) => refuse(state, bad),
             }
         }
-        Some(Op::Wait(w)) => match protocol::validate_wait(&w.key, &w.fingerprint, w.wait_ms) {
-            Ok(req) => match server::wait_for(state, req).await {
-                Ok(outcome) => wait_reply(outcome),
-                Err(_) => unavailable(),
-            },
-            Err(bad) => refuse(state, bad),
-        },
+        // Waits never get here: the stream takes them apart first (`begin_wait`).
+        Some(Op::Wait(_)) => refuse(state, BadRequest("a wait outside a stream".into())),
         Some(Op::Release(r)) => match protocol::validate_release(&r.key, &r.owner) {
             Ok(req) => match server::execute(state, req).await {
                 Ok(ReleaseOutcome::Released) => Reply::Released(pb::Empty {}),

@@ -33,7 +33,7 @@ use crate::storage::{
     self, ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome, Storage,
     StorageError,
 };
-use crate::waits::{WaitOutcome, WaitRoom};
+use crate::waits::{HeldWait, WaitOutcome, WaitRoom};
 
 /// Base64 inflates a 1 MiB response to ~1.4 MiB; 4 MiB leaves room for that
 /// plus JSON framing and headroom for larger recorded responses.
@@ -113,8 +113,37 @@ impl AppState {
     }
 }
 
+/// What the router serves and how much it accepts.
+#[derive(Debug, Clone, Copy)]
+pub struct RouterOptions {
+    /// Largest request body, and largest message of the gRPC stream (`--max-body-bytes`).
+    pub max_body_bytes: usize,
+    /// Calls one gRPC stream may have running at once, and apart from them, waits it may hold.
+    pub max_calls_per_stream: usize,
+}
+
+impl Default for RouterOptions {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_calls_per_stream: crate::grpc::DEFAULT_MAX_CALLS_IN_FLIGHT,
+        }
+    }
+}
+
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
+    router_with(
+        state,
+        RouterOptions {
+            max_body_bytes,
+            ..RouterOptions::default()
+        },
+    )
+}
+
+pub fn router_with(state: AppState, options: RouterOptions) -> Router {
     use idempotency_protocol::wire::path;
+    let max_body_bytes = options.max_body_bytes;
     let at = |operation: &str| format!("{}{operation}", path::PREFIX);
     let v1 = Router::new()
         .route(&at(path::CLAIM), post(claim))
@@ -129,8 +158,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         // route_layer: auth only for matched routes, so unknown paths are a
         // plain 404 rather than a misleading 401.
         .route_layer(middleware::from_fn_with_state(state.clone(), require_auth));
-    let streams =
-        crate::grpc::StoreStreams::new(state.clone(), crate::grpc::DEFAULT_MAX_CALLS_IN_FLIGHT);
+    let streams = crate::grpc::StoreStreams::new(state.clone(), options.max_calls_per_stream);
     let stream_path = format!(
         "/{}/{{*method}}",
         crate::grpc::pb::store_server::SERVICE_NAME
@@ -812,18 +840,18 @@ pub(crate) async fn execute<Op: V1Operation>(
     .await
 }
 
-/// A filter's wait for a key in flight, counted and timed as `operation="wait"`. Not run
-/// detached: a wait changes nothing, so a client that leaves may cancel it.
+/// A filter's wait for a key in flight, in the place `held` took for it, counted and timed as
+/// `operation="wait"`. Not run detached: a wait changes nothing, so a client that leaves may
+/// cancel it.
 pub(crate) async fn wait_for(
     st: &AppState,
+    held: &HeldWait,
     request: protocol::WaitRequest,
 ) -> Result<WaitOutcome, StorageError> {
     let started = Instant::now();
-    let result = st
-        .waits
+    let result = held
         .wait(
             st.storage.as_ref(),
-            &request.key,
             &request.fingerprint,
             Duration::from_millis(request.wait_ms),
         )
@@ -836,6 +864,15 @@ pub(crate) async fn wait_for(
         Err(e) => count_backend_failure(st, Operation::Wait, started, e),
     }
     result
+}
+
+/// A wait answered "still in flight" at once, because its stream or this store instance
+/// holds as many as it may: counted like a wait that ran out.
+pub(crate) fn wait_refused(st: &AppState) -> WaitOutcome {
+    let outcome = WaitOutcome::InFlight { retry_after_ms: 1 };
+    st.metrics
+        .record_operation(Operation::Wait, outcome.name(), Duration::ZERO);
+    outcome
 }
 
 /// [`execute`], answered over HTTP.

@@ -22,10 +22,11 @@ use idempotency_store::grpc::pb::answer::Result as Reply;
 use idempotency_store::grpc::pb::call::Op;
 use idempotency_store::grpc::pb::store_client::StoreClient;
 use idempotency_store::metrics::Metrics;
-use idempotency_store::server::{self, AppState, Auth};
+use idempotency_store::server::{self, AppState, Auth, RouterOptions};
 use idempotency_store::storage::embedded::EmbeddedStorage;
 use idempotency_store::storage::redis::RedisStorage;
 use idempotency_store::storage::Storage;
+use idempotency_store::waits::WaitRoom;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
@@ -39,6 +40,8 @@ const TTL_MS: u64 = 600_000;
 
 struct Store {
     addr: String,
+    /// The store instance's waits, to see how many it holds.
+    waits: Arc<WaitRoom>,
     /// Cancelled to start a shutdown, as the store's signal handler does.
     draining: tokio_util::sync::CancellationToken,
     _stop: oneshot::Sender<()>,
@@ -47,25 +50,33 @@ struct Store {
 
 impl Store {
     async fn start(storage: Arc<dyn Storage>, guard: Box<dyn Send>) -> Self {
+        Self::start_with(storage, guard, RouterOptions::default()).await
+    }
+
+    async fn start_with(
+        storage: Arc<dyn Storage>,
+        guard: Box<dyn Send>,
+        options: RouterOptions,
+    ) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let draining = tokio_util::sync::CancellationToken::new();
-        let app = server::router(
-            AppState::new(
-                storage,
-                Arc::new(Metrics::new()),
-                Auth::bearer(TOKEN),
-                draining.clone(),
-                idempotency_store::waits::DEFAULT_MAX_WAITS,
-            ),
-            server::DEFAULT_MAX_BODY_BYTES,
+        let state = AppState::new(
+            storage,
+            Arc::new(Metrics::new()),
+            Auth::bearer(TOKEN),
+            draining.clone(),
+            idempotency_store::waits::DEFAULT_MAX_WAITS,
         );
+        let waits = Arc::clone(&state.waits);
+        let app = server::router_with(state, options);
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(server::serve(listener, app, async {
             let _ = stopped.await;
         }));
         Self {
             addr: format!("http://{addr}"),
+            waits,
             draining,
             _stop: stop,
             _guard: guard,
@@ -73,9 +84,13 @@ impl Store {
     }
 
     async fn embedded() -> Self {
+        Self::embedded_with(RouterOptions::default()).await
+    }
+
+    async fn embedded_with(options: RouterOptions) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let storage = EmbeddedStorage::open(dir.path(), Arc::new(SystemClock)).unwrap();
-        Self::start(Arc::new(storage), Box::new(dir)).await
+        Self::start_with(Arc::new(storage), Box::new(dir), options).await
     }
 
     async fn redis() -> Self {
@@ -466,6 +481,72 @@ async fn a_wait_ends_when_the_key_in_flight_does(store: Store) {
         s.call(wait("nothex", fp, 100)).await,
         Reply::Failure(_)
     ));
+}
+
+/// Polls `what` every 10 ms for up to 5 s.
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if check() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never: {what}");
+}
+
+#[tokio::test]
+async fn waits_beyond_the_streams_places_are_answered_in_flight_at_once_and_end_with_it() {
+    let places = 4;
+    let store = Store::embedded_with(RouterOptions {
+        max_calls_per_stream: places,
+        ..RouterOptions::default()
+    })
+    .await;
+    let mut s = Conversation::open(&store).await;
+    let (key, fp) = (random_digest(), random_digest());
+    let (key, fp) = (key.as_str(), fp.as_str());
+    assert!(matches!(
+        s.call(claim(key, fp, "00aa11bb")).await,
+        Reply::Claimed(_)
+    ));
+    let mut held = Vec::new();
+    for _ in 0..places {
+        held.push(s.send(wait(key, fp, 30_000)).await);
+    }
+    eventually("the stream's waits held", || {
+        store.waits.holding() == places
+    })
+    .await;
+    // Beyond the stream's places (the store instance's 10,000 are far off): refused at once,
+    // with no task spawned for them.
+    let started = std::time::Instant::now();
+    let beyond = [
+        s.send(wait(key, fp, 30_000)).await,
+        s.send(wait(key, fp, 30_000)).await,
+    ];
+    for _ in beyond {
+        let answer = s.next().await;
+        assert!(beyond.contains(&answer.id), "answer to {}", answer.id);
+        assert!(
+            matches!(answer.result, Some(Reply::InFlight(f)) if f.retry_after_ms == 1),
+            "{answer:?}"
+        );
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(store.waits.holding(), places);
+    // The waits hold no call slot: a claim still goes through.
+    assert!(matches!(
+        s.call(claim(random_digest().as_str(), fp, "")).await,
+        Reply::Claimed(_)
+    ));
+
+    // The client goes away: every wait of its stream ends, and with it its place.
+    drop(s);
+    eventually("the waits of a stream that is gone to end", || {
+        store.waits.holding() == 0
+    })
+    .await;
+    assert!(!held.is_empty());
 }
 
 #[tokio::test]
