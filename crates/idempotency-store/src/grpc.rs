@@ -28,36 +28,111 @@ use pb::failure::Kind;
 /// control holds it back): one stream cannot take the whole backend.
 pub const DEFAULT_MAX_CALLS_IN_FLIGHT: usize = 1024;
 
+/// Initial response metadata of every stream: the largest `Call` message, in bytes (decimal),
+/// that the store takes (`--max-body-bytes`). A client keeps its calls within it; a larger one
+/// is refused alone, with a `BAD_REQUEST` failure, and the stream goes on.
+pub const MAX_MESSAGE_BYTES_METADATA: &str = "x-idempotency-store-max-message-bytes";
+
+/// The frames the stream reads, as a multiple of the announced limit. A frame over the limit
+/// is still read whole so that its call can be refused alone (its id is in it); only one over
+/// this ends the stream (`OUT_OF_RANGE`). Twice the limit bounds what one stream may make the
+/// store buffer while leaving room for any client that got the limit wrong by a little.
+pub const HARD_CAP_FACTOR: usize = 2;
+
+/// The largest frame a stream reads for a limit of `max_message_bytes`.
+pub fn hard_cap(max_message_bytes: usize) -> usize {
+    max_message_bytes.saturating_mul(HARD_CAP_FACTOR)
+}
+
+/// What a stream reads from its client: a call, or one too large to take.
+#[derive(Debug)]
+pub enum Incoming {
+    Call(pb::Call),
+    /// A message over the limit, refused by the id read from it.
+    TooLarge {
+        id: u64,
+        bytes: usize,
+    },
+}
+
+/// The one field of a call read from a message too large to decode whole (prost skips the
+/// others, the record among them, without copying them).
+#[derive(Clone, PartialEq, prost::Message)]
+struct CallId {
+    #[prost(uint64, tag = "1")]
+    id: u64,
+}
+
+/// Decodes calls up to `limit` bytes and only the id of larger ones.
+#[derive(Debug, Clone, Copy)]
+struct CallCodec {
+    limit: usize,
+}
+
+impl tonic::codec::Codec for CallCodec {
+    type Encode = pb::Answer;
+    type Decode = Incoming;
+    type Encoder = tonic_prost::ProstEncoder<pb::Answer>;
+    type Decoder = Self;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        tonic_prost::ProstEncoder::default()
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        *self
+    }
+}
+
+impl tonic::codec::Decoder for CallCodec {
+    type Item = Incoming;
+    type Error = Status;
+
+    fn decode(
+        &mut self,
+        buf: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Incoming>, Status> {
+        use prost::bytes::Buf as _;
+        use prost::Message as _;
+        let bytes = buf.remaining();
+        if bytes > self.limit {
+            let CallId { id } = CallId::decode(buf)
+                .map_err(|e| Status::internal(format!("an oversized call that is not one: {e}")))?;
+            return Ok(Some(Incoming::TooLarge { id, bytes }));
+        }
+        pb::Call::decode(buf)
+            .map(|call| Some(Incoming::Call(call)))
+            .map_err(|e| Status::internal(e.to_string()))
+    }
+}
+
 #[derive(Clone)]
 pub struct StoreStreams {
     state: AppState,
     max_calls_in_flight: usize,
+    max_message_bytes: usize,
 }
 
 impl StoreStreams {
-    pub fn new(state: AppState, max_calls_in_flight: usize) -> Self {
+    /// Streams that run `max_calls_in_flight` calls at once each and take calls of up to
+    /// `max_message_bytes` (`--max-body-bytes`, as HTTP bodies).
+    pub fn new(state: AppState, max_calls_in_flight: usize, max_message_bytes: usize) -> Self {
         Self {
             state,
             max_calls_in_flight: max_calls_in_flight.max(1),
+            max_message_bytes,
         }
     }
 
-    /// The gRPC service, with messages bounded like HTTP bodies (`--max-body-bytes`).
-    pub fn service(self, max_message_bytes: usize) -> pb::store_server::StoreServer<Self> {
-        pb::store_server::StoreServer::new(self)
-            .max_decoding_message_size(max_message_bytes)
-            .max_encoding_message_size(max_message_bytes.saturating_add(1024))
+    /// The gRPC service, for the router's `route_service`.
+    pub fn service(self) -> StreamService {
+        StreamService(self)
     }
-}
-
-#[tonic::async_trait]
-impl pb::store_server::Store for StoreStreams {
-    type CoordinateStream = ReceiverStream<Result<pb::Answer, Status>>;
 
     async fn coordinate(
-        &self,
-        request: Request<Streaming<pb::Call>>,
-    ) -> Result<Response<Self::CoordinateStream>, Status> {
+        self,
+        request: Request<Streaming<Incoming>>,
+    ) -> Result<Response<ReceiverStream<Result<pb::Answer, Status>>>, Status> {
         let headers = request.metadata().clone().into_headers();
         if !self.state.auth.allows(&headers) {
             self.state.metrics.rejected(Rejection::Unauthorized);
@@ -73,6 +148,7 @@ impl pb::store_server::Store for StoreStreams {
         let wait_places = Arc::new(Semaphore::new(self.max_calls_in_flight));
         let state = self.state.clone();
         let max_calls = self.max_calls_in_flight;
+        let limit = self.max_message_bytes;
         tokio::spawn(async move {
             loop {
                 let message = tokio::select! {
@@ -90,10 +166,17 @@ impl pb::store_server::Store for StoreStreams {
                     message = calls.message() => message,
                 };
                 let call = match message {
-                    Ok(Some(call)) => call,
+                    Ok(Some(Incoming::Call(call))) => call,
+                    Ok(Some(Incoming::TooLarge { id, bytes })) => {
+                        let answer = too_large(&state, id, bytes, limit);
+                        if answers.send(Ok(answer)).await.is_err() {
+                            break;
+                        }
+                        continue;
+                    }
                     Ok(None) => break,
                     Err(status) => {
-                        // A message over the limit, or a broken transport: the client is
+                        // A frame over the hard cap, or a broken transport: the client is
                         // told why its stream ends; answers still being worked out are lost.
                         tracing::debug!(%status, "stream ended by the client or the transport");
                         let _ = answers.send(Err(status)).await;
@@ -130,7 +213,82 @@ impl pb::store_server::Store for StoreStreams {
                 });
             }
         });
-        Ok(Response::new(ReceiverStream::new(out)))
+        let mut response = Response::new(ReceiverStream::new(out));
+        response.metadata_mut().insert(
+            MAX_MESSAGE_BYTES_METADATA,
+            tonic::metadata::MetadataValue::from(limit),
+        );
+        Ok(response)
+    }
+}
+
+/// The answer to a call whose message is over the limit: refused alone, by its id.
+fn too_large(state: &AppState, id: u64, bytes: usize, limit: usize) -> pb::Answer {
+    state.metrics.rejected(Rejection::TooLarge);
+    pb::Answer {
+        id,
+        result: Some(Reply::Failure(pb::Failure {
+            kind: Kind::BadRequest.into(),
+            detail: too_large_detail(bytes, limit),
+        })),
+    }
+}
+
+/// The detail of that refusal; clients may read the numbers from it.
+pub fn too_large_detail(bytes: usize, limit: usize) -> String {
+    format!("message of {bytes} bytes is over the store's limit of {limit} bytes")
+}
+
+/// `idempotency.store.v1.Store`, served with [`CallCodec`] (the generated server's codec
+/// would end the stream on an oversized message), and with the generated server's answer to
+/// an unknown method.
+#[derive(Clone)]
+pub struct StreamService(StoreStreams);
+
+impl<B> tonic::codegen::Service<tonic::codegen::http::Request<B>> for StreamService
+where
+    B: tonic::codegen::Body + Send + 'static,
+    B::Error: Into<tonic::codegen::StdError> + Send + 'static,
+{
+    type Response = tonic::codegen::http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<B>) -> Self::Future {
+        if req.uri().path() != COORDINATE_PATH {
+            return Box::pin(async { Ok(Status::unimplemented("no such method").into_http()) });
+        }
+        let streams = self.0.clone();
+        let limit = streams.max_message_bytes;
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(CallCodec { limit })
+                .max_decoding_message_size(hard_cap(limit))
+                // An answer carries at most a record of the limit, plus its envelope.
+                .max_encoding_message_size(limit.saturating_add(1024));
+            Ok(grpc.streaming(Coordinate(streams), req).await)
+        })
+    }
+}
+
+/// The path of the one method.
+const COORDINATE_PATH: &str = "/idempotency.store.v1.Store/Coordinate";
+
+struct Coordinate(StoreStreams);
+
+impl tonic::server::StreamingService<Incoming> for Coordinate {
+    type Response = pb::Answer;
+    type ResponseStream = ReceiverStream<Result<pb::Answer, Status>>;
+    type Future = tonic::codegen::BoxFuture<Response<Self::ResponseStream>, Status>;
+
+    fn call(&mut self, request: Request<Streaming<Incoming>>) -> Self::Future {
+        Box::pin(self.0.clone().coordinate(request))
     }
 }
 

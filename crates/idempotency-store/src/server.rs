@@ -158,7 +158,8 @@ pub fn router_with(state: AppState, options: RouterOptions) -> Router {
         // route_layer: auth only for matched routes, so unknown paths are a
         // plain 404 rather than a misleading 401.
         .route_layer(middleware::from_fn_with_state(state.clone(), require_auth));
-    let streams = crate::grpc::StoreStreams::new(state.clone(), options.max_calls_per_stream);
+    let streams =
+        crate::grpc::StoreStreams::new(state.clone(), options.max_calls_per_stream, max_body_bytes);
     let stream_path = format!(
         "/{}/{{*method}}",
         crate::grpc::pb::store_server::SERVICE_NAME
@@ -168,7 +169,7 @@ pub fn router_with(state: AppState, options: RouterOptions) -> Router {
         .route("/metrics", get(metrics_text))
         .merge(v1)
         // The gRPC stream, on the same port: it authenticates by metadata itself.
-        .route_service(&stream_path, streams.service(max_body_bytes))
+        .route_service(&stream_path, streams.service())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))

@@ -371,15 +371,89 @@ async fn the_stream_and_the_http_api_see_the_same_records() {
     assert_eq!(body["outcome"], "in_flight");
 }
 
+/// A store whose calls may be at most `LIMIT` bytes (`--max-body-bytes`).
+const LIMIT: usize = 65_536;
+
+async fn small_limit_store() -> Store {
+    Store::embedded_with(RouterOptions {
+        max_body_bytes: LIMIT,
+        ..RouterOptions::default()
+    })
+    .await
+}
+
 #[tokio::test]
-async fn a_message_over_the_body_limit_ends_the_stream_with_out_of_range() {
-    let store = Store::embedded().await;
+async fn the_stream_announces_the_largest_call_it_takes() {
+    for (store, limit) in [
+        (small_limit_store().await, LIMIT),
+        (Store::embedded().await, server::DEFAULT_MAX_BODY_BYTES),
+    ] {
+        let (_calls, rx) = mpsc::channel::<pb::Call>(1);
+        let mut request = Request::new(ReceiverStream::new(rx));
+        request
+            .metadata_mut()
+            .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+        let response = store.client().await.coordinate(request).await.unwrap();
+        let announced = response
+            .metadata()
+            .get(idempotency_store::grpc::MAX_MESSAGE_BYTES_METADATA)
+            .expect("the limit in the initial metadata");
+        assert_eq!(announced.to_str().unwrap(), limit.to_string());
+    }
+    assert_eq!(
+        idempotency_store::grpc::MAX_MESSAGE_BYTES_METADATA,
+        "x-idempotency-store-max-message-bytes"
+    );
+}
+
+#[tokio::test]
+async fn a_call_over_the_limit_is_refused_alone_and_the_stream_goes_on() {
+    use prost::Message as _;
+    let store = small_limit_store().await;
     let mut s = Conversation::open(&store).await;
     let (key, fp) = (random_digest(), random_digest());
     let Reply::Claimed(claimed) = s.call(claim(key.as_str(), fp.as_str(), "")).await else {
         panic!("claimed");
     };
-    let record = vec![7u8; server::DEFAULT_MAX_BODY_BYTES + 1];
+    let op = complete(key.as_str(), &claimed.owner, &vec![7u8; LIMIT]);
+    let id = s.next_id;
+    let bytes = pb::Call {
+        id,
+        op: Some(op.clone()),
+    }
+    .encoded_len();
+    assert!(bytes > LIMIT && bytes < 2 * LIMIT);
+    match s.call(op).await {
+        Reply::Failure(f) => {
+            assert_eq!(f.kind, pb::failure::Kind::BadRequest as i32);
+            assert_eq!(
+                f.detail,
+                format!("message of {bytes} bytes is over the store's limit of {LIMIT} bytes")
+            );
+        }
+        other => panic!("refused, got {other:?}"),
+    }
+    // The stream is still open, and the refused completion changed nothing.
+    assert!(matches!(
+        s.call(claim(key.as_str(), fp.as_str(), "")).await,
+        Reply::InFlight(_)
+    ));
+    let small = vec![7u8; LIMIT / 2];
+    assert!(matches!(
+        s.call(complete(key.as_str(), &claimed.owner, &small)).await,
+        Reply::Recorded(_)
+    ));
+}
+
+#[tokio::test]
+async fn a_message_over_twice_the_limit_ends_the_stream_with_out_of_range() {
+    let store = small_limit_store().await;
+    let mut s = Conversation::open(&store).await;
+    let (key, fp) = (random_digest(), random_digest());
+    let Reply::Claimed(claimed) = s.call(claim(key.as_str(), fp.as_str(), "")).await else {
+        panic!("claimed");
+    };
+    let record = vec![7u8; 2 * LIMIT + 1];
     s.send(complete(key.as_str(), &claimed.owner, &record))
         .await;
     let status = tokio::time::timeout(Duration::from_secs(10), s.answers.message())
