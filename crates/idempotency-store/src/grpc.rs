@@ -10,7 +10,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::Rejection;
 use crate::protocol::{self, BadRequest, ClaimBody, LeaseBody, RenewBody};
-use crate::server::{self, AppState};
+use crate::server::{self, AppState, Verdict};
 use crate::storage::{ClaimOutcome, CompleteOutcome, ReleaseOutcome};
 use crate::waits::{HeldWait, WaitOutcome};
 
@@ -134,11 +134,18 @@ impl StoreStreams {
         request: Request<Streaming<Incoming>>,
     ) -> Result<Response<ReceiverStream<Result<pb::Answer, Status>>>, Status> {
         let headers = request.metadata().clone().into_headers();
-        if !self.state.auth.allows(&headers) {
-            self.state.metrics.rejected(Rejection::Unauthorized);
-            return Err(Status::unauthenticated(
-                "missing or wrong `authorization: Bearer <token>` metadata",
-            ));
+        match self.state.auth.data_plane(&headers) {
+            Verdict::Allowed => {}
+            Verdict::Unauthorized => {
+                self.state.metrics.rejected(Rejection::Unauthorized);
+                return Err(Status::unauthenticated(
+                    "missing or wrong `authorization: Bearer <token>` metadata",
+                ));
+            }
+            Verdict::Forbidden(why) => {
+                self.state.metrics.rejected(Rejection::Forbidden);
+                return Err(Status::permission_denied(why));
+            }
         }
         let mut calls = request.into_inner();
         let (answers, out) = mpsc::channel(self.max_calls_in_flight);

@@ -35,6 +35,7 @@ use tonic::{Code, Request, Streaming};
 use common::{random_digest, RedisServer};
 
 const TOKEN: &str = "grpc-test-token-0123";
+const OPERATOR_TOKEN: &str = "grpc-test-operator-token";
 const LEASE_MS: u64 = 60_000;
 const TTL_MS: u64 = 600_000;
 
@@ -64,7 +65,7 @@ impl Store {
         let state = AppState::new(
             storage,
             Arc::new(Metrics::new()),
-            Auth::bearer(TOKEN),
+            Auth::bearer(TOKEN).with_operator_token(OPERATOR_TOKEN),
             draining.clone(),
             idempotency_store::waits::DEFAULT_MAX_WAITS,
         );
@@ -307,6 +308,17 @@ async fn many_calls_in_flight_are_each_answered_once_by_id_and_a_bad_one_fails_a
 #[tokio::test]
 async fn a_stream_without_the_token_is_refused() {
     let store = Store::embedded().await;
+    // The operators' token is no data-plane token.
+    match store.open(OPERATOR_TOKEN).await {
+        Err(status) => {
+            assert_eq!(status.code(), Code::PermissionDenied);
+            assert!(status.message().contains("operator token"), "{status}");
+        }
+        Ok((_, mut answers)) => {
+            let status = answers.message().await.unwrap_err();
+            assert_eq!(status.code(), Code::PermissionDenied);
+        }
+    }
     match store.open("wrong-token").await {
         Err(status) => assert_eq!(status.code(), Code::Unauthenticated),
         Ok((calls, mut answers)) => {
