@@ -735,6 +735,7 @@ class Store:
         tmpdir: str | os.PathLike[str],
         *,
         token: str,
+        operator_token: str | None = None,
         backend: str = "embedded",
         redis: Redis | None = None,
         redis_url: str | None = None,
@@ -750,14 +751,19 @@ class Store:
         self.base_url = f"http://{LOOPBACK}:{self.port}"
         self.data_dir = tmpdir / f"{name}-data"
         self.token = token
+        # The operators' own token (record show/purge): the store refuses the data-plane one there.
+        self.operator_token = operator_token or f"{token}-operator"
         token_file = tmpdir / f"{name}-token"
         token_file.write_text(token + "\n")
+        operator_token_file = tmpdir / f"{name}-operator-token"
+        operator_token_file.write_text(self.operator_token + "\n")
         argv: list[Any] = [
             store_binary(),
             "--listen", f"{LOOPBACK}:{self.port}",
             "--backend", backend,
             "--data-dir", self.data_dir,
             "--token-file", token_file,
+            "--operator-token-file", operator_token_file,
         ]
         if backend == "redis":
             if redis is None and redis_url is None:

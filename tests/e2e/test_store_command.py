@@ -19,10 +19,10 @@ AUTH = "Bearer ops-test-caller"
 
 
 def record(store: harness.Store, *args: str, token: str | None = None) -> subprocess.CompletedProcess:
-    """``idempotency-store record <args>`` against ``store``, with its token from the
+    """``idempotency-store record <args>`` against ``store``, with its operator token from the
     environment variable the store itself reads (or ``token`` instead)."""
-    env = {k: v for k, v in os.environ.items() if k != "RUST_BACKTRACE"}
-    env["IDEMPOTENCY_STORE_TOKEN"] = token if token is not None else store.token
+    env = {k: v for k, v in os.environ.items() if k not in ("RUST_BACKTRACE", "IDEMPOTENCY_STORE_TOKEN")}
+    env["IDEMPOTENCY_STORE_OPERATOR_TOKEN"] = token if token is not None else store.operator_token
     done = subprocess.run(
         [str(harness.store_binary()), "record", *args, "--store-url", store.base_url],
         env=env, capture_output=True, text=True, timeout=30,
@@ -72,6 +72,11 @@ def test_record_show_and_purge_through_two_envoys(procs, tmp_path: Path) -> None
     assert missing.returncode == 1 and "no live record" in missing.stderr, missing.stderr
     refused = record(cluster.store, "show", "--hash", key_hash, token="wrong-token")
     assert refused.returncode == 2 and "refused the token" in refused.stderr, refused.stderr
+    # The token every Envoy holds in its plugin configuration is not an operator's.
+    refused = record(cluster.store, "purge", "--hash", key_hash, token=cluster.store.token)
+    assert refused.returncode == 2 and "(403)" in refused.stderr, refused.stderr
+    assert "data-plane token" in refused.stderr, refused.stderr
+    assert shown(cluster.store, "--hash", key_hash), "nothing was purged"
 
     # Envoy A crashes while its upstream runs the write: the store keeps the claim in
     # flight until its lease ends (60 s), so a retry through B gets 409.

@@ -59,6 +59,9 @@ pub mod outcome {
 /// Problem `type` URIs of error answers.
 pub const PROBLEM_BAD_REQUEST: &str = "urn:idempotency-store:bad-request";
 pub const PROBLEM_UNAUTHORIZED: &str = "urn:idempotency-store:unauthorized";
+/// The other kind of token (data plane or operator) than the route takes, or a route that is
+/// disabled; `detail` says which.
+pub const PROBLEM_FORBIDDEN: &str = "urn:idempotency-store:forbidden";
 pub const PROBLEM_TOO_LARGE: &str = "urn:idempotency-store:payload-too-large";
 pub const PROBLEM_NOT_FOUND: &str = "urn:idempotency-store:not-found";
 pub const PROBLEM_NOT_OWNER: &str = "urn:idempotency-store:not-owner";

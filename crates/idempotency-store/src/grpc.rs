@@ -4,15 +4,15 @@
 
 use std::sync::Arc;
 
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::Rejection;
 use crate::protocol::{self, BadRequest, ClaimBody, LeaseBody, RenewBody};
-use crate::server::{self, AppState};
+use crate::server::{self, AppState, Verdict};
 use crate::storage::{ClaimOutcome, CompleteOutcome, ReleaseOutcome};
-use crate::waits::WaitOutcome;
+use crate::waits::{HeldWait, WaitOutcome};
 
 /// The generated messages, server and client.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]
@@ -28,48 +28,134 @@ use pb::failure::Kind;
 /// control holds it back): one stream cannot take the whole backend.
 pub const DEFAULT_MAX_CALLS_IN_FLIGHT: usize = 1024;
 
+/// Initial response metadata of every stream: the largest `Call` message, in bytes (decimal),
+/// that the store takes (`--max-body-bytes`). A client keeps its calls within it; a larger one
+/// is refused alone, with a `BAD_REQUEST` failure, and the stream goes on.
+pub const MAX_MESSAGE_BYTES_METADATA: &str = "x-idempotency-store-max-message-bytes";
+
+/// The frames the stream reads, as a multiple of the announced limit. A frame over the limit
+/// is still read whole so that its call can be refused alone (its id is in it); only one over
+/// this ends the stream (`OUT_OF_RANGE`). Twice the limit bounds what one stream may make the
+/// store buffer while leaving room for any client that got the limit wrong by a little.
+pub const HARD_CAP_FACTOR: usize = 2;
+
+/// The largest frame a stream reads for a limit of `max_message_bytes`.
+pub fn hard_cap(max_message_bytes: usize) -> usize {
+    max_message_bytes.saturating_mul(HARD_CAP_FACTOR)
+}
+
+/// What a stream reads from its client: a call, or one too large to take.
+#[derive(Debug)]
+pub enum Incoming {
+    Call(pb::Call),
+    /// A message over the limit, refused by the id read from it.
+    TooLarge {
+        id: u64,
+        bytes: usize,
+    },
+}
+
+/// The one field of a call read from a message too large to decode whole (prost skips the
+/// others, the record among them, without copying them).
+#[derive(Clone, PartialEq, prost::Message)]
+struct CallId {
+    #[prost(uint64, tag = "1")]
+    id: u64,
+}
+
+/// Decodes calls up to `limit` bytes and only the id of larger ones.
+#[derive(Debug, Clone, Copy)]
+struct CallCodec {
+    limit: usize,
+}
+
+impl tonic::codec::Codec for CallCodec {
+    type Encode = pb::Answer;
+    type Decode = Incoming;
+    type Encoder = tonic_prost::ProstEncoder<pb::Answer>;
+    type Decoder = Self;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        tonic_prost::ProstEncoder::default()
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        *self
+    }
+}
+
+impl tonic::codec::Decoder for CallCodec {
+    type Item = Incoming;
+    type Error = Status;
+
+    fn decode(
+        &mut self,
+        buf: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Incoming>, Status> {
+        use prost::bytes::Buf as _;
+        use prost::Message as _;
+        let bytes = buf.remaining();
+        if bytes > self.limit {
+            let CallId { id } = CallId::decode(buf)
+                .map_err(|e| Status::internal(format!("an oversized call that is not one: {e}")))?;
+            return Ok(Some(Incoming::TooLarge { id, bytes }));
+        }
+        pb::Call::decode(buf)
+            .map(|call| Some(Incoming::Call(call)))
+            .map_err(|e| Status::internal(e.to_string()))
+    }
+}
+
 #[derive(Clone)]
 pub struct StoreStreams {
     state: AppState,
     max_calls_in_flight: usize,
+    max_message_bytes: usize,
 }
 
 impl StoreStreams {
-    pub fn new(state: AppState, max_calls_in_flight: usize) -> Self {
+    /// Streams that run `max_calls_in_flight` calls at once each and take calls of up to
+    /// `max_message_bytes` (`--max-body-bytes`, as HTTP bodies).
+    pub fn new(state: AppState, max_calls_in_flight: usize, max_message_bytes: usize) -> Self {
         Self {
             state,
             max_calls_in_flight: max_calls_in_flight.max(1),
+            max_message_bytes,
         }
     }
 
-    /// The gRPC service, with messages bounded like HTTP bodies (`--max-body-bytes`).
-    pub fn service(self, max_message_bytes: usize) -> pb::store_server::StoreServer<Self> {
-        pb::store_server::StoreServer::new(self)
-            .max_decoding_message_size(max_message_bytes)
-            .max_encoding_message_size(max_message_bytes.saturating_add(1024))
+    /// The gRPC service, for the router's `route_service`.
+    pub fn service(self) -> StreamService {
+        StreamService(self)
     }
-}
-
-#[tonic::async_trait]
-impl pb::store_server::Store for StoreStreams {
-    type CoordinateStream = ReceiverStream<Result<pb::Answer, Status>>;
 
     async fn coordinate(
-        &self,
-        request: Request<Streaming<pb::Call>>,
-    ) -> Result<Response<Self::CoordinateStream>, Status> {
+        self,
+        request: Request<Streaming<Incoming>>,
+    ) -> Result<Response<ReceiverStream<Result<pb::Answer, Status>>>, Status> {
         let headers = request.metadata().clone().into_headers();
-        if !self.state.auth.allows(&headers) {
-            self.state.metrics.rejected(Rejection::Unauthorized);
-            return Err(Status::unauthenticated(
-                "missing or wrong `authorization: Bearer <token>` metadata",
-            ));
+        match self.state.auth.data_plane(&headers) {
+            Verdict::Allowed => {}
+            Verdict::Unauthorized => {
+                self.state.metrics.rejected(Rejection::Unauthorized);
+                return Err(Status::unauthenticated(
+                    "missing or wrong `authorization: Bearer <token>` metadata",
+                ));
+            }
+            Verdict::Forbidden(why) => {
+                self.state.metrics.rejected(Rejection::Forbidden);
+                return Err(Status::permission_denied(why));
+            }
         }
         let mut calls = request.into_inner();
         let (answers, out) = mpsc::channel(self.max_calls_in_flight);
         let slots = Arc::new(Semaphore::new(self.max_calls_in_flight));
+        // Waits have places of their own, as many as the calls: a wait may last a minute, and
+        // the claims behind it must not queue for it.
+        let wait_places = Arc::new(Semaphore::new(self.max_calls_in_flight));
         let state = self.state.clone();
         let max_calls = self.max_calls_in_flight;
+        let limit = self.max_message_bytes;
         tokio::spawn(async move {
             loop {
                 let message = tokio::select! {
@@ -87,32 +173,39 @@ impl pb::store_server::Store for StoreStreams {
                     message = calls.message() => message,
                 };
                 let call = match message {
-                    Ok(Some(call)) => call,
+                    Ok(Some(Incoming::Call(call))) => call,
+                    Ok(Some(Incoming::TooLarge { id, bytes })) => {
+                        let answer = too_large(&state, id, bytes, limit);
+                        if answers.send(Ok(answer)).await.is_err() {
+                            break;
+                        }
+                        continue;
+                    }
                     Ok(None) => break,
                     Err(status) => {
-                        // A message over the limit, or a broken transport: the client is
+                        // A frame over the hard cap, or a broken transport: the client is
                         // told why its stream ends; answers still being worked out are lost.
                         tracing::debug!(%status, "stream ended by the client or the transport");
                         let _ = answers.send(Err(status)).await;
                         break;
                     }
                 };
-                if matches!(call.op, Some(Op::Wait(_))) {
-                    // A wait may last a minute: it must not hold one of the stream's slots
-                    // (the claims behind it would queue). The wait room bounds waits; one
-                    // whose stream is gone ends with it.
-                    let state = state.clone();
-                    let answers = answers.clone();
-                    tokio::spawn(async move {
-                        tokio::select! {
-                            answer = answer(&state, call) => {
-                                let _ = answers.send(Ok(answer)).await;
+                let call = match call.op {
+                    Some(Op::Wait(wait)) => {
+                        match begin_wait(&state, &wait_places, call.id, wait) {
+                            Wait::Answered(answer) => {
+                                if answers.send(Ok(answer)).await.is_err() {
+                                    break;
+                                }
                             }
-                            () = answers.closed() => {}
+                            Wait::Held(held) => {
+                                tokio::spawn(held.run(state.clone(), answers.clone()));
+                            }
                         }
-                    });
-                    continue;
-                }
+                        continue;
+                    }
+                    op => pb::Call { id: call.id, op },
+                };
                 let Ok(slot) = slots.clone().acquire_owned().await else {
                     break;
                 };
@@ -127,7 +220,160 @@ impl pb::store_server::Store for StoreStreams {
                 });
             }
         });
-        Ok(Response::new(ReceiverStream::new(out)))
+        let mut response = Response::new(ReceiverStream::new(out));
+        response.metadata_mut().insert(
+            MAX_MESSAGE_BYTES_METADATA,
+            tonic::metadata::MetadataValue::from(limit),
+        );
+        Ok(response)
+    }
+}
+
+/// The answer to a call whose message is over the limit: refused alone, by its id.
+fn too_large(state: &AppState, id: u64, bytes: usize, limit: usize) -> pb::Answer {
+    state.metrics.rejected(Rejection::TooLarge);
+    pb::Answer {
+        id,
+        result: Some(Reply::Failure(pb::Failure {
+            kind: Kind::BadRequest.into(),
+            detail: too_large_detail(bytes, limit),
+        })),
+    }
+}
+
+/// The detail of that refusal; clients may read the numbers from it.
+pub fn too_large_detail(bytes: usize, limit: usize) -> String {
+    format!("message of {bytes} bytes is over the store's limit of {limit} bytes")
+}
+
+/// `idempotency.store.v1.Store`, served with [`CallCodec`] (the generated server's codec
+/// would end the stream on an oversized message), and with the generated server's answer to
+/// an unknown method.
+#[derive(Clone)]
+pub struct StreamService(StoreStreams);
+
+impl<B> tonic::codegen::Service<tonic::codegen::http::Request<B>> for StreamService
+where
+    B: tonic::codegen::Body + Send + 'static,
+    B::Error: Into<tonic::codegen::StdError> + Send + 'static,
+{
+    type Response = tonic::codegen::http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<B>) -> Self::Future {
+        if req.uri().path() != COORDINATE_PATH {
+            return Box::pin(async { Ok(Status::unimplemented("no such method").into_http()) });
+        }
+        let streams = self.0.clone();
+        let limit = streams.max_message_bytes;
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(CallCodec { limit })
+                .max_decoding_message_size(hard_cap(limit))
+                // An answer carries at most a record of the limit, plus its envelope.
+                .max_encoding_message_size(limit.saturating_add(1024));
+            Ok(grpc.streaming(Coordinate(streams), req).await)
+        })
+    }
+}
+
+/// The path of the one method.
+const COORDINATE_PATH: &str = "/idempotency.store.v1.Store/Coordinate";
+
+struct Coordinate(StoreStreams);
+
+impl tonic::server::StreamingService<Incoming> for Coordinate {
+    type Response = pb::Answer;
+    type ResponseStream = ReceiverStream<Result<pb::Answer, Status>>;
+    type Future = tonic::codegen::BoxFuture<Response<Self::ResponseStream>, Status>;
+
+    fn call(&mut self, request: Request<Streaming<Incoming>>) -> Self::Future {
+        Box::pin(self.0.clone().coordinate(request))
+    }
+}
+
+/// A wait call, once the stream has looked at it.
+enum Wait {
+    /// Refused (malformed, or more waits than the stream or the store instance holds):
+    /// answered at once, with no task of its own.
+    Answered(pb::Answer),
+    /// Has its places, in the stream and in the wait room, and waits on a task of its own.
+    Held(HeldStreamWait),
+}
+
+/// Validates a wait and takes its places before anything is spawned for it: beyond the
+/// stream's places or the room's `--max-waits`, it is answered `in_flight` at once.
+fn begin_wait(state: &AppState, places: &Arc<Semaphore>, id: u64, wait: pb::Wait) -> Wait {
+    let answered = |reply| {
+        Wait::Answered(pb::Answer {
+            id,
+            result: Some(reply),
+        })
+    };
+    let request = match protocol::validate_wait(&wait.key, &wait.fingerprint, wait.wait_ms) {
+        Ok(request) => request,
+        Err(bad) => return answered(refuse(state, bad)),
+    };
+    let Ok(place) = Arc::clone(places).try_acquire_owned() else {
+        return answered(wait_reply(server::wait_refused(state)));
+    };
+    let Some(held) = state.waits.hold(&request.key) else {
+        return answered(wait_reply(server::wait_refused(state)));
+    };
+    Wait::Held(HeldStreamWait {
+        id,
+        request,
+        held,
+        place,
+    })
+}
+
+/// A wait with its places, ready to run.
+struct HeldStreamWait {
+    id: u64,
+    request: protocol::WaitRequest,
+    held: HeldWait,
+    /// The stream's place, kept until the answer is delivered (or the stream is gone), so a
+    /// client that does not read its answers cannot pile up waiting tasks.
+    place: OwnedSemaphorePermit,
+}
+
+impl HeldStreamWait {
+    async fn run(self, state: AppState, answers: mpsc::Sender<Result<pb::Answer, Status>>) {
+        let Self {
+            id,
+            request,
+            held,
+            place,
+        } = self;
+        let answered = async {
+            let reply = match server::wait_for(&state, &held, request).await {
+                Ok(outcome) => wait_reply(outcome),
+                Err(_) => unavailable(),
+            };
+            // The room's place ends with the wait, not with the delivery of its answer.
+            drop(held);
+            let _ = answers
+                .send(Ok(pb::Answer {
+                    id,
+                    result: Some(reply),
+                }))
+                .await;
+        };
+        tokio::select! {
+            () = answered => {}
+            // The stream is gone, whether the wait was still running or its answer waited
+            // for room: nobody is left to answer, and the task ends with its places.
+            () = answers.closed() => {}
+        }
+        drop(place);
     }
 }
 
@@ -160,13 +406,8 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
                 Err(bad) => refuse(state, bad),
             }
         }
-        Some(Op::Wait(w)) => match protocol::validate_wait(&w.key, &w.fingerprint, w.wait_ms) {
-            Ok(req) => match server::wait_for(state, req).await {
-                Ok(outcome) => wait_reply(outcome),
-                Err(_) => unavailable(),
-            },
-            Err(bad) => refuse(state, bad),
-        },
+        // Waits never get here: the stream takes them apart first (`begin_wait`).
+        Some(Op::Wait(_)) => refuse(state, BadRequest("a wait outside a stream".into())),
         Some(Op::Release(r)) => match protocol::validate_release(&r.key, &r.owner) {
             Ok(req) => match server::execute(state, req).await {
                 Ok(ReleaseOutcome::Released) => Reply::Released(pb::Empty {}),

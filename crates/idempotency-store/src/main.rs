@@ -20,6 +20,7 @@ use idempotency_store::sweeper;
 use tracing_subscriber::EnvFilter;
 
 const TOKEN_ENV: &str = command::TOKEN_ENV;
+const OPERATOR_TOKEN_ENV: &str = command::OPERATOR_TOKEN_ENV;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum BackendKind {
@@ -92,7 +93,15 @@ struct Serve {
     #[arg(long)]
     token_file: Option<PathBuf>,
 
-    /// Serve /v1 without authentication. Local demos only.
+    /// File holding the operators' bearer token, for the record lookup, search and purge
+    /// routes (`idempotency-store record`); surrounding whitespace ignored. Takes precedence
+    /// over IDEMPOTENCY_STORE_OPERATOR_TOKEN. Without either, those routes are disabled (403).
+    /// It must differ from the data-plane token: neither kind of route takes the other's.
+    #[arg(long)]
+    operator_token_file: Option<PathBuf>,
+
+    /// Serve the data-plane routes without authentication. Local demos only. The operator
+    /// routes still need --operator-token-file.
     #[arg(long)]
     insecure_no_auth: bool,
 
@@ -157,36 +166,70 @@ fn init_logging(level: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn resolve_auth(cli: &Serve) -> Result<Auth, String> {
-    let token = if let Some(path) = &cli.token_file {
+/// A token from `file` if given, else from the environment variable `env`, with where it came
+/// from; an empty one is an error.
+fn read_token(
+    file: Option<&PathBuf>,
+    flag: &str,
+    env: &str,
+) -> Result<Option<(String, String)>, String> {
+    let token = if let Some(path) = file {
         let raw = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?;
-        Some((
-            raw.trim().to_owned(),
-            format!("--token-file {}", path.display()),
-        ))
+            .map_err(|e| format!("cannot read {flag} {}: {e}", path.display()))?;
+        Some((raw.trim().to_owned(), format!("{flag} {}", path.display())))
     } else {
-        std::env::var(TOKEN_ENV)
+        std::env::var(env)
             .ok()
-            .map(|t| (t.trim().to_owned(), TOKEN_ENV.to_owned()))
+            .map(|t| (t.trim().to_owned(), env.to_owned()))
     };
-    match (token, cli.insecure_no_auth) {
-        (Some((t, source)), _) if t.is_empty() => Err(format!("the token from {source} is empty")),
-        (Some((t, _)), false) => Ok(Auth::bearer(&t)),
+    match token {
+        Some((t, source)) if t.is_empty() => Err(format!("the token from {source} is empty")),
+        other => Ok(other),
+    }
+}
+
+fn resolve_auth(cli: &Serve) -> Result<Auth, String> {
+    let token = read_token(cli.token_file.as_ref(), "--token-file", TOKEN_ENV)?;
+    let operator = read_token(
+        cli.operator_token_file.as_ref(),
+        "--operator-token-file",
+        OPERATOR_TOKEN_ENV,
+    )?;
+    let auth = match (&token, cli.insecure_no_auth) {
+        (Some((t, _)), false) => Auth::bearer(t),
         (Some(_), true) => {
-            Err("--insecure-no-auth given together with a token; drop one of them".to_owned())
+            return Err(
+                "--insecure-no-auth given together with a token; drop one of them".to_owned(),
+            )
         }
         (None, true) => {
             tracing::warn!(
-                "--insecure-no-auth: /v1 accepts requests from anyone who can reach {}",
+                "--insecure-no-auth: the data-plane routes accept requests from anyone who \
+                 can reach {}",
                 cli.listen
             );
-            Ok(Auth::Disabled)
+            Auth::insecure()
         }
-        (None, false) => Err(format!(
-            "no auth token configured: pass --token-file PATH or set {TOKEN_ENV} \
-             (or --insecure-no-auth for a local demo)"
+        (None, false) => {
+            return Err(format!(
+                "no auth token configured: pass --token-file PATH or set {TOKEN_ENV} \
+                 (or --insecure-no-auth for a local demo)"
+            ))
+        }
+    };
+    match (operator, token) {
+        (Some((o, _)), Some((t, _))) if o == t => Err(format!(
+            "the operator token ({OPERATOR_TOKEN_ENV} or --operator-token-file) is the \
+             data-plane token: give operators a token of their own"
         )),
+        (Some((o, _)), _) => Ok(auth.with_operator_token(&o)),
+        (None, _) => {
+            tracing::info!(
+                "no operator token (--operator-token-file or {OPERATOR_TOKEN_ENV}): the \
+                 record lookup, search and purge routes are disabled"
+            );
+            Ok(auth)
+        }
     }
 }
 

@@ -48,16 +48,24 @@ pub const PURGE_OUTCOMES: [&str; 2] = [idempotency_protocol::wire::outcome::PURG
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Rejection {
     Unauthorized,
+    /// The other kind of token than the route takes, or the operator routes disabled.
+    Forbidden,
     BadRequest,
     TooLarge,
 }
 
 impl Rejection {
-    pub const ALL: [Rejection; 3] = [Self::Unauthorized, Self::BadRequest, Self::TooLarge];
+    pub const ALL: [Rejection; 4] = [
+        Self::Unauthorized,
+        Self::Forbidden,
+        Self::BadRequest,
+        Self::TooLarge,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Unauthorized => "unauthorized",
+            Self::Forbidden => "forbidden",
             Self::BadRequest => "bad_request",
             Self::TooLarge => "too_large",
         }

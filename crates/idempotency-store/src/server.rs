@@ -33,40 +33,120 @@ use crate::storage::{
     self, ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome, Storage,
     StorageError,
 };
-use crate::waits::{WaitOutcome, WaitRoom};
+use crate::waits::{HeldWait, WaitOutcome, WaitRoom};
 
 /// Base64 inflates a 1 MiB response to ~1.4 MiB; 4 MiB leaves room for that
 /// plus JSON framing and headroom for larger recorded responses.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 
-/// Who may call `/v1`. `Disabled` exists only for local demos
-/// (`--insecure-no-auth`).
+/// A bearer token, compared in constant time so that response timing does not reveal how
+/// much of a guessed token was right.
 #[derive(Clone)]
-pub enum Auth {
-    Bearer(Arc<[u8]>),
-    Disabled,
+struct Secret(Arc<[u8]>);
+
+impl Secret {
+    fn matches(&self, presented: Option<&str>) -> bool {
+        presented.is_some_and(|p| bool::from(p.as_bytes().ct_eq(&self.0)))
+    }
 }
 
+/// Who may call what. The data plane (claim, complete, release, renew, the stream) takes the
+/// token every Envoy holds in its plugin configuration; the operator routes (lookup, search,
+/// purge) take a token of their own, so that what an Envoy's `/config_dump` shows cannot read
+/// or purge records. Neither kind of route takes the other's token.
+#[derive(Clone)]
+pub struct Auth {
+    /// None only with `--insecure-no-auth` (local demos).
+    data_plane: Option<Secret>,
+    /// None: the operator routes are disabled.
+    operator: Option<Secret>,
+}
+
+/// An authorization decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Allowed,
+    /// No token, or not the route's: 401.
+    Unauthorized,
+    /// The other kind of token, or routes that are disabled: 403, saying why.
+    Forbidden(&'static str),
+}
+
+/// The 403 details, which the `record` command shows as they are.
+pub const OPERATOR_ROUTES_DISABLED: &str = "the operator routes (record lookup, search and \
+     purge) are disabled on this store: start it with --operator-token-file PATH (or \
+     IDEMPOTENCY_STORE_OPERATOR_TOKEN) to enable them";
+pub const DATA_PLANE_TOKEN_ON_OPERATOR_ROUTE: &str = "this is the data-plane token (the one \
+     the filter sends), which operator routes do not accept: use the operator token \
+     (--operator-token-file, IDEMPOTENCY_STORE_OPERATOR_TOKEN)";
+pub const OPERATOR_TOKEN_ON_DATA_PLANE: &str = "this is the operator token, which data-plane \
+     routes do not accept: the filter sends the data-plane token (--token-file, \
+     IDEMPOTENCY_STORE_TOKEN)";
+
 impl Auth {
+    /// The data plane needs `token`; the operator routes are disabled.
     pub fn bearer(token: &str) -> Self {
-        Self::Bearer(Arc::from(token.as_bytes()))
+        Self {
+            data_plane: Some(Secret(Arc::from(token.as_bytes()))),
+            operator: None,
+        }
     }
 
-    pub(crate) fn allows(&self, headers: &HeaderMap) -> bool {
-        let Self::Bearer(expected) = self else {
-            return true;
-        };
-        let Some(presented) = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(bearer_credentials)
-        else {
-            return false;
-        };
-        // Constant time so response timing does not reveal how much of a
-        // guessed token was right.
-        bool::from(presented.as_bytes().ct_eq(expected))
+    /// No token on the data plane (`--insecure-no-auth`, local demos only); the operator
+    /// routes are disabled.
+    pub fn insecure() -> Self {
+        Self {
+            data_plane: None,
+            operator: None,
+        }
     }
+
+    /// The operator routes need `token`.
+    #[must_use]
+    pub fn with_operator_token(mut self, token: &str) -> Self {
+        self.operator = Some(Secret(Arc::from(token.as_bytes())));
+        self
+    }
+
+    /// May these headers call a data-plane route?
+    pub fn data_plane(&self, headers: &HeaderMap) -> Verdict {
+        let presented = presented(headers);
+        if self.operator.as_ref().is_some_and(|o| o.matches(presented)) {
+            return Verdict::Forbidden(OPERATOR_TOKEN_ON_DATA_PLANE);
+        }
+        match &self.data_plane {
+            None => Verdict::Allowed,
+            Some(token) if token.matches(presented) => Verdict::Allowed,
+            Some(_) => Verdict::Unauthorized,
+        }
+    }
+
+    /// May these headers call an operator route?
+    pub fn operator(&self, headers: &HeaderMap) -> Verdict {
+        let Some(operator) = &self.operator else {
+            return Verdict::Forbidden(OPERATOR_ROUTES_DISABLED);
+        };
+        let presented = presented(headers);
+        if self
+            .data_plane
+            .as_ref()
+            .is_some_and(|d| d.matches(presented))
+        {
+            return Verdict::Forbidden(DATA_PLANE_TOKEN_ON_OPERATOR_ROUTE);
+        }
+        if operator.matches(presented) {
+            Verdict::Allowed
+        } else {
+            Verdict::Unauthorized
+        }
+    }
+}
+
+fn presented(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(bearer_credentials)
 }
 
 fn bearer_credentials(value: &str) -> Option<&str> {
@@ -113,24 +193,62 @@ impl AppState {
     }
 }
 
+/// What the router serves and how much it accepts.
+#[derive(Debug, Clone, Copy)]
+pub struct RouterOptions {
+    /// Largest request body, and largest message of the gRPC stream (`--max-body-bytes`).
+    pub max_body_bytes: usize,
+    /// Calls one gRPC stream may have running at once, and apart from them, waits it may hold.
+    pub max_calls_per_stream: usize,
+}
+
+impl Default for RouterOptions {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_calls_per_stream: crate::grpc::DEFAULT_MAX_CALLS_IN_FLIGHT,
+        }
+    }
+}
+
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
+    router_with(
+        state,
+        RouterOptions {
+            max_body_bytes,
+            ..RouterOptions::default()
+        },
+    )
+}
+
+pub fn router_with(state: AppState, options: RouterOptions) -> Router {
     use idempotency_protocol::wire::path;
+    let max_body_bytes = options.max_body_bytes;
     let at = |operation: &str| format!("{}{operation}", path::PREFIX);
-    let v1 = Router::new()
+    let data_plane = Router::new()
         .route(&at(path::CLAIM), post(claim))
         .route(&at(path::COMPLETE), post(complete))
         .route(&at(path::RELEASE), post(release))
         .route(&at(path::RENEW), post(renew))
+        // route_layer: auth only for matched routes, so unknown paths are a
+        // plain 404 rather than a misleading 401.
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_data_plane,
+        ));
+    let operator = Router::new()
         .route(&at(path::RECORDS), get(search))
         .route(
             &format!("{}/{{key}}", at(path::RECORDS)),
             get(lookup).delete(purge),
         )
-        // route_layer: auth only for matched routes, so unknown paths are a
-        // plain 404 rather than a misleading 401.
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_auth));
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_operator,
+        ));
+    let v1 = data_plane.merge(operator);
     let streams =
-        crate::grpc::StoreStreams::new(state.clone(), crate::grpc::DEFAULT_MAX_CALLS_IN_FLIGHT);
+        crate::grpc::StoreStreams::new(state.clone(), options.max_calls_per_stream, max_body_bytes);
     let stream_path = format!(
         "/{}/{{*method}}",
         crate::grpc::pb::store_server::SERVICE_NAME
@@ -140,7 +258,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/metrics", get(metrics_text))
         .merge(v1)
         // The gRPC stream, on the same port: it authenticates by metadata itself.
-        .route_service(&stream_path, streams.service(max_body_bytes))
+        .route_service(&stream_path, streams.service())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))
@@ -446,9 +564,30 @@ fn problem_with_outcome(
     resp
 }
 
-async fn require_auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
-    if st.auth.allows(req.headers()) {
-        return next.run(req).await;
+async fn require_data_plane(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    match st.auth.data_plane(req.headers()) {
+        Verdict::Allowed => next.run(req).await,
+        refused => refusal(&st, refused),
+    }
+}
+
+async fn require_operator(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    match st.auth.operator(req.headers()) {
+        Verdict::Allowed => next.run(req).await,
+        refused => refusal(&st, refused),
+    }
+}
+
+/// The answer to a request its route's auth refused.
+fn refusal(st: &AppState, verdict: Verdict) -> Response {
+    if let Verdict::Forbidden(why) = verdict {
+        st.metrics.rejected(Rejection::Forbidden);
+        return problem(
+            StatusCode::FORBIDDEN,
+            protocol::PROBLEM_FORBIDDEN,
+            "Forbidden",
+            why,
+        );
     }
     st.metrics.rejected(Rejection::Unauthorized);
     let mut resp = problem(
@@ -812,18 +951,18 @@ pub(crate) async fn execute<Op: V1Operation>(
     .await
 }
 
-/// A filter's wait for a key in flight, counted and timed as `operation="wait"`. Not run
-/// detached: a wait changes nothing, so a client that leaves may cancel it.
+/// A filter's wait for a key in flight, in the place `held` took for it, counted and timed as
+/// `operation="wait"`. Not run detached: a wait changes nothing, so a client that leaves may
+/// cancel it.
 pub(crate) async fn wait_for(
     st: &AppState,
+    held: &HeldWait,
     request: protocol::WaitRequest,
 ) -> Result<WaitOutcome, StorageError> {
     let started = Instant::now();
-    let result = st
-        .waits
+    let result = held
         .wait(
             st.storage.as_ref(),
-            &request.key,
             &request.fingerprint,
             Duration::from_millis(request.wait_ms),
         )
@@ -836,6 +975,15 @@ pub(crate) async fn wait_for(
         Err(e) => count_backend_failure(st, Operation::Wait, started, e),
     }
     result
+}
+
+/// A wait answered "still in flight" at once, because its stream or this store instance
+/// holds as many as it may: counted like a wait that ran out.
+pub(crate) fn wait_refused(st: &AppState) -> WaitOutcome {
+    let outcome = WaitOutcome::InFlight { retry_after_ms: 1 };
+    st.metrics
+        .record_operation(Operation::Wait, outcome.name(), Duration::ZERO);
+    outcome
 }
 
 /// [`execute`], answered over HTTP.

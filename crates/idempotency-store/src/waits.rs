@@ -85,22 +85,63 @@ impl WaitRoom {
         }
     }
 
+    /// Takes one of the room's places for a wait on `key`, or None when `max_waits` are held
+    /// already (the caller answers "still in flight" at once). Taken before the wait's task is
+    /// spawned, so that a refused wait costs no task; the place is given back when the
+    /// returned guard is dropped.
+    pub fn hold(self: &Arc<Self>, key: &Digest) -> Option<HeldWait> {
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.holding.load(Ordering::Relaxed) >= self.max_waits {
+            return None;
+        }
+        self.holding.fetch_add(1, Ordering::Relaxed);
+        let notify = Arc::clone(keys.entry(key.clone()).or_default());
+        Some(HeldWait {
+            room: Arc::clone(self),
+            key: key.clone(),
+            notify,
+        })
+    }
+
     /// Waits up to `wait` for the record of `key` (claimed for `fingerprint`) to leave the
-    /// in-flight state.
+    /// in-flight state, holding a place for it meanwhile ([`Self::hold`]).
     pub async fn wait(
-        &self,
+        self: &Arc<Self>,
         storage: &dyn Storage,
         key: &Digest,
         fingerprint: &Digest,
         wait: Duration,
     ) -> Result<WaitOutcome, StorageError> {
+        match self.hold(key) {
+            Some(held) => held.wait(storage, fingerprint, wait).await,
+            None => Ok(WaitOutcome::InFlight { retry_after_ms: 1 }),
+        }
+    }
+}
+
+/// One wait's place in its room, counted while it lasts; the last wait of a key removes its
+/// entry.
+pub struct HeldWait {
+    room: Arc<WaitRoom>,
+    key: Digest,
+    notify: Arc<Notify>,
+}
+
+impl HeldWait {
+    /// Waits up to `wait` for the record of this wait's key (claimed for `fingerprint`) to
+    /// leave the in-flight state. The bound is measured on the monotonic clock; the lease's
+    /// end only on the backend's, which is the clock that ends it.
+    pub async fn wait(
+        &self,
+        storage: &dyn Storage,
+        fingerprint: &Digest,
+        wait: Duration,
+    ) -> Result<WaitOutcome, StorageError> {
         let deadline = Instant::now() + wait.min(Duration::from_millis(MAX_WAIT_MS));
-        let Some(held) = self.hold(key) else {
-            return Ok(WaitOutcome::InFlight { retry_after_ms: 1 });
-        };
+        let key = &self.key;
         loop {
             // Registered before the lookup, so a completion between the two still wakes it.
-            let notified = held.notify.notified();
+            let notified = self.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             let lease_left_ms = match storage.lookup(key).await? {
@@ -122,37 +163,16 @@ impl WaitRoom {
             }
             // Look again when woken, when the lease ends, at the poll, or at the deadline.
             let until_lease_end = Duration::from_millis(lease_left_ms.saturating_add(1));
-            let nap = (deadline - now).min(until_lease_end).min(self.poll);
+            let nap = (deadline - now).min(until_lease_end).min(self.room.poll);
             tokio::select! {
                 () = &mut notified => {}
                 () = tokio::time::sleep(nap) => {}
             }
         }
     }
-
-    fn hold(&self, key: &Digest) -> Option<HeldWait<'_>> {
-        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
-        if self.holding.load(Ordering::Relaxed) >= self.max_waits {
-            return None;
-        }
-        self.holding.fetch_add(1, Ordering::Relaxed);
-        let notify = Arc::clone(keys.entry(key.clone()).or_default());
-        Some(HeldWait {
-            room: self,
-            key: key.clone(),
-            notify,
-        })
-    }
 }
 
-/// One wait, counted while it lasts; the last wait of a key removes its entry.
-struct HeldWait<'a> {
-    room: &'a WaitRoom,
-    key: Digest,
-    notify: Arc<Notify>,
-}
-
-impl Drop for HeldWait<'_> {
+impl Drop for HeldWait {
     fn drop(&mut self) {
         let mut keys = self
             .room

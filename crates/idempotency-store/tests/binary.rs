@@ -41,6 +41,53 @@ fn refuses_an_empty_token_file() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("empty"));
 }
 
+#[test]
+fn refuses_an_operator_token_that_is_the_data_plane_token() {
+    let out = Command::new(BIN)
+        .args(["--listen", "127.0.0.1:0", "--backend", "memory"])
+        .env("IDEMPOTENCY_STORE_TOKEN", "one-token")
+        .env("IDEMPOTENCY_STORE_OPERATOR_TOKEN", " one-token\n")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("the operator token") && stderr.contains("is the data-plane token"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn operator_routes_are_disabled_without_an_operator_token_and_take_it_from_the_env() {
+    let lookup = |addr: &str, token: &str| {
+        let url = format!("http://{addr}/v1/records/{}", "a".repeat(64));
+        let token = token.to_owned();
+        async move {
+            reqwest::Client::new()
+                .get(url)
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    let (_run, addr) = start(
+        &["--backend", "memory"],
+        &[("IDEMPOTENCY_STORE_TOKEN", "data-token")],
+    );
+    assert_eq!(lookup(&addr, "data-token").await, 403);
+    let (_run, addr) = start(
+        &["--backend", "memory"],
+        &[
+            ("IDEMPOTENCY_STORE_TOKEN", "data-token"),
+            ("IDEMPOTENCY_STORE_OPERATOR_TOKEN", "operator-token"),
+        ],
+    );
+    assert_eq!(lookup(&addr, "operator-token").await, 404);
+    assert_eq!(lookup(&addr, "data-token").await, 403);
+}
+
 #[tokio::test]
 async fn embedded_binary_serves_persists_and_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
@@ -147,12 +194,15 @@ mod record_command {
     use serde_json::{json, Value};
     use std::process::Output;
 
-    const TOKEN: &str = "ops-token";
+    /// The data plane's token (the filter's), and the operators' own.
+    const TOKEN: &str = "data-plane-token";
+    const OPERATOR_TOKEN: &str = "ops-token";
 
     struct Store {
         _run: common::Running,
         url: String,
         token_file: std::path::PathBuf,
+        operator_token_file: std::path::PathBuf,
         _dir: tempfile::TempDir,
         client: reqwest::Client,
     }
@@ -162,12 +212,16 @@ mod record_command {
             let dir = tempfile::tempdir().unwrap();
             let token_file = dir.path().join("token");
             std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+            let operator_token_file = dir.path().join("operator-token");
+            std::fs::write(&operator_token_file, format!("{OPERATOR_TOKEN}\n")).unwrap();
             let (run, addr) = start(
                 &[
                     "--backend",
                     "memory",
                     "--token-file",
                     token_file.to_str().unwrap(),
+                    "--operator-token-file",
+                    operator_token_file.to_str().unwrap(),
                 ],
                 &[],
             );
@@ -175,6 +229,7 @@ mod record_command {
                 _run: run,
                 url: format!("http://{addr}"),
                 token_file,
+                operator_token_file,
                 _dir: dir,
                 client: reqwest::Client::new(),
             }
@@ -203,9 +258,15 @@ mod record_command {
             assert_eq!(claimed["outcome"], "claimed");
         }
 
-        /// Runs `idempotency-store record <args>` with this store's URL and token.
+        /// Runs `idempotency-store record <args>` with this store's URL and operator token.
         fn record(&self, args: &[&str]) -> Output {
-            self.record_with(args, &["--token-file", self.token_file.to_str().unwrap()])
+            self.record_with(
+                args,
+                &[
+                    "--operator-token-file",
+                    self.operator_token_file.to_str().unwrap(),
+                ],
+            )
         }
 
         fn record_with(&self, args: &[&str], auth: &[&str]) -> Output {
@@ -215,6 +276,7 @@ mod record_command {
                 .args(["--store-url", &self.url])
                 .args(auth)
                 .env_remove("IDEMPOTENCY_STORE_TOKEN")
+                .env_remove("IDEMPOTENCY_STORE_OPERATOR_TOKEN")
                 // A panic would print its backtrace: none may appear.
                 .env("RUST_BACKTRACE", "1")
                 .output()
@@ -363,17 +425,28 @@ mod record_command {
         std::fs::write(&wrong, "not-the-token").unwrap();
         let out = store.record_with(
             &["show", "--hash", "0123456789abcdef"],
-            &["--token-file", wrong.to_str().unwrap()],
+            &["--operator-token-file", wrong.to_str().unwrap()],
         );
         assert_eq!(out.status.code(), Some(2));
         let stderr = text(&out.stderr);
         assert!(
-            stderr.contains("refused the token from --token-file"),
+            stderr.contains("refused the token from --operator-token-file"),
+            "{stderr}"
+        );
+        // The data plane's token, which every Envoy holds, is refused, and the store says why.
+        let out = store.record_with(
+            &["purge", "--hash", "0123456789abcdef"],
+            &["--operator-token-file", store.token_file.to_str().unwrap()],
+        );
+        assert_eq!(out.status.code(), Some(2));
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains("(403)") && stderr.contains("this is the data-plane token"),
             "{stderr}"
         );
         let out = store.record_with(&["show", "--hash", "0123456789abcdef"], &[]);
         assert_eq!(out.status.code(), Some(2));
-        assert!(text(&out.stderr).contains("IDEMPOTENCY_STORE_TOKEN"));
+        assert!(text(&out.stderr).contains("IDEMPOTENCY_STORE_OPERATOR_TOKEN"));
         let out = store.record(&["show", "--hash", "0123"]);
         assert_eq!(out.status.code(), Some(2));
         assert!(text(&out.stderr).contains("16 to 64 hex digits"));

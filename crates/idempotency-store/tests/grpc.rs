@@ -22,10 +22,11 @@ use idempotency_store::grpc::pb::answer::Result as Reply;
 use idempotency_store::grpc::pb::call::Op;
 use idempotency_store::grpc::pb::store_client::StoreClient;
 use idempotency_store::metrics::Metrics;
-use idempotency_store::server::{self, AppState, Auth};
+use idempotency_store::server::{self, AppState, Auth, RouterOptions};
 use idempotency_store::storage::embedded::EmbeddedStorage;
 use idempotency_store::storage::redis::RedisStorage;
 use idempotency_store::storage::Storage;
+use idempotency_store::waits::WaitRoom;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
@@ -34,11 +35,14 @@ use tonic::{Code, Request, Streaming};
 use common::{random_digest, RedisServer};
 
 const TOKEN: &str = "grpc-test-token-0123";
+const OPERATOR_TOKEN: &str = "grpc-test-operator-token";
 const LEASE_MS: u64 = 60_000;
 const TTL_MS: u64 = 600_000;
 
 struct Store {
     addr: String,
+    /// The store instance's waits, to see how many it holds.
+    waits: Arc<WaitRoom>,
     /// Cancelled to start a shutdown, as the store's signal handler does.
     draining: tokio_util::sync::CancellationToken,
     _stop: oneshot::Sender<()>,
@@ -47,25 +51,33 @@ struct Store {
 
 impl Store {
     async fn start(storage: Arc<dyn Storage>, guard: Box<dyn Send>) -> Self {
+        Self::start_with(storage, guard, RouterOptions::default()).await
+    }
+
+    async fn start_with(
+        storage: Arc<dyn Storage>,
+        guard: Box<dyn Send>,
+        options: RouterOptions,
+    ) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let draining = tokio_util::sync::CancellationToken::new();
-        let app = server::router(
-            AppState::new(
-                storage,
-                Arc::new(Metrics::new()),
-                Auth::bearer(TOKEN),
-                draining.clone(),
-                idempotency_store::waits::DEFAULT_MAX_WAITS,
-            ),
-            server::DEFAULT_MAX_BODY_BYTES,
+        let state = AppState::new(
+            storage,
+            Arc::new(Metrics::new()),
+            Auth::bearer(TOKEN).with_operator_token(OPERATOR_TOKEN),
+            draining.clone(),
+            idempotency_store::waits::DEFAULT_MAX_WAITS,
         );
+        let waits = Arc::clone(&state.waits);
+        let app = server::router_with(state, options);
         let (stop, stopped) = oneshot::channel::<()>();
         tokio::spawn(server::serve(listener, app, async {
             let _ = stopped.await;
         }));
         Self {
             addr: format!("http://{addr}"),
+            waits,
             draining,
             _stop: stop,
             _guard: guard,
@@ -73,9 +85,13 @@ impl Store {
     }
 
     async fn embedded() -> Self {
+        Self::embedded_with(RouterOptions::default()).await
+    }
+
+    async fn embedded_with(options: RouterOptions) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let storage = EmbeddedStorage::open(dir.path(), Arc::new(SystemClock)).unwrap();
-        Self::start(Arc::new(storage), Box::new(dir)).await
+        Self::start_with(Arc::new(storage), Box::new(dir), options).await
     }
 
     async fn redis() -> Self {
@@ -292,6 +308,17 @@ async fn many_calls_in_flight_are_each_answered_once_by_id_and_a_bad_one_fails_a
 #[tokio::test]
 async fn a_stream_without_the_token_is_refused() {
     let store = Store::embedded().await;
+    // The operators' token is no data-plane token.
+    match store.open(OPERATOR_TOKEN).await {
+        Err(status) => {
+            assert_eq!(status.code(), Code::PermissionDenied);
+            assert!(status.message().contains("operator token"), "{status}");
+        }
+        Ok((_, mut answers)) => {
+            let status = answers.message().await.unwrap_err();
+            assert_eq!(status.code(), Code::PermissionDenied);
+        }
+    }
     match store.open("wrong-token").await {
         Err(status) => assert_eq!(status.code(), Code::Unauthenticated),
         Ok((calls, mut answers)) => {
@@ -356,15 +383,89 @@ async fn the_stream_and_the_http_api_see_the_same_records() {
     assert_eq!(body["outcome"], "in_flight");
 }
 
+/// A store whose calls may be at most `LIMIT` bytes (`--max-body-bytes`).
+const LIMIT: usize = 65_536;
+
+async fn small_limit_store() -> Store {
+    Store::embedded_with(RouterOptions {
+        max_body_bytes: LIMIT,
+        ..RouterOptions::default()
+    })
+    .await
+}
+
 #[tokio::test]
-async fn a_message_over_the_body_limit_ends_the_stream_with_out_of_range() {
-    let store = Store::embedded().await;
+async fn the_stream_announces_the_largest_call_it_takes() {
+    for (store, limit) in [
+        (small_limit_store().await, LIMIT),
+        (Store::embedded().await, server::DEFAULT_MAX_BODY_BYTES),
+    ] {
+        let (_calls, rx) = mpsc::channel::<pb::Call>(1);
+        let mut request = Request::new(ReceiverStream::new(rx));
+        request
+            .metadata_mut()
+            .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+        let response = store.client().await.coordinate(request).await.unwrap();
+        let announced = response
+            .metadata()
+            .get(idempotency_store::grpc::MAX_MESSAGE_BYTES_METADATA)
+            .expect("the limit in the initial metadata");
+        assert_eq!(announced.to_str().unwrap(), limit.to_string());
+    }
+    assert_eq!(
+        idempotency_store::grpc::MAX_MESSAGE_BYTES_METADATA,
+        "x-idempotency-store-max-message-bytes"
+    );
+}
+
+#[tokio::test]
+async fn a_call_over_the_limit_is_refused_alone_and_the_stream_goes_on() {
+    use prost::Message as _;
+    let store = small_limit_store().await;
     let mut s = Conversation::open(&store).await;
     let (key, fp) = (random_digest(), random_digest());
     let Reply::Claimed(claimed) = s.call(claim(key.as_str(), fp.as_str(), "")).await else {
         panic!("claimed");
     };
-    let record = vec![7u8; server::DEFAULT_MAX_BODY_BYTES + 1];
+    let op = complete(key.as_str(), &claimed.owner, &vec![7u8; LIMIT]);
+    let id = s.next_id;
+    let bytes = pb::Call {
+        id,
+        op: Some(op.clone()),
+    }
+    .encoded_len();
+    assert!(bytes > LIMIT && bytes < 2 * LIMIT);
+    match s.call(op).await {
+        Reply::Failure(f) => {
+            assert_eq!(f.kind, pb::failure::Kind::BadRequest as i32);
+            assert_eq!(
+                f.detail,
+                format!("message of {bytes} bytes is over the store's limit of {LIMIT} bytes")
+            );
+        }
+        other => panic!("refused, got {other:?}"),
+    }
+    // The stream is still open, and the refused completion changed nothing.
+    assert!(matches!(
+        s.call(claim(key.as_str(), fp.as_str(), "")).await,
+        Reply::InFlight(_)
+    ));
+    let small = vec![7u8; LIMIT / 2];
+    assert!(matches!(
+        s.call(complete(key.as_str(), &claimed.owner, &small)).await,
+        Reply::Recorded(_)
+    ));
+}
+
+#[tokio::test]
+async fn a_message_over_twice_the_limit_ends_the_stream_with_out_of_range() {
+    let store = small_limit_store().await;
+    let mut s = Conversation::open(&store).await;
+    let (key, fp) = (random_digest(), random_digest());
+    let Reply::Claimed(claimed) = s.call(claim(key.as_str(), fp.as_str(), "")).await else {
+        panic!("claimed");
+    };
+    let record = vec![7u8; 2 * LIMIT + 1];
     s.send(complete(key.as_str(), &claimed.owner, &record))
         .await;
     let status = tokio::time::timeout(Duration::from_secs(10), s.answers.message())
@@ -466,6 +567,72 @@ async fn a_wait_ends_when_the_key_in_flight_does(store: Store) {
         s.call(wait("nothex", fp, 100)).await,
         Reply::Failure(_)
     ));
+}
+
+/// Polls `what` every 10 ms for up to 5 s.
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if check() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never: {what}");
+}
+
+#[tokio::test]
+async fn waits_beyond_the_streams_places_are_answered_in_flight_at_once_and_end_with_it() {
+    let places = 4;
+    let store = Store::embedded_with(RouterOptions {
+        max_calls_per_stream: places,
+        ..RouterOptions::default()
+    })
+    .await;
+    let mut s = Conversation::open(&store).await;
+    let (key, fp) = (random_digest(), random_digest());
+    let (key, fp) = (key.as_str(), fp.as_str());
+    assert!(matches!(
+        s.call(claim(key, fp, "00aa11bb")).await,
+        Reply::Claimed(_)
+    ));
+    let mut held = Vec::new();
+    for _ in 0..places {
+        held.push(s.send(wait(key, fp, 30_000)).await);
+    }
+    eventually("the stream's waits held", || {
+        store.waits.holding() == places
+    })
+    .await;
+    // Beyond the stream's places (the store instance's 10,000 are far off): refused at once,
+    // with no task spawned for them.
+    let started = std::time::Instant::now();
+    let beyond = [
+        s.send(wait(key, fp, 30_000)).await,
+        s.send(wait(key, fp, 30_000)).await,
+    ];
+    for _ in beyond {
+        let answer = s.next().await;
+        assert!(beyond.contains(&answer.id), "answer to {}", answer.id);
+        assert!(
+            matches!(answer.result, Some(Reply::InFlight(f)) if f.retry_after_ms == 1),
+            "{answer:?}"
+        );
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(store.waits.holding(), places);
+    // The waits hold no call slot: a claim still goes through.
+    assert!(matches!(
+        s.call(claim(random_digest().as_str(), fp, "")).await,
+        Reply::Claimed(_)
+    ));
+
+    // The client goes away: every wait of its stream ends, and with it its place.
+    drop(s);
+    eventually("the waits of a stream that is gone to end", || {
+        store.waits.holding() == 0
+    })
+    .await;
+    assert!(!held.is_empty());
 }
 
 #[tokio::test]

@@ -28,6 +28,22 @@ use serde_json::{json, Value};
 use tokio::sync::{oneshot, Notify};
 
 const TOKEN: &str = "test-token-0123456789";
+/// The operators' token (lookup, search, purge), which the data plane does not take.
+const OPERATOR_TOKEN: &str = "operator-token-9876543210";
+
+/// Both tokens, as a store in production has them.
+fn auth() -> Auth {
+    Auth::bearer(TOKEN).with_operator_token(OPERATOR_TOKEN)
+}
+
+/// The token a path's route takes: the operators' for the record routes.
+fn token_for(path: &str) -> &'static str {
+    if path.starts_with("/v1/records") {
+        OPERATOR_TOKEN
+    } else {
+        TOKEN
+    }
+}
 const K: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 const FP: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
 const FP2: &str = "cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc";
@@ -76,7 +92,7 @@ impl TestServer {
     async fn start() -> Self {
         Self::start_with(
             Arc::new(MemoryStorage::new(Arc::new(SystemClock))),
-            Auth::bearer(TOKEN),
+            auth(),
             server::DEFAULT_MAX_BODY_BYTES,
         )
         .await
@@ -114,7 +130,7 @@ impl TestServer {
         let resp = self
             .client
             .get(self.url(path))
-            .bearer_auth(TOKEN)
+            .bearer_auth(token_for(path))
             .send()
             .await
             .unwrap();
@@ -303,10 +319,78 @@ async fn auth_is_required_on_v1_only() {
 }
 
 #[tokio::test]
+async fn operator_routes_take_the_operator_token_only_and_the_data_plane_its_own() {
+    let srv = TestServer::start().await;
+    let claim = json!({"key": K, "fingerprint": FP, "lease_ms": 60000});
+    assert_eq!(srv.post("/v1/claim", &claim).await.0, StatusCode::OK);
+    let forbidden = |resp: reqwest::Response, mentions: &'static str| async move {
+        assert_eq!(resp.status(), StatusCode::FORBIDDEN);
+        assert_eq!(content_type(&resp), "application/problem+json");
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["type"], "urn:idempotency-store:forbidden");
+        let detail = body["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains(mentions), "{detail}");
+    };
+    // The token every Envoy holds (and its /config_dump shows) neither reads nor purges.
+    let records = format!("/v1/records/{K}");
+    let search = format!("/v1/records?prefix={}", &K[..16]);
+    for request in [
+        srv.client.get(srv.url(&records)),
+        srv.client.get(srv.url(&search)),
+        srv.client.delete(srv.url(&records)),
+    ] {
+        let resp = request.bearer_auth(TOKEN).send().await.unwrap();
+        forbidden(resp, "data-plane token").await;
+    }
+    // Nor does the operator token claim.
+    let resp = srv
+        .client
+        .post(srv.url("/v1/claim"))
+        .bearer_auth(OPERATOR_TOKEN)
+        .json(&claim)
+        .send()
+        .await
+        .unwrap();
+    forbidden(resp, "operator token").await;
+    // The operator token reads; the record was never purged.
+    let (st, rec) = srv.get(&records).await;
+    assert_eq!((st, &rec["state"]), (StatusCode::OK, &json!("in_flight")));
+    let resp = srv
+        .client
+        .get(srv.url(&records))
+        .bearer_auth("wrong")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    assert!(srv
+        .metrics()
+        .await
+        .contains(r#"idempotency_store_rejected_requests_total{reason="forbidden"} 4"#));
+
+    // Without an operator token, the operator routes are disabled, not open.
+    for auth in [Auth::bearer(TOKEN), Auth::insecure()] {
+        let srv = TestServer::start_with(
+            Arc::new(MemoryStorage::new(Arc::new(SystemClock))),
+            auth,
+            4096,
+        )
+        .await;
+        for token in [Some(TOKEN), None] {
+            let mut request = srv.client.get(srv.url(&records));
+            if let Some(token) = token {
+                request = request.bearer_auth(token);
+            }
+            forbidden(request.send().await.unwrap(), "--operator-token-file").await;
+        }
+    }
+}
+
+#[tokio::test]
 async fn insecure_mode_needs_no_token() {
     let srv = TestServer::start_with(
         Arc::new(MemoryStorage::new(Arc::new(SystemClock))),
-        Auth::Disabled,
+        Auth::insecure(),
         1024,
     )
     .await;
@@ -431,7 +515,7 @@ async fn every_validation_failure_is_a_400_problem() {
     let resp = srv
         .client
         .get(srv.url("/v1/records/not-a-digest"))
-        .bearer_auth(TOKEN)
+        .bearer_auth(OPERATOR_TOKEN)
         .send()
         .await
         .unwrap();
@@ -449,7 +533,7 @@ async fn every_validation_failure_is_a_400_problem() {
 async fn oversized_body_is_413() {
     let srv = TestServer::start_with(
         Arc::new(MemoryStorage::new(Arc::new(SystemClock))),
-        Auth::bearer(TOKEN),
+        auth(),
         1024,
     )
     .await;
@@ -594,7 +678,7 @@ async fn operators_find_records_by_prefix_see_their_owner_and_age_and_purge_them
         let resp = srv
             .client
             .get(srv.url(&format!("/v1/records{query}")))
-            .bearer_auth(TOKEN)
+            .bearer_auth(OPERATOR_TOKEN)
             .send()
             .await
             .unwrap();
@@ -607,19 +691,23 @@ async fn operators_find_records_by_prefix_see_their_owner_and_age_and_purge_them
     let resp = srv
         .client
         .delete(srv.url(&format!("/v1/records/{}", &K[..16])))
-        .bearer_auth(TOKEN)
+        .bearer_auth(OPERATOR_TOKEN)
         .send()
         .await
         .unwrap();
     assert_bad_request(resp, "`key`").await;
-    let (st, purged) = srv.delete(&format!("/v1/records/{K}"), Some(TOKEN)).await;
+    let (st, purged) = srv
+        .delete(&format!("/v1/records/{K}"), Some(OPERATOR_TOKEN))
+        .await;
     assert_eq!(st, StatusCode::OK);
     assert_eq!(purged["outcome"], "purged");
     assert_eq!(purged["purged"]["state"], "in_flight");
     assert_eq!(purged["purged"]["owner"], "0a1b");
     let (st, _) = srv.get(&format!("/v1/records/{K}")).await;
     assert_eq!(st, StatusCode::NOT_FOUND);
-    let (st, again) = srv.delete(&format!("/v1/records/{K}"), Some(TOKEN)).await;
+    let (st, again) = srv
+        .delete(&format!("/v1/records/{K}"), Some(OPERATOR_TOKEN))
+        .await;
     assert_eq!(st, StatusCode::NOT_FOUND);
     assert_eq!(again["type"], "urn:idempotency-store:not-found");
     // The key is free: a new claim takes it at once.
@@ -893,7 +981,7 @@ impl Storage for Broken {
 
 #[tokio::test]
 async fn backend_failure_is_503_and_counted() {
-    let srv = TestServer::start_with(Arc::new(Broken), Auth::bearer(TOKEN), 4096).await;
+    let srv = TestServer::start_with(Arc::new(Broken), auth(), 4096).await;
     let (st, body) = srv
         .post(
             "/v1/claim",
@@ -906,7 +994,9 @@ async fn backend_failure_is_503_and_counted() {
     assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
     let (st, _) = srv.get(&format!("/v1/records?prefix={}", &K[..8])).await;
     assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
-    let (st, _) = srv.delete(&format!("/v1/records/{K}"), Some(TOKEN)).await;
+    let (st, _) = srv
+        .delete(&format!("/v1/records/{K}"), Some(OPERATOR_TOKEN))
+        .await;
     assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
     // A batch fails as a whole, once, whichever of its leases failed.
     let (st, body) = srv
@@ -1048,7 +1138,7 @@ async fn abandoned_claim_still_completes_and_is_counted(client: Client) {
     let signal = Arc::clone(&abandoned);
     let srv = TestServer::start_wrapped(
         storage,
-        Auth::bearer(TOKEN),
+        auth(),
         server::DEFAULT_MAX_BODY_BYTES,
         move |app| {
             app.layer(axum::middleware::from_fn(

@@ -1,5 +1,5 @@
 //! `idempotency-store record show|purge`: an operator's look at one record of a running
-//! store, over its HTTP API with the bearer token, so it works alike on every backend and
+//! store, over its HTTP API with the operator token, so it works alike on every backend and
 //! the store never sees a raw key or a caller's credentials (the command hashes them
 //! itself, with the filter's own functions; see `naming`).
 //!
@@ -24,8 +24,10 @@ use store_api::{StoreApi, Token};
 
 use crate::storage::Digest;
 
-/// The variable the store reads its token from; the command reads the same one.
+/// The variable the store reads its data-plane token from (the filter's `store.token`).
 pub const TOKEN_ENV: &str = "IDEMPOTENCY_STORE_TOKEN";
+/// The variable the store reads its operator token from; the command reads the same one.
+pub const OPERATOR_TOKEN_ENV: &str = "IDEMPOTENCY_STORE_OPERATOR_TOKEN";
 
 pub const EXIT_FOUND: u8 = 0;
 pub const EXIT_NOT_FOUND: u8 = 1;
@@ -48,10 +50,11 @@ pub struct RecordArgs {
     #[arg(long, default_value = "http://127.0.0.1:8081", value_name = "URL")]
     pub store_url: String,
 
-    /// File holding the store's bearer token (surrounding whitespace ignored); else the
-    /// IDEMPOTENCY_STORE_TOKEN environment variable, as for the store itself.
+    /// File holding the store's operator token (surrounding whitespace ignored); else the
+    /// IDEMPOTENCY_STORE_OPERATOR_TOKEN environment variable, as for the store itself. The
+    /// data-plane token (the filter's) is refused.
     #[arg(long, value_name = "PATH")]
-    pub token_file: Option<PathBuf>,
+    pub operator_token_file: Option<PathBuf>,
 
     /// Print JSON instead of text.
     #[arg(long)]
@@ -146,18 +149,19 @@ pub fn resolve(args: &RecordArgs) -> Result<Named, String> {
 }
 
 fn token(args: &RecordArgs) -> Result<Option<Token>, String> {
-    let token = match &args.token_file {
+    let token = match &args.operator_token_file {
         Some(path) => {
-            let raw = std::fs::read_to_string(path)
-                .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?;
+            let raw = std::fs::read_to_string(path).map_err(|e| {
+                format!("cannot read --operator-token-file {}: {e}", path.display())
+            })?;
             Some(Token {
                 secret: raw.trim().to_owned(),
-                source: format!("--token-file {}", path.display()),
+                source: format!("--operator-token-file {}", path.display()),
             })
         }
-        None => std::env::var(TOKEN_ENV).ok().map(|t| Token {
+        None => std::env::var(OPERATOR_TOKEN_ENV).ok().map(|t| Token {
             secret: t.trim().to_owned(),
-            source: TOKEN_ENV.to_owned(),
+            source: OPERATOR_TOKEN_ENV.to_owned(),
         }),
     };
     match token {

@@ -1,5 +1,5 @@
 //! The command's side of the store's operator endpoints (`docs/store-protocol.md`): lookup,
-//! prefix search and purge over HTTP with the bearer token. Every failure becomes a
+//! prefix search and purge over HTTP with the operator token. Every failure becomes a
 //! sentence for the operator; nothing here panics on what the store answers.
 
 use std::time::Duration;
@@ -10,6 +10,7 @@ use idempotency_protocol::wire::{
 use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 
+use super::{OPERATOR_TOKEN_ENV, TOKEN_ENV};
 use crate::storage::{Digest, KeyPrefix};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -116,13 +117,35 @@ impl StoreApi {
             StatusCode::NOT_FOUND => Ok(None),
             StatusCode::UNAUTHORIZED => Err(match &self.token {
                 Some(token) => format!(
-                    "the store refused the token from {} (401): is it the store's token?",
+                    "the store refused the token from {} (401): is it the store's operator \
+                     token?",
                     token.source
                 ),
-                None => "the store wants a token (401): pass --token-file PATH or set \
-                         IDEMPOTENCY_STORE_TOKEN"
-                    .to_owned(),
+                None => {
+                    let mut message = format!(
+                        "the store wants its operator token (401): pass --operator-token-file \
+                         PATH or set {OPERATOR_TOKEN_ENV}"
+                    );
+                    if std::env::var_os(TOKEN_ENV).is_some() {
+                        message.push_str(&format!(
+                            " ({TOKEN_ENV} is the data-plane token, which operator routes \
+                             do not accept)"
+                        ));
+                    }
+                    message
+                }
             }),
+            // The store says why: the data-plane token, or operator routes it has disabled.
+            StatusCode::FORBIDDEN => Err(format!(
+                "the store refused {} (403): {}",
+                self.token
+                    .as_ref()
+                    .map_or("the call".to_owned(), |t| format!(
+                        "the token from {}",
+                        t.source
+                    )),
+                problem_detail(&body)
+            )),
             other => Err(format!(
                 "the store answered {other}: {}",
                 problem_detail(&body)

@@ -226,6 +226,7 @@ pub fn start(args: &[&str], envs: &[(&str, &str)]) -> (Running, String) {
     cmd.args(["--listen", "127.0.0.1:0"])
         .args(args)
         .env_remove("IDEMPOTENCY_STORE_TOKEN")
+        .env_remove("IDEMPOTENCY_STORE_OPERATOR_TOKEN")
         .env_remove("RUST_LOG")
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
