@@ -742,6 +742,7 @@ class Store:
         name: str = "store",
         port: int | None = None,
         log_level: str | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         tmpdir = Path(tmpdir)
         tmpdir.mkdir(parents=True, exist_ok=True)
@@ -771,6 +772,7 @@ class Store:
             argv += ["--redis-url", redis_url or f"{redis.url}/"]
         if log_level:
             argv += ["--log-level", log_level]
+        argv += list(extra_args)
         self.process = ManagedProcess(argv, name=name, log_dir=tmpdir)
         self.paused = False
 

@@ -569,3 +569,36 @@ def test_large_bodies_of_a_rule_that_never_reads_them(procs, tmp_path) -> None:
     retry = post(b, path, key, body=body)
     assert (retry.status_code, is_replay(retry), retry.content) == (201, True, first.content)
     assert buffered.upstream.executions(path) == 1
+
+
+# --------------------------------------------------------------------------
+# 12. a store whose message limit is below a rule's responses
+# --------------------------------------------------------------------------
+
+
+def test_a_completion_over_the_stores_limit_lands_without_its_body_and_keeps_the_stream(procs, tmp_path) -> None:
+    """A store started with --max-body-bytes 1 MiB under a rule that records 3 MiB: a 2 MB
+    response used to end the worker's stream (OUT_OF_RANGE), never landed, and once the lease
+    passed the write ran again through the other Envoy. The store announces its limit when the
+    stream opens; the completion goes without its body, and the stream carries on."""
+    from cluster import Cluster, start_backend
+
+    store = start_backend(procs, "embedded", extra_args=["--max-body-bytes", "1048576"])
+    cluster = Cluster(procs=procs, upstream=procs.upstream(), store=store, envoys=[])
+    rule_changes = {"max_response_bytes": 3 << 20, "lease_seconds": 1}
+    a = cluster.add_envoy("envoy-a", config(**rule_changes))
+    b = cluster.add_envoy("envoy-b", config(**rule_changes))
+    path, key = unique_path(), new_key()
+    first = post(a, path, key, headers={"x-demo-body-bytes": str(2_000_000)})
+    assert first.status_code == 201 and len(first.content) == 2_000_000
+    replay, _ = wait_for_answer(lambda: post(b, path, key), timeout=15)
+    assert is_replay(replay), replay.content[:200]
+    assert replay.status_code == 201 and replay.content == b""
+    assert replay.headers.get("idempotent-body-omitted") == "true"
+    assert cluster.upstream.executions(path) == 1
+    # The stream that carried it still answers: the next write through A is recorded as usual.
+    other, other_key = unique_path(), new_key()
+    assert post(a, other, other_key).status_code == 201
+    again, _ = wait_for_answer(lambda: post(b, other, other_key), timeout=10)
+    assert is_replay(again)
+    assert rule_counter(a, "orders", "store_write_dropped") == 0
