@@ -15,10 +15,10 @@ const FORM: &str = "application/x-www-form-urlencoded";
 
 /// Any body: JSON fields agree with serde_json's own reading (the same documents accepted,
 /// the same value at a pointer), the canonical form is stable and reads back as that value,
-/// a scalar and its canonical form agree; form values are UTF-8, re-encode to themselves and
-/// read the same from a query. Built bodies: the canonical form and the fingerprint ignore
-/// member order and whitespace, and two different field values (JSON or form) never give
-/// the same fingerprint.
+/// a scalar and its canonical form agree, and a field read in one pass with others reads as
+/// alone; form values are UTF-8, re-encode to themselves and read the same from a query.
+/// Built bodies: the canonical form and the fingerprint ignore member order and whitespace,
+/// and two different field values (JSON or form) never give the same fingerprint.
 pub fn request_fields(data: &[u8]) {
     let _ = raw(Unstructured::new(data));
     let _ = json_fingerprints(&mut Unstructured::new(data));
@@ -51,6 +51,20 @@ fn json_fields(content_type: &str, body: &[u8], pointer: &str) {
     let mut parsed = RequestBody::new(content_type, body);
     let canonical = parsed.json_canonical(pointer);
     let scalar = parsed.json_scalar(pointer);
+    // Read in one pass with other fields (its parent, itself in both forms, others): the same.
+    let parent = pointer.rsplit_once('/').map_or("", |(p, _)| p);
+    let mut together = RequestBody::new(content_type, body);
+    together.will_read_json([parent, pointer, "/0"], [pointer, "/a", parent]);
+    assert_eq!(
+        together.json_scalar(pointer),
+        scalar,
+        "one pass, {pointer:?}"
+    );
+    assert_eq!(
+        together.json_canonical(pointer),
+        canonical,
+        "one pass, {pointer:?}"
+    );
     if content_type == "text/plain" {
         assert!(matches!(
             canonical,

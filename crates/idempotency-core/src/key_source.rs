@@ -21,6 +21,14 @@ impl FieldSource {
         matches!(self, FieldSource::Json(_) | FieldSource::Form(_))
     }
 
+    /// The JSON Pointer of a JSON body field.
+    pub fn json_pointer(&self) -> Option<&str> {
+        match self {
+            FieldSource::Json(p) => Some(p),
+            FieldSource::Header(_) | FieldSource::Query(_) | FieldSource::Form(_) => None,
+        }
+    }
+
     /// How problem details and logs name the source.
     pub fn describe(&self) -> String {
         match self {

@@ -1,13 +1,15 @@
 //! Values taken from the request itself: query parameters, and fields of a JSON or
-//! `application/x-www-form-urlencoded` body. The body is parsed once and shared by the key
-//! sources and the fingerprint fields.
+//! `application/x-www-form-urlencoded` body. A JSON body is read in one pass for the key
+//! sources and fingerprint fields a rule names, keeping only them (see [`json`]).
 //!
 //! Every value is read losslessly: two requests whose field differs never yield the same
-//! bytes. JSON numbers are kept as their literal text (see [`Json`]), and form or query values
+//! bytes. JSON numbers are kept as their literal text, and form or query values
 //! are percent-decoded strictly: an invalid escape, a value that is not UTF-8 once decoded, or
 //! a key field given twice is an error rather than a guess.
 
-use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+mod json;
+
+use json::Form;
 
 /// Why a field could not be read (the caller names the source).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,253 +45,16 @@ impl std::fmt::Display for FieldError {
     }
 }
 
-/// A parsed JSON document that keeps what `serde_json::Value` loses: each number's literal
-/// text (a `Value` turns integers beyond u64 into f64, so two different 28-digit ids became
-/// the same key) and every member of an object in document order, duplicates included.
-///
-/// How: serde_json parses and validates the document into this tree with numbers as
-/// placeholders, then the literal texts are read from the (now known valid) bytes in document
-/// order, which is the order the parser visited them ([`number_literals`]). Two alternatives
-/// were rejected. serde_json's `arbitrary_precision` feature would be unified by Cargo into
-/// every crate built with this one (the filter's configuration, the store), changing their
-/// `Number`/`Value` and breaking numbers inside untagged or flattened serde types.
-/// `RawValue` keeps literal text only for values a type asks for in advance, so finding the
-/// numbers inside a fingerprinted subtree would re-parse it once per nesting level (up to
-/// 128 times the body). If a change of features ever made serde_json hand numbers to the
-/// visitor differently, the count check in [`parse_json`] fails loudly (every JSON body with
-/// a number would be refused, and the unit tests catch it) instead of keying by the wrong text.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Json {
-    Null,
-    Bool(bool),
-    /// The number's literal text, exactly as sent. `100`, `1e2` and `100.0` are different
-    /// values here: the key and the fingerprint follow the bytes the sender chose, since any
-    /// normalisation loses precision somewhere (and a retry resends the same bytes).
-    Number(String),
-    String(String),
-    Array(Vec<Json>),
-    /// Members in document order, duplicates kept.
-    Object(Vec<(String, Json)>),
-}
-
-struct JsonVisitor;
-
-impl<'de> Visitor<'de> for JsonVisitor {
-    type Value = Json;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("a JSON value")
-    }
-
-    fn visit_bool<E>(self, v: bool) -> Result<Json, E> {
-        Ok(Json::Bool(v))
-    }
-
-    // Numbers get their text afterwards, from the document itself.
-    fn visit_i64<E>(self, _: i64) -> Result<Json, E> {
-        Ok(Json::Number(String::new()))
-    }
-
-    fn visit_u64<E>(self, _: u64) -> Result<Json, E> {
-        Ok(Json::Number(String::new()))
-    }
-
-    fn visit_f64<E>(self, _: f64) -> Result<Json, E> {
-        Ok(Json::Number(String::new()))
-    }
-
-    fn visit_str<E>(self, v: &str) -> Result<Json, E> {
-        Ok(Json::String(v.to_owned()))
-    }
-
-    fn visit_string<E>(self, v: String) -> Result<Json, E> {
-        Ok(Json::String(v))
-    }
-
-    fn visit_unit<E>(self) -> Result<Json, E> {
-        Ok(Json::Null)
-    }
-
-    fn visit_none<E>(self) -> Result<Json, E> {
-        Ok(Json::Null)
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Json, A::Error> {
-        let mut items = Vec::new();
-        while let Some(item) = seq.next_element::<Json>()? {
-            items.push(item);
-        }
-        Ok(Json::Array(items))
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json, A::Error> {
-        let mut members = Vec::new();
-        while let Some(member) = map.next_entry::<String, Json>()? {
-            members.push(member);
-        }
-        Ok(Json::Object(members))
-    }
-}
-
-impl<'de> Deserialize<'de> for Json {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Json, D::Error> {
-        deserializer.deserialize_any(JsonVisitor)
-    }
-}
-
-/// The literal text of every number in a valid JSON document, in document order. Outside
-/// strings, a JSON number is exactly a run that starts with `-` or a digit (`true`, `false`
-/// and `null` start with letters); inside strings only `\` (escaping the next byte) and the
-/// closing `"` matter. Only ever run on bytes serde_json has accepted.
-fn number_literals(bytes: &[u8]) -> Option<Vec<String>> {
-    let mut out = Vec::new();
-    let mut in_string = false;
-    let mut i = 0;
-    while let Some(&b) = bytes.get(i) {
-        if in_string {
-            match b {
-                b'\\' => i += 1,
-                b'"' => in_string = false,
-                _ => {}
-            }
-            i += 1;
-        } else if b == b'"' {
-            in_string = true;
-            i += 1;
-        } else if b == b'-' || b.is_ascii_digit() {
-            let start = i;
-            while bytes
-                .get(i)
-                .is_some_and(|c| matches!(c, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E'))
-            {
-                i += 1;
-            }
-            let text = std::str::from_utf8(bytes.get(start..i)?).ok()?;
-            out.push(text.to_owned());
-        } else {
-            i += 1;
-        }
-    }
-    Some(out)
-}
-
-fn parse_json(bytes: &[u8]) -> Result<Json, FieldError> {
-    let mut doc: Json = serde_json::from_slice(bytes)
-        .map_err(|e| FieldError::Unparseable(format!("invalid JSON: {e}")))?;
-    let mut literals = number_literals(bytes).unwrap_or_default().into_iter();
-    if !doc.fill_numbers(&mut literals) || literals.next().is_some() {
-        return Err(FieldError::Unparseable(
-            "the numbers of the JSON document could not be located".to_string(),
-        ));
-    }
-    Ok(doc)
-}
-
-/// An RFC 6901 array index, as serde_json reads it: decimal, no sign, no leading zero.
-fn array_index(token: &str) -> Option<usize> {
-    if token.starts_with('+') || (token.starts_with('0') && token.len() != 1) {
-        return None;
-    }
-    token.parse().ok()
-}
-
-impl Json {
-    /// Gives each number placeholder its literal text, walking in document order; false when
-    /// the document has more numbers than texts.
-    fn fill_numbers(&mut self, literals: &mut impl Iterator<Item = String>) -> bool {
-        match self {
-            Json::Number(text) => match literals.next() {
-                Some(t) => {
-                    *text = t;
-                    true
-                }
-                None => false,
-            },
-            Json::Array(items) => items.iter_mut().all(|item| item.fill_numbers(literals)),
-            Json::Object(members) => members
-                .iter_mut()
-                .all(|(_, value)| value.fill_numbers(literals)),
-            Json::Null | Json::Bool(_) | Json::String(_) => true,
-        }
-    }
-
-    /// The value at an RFC 6901 pointer, None when absent. An object member named twice on
-    /// the way is an error: serde_json would take the last, other parsers the first, so the
-    /// upstream may well read another value than the key.
-    fn pointer(&self, pointer: &str) -> Result<Option<&Json>, FieldError> {
-        if pointer.is_empty() {
-            return Ok(Some(self));
-        }
-        let Some(rest) = pointer.strip_prefix('/') else {
-            return Ok(None);
-        };
-        let mut node = self;
-        for raw in rest.split('/') {
-            let token = raw.replace("~1", "/").replace("~0", "~");
-            node = match node {
-                Json::Object(members) => {
-                    let mut found = members.iter().filter(|(k, _)| *k == token);
-                    match (found.next(), found.next()) {
-                        (None, _) => return Ok(None),
-                        (Some((_, v)), None) => v,
-                        (Some(_), Some(_)) => return Err(FieldError::Duplicate),
-                    }
-                }
-                Json::Array(items) => match array_index(&token).and_then(|i| items.get(i)) {
-                    Some(v) => v,
-                    None => return Ok(None),
-                },
-                Json::Null | Json::Bool(_) | Json::Number(_) | Json::String(_) => return Ok(None),
-            };
-        }
-        Ok(Some(node))
-    }
-
-    /// Canonical text: members sorted by name (stably, so duplicates keep their order and
-    /// all count), no insignificant whitespace, strings escaped as serde_json does, numbers
-    /// as sent. For values without duplicates or non-integer numbers this is byte for byte
-    /// what `serde_json::Value` printed before, so fingerprints of such bodies are unchanged.
-    fn write_canonical(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
-        match self {
-            Json::Null => out.extend_from_slice(b"null"),
-            Json::Bool(true) => out.extend_from_slice(b"true"),
-            Json::Bool(false) => out.extend_from_slice(b"false"),
-            Json::Number(text) => out.extend_from_slice(text.as_bytes()),
-            Json::String(s) => serde_json::to_writer(&mut *out, s)?,
-            Json::Array(items) => {
-                out.push(b'[');
-                for (i, item) in items.iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    item.write_canonical(out)?;
-                }
-                out.push(b']');
-            }
-            Json::Object(members) => {
-                let mut sorted: Vec<&(String, Json)> = members.iter().collect();
-                sorted.sort_by(|a, b| a.0.cmp(&b.0));
-                out.push(b'{');
-                for (i, (name, value)) in sorted.into_iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    serde_json::to_writer(&mut *out, name)?;
-                    out.push(b':');
-                    value.write_canonical(out)?;
-                }
-                out.push(b'}');
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The request body, parsed lazily as whatever the sources need.
+/// The request body, read as whatever the sources need.
 pub struct RequestBody<'a> {
     content_type: &'a str,
     bytes: &'a [u8],
-    json: Option<Result<Json, FieldError>>,
+    /// JSON fields to read together on the first JSON read ([`RequestBody::will_read_json`]).
+    announced: Vec<(String, Form)>,
+    /// JSON fields a pass has read and nobody has asked for yet.
+    json_read: Vec<(String, Form, json::Read)>,
+    /// The JSON document's error, once a pass found it: every later JSON read gives it too.
+    json_error: Option<FieldError>,
 }
 
 fn is_json_type(content_type: &str) -> bool {
@@ -317,24 +82,64 @@ impl<'a> RequestBody<'a> {
         RequestBody {
             content_type,
             bytes,
-            json: None,
+            announced: Vec::new(),
+            json_read: Vec::new(),
+            json_error: None,
         }
     }
 
-    fn json(&mut self) -> Result<&Json, FieldError> {
-        let content_type = self.content_type;
-        let bytes = self.bytes;
-        let parsed = self.json.get_or_insert_with(|| {
-            if is_json_type(content_type) {
-                parse_json(bytes)
-            } else {
-                Err(FieldError::WrongContentType {
-                    expected: "JSON",
-                    actual: content_type.to_string(),
-                })
+    /// Names the JSON fields that will be read, as key sources ([`RequestBody::json_scalar`])
+    /// and as fingerprint fields ([`RequestBody::json_canonical`]): the first JSON read then
+    /// finds them all in one pass over the body instead of one pass each.
+    pub fn will_read_json<'p>(
+        &mut self,
+        scalars: impl IntoIterator<Item = &'p str>,
+        canonical: impl IntoIterator<Item = &'p str>,
+    ) {
+        let scalars = scalars.into_iter().map(|p| (p, Form::Scalar));
+        let canonical = canonical.into_iter().map(|p| (p, Form::Canonical));
+        for (pointer, form) in scalars.chain(canonical) {
+            if !self
+                .announced
+                .iter()
+                .any(|(p, f)| p == pointer && *f == form)
+            {
+                self.announced.push((pointer.to_string(), form));
             }
-        });
-        parsed.as_ref().map_err(Clone::clone)
+        }
+    }
+
+    /// A JSON field, from an earlier pass or from a pass for it and every announced field.
+    fn json_field(&mut self, pointer: &str, form: Form) -> json::Read {
+        if !is_json_type(self.content_type) {
+            return Err(FieldError::WrongContentType {
+                expected: "JSON",
+                actual: self.content_type.to_string(),
+            });
+        }
+        if let Some(e) = &self.json_error {
+            return Err(e.clone());
+        }
+        let is_it = |p: &str, f: Form| p == pointer && f == form;
+        if let Some(at) = self.json_read.iter().position(|(p, f, _)| is_it(p, *f)) {
+            return self.json_read.swap_remove(at).2;
+        }
+        let mut wanted = std::mem::take(&mut self.announced);
+        if !wanted.iter().any(|(p, f)| is_it(p, *f)) {
+            wanted.push((pointer.to_string(), form));
+        }
+        let found = json::read_fields(self.bytes, &wanted).inspect_err(|e| {
+            self.json_error = Some(e.clone());
+        })?;
+        let mut read = Ok(None);
+        for ((p, f), r) in wanted.into_iter().zip(found) {
+            if is_it(&p, f) {
+                read = r;
+            } else {
+                self.json_read.push((p, f, r));
+            }
+        }
+        read
     }
 
     fn form(&self) -> Result<&'a [u8], FieldError> {
@@ -351,26 +156,14 @@ impl<'a> RequestBody<'a> {
     /// A scalar JSON field by JSON Pointer (RFC 6901), as the bytes of its value: a string's
     /// content, a number's literal text, or `true`/`false`.
     pub fn json_scalar(&mut self, pointer: &str) -> Result<Vec<u8>, FieldError> {
-        match self.json()?.pointer(pointer)? {
-            None => Err(FieldError::Missing),
-            Some(Json::String(s)) => Ok(s.as_bytes().to_vec()),
-            Some(Json::Number(text)) => Ok(text.as_bytes().to_vec()),
-            Some(Json::Bool(b)) => Ok(b.to_string().into_bytes()),
-            Some(Json::Null | Json::Array(_) | Json::Object(_)) => Err(FieldError::NotScalar),
-        }
+        self.json_field(pointer, Form::Scalar)?
+            .ok_or(FieldError::Missing)
     }
 
     /// Any JSON field, canonical (sorted keys, no insignificant whitespace, numbers as sent),
     /// or None when absent.
     pub fn json_canonical(&mut self, pointer: &str) -> Result<Option<Vec<u8>>, FieldError> {
-        let Some(value) = self.json()?.pointer(pointer)? else {
-            return Ok(None);
-        };
-        let mut out = Vec::new();
-        value
-            .write_canonical(&mut out)
-            .map_err(|e| FieldError::Unparseable(format!("invalid JSON: {e}")))?;
-        Ok(Some(out))
+        self.json_field(pointer, Form::Canonical)
     }
 
     /// The value of a form field that must appear at most once (a key source).
@@ -679,6 +472,145 @@ mod tests {
         );
         let twice = r#"{"o":{"id":1},"o":{"id":2}}"#;
         assert_eq!(json_key(twice, "/o/id"), Err(FieldError::Duplicate));
+    }
+
+    #[test]
+    fn json_bodies_are_refused_as_serde_json_refuses_them() {
+        // Skipped values too are parsed in full: a document serde_json refuses anywhere gives
+        // no key, with serde_json's own message.
+        let deep = format!(r#"{{"id":1,"x":{}{}}}"#, "[".repeat(200), "]".repeat(200));
+        let bad: &[&[u8]] = &[
+            b"",
+            b"{not json",
+            br#"{"id":1,}"#,
+            br#"{"id":1} x"#,
+            br#"{"id":1 "x":2}"#,
+            br#"{"x":[1,],"id":1}"#,
+            br#"{"x":01,"id":1}"#,
+            br#"{"x":1e400,"id":1}"#,
+            br#"{"x":-,"id":1}"#,
+            br#"{"x":"\ud800","id":1}"#,
+            br#"{"x":"\udc00\ud800","id":1}"#,
+            br#"{"x":"\x","id":1}"#,
+            b"{\"x\":\"\xff\",\"id\":1}",
+            b"{\"x\":\"\x01\",\"id\":1}",
+            b"{\"\xc3\":1,\"id\":1}",
+            br#"{"x":{1:2},"id":1}"#,
+            br#"{"x":tru,"id":1}"#,
+            deep.as_bytes(),
+        ];
+        for body in bad {
+            let expected = serde_json::from_slice::<serde_json::Value>(body).unwrap_err();
+            let expected = FieldError::Unparseable(format!("invalid JSON: {expected}"));
+            let mut b = RequestBody::new("application/json", body);
+            assert_eq!(b.json_scalar("/id"), Err(expected.clone()), "{body:?}");
+            assert_eq!(b.json_canonical(""), Err(expected), "{body:?}");
+        }
+    }
+
+    /// `[[...[7]...]]`, `depth` arrays deep, and the pointer to the 7.
+    fn nested(depth: usize) -> (String, String) {
+        let body = format!("{}7{}", "[".repeat(depth), "]".repeat(depth));
+        (body, "/0".repeat(depth))
+    }
+
+    #[test]
+    fn nesting_is_read_up_to_serde_jsons_limit_and_refused_beyond() {
+        let accepted = |depth: usize| serde_json::from_str::<serde_json::Value>(&nested(depth).0);
+        let limit = (1..300)
+            .take_while(|&d| accepted(d).is_ok())
+            .last()
+            .unwrap();
+        assert_eq!(limit, 127);
+        // At the limit, along a pointer's path and inside a fingerprinted value: the visitors'
+        // recursion follows the parser's, which the limit bounds (on wasm32's stack too).
+        let (body, pointer) = nested(limit);
+        assert_eq!(json_key(&body, &pointer).unwrap(), b"7");
+        assert_eq!(canonical(&body, ""), body.as_bytes());
+        assert_eq!(canonical(&body, "/0"), &body.as_bytes()[1..body.len() - 1]);
+        let (body, pointer) = nested(limit + 1);
+        match json_key(&body, &pointer) {
+            Err(FieldError::Unparseable(why)) => {
+                assert!(why.contains("recursion limit exceeded"), "{why}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn member_names_compare_and_sort_as_decoded() {
+        // Sorted by the decoded name's bytes, however it is escaped in the body or printed.
+        assert_eq!(
+            canonical(r##"{"a\nb":5,"\\":4,"#":3,"\"":1,"!":2,"\u00e9":6}"##, ""),
+            r##"{"!":2,"\"":1,"#":3,"\\":4,"a\nb":5,"é":6}"##.as_bytes()
+        );
+        // Two spellings of one name are one name: both count, and on a pointer's way it is
+        // given twice.
+        let body = r#"{"\u00e9":1,"x":0,"é":2}"#;
+        assert_eq!(canonical(body, ""), r#"{"x":0,"é":1,"é":2}"#.as_bytes());
+        assert_eq!(json_key(body, "/é"), Err(FieldError::Duplicate));
+        assert_eq!(json_key(r#"{"a\/b":1}"#, "/a~1b").unwrap(), b"1");
+    }
+
+    #[test]
+    fn fields_read_in_one_pass_are_those_read_alone() {
+        let bodies = [
+            r#"{"data":{"object":{"id":"evt_1","amount":12.50,"tags":["a",{"k":null}]}},"n":[1,2e3]}"#,
+            r#"{"data":{"object":{"id":"a","id":"b"}},"data2":1,"n":7,"n":8}"#,
+            r#"{"data":{"object":1},"data":{"object":2}}"#,
+            r#"[{"id":"x"},[true,false],"s"]"#,
+            r#""just a string""#,
+            r#"{"": {"": 3}, "~": 4, "/": 5}"#,
+        ];
+        let pointers = [
+            "",
+            "/data",
+            "/data/object",
+            "/data/object/id",
+            "/data/object/tags/1/k",
+            "/data/object/nope",
+            "/n",
+            "/n/1",
+            "/0",
+            "/0/id",
+            "/1/01",
+            "/2",
+            "/",
+            "//",
+            "/~0",
+            "/~1",
+            "no-slash",
+        ];
+        for body in bodies {
+            let alone = |read: &dyn Fn(&mut RequestBody<'_>) -> String| {
+                read(&mut RequestBody::new("application/json", body.as_bytes()))
+            };
+            let mut together = RequestBody::new("application/json", body.as_bytes());
+            together.will_read_json(pointers, pointers);
+            for pointer in pointers {
+                let scalar = alone(&|b| format!("{:?}", b.json_scalar(pointer)));
+                let text = alone(&|b| format!("{:?}", b.json_canonical(pointer)));
+                assert_eq!(
+                    format!("{:?}", together.json_scalar(pointer)),
+                    scalar,
+                    "{body} {pointer}"
+                );
+                assert_eq!(
+                    format!("{:?}", together.json_canonical(pointer)),
+                    text,
+                    "{body} {pointer}"
+                );
+                // Read again: the pass's result was handed out, a new pass gives it again.
+                assert_eq!(format!("{:?}", together.json_scalar(pointer)), scalar);
+            }
+        }
+        // The document's error, found once, is every field's.
+        let mut b = RequestBody::new("application/json", b"{\"id\":1,]");
+        b.will_read_json(["/id"], ["/x"]);
+        let e = b.json_scalar("/id").unwrap_err();
+        assert!(matches!(e, FieldError::Unparseable(_)));
+        assert_eq!(b.json_canonical("/x"), Err(e.clone()));
+        assert_eq!(b.json_canonical("/other"), Err(e));
     }
 
     #[test]

@@ -5,10 +5,10 @@
 use std::rc::Rc;
 
 use super::{access_log, pass, Journey, PendingRequest, RequestJourney, Step, Verdict};
-use crate::fingerprint::fingerprint;
+use crate::fingerprint::{fingerprint, FingerprintMode};
 use crate::host::Host;
 use crate::key::{request_scope, storage_key};
-use crate::key_source::{complete_key, header_parts, SourceFailure};
+use crate::key_source::{complete_key, header_parts, FieldSource, SourceFailure};
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::problem::Problem;
@@ -201,6 +201,20 @@ impl RequestJourney {
     fn claim_request(&self, host: &impl Host, pending: PendingRequest, body: &[u8]) -> Step {
         let rule = pending.rule;
         let mut parsed = RequestBody::new(&pending.content_type, body);
+        // One pass over a JSON body finds the key's fields and the fingerprint's together.
+        let fingerprint_fields = match &rule.rule.fingerprint {
+            FingerprintMode::Fields(fields) => fields.as_slice(),
+            FingerprintMode::Body | FingerprintMode::None => &[],
+        };
+        parsed.will_read_json(
+            rule.rule
+                .key_sources
+                .iter()
+                .filter_map(FieldSource::json_pointer),
+            fingerprint_fields
+                .iter()
+                .filter_map(FieldSource::json_pointer),
+        );
         let key = match complete_key(&rule.rule.key_sources, pending.key_parts, &mut parsed) {
             Ok(k) => k,
             Err(failure) => return self.key_failed(host, &rule, &failure, FailedAt::Body),

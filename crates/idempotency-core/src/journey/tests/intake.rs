@@ -132,6 +132,47 @@ fn a_body_key_holds_the_request_until_the_whole_body_is_here() {
 }
 
 #[test]
+fn a_body_key_and_fingerprint_fields_are_read_together() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"rules":[{"name":"hook","match":{"path_prefixes":["/hook"]},
+            "key":{"sources":[{"json":"/data/object/id"}]},
+            "fingerprint":{"fields":[{"json":"/data/object"},{"json":"/type"}]}}]}"#,
+    );
+    let hook = |body: &[u8]| send(&host, &plugin, &post_headers("/hook", None), body);
+    let (mut first, verdict) =
+        hook(br#"{"id":"evt_1","type":"paid","data":{"object":{"id":"pi_1","amount":1200}}}"#);
+    assert_eq!(verdict, Verdict::Continue);
+    respond(&host, &mut first, 200, b"ok");
+    // A redelivery: another event id, members in another order, the same fields.
+    let (_, verdict) =
+        hook(br#"{"data":{"object":{"amount":1200,"id":"pi_1"}},"type":"paid","id":"evt_2"}"#);
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(status, 200);
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+    // Another amount, or another type, under the same key.
+    for other in [
+        &br#"{"type":"paid","data":{"object":{"id":"pi_1","amount":1300}}}"#[..],
+        br#"{"type":"failed","data":{"object":{"id":"pi_1","amount":1200}}}"#,
+    ] {
+        let (_, verdict) = hook(other);
+        assert_eq!(verdict, Verdict::Pause);
+        assert_eq!(the_reply(&host.take_effects()).0, 422);
+    }
+    // The key's member given twice is refused, though the fingerprint's reading of it counts
+    // both.
+    let (_, verdict) = hook(br#"{"type":"paid","data":{"object":{"id":"pi_1","id":"pi_2"}}}"#);
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 400);
+    assert!(String::from_utf8_lossy(&body).contains("appears more than once"));
+    assert_eq!(host.counter("hook", Outcome::Replayed), 1);
+    assert_eq!(host.counter("hook", Outcome::Mismatch), 2);
+}
+
+#[test]
 fn trailers_end_a_body_that_is_waited_for() {
     let host = FakeHost::default();
     let plugin = plugin(&host, BODY_KEY);
