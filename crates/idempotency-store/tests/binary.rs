@@ -376,7 +376,9 @@ mod record_command {
         let shown = text(&out.stdout);
         assert!(shown.contains("state        in_flight"), "{shown}");
         assert!(shown.contains("lease left   59"), "{shown}");
-        assert!(shown.contains("owner        51bd921f"), "{shown}");
+        // A short hash of the owner (SHA-256 of "51bd921f"), never the owner token itself.
+        assert!(shown.contains("owner hash   7b58675034c52992"), "{shown}");
+        assert!(!shown.contains("51bd921f"), "{shown}");
         let out = store.record(&["purge", "--hash", &stuck[..16]]);
         assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
         let purged = text(&out.stdout);
