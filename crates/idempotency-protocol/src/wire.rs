@@ -65,6 +65,8 @@ pub const PROBLEM_FORBIDDEN: &str = "urn:idempotency-store:forbidden";
 pub const PROBLEM_TOO_LARGE: &str = "urn:idempotency-store:payload-too-large";
 pub const PROBLEM_NOT_FOUND: &str = "urn:idempotency-store:not-found";
 pub const PROBLEM_NOT_OWNER: &str = "urn:idempotency-store:not-owner";
+/// A prefix search while another runs on the same store instance; `Retry-After` says when.
+pub const PROBLEM_TOO_MANY_REQUESTS: &str = "urn:idempotency-store:too-many-requests";
 pub const PROBLEM_METHOD_NOT_ALLOWED: &str = "urn:idempotency-store:method-not-allowed";
 pub const PROBLEM_UNAVAILABLE: &str = "urn:idempotency-store:backend-unavailable";
 

@@ -165,6 +165,9 @@ pub struct AppState {
     pub draining: tokio_util::sync::CancellationToken,
     /// Filters' waits for keys in flight (gRPC stream only).
     pub waits: Arc<WaitRoom>,
+    /// The one prefix search that may run at a time on this store instance: on Redis each
+    /// walks the keyspace, and operators do not need two at once.
+    pub searches: Arc<Semaphore>,
 }
 
 /// How often a wait looks at its key again when the backend is shared with other store
@@ -189,6 +192,7 @@ impl AppState {
             auth,
             draining,
             waits: Arc::new(WaitRoom::new(max_waits, poll)),
+            searches: Arc::new(Semaphore::new(1)),
         }
     }
 }
@@ -917,10 +921,30 @@ async fn purge(State(st): State<AppState>, key: Result<Path<String>, PathRejecti
 }
 
 async fn search(State(st): State<AppState>, uri: Uri) -> Response {
-    match operator::parse_search(uri.query()) {
-        Ok(search) => perform(&st, search).await,
-        Err(bad) => bad_request(&st, bad),
-    }
+    let search = match operator::parse_search(uri.query()) {
+        Ok(search) => search,
+        Err(bad) => return bad_request(&st, bad),
+    };
+    // Refused at once rather than queued: a queue of searches would each walk the keyspace.
+    let Ok(place) = Arc::clone(&st.searches).try_acquire_owned() else {
+        st.metrics.rejected(Rejection::Throttled);
+        let mut resp = problem(
+            StatusCode::TOO_MANY_REQUESTS,
+            protocol::PROBLEM_TOO_MANY_REQUESTS,
+            "Too many requests",
+            format!(
+                "another prefix search is running on this store instance, which runs one at \
+                 a time: retry in {} s",
+                operator::SEARCH_RETRY_AFTER_SECS
+            ),
+        );
+        resp.headers_mut().insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(operator::SEARCH_RETRY_AFTER_SECS),
+        );
+        return resp;
+    };
+    perform(&st, operator::Throttled { search, place }).await
 }
 
 /// Runs a validated operation on a task of its own (see [`run_detached`]) and counts and

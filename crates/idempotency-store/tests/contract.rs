@@ -1194,6 +1194,38 @@ async fn redis_records_use_cluster_safe_hash_keys() {
 }
 
 #[tokio::test]
+async fn a_redis_prefix_search_stops_after_about_a_hundred_thousand_keys() {
+    let server = RedisServer::start();
+    let s = RedisStorage::connect(&server.url()).await.unwrap();
+    let client = ::redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    // Three times the bound's keys (none of them a record): a search walks them all in vain.
+    // In short scripts: one long one would outlast the client's response timeout.
+    for batch in 0..30 {
+        let _: () = ::redis::cmd("EVAL")
+            .arg("for i = 1, 10000 do redis.call('SET', 'other:' .. ARGV[1] .. ':' .. i, 'x') end")
+            .arg(0)
+            .arg(batch)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    let filled: i64 = ::redis::cmd("DBSIZE").query_async(&mut conn).await.unwrap();
+    assert_eq!(filled, 300_000);
+    let k = random_digest();
+    let found = s
+        .find_by_prefix(&KeyPrefix::parse(&k.as_str()[..16]).unwrap(), 20)
+        .await
+        .unwrap();
+    assert!(found.keys.is_empty());
+    assert!(
+        !found.exhaustive,
+        "bounded at {} SCAN calls of 1,000: not every key was looked at",
+        idempotency_store::storage::redis::SCAN_MAX_CALLS
+    );
+}
+
+#[tokio::test]
 async fn redis_records_from_before_the_write_time_are_read_and_purged() {
     let server = RedisServer::start();
     let s = RedisStorage::connect(&server.url()).await.unwrap();

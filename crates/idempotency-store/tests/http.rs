@@ -1092,11 +1092,65 @@ impl Storage for Gated {
         prefix: &KeyPrefix,
         limit: usize,
     ) -> Result<PrefixMatches, StorageError> {
+        self.hold().await;
         self.inner.find_by_prefix(prefix, limit).await
     }
     async fn sweep_expired(&self) -> Result<u64, StorageError> {
         self.inner.sweep_expired().await
     }
+}
+
+#[tokio::test]
+async fn one_prefix_search_runs_at_a_time_and_another_is_told_when_to_retry() {
+    let (entered, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let storage = Arc::new(Gated {
+        inner: MemoryStorage::new(Arc::new(SystemClock)),
+        entered: Arc::clone(&entered),
+        gate: Arc::clone(&gate),
+    });
+    let srv =
+        Arc::new(TestServer::start_with(storage, auth(), server::DEFAULT_MAX_BODY_BYTES).await);
+    let search = format!("/v1/records?prefix={}", &K[..16]);
+    let first = tokio::spawn({
+        let (srv, search) = (Arc::clone(&srv), search.clone());
+        async move { srv.get(&search).await }
+    });
+    within("the first search to reach the backend", entered.notified()).await;
+    let refused = within(
+        "the second search to be refused at once",
+        srv.client
+            .get(srv.url(&search))
+            .bearer_auth(OPERATOR_TOKEN)
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.headers()["retry-after"], "2");
+    assert_eq!(content_type(&refused), "application/problem+json");
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["type"], "urn:idempotency-store:too-many-requests");
+    // Lookups are not searches: they go on.
+    assert_eq!(
+        srv.get(&format!("/v1/records/{K}")).await.0,
+        StatusCode::NOT_FOUND
+    );
+
+    gate.notify_one();
+    let (st, _) = first.await.unwrap();
+    assert_eq!(st, StatusCode::OK);
+    // Its place is free again once it ended.
+    let next = tokio::spawn({
+        let srv = Arc::clone(&srv);
+        async move { srv.get(&search).await }
+    });
+    within("the next search to reach the backend", entered.notified()).await;
+    gate.notify_one();
+    assert_eq!(next.await.unwrap().0, StatusCode::OK);
+    assert!(srv
+        .metrics()
+        .await
+        .contains(r#"idempotency_store_rejected_requests_total{reason="throttled"} 1"#));
 }
 
 /// Fires its `Notify` when dropped while armed: the server dropped a request
