@@ -204,6 +204,9 @@ pub struct RouterOptions {
     pub max_body_bytes: usize,
     /// Calls one gRPC stream may have running at once, and apart from them, waits it may hold.
     pub max_calls_per_stream: usize,
+    /// Whether `/metrics` is served here; false when it has a listener of its own
+    /// (`--metrics-listen`, see [`metrics_router`]).
+    pub serve_metrics: bool,
 }
 
 impl Default for RouterOptions {
@@ -211,6 +214,7 @@ impl Default for RouterOptions {
         Self {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_calls_per_stream: crate::grpc::DEFAULT_MAX_CALLS_IN_FLIGHT,
+            serve_metrics: true,
         }
     }
 }
@@ -257,15 +261,27 @@ pub fn router_with(state: AppState, options: RouterOptions) -> Router {
         "/{}/{{*method}}",
         crate::grpc::pb::store_server::SERVICE_NAME
     );
-    Router::new()
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/metrics", get(metrics_text))
-        .merge(v1)
+    // Kubernetes probes /healthz on the main port, wherever the metrics are.
+    let mut app = Router::new().route("/healthz", get(|| async { "ok" }));
+    if options.serve_metrics {
+        app = app.route("/metrics", get(metrics_text));
+    }
+    app.merge(v1)
         // The gRPC stream, on the same port: it authenticates by metadata itself.
         .route_service(&stream_path, streams.service())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+/// `/metrics` alone, for a listener of its own (`--metrics-listen`), so that it can be kept
+/// off the network the data plane reaches.
+pub fn metrics_router(state: AppState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
