@@ -89,7 +89,8 @@ struct Serve {
     #[arg(long)]
     redis_url: Option<String>,
 
-    /// Treat a single --redis-url as a seed node of a Redis Cluster.
+    /// Treat a single --redis-url as a seed node of a Redis Cluster. Without it the store
+    /// asks the server at start (INFO cluster) and uses the cluster client for a cluster node.
     #[arg(long)]
     redis_cluster: bool,
 

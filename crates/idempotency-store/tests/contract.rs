@@ -1013,6 +1013,23 @@ async fn the_contract_holds_on_a_redis_cluster() {
     for _ in 0..64 {
         first_claim_claims(&h).await;
     }
+
+    // One seed URL and no `--redis-cluster`: the store sees a cluster node and uses the
+    // cluster client, so keys of every primary's slots are claimed (a plain client claimed
+    // only the seed's third and got MOVED for the rest).
+    let seed = format!("redis://127.0.0.1:{}/", cluster.ports[0]);
+    let one = RedisStorage::connect_to(&seed, false).await.unwrap();
+    let fp = random_digest();
+    for _ in 0..60 {
+        let owner = OwnerToken::generate().unwrap();
+        let claimed = one
+            .claim(&random_digest(), &fp, LONG_LEASE_MS, &owner)
+            .await;
+        assert!(
+            matches!(claimed, Ok(ClaimOutcome::Claimed { .. })),
+            "{claimed:?}"
+        );
+    }
 }
 
 // Service-clock backends only: behaviour that Redis's own expiry cannot show
