@@ -65,6 +65,8 @@ pub const PROBLEM_FORBIDDEN: &str = "urn:idempotency-store:forbidden";
 pub const PROBLEM_TOO_LARGE: &str = "urn:idempotency-store:payload-too-large";
 pub const PROBLEM_NOT_FOUND: &str = "urn:idempotency-store:not-found";
 pub const PROBLEM_NOT_OWNER: &str = "urn:idempotency-store:not-owner";
+/// A prefix search while another runs on the same store instance; `Retry-After` says when.
+pub const PROBLEM_TOO_MANY_REQUESTS: &str = "urn:idempotency-store:too-many-requests";
 pub const PROBLEM_METHOD_NOT_ALLOWED: &str = "urn:idempotency-store:method-not-allowed";
 pub const PROBLEM_UNAVAILABLE: &str = "urn:idempotency-store:backend-unavailable";
 
@@ -197,6 +199,9 @@ pub enum RecordState {
     Completed,
 }
 
+/// Hex digits of an in-flight record's `owner_hash` (64 bits of the digest).
+pub const OWNER_HASH_HEX: usize = 16;
+
 /// The 200 answer to `GET /v1/records/{key}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecordResponse {
@@ -206,9 +211,11 @@ pub struct RecordResponse {
     /// Present only for completed records.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub record: Option<String>,
-    /// The claimant's owner token; present only for in-flight records.
+    /// Present only for in-flight records: the first [`OWNER_HASH_HEX`] hex digits of SHA-256
+    /// over the claimant's owner token (its lowercase hex text). It tells claims apart; unlike
+    /// the token itself, it does not let whoever reads it complete or release the claim.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub owner: Option<String>,
+    pub owner_hash: Option<String>,
     /// When the record was claimed (in flight) or completed; absent for a record written
     /// before the store kept that time.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -2,6 +2,12 @@
 //!
 //! Injectable so the contract tests can move time forward deterministically
 //! instead of sleeping.
+//!
+//! This is the store's one reading of the wall clock (the crate's clippy.toml refuses
+//! `SystemTime::now` elsewhere): it is for the instants that are persisted or compared
+//! across processes, the lease and TTL ends of records. Every duration and deadline inside
+//! the process (waits, timeouts, search bounds, throttling) is measured on the monotonic
+//! clock (`Instant`), which a step of the wall clock does not move.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -17,6 +23,8 @@ pub trait Clock: Send + Sync {
 pub struct SystemClock;
 
 impl Clock for SystemClock {
+    // The one place the wall clock is read (see the module's doc).
+    #[allow(clippy::disallowed_methods)]
     fn now_ms(&self) -> u64 {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)

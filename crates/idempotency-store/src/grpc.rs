@@ -96,8 +96,9 @@ impl tonic::codec::Decoder for CallCodec {
         use prost::Message as _;
         let bytes = buf.remaining();
         if bytes > self.limit {
-            let CallId { id } = CallId::decode(buf)
-                .map_err(|e| Status::internal(format!("an oversized call that is not one: {e}")))?;
+            let CallId { id } = CallId::decode(buf).map_err(|e| {
+                Status::internal(format!("a message over the limit that is no Call: {e}"))
+            })?;
             return Ok(Some(Incoming::TooLarge { id, bytes }));
         }
         pb::Call::decode(buf)

@@ -72,6 +72,11 @@ struct Serve {
     #[arg(long, default_value = "127.0.0.1:8081")]
     listen: SocketAddr,
 
+    /// Serve /metrics on this address instead of --listen (which then answers it 404), so
+    /// that it can be kept off the data plane's network. /healthz stays on --listen.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<SocketAddr>,
+
     #[arg(long, value_enum, default_value_t = BackendKind::Embedded)]
     backend: BackendKind,
 
@@ -84,7 +89,8 @@ struct Serve {
     #[arg(long)]
     redis_url: Option<String>,
 
-    /// Treat a single --redis-url as a seed node of a Redis Cluster.
+    /// Treat a single --redis-url as a seed node of a Redis Cluster. Without it the store
+    /// asks the server at start (INFO cluster) and uses the cluster client for a cluster node.
     #[arg(long)]
     redis_cluster: bool,
 
@@ -313,17 +319,41 @@ async fn run(cli: Serve) -> Result<(), String> {
     let addr = listener
         .local_addr()
         .map_err(|e| format!("cannot read bound address: {e}"))?;
+    let metrics_listener = match cli.metrics_listen {
+        Some(at) => Some(
+            tokio::net::TcpListener::bind(at)
+                .await
+                .map_err(|e| format!("cannot listen on --metrics-listen {at}: {e}"))?,
+        ),
+        None => None,
+    };
+    let metrics_addr = metrics_listener
+        .as_ref()
+        .map(tokio::net::TcpListener::local_addr)
+        .transpose()
+        .map_err(|e| format!("cannot read the metrics address: {e}"))?;
     let draining = tokio_util::sync::CancellationToken::new();
-    let app = server::router(
-        AppState::new(storage, metrics, auth, draining.clone(), cli.max_waits),
-        cli.max_body_bytes,
+    let state = AppState::new(storage, metrics, auth, draining.clone(), cli.max_waits);
+    let app = server::router_with(
+        state.clone(),
+        server::RouterOptions {
+            max_body_bytes: cli.max_body_bytes,
+            serve_metrics: metrics_listener.is_none(),
+            ..server::RouterOptions::default()
+        },
     );
-    // Scripts and tests wait for exactly this line on stdout.
-    println!(
-        "idempotency-store listening on {addr} backend={}",
-        cli.backend.name()
-    );
-    tracing::info!(%addr, backend = cli.backend.name(), "listening");
+    // Scripts and tests wait for exactly this line on stdout (the address first).
+    match metrics_addr {
+        Some(at) => println!(
+            "idempotency-store listening on {addr} backend={} metrics={at}",
+            cli.backend.name()
+        ),
+        None => println!(
+            "idempotency-store listening on {addr} backend={}",
+            cli.backend.name()
+        ),
+    }
+    tracing::info!(%addr, backend = cli.backend.name(), metrics = ?metrics_addr, "listening");
     let limits = server::ConnectionLimits {
         header_read_timeout: Duration::from_secs(cli.header_read_timeout_secs),
         idle_timeout: Duration::from_secs(cli.idle_timeout_secs),
@@ -332,12 +362,28 @@ async fn run(cli: Serve) -> Result<(), String> {
         h2_keepalive_timeout: Duration::from_secs(cli.h2_keepalive_timeout_secs),
         shutdown_grace: Duration::from_secs(cli.shutdown_grace_secs),
     };
+    // The metrics listener stops with the main one.
+    let metrics_server = metrics_listener.map(|listener| {
+        tokio::spawn(server::serve_with(
+            listener,
+            server::metrics_router(state),
+            limits,
+            draining.clone().cancelled_owned(),
+        ))
+    });
     let shutdown = async move {
         shutdown_signal().await;
         draining.cancel();
     };
     let served = server::serve_with(listener, app, limits, shutdown).await;
     sweeper.abort();
+    if let Some(metrics_server) = metrics_server {
+        match metrics_server.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!("metrics server error: {e}"),
+            Err(e) => tracing::warn!("metrics server task failed: {e}"),
+        }
+    }
     served.map_err(|e| format!("server error: {e}"))
 }
 

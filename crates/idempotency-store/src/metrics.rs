@@ -52,14 +52,17 @@ pub enum Rejection {
     Forbidden,
     BadRequest,
     TooLarge,
+    /// A prefix search while another ran (429).
+    Throttled,
 }
 
 impl Rejection {
-    pub const ALL: [Rejection; 4] = [
+    pub const ALL: [Rejection; 5] = [
         Self::Unauthorized,
         Self::Forbidden,
         Self::BadRequest,
         Self::TooLarge,
+        Self::Throttled,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -68,6 +71,7 @@ impl Rejection {
             Self::Forbidden => "forbidden",
             Self::BadRequest => "bad_request",
             Self::TooLarge => "too_large",
+            Self::Throttled => "throttled",
         }
     }
 }

@@ -109,6 +109,38 @@ impl V1Operation for Search {
     }
 }
 
+/// A search that holds the store instance's one search place while it runs, on its task to
+/// its end even if the client has gone (see `server::execute`), so the throttle counts the
+/// searches that really run.
+pub struct Throttled {
+    pub search: Search,
+    pub place: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl V1Operation for Throttled {
+    const OPERATION: Operation = Operation::Search;
+    type Outcome = PrefixMatches;
+
+    async fn run(self, storage: &dyn Storage) -> Result<PrefixMatches, StorageError> {
+        let Self { search, place } = self;
+        let found = search.run(storage).await;
+        drop(place);
+        found
+    }
+
+    fn name(outcome: &PrefixMatches) -> &'static str {
+        Search::name(outcome)
+    }
+
+    fn answer(outcome: PrefixMatches) -> Response {
+        Search::answer(outcome)
+    }
+}
+
+/// How long a client whose search was refused should wait: about the longest a search runs
+/// (the Redis backend stops one after 2 s).
+pub const SEARCH_RETRY_AFTER_SECS: u64 = 2;
+
 /// `DELETE /v1/records/{key}`.
 pub struct Purge(pub Digest);
 

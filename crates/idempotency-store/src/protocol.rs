@@ -9,9 +9,9 @@ use idempotency_protocol::wire::{decode_record, encode_record};
 pub use idempotency_protocol::wire::{
     outcome, ClaimBody, ClaimResponse, CompleteBody, LeaseBody, OutcomeResponse, Problem,
     RecordResponse, ReleaseBody, RenewBody, RenewResponse, MAX_LEASE_MS, MAX_RENEW_LEASES,
-    MAX_TTL_MS, MIN_LEASE_MS, MIN_TTL_MS, PROBLEM_BAD_REQUEST, PROBLEM_FORBIDDEN,
+    MAX_TTL_MS, MIN_LEASE_MS, MIN_TTL_MS, OWNER_HASH_HEX, PROBLEM_BAD_REQUEST, PROBLEM_FORBIDDEN,
     PROBLEM_METHOD_NOT_ALLOWED, PROBLEM_NOT_FOUND, PROBLEM_NOT_OWNER, PROBLEM_TOO_LARGE,
-    PROBLEM_UNAUTHORIZED, PROBLEM_UNAVAILABLE,
+    PROBLEM_TOO_MANY_REQUESTS, PROBLEM_UNAUTHORIZED, PROBLEM_UNAVAILABLE,
 };
 
 use crate::storage::{
@@ -256,6 +256,18 @@ pub fn claim_outcome_name(o: &ClaimOutcome) -> &'static str {
     }
 }
 
+/// What an operator sees of an owner token: enough to tell two claims apart, never the token
+/// (with it, a reader could complete someone else's claim with bytes of its own).
+pub fn owner_hash(owner: &OwnerToken) -> String {
+    use sha2::{Digest as _, Sha256};
+    let digest = Sha256::digest(owner.as_str().as_bytes());
+    digest
+        .iter()
+        .take(OWNER_HASH_HEX / 2)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 impl From<RecordView> for RecordResponse {
     fn from(v: RecordView) -> Self {
         Self {
@@ -263,7 +275,7 @@ impl From<RecordView> for RecordResponse {
             fingerprint: v.fingerprint.as_str().to_owned(),
             expires_at_ms: v.expires_at_ms,
             record: v.record.map(|r| encode_record(&r)),
-            owner: v.owner.map(|o| o.as_str().to_owned()),
+            owner_hash: v.owner.as_ref().map(owner_hash),
             written_at_ms: v.written_at_ms,
             now_ms: Some(v.now_ms),
         }
@@ -417,6 +429,28 @@ mod tests {
             let err = parse_renew(body.as_bytes()).unwrap_err();
             assert!(err.0.contains(mentions), "{body} -> {}", err.0);
         }
+    }
+
+    #[test]
+    fn an_operator_sees_a_short_hash_of_the_owner_never_the_owner() {
+        let owner = OwnerToken::parse("51BD921F2E07E7FA34203537D0274365").unwrap();
+        // First 16 hex digits of SHA-256 over "51bd921f2e07e7fa34203537d0274365".
+        assert_eq!(owner_hash(&owner), "c4d0c028b2b3d804");
+        let view = RecordView {
+            state: idempotency_protocol::wire::RecordState::InFlight,
+            fingerprint: Digest::parse(HEX).unwrap(),
+            expires_at_ms: 2,
+            record: None,
+            owner: Some(owner.clone()),
+            written_at_ms: Some(1),
+            now_ms: 1,
+        };
+        let wire = serde_json::to_string(&RecordResponse::from(view)).unwrap();
+        assert!(
+            wire.contains(r#""owner_hash":"c4d0c028b2b3d804""#),
+            "{wire}"
+        );
+        assert!(!wire.contains(owner.as_str()), "{wire}");
     }
 
     #[test]

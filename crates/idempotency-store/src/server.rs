@@ -165,6 +165,9 @@ pub struct AppState {
     pub draining: tokio_util::sync::CancellationToken,
     /// Filters' waits for keys in flight (gRPC stream only).
     pub waits: Arc<WaitRoom>,
+    /// The one prefix search that may run at a time on this store instance: on Redis each
+    /// walks the keyspace, and operators do not need two at once.
+    pub searches: Arc<Semaphore>,
 }
 
 /// How often a wait looks at its key again when the backend is shared with other store
@@ -189,6 +192,7 @@ impl AppState {
             auth,
             draining,
             waits: Arc::new(WaitRoom::new(max_waits, poll)),
+            searches: Arc::new(Semaphore::new(1)),
         }
     }
 }
@@ -200,6 +204,9 @@ pub struct RouterOptions {
     pub max_body_bytes: usize,
     /// Calls one gRPC stream may have running at once, and apart from them, waits it may hold.
     pub max_calls_per_stream: usize,
+    /// Whether `/metrics` is served here; false when it has a listener of its own
+    /// (`--metrics-listen`, see [`metrics_router`]).
+    pub serve_metrics: bool,
 }
 
 impl Default for RouterOptions {
@@ -207,6 +214,7 @@ impl Default for RouterOptions {
         Self {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_calls_per_stream: crate::grpc::DEFAULT_MAX_CALLS_IN_FLIGHT,
+            serve_metrics: true,
         }
     }
 }
@@ -253,15 +261,27 @@ pub fn router_with(state: AppState, options: RouterOptions) -> Router {
         "/{}/{{*method}}",
         crate::grpc::pb::store_server::SERVICE_NAME
     );
-    Router::new()
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/metrics", get(metrics_text))
-        .merge(v1)
+    // Kubernetes probes /healthz on the main port, wherever the metrics are.
+    let mut app = Router::new().route("/healthz", get(|| async { "ok" }));
+    if options.serve_metrics {
+        app = app.route("/metrics", get(metrics_text));
+    }
+    app.merge(v1)
         // The gRPC stream, on the same port: it authenticates by metadata itself.
         .route_service(&stream_path, streams.service())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+/// `/metrics` alone, for a listener of its own (`--metrics-listen`), so that it can be kept
+/// off the network the data plane reaches.
+pub fn metrics_router(state: AppState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -917,10 +937,30 @@ async fn purge(State(st): State<AppState>, key: Result<Path<String>, PathRejecti
 }
 
 async fn search(State(st): State<AppState>, uri: Uri) -> Response {
-    match operator::parse_search(uri.query()) {
-        Ok(search) => perform(&st, search).await,
-        Err(bad) => bad_request(&st, bad),
-    }
+    let search = match operator::parse_search(uri.query()) {
+        Ok(search) => search,
+        Err(bad) => return bad_request(&st, bad),
+    };
+    // Refused at once rather than queued: a queue of searches would each walk the keyspace.
+    let Ok(place) = Arc::clone(&st.searches).try_acquire_owned() else {
+        st.metrics.rejected(Rejection::Throttled);
+        let mut resp = problem(
+            StatusCode::TOO_MANY_REQUESTS,
+            protocol::PROBLEM_TOO_MANY_REQUESTS,
+            "Too many requests",
+            format!(
+                "another prefix search is running on this store instance, which runs one at \
+                 a time: retry in {} s",
+                operator::SEARCH_RETRY_AFTER_SECS
+            ),
+        );
+        resp.headers_mut().insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(operator::SEARCH_RETRY_AFTER_SECS),
+        );
+        return resp;
+    };
+    perform(&st, operator::Throttled { search, place }).await
 }
 
 /// Runs a validated operation on a task of its own (see [`run_detached`]) and counts and

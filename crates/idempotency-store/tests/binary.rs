@@ -170,6 +170,53 @@ async fn redis_binary_uses_env_token() {
     assert!(wait_exit(&mut run.0).success());
 }
 
+#[tokio::test]
+async fn metrics_move_to_their_own_listener_and_healthz_stays() {
+    let (mut run, addr, line) = common::start_with_line(
+        &["--backend", "memory", "--metrics-listen", "127.0.0.1:0"],
+        &[("IDEMPOTENCY_STORE_TOKEN", "t")],
+    );
+    let metrics_addr = line
+        .rsplit_once(" metrics=")
+        .map(|(_, at)| at.to_owned())
+        .unwrap_or_else(|| panic!("no metrics address in {line:?}"));
+    assert_ne!(metrics_addr, addr);
+    let client = reqwest::Client::new();
+    let get = |url: String| {
+        let client = client.clone();
+        async move { client.get(url).send().await.unwrap() }
+    };
+    let metrics = get(format!("http://{metrics_addr}/metrics")).await;
+    assert_eq!(metrics.status(), 200);
+    assert!(metrics.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("application/openmetrics-text"));
+    assert!(metrics
+        .text()
+        .await
+        .unwrap()
+        .contains("idempotency_store_backend_errors_total"));
+    // Off the main port; the probes' /healthz stays there, and only there.
+    assert_eq!(get(format!("http://{addr}/metrics")).await.status(), 404);
+    assert_eq!(get(format!("http://{addr}/healthz")).await.status(), 200);
+    assert_eq!(
+        get(format!("http://{metrics_addr}/healthz")).await.status(),
+        404
+    );
+    assert_eq!(
+        get(format!("http://{metrics_addr}/v1/claim"))
+            .await
+            .status(),
+        404
+    );
+    sigterm(&run.0);
+    assert!(
+        wait_exit(&mut run.0).success(),
+        "both listeners stop on SIGTERM"
+    );
+}
+
 #[test]
 fn insecure_mode_starts_and_serves_healthz() {
     let (mut run, addr) = start(&["--backend", "memory", "--insecure-no-auth"], &[]);
@@ -376,7 +423,9 @@ mod record_command {
         let shown = text(&out.stdout);
         assert!(shown.contains("state        in_flight"), "{shown}");
         assert!(shown.contains("lease left   59"), "{shown}");
-        assert!(shown.contains("owner        51bd921f"), "{shown}");
+        // A short hash of the owner (SHA-256 of "51bd921f"), never the owner token itself.
+        assert!(shown.contains("owner hash   7b58675034c52992"), "{shown}");
+        assert!(!shown.contains("51bd921f"), "{shown}");
         let out = store.record(&["purge", "--hash", &stuck[..16]]);
         assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
         let purged = text(&out.stdout);

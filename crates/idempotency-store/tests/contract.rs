@@ -1013,6 +1013,23 @@ async fn the_contract_holds_on_a_redis_cluster() {
     for _ in 0..64 {
         first_claim_claims(&h).await;
     }
+
+    // One seed URL and no `--redis-cluster`: the store sees a cluster node and uses the
+    // cluster client, so keys of every primary's slots are claimed (a plain client claimed
+    // only the seed's third and got MOVED for the rest).
+    let seed = format!("redis://127.0.0.1:{}/", cluster.ports[0]);
+    let one = RedisStorage::connect_to(&seed, false).await.unwrap();
+    let fp = random_digest();
+    for _ in 0..60 {
+        let owner = OwnerToken::generate().unwrap();
+        let claimed = one
+            .claim(&random_digest(), &fp, LONG_LEASE_MS, &owner)
+            .await;
+        assert!(
+            matches!(claimed, Ok(ClaimOutcome::Claimed { .. })),
+            "{claimed:?}"
+        );
+    }
 }
 
 // Service-clock backends only: behaviour that Redis's own expiry cannot show
@@ -1190,6 +1207,38 @@ async fn redis_records_use_cluster_safe_hash_keys() {
     assert!(
         pttl > 0 && pttl <= 60_000,
         "lease expiry set by Redis: {pttl}"
+    );
+}
+
+#[tokio::test]
+async fn a_redis_prefix_search_stops_after_about_a_hundred_thousand_keys() {
+    let server = RedisServer::start();
+    let s = RedisStorage::connect(&server.url()).await.unwrap();
+    let client = ::redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    // Three times the bound's keys (none of them a record): a search walks them all in vain.
+    // In short scripts: one long one would outlast the client's response timeout.
+    for batch in 0..30 {
+        let _: () = ::redis::cmd("EVAL")
+            .arg("for i = 1, 10000 do redis.call('SET', 'other:' .. ARGV[1] .. ':' .. i, 'x') end")
+            .arg(0)
+            .arg(batch)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    let filled: i64 = ::redis::cmd("DBSIZE").query_async(&mut conn).await.unwrap();
+    assert_eq!(filled, 300_000);
+    let k = random_digest();
+    let found = s
+        .find_by_prefix(&KeyPrefix::parse(&k.as_str()[..16]).unwrap(), 20)
+        .await
+        .unwrap();
+    assert!(found.keys.is_empty());
+    assert!(
+        !found.exhaustive,
+        "bounded at {} SCAN calls of 1,000: not every key was looked at",
+        idempotency_store::storage::redis::SCAN_MAX_CALLS
     );
 }
 

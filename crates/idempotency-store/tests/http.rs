@@ -621,10 +621,10 @@ async fn operators_find_records_by_prefix_see_their_owner_and_age_and_purge_them
     assert_eq!(st, StatusCode::OK);
     let (_, rec) = srv.get(&format!("/v1/records/{K}")).await;
     assert_eq!(rec["state"], "in_flight");
-    assert_eq!(
-        rec["owner"], "0a1b",
-        "the operator sees who holds the claim"
-    );
+    // A short hash of who holds the claim: never the owner token, with which anyone reading
+    // could complete the claim with bytes of their own. (SHA-256 of "0a1b", 16 hex digits.)
+    assert_eq!(rec["owner_hash"], "f47f40d943986712");
+    assert!(rec.get("owner").is_none(), "{rec}");
     let (written, now) = (
         rec["written_at_ms"].as_u64().unwrap(),
         rec["now_ms"].as_u64().unwrap(),
@@ -702,7 +702,8 @@ async fn operators_find_records_by_prefix_see_their_owner_and_age_and_purge_them
     assert_eq!(st, StatusCode::OK);
     assert_eq!(purged["outcome"], "purged");
     assert_eq!(purged["purged"]["state"], "in_flight");
-    assert_eq!(purged["purged"]["owner"], "0a1b");
+    assert_eq!(purged["purged"]["owner_hash"], "f47f40d943986712");
+    assert!(purged["purged"].get("owner").is_none(), "{purged}");
     let (st, _) = srv.get(&format!("/v1/records/{K}")).await;
     assert_eq!(st, StatusCode::NOT_FOUND);
     let (st, again) = srv
@@ -807,7 +808,8 @@ async fn renew_keeps_the_callers_claims_and_names_the_leases_it_lost() {
     let (_, record) = srv.get(&format!("/v1/records/{K}")).await;
     let renewed_end = record["expires_at_ms"].as_u64().unwrap();
     assert!(renewed_end >= first_end + 59_000, "{renewed_end}");
-    assert_eq!(record["owner"], mine);
+    // Still the same claim (SHA-256 of "00c0ffee", 16 hex digits).
+    assert_eq!(record["owner_hash"], "b7e3ef9e4ac67f53");
     let (_, nothing_lost) = srv
         .post(
             "/v1/renew",
@@ -1090,11 +1092,65 @@ impl Storage for Gated {
         prefix: &KeyPrefix,
         limit: usize,
     ) -> Result<PrefixMatches, StorageError> {
+        self.hold().await;
         self.inner.find_by_prefix(prefix, limit).await
     }
     async fn sweep_expired(&self) -> Result<u64, StorageError> {
         self.inner.sweep_expired().await
     }
+}
+
+#[tokio::test]
+async fn one_prefix_search_runs_at_a_time_and_another_is_told_when_to_retry() {
+    let (entered, gate) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let storage = Arc::new(Gated {
+        inner: MemoryStorage::new(Arc::new(SystemClock)),
+        entered: Arc::clone(&entered),
+        gate: Arc::clone(&gate),
+    });
+    let srv =
+        Arc::new(TestServer::start_with(storage, auth(), server::DEFAULT_MAX_BODY_BYTES).await);
+    let search = format!("/v1/records?prefix={}", &K[..16]);
+    let first = tokio::spawn({
+        let (srv, search) = (Arc::clone(&srv), search.clone());
+        async move { srv.get(&search).await }
+    });
+    within("the first search to reach the backend", entered.notified()).await;
+    let refused = within(
+        "the second search to be refused at once",
+        srv.client
+            .get(srv.url(&search))
+            .bearer_auth(OPERATOR_TOKEN)
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.headers()["retry-after"], "2");
+    assert_eq!(content_type(&refused), "application/problem+json");
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["type"], "urn:idempotency-store:too-many-requests");
+    // Lookups are not searches: they go on.
+    assert_eq!(
+        srv.get(&format!("/v1/records/{K}")).await.0,
+        StatusCode::NOT_FOUND
+    );
+
+    gate.notify_one();
+    let (st, _) = first.await.unwrap();
+    assert_eq!(st, StatusCode::OK);
+    // Its place is free again once it ended.
+    let next = tokio::spawn({
+        let srv = Arc::clone(&srv);
+        async move { srv.get(&search).await }
+    });
+    within("the next search to reach the backend", entered.notified()).await;
+    gate.notify_one();
+    assert_eq!(next.await.unwrap().0, StatusCode::OK);
+    assert!(srv
+        .metrics()
+        .await
+        .contains(r#"idempotency_store_rejected_requests_total{reason="throttled"} 1"#));
 }
 
 /// Fires its `Notify` when dropped while armed: the server dropped a request

@@ -170,10 +170,10 @@ fn token(args: &RecordArgs) -> Result<Option<Token>, String> {
     }
 }
 
+/// This machine's clock, for an older store that does not send its own.
 fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    use crate::clock::Clock as _;
+    crate::clock::SystemClock.now_ms()
 }
 
 /// What a prefix search found, for messages.

@@ -18,7 +18,8 @@ pub struct Shown {
     pub written_at_ms: Option<u64>,
     pub expires_at_ms: u64,
     pub now_ms: u64,
-    pub owner: Option<String>,
+    /// A short hash of an in-flight claim's owner token (the store never shows the token).
+    pub owner_hash: Option<String>,
     pub response: Option<Response>,
 }
 
@@ -82,7 +83,7 @@ impl Shown {
             written_at_ms: answer.written_at_ms,
             expires_at_ms: answer.expires_at_ms,
             now_ms: answer.now_ms.unwrap_or(local_now_ms),
-            owner: answer.owner.clone(),
+            owner_hash: answer.owner_hash.clone(),
             response,
         }
     }
@@ -133,8 +134,8 @@ impl Shown {
                 timestamp(self.expires_at_ms)
             ),
         );
-        if let Some(owner) = &self.owner {
-            line("owner", owner.clone());
+        if let Some(hash) = &self.owner_hash {
+            line("owner hash", hash.clone());
         }
         line("fingerprint", self.fingerprint.clone());
         match &self.response {
@@ -212,7 +213,7 @@ impl Shown {
             "expires_at_ms": self.expires_at_ms,
             "expires_in_ms": self.left_ms(),
             "store_now_ms": self.now_ms,
-            "owner": self.owner,
+            "owner_hash": self.owner_hash,
             "response": response,
         })
     }
@@ -278,7 +279,7 @@ mod tests {
             fingerprint: "f".repeat(64),
             expires_at_ms: 1_700_000_060_000,
             record: record.map(|r| encode_record(&r)),
-            owner: (state == RecordState::InFlight).then(|| "0a1b".to_owned()),
+            owner_hash: (state == RecordState::InFlight).then(|| "f47f40d943986712".to_owned()),
             written_at_ms: Some(1_700_000_000_000),
             now_ms: Some(1_700_000_012_345),
         }
@@ -297,11 +298,12 @@ mod tests {
             text.contains("lease left   47.6s (until 2023-11-14T22:14:20.000Z)"),
             "{text}"
         );
-        assert!(text.contains("owner        0a1b"), "{text}");
+        assert!(text.contains("owner hash   f47f40d943986712"), "{text}");
         let json = shown.json();
         assert_eq!(json["age_ms"], 12_345);
         assert_eq!(json["expires_in_ms"], 47_655);
-        assert_eq!(json["owner"], "0a1b");
+        assert_eq!(json["owner_hash"], "f47f40d943986712");
+        assert!(json.get("owner").is_none(), "{json}");
         assert_eq!(json["response"], Value::Null);
     }
 

@@ -150,9 +150,11 @@ return v
 
 /// Keys one `SCAN` call is asked to look at (a hint: Redis may return more or fewer).
 const SCAN_COUNT: u64 = 1_000;
-/// Most `SCAN` calls one prefix search makes, over every primary together: about a
-/// million keys looked at, a second or so of Redis time spread over its calls.
-const SCAN_MAX_CALLS: u64 = 1_000;
+/// Most `SCAN` calls one prefix search makes, over every primary together: about 100,000
+/// keys looked at, a few tens of milliseconds of Redis time spread over its calls. A search
+/// over a larger keyspace answers `exhaustive: false`; an operator who needs certainty names
+/// the whole key, which is one lookup.
+pub const SCAN_MAX_CALLS: u64 = 100;
 /// A prefix search stops after this long, well within the client's response timeout.
 const SCAN_MAX_TIME: Duration = Duration::from_secs(2);
 
@@ -218,8 +220,10 @@ const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl RedisStorage {
     /// Connects eagerly so a wrong URL fails at startup, not on the first request.
-    /// One URL is one server; several (comma-separated) are seed nodes of a Redis
-    /// Cluster, as is one URL when `cluster` is set.
+    /// Several URLs (comma-separated) are seed nodes of a Redis Cluster, as is one URL when
+    /// `cluster` is set, or when the server behind it says it is a cluster node: a plain
+    /// client there would reach only that node's slots, and every other key would fail
+    /// with `MOVED`.
     pub async fn connect_to(urls: &str, cluster: bool) -> Result<Self, StorageError> {
         let seeds: Vec<&str> = urls
             .split(',')
@@ -228,7 +232,9 @@ impl RedisStorage {
             .collect();
         let conn = match seeds.as_slice() {
             [] => return Err(StorageError::Backend("redis: no URL given".into())),
-            [one] if !cluster => Connection::Node(connect_node(one).await?),
+            [one] if !cluster && !is_cluster_node(one).await => {
+                Connection::Node(connect_node(one).await?)
+            }
             many => Connection::Cluster(connect_cluster(many).await?),
         };
         for seed in &seeds {
@@ -252,6 +258,44 @@ impl RedisStorage {
             record: Script::new(RECORD_LUA),
         }
     }
+}
+
+/// Whether the server at `url` runs in cluster mode (`INFO cluster` says `cluster_enabled:1`).
+/// A server that cannot be asked is taken for a single one, and its connection then fails
+/// (or works) as it would have.
+async fn is_cluster_node(url: &str) -> bool {
+    let asked = async {
+        let client = redis::Client::open(url)?;
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        redis::cmd("INFO")
+            .arg("cluster")
+            .query_async(&mut conn)
+            .await
+    };
+    let info: Result<String, String> = match tokio::time::timeout(RESPONSE_TIMEOUT, asked).await {
+        Ok(answer) => answer.map_err(|e: redis::RedisError| e.to_string()),
+        Err(_) => Err("no answer in time".to_owned()),
+    };
+    match info {
+        Ok(info) if cluster_enabled(&info) => {
+            tracing::info!(
+                %url,
+                "the redis server is a cluster node: using the cluster client \
+                 (as --redis-cluster would)"
+            );
+            true
+        }
+        Ok(_) => false,
+        Err(e) => {
+            tracing::info!(%url, "cannot ask redis whether it is a cluster node ({e})");
+            false
+        }
+    }
+}
+
+/// Reads `cluster_enabled` from an `INFO cluster` answer.
+pub fn cluster_enabled(info: &str) -> bool {
+    info.lines().any(|line| line.trim() == "cluster_enabled:1")
 }
 
 async fn connect_node(url: &str) -> Result<ConnectionManager, StorageError> {
@@ -704,6 +748,14 @@ impl Storage for RedisStorage {
 #[cfg(test)]
 mod tests {
     use super::eviction_is_unsafe;
+
+    #[test]
+    fn a_cluster_node_says_so_in_its_info() {
+        use super::cluster_enabled;
+        assert!(cluster_enabled("# Cluster\r\ncluster_enabled:1\r\n"));
+        assert!(!cluster_enabled("# Cluster\r\ncluster_enabled:0\r\n"));
+        assert!(!cluster_enabled(""));
+    }
 
     #[test]
     fn only_noeviction_keeps_every_claim() {

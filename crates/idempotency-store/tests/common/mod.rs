@@ -222,6 +222,12 @@ impl Drop for Running {
 /// Starts the store on a free loopback port and waits for its ready line;
 /// returns it and the address it listens on.
 pub fn start(args: &[&str], envs: &[(&str, &str)]) -> (Running, String) {
+    let (running, addr, _) = start_with_line(args, envs);
+    (running, addr)
+}
+
+/// Like [`start`], with the whole ready line too.
+pub fn start_with_line(args: &[&str], envs: &[(&str, &str)]) -> (Running, String, String) {
     let mut cmd = Command::new(BIN);
     cmd.args(["--listen", "127.0.0.1:0"])
         .args(args)
@@ -244,7 +250,7 @@ pub fn start(args: &[&str], envs: &[(&str, &str)]) -> (Running, String) {
         .and_then(|rest| rest.split(' ').next())
         .unwrap_or_else(|| panic!("unexpected ready line {line:?}"))
         .to_owned();
-    (running, addr)
+    (running, addr, line.trim().to_owned())
 }
 
 pub fn sigterm(child: &Child) {
