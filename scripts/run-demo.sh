@@ -19,10 +19,13 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-# The same token the sample Envoy config sends; change both together.
+# The same token the sample Envoy config sends; change both together. Operators (the
+# `idempotency-store record` command) get a token of their own, which no Envoy holds.
 printf 'demo-token-change-me\n' > "$run_dir/store-token"
+printf 'demo-operator-token-change-me\n' > "$run_dir/operator-token"
 target/release/idempotency-store --listen 127.0.0.1:8081 --backend embedded \
     --data-dir "$run_dir/store-data" --token-file "$run_dir/store-token" \
+    --operator-token-file "$run_dir/operator-token" \
     > "$run_dir/store.log" 2>&1 &
 pids+=($!)
 target/release/demo-upstream --listen 127.0.0.1:8080 > "$run_dir/upstream.log" 2>&1 &
@@ -65,6 +68,9 @@ Logs are in .run/. Try:
   sleep 3; curl -si -X POST localhost:10000/payments -H 'Idempotency-Key: pay-7' -d '{"amount":5}'
   # how many times did the upstream really execute /orders?
   curl -s 'localhost:8080/__count?path=/orders'
+  # what the store holds for the payment whose client gave up (an unknown outcome)
+  target/release/idempotency-store record show --operator-token-file .run/operator-token \
+    --rule payments -H 'Host: localhost:10000' --key pay-7
   # the counters on-call watches
   curl -s localhost:9901/stats/prometheus | grep idempotency_rule
 TRY

@@ -336,7 +336,9 @@ impl StoreLink {
             return None;
         }
         let name = grpc_status_name(status);
-        if status == GRPC_UNAUTHENTICATED {
+        // The store answers an unknown token UNAUTHENTICATED and its operators' token (which
+        // an Envoy must never hold) PERMISSION_DENIED.
+        if status == GRPC_UNAUTHENTICATED || status == GRPC_PERMISSION_DENIED {
             log::error!(
                 "store stream to {} refused: {name} ({status}): the store does not accept \
                  this filter's store.token",
@@ -385,6 +387,7 @@ impl StoreLink {
     }
 }
 
+const GRPC_PERMISSION_DENIED: u32 = 7;
 const GRPC_UNAUTHENTICATED: u32 = 16;
 
 /// The name of a gRPC status code, for logs.
@@ -395,7 +398,7 @@ fn grpc_status_name(code: u32) -> &'static str {
         2 => "UNKNOWN",
         3 => "INVALID_ARGUMENT",
         4 => "DEADLINE_EXCEEDED",
-        7 => "PERMISSION_DENIED",
+        GRPC_PERMISSION_DENIED => "PERMISSION_DENIED",
         8 => "RESOURCE_EXHAUSTED",
         11 => "OUT_OF_RANGE",
         12 => "UNIMPLEMENTED",
