@@ -17,11 +17,14 @@ WASM_BINDGEN_VERSION := $(shell awk '/^name = "wasm-bindgen"$$/{getline; gsub(/"
 .PHONY: help deps deps-run deps-image deps-test-images build wasm binaries static-binaries venv run test lint unit unit-wasm e2e e2e-oldest test-images image release push bench soak fuzz clean
 
 # The one version of the product ([workspace.package] in Cargo.toml) and the one place images
-# go: every image name, the manifests in deploy/ and those a release writes derive from these
-# two. `make release REGISTRY=registry.example.com/team` renders dist/ for that registry.
+# go, REGISTRY (localhost:5000 unless set; scripts/images.sh holds that default): every image
+# name, the manifests in deploy/ and those a release writes derive from these two.
+# `make release REGISTRY=registry.example.com/team` renders dist/ for that registry.
 VERSION  := $(shell sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"$$/\1/p' Cargo.toml)
-REGISTRY ?= localhost:5000
-export VERSION REGISTRY
+export VERSION
+ifdef REGISTRY
+export REGISTRY
+endif
 MUSL_TARGET := x86_64-unknown-linux-musl
 
 help:
@@ -33,7 +36,7 @@ help:
 	@echo "make fuzz   every fuzz target for FUZZ_SECONDS each (nightly, cargo-fuzz); fails on a crash"
 	@echo "make image  the store and module images (and the compose sample's upstream), docker or podman"
 	@echo "make release  dist/: module, static store binary, images as OCI archives, manifests, INSTALL.md"
-	@echo "make push   the release's images to REGISTRY ($(REGISTRY)), digests unchanged"
+	@echo "make push   the release's images to REGISTRY (default localhost:5000), digests unchanged"
 	@echo "make test-images  the images' tests: the store container under two Envoys, a loopback registry"
 
 # Installs only what is missing (Debian packages via apt, the wasm32 target, the wasm-bindgen
