@@ -80,6 +80,7 @@ build() {
     if [[ $tool == podman ]]; then
         # The commit's time as the images' creation time (and their files' mtime): the same
         # commit and binaries give the same image, hence the same digests in a release.
+        # (Podman's layer cache may keep the time of an earlier build of the same files.)
         flags+=(--timestamp "$(git log -1 --format=%ct 2>/dev/null || echo 0)")
     fi
     echo "building with $tool: $STORE_IMAGE, $MODULE_IMAGE, $DEMO_IMAGE"
