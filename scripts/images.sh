@@ -119,8 +119,9 @@ archive() {
         # gzip layers: what registries serve and Istio's compat reader expects
         # (application/vnd.oci.image.layer.v1.tar+gzip); the archive's manifest is then the
         # one a push copies unchanged, so its digest is the one the registry will answer.
+        # Named by the full image name, which `podman load` (or docker's) gives the image.
         skopeo copy --quiet --dest-compress --dest-compress-format gzip \
-            "$(source_of "$image")" "oci-archive:$dir/$(archive_name "$name"):$VERSION"
+            "$(source_of "$image")" "oci-archive:$dir/$(archive_name "$name"):$image"
     done
 }
 
@@ -132,6 +133,14 @@ push() {
     local dir=${1:?push needs the directory of the release images}
     local name file want got flags=()
     read -r -a flags <<<"${SKOPEO_FLAGS:-}"
+    need_file "$dir/digests" "make release"
+    # The release's manifests name one registry; pushing elsewhere would leave them pointing
+    # at images that are not there.
+    if ! awk -v want="$REGISTRY/idempotency-store:$VERSION" '$1 == want { found = 1 } END { exit !found }' "$dir/digests"; then
+        echo "the release in $(dirname "$dir") was made for $(cut -d' ' -f1 "$dir/digests" | head -1 | sed 's|/idempotency-store:.*||'), not REGISTRY=$REGISTRY:" >&2
+        echo "make release REGISTRY=$REGISTRY first" >&2
+        exit 1
+    fi
     for name in idempotency-store idempotency-filter; do
         file=$dir/$(archive_name "$name")
         need_file "$file" "make release"

@@ -27,7 +27,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
-import client
 import harness
 
 REPO = harness.REPO_ROOT

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
+import tarfile
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -37,7 +36,6 @@ from containers import (
     Registry,
     image_names,
     module_sha256,
-    skopeo,
     static_binary,
     workspace_version,
 )
@@ -229,6 +227,11 @@ def test_the_release_pins_the_digests_the_registry_answers(release, registry, tm
     for archive in ("idempotency-store", "idempotency-filter"):
         name = f"images/{archive}-{version}.oci.tar"
         assert (dist / name).is_file() and f"oci-archive:{name} docker://{reg}/{archive}:{version}" in install
+        # `podman load` names the image after the archive's reference: the image's own name.
+        with tarfile.open(dist / name) as tar:
+            index = json.load(tar.extractfile("index.json"))
+        assert [m["annotations"]["org.opencontainers.image.ref.name"] for m in index["manifests"]] == [
+            f"{reg}/{archive}:{version}"]
     assert (dist / "CHANGELOG.md").read_text() == (REPO / "CHANGELOG.md").read_text()
 
     # The exact references the manifests hold, pulled: the module the agent would load, and a
@@ -316,6 +319,14 @@ def test_two_envoys_share_the_store_container_and_its_volume_outlives_it(
 # --------------------------------------------------------------------------
 
 
+def store_completions(port: int) -> float:
+    """The store's count of recorded completions, from its /metrics."""
+    text = client.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("idempotency_store_operations_total{")
+               and 'operation="complete"' in line and 'outcome="completed"' in line)
+
+
 class PodmanService:
     """`podman system service` on a socket in ``tmpdir``: the Docker API docker-compose talks
     to. Stopped by PID."""
@@ -388,7 +399,8 @@ def test_the_compose_sample_runs_its_store_and_upstream_images(podman, procs, tm
     assert upstream.executions(path) == 1
     harness.wait_until(lambda: rule_counters(envoy, "orders")["executed"] == 1, timeout=10, what="the execution count")
 
-    time.sleep(1)  # the completion goes to the store after the response; give it its round trip
+    # The completion goes to the store after the response: wait until it landed.
+    harness.wait_until(lambda: store_completions(store_port) >= 1, timeout=10, what="the completion at the store")
     compose_cmd("down", "--timeout", "10")  # containers gone, the named volume kept
     compose_cmd("up", "--detach", "--no-build")
     harness.wait_for_http(f"http://127.0.0.1:{store_port}/healthz", timeout=60)
