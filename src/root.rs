@@ -56,6 +56,13 @@ impl Context for Unconfigured {}
 impl HttpContext for Unconfigured {}
 
 impl RootContext for FilterRoot {
+    /// Once per VM (Envoy starts one for each worker, and its main thread's): which build is
+    /// running, so a log shows what a rollout actually loaded.
+    fn on_vm_start(&mut self, _vm_configuration_size: usize) -> bool {
+        log::info!("idempotency-filter {} loaded", env!("CARGO_PKG_VERSION"));
+        true
+    }
+
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
         self.root.on_configure(&EnvoyHost)
     }

@@ -18,9 +18,13 @@ import yaml
 
 import harness
 import helpers
+from containers import image_names, workspace_version
 
-ISTIO = harness.REPO_ROOT / "deploy" / "istio"
+DEPLOY = harness.REPO_ROOT / "deploy"
+ISTIO = DEPLOY / "istio"
+KUBERNETES = DEPLOY / "kubernetes"
 COMPOSE = harness.REPO_ROOT / "envoy" / "docker-compose.yaml"
+STORE_DOCKERFILE = harness.REPO_ROOT / "images" / "store.Dockerfile"
 
 
 def load_all(path: Path) -> list[dict]:
@@ -37,10 +41,35 @@ def wasmplugin_config() -> dict:
     return one(ISTIO / "wasmplugin.yaml", "WasmPlugin")["spec"]["pluginConfig"]
 
 
+def envoyfilter_patch(apply_to: str) -> dict:
+    patches = one(ISTIO / "envoyfilter.yaml", "EnvoyFilter")["spec"]["configPatches"]
+    found = [p for p in patches if p["applyTo"] == apply_to]
+    assert len(found) == 1, f"envoyfilter.yaml should hold one {apply_to} patch"
+    return found[0]
+
+
 def envoyfilter_wasm() -> dict:
-    patch = one(ISTIO / "envoyfilter.yaml", "EnvoyFilter")["spec"]["configPatches"][0]["patch"]
-    assert patch["operation"] == "INSERT_BEFORE"
-    return patch["value"]
+    """The HTTP filter Envoy runs for envoyfilter.yaml: the chain's filter takes its
+    configuration by ECDS, and that configuration is the EXTENSION_CONFIG patch's (a
+    TypedStruct of the Wasm filter, as Istio's agent reads it; Envoy reads it too)."""
+    inserted = envoyfilter_patch("HTTP_FILTER")["patch"]
+    assert inserted["operation"] == "INSERT_BEFORE"
+    discovery = inserted["value"]["config_discovery"]
+    added = envoyfilter_patch("EXTENSION_CONFIG")["patch"]
+    assert added["operation"] == "ADD"
+    assert added["value"]["name"] == inserted["value"]["name"] == "idempotency"
+    typed = added["value"]["typed_config"]
+    assert typed["@type"] == "type.googleapis.com/udpa.type.v1.TypedStruct"
+    assert discovery["type_urls"] == [typed["type_url"]] == ["type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"]
+    # Envoy waits for the module however long the agent takes: no request passes unfiltered.
+    assert discovery["config_source"] == {"ads": {}, "initial_fetch_timeout": "0s"}
+    return {"name": added["value"]["name"], "typed_config": typed}
+
+
+def wasm_config_of(http_filter: dict) -> dict:
+    """The Wasm filter's `config` (PluginConfig), typed or in a TypedStruct."""
+    typed = http_filter["typed_config"]
+    return typed["value"]["config"] if "value" in typed else typed["config"]
 
 
 def istio_cluster(config: dict) -> str:
@@ -67,7 +96,7 @@ def mesh_like(store_cluster: str, wasm_filter: dict | None = None) -> Callable[[
             filters = hcm["http_filters"]
             index = next(i for i, f in enumerate(filters) if f["name"] == "idempotency")
             inline = json.loads(json.dumps(wasm_filter))
-            vm = inline["typed_config"]["config"]["vm_config"]
+            vm = wasm_config_of(inline)["vm_config"]
             vm["code"] = {"local": {"filename": str(helpers.wasm_path())}}
             filters[index] = inline
 
@@ -113,7 +142,7 @@ def test_wasmplugin_plugin_config_runs_in_the_filter(procs, tmp_path) -> None:
 
 def test_envoyfilter_inserts_the_same_filter_with_the_stop_iteration_flag(procs, tmp_path) -> None:
     wasm = envoyfilter_wasm()
-    inner = wasm["typed_config"]["config"]
+    inner = wasm_config_of(wasm)
     assert inner["allow_on_headers_stop_iteration"] is True
     assert inner["failure_policy"] == "FAIL_CLOSED"
     inline_config = json.loads(inner["configuration"]["value"])
@@ -139,8 +168,6 @@ def test_istio_store_service_secret_and_plugin_config_agree() -> None:
     assert secret["stringData"]["token"] == config["store"]["token"]
     plugin = one(ISTIO / "wasmplugin.yaml", "WasmPlugin")["spec"]
     assert plugin["failStrategy"] == "FAIL_CLOSE" and plugin["phase"] and plugin["url"].startswith("oci://")
-    # A string of 64 hex digits (unquoted digits would reach Kubernetes as a number).
-    assert isinstance(plugin["sha256"], str) and len(plugin["sha256"]) == 64
 
 
 def test_the_scope_header_comes_only_from_a_verified_principal() -> None:
@@ -193,7 +220,7 @@ def test_the_scope_header_comes_only_from_a_verified_principal() -> None:
     # The filter runs after authorization: WasmPlugin phase STATS ("after Istio authorization
     # filters"; AUTHZ would run before them), the EnvoyFilter just before the router.
     assert one(ISTIO / "wasmplugin.yaml", "WasmPlugin")["spec"]["phase"] == "STATS"
-    wasm_patch = one(ISTIO / "envoyfilter.yaml", "EnvoyFilter")["spec"]["configPatches"][0]
+    wasm_patch = envoyfilter_patch("HTTP_FILTER")
     assert wasm_patch["patch"]["operation"] == "INSERT_BEFORE"
     assert wasm_patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == "envoy.filters.http.router"
     assert one(ISTIO / "envoyfilter.yaml", "EnvoyFilter")["spec"]["workloadSelector"]["labels"] == gateway
@@ -284,10 +311,87 @@ def test_a_client_cannot_choose_its_scope_through_the_gateway_filters(procs) -> 
     helpers.problem(helpers.post(bare, "/orders", key=key, headers={"x-verified-subject": "alice"}), 401, "missing-scope")
 
 
+def store_containers() -> list[tuple[str, dict, dict]]:
+    """(file name, pod spec, container) of every store workload in deploy/."""
+    found = []
+    for path in (ISTIO / "store.yaml", KUBERNETES / "store-on-redis-cluster.yaml"):
+        for doc in load_all(path):
+            if doc.get("kind") in ("StatefulSet", "Deployment"):
+                pod = doc["spec"]["template"]["spec"]
+                found += [(path.name, pod, c) for c in pod["containers"]]
+    return found
+
+
+def dockerfile_instructions(path: Path) -> dict[str, list[str]]:
+    """The last value of each instruction of a Dockerfile without continuation lines."""
+    found: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            word, _, rest = line.strip().partition(" ")
+            found.setdefault(word.upper(), []).append(rest.strip())
+    return found
+
+
+def test_manifests_run_the_images_make_image_builds() -> None:
+    """deploy/ names the images as `make image` tags them (scripts/images.sh, REGISTRY's default
+    and the workspace version), with no placeholder left; `make release` pins them by digest
+    (test_images.py checks dist/)."""
+    images = image_names()
+    version = workspace_version()
+    assert images == {
+        "store": f"localhost:5000/idempotency-store:{version}",
+        "module": f"localhost:5000/idempotency-filter:{version}",
+        "demo": f"localhost:5000/idempotency-demo-upstream:{version}",
+    }
+    containers = store_containers()
+    assert [name for name, _, _ in containers] == ["store.yaml", "store-on-redis-cluster.yaml"]
+    assert {c["image"] for _, _, c in containers} == {images["store"]}
+    plugin = one(ISTIO / "wasmplugin.yaml", "WasmPlugin")["spec"]
+    assert plugin["url"] == f"oci://{images['module']}" and "sha256" not in plugin
+    remote = wasm_config_of(envoyfilter_wasm())["vm_config"]["code"]["remote"]
+    assert remote["http_uri"]["uri"] == plugin["url"]
+    # The agent fetches the module; "_" and "nil" are the values Istio itself gives a remote
+    # module it has no cluster and no checksum for (make release writes the digest).
+    assert remote["http_uri"]["cluster"] == "_" and remote["sha256"] == "nil"
+    for path in DEPLOY.rglob("*.yaml"):
+        text = path.read_text()
+        assert "example.com/idempotency" not in text and "0" * 64 not in text, path
+
+
+def test_store_workloads_fit_the_image() -> None:
+    """The image's user, volume and port (images/store.Dockerfile) are what the workloads
+    expect, and their probes use the store's /healthz (the image has no shell for exec probes)."""
+    dockerfile = dockerfile_instructions(STORE_DOCKERFILE)
+    assert dockerfile["FROM"] == ["scratch"]
+    user = int(dockerfile["USER"][-1].split(":")[0])
+    assert dockerfile["VOLUME"] == ['["/data"]'] and dockerfile["EXPOSE"] == ["8081"]
+    assert json.loads(dockerfile["ENTRYPOINT"][-1]) == ["/idempotency-store"]
+    for name, pod, container in store_containers():
+        port = container["ports"][0]["containerPort"]
+        assert f"--listen=0.0.0.0:{port}" in container["args"], name
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"] == {"path": "/healthz", "port": port}, (name, probe)
+        assert container["securityContext"]["runAsUser"] == user and container["securityContext"]["runAsNonRoot"]
+        if "--backend=embedded" in container["args"]:
+            # The database goes to the volume, which must be writable by the image's user.
+            assert "--data-dir=/data" in container["args"]
+            assert {"name": "data", "mountPath": "/data"} in container["volumeMounts"]
+            assert pod["securityContext"]["fsGroup"] == user, name
+
+
 def test_compose_runs_the_tested_envoy_config_and_ports() -> None:
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
     assert services["envoy"]["image"].startswith("envoyproxy/envoy:v1.40")
+    # The store and the upstream run the images `make image` builds, nothing mounted from the
+    # host (test_images.py runs them).
+    images = image_names()
+    for service, kind in (("store", "store"), ("upstream", "demo")):
+        image = services[service]["image"]
+        assert image.startswith("${REGISTRY:-localhost:5000}/"), image
+        assert image.replace("${REGISTRY:-localhost:5000}", "localhost:5000") == images[kind]
+        assert not any(v.startswith("..") for v in services[service].get("volumes", [])), service
+    assert services["store"]["volumes"] == ["store-data:/data"]
     assert "/work/envoy/envoy.yaml" in services["envoy"]["command"]
     envoy_config = yaml.safe_load(harness.default_envoy_config().read_text())
     clusters = {c["name"]: c for c in envoy_config["static_resources"]["clusters"]}

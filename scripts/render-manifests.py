@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Writes deploy/ as a release ships it: every image reference pointing at REGISTRY and pinned
+by the digest of the image in the release.
+
+    scripts/render-manifests.py --registry R --version V --store-digest HEX --module-digest HEX SRC DEST
+
+SRC is deploy/; DEST gets the same tree. In each YAML file, the lines that name an image are
+rewritten, and nothing else (comments, order and everything else stay as they are):
+
+    image: <any>/idempotency-store:<V>        -> image: R/idempotency-store@sha256:<store>  # <V>
+    url: oci://<any>/idempotency-filter:<V>   -> url: oci://R/idempotency-filter@sha256:<module>  # <V>
+                                                 sha256: "<module>"   (a new line: WasmPlugin)
+    uri: oci://<any>/idempotency-filter:<V>   -> uri: oci://R/idempotency-filter@sha256:<module>  # <V>
+    and the next `sha256: "nil"`              -> sha256: "<module>"   (EnvoyFilter remote code)
+
+By digest alone, not tag and digest: some image tools refuse references with both (skopeo
+and podman of Debian 12, and older CRI-O, all built on containers/image), and the trailing
+comment still says the version. For an OCI image Istio compares `sha256` with the digest of
+the image's manifest, which is the digest here. Fails if a file names an image another way, or if deploy/ names no image at all,
+so a manifest that changed shape is noticed rather than shipped with a stale reference.
+Standard library only: `make release` runs it before any virtualenv exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+from pathlib import Path
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def render(text: str, *, registry: str, version: str, store: str, module: str, name: str) -> tuple[str, dict[str, int]]:
+    counts = {"store": 0, "module": 0}
+    v = re.escape(version)
+    store_line = re.compile(rf"^(\s*(?:-\s+)?)image:\s*\S+/idempotency-store:{v}\s*$")
+    url_line = re.compile(rf"^(\s*)url:\s*oci://\S+/idempotency-filter:{v}\s*$")
+    uri_line = re.compile(rf"^(\s*)uri:\s*oci://\S+/idempotency-filter:{v}\s*$")
+    nil_sha = re.compile(r'^(\s*)sha256:\s*"nil"\s*$')
+    out: list[str] = []
+    pending_nil = False
+    for line in text.split("\n"):
+        if m := store_line.match(line):
+            out.append(f"{m.group(1)}image: {registry}/idempotency-store@sha256:{store}  # {version}")
+            counts["store"] += 1
+        elif m := url_line.match(line):
+            out.append(f"{m.group(1)}url: oci://{registry}/idempotency-filter@sha256:{module}  # {version}")
+            out.append(f'{m.group(1)}sha256: "{module}"')
+            counts["module"] += 1
+        elif m := uri_line.match(line):
+            out.append(f"{m.group(1)}uri: oci://{registry}/idempotency-filter@sha256:{module}  # {version}")
+            counts["module"] += 1
+            pending_nil = True
+        elif pending_nil and (m := nil_sha.match(line)):
+            out.append(f'{m.group(1)}sha256: "{module}"')
+            pending_nil = False
+        else:
+            if re.search(r"idempotency-(store|filter)[:@]", line) and not line.lstrip().startswith("#"):
+                raise SystemExit(f"{name}: an image reference this script does not know how to pin: {line.strip()}")
+            out.append(line)
+    if pending_nil:
+        raise SystemExit(f'{name}: an oci:// module uri without its sha256: "nil" line')
+    return "\n".join(out), counts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--registry", required=True)
+    parser.add_argument("--version", required=True)
+    parser.add_argument("--store-digest", required=True)
+    parser.add_argument("--module-digest", required=True)
+    parser.add_argument("src", type=Path)
+    parser.add_argument("dest", type=Path)
+    args = parser.parse_args()
+    for digest in (args.store_digest, args.module_digest):
+        if not HEX64.match(digest):
+            raise SystemExit(f"not a sha256 digest (64 lower-case hex digits): {digest}")
+    registry = args.registry.rstrip("/")
+    if args.dest.exists():
+        shutil.rmtree(args.dest)
+    shutil.copytree(args.src, args.dest)
+    totals = {"store": 0, "module": 0}
+    for path in sorted(args.dest.rglob("*.yaml")):
+        text, counts = render(
+            path.read_text(), registry=registry, version=args.version,
+            store=args.store_digest, module=args.module_digest, name=str(path.relative_to(args.dest)),
+        )
+        path.write_text(text)
+        for kind, n in counts.items():
+            totals[kind] += n
+    if not totals["store"] or not totals["module"]:
+        raise SystemExit(f"{args.src} names no store image or no module image for version {args.version}: {totals}")
+    print(f"{args.dest}: {totals['store']} store image line(s), {totals['module']} module reference(s) pinned")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
