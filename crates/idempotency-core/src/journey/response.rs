@@ -143,19 +143,27 @@ impl RequestJourney {
         let rule = Rc::clone(&run.rule);
         self.note(host, &rule, Outcome::OutcomeUnknown);
         let release = rule.rule.on_unknown_outcome == UnknownOutcomePolicy::Release;
-        log::warn!(
-            "rule {}: outcome unknown (status {}, flags {}, details {}, attempts {}); {}",
-            rule.rule.name,
-            report.status,
-            flag_names(report.flags),
-            report.details.as_deref().unwrap_or("-"),
-            report.attempts.map_or("-".to_string(), |n| n.to_string()),
-            if release {
-                "key released (on_unknown_outcome: release)"
-            } else {
-                "key kept until its TTL"
-            }
-        );
+        let admitted = self
+            .plugin
+            .unknown_outcome_log
+            .borrow_mut()
+            .admit(host.now_ms());
+        if let Some(suppressed) = admitted {
+            log::warn!(
+                "rule {}: outcome unknown (status {}, flags {}, details {}, attempts {}); {} \
+                 ({suppressed} similar not logged)",
+                rule.rule.name,
+                report.status,
+                flag_names(report.flags),
+                report.details.as_deref().unwrap_or("-"),
+                report.attempts.map_or("-".to_string(), |n| n.to_string()),
+                if release {
+                    "key released (on_unknown_outcome: release)"
+                } else {
+                    "key kept until its TTL"
+                }
+            );
+        }
         if release {
             return self.release(host, run);
         }

@@ -50,6 +50,9 @@ pub struct Plugin {
     pub store_failures: RefCell<BurstLog>,
     /// Claims refused for a full table, logged once per burst.
     pub table_full_log: RefCell<BurstLog>,
+    /// Unknown outcomes, logged once per burst (an upstream that times out does it to every
+    /// write; each one is in the access log and the counters anyway).
+    pub unknown_outcome_log: RefCell<BurstLog>,
     /// Keeps `table` in step with the tables other configurations use or retired.
     pub upkeep: TableUpkeep,
     /// How long evicted records had been kept.
@@ -104,6 +107,7 @@ impl Plugin {
             root_context: Cell::new(0),
             store_failures: RefCell::new(BurstLog::new(10_000)),
             table_full_log: RefCell::new(BurstLog::new(10_000)),
+            unknown_outcome_log: RefCell::new(BurstLog::new(10_000)),
             upkeep,
             retention: Retention::define(host),
             waits: Waits::default(),
