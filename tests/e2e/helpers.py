@@ -189,6 +189,15 @@ def start_envoy(procs: harness.ProcessGroup, upstream: harness.Upstream, config:
                        **envoy_options(upstream, config, store_port=store_port))
 
 
+def prepend_routes(config: dict, routes: list[dict]) -> None:
+    """Puts ``routes`` ahead of the catch-all in the first virtual host of an Envoy config
+    (for a ``mutate``): a test's own timeouts and retry policies on paths of its own."""
+    hcm = next(f["typed_config"] for listener in config["static_resources"]["listeners"]
+               for chain in listener["filter_chains"] for f in chain["filters"]
+               if f["name"] == "envoy.filters.network.http_connection_manager")
+    hcm["route_config"]["virtual_hosts"][0]["routes"][:0] = routes
+
+
 @contextlib.contextmanager
 def module_envoy(tmpdir: Path, name: str, config: Any, **kwargs: Any) -> Iterator[tuple[harness.Envoy, harness.Upstream]]:
     """For a module's fixture: an upstream and an Envoy from envoy.yaml with ``config`` that

@@ -65,6 +65,7 @@ from helpers import (
     access_lines,
     crash_lines,
     new_key,
+    prepend_routes,
     problem,
     rule,
     rule_counter,
@@ -162,18 +163,14 @@ class Api:
 
 def add_routes(config: dict) -> None:
     """``mutate`` for envoy/envoy.yaml: the SHORT and RETRIED routes ahead of the catch-all."""
-    hcm = next(f["typed_config"] for listener in config["static_resources"]["listeners"]
-               for chain in listener["filter_chains"] for f in chain["filters"]
-               if f["name"] == "envoy.filters.network.http_connection_manager")
-    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    routes[:0] = [
+    prepend_routes(config, [
         {"name": "short", "match": {"prefix": SHORT + "/"},
          "route": {"cluster": "demo_upstream", "timeout": "1s"}},
         {"name": "retried", "match": {"prefix": RETRIED + "/"},
          "route": {"cluster": "demo_upstream", "timeout": "10s",
                    "retry_policy": {"retry_on": "5xx,reset", "num_retries": 2,
                                     "per_try_timeout": "1s"}}},
-    ]
+    ])
 
 
 def stripe_plugin_config(**fields: Any) -> dict:

@@ -27,6 +27,7 @@ from helpers import (
     line_for,
     new_key,
     post,
+    prepend_routes,
     problem,
     rule,
     rule_counter,
@@ -45,15 +46,7 @@ EDGE_RULE = "edge"
 
 def add_routes(config: dict) -> None:
     """``mutate`` for envoy/envoy.yaml: the routes above, ahead of the catch-all."""
-    hcm = next(
-        f["typed_config"]
-        for listener in config["static_resources"]["listeners"]
-        for chain in listener["filter_chains"]
-        for f in chain["filters"]
-        if f["name"] == "envoy.filters.network.http_connection_manager"
-    )
-    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    routes[:0] = [
+    prepend_routes(config, [
         {"name": "edge-slow", "match": {"prefix": SLOW_ROUTE + "/"},
          "route": {"cluster": "demo_upstream", "timeout": "1s"}},
         {"name": "edge-retried", "match": {"prefix": RETRIED + "/"},
@@ -62,7 +55,7 @@ def add_routes(config: dict) -> None:
                                     "per_try_timeout": "1s"}}},
         {"name": "edge-refused", "match": {"prefix": REFUSED + "/"},
          "route": {"cluster": "refused", "timeout": "5s"}},
-    ]
+    ])
     config["static_resources"]["clusters"].append({
         "name": "refused",
         "type": "STATIC",

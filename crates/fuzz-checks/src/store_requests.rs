@@ -5,8 +5,8 @@
 use arbitrary::{Result, Unstructured};
 use idempotency_protocol::stream::{decode_call, encode_call, Call, CallOp};
 use idempotency_protocol::wire::{
-    decode_record, encode_record, ClaimBody, CompleteBody, LeaseBody, ReleaseBody, RenewBody,
-    MAX_LEASE_MS, MAX_RENEW_LEASES, MAX_TTL_MS, MIN_LEASE_MS, MIN_TTL_MS,
+    decode_record, encode_record, ClaimBody, CompleteBody, ReleaseBody, RenewBody, MAX_LEASE_MS,
+    MAX_RENEW_LEASES, MAX_TTL_MS, MIN_LEASE_MS, MIN_TTL_MS,
 };
 use idempotency_store::grpc::pb;
 use idempotency_store::grpc::pb::call::Op as PbOp;
@@ -106,16 +106,7 @@ fn http_raw(data: &[u8]) {
 }
 
 fn renew_body(lease_ms: u64, leases: &[(String, String)]) -> RenewBody {
-    RenewBody {
-        lease_ms,
-        leases: leases
-            .iter()
-            .map(|(key, owner)| LeaseBody {
-                key: key.clone(),
-                owner: owner.clone(),
-            })
-            .collect(),
-    }
+    RenewBody::of(lease_ms, leases)
 }
 
 fn time(u: &mut Unstructured<'_>, max: u64) -> Result<u64> {

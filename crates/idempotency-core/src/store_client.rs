@@ -4,8 +4,8 @@
 
 use idempotency_protocol::stream::{CallOp, FailureKind, Reply};
 use idempotency_protocol::wire::{
-    decode_record, encode_record, outcome, ClaimBody, ClaimResponse, CompleteBody, LeaseBody,
-    OutcomeResponse, ReleaseBody, RenewBody, RenewResponse, MAX_RENEW_LEASES,
+    decode_record, encode_record, outcome, ClaimBody, ClaimResponse, CompleteBody, OutcomeResponse,
+    ReleaseBody, RenewBody, RenewResponse, MAX_RENEW_LEASES,
 };
 
 use crate::key::{to_hex, Digest};
@@ -162,16 +162,7 @@ pub fn http_body(call: &CallOp) -> Vec<u8> {
             key: key.clone(),
             owner: owner.clone(),
         }),
-        CallOp::Renew { lease_ms, leases } => serde_json::to_vec(&RenewBody {
-            lease_ms: *lease_ms,
-            leases: leases
-                .iter()
-                .map(|(key, owner)| LeaseBody {
-                    key: key.clone(),
-                    owner: owner.clone(),
-                })
-                .collect(),
-        }),
+        CallOp::Renew { lease_ms, leases } => serde_json::to_vec(&RenewBody::of(*lease_ms, leases)),
         CallOp::Wait { .. } => return Vec::new(),
     };
     json.unwrap_or_default()

@@ -135,6 +135,22 @@ pub struct RenewBody {
     pub leases: Vec<LeaseBody>,
 }
 
+impl RenewBody {
+    /// A renew of `leases`, each a (key, owner) pair in hex as the stream carries them.
+    pub fn of(lease_ms: u64, leases: &[(String, String)]) -> Self {
+        Self {
+            lease_ms,
+            leases: leases
+                .iter()
+                .map(|(key, owner)| LeaseBody {
+                    key: key.clone(),
+                    owner: owner.clone(),
+                })
+                .collect(),
+        }
+    }
+}
+
 /// The 200 answer to a renew: `{"outcome":"renewed","lost":[..]}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RenewResponse {
