@@ -50,6 +50,10 @@ impl Host for EnvoyHost {
             .map_err(error)
     }
 
+    fn request_trailers(&self) -> Result<HeaderPairs, HostError> {
+        host::get_header_pairs(MapType::HttpRequestTrailers).map_err(error)
+    }
+
     fn response_headers(&self) -> Result<HeaderPairs, HostError> {
         host::get_header_pairs(MapType::HttpResponseHeaders).map_err(error)
     }
@@ -94,6 +98,7 @@ impl Host for EnvoyHost {
             callout.cluster,
             callout.headers.clone(),
             callout.body,
+            callout.trailers.clone(),
             std::time::Duration::from_millis(callout.timeout_ms),
         )
         .map_err(error)

@@ -302,11 +302,12 @@ pub fn dispatch_http_call(
     cluster: &str,
     headers: Vec<(&str, &str)>,
     body: &[u8],
+    trailers: Vec<(&str, &str)>,
     timeout: Duration,
 ) -> HostResult<u32> {
     // A zero timeout means "none" to the host: never send one.
     let timeout = timeout.max(Duration::from_millis(1));
-    proxy_wasm::hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
+    proxy_wasm::hostcalls::dispatch_http_call(cluster, headers, Some(body), trailers, timeout)
         .map_err(|status| HostStatus(status as u32))
 }
 

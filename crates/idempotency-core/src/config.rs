@@ -112,6 +112,12 @@ struct RawRule {
     wait_ms: Option<u64>,
     #[serde(default)]
     on_unknown_outcome: UnknownOutcomePolicy,
+    #[serde(default)]
+    execution: ExecutionMode,
+    #[serde(default)]
+    upstream_cluster: Option<String>,
+    #[serde(default)]
+    upstream_timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -225,6 +231,32 @@ pub enum UnknownOutcomePolicy {
     /// back when their caller goes away.
     Release,
 }
+
+/// How a protected request that holds its key reaches the upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecutionMode {
+    /// Through Envoy's router, as any request: the client's connection carries it, so a
+    /// client that leaves cuts it short and its outcome is unknown.
+    #[default]
+    Inline,
+    /// Sent by the filter itself from the worker's root context, which outlives the client:
+    /// the write completes and is recorded even if its client left, and a retry replays it.
+    Detached,
+}
+
+/// Where and how long a detached write is sent (`execution: "detached"`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DetachedUpstream {
+    /// The Envoy cluster to send to; None: the cluster the request's route chose.
+    pub cluster: Option<String>,
+    /// The whole exchange, from sending the request to its response's last byte.
+    pub timeout_ms: u64,
+}
+
+/// Envoy's own default route timeout: a detached write gets as long as a routed one would.
+pub const DEFAULT_UPSTREAM_TIMEOUT_MS: u64 = 15_000;
+pub const MAX_UPSTREAM_TIMEOUT_MS: u64 = 300_000;
 
 /// How long a held duplicate waits by default, and at most.
 pub const DEFAULT_WAIT_MS: u64 = 10_000;
@@ -402,6 +434,8 @@ pub struct Rule {
     /// How long a duplicate is held under `InFlightPolicy::Wait`.
     pub wait_ms: u64,
     pub on_unknown_outcome: UnknownOutcomePolicy,
+    /// Some: `execution: "detached"`, sent from the root context to this upstream.
+    pub detached: Option<DetachedUpstream>,
 }
 
 /// Where and how the filter reaches the shared store.
@@ -728,6 +762,13 @@ fn validate_rule(
             format!("must be between 1 and {MAX_WAIT_MS}, and at most lease_seconds"),
         ));
     }
+    let detached = validate_execution(
+        &at,
+        raw.execution,
+        raw.upstream_cluster,
+        raw.upstream_timeout_ms,
+        store.as_ref(),
+    )?;
     Ok(Rule {
         name: raw.name,
         matcher: validate_match(index, raw.matcher)?,
@@ -752,7 +793,59 @@ fn validate_rule(
         on_in_flight: raw.on_in_flight,
         wait_ms,
         on_unknown_outcome: raw.on_unknown_outcome,
+        detached,
     })
+}
+
+/// The upstream of a detached rule; its settings are refused on an inline one, where they
+/// would silently do nothing.
+fn validate_execution(
+    at: &dyn Fn(&str) -> String,
+    mode: ExecutionMode,
+    cluster: Option<String>,
+    timeout_ms: Option<u64>,
+    store: Option<&StoreConfig>,
+) -> Result<Option<DetachedUpstream>, ConfigError> {
+    if mode == ExecutionMode::Inline {
+        for (field, given) in [
+            ("upstream_cluster", cluster.is_some()),
+            ("upstream_timeout_ms", timeout_ms.is_some()),
+        ] {
+            if given {
+                return Err(invalid(
+                    at(field),
+                    "only applies with execution: \"detached\"",
+                ));
+            }
+        }
+        return Ok(None);
+    }
+    if let Some(name) = &cluster {
+        if name.is_empty() || name.bytes().any(|b| !b.is_ascii_graphic()) {
+            return Err(invalid(
+                at("upstream_cluster"),
+                "must name an Envoy cluster (omit it to send to the route's cluster)",
+            ));
+        }
+        if store.is_some_and(|s| s.cluster == *name) {
+            return Err(invalid(
+                at("upstream_cluster"),
+                format!("'{name}' is the store's cluster: writes go to the service, not the store"),
+            ));
+        }
+    }
+    let timeout_ms = timeout_ms.unwrap_or(DEFAULT_UPSTREAM_TIMEOUT_MS);
+    if timeout_ms == 0 || timeout_ms > MAX_UPSTREAM_TIMEOUT_MS {
+        // Zero would mean "no timeout" to Envoy: a hung upstream would hold the key forever.
+        return Err(invalid(
+            at("upstream_timeout_ms"),
+            format!("must be between 1 and {MAX_UPSTREAM_TIMEOUT_MS}"),
+        ));
+    }
+    Ok(Some(DetachedUpstream {
+        cluster,
+        timeout_ms,
+    }))
 }
 
 fn validate_source(at: &str, raw: RawSource) -> Result<FieldSource, ConfigError> {
@@ -1183,5 +1276,63 @@ mod tests {
         .unwrap();
         assert_eq!(c.rules[0].matcher.methods, vec!["PUT", "POST"]);
         assert_eq!(c.rules[0].matcher.hosts, vec!["api.example"]);
+    }
+
+    #[test]
+    fn a_detached_rule_names_where_and_how_long_and_an_inline_one_refuses_those_settings() {
+        let parse = |rule: &str| {
+            Config::parse(
+                format!(r#"{{"store":{{"cluster":"store"}},"rules":[{{"name":"a"{rule}}}]}}"#)
+                    .as_bytes(),
+            )
+        };
+        let c = parse("").unwrap();
+        assert_eq!(c.rules[0].detached, None, "inline unless asked");
+        let c = parse(r#","execution":"detached""#).unwrap();
+        assert_eq!(
+            c.rules[0].detached,
+            Some(DetachedUpstream {
+                cluster: None,
+                timeout_ms: DEFAULT_UPSTREAM_TIMEOUT_MS
+            })
+        );
+        let c =
+            parse(r#","execution":"detached","upstream_cluster":"pay","upstream_timeout_ms":2500"#)
+                .unwrap();
+        assert_eq!(
+            c.rules[0].detached,
+            Some(DetachedUpstream {
+                cluster: Some("pay".into()),
+                timeout_ms: 2500
+            })
+        );
+        for (rule, field) in [
+            (r#","upstream_cluster":"pay""#, "rules[0].upstream_cluster"),
+            (
+                r#","upstream_timeout_ms":100"#,
+                "rules[0].upstream_timeout_ms",
+            ),
+            (
+                r#","execution":"detached","upstream_cluster":"""#,
+                "rules[0].upstream_cluster",
+            ),
+            (
+                r#","execution":"detached","upstream_cluster":"store""#,
+                "rules[0].upstream_cluster",
+            ),
+            (
+                r#","execution":"detached","upstream_timeout_ms":0"#,
+                "rules[0].upstream_timeout_ms",
+            ),
+            (
+                r#","execution":"detached","upstream_timeout_ms":300001"#,
+                "rules[0].upstream_timeout_ms",
+            ),
+        ] {
+            let e = parse(rule).unwrap_err();
+            assert_eq!(e.field, field, "{rule}: {e}");
+        }
+        let e = parse(r#","execution":"later""#).unwrap_err();
+        assert_eq!(e.field, "(json)");
     }
 }

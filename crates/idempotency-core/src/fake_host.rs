@@ -20,9 +20,12 @@ pub(crate) enum Effect {
     },
     Callout {
         token: u32,
+        cluster: String,
         path: String,
         headers: Vec<(String, String)>,
         body: Vec<u8>,
+        trailers: Vec<(String, String)>,
+        timeout_ms: u64,
     },
     Resume,
     StreamOpened {
@@ -67,6 +70,7 @@ pub(crate) struct FakeHost {
     pub clock_ms: Cell<u64>,
     pub request_headers: RefCell<HeaderPairs>,
     pub request_body: RefCell<Vec<u8>>,
+    pub request_trailers: RefCell<HeaderPairs>,
     /// Request headers the flow set, in order (kept apart from `effects`: every protected
     /// request sets one).
     pub request_header_edits: RefCell<HeaderPairs>,
@@ -102,6 +106,7 @@ impl Default for FakeHost {
             clock_ms: Cell::new(1_700_000_000_000),
             request_headers: RefCell::default(),
             request_body: RefCell::default(),
+            request_trailers: RefCell::default(),
             request_header_edits: RefCell::default(),
             refused_statuses: RefCell::default(),
             response_headers: RefCell::default(),
@@ -252,6 +257,11 @@ impl Host for FakeHost {
         Ok(body.iter().take(size).copied().collect())
     }
 
+    fn request_trailers(&self) -> Result<HeaderPairs, HostError> {
+        self.check(HostCall::RequestHeaders)?;
+        Ok(self.request_trailers.borrow().clone())
+    }
+
     fn response_headers(&self) -> Result<HeaderPairs, HostError> {
         self.check(HostCall::ResponseHeaders)?;
         Ok(self.response_headers.borrow().clone())
@@ -324,15 +334,19 @@ impl Host for FakeHost {
                 .map(|(_, v)| v.to_string())
                 .unwrap_or_default()
         };
+        let owned = |list: &[(&str, &str)]| -> Vec<(String, String)> {
+            list.iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect()
+        };
         self.record(Effect::Callout {
             token,
+            cluster: callout.cluster.to_string(),
             path: header(":path"),
-            headers: callout
-                .headers
-                .iter()
-                .map(|(n, v)| (n.to_string(), v.to_string()))
-                .collect(),
+            headers: owned(&callout.headers),
             body: callout.body.to_vec(),
+            trailers: owned(&callout.trailers),
+            timeout_ms: callout.timeout_ms,
         });
         Ok(token)
     }

@@ -17,6 +17,7 @@ pub struct Callout<'a> {
     pub cluster: &'a str,
     pub headers: Vec<(&'a str, &'a str)>,
     pub body: &'a [u8],
+    pub trailers: Vec<(&'a str, &'a str)>,
     pub timeout_ms: u64,
 }
 
@@ -33,6 +34,8 @@ pub trait Host: SharedData {
     fn request_headers(&self) -> Result<HeaderPairs, HostError>;
     /// The first `size` bytes of the buffered request body.
     fn request_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
+    /// The request's trailers (request trailers callback, and while the request is held).
+    fn request_trailers(&self) -> Result<HeaderPairs, HostError>;
     /// Sets a request header before the request goes on (request headers callback only).
     fn replace_request_header(&self, name: &str, value: &[u8]) -> Result<(), HostError>;
     fn response_headers(&self) -> Result<HeaderPairs, HostError>;

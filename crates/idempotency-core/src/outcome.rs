@@ -63,10 +63,16 @@ pub enum Outcome {
     /// A live request's lease could not be renewed: another request took its key over (its
     /// proxy's renewals did not reach the store before the lease ended).
     LeaseLost,
+    /// A write sent upstream by the filter itself (`execution: "detached"`), so that it
+    /// completes even if its client leaves.
+    Detached,
+    /// A detached write that completed after its client had left: recorded, so the client's
+    /// retry replays it instead of learning nothing.
+    CompletedAfterClientLeft,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 26] = [
+    pub const ALL: [Outcome; 28] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -93,6 +99,8 @@ impl Outcome {
         Outcome::OutcomeUnknownAnswered,
         Outcome::Resent,
         Outcome::LeaseLost,
+        Outcome::Detached,
+        Outcome::CompletedAfterClientLeft,
     ];
 
     pub fn name(self) -> &'static str {
@@ -123,6 +131,8 @@ impl Outcome {
             Outcome::OutcomeUnknownAnswered => "outcome_unknown_answered",
             Outcome::Resent => "resent",
             Outcome::LeaseLost => "lease_lost",
+            Outcome::Detached => "detached",
+            Outcome::CompletedAfterClientLeft => "completed_after_client_left",
         }
     }
 

@@ -157,6 +157,20 @@ impl Problem {
         }
     }
 
+    /// A detached rule sends the request itself, and the ABI carries header values as text.
+    pub fn unforwardable_header(name: &str) -> Problem {
+        Problem {
+            status: 400,
+            kind: "header-not-forwardable",
+            title: "A request header cannot be forwarded",
+            detail: format!(
+                "This endpoint's writes are sent on by the proxy itself, which forwards header \
+                 values as UTF-8 text; the '{name}' header is not. It was not executed."
+            ),
+            retry_after_seconds: None,
+        }
+    }
+
     pub fn unavailable(what: &str) -> Problem {
         Problem {
             status: 503,

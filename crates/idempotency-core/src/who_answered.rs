@@ -137,6 +137,93 @@ impl EnvoyReport {
     }
 }
 
+/// What Envoy's router answers a callout itself when the upstream reset or refused the
+/// stream before its response began (`upstream connect error or disconnect/reset before
+/// headers. reset reason: connection termination`, possibly with `retried and the latest`).
+const RESET_BEFORE_HEADERS: &str = "upstream connect error or disconnect/reset before headers.";
+/// Reset reasons of a request that was never written to the upstream: no connection, a
+/// circuit breaker, or an HTTP/2 stream the upstream refused unprocessed.
+const RESETS_BEFORE_SENDING: [(&str, u64); 6] = [
+    (
+        "local connection failure",
+        flag::UPSTREAM_CONNECTION_FAILURE,
+    ),
+    (
+        "remote connection failure",
+        flag::UPSTREAM_CONNECTION_FAILURE,
+    ),
+    ("connection failure", flag::UPSTREAM_CONNECTION_FAILURE),
+    ("connection timeout", flag::UPSTREAM_CONNECTION_FAILURE),
+    ("overflow", flag::UPSTREAM_OVERFLOW),
+    (
+        "remote refused stream reset",
+        flag::UPSTREAM_CONNECTION_FAILURE,
+    ),
+];
+
+impl EnvoyReport {
+    /// Who answered a detached write (`execution: "detached"`), sent as a callout: Envoy
+    /// reports no details or flags for one, but its router's own answers have fixed bodies,
+    /// and a 504 at the callout's timeout is its own. `status` 0: the exchange failed
+    /// without a response (reset midway).
+    pub fn of_detached(
+        status: u16,
+        body: &[u8],
+        elapsed_ms: u64,
+        timeout_ms: u64,
+    ) -> (Answerer, EnvoyReport) {
+        let report = |details: &str, flags: u64| EnvoyReport {
+            status,
+            details: Some(format!("detached: {details}")),
+            flags,
+            attempts: Some(1),
+        };
+        if status == 0 {
+            let lost = report("the response was cut short", flag::UPSTREAM_REMOTE_RESET);
+            return (Answerer::Unknown, lost);
+        }
+        let text = std::str::from_utf8(body).unwrap_or("").trim();
+        // Envoy's own reply to a callout past its timeout; a response that did arrive, however
+        // late, is the upstream's.
+        if status == 504 && (text == "upstream request timeout" || elapsed_ms >= timeout_ms) {
+            let timed_out = report("upstream_timeout_ms passed", flag::UPSTREAM_REQUEST_TIMEOUT);
+            return (Answerer::Unknown, timed_out);
+        }
+        if status == 503 && text == "no healthy upstream" {
+            return (
+                Answerer::NeverReached,
+                report("no healthy upstream", flag::NO_HEALTHY_UPSTREAM),
+            );
+        }
+        if let (502..=503, Some(rest)) = (status, text.strip_prefix(RESET_BEFORE_HEADERS)) {
+            let reason = rest
+                .split_once("reset reason: ")
+                .map_or("", |(_, r)| r)
+                .split(',')
+                .next()
+                .unwrap_or("")
+                .trim();
+            let before_sending = RESETS_BEFORE_SENDING
+                .iter()
+                .find(|(name, _)| *name == reason);
+            return match before_sending {
+                Some((_, flags)) => (Answerer::NeverReached, report(reason, *flags)),
+                None => (
+                    Answerer::Unknown,
+                    report(
+                        &format!("reset after sending ({reason})"),
+                        flag::UPSTREAM_CONNECTION_TERMINATION,
+                    ),
+                ),
+            };
+        }
+        (
+            Answerer::Upstream { resent: false },
+            report("via_upstream", 0),
+        )
+    }
+}
+
 /// The flags as Envoy's access log prints them (`UT,URX`); `-` for none.
 pub fn flag_names(flags: u64) -> String {
     let names: Vec<&str> = flag::NAMES
@@ -296,6 +383,58 @@ mod tests {
         r.status = 0;
         r.flags = 0;
         assert_eq!(r.answerer(), Answerer::Unknown);
+    }
+
+    #[test]
+    fn a_detached_writes_answer_is_told_by_envoys_fixed_replies_and_the_clock() {
+        let of = |status, body: &str, elapsed| {
+            EnvoyReport::of_detached(status, body.as_bytes(), elapsed, 5_000).0
+        };
+        assert_eq!(of(201, "{}", 10), Answerer::Upstream { resent: false });
+        // The upstream's own 503 and 504 are its answers, released or recorded by policy.
+        assert_eq!(
+            of(503, "{\"error\":\"busy\"}", 10),
+            Answerer::Upstream { resent: false }
+        );
+        assert_eq!(
+            of(504, "gateway timeout", 10),
+            Answerer::Upstream { resent: false }
+        );
+        assert_eq!(
+            of(504, "upstream request timeout", 4_990),
+            Answerer::Unknown
+        );
+        assert_eq!(of(504, "", 5_000), Answerer::Unknown);
+        assert_eq!(
+            of(200, "late but whole", 5_000),
+            Answerer::Upstream { resent: false }
+        );
+        assert_eq!(of(0, "", 10), Answerer::Unknown);
+        assert_eq!(of(503, "no healthy upstream", 1), Answerer::NeverReached);
+        let reset = |reason: &str| {
+            format!(
+                "upstream connect error or disconnect/reset before headers. reset reason: {reason}"
+            )
+        };
+        for reason in ["connection failure, transport failure reason: delayed connect error: Connection refused", "remote connection failure", "overflow"] {
+            assert_eq!(of(503, &reset(reason), 3), Answerer::NeverReached, "{reason}");
+        }
+        for reason in [
+            "connection termination",
+            "remote reset",
+            "protocol error",
+            "something new",
+        ] {
+            assert_eq!(of(503, &reset(reason), 3), Answerer::Unknown, "{reason}");
+        }
+        let retried = "upstream connect error or disconnect/reset before headers. retried and the latest reset reason: connection termination";
+        assert_eq!(of(503, retried, 3), Answerer::Unknown);
+        let (_, report) = EnvoyReport::of_detached(504, b"upstream request timeout", 5_000, 5_000);
+        assert_eq!(report.flags, flag::UPSTREAM_REQUEST_TIMEOUT);
+        assert_eq!(
+            report.details.as_deref(),
+            Some("detached: upstream_timeout_ms passed")
+        );
     }
 
     #[test]

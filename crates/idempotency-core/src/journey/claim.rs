@@ -6,8 +6,8 @@ use std::rc::Rc;
 use idempotency_protocol::stream::CallOp;
 
 use super::{
-    access_log, pass, send_local, Execution, Journey, RequestJourney, Step, StoreCall, StoreOwner,
-    StoreWait, Verdict,
+    access_log, pass, send_response, Execution, Journey, RequestJourney, Step, StoreCall,
+    StoreOwner, StoreWait, Verdict,
 };
 use crate::config::{OverloadPolicy, StoreErrorPolicy, StoreTransport};
 use crate::host::Host;
@@ -356,6 +356,9 @@ impl RequestJourney {
             store_owner,
             capture: None,
         };
+        if run.rule.rule.detached.is_some() {
+            return self.detach(host, run);
+        }
         (Journey::Executing(run), Verdict::Continue)
     }
 
@@ -379,7 +382,7 @@ impl RequestJourney {
             return self.answer_problem(host, rule, &Problem::outcome_unknown());
         }
         self.note(host, rule, outcome);
-        send_replay(host, rule, recorded)
+        send_response(host, rule, recorded, true)
     }
 
     /// The local table cannot take the claim: reject with `problem`, or pass unprotected.
@@ -414,37 +417,4 @@ impl RequestJourney {
             }
         }
     }
-}
-
-fn send_replay(host: &impl Host, rule: &RuleHandle, recorded: &RecordedResponse) -> Step {
-    let mut headers: Vec<(&str, &[u8])> = recorded
-        .headers
-        .iter()
-        .map(|(n, v)| (n.as_str(), v.as_slice()))
-        .collect();
-    headers.push((rule.rule.replay_header.as_str(), b"true"));
-    if recorded.body_omitted {
-        headers.push((rule.rule.body_omitted_header.as_str(), b"true"));
-    }
-    let (next, verdict) = send_local(
-        host,
-        &rule.rule.name,
-        recorded.status,
-        &headers,
-        &recorded.body,
-    );
-    if recorded.body.is_empty() && matches!(next, Journey::AnsweredLocally) {
-        // Envoy drops content-type from a local reply without a body; the reply passes back
-        // through this filter, which puts it back (see `Journey::Replaying`).
-        let restore: Vec<(String, Vec<u8>)> = recorded
-            .headers
-            .iter()
-            .filter(|(n, _)| n == "content-type")
-            .cloned()
-            .collect();
-        if !restore.is_empty() {
-            return (Journey::Replaying { restore }, verdict);
-        }
-    }
-    (next, verdict)
 }

@@ -4,12 +4,14 @@
 
 use std::rc::Rc;
 
+use super::detached::{self, DetachedIntake};
 use super::{access_log, pass, Journey, PendingRequest, RequestJourney, Step, Verdict};
 use crate::fingerprint::{fingerprint, FingerprintMode};
 use crate::host::Host;
 use crate::key::{request_scope, storage_key};
 use crate::key_source::{complete_key, header_parts, FieldSource, SourceFailure};
 use crate::outcome::Outcome;
+use crate::plugin::detached::ForwardedRequest;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::problem::Problem;
 use crate::request_fields::RequestBody;
@@ -29,8 +31,11 @@ pub const NO_ROUTER_RETRIES: &str = "x-envoy-max-retries";
 /// What a request costs Envoy beyond its body while it is held (headers, stream state).
 const REQUEST_OVERHEAD_BYTES: usize = 2048;
 
+/// A detached rule always holds the whole body: it sends the request's copy itself.
 fn needs_body(rule: &RuleHandle) -> bool {
-    rule.rule.fingerprint.needs_body() || rule.rule.key_sources.iter().any(|s| s.in_body())
+    rule.rule.detached.is_some()
+        || rule.rule.fingerprint.needs_body()
+        || rule.rule.key_sources.iter().any(|s| s.in_body())
 }
 
 impl RequestJourney {
@@ -116,6 +121,27 @@ impl RequestJourney {
                 return self.answer_problem(host, &rule, &Problem::missing_scope(header));
             }
         };
+        if let Some(upstream) = &rule.rule.detached {
+            // Copied now: only the request's own callbacks can read its headers.
+            let request_headers = match detached::forwarded_headers(&headers) {
+                Ok(kept) => kept,
+                Err(name) => {
+                    self.note(host, &rule, Outcome::InvalidKey);
+                    return self.answer_problem(host, &rule, &Problem::unforwardable_header(&name));
+                }
+            };
+            let route_cluster = match upstream.cluster {
+                Some(_) => None,
+                None => property_string(host, &["xds", "cluster_name"]),
+            };
+            *self.detached_intake.borrow_mut() = Some(DetachedIntake {
+                request: ForwardedRequest {
+                    headers: request_headers,
+                    ..ForwardedRequest::default()
+                },
+                route_cluster,
+            });
+        }
         // A protected write goes upstream once: the router must not resend one that may have
         // reached the upstream (a per-try timeout, a reset); its retries are this filter's to
         // answer. The header caps the route's retry policy (a filter-set `x-envoy-retry-on`
@@ -176,6 +202,29 @@ impl RequestJourney {
         self.with_whole_body(host, *pending, size)
     }
 
+    /// The request's trailers arrived, so its body is complete: a detached rule keeps them
+    /// to send with it.
+    pub(super) fn on_request_trailers(&self, host: &impl Host, pending: PendingRequest) -> Step {
+        if let Some(intake) = self.detached_intake.borrow_mut().as_mut() {
+            match host
+                .request_trailers()
+                .map(|t| detached::forwarded_headers(&t))
+            {
+                Ok(Ok(trailers)) => intake.request.trailers = trailers,
+                Ok(Err(name)) => {
+                    let problem = Problem::unforwardable_header(&name);
+                    return self.answer_problem(host, &pending.rule, &problem);
+                }
+                Err(e) => {
+                    log::error!("request trailers unreadable: {}", e.0);
+                    let problem = Problem::unavailable("the request trailers could not be read");
+                    return self.answer_problem(host, &pending.rule, &problem);
+                }
+            }
+        }
+        self.with_whole_body(host, pending, usize::MAX)
+    }
+
     /// The body is complete (its end, or trailers): read it and claim.
     pub(super) fn with_whole_body(
         &self,
@@ -187,6 +236,10 @@ impl RequestJourney {
             Ok(body) => {
                 self.held_bytes
                     .set(REQUEST_OVERHEAD_BYTES.saturating_add(body.len()));
+                let body: Rc<[u8]> = body.into();
+                if let Some(intake) = self.detached_intake.borrow_mut().as_mut() {
+                    intake.request.body = Rc::clone(&body);
+                }
                 self.claim_request(host, pending, &body)
             }
             Err(e) => {

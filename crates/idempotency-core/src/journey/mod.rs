@@ -9,6 +9,7 @@
 
 pub mod access_log;
 mod claim;
+mod detached;
 mod intake;
 mod response;
 mod wait;
@@ -20,12 +21,15 @@ use crate::capture::ResponseCapture;
 use crate::host::Host;
 use crate::key::Digest;
 use crate::outcome::Outcome;
+use crate::plugin::detached::DetachedAnswer;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::waits::{HoldTicket, WaitEnd};
 use crate::plugin::Plugin;
 use crate::problem::Problem;
+use crate::record::RecordedResponse;
 use crate::store_client::{StoreClaim, StoreFailure};
 use crate::table::Held;
+use detached::{DetachedIntake, DetachedRun};
 
 /// What Envoy delivers to a request's filter.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,6 +58,9 @@ pub enum Event {
     /// The wait of a held duplicate is over (delivered by the root, which made this
     /// request's context the effective one).
     WaitOver(WaitEnd),
+    /// The answer to this request's detached write (delivered by the root, in this
+    /// request's context if it is still there).
+    DetachedAnswer(DetachedAnswer),
     ResponseHeaders {
         end_of_stream: bool,
     },
@@ -89,6 +96,9 @@ pub enum Journey {
     Waiting(HeldDuplicate),
     /// This request holds the claim and went upstream.
     Executing(Execution),
+    /// This request holds the claim; the root sent its copy upstream (`execution:
+    /// "detached"`), and the request itself never goes on.
+    Detached(DetachedRun),
     /// The filter answered itself; its own reply must not be recorded.
     AnsweredLocally,
     /// A replay with an empty body was sent; these recorded headers, which Envoy strips from
@@ -175,6 +185,11 @@ pub struct RequestJourney {
     /// What Envoy holds of this request while it waits (its body, or what a rule that never
     /// reads the body may let Envoy buffer), charged to the worker's held duplicates.
     held_bytes: std::cell::Cell<usize>,
+    /// A detached rule's copy of the request, from intake until it is sent.
+    detached_intake: RefCell<Option<DetachedIntake>>,
+    /// The request's context is gone (its client left): the root runs what is left of the
+    /// journey in its own context.
+    context_gone: std::cell::Cell<bool>,
 }
 
 impl RequestJourney {
@@ -187,6 +202,8 @@ impl RequestJourney {
             me: Weak::new(),
             decisions: access_log::Decisions::default(),
             held_bytes: std::cell::Cell::new(0),
+            detached_intake: RefCell::new(None),
+            context_gone: std::cell::Cell::new(false),
         }
     }
 
@@ -201,6 +218,8 @@ impl RequestJourney {
                 me: me.clone(),
                 decisions: access_log::Decisions::default(),
                 held_bytes: std::cell::Cell::new(0),
+                detached_intake: RefCell::new(None),
+                context_gone: std::cell::Cell::new(false),
             })
         })
     }
@@ -208,6 +227,21 @@ impl RequestJourney {
     /// Where the request is now.
     pub fn state(&self) -> &Journey {
         &self.journey
+    }
+
+    /// The root delivers an event after the request's context is gone: what the journey
+    /// sends from now on goes as the root.
+    pub fn context_is_gone(&self) {
+        self.context_gone.set(true);
+    }
+
+    /// The context the journey's host calls act in: its own, or the root's once it is gone.
+    fn acting_context(&self) -> u32 {
+        if self.context_gone.get() {
+            self.plugin.root_context.get()
+        } else {
+            self.context_id
+        }
     }
 
     /// The transition function: every way a request moves through the filter.
@@ -238,7 +272,7 @@ impl RequestJourney {
                 },
             ) => self.on_request_body(host, pending, size, end_of_stream),
             (J::AwaitingBody(pending), E::RequestTrailers) => {
-                self.with_whole_body(host, *pending, usize::MAX)
+                self.on_request_trailers(host, *pending)
             }
             // A claim sent at request headers (the rule never reads the body) is still
             // awaiting the store: what arrives meanwhile stays in Envoy's buffer, since
@@ -293,6 +327,23 @@ impl RequestJourney {
             ) => self.on_response_body(host, run, size, end_of_stream),
             (J::Executing(run), E::ResponseTrailers) => self.record(host, run),
             (J::Executing(run), E::StreamEnd) => self.on_cut_short(host, run),
+            (J::Detached(run), E::DetachedAnswer(answer)) => {
+                self.on_detached_answer(host, run, answer)
+            }
+            // The client left, or Envoy answered it itself (its stream timeout): the write
+            // goes on, and its answer is only recorded.
+            (
+                J::Detached(mut run),
+                E::StreamEnd
+                | E::ResponseHeaders { .. }
+                | E::ResponseBody { .. }
+                | E::ResponseTrailers,
+            ) => {
+                run.client_here = false;
+                (J::Detached(run), Verdict::Continue)
+            }
+            // The request itself never goes on: its copy is upstream already.
+            (detached @ J::Detached(_), _) => (detached, Verdict::Pause),
             // Everything else passes: an unprotected request, a local answer, or an event
             // that cannot change a decision already taken.
             (journey, _) => (journey, Verdict::Continue),
@@ -318,6 +369,7 @@ impl RequestJourney {
 fn running_claim(journey: &Journey) -> Option<u64> {
     match journey {
         Journey::Executing(run) => Some(run.held.owner),
+        Journey::Detached(detached) => Some(detached.run.held.owner),
         _ => None,
     }
 }
@@ -363,6 +415,48 @@ fn send_local(
         );
     }
     (Journey::AnsweredLocally, Verdict::Pause)
+}
+
+/// Answers with a response from the filter: a replay of a record (`as_replay`, marked so),
+/// or a detached write's own response.
+fn send_response(
+    host: &impl Host,
+    rule: &RuleHandle,
+    response: &RecordedResponse,
+    as_replay: bool,
+) -> Step {
+    let mut headers: Vec<(&str, &[u8])> = response
+        .headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_slice()))
+        .collect();
+    if as_replay {
+        headers.push((rule.rule.replay_header.as_str(), b"true"));
+    }
+    if response.body_omitted {
+        headers.push((rule.rule.body_omitted_header.as_str(), b"true"));
+    }
+    let (next, verdict) = send_local(
+        host,
+        &rule.rule.name,
+        response.status,
+        &headers,
+        &response.body,
+    );
+    if response.body.is_empty() && matches!(next, Journey::AnsweredLocally) {
+        // Envoy drops content-type from a local reply without a body; the reply passes back
+        // through this filter, which puts it back (see `Journey::Replaying`).
+        let restore: Vec<(String, Vec<u8>)> = response
+            .headers
+            .iter()
+            .filter(|(n, _)| n == "content-type")
+            .cloned()
+            .collect();
+        if !restore.is_empty() {
+            return (Journey::Replaying { restore }, verdict);
+        }
+    }
+    (next, verdict)
 }
 
 fn restore_replay_headers(host: &impl Host, restore: &[(String, Vec<u8>)]) {

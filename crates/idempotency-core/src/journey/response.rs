@@ -139,7 +139,12 @@ impl RequestJourney {
     /// The request may have reached the upstream and no answer of the upstream's came back:
     /// the write may have happened. Recorded as such (a retry is told, never run), or, for
     /// rules whose upstream rolls a write back when its caller leaves, released.
-    fn unknown_outcome(&self, host: &impl Host, run: Execution, report: &EnvoyReport) -> Step {
+    pub(super) fn unknown_outcome(
+        &self,
+        host: &impl Host,
+        run: Execution,
+        report: &EnvoyReport,
+    ) -> Step {
         let rule = Rc::clone(&run.rule);
         self.note(host, &rule, Outcome::OutcomeUnknown);
         let release = rule.rule.on_unknown_outcome == UnknownOutcomePolicy::Release;
@@ -190,7 +195,7 @@ impl RequestJourney {
         );
     }
 
-    fn release(&self, host: &impl Host, run: Execution) -> Step {
+    pub(super) fn release(&self, host: &impl Host, run: Execution) -> Step {
         let Execution {
             rule,
             held,
@@ -332,7 +337,7 @@ impl RequestJourney {
         let plugin = &self.plugin;
         plugin
             .writes
-            .submit_from(host, &plugin.links(), self.context_id, write);
+            .submit_from(host, &plugin.links(), self.acting_context(), write);
     }
 }
 

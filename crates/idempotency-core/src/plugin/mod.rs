@@ -3,6 +3,7 @@
 //! writes that outlive their request, upkeep of retired tables). [`root`] is the root
 //! context's life around it.
 
+pub mod detached;
 pub mod leases;
 pub mod owner_tokens;
 pub mod retention;
@@ -21,6 +22,7 @@ use crate::burst_log::BurstLog;
 use crate::config::{Config, InFlightPolicy, StoreTransport};
 use crate::host::Host;
 use crate::table::{self, Table};
+use detached::DetachedWrites;
 use leases::Leases;
 use owner_tokens::OwnerTokens;
 use retention::Retention;
@@ -61,6 +63,10 @@ pub struct Plugin {
     pub waits: Waits,
     /// Requests running upstream, whose leases the root renews.
     pub leases: Leases,
+    /// Writes the root sends upstream for detached rules.
+    pub detached: DetachedWrites,
+    /// Detached writes refused or run inline, logged once per burst.
+    pub detached_log: RefCell<BurstLog>,
 }
 
 impl Plugin {
@@ -112,6 +118,8 @@ impl Plugin {
             retention: Retention::define(host),
             waits: Waits::default(),
             leases: Leases::default(),
+            detached: DetachedWrites::default(),
+            detached_log: RefCell::new(BurstLog::new(10_000)),
         })
     }
 

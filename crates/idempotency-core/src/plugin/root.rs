@@ -9,6 +9,7 @@ use idempotency_protocol::stream::{CallOp, Reply};
 
 use crate::host::Host;
 use crate::journey::{Event, RequestJourney};
+use crate::plugin::detached::{self, DetachedAnswer};
 use crate::plugin::store_link::{ClaimWaiter, Waiter};
 use crate::plugin::store_writes::PendingWrite;
 use crate::plugin::waits::{read_wait_reply, WAIT_TICK_MS};
@@ -94,15 +95,17 @@ impl PluginRoot {
             writes,
             held,
             running,
+            detached,
         } = self.unfinished();
-        if writes == 0 && held == 0 && running == 0 {
+        if writes == 0 && held == 0 && running == 0 && detached == 0 {
             return true;
         }
         log::warn!(
             "configuration retired with {writes} store write(s) still waiting, {held} \
-             duplicate(s) held and {running} request(s) running upstream; kept until the \
-             writes are taken or their deadlines pass, the duplicates are answered and the \
-             requests end (their leases are renewed meanwhile)"
+             duplicate(s) held, {running} request(s) running upstream and {detached} \
+             detached write(s) in flight; kept until the writes are taken or their deadlines \
+             pass, the duplicates are answered and the requests end (their leases are renewed \
+             meanwhile)"
         );
         self.finishing = true;
         false
@@ -118,10 +121,11 @@ impl PluginRoot {
                 writes: p.writes.pending(),
                 held: p.waits.held().0,
                 running: p.leases.len(),
+                detached: p.detached.len(),
             })
     }
 
-    /// The store answered a write the root sent.
+    /// A detached write, or a store write the root sent, was answered.
     pub fn on_callout_answer(
         &mut self,
         host: &impl Host,
@@ -130,7 +134,15 @@ impl PluginRoot {
         body_size: usize,
     ) {
         if let Some(plugin) = &self.plugin {
-            if !plugin
+            if let Some(flight) = plugin.detached.take(token) {
+                let answer = detached::read_answer(host, &flight, num_headers, body_size);
+                self.in_request_even_if_gone(
+                    host,
+                    flight.context_id,
+                    &flight.journey,
+                    Event::DetachedAnswer(answer),
+                );
+            } else if !plugin
                 .writes
                 .on_answer(host, &plugin.table, token, num_headers, body_size)
             {
@@ -146,6 +158,7 @@ impl PluginRoot {
             if plugin.writes.is_wake_queue(queue_id) {
                 self.open_streams(host, plugin);
                 plugin.writes.on_wake(host, &plugin.links());
+                self.send_detached(host, plugin);
             }
         }
     }
@@ -175,6 +188,7 @@ impl PluginRoot {
                 .leases
                 .renew_due(host, &plugin.table, &plugin.writes, &plugin.links());
             plugin.writes.on_tick(host, &plugin.links());
+            self.send_detached(host, plugin);
             let now = host.now_ms();
             if now >= self.next_upkeep_ms {
                 self.next_upkeep_ms = now.saturating_add(u64::from(UPKEEP_TICK_MS));
@@ -314,6 +328,45 @@ impl PluginRoot {
         delivered
     }
 
+    /// Sends the detached writes requests queued; one Envoy refuses is handed back to its
+    /// request (nothing ran: its key is freed).
+    fn send_detached(&self, host: &impl Host, plugin: &Plugin) {
+        for (write, why) in plugin.detached.send_queued(host) {
+            self.in_request_even_if_gone(
+                host,
+                write.context_id,
+                &write.journey,
+                Event::DetachedAnswer(DetachedAnswer::NotSent(why)),
+            );
+        }
+    }
+
+    /// Runs `event` on a journey the root keeps alive (a detached write's): in the request's
+    /// context if it is still there, else in the root's, since its key must still be recorded
+    /// or freed.
+    fn in_request_even_if_gone(
+        &self,
+        host: &impl Host,
+        context_id: u32,
+        journey: &Rc<RefCell<RequestJourney>>,
+        event: Event,
+    ) {
+        let Ok(mut journey) = journey.try_borrow_mut() else {
+            log::error!("a detached write's journey was busy; its answer is lost");
+            return;
+        };
+        let here = host.set_effective_context(context_id).is_ok();
+        if !here {
+            journey.context_is_gone();
+        }
+        journey.on(host, event);
+        if here {
+            if let Err(e) = host.set_effective_context(self.context_id) {
+                log::error!("root context not restored: {}", e.0);
+            }
+        }
+    }
+
     /// A finishing root whose writes are all taken tells Envoy it is done.
     fn finish_if_idle(&mut self, host: &impl Host) {
         if !self.finishing || self.unfinished() != Unfinished::default() {
@@ -336,6 +389,7 @@ struct Unfinished {
     writes: usize,
     held: usize,
     running: usize,
+    detached: usize,
 }
 
 fn configure(host: &impl Host) -> Result<Plugin, String> {

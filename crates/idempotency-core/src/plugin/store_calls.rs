@@ -50,6 +50,7 @@ pub fn send(
         cluster: &store.cluster,
         headers,
         body,
+        trailers: Vec::new(),
         // A zero timeout means "none" to the host: never send one.
         timeout_ms: store.timeout_ms.max(1),
     })

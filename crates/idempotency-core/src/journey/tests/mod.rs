@@ -4,6 +4,7 @@
 
 mod access_log;
 mod cluster;
+mod detached;
 mod intake;
 mod local_claim;
 mod response;

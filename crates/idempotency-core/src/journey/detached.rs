@@ -1,0 +1,207 @@
+//! A detached write (`execution: "detached"`): the request that holds the key is not let on
+//! to Envoy's router; its copy goes upstream as a callout of the root context, which
+//! outlives the client. Its answer is recorded (or releases the key, or is an unknown
+//! outcome) as a routed answer would be, whether or not the client is still there, and goes
+//! to the client if it is. See `plugin::detached` for the root's side.
+
+use std::rc::Rc;
+
+use super::{send_response, Execution, Journey, RequestJourney, Step, Verdict};
+use crate::capture::ResponseCapture;
+use crate::host::{HeaderPairs, Host};
+use crate::outcome::Outcome;
+use crate::plugin::detached::{DetachedAnswer, DetachedWrite, ForwardedRequest};
+use crate::problem::Problem;
+use crate::record::RecordedResponse;
+use crate::who_answered::{Answerer, EnvoyReport};
+
+/// Headers of one connection, not of the request: never forwarded (Envoy frames the callout
+/// itself, content-length included).
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "upgrade",
+    "te",
+    "expect",
+    "content-length",
+];
+
+/// What a detached rule keeps of the request at intake, while its own callbacks can read it.
+pub struct DetachedIntake {
+    pub request: ForwardedRequest,
+    /// The cluster the route chose (`xds.cluster_name`), when the rule names none.
+    pub route_cluster: Option<String>,
+}
+
+/// A detached write in flight.
+pub struct DetachedRun {
+    pub run: Execution,
+    /// False once the client left or Envoy answered it itself: the answer is only recorded.
+    pub client_here: bool,
+}
+
+/// The request headers as the upstream receives them; Err names a header whose value is not
+/// text (the callout ABI carries values as UTF-8).
+pub(super) fn forwarded_headers(headers: &HeaderPairs) -> Result<Vec<(String, String)>, String> {
+    let mut kept = Vec::with_capacity(headers.len());
+    for (name, value) in headers {
+        if HOP_BY_HOP.contains(&name.as_str()) {
+            continue;
+        }
+        let Ok(text) = std::str::from_utf8(value) else {
+            return Err(name.clone());
+        };
+        kept.push((name.clone(), text.to_string()));
+    }
+    Ok(kept)
+}
+
+impl RequestJourney {
+    /// The key is held: send the request from the root instead of letting it on. A request
+    /// the filter has no copy of, or no cluster for (a route answered by Envoy itself), runs
+    /// inline, as any other.
+    pub(super) fn detach(&self, host: &impl Host, run: Execution) -> Step {
+        let rule = Rc::clone(&run.rule);
+        let Some(upstream) = rule.rule.detached.as_ref() else {
+            return (Journey::Executing(run), Verdict::Continue);
+        };
+        let intake = self.detached_intake.borrow_mut().take();
+        let (Some(intake), Some(me)) = (intake, self.me.upgrade()) else {
+            log::warn!(
+                "rule {}: no copy of the request to detach; it runs inline",
+                rule.rule.name
+            );
+            return (Journey::Executing(run), Verdict::Continue);
+        };
+        let Some(cluster) = upstream.cluster.clone().or(intake.route_cluster) else {
+            if let Some(suppressed) = self.plugin.detached_log.borrow_mut().admit(host.now_ms()) {
+                log::warn!(
+                    "rule {}: the route has no cluster and the rule names no upstream_cluster; \
+                     the request runs inline ({suppressed} similar not logged)",
+                    rule.rule.name
+                );
+            }
+            return (Journey::Executing(run), Verdict::Continue);
+        };
+        let Some(ticket) = self.plugin.detached.reserve(intake.request.bytes()) else {
+            // Nothing was sent: free the key and let the client retry.
+            if let Some(suppressed) = self.plugin.detached_log.borrow_mut().admit(host.now_ms()) {
+                log::warn!(
+                    "rule {}: the worker holds as many detached writes as it may; refused with \
+                     503 ({suppressed} similar not logged)",
+                    rule.rule.name
+                );
+            }
+            let _released = self.release(host, run);
+            let problem = Problem::unavailable("the proxy holds as many detached writes as it may");
+            return self.answer_problem(host, &rule, &problem);
+        };
+        self.note(host, &rule, Outcome::Detached);
+        self.plugin.detached.queue(DetachedWrite {
+            journey: me,
+            context_id: self.context_id,
+            rule: Rc::clone(&rule),
+            cluster,
+            request: intake.request,
+            timeout_ms: upstream.timeout_ms,
+            ticket,
+        });
+        self.plugin.writes.wake_root(host);
+        let detached = DetachedRun {
+            run,
+            client_here: true,
+        };
+        (Journey::Detached(detached), Verdict::Pause)
+    }
+
+    /// The detached write's answer (delivered by the root): recorded, released or an unknown
+    /// outcome, by the same rules as a routed answer; then sent to the client if it is there.
+    pub(super) fn on_detached_answer(
+        &self,
+        host: &impl Host,
+        detached: DetachedRun,
+        answer: DetachedAnswer,
+    ) -> Step {
+        let DetachedRun { run, client_here } = detached;
+        let rule = Rc::clone(&run.rule);
+        let name = &rule.rule.name;
+        let DetachedAnswer::Response {
+            status,
+            headers,
+            body,
+            body_omitted,
+            elapsed_ms,
+            timeout_ms,
+        } = answer
+        else {
+            if let DetachedAnswer::NotSent(why) = &answer {
+                log::error!("rule {name}: detached write not sent: {why}");
+            }
+            let _released = self.release(host, run);
+            if !client_here {
+                return (Journey::Finished, Verdict::Continue);
+            }
+            let problem = Problem::unavailable("the proxy could not send it to the service");
+            return self.answer_problem(host, &rule, &problem);
+        };
+        let (answerer, report) = EnvoyReport::of_detached(status, &body, elapsed_ms, timeout_ms);
+        let releases = match answerer {
+            Answerer::Upstream { .. } => rule.rule.release.releases(status),
+            Answerer::NeverReached => true,
+            Answerer::Unknown => false,
+        };
+        let _recorded = if answerer == Answerer::Unknown {
+            self.unknown_outcome(host, run, &report)
+        } else if releases {
+            self.release(host, run)
+        } else {
+            let mut capture = ResponseCapture::start(
+                &rule.rule,
+                status,
+                headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())),
+            );
+            if body_omitted {
+                capture.omit_body();
+            } else {
+                capture.push_body(&body);
+            }
+            self.record(
+                host,
+                Execution {
+                    capture: Some(capture),
+                    ..run
+                },
+            )
+        };
+        if !client_here {
+            if answerer != Answerer::Unknown && !releases {
+                self.note(host, &rule, Outcome::CompletedAfterClientLeft);
+            }
+            return (Journey::Finished, Verdict::Continue);
+        }
+        if status == 0 {
+            return self.answer_problem(host, &rule, &Problem::outcome_unknown());
+        }
+        // The client gets the upstream's whole response (its cookies too), not the replay's
+        // filtered copy; only a replay carries the replay marker.
+        let forwarded: Vec<(String, Vec<u8>)> = headers
+            .into_iter()
+            .filter(|(n, _)| {
+                !n.starts_with(':')
+                    && !HOP_BY_HOP.contains(&n.as_str())
+                    && *n != rule.rule.replay_header
+            })
+            .collect();
+        let response = RecordedResponse {
+            owner: 0,
+            status,
+            headers: forwarded,
+            body,
+            body_omitted,
+            unknown: None,
+        };
+        send_response(host, &rule, &response, false)
+    }
+}

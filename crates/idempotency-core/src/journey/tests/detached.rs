@@ -1,0 +1,454 @@
+//! Detached writes (`execution: "detached"`): the root sends the request's copy upstream,
+//! the client gets the answer if it is still there, the answer is recorded either way, and a
+//! retry replays it; a timeout is an unknown outcome; what never reached the upstream frees
+//! the key.
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+use std::cell::RefCell;
+
+use super::*;
+use crate::fake_host::HostCall;
+use crate::outcome::Outcome;
+use crate::plugin::detached::{DetachedWrites, MAX_DETACHED_BYTES};
+use crate::plugin::root::PluginRoot;
+
+const ROOT: u32 = 1;
+const DETACHED: &str = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+    "execution":"detached","upstream_cluster":"orders-svc","upstream_timeout_ms":5000}]}"#;
+
+fn root(host: &FakeHost, config: &str) -> PluginRoot {
+    *host.configuration.borrow_mut() = config.as_bytes().to_vec();
+    host.effective_context.set(ROOT);
+    let mut root = PluginRoot::new(ROOT);
+    assert!(root.on_configure(host));
+    root
+}
+
+fn tick(host: &FakeHost, root: &mut PluginRoot) {
+    host.effective_context.set(ROOT);
+    root.on_tick(host);
+}
+
+/// The detached callouts among `effects`: token, cluster, headers, body, trailers, timeout.
+type SentCopy = (
+    u32,
+    String,
+    Vec<(String, String)>,
+    Vec<u8>,
+    Vec<(String, String)>,
+    u64,
+);
+
+fn detached_sent(effects: &[Effect]) -> Vec<SentCopy> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Callout {
+                token,
+                cluster,
+                headers,
+                body,
+                trailers,
+                timeout_ms,
+                ..
+            } if cluster != "store" => Some((
+                *token,
+                cluster.clone(),
+                headers.clone(),
+                body.clone(),
+                trailers.clone(),
+                *timeout_ms,
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A POST in `context` that the root then sends; returns its journey and the callout token.
+fn detached_post(
+    host: &FakeHost,
+    root: &mut PluginRoot,
+    context: u32,
+    key: &str,
+) -> (Rc<RefCell<RequestJourney>>, u32) {
+    let (journey, verdict) = post_in_context(host, root, context, key);
+    assert_eq!(verdict, Verdict::Pause, "the request itself never goes on");
+    let effects = host.take_effects();
+    assert!(!effects.contains(&Effect::Resume));
+    assert!(
+        detached_sent(&effects).is_empty(),
+        "sent by the root, not the request"
+    );
+    tick(host, root);
+    let sent = detached_sent(&host.take_effects());
+    assert_eq!(sent.len(), 1, "one copy sent");
+    (journey, sent[0].0)
+}
+
+/// The upstream answers the detached write `token` (delivered to the root, as Envoy does).
+fn upstream_answers(
+    host: &FakeHost,
+    root: &mut PluginRoot,
+    token: u32,
+    status: Option<u16>,
+    body: &[u8],
+) {
+    host.set_callout_answer(status, body);
+    host.effective_context.set(ROOT);
+    root.on_callout_answer(host, token, usize::from(status.is_some()), body.len());
+}
+
+#[test]
+fn the_root_sends_the_copy_and_the_client_gets_the_upstreams_answer() {
+    let host = FakeHost::default();
+    let mut root = root(&host, DETACHED);
+    let (journey, verdict) = post_in_context(&host, &root, 2, "k1");
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(matches!(journey.borrow().state(), Journey::Detached(_)));
+    let _ = host.take_effects();
+    tick(&host, &mut root);
+    let sent = detached_sent(&host.take_effects());
+    let (token, cluster, headers, body, _, timeout_ms) = sent[0].clone();
+    assert_eq!(cluster, "orders-svc");
+    assert_eq!(timeout_ms, 5000);
+    assert_eq!(body, b"{}");
+    let names: Vec<&str> = headers.iter().map(|(n, _)| n.as_str()).collect();
+    for name in [
+        ":method",
+        ":path",
+        ":authority",
+        "idempotency-key",
+        "content-type",
+    ] {
+        assert!(names.contains(&name), "{name} forwarded: {names:?}");
+    }
+    assert_eq!(host.counter("orders", Outcome::Detached), 1);
+
+    upstream_answers(&host, &mut root, token, Some(201), br#"{"order":1}"#);
+    let effects = host.take_effects();
+    assert!(
+        effects.contains(&Effect::Switched(2)),
+        "answered in the request's context"
+    );
+    let (status, headers, body) = the_reply(&effects);
+    assert_eq!(status, 201);
+    assert_eq!(body, br#"{"order":1}"#);
+    assert_eq!(
+        header(&headers, "idempotent-replayed"),
+        None,
+        "the original, not a replay"
+    );
+    assert_eq!(effects.last(), Some(&Effect::Switched(ROOT)));
+    assert!(matches!(journey.borrow().state(), Journey::AnsweredLocally));
+
+    // The retry replays it.
+    let (_, verdict) = post_in_context(&host, &root, 3, "k1");
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.as_slice()), (201, &br#"{"order":1}"#[..]));
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+}
+
+#[test]
+fn a_client_that_left_still_gets_its_write_recorded_and_its_retry_replays_it() {
+    let host = FakeHost::default();
+    let mut root = root(&host, DETACHED);
+    let (journey, token) = detached_post(&host, &mut root, 2, "k1");
+    // The client hangs up; Envoy ends the stream and destroys its context.
+    host.effective_context.set(2);
+    journey.borrow_mut().on(&host, Event::StreamEnd);
+    drop(journey);
+    host.gone_contexts.borrow_mut().insert(2);
+
+    // A retry while the write still runs: 409, never a second copy.
+    let (_, _) = post_in_context(&host, &root, 3, "k1");
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 409);
+    assert!(problem_type(&body).ends_with("request-in-flight"));
+    tick(&host, &mut root);
+    assert!(detached_sent(&host.take_effects()).is_empty());
+
+    upstream_answers(&host, &mut root, token, Some(201), br#"{"order":1}"#);
+    assert!(replies(&host.take_effects()).is_empty(), "nobody to answer");
+    assert_eq!(host.counter("orders", Outcome::CompletedAfterClientLeft), 1);
+    assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 0);
+
+    let (_, _) = post_in_context(&host, &root, 4, "k1");
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.as_slice()), (201, &br#"{"order":1}"#[..]));
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+}
+
+#[test]
+fn a_callout_past_its_timeout_is_an_unknown_outcome_never_run_again() {
+    let host = FakeHost::default();
+    let mut root = root(&host, DETACHED);
+    let (_journey, token) = detached_post(&host, &mut root, 2, "k1");
+    host.advance_ms(5000);
+    upstream_answers(
+        &host,
+        &mut root,
+        token,
+        Some(504),
+        b"upstream request timeout",
+    );
+    let (status, _, _) = the_reply(&host.take_effects());
+    assert_eq!(
+        status, 504,
+        "the client gets Envoy's timeout, as a routed request would"
+    );
+    assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 1);
+
+    let (_, _) = post_in_context(&host, &root, 3, "k1");
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 409);
+    assert!(problem_type(&body).ends_with("outcome-unknown"));
+    tick(&host, &mut root);
+    assert!(
+        detached_sent(&host.take_effects()).is_empty(),
+        "never sent again"
+    );
+}
+
+#[test]
+fn an_exchange_lost_midway_is_an_unknown_outcome_and_the_client_is_told_so() {
+    let host = FakeHost::default();
+    let mut root = root(&host, DETACHED);
+    let (_journey, token) = detached_post(&host, &mut root, 2, "k1");
+    upstream_answers(&host, &mut root, token, None, b"");
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 409);
+    assert!(problem_type(&body).ends_with("outcome-unknown"));
+    let (_, _) = post_in_context(&host, &root, 3, "k1");
+    let (_, _, body) = the_reply(&host.take_effects());
+    assert!(problem_type(&body).ends_with("outcome-unknown"));
+}
+
+#[test]
+fn what_never_reached_the_upstream_frees_the_key() {
+    let refused = "upstream connect error or disconnect/reset before headers. reset reason: \
+                   remote connection failure, transport failure reason: delayed connect error: 111";
+    for (status, body) in [
+        (503, refused),
+        (503, "no healthy upstream"),
+        (503, r#"{"busy":true}"#),
+    ] {
+        let host = FakeHost::default();
+        let mut root = root(&host, DETACHED);
+        let (_journey, token) = detached_post(&host, &mut root, 2, "k1");
+        upstream_answers(&host, &mut root, token, Some(status), body.as_bytes());
+        let (got, _, _) = the_reply(&host.take_effects());
+        assert_eq!(got, status, "{body}");
+        assert_eq!(host.counter("orders", Outcome::Released), 1, "{body}");
+        // The retry runs.
+        let (_journey, _) = detached_post(&host, &mut root, 3, "k1");
+    }
+}
+
+#[test]
+fn a_reset_after_sending_is_an_unknown_outcome() {
+    let host = FakeHost::default();
+    let mut root = root(&host, DETACHED);
+    let (_journey, token) = detached_post(&host, &mut root, 2, "k1");
+    let reset = "upstream connect error or disconnect/reset before headers. reset reason: \
+                 connection termination";
+    upstream_answers(&host, &mut root, token, Some(503), reset.as_bytes());
+    let _ = host.take_effects();
+    assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 1);
+    assert_eq!(host.counter("orders", Outcome::Released), 0);
+}
+
+#[test]
+fn a_callout_envoy_refuses_frees_the_key_and_answers_503() {
+    let host = FakeHost::default();
+    let mut root = root(&host, DETACHED);
+    let (_journey, _) = post_in_context(&host, &root, 2, "k1");
+    let _ = host.take_effects();
+    host.fail(HostCall::Callout);
+    tick(&host, &mut root);
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 503);
+    assert!(problem_type(&body).ends_with("idempotency-unavailable"));
+    host.heal(HostCall::Callout);
+    let (_journey, _) = detached_post(&host, &mut root, 3, "k1");
+}
+
+#[test]
+fn without_a_cluster_in_the_rule_the_routes_is_used_and_without_either_it_runs_inline() {
+    let config = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "execution":"detached"}]}"#;
+    let host = FakeHost::default();
+    let mut root = root(&host, config);
+    host.properties
+        .borrow_mut()
+        .insert("xds.cluster_name".into(), b"route-cluster".to_vec());
+    let (_journey, _) = post_in_context(&host, &root, 2, "k1");
+    let _ = host.take_effects();
+    tick(&host, &mut root);
+    let sent = detached_sent(&host.take_effects());
+    assert_eq!(sent[0].1, "route-cluster");
+    assert_eq!(sent[0].5, 15_000, "Envoy's own default route timeout");
+
+    host.properties.borrow_mut().remove("xds.cluster_name");
+    let (journey, verdict) = post_in_context(&host, &root, 3, "k2");
+    assert_eq!(
+        verdict,
+        Verdict::Continue,
+        "a route answered by Envoy itself runs inline"
+    );
+    assert!(matches!(journey.borrow().state(), Journey::Executing(_)));
+}
+
+#[test]
+fn hop_by_hop_headers_stay_behind_and_trailers_go_with_the_body() {
+    let host = FakeHost::default();
+    let mut root = root(&host, DETACHED);
+    host.effective_context.set(2);
+    let mut headers = post_headers("/orders", Some("k1"));
+    headers.extend([
+        ("connection", "keep-alive"),
+        ("transfer-encoding", "chunked"),
+        ("x-request-id", "r-1"),
+    ]);
+    host.set_request(&headers, b"{}");
+    *host.request_trailers.borrow_mut() = vec![("x-checksum".into(), b"abc".to_vec())];
+    let journey = root.new_request(2).unwrap();
+    journey.borrow_mut().on(
+        &host,
+        Event::RequestHeaders {
+            end_of_stream: false,
+        },
+    );
+    journey.borrow_mut().on(
+        &host,
+        Event::RequestBody {
+            size: 2,
+            end_of_stream: false,
+        },
+    );
+    let verdict = journey.borrow_mut().on(&host, Event::RequestTrailers);
+    assert_eq!(verdict, Verdict::Pause);
+    let _ = host.take_effects();
+    tick(&host, &mut root);
+    let sent = detached_sent(&host.take_effects());
+    let (_, _, headers, body, trailers, _) = &sent[0];
+    let names: Vec<&str> = headers.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(names.contains(&"x-request-id"));
+    assert!(!names.contains(&"connection") && !names.contains(&"transfer-encoding"));
+    assert_eq!(body, b"{}");
+    assert_eq!(
+        trailers,
+        &vec![("x-checksum".to_string(), "abc".to_string())]
+    );
+}
+
+#[test]
+fn a_header_value_that_is_not_text_is_refused_with_400_before_the_claim() {
+    let host = FakeHost::default();
+    let root = root(&host, DETACHED);
+    host.effective_context.set(2);
+    host.set_request(&post_headers("/orders", Some("k1")), b"{}");
+    host.request_headers
+        .borrow_mut()
+        .push(("x-name".into(), vec![0xff, 0xfe]));
+    let journey = root.new_request(2).unwrap();
+    journey.borrow_mut().on(
+        &host,
+        Event::RequestHeaders {
+            end_of_stream: false,
+        },
+    );
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 400);
+    assert!(problem_type(&body).ends_with("header-not-forwardable"));
+    // Nothing was claimed: a clean retry runs.
+    let mut root = root;
+    let (_journey, _) = detached_post(&host, &mut root, 3, "k1");
+}
+
+#[test]
+fn a_response_over_max_response_bytes_reaches_the_client_and_retries_without_its_body() {
+    let config = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "execution":"detached","upstream_cluster":"orders-svc","max_response_bytes":4}]}"#;
+    let host = FakeHost::default();
+    let mut root = root(&host, config);
+    let (_journey, token) = detached_post(&host, &mut root, 2, "k1");
+    upstream_answers(&host, &mut root, token, Some(201), b"0123456789");
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 201);
+    assert!(body.is_empty());
+    assert_eq!(
+        header(&headers, "idempotent-body-omitted"),
+        Some(&b"true"[..])
+    );
+    let (_, _) = post_in_context(&host, &root, 3, "k1");
+    let (status, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(status, 201);
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+}
+
+#[test]
+fn a_retired_configuration_stays_until_its_detached_writes_are_answered() {
+    let host = FakeHost::default();
+    let mut root = root(&host, DETACHED);
+    let (_journey, token) = detached_post(&host, &mut root, 2, "k1");
+    assert!(!root.on_done(), "kept: a write is in flight");
+    upstream_answers(&host, &mut root, token, Some(201), b"{}");
+    assert!(host.take_effects().contains(&Effect::Done));
+}
+
+#[test]
+fn in_cluster_mode_the_answer_of_a_client_that_left_is_completed_in_the_store_as_the_root() {
+    let config = r#"{"store":{"cluster":"store","transport":"http"},
+        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"ttl_seconds":60,
+        "execution":"detached","upstream_cluster":"orders-svc"}]}"#;
+    let host = FakeHost::default();
+    let mut root = root(&host, config);
+    let (journey, _) = post_in_context(&host, &root, 2, "k1");
+    let claim = host
+        .take_effects()
+        .into_iter()
+        .find_map(|e| match e {
+            Effect::Callout { token, path, .. } if path.ends_with("/claim") => Some(token),
+            _ => None,
+        })
+        .expect("a claim callout");
+    host.set_callout_answer(Some(200), br#"{"outcome":"claimed","owner":"o1"}"#);
+    journey.borrow_mut().on(
+        &host,
+        Event::CalloutAnswer {
+            token: claim,
+            num_headers: 1,
+            body_size: 34,
+        },
+    );
+    journey.borrow_mut().on(&host, Event::StreamEnd);
+    drop(journey);
+    host.gone_contexts.borrow_mut().insert(2);
+    tick(&host, &mut root);
+    let sent = detached_sent(&host.take_effects());
+    assert_eq!(sent.len(), 1);
+    upstream_answers(&host, &mut root, sent[0].0, Some(201), b"{}");
+    tick(&host, &mut root);
+    let completions: Vec<Effect> = host
+        .take_effects()
+        .into_iter()
+        .filter(|e| matches!(e, Effect::Callout { path, .. } if path.ends_with("/complete")))
+        .collect();
+    assert_eq!(completions.len(), 1, "recorded in the store");
+}
+
+#[test]
+fn the_worker_holds_detached_writes_to_a_byte_budget() {
+    let writes = DetachedWrites::default();
+    let all = writes
+        .reserve(MAX_DETACHED_BYTES)
+        .expect("the whole budget");
+    assert!(writes.reserve(1).is_none(), "nothing more while it is held");
+    assert_eq!(writes.bytes(), MAX_DETACHED_BYTES);
+    drop(all);
+    assert_eq!(writes.bytes(), 0);
+    assert!(writes.reserve(1).is_some());
+}
