@@ -13,6 +13,7 @@
 //! | `x-demo-header: k=v`    | add response header `k: v` (repeatable; replaces a default `k`) |
 //! | `x-demo-signed: N`      | act as a signed endpoint (webhook, payment callback), see below |
 //! | `x-demo-reset: 1`       | close the connection without an answer, after counting (and any delay): an upstream that did the write and crashed |
+//! | `x-demo-echo: 1`        | add `"headers"` to the JSON answer: every request header it received, by name (repeated ones joined with `, `) |
 //!
 //! A signed endpoint executes only a request whose `x-demo-signature` is
 //! `sha256=<hex HMAC-SHA256 of the body under DEMO_SIGNING_KEY>`, as webhook
@@ -69,6 +70,7 @@ const X_DEMO_HEADER: HeaderName = HeaderName::from_static("x-demo-header");
 const X_DEMO_SIGNED: HeaderName = HeaderName::from_static("x-demo-signed");
 const X_DEMO_SIGNATURE: HeaderName = HeaderName::from_static("x-demo-signature");
 const X_DEMO_RESET: HeaderName = HeaderName::from_static("x-demo-reset");
+const X_DEMO_ECHO: HeaderName = HeaderName::from_static("x-demo-echo");
 
 /// Marks a response that must not be sent: the connection is closed instead (`x-demo-reset`).
 #[derive(Debug, Clone, Copy)]
@@ -253,7 +255,7 @@ where
             pattern_body(n),
         )
     } else {
-        let text = execution_json(
+        let mut text = execution_json(
             execution,
             parts.method.as_str(),
             path,
@@ -261,6 +263,9 @@ where
             body_bytes,
             &digest,
         );
+        if spec.echo {
+            echo_headers(&mut text, &parts.headers);
+        }
         (
             Some(HeaderValue::from_static("application/json")),
             Bytes::from(text),
@@ -295,6 +300,8 @@ pub struct ResponseSpec {
     pub signed: Option<StatusCode>,
     /// Close the connection instead of answering (`x-demo-reset: 1`).
     pub reset: bool,
+    /// List the request headers received in the answer (`x-demo-echo: 1`).
+    pub echo: bool,
 }
 
 impl ResponseSpec {
@@ -339,6 +346,11 @@ impl ResponseSpec {
             Some(v) if v.as_bytes() == b"1" => true,
             Some(_) => return Err("x-demo-reset must be 1"),
         };
+        let echo = match headers.get(X_DEMO_ECHO) {
+            None => false,
+            Some(v) if v.as_bytes() == b"1" => true,
+            Some(_) => return Err("x-demo-echo must be 1"),
+        };
         let mut extra_headers = Vec::new();
         for v in headers.get_all(X_DEMO_HEADER) {
             extra_headers.push(parse_extra_header(v).ok_or(
@@ -353,6 +365,7 @@ impl ResponseSpec {
             extra_headers,
             signed,
             reset,
+            echo,
         })
     }
 }
@@ -507,6 +520,30 @@ pub fn execution_json(
     push_hex(&mut out, sha256);
     out.push_str("\"}");
     out
+}
+
+/// Adds `"headers":{...}` to an execution's JSON object (before its closing brace).
+fn echo_headers(json: &mut String, headers: &HeaderMap) {
+    if json.pop() != Some('}') {
+        return;
+    }
+    json.push_str(",\"headers\":{");
+    let mut first = true;
+    for name in headers.keys() {
+        let values: Vec<&str> = headers
+            .get_all(name)
+            .iter()
+            .map(|v| v.to_str().unwrap_or("<not text>"))
+            .collect();
+        if !first {
+            json.push(',');
+        }
+        first = false;
+        push_json_string(json, name.as_str());
+        json.push(':');
+        push_json_string(json, &values.join(", "));
+    }
+    json.push_str("}}");
 }
 
 fn push_hex(out: &mut String, bytes: &[u8]) {

@@ -344,3 +344,25 @@ async fn a_reset_request_is_counted_and_its_connection_closed_unanswered() {
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
     assert_eq!(counters.executions("/pay"), 1);
 }
+
+#[tokio::test]
+async fn echo_lists_the_request_headers_it_received() {
+    let (addr, counters) = start(Options::default()).await;
+    let answer = send(
+        addr,
+        "POST",
+        "/pay",
+        &[("x-demo-echo", "1"), ("x-a", "1"), ("x-a", "2"), ("x-quote", "say \"hi\"")],
+        b"{}",
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    let doc: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
+    assert_eq!(doc["headers"]["x-a"], "1, 2");
+    assert_eq!(doc["headers"]["x-quote"], "say \"hi\"");
+    assert_eq!(doc["headers"]["host"], "test");
+    assert_eq!(doc["execution"], 1);
+    let bad = send(addr, "POST", "/pay", &[("x-demo-echo", "yes")], b"{}").await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert_eq!(counters.executions("/pay"), 1);
+}
