@@ -352,7 +352,12 @@ async fn echo_lists_the_request_headers_it_received() {
         addr,
         "POST",
         "/pay",
-        &[("x-demo-echo", "1"), ("x-a", "1"), ("x-a", "2"), ("x-quote", "say \"hi\"")],
+        &[
+            ("x-demo-echo", "1"),
+            ("x-a", "1"),
+            ("x-a", "2"),
+            ("x-quote", "say \"hi\""),
+        ],
         b"{}",
     )
     .await;
