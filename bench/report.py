@@ -95,7 +95,7 @@ def write_chart(results: list[SetupResult], path: Path) -> None:
     p50 = [r.wrk.p50_ms for r in results]
     p99 = [r.wrk.p99_ms for r in results]
     palette = {"a": "#7f7f7f", "b0": "#bcbcbc", "b": "#9e9e9e", "c": "#1f77b4", "d": "#2ca02c", "e": "#ff7f0e",
-               "f": "#d62728", "g": "#c7c7c7", "h": "#ffbb78"}
+               "f": "#d62728", "g": "#c7c7c7", "h": "#ffbb78", "i": "#aec7e8", "j": "#ffd8b1"}
     colors = [palette.get(r.setup.key, "#17becf") for r in results]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8.5), sharex=True)
     fig.patch.set_facecolor("white")
@@ -308,6 +308,12 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
         x = r.wrk
         targets.append((f"({r.setup.key}) p99 ≤ 2× (c) p99", x.p99_ms <= 2 * c.p99_ms,
                         f"{x.p99_ms:.2f} vs {c.p99_ms:.2f} ms = {x.p99_ms / c.p99_ms:.2f}×"))
+    for k, base in (("i", "c"), ("j", "e")):
+        if k in by and base in by:
+            x, y = by[k], by[base]
+            targets.append((f"({k}) detached next to ({base}): throughput and Envoy CPU per request", None,
+                            f"{x.wrk.rps / y.wrk.rps:.2f}× ({x.wrk.rps:,.0f} vs {y.wrk.rps:,.0f} req/s), "
+                            f"{x.cpu_us_per_request - y.cpu_us_per_request:+.0f} µs/req"))
     rate_a = by["a"].rate
     if rate_a:
         for k in ("c", "e", "f"):
@@ -392,7 +398,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     add("")
     start_c, start_b = by["c"].rss_start_kib, by["b"].rss_start_kib
     setup_table = geometry(SETUP_CAPACITY)
-    add(f"(c) to (f) and (h) use `local_table.capacity` {SETUP_CAPACITY:,} and `ttl_seconds` = `lease_seconds` = "
+    add(f"(c) to (f) and (h) to (j) use `local_table.capacity` {SETUP_CAPACITY:,} and `ttl_seconds` = `lease_seconds` = "
         f"{SETUP_TTL_S} ((d): `ttl_seconds` {REPLAY_TTL_S}, so its one record outlives the run): at these "
         "rates a few tens of thousands of records are live at once, and a key that finds its bucket's "
         f"{setup_table.ways} slots all live (`table_full`, counted above) is rare. "
@@ -452,6 +458,12 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
         add(f"- The HTTP transport (h) costs {cpu['h'] - cpu['e']:+.0f} µs of Envoy CPU per request more than "
             "the stream (e) on the same store: each claim and completion is an Envoy async HTTP/2 request "
             "with its own headers, JSON body and answer read back into the module.")
+    for k, base in (("i", "c"), ("j", "e")):
+        if k in cpu and base in cpu:
+            add(f"- Detached ({k}) costs {cpu[k] - cpu[base]:+.0f} µs of Envoy CPU per request over ({base}): "
+                "the request is not let on to the router; its copy (headers, body) goes from the root "
+                "context as an Envoy async HTTP request after a shared-queue wake-up, and the answer comes "
+                "back into the module whole, then out as a local reply.")
     emb = next((x for x in stores if x.backend == "embedded" and x.transport == "stream"), None)
     e_run = by.get("e")
     if emb and e_run:

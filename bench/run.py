@@ -17,6 +17,9 @@ envoy/envoy.yaml and driven by the same wrk command:
       an instant server (`demo-upstream --grpc-echo`) and resumes on the answer
   h   e over the filter's older store transport (`store.transport: "http"`, one HTTP/2
       callout per claim and per completion), for before/after in one run
+  i   c with `execution: "detached"`: each write sent upstream as a callout of the root
+      context instead of through Envoy's router
+  j   e with `execution: "detached"`
 
 a, b, c, e, f and g are then measured again, in the same Envoy, at a fixed moderate rate
 (--rate, 1,000 requests/s: on a 2-core machine shared with the load generator, the upstream
@@ -79,7 +82,7 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=1000, help="requests/s of the fixed-rate runs (0 skips them)")
     p.add_argument("--rate-duration", type=float, default=10, help="seconds of each fixed-rate run")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,memory,store,cluster (development; writes no page)")
+                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,memory,store,cluster (development; writes no page)")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary directory of logs and configs")
     p.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"), help="page to write")
     args = p.parse_args()

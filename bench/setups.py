@@ -85,6 +85,16 @@ def plugin_config(*, capacity: int, ttl_s: int, lease_s: int, store: bool, trans
     return cfg
 
 
+def detached(cfg: dict) -> dict:
+    """``cfg`` with the bench's rule sending its writes from the root context
+    (`execution: "detached"`, to the route's cluster)."""
+    cfg = copy.deepcopy(cfg)
+    for rule in cfg["rules"]:
+        if rule["name"] == RULE:
+            rule["execution"] = "detached"
+    return cfg
+
+
 def store_transport(cfg: Any) -> str | None:
     """`store.transport` of a plugin configuration of this filter ("grpc", the default, or
     "http"); None without a store."""
@@ -187,6 +197,10 @@ def setups() -> list[Setup]:
         Setup("h", "idempotency, cluster, embedded store, HTTP callouts (`transport: \"http\"`)",
               wasm=FILTER_WASM, plugin=cluster_http, store_backend="embedded",
               short="cluster, embedded\nHTTP callouts"),
+        Setup("i", "(c) with `execution: \"detached\"`", wasm=FILTER_WASM, plugin=detached(single),
+              short="single-proxy\ndetached"),
+        Setup("j", "(e) with `execution: \"detached\"`", wasm=FILTER_WASM, plugin=detached(cluster),
+              store_backend="embedded", short="cluster, embedded\ndetached"),
     ]
 
 

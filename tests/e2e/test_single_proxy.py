@@ -648,6 +648,11 @@ def test_replay_header_names_and_skipped_headers_are_configurable(tuned_envoy, s
         pytest.param({"rules": [{"name": "a", "lease_seconds": 0}]}, "rules[0].lease_seconds", id="lease-0"),
         pytest.param({"rules": [{"name": "a b"}]}, "rules[0].name", id="bad-rule-name"),
         pytest.param('{"rules": [', "(json): EOF while parsing", id="invalid-json"),
+        pytest.param({"rules": [{"name": "a", "execution": "detached", "upstream_cluster": ""}]},
+                     "rules[0].upstream_cluster: must name an Envoy cluster", id="detached-no-cluster"),
+        pytest.param({"rules": [{"name": "a", "upstream_timeout_ms": 500}]},
+                     'rules[0].upstream_timeout_ms: only applies with execution: "detached"',
+                     id="detached-setting-on-inline-rule"),
     ],
 )
 def test_an_invalid_plugin_config_stops_envoy_and_names_the_field(procs, upstream, config, logged) -> None:
