@@ -21,6 +21,9 @@ pub const MAX_DETACHED_BYTES: usize = 64 << 20;
 pub const MAX_DETACHED_WRITES: usize = 4096;
 /// What a detached write costs beyond its bytes (the callout's state in Envoy).
 const DETACHED_OVERHEAD_BYTES: usize = 2048;
+/// Envoy answers every callout by its timeout; one still unanswered this long after it is
+/// given up as an unknown outcome, so that a lost answer cannot keep its key renewed forever.
+const OVERDUE_GRACE_MS: u64 = 10_000;
 
 /// One request, as the filter sends it upstream.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -178,6 +181,26 @@ impl DetachedWrites {
         refused
     }
 
+    /// Writes whose answer is overdue (their timeout and a grace period passed): taken out,
+    /// for the root to end as unknown outcomes. A late answer then finds no write.
+    pub fn take_overdue(&self, now_ms: u64) -> Vec<InFlight> {
+        let mut in_flight = self.in_flight.borrow_mut();
+        let overdue: Vec<u32> = in_flight
+            .iter()
+            .filter(|(_, f)| {
+                now_ms
+                    >= f.sent_ms
+                        .saturating_add(f.timeout_ms)
+                        .saturating_add(OVERDUE_GRACE_MS)
+            })
+            .map(|(token, _)| *token)
+            .collect();
+        overdue
+            .into_iter()
+            .filter_map(|token| in_flight.remove(&token))
+            .collect()
+    }
+
     /// The write whose callout answered with `token`, if it is one.
     pub fn take(&self, token: u32) -> Option<InFlight> {
         self.in_flight.borrow_mut().remove(&token)
@@ -200,6 +223,18 @@ impl DetachedWrites {
 
 fn pairs(list: &[(String, String)]) -> Vec<(&str, &str)> {
     list.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect()
+}
+
+/// What an overdue write (see `take_overdue`) is ended with: no response.
+pub fn overdue_answer(host: &impl Host, flight: &InFlight) -> DetachedAnswer {
+    DetachedAnswer::Response {
+        status: 0,
+        headers: Vec::new(),
+        body: Vec::new(),
+        body_omitted: true,
+        elapsed_ms: host.now_ms().saturating_sub(flight.sent_ms),
+        timeout_ms: flight.timeout_ms,
+    }
 }
 
 /// Reads the answer being delivered to the root for `flight`: its headers, and its body up

@@ -331,6 +331,19 @@ impl PluginRoot {
     /// Sends the detached writes requests queued; one Envoy refuses is handed back to its
     /// request (nothing ran: its key is freed).
     fn send_detached(&self, host: &impl Host, plugin: &Plugin) {
+        for flight in plugin.detached.take_overdue(host.now_ms()) {
+            log::error!(
+                "rule {}: Envoy never answered a detached write; its outcome is unknown",
+                flight.rule.rule.name
+            );
+            let answer = detached::overdue_answer(host, &flight);
+            self.in_request_even_if_gone(
+                host,
+                flight.context_id,
+                &flight.journey,
+                Event::DetachedAnswer(answer),
+            );
+        }
         for (write, why) in plugin.detached.send_queued(host) {
             self.in_request_even_if_gone(
                 host,

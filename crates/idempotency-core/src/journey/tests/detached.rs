@@ -452,3 +452,26 @@ fn the_worker_holds_detached_writes_to_a_byte_budget() {
     assert_eq!(writes.bytes(), 0);
     assert!(writes.reserve(1).is_some());
 }
+
+#[test]
+fn a_write_envoy_never_answers_ends_as_an_unknown_outcome_not_a_key_held_forever() {
+    let host = FakeHost::default();
+    let mut root = root(&host, DETACHED);
+    let (_journey, token) = detached_post(&host, &mut root, 2, "k1");
+    host.advance_ms(5_000 + 9_000);
+    tick(&host, &mut root);
+    assert!(
+        replies(&host.take_effects()).is_empty(),
+        "not yet: within the grace period"
+    );
+    host.advance_ms(1_000);
+    tick(&host, &mut root);
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 409);
+    assert!(problem_type(&body).ends_with("outcome-unknown"));
+    assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 1);
+    assert!(root.on_done(), "nothing left in flight");
+    // The answer arriving after all is ignored.
+    upstream_answers(&host, &mut root, token, Some(201), b"{}");
+    assert!(replies(&host.take_effects()).is_empty());
+}
