@@ -156,19 +156,13 @@ pub fn log(level: u32, message: &str) {
     let _ = unsafe { proxy_log(level, message.as_ptr(), message.len()) };
 }
 
-/// Milliseconds since the Unix epoch by the host's clock (0 if the host refuses).
-pub fn now_ms() -> u64 {
-    let mut nanos: u64 = 0;
-    match check(unsafe { proxy_get_current_time_nanoseconds(&mut nanos) }) {
-        Ok(()) => nanos / 1_000_000,
-        Err(_) => 0,
-    }
-}
-
+/// Nanoseconds since the Unix epoch by the host's clock (0 if the host refuses).
 pub fn now_nanos() -> u64 {
     let mut nanos: u64 = 0;
-    let _ = unsafe { proxy_get_current_time_nanoseconds(&mut nanos) };
-    nanos
+    match check(unsafe { proxy_get_current_time_nanoseconds(&mut nanos) }) {
+        Ok(()) => nanos,
+        Err(_) => 0,
+    }
 }
 
 pub fn get_buffer(

@@ -22,6 +22,7 @@ impl HttpFilter {
     }
 
     fn feed(&mut self, event: Event) -> Action {
+        crate::envoy_host::new_callback();
         // Envoy runs one callback at a time, so the root never holds the journey now.
         let verdict = match self.journey.try_borrow_mut() {
             Ok(mut journey) => journey.on(&EnvoyHost, event),

@@ -23,6 +23,7 @@ impl FilterRoot {
 
 impl Context for FilterRoot {
     fn on_done(&mut self) -> bool {
+        crate::envoy_host::new_callback();
         self.root.on_done()
     }
 
@@ -33,20 +34,24 @@ impl Context for FilterRoot {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        crate::envoy_host::new_callback();
         self.root
             .on_callout_answer(&EnvoyHost, token, num_headers, body_size);
     }
 
     fn on_grpc_stream_initial_metadata(&mut self, token_id: u32, _num_elements: u32) {
+        crate::envoy_host::new_callback();
         self.root.on_grpc_initial_metadata(&EnvoyHost, token_id);
     }
 
     fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
+        crate::envoy_host::new_callback();
         self.root
             .on_grpc_message(&EnvoyHost, token_id, message_size);
     }
 
     fn on_grpc_stream_close(&mut self, token_id: u32, status_code: u32) {
+        crate::envoy_host::new_callback();
         self.root.on_grpc_close(&EnvoyHost, token_id, status_code);
     }
 }
@@ -64,14 +69,17 @@ impl RootContext for FilterRoot {
     }
 
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        crate::envoy_host::new_callback();
         self.root.on_configure(&EnvoyHost)
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
+        crate::envoy_host::new_callback();
         self.root.on_queue_ready(&EnvoyHost, queue_id);
     }
 
     fn on_tick(&mut self) {
+        crate::envoy_host::new_callback();
         self.root.on_tick(&EnvoyHost);
     }
 

@@ -5,6 +5,7 @@ use std::rc::Rc;
 
 use idempotency_protocol::stream::CallOp;
 
+use super::intake::NO_ROUTER_RETRIES;
 use super::{
     access_log, pass, send_response, Execution, Journey, RequestJourney, Step, StoreCall,
     StoreOwner, StoreWait, Verdict,
@@ -359,6 +360,7 @@ impl RequestJourney {
         if run.rule.rule.detached.is_some() {
             return self.detach(host, run);
         }
+        cap_router_retries(host, &run.rule);
         (Journey::Executing(run), Verdict::Continue)
     }
 
@@ -416,5 +418,20 @@ impl RequestJourney {
                 None
             }
         }
+    }
+}
+
+/// A protected write goes upstream once: the router must not resend one that may have
+/// reached the upstream (a per-try timeout, a reset); its retries are this filter's to
+/// answer. The header caps the route's retry policy (a filter-set `x-envoy-retry-on` would
+/// only add conditions). Set only on the way upstream: a replay or a refusal never needs it.
+/// The request is still held here, so its headers can still be changed.
+fn cap_router_retries(host: &impl Host, rule: &RuleHandle) {
+    if let Err(e) = host.replace_request_header(NO_ROUTER_RETRIES, b"0") {
+        log::warn!(
+            "rule {}: {NO_ROUTER_RETRIES} not set ({}); a route retry policy may resend the write",
+            rule.rule.name,
+            e.0
+        );
     }
 }

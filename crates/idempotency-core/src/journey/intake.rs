@@ -142,17 +142,6 @@ impl RequestJourney {
                 route_cluster,
             });
         }
-        // A protected write goes upstream once: the router must not resend one that may have
-        // reached the upstream (a per-try timeout, a reset); its retries are this filter's to
-        // answer. The header caps the route's retry policy (a filter-set `x-envoy-retry-on`
-        // would only add conditions).
-        if let Err(e) = host.replace_request_header(NO_ROUTER_RETRIES, b"0") {
-            log::warn!(
-                "rule {}: {NO_ROUTER_RETRIES} not set ({}); a route retry policy may resend the write",
-                rule.rule.name,
-                e.0
-            );
-        }
         let wants_body = needs_body(&rule);
         let pending = PendingRequest {
             rule,

@@ -3,6 +3,7 @@
 //! verdicts, local replies, callouts, counters and what a retry gets afterwards.
 
 mod access_log;
+mod census;
 mod cluster;
 mod detached;
 mod intake;

@@ -61,7 +61,7 @@ fn is_unknown(answer: &Option<(u16, String)>) -> bool {
 }
 
 #[test]
-fn every_protected_request_asks_the_router_not_to_retry_it() {
+fn every_protected_request_that_goes_upstream_asks_the_router_not_to_retry_it() {
     let host = FakeHost::default();
     let plugin = plugin(&host, ORDERS);
     post(&host, &plugin, "k1", b"{}");
@@ -69,10 +69,16 @@ fn every_protected_request_asks_the_router_not_to_retry_it() {
         host.request_header_edits.borrow().as_slice(),
         &[(NO_ROUTER_RETRIES.to_string(), b"0".to_vec())]
     );
-    // A request no rule covers is left as it is.
+    // A request no rule covers is left as it is, and so is one the filter answers itself.
     host.request_header_edits.borrow_mut().clear();
     send(&host, &plugin, &post_headers("/other", Some("k2")), b"{}");
     assert!(host.request_header_edits.borrow().is_empty());
+    post(&host, &plugin, "k1", b"{}");
+    assert_eq!(the_reply(&host.take_effects()).0, 409, "still in flight");
+    assert!(
+        host.request_header_edits.borrow().is_empty(),
+        "never going upstream"
+    );
 }
 
 #[test]

@@ -6,6 +6,11 @@
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet, VecDeque};
 
+mod census;
+
+pub(crate) use census::Tally;
+use census::{map_bytes, Census};
+
 use crate::fake_shared::FakeShared;
 use crate::host::{Callout, HeaderPairs, Host, HostError, SetOutcome, SharedData};
 use crate::outcome::Outcome;
@@ -97,6 +102,11 @@ pub(crate) struct FakeHost {
     pub gone_contexts: RefCell<HashSet<u32>>,
     /// What each context published for the access log, by name.
     published: RefCell<HashMap<(u32, String), Vec<u8>>>,
+    /// Every host call and its bytes (see `census`).
+    pub census: Census,
+    /// The clock was read in the current callback: the filter's host reads it once per
+    /// callback (`envoy_host::new_callback`), so the census counts it once too.
+    clock_read: Cell<bool>,
 }
 
 impl Default for FakeHost {
@@ -125,6 +135,8 @@ impl Default for FakeHost {
             effective_context: Cell::new(0),
             gone_contexts: RefCell::default(),
             published: RefCell::default(),
+            census: Census::default(),
+            clock_read: Cell::new(false),
         }
     }
 }
@@ -146,6 +158,17 @@ impl FakeHost {
     /// What the current context published as `name`.
     pub fn published(&self, name: &str) -> Option<String> {
         self.published_in(self.effective_context.get(), name)
+    }
+
+    /// A new callback from Envoy begins (see `clock_read`).
+    pub fn new_callback(&self) {
+        self.clock_read.set(false);
+    }
+
+    fn count_clock(&self) {
+        if !self.clock_read.replace(true) {
+            self.census.count("clock", 8, 0);
+        }
     }
 
     pub fn fail(&self, call: HostCall) {
@@ -228,53 +251,86 @@ impl FakeHost {
 impl SharedData for FakeHost {
     fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
         self.check(HostCall::SharedData)?;
-        self.shared.get(key)
+        let found = self.shared.get(key);
+        let size = found
+            .as_ref()
+            .map_or(0, |f| f.as_ref().map_or(0, |(v, _)| v.len() + 4));
+        self.census.count("shared data get", size, key.len());
+        found
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError> {
         self.check(HostCall::SharedData)?;
+        self.census
+            .count("shared data set", 0, key.len() + value.len() + 4);
         self.shared.set(key, value, cas)
     }
 }
 
 impl Host for FakeHost {
     fn now_ms(&self) -> u64 {
+        self.count_clock();
         self.clock_ms.get()
     }
 
     fn now_nanos(&self) -> u64 {
+        self.count_clock();
         self.clock_ms.get() * 1_000_000
     }
 
     fn request_headers(&self) -> Result<HeaderPairs, HostError> {
         self.check(HostCall::RequestHeaders)?;
-        Ok(self.request_headers.borrow().clone())
+        let headers = self.request_headers.borrow().clone();
+        self.census.count(
+            "request headers",
+            map_bytes(headers.iter().map(|(n, v)| (n.as_bytes(), v.as_slice()))),
+            0,
+        );
+        Ok(headers)
     }
 
     fn request_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
         self.check(HostCall::RequestBody)?;
         let body = self.request_body.borrow();
-        Ok(body.iter().take(size).copied().collect())
+        let read: Vec<u8> = body.iter().take(size).copied().collect();
+        self.census.count("request body", read.len(), 0);
+        Ok(read)
     }
 
     fn request_trailers(&self) -> Result<HeaderPairs, HostError> {
         self.check(HostCall::RequestHeaders)?;
-        Ok(self.request_trailers.borrow().clone())
+        let trailers = self.request_trailers.borrow().clone();
+        self.census.count(
+            "request trailers",
+            map_bytes(trailers.iter().map(|(n, v)| (n.as_bytes(), v.as_slice()))),
+            0,
+        );
+        Ok(trailers)
     }
 
     fn response_headers(&self) -> Result<HeaderPairs, HostError> {
         self.check(HostCall::ResponseHeaders)?;
-        Ok(self.response_headers.borrow().clone())
+        let headers = self.response_headers.borrow().clone();
+        self.census.count(
+            "response headers",
+            map_bytes(headers.iter().map(|(n, v)| (n.as_bytes(), v.as_slice()))),
+            0,
+        );
+        Ok(headers)
     }
 
     fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
         self.check(HostCall::ResponseBody)?;
         let chunk = self.response_chunk.borrow();
-        Ok(chunk.iter().take(size).copied().collect())
+        let read: Vec<u8> = chunk.iter().take(size).copied().collect();
+        self.census.count("response body", read.len(), 0);
+        Ok(read)
     }
 
     fn replace_request_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
         self.check(HostCall::RequestHeaders)?;
+        self.census
+            .count("header edits", 0, name.len() + value.len());
         self.request_header_edits
             .borrow_mut()
             .push((name.into(), value.to_vec()));
@@ -282,17 +338,24 @@ impl Host for FakeHost {
     }
 
     fn replace_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        self.census
+            .count("header edits", 0, name.len() + value.len());
         self.record(Effect::ReplaceResponseHeader(name.into(), value.to_vec()));
         Ok(())
     }
 
     fn remove_response_header(&self, name: &str) -> Result<(), HostError> {
+        self.census.count("header edits", 0, name.len());
         self.record(Effect::RemoveResponseHeader(name.into()));
         Ok(())
     }
 
     fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
-        Ok(self.properties.borrow().get(&path.join(".")).cloned())
+        let value = self.properties.borrow().get(&path.join(".")).cloned();
+        let path_bytes = path.iter().map(|p| p.len() + 1).sum::<usize>();
+        self.census
+            .count("properties", value.as_ref().map_or(0, Vec::len), path_bytes);
+        Ok(value)
     }
 
     fn send_local_reply(
@@ -302,6 +365,9 @@ impl Host for FakeHost {
         body: &[u8],
     ) -> Result<(), HostError> {
         self.check(HostCall::LocalReply)?;
+        let headers_size = map_bytes(headers.iter().map(|(n, v)| (n.as_bytes(), *v)));
+        self.census
+            .count("local reply", 0, headers_size + body.len());
         if self.refused_statuses.borrow().contains(&status) {
             return Err(HostError(format!("local reply {status} refused")));
         }
@@ -318,12 +384,20 @@ impl Host for FakeHost {
 
     fn resume_request(&self) -> Result<(), HostError> {
         self.check(HostCall::Resume)?;
+        self.census.count("resume", 0, 0);
         self.record(Effect::Resume);
         Ok(())
     }
 
     fn dispatch_callout(&self, callout: &Callout<'_>) -> Result<u32, HostError> {
         self.check(HostCall::Callout)?;
+        let sent = map_bytes(
+            callout
+                .headers
+                .iter()
+                .map(|(n, v)| (n.as_bytes(), v.as_bytes())),
+        );
+        self.census.count("callouts", 0, sent + callout.body.len());
         let token = self.next_token.get();
         self.next_token.set(token + 1);
         let header = |name: &str| {
@@ -352,18 +426,26 @@ impl Host for FakeHost {
     }
 
     fn callout_response_headers(&self) -> Result<HeaderPairs, HostError> {
-        Ok(self.callout_answer.borrow().0.clone())
+        let headers = self.callout_answer.borrow().0.clone();
+        self.census.count(
+            "callout answers",
+            map_bytes(headers.iter().map(|(n, v)| (n.as_bytes(), v.as_slice()))),
+            0,
+        );
+        Ok(headers)
     }
 
     fn callout_response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
-        Ok(self
+        let read: Vec<u8> = self
             .callout_answer
             .borrow()
             .1
             .iter()
             .take(size)
             .copied()
-            .collect())
+            .collect();
+        self.census.count("callout answers", read.len(), 0);
+        Ok(read)
     }
 
     fn open_grpc_stream(
@@ -389,6 +471,7 @@ impl Host for FakeHost {
 
     fn send_grpc_message(&self, stream: u32, message: &[u8]) -> Result<(), HostError> {
         self.check(HostCall::StreamSend)?;
+        self.census.count("stream messages sent", 0, message.len());
         self.record(Effect::StreamMessage {
             stream,
             context: self.effective_context.get(),
@@ -403,20 +486,24 @@ impl Host for FakeHost {
     }
 
     fn grpc_initial_metadata(&self) -> Result<HeaderPairs, HostError> {
+        self.census.count("stream messages read", 0, 0);
         Ok(self.grpc_initial_metadata.borrow().clone())
     }
 
     fn grpc_message(&self, size: usize) -> Result<Vec<u8>, HostError> {
-        Ok(self
+        let read: Vec<u8> = self
             .grpc_message
             .borrow()
             .iter()
             .take(size)
             .copied()
-            .collect())
+            .collect();
+        self.census.count("stream messages read", read.len(), 0);
+        Ok(read)
     }
 
     fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
+        self.census.count("context switches", 0, 0);
         if self.gone_contexts.borrow().contains(&context_id) {
             return Err(HostError(format!("context {context_id} is gone")));
         }
@@ -432,6 +519,8 @@ impl Host for FakeHost {
     }
 
     fn publish(&self, name: &str, value: &[u8]) {
+        self.census
+            .count("set_property", 0, name.len() + value.len());
         let context = self.effective_context.get();
         self.published
             .borrow_mut()
@@ -439,6 +528,7 @@ impl Host for FakeHost {
     }
 
     fn increment_counter(&self, id: u32) {
+        self.census.count("metrics", 0, 8);
         let index = (id as usize).saturating_sub(1);
         if let Some((_, value)) = self.counters.borrow_mut().get_mut(index) {
             *value += 1;
@@ -451,6 +541,7 @@ impl Host for FakeHost {
     }
 
     fn set_gauge(&self, id: u32, value: u64) {
+        self.census.count("metrics", 0, 8);
         let index = (id as usize).saturating_sub(1);
         if let Some((_, current)) = self.counters.borrow_mut().get_mut(index) {
             *current = value;
@@ -464,6 +555,7 @@ impl Host for FakeHost {
     }
 
     fn enqueue(&self, queue: u32, value: &[u8]) -> Result<(), HostError> {
+        self.census.count("queues", 0, value.len());
         let index = (queue as usize).saturating_sub(1);
         match self.queues.borrow_mut().get_mut(index) {
             Some((_, q)) => {
@@ -475,6 +567,7 @@ impl Host for FakeHost {
     }
 
     fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, HostError> {
+        self.census.count("queues", 0, 0);
         let index = (queue as usize).saturating_sub(1);
         Ok(self
             .queues

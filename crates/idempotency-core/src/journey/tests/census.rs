@@ -1,0 +1,570 @@
+//! The census: what each path of a request costs at the ABI, counted on the fake host, with a
+//! realistic request (a dozen headers, a 300-byte JSON body) and response (400 bytes). Every
+//! host call is counted by kind with the bytes it copies each way, and so are the log lines
+//! the module formats and hands to Envoy. The test prints the table `docs/benchmarks.md`
+//! shows, and fails when a path exceeds its budget: what that path minimally needs, each call
+//! justified in `BUDGETS` (and in docs/benchmarks.md).
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+
+use idempotency_protocol::stream::{decode_call, encode_answer, Answer, CallOp, Reply};
+
+use super::*;
+use crate::fake_host::Tally;
+use crate::plugin::root::PluginRoot;
+
+const ROOT: u32 = 1;
+
+const SINGLE: &str = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]}}]}"#;
+const WAIT: &str = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+    "on_in_flight":"wait"}]}"#;
+const CLUSTER: &str = r#"{"store":{"cluster":"store","token":"s3cret"},
+    "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]}}]}"#;
+
+thread_local! {
+    static LOG_LINES: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Counts the log lines the module would hand to Envoy (the filter's logger passes every
+/// level up to debug to `proxy_log`), per thread so that parallel tests do not mix.
+struct CountingLogger;
+
+impl log::Log for CountingLogger {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        metadata.level() <= log::Level::Debug
+    }
+    fn log(&self, record: &log::Record<'_>) {
+        if self.enabled(record.metadata()) {
+            LOG_LINES.with(|n| n.set(n.get() + 1));
+        }
+    }
+    fn flush(&self) {}
+}
+
+static LOGGER: CountingLogger = CountingLogger;
+
+fn count_logs() {
+    // Fails when another test installed it first, which then counts as well.
+    let _ = log::set_logger(&LOGGER);
+    log::set_max_level(log::LevelFilter::Debug);
+}
+
+fn take_logs() -> u64 {
+    LOG_LINES.with(|n| n.replace(0))
+}
+
+fn body() -> Vec<u8> {
+    let head = r#"{"order":{"sku":"book-978-0131103627","qty":1,"price":{"amount":4599,"currency":"EUR"}},"customer":{"id":"cus_8f3a2b","email":"reader@example.com"},"shipping":{"line1":"1 Main Street","city":"Springfield","postcode":"12345","country":"DE"},"note":""#;
+    let body = format!("{head}{}\"}}", "x".repeat(300 - head.len() - 2));
+    assert_eq!(body.len(), 300, "the census's request body is 300 bytes");
+    body.into_bytes()
+}
+
+fn request_headers(key: &str) -> Vec<(String, String)> {
+    [
+        (":method", "POST"),
+        (":path", "/orders"),
+        (":authority", "api.local"),
+        (":scheme", "https"),
+        ("content-type", "application/json"),
+        ("content-length", "300"),
+        ("user-agent", "shop-app/4.2.1 (iPhone; iOS 18.1)"),
+        ("accept", "application/json"),
+        (
+            "authorization",
+            "Bearer eyJhbGciOiJIUzI1NiJ9.c2hvcC1hcHA.sig",
+        ),
+        ("idempotency-key", key),
+        ("x-request-id", "4f1c2b7e-9a8d-4c3b-b2a1-0e9f8d7c6b5a"),
+        ("x-forwarded-proto", "https"),
+    ]
+    .iter()
+    .map(|(n, v)| (n.to_string(), v.to_string()))
+    .collect()
+}
+
+fn set_request(host: &FakeHost, key: &str, body: &[u8]) {
+    *host.request_headers.borrow_mut() = request_headers(key)
+        .into_iter()
+        .map(|(n, v)| (n, v.into_bytes()))
+        .collect();
+    *host.request_body.borrow_mut() = body.to_vec();
+}
+
+fn set_response(host: &FakeHost) {
+    let body = format!(
+        r#"{{"order_id":"ord_1","status":"accepted","note":"{}"}}"#,
+        "y".repeat(350)
+    );
+    assert_eq!(body.len(), 400, "the census's response body is 400 bytes");
+    host.set_response(
+        &[
+            (":status", "201"),
+            ("content-type", "application/json"),
+            ("content-length", "400"),
+            ("location", "/orders/ord_1"),
+            ("cache-control", "no-store"),
+            ("x-request-id", "4f1c2b7e-9a8d-4c3b-b2a1-0e9f8d7c6b5a"),
+        ],
+        body.as_bytes(),
+    );
+    // Envoy's report of a response the upstream sent, one attempt.
+    envoy_reports(host, "via_upstream", 0, 1);
+}
+
+fn root(host: &FakeHost, config: &str) -> PluginRoot {
+    *host.configuration.borrow_mut() = config.as_bytes().to_vec();
+    host.effective_context.set(ROOT);
+    let mut root = PluginRoot::new(ROOT);
+    assert!(root.on_configure(host));
+    root
+}
+
+/// The request's side, in its context: headers, then the whole body in one chunk.
+fn arrive(
+    host: &FakeHost,
+    root: &PluginRoot,
+    context: u32,
+    key: &str,
+    body: &[u8],
+) -> Rc<RefCell<RequestJourney>> {
+    host.effective_context.set(context);
+    set_request(host, key, body);
+    let journey = root.new_request(context).unwrap();
+    host.new_callback();
+    journey.borrow_mut().on(
+        host,
+        Event::RequestHeaders {
+            end_of_stream: false,
+        },
+    );
+    host.new_callback();
+    journey.borrow_mut().on(
+        host,
+        Event::RequestBody {
+            size: body.len(),
+            end_of_stream: true,
+        },
+    );
+    journey
+}
+
+/// The upstream's answer passing through, then the stream's end (Envoy's `on_log`).
+fn upstream_answers(host: &FakeHost, journey: &Rc<RefCell<RequestJourney>>, context: u32) {
+    host.effective_context.set(context);
+    set_response(host);
+    let mut j = journey.borrow_mut();
+    host.new_callback();
+    j.on(
+        host,
+        Event::ResponseHeaders {
+            end_of_stream: false,
+        },
+    );
+    host.new_callback();
+    j.on(
+        host,
+        Event::ResponseBody {
+            size: 400,
+            end_of_stream: true,
+        },
+    );
+    host.new_callback();
+    j.on(host, Event::StreamEnd);
+}
+
+/// The filter's own answer passing back through it, then the stream's end.
+fn local_answer_passes(host: &FakeHost, journey: &Rc<RefCell<RequestJourney>>, context: u32) {
+    host.effective_context.set(context);
+    let mut j = journey.borrow_mut();
+    host.new_callback();
+    j.on(
+        host,
+        Event::ResponseHeaders {
+            end_of_stream: false,
+        },
+    );
+    host.new_callback();
+    j.on(host, Event::StreamEnd);
+}
+
+/// What one path cost.
+struct Counted {
+    path: &'static str,
+    tallies: BTreeMap<&'static str, Tally>,
+    logs: u64,
+}
+
+fn counted(path: &'static str, host: &FakeHost) -> Counted {
+    Counted {
+        path,
+        tallies: host.census.take(),
+        logs: take_logs(),
+    }
+}
+
+/// Forgets what the set-up of a path cost.
+fn reset(host: &FakeHost) {
+    let _ = host.census.take();
+    let _ = host.take_effects();
+    take_logs();
+}
+
+fn new_key() -> Counted {
+    let host = FakeHost::default();
+    let root = root(&host, SINGLE);
+    reset(&host);
+    let journey = arrive(&host, &root, 2, "k1", &body());
+    upstream_answers(&host, &journey, 2);
+    counted("new key", &host)
+}
+
+fn replay() -> Counted {
+    let host = FakeHost::default();
+    let root = root(&host, SINGLE);
+    let first = arrive(&host, &root, 2, "k1", &body());
+    upstream_answers(&host, &first, 2);
+    reset(&host);
+    let retry = arrive(&host, &root, 3, "k1", &body());
+    local_answer_passes(&host, &retry, 3);
+    assert_eq!(the_reply(&host.take_effects()).0, 201);
+    counted("replay", &host)
+}
+
+fn conflict() -> Counted {
+    let host = FakeHost::default();
+    let root = root(&host, SINGLE);
+    let _first = arrive(&host, &root, 2, "k1", &body());
+    reset(&host);
+    let retry = arrive(&host, &root, 3, "k1", &body());
+    local_answer_passes(&host, &retry, 3);
+    assert_eq!(the_reply(&host.take_effects()).0, 409);
+    counted("409 in flight", &host)
+}
+
+fn mismatch() -> Counted {
+    let host = FakeHost::default();
+    let root = root(&host, SINGLE);
+    let first = arrive(&host, &root, 2, "k1", &body());
+    upstream_answers(&host, &first, 2);
+    reset(&host);
+    let mut other = body();
+    other[20] = b'X';
+    let retry = arrive(&host, &root, 3, "k1", &other);
+    local_answer_passes(&host, &retry, 3);
+    assert_eq!(the_reply(&host.take_effects()).0, 422);
+    counted("422 reused", &host)
+}
+
+/// A duplicate held while the first runs, and answered by the root's tick once it completes.
+fn wait() -> Counted {
+    let host = FakeHost::default();
+    let mut root = root(&host, WAIT);
+    let first = arrive(&host, &root, 2, "k1", &body());
+    reset(&host);
+    let held = arrive(&host, &root, 3, "k1", &body());
+    let during = host.census.take();
+    upstream_answers(&host, &first, 2);
+    let _first_costs = host.census.take();
+    host.effective_context.set(ROOT);
+    host.new_callback();
+    root.on_tick(&host);
+    local_answer_passes(&host, &held, 3);
+    assert_eq!(the_reply(&host.take_effects()).0, 201);
+    let mut path = counted("wait, then replay", &host);
+    for (kind, t) in during {
+        let row = path.tallies.entry(kind).or_default();
+        row.calls += t.calls;
+        row.bytes_in += t.bytes_in;
+        row.bytes_out += t.bytes_out;
+    }
+    path
+}
+
+/// The store's answer to the one call sent since the last look, delivered to the root.
+fn store_answers(host: &FakeHost, root: &mut PluginRoot, reply: impl Fn(&CallOp) -> Reply) {
+    let sent: Vec<(u32, Vec<u8>)> = host
+        .take_effects()
+        .into_iter()
+        .filter_map(|e| match e {
+            Effect::StreamMessage {
+                stream, message, ..
+            } => Some((stream, message)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(sent.len(), 1, "one call on the stream");
+    let (stream, message) = &sent[0];
+    let call = decode_call(message).unwrap();
+    let answer = encode_answer(&Answer {
+        id: call.id,
+        reply: reply(&call.op),
+    });
+    host.effective_context.set(ROOT);
+    let size = answer.len();
+    *host.grpc_message.borrow_mut() = answer;
+    host.new_callback();
+    root.on_grpc_message(host, *stream, size);
+}
+
+fn claimed(_: &CallOp) -> Reply {
+    Reply::Claimed {
+        owner: "o1".into(),
+        lease_expires_at_ms: 1,
+    }
+}
+
+fn recorded(_: &CallOp) -> Reply {
+    Reply::Recorded
+}
+
+fn cluster_new_key() -> Counted {
+    let host = FakeHost::default();
+    let mut root = root(&host, CLUSTER);
+    reset(&host);
+    let journey = arrive(&host, &root, 2, "k1", &body());
+    store_answers(&host, &mut root, claimed);
+    upstream_answers(&host, &journey, 2);
+    store_answers(&host, &mut root, recorded);
+    counted("cluster new key", &host)
+}
+
+fn cluster_replay() -> Counted {
+    let host = FakeHost::default();
+    let mut root = root(&host, CLUSTER);
+    let first = arrive(&host, &root, 2, "k1", &body());
+    store_answers(&host, &mut root, claimed);
+    upstream_answers(&host, &first, 2);
+    store_answers(&host, &mut root, recorded);
+    reset(&host);
+    let retry = arrive(&host, &root, 3, "k1", &body());
+    local_answer_passes(&host, &retry, 3);
+    assert_eq!(the_reply(&host.take_effects()).0, 201);
+    counted("cluster replay", &host)
+}
+
+/// The host calls a path may make, by kind, each with why it is needed; a kind not listed
+/// is not allowed at all. Shared by the paths that need the same thing.
+struct Budget {
+    path: &'static str,
+    calls: &'static [(&'static str, u64, &'static str)],
+}
+
+const REQUEST: [(&str, u64, &str); 5] = [
+    (
+        "request headers",
+        1,
+        "one read of the map: rule, key, scope and the fingerprint's method and path",
+    ),
+    (
+        "request body",
+        1,
+        "the body, once it is whole: the fingerprint",
+    ),
+    (
+        "properties",
+        1,
+        "the route's metadata naming a rule (route_metadata_namespace; null turns it off)",
+    ),
+    (
+        "set_property",
+        3,
+        "the access log's three fields: rule, key hash, outcome",
+    ),
+    ("metrics", 1, "the outcome's counter"),
+];
+
+const BUDGETS: &[Budget] = &[
+    Budget {
+        path: "new key",
+        calls: &[
+            REQUEST[0], REQUEST[1], REQUEST[3], REQUEST[4],
+            ("properties", 3, "+ response.code_details and upstream.request_attempt_count: who answered"),
+            ("clock", 2, "one per callback that decides: the claim, the completion"),
+            ("shared data get", 3, "the table registry (a push on another worker), the bucket to claim, the bucket to complete (a set returns no cas)"),
+            ("shared data set", 3, "the claim, the response, the completion"),
+            ("header edits", 1, "x-envoy-max-retries: 0, on the way upstream only"),
+            ("response headers", 1, "status and headers to record"),
+            ("response body", 1, "the body to record"),
+        ],
+    },
+    Budget {
+        path: "replay",
+        calls: &[
+            REQUEST[0], REQUEST[1], REQUEST[2], REQUEST[3], REQUEST[4],
+            ("clock", 1, "the claim"),
+            ("shared data get", 3, "the registry, the bucket, the recorded response"),
+            ("local reply", 1, "the replay"),
+        ],
+    },
+    Budget {
+        path: "409 in flight",
+        calls: &[
+            REQUEST[0], REQUEST[1], REQUEST[2], REQUEST[3], REQUEST[4],
+            ("clock", 1, "the claim"),
+            ("shared data get", 2, "the registry, the bucket"),
+            ("local reply", 1, "the 409"),
+        ],
+    },
+    Budget {
+        path: "422 reused",
+        calls: &[
+            REQUEST[0], REQUEST[1], REQUEST[2], REQUEST[3], REQUEST[4],
+            ("clock", 1, "the claim"),
+            ("shared data get", 2, "the registry, the bucket"),
+            ("local reply", 1, "the 422"),
+        ],
+    },
+    Budget {
+        path: "wait, then replay",
+        calls: &[
+            REQUEST[0], REQUEST[1], REQUEST[2],
+            ("set_property", 4, "the access log's fields, the outcome twice (waited, then replayed)"),
+            ("metrics", 2, "waited, replayed_after_wait"),
+            ("clock", 2, "the claim; the root's tick"),
+            ("shared data get", 4, "the registry and the bucket at the claim; on the tick the bucket and the response"),
+            ("context switches", 2, "into the held request to answer it, back to the root"),
+            ("local reply", 1, "the replay"),
+        ],
+    },
+    Budget {
+        path: "cluster new key",
+        calls: &[
+            REQUEST[0], REQUEST[1], REQUEST[3], REQUEST[4],
+            ("properties", 3, "the route's metadata; who answered"),
+            ("clock", 4, "the claim, the store's answer, the completion, its answer"),
+            ("shared data get", 3, "as a new key: the local table caches the store"),
+            ("shared data set", 3, "as a new key"),
+            ("header edits", 1, "x-envoy-max-retries: 0"),
+            ("response headers", 1, "status and headers to record"),
+            ("response body", 1, "the body to record"),
+            ("stream messages sent", 2, "the claim and the completion, on the worker's stream"),
+            ("stream messages read", 2, "their answers"),
+            ("context switches", 6, "to the root to send and back, twice; into the request with the claim's answer and back"),
+            ("resume", 1, "the request goes upstream once the store confirmed the claim"),
+        ],
+    },
+    Budget {
+        path: "cluster replay",
+        calls: &[
+            REQUEST[0], REQUEST[1], REQUEST[2], REQUEST[3], REQUEST[4],
+            ("clock", 1, "the claim"),
+            ("shared data get", 3, "the registry, the bucket, the response: replayed from the local copy, no store call"),
+            ("local reply", 1, "the replay"),
+        ],
+    },
+];
+
+fn total(c: &Counted) -> Tally {
+    c.tallies.values().fold(Tally::default(), |a, t| Tally {
+        calls: a.calls + t.calls,
+        bytes_in: a.bytes_in + t.bytes_in,
+        bytes_out: a.bytes_out + t.bytes_out,
+    })
+}
+
+fn table(paths: &[Counted]) -> String {
+    let mut kinds: Vec<&'static str> = paths
+        .iter()
+        .flat_map(|p| p.tallies.keys().copied())
+        .collect();
+    kinds.sort_unstable();
+    kinds.dedup();
+    let mut out = String::from("| host call |");
+    for p in paths {
+        out.push_str(&format!(" {} |", p.path));
+    }
+    out.push_str("\n| --- |");
+    out.push_str(&" ---: |".repeat(paths.len()));
+    out.push('\n');
+    let cell = |t: Option<&Tally>| match t {
+        None => "–".to_string(),
+        Some(t) => format!("{} ({} in, {} out)", t.calls, t.bytes_in, t.bytes_out),
+    };
+    for kind in kinds {
+        out.push_str(&format!("| {kind} |"));
+        for p in paths {
+            out.push_str(&format!(" {} |", cell(p.tallies.get(kind))));
+        }
+        out.push('\n');
+    }
+    out.push_str("| log lines |");
+    for p in paths {
+        out.push_str(&format!(" {} |", p.logs));
+    }
+    out.push_str("\n| **all host calls** |");
+    for p in paths {
+        let t = total(p);
+        out.push_str(&format!(
+            " **{}** ({} in, {} out) |",
+            t.calls + p.logs,
+            t.bytes_in,
+            t.bytes_out
+        ));
+    }
+    out.push('\n');
+    out
+}
+
+#[test]
+fn census_of_host_calls_per_path_within_budget() {
+    count_logs();
+    take_logs();
+    let paths = vec![
+        new_key(),
+        replay(),
+        conflict(),
+        mismatch(),
+        wait(),
+        cluster_new_key(),
+        cluster_replay(),
+    ];
+    let printed = table(&paths);
+    println!("census-begin\n{printed}census-end");
+    println!("budgets-begin");
+    for budget in BUDGETS {
+        let reasons: Vec<String> = budget
+            .calls
+            .iter()
+            .map(|(k, n, why)| format!("{k} {n}: {why}"))
+            .collect();
+        println!("- {}: {}", budget.path, reasons.join("; "));
+    }
+    println!("budgets-end");
+    let mut over = Vec::new();
+    for budget in BUDGETS {
+        let Some(path) = paths.iter().find(|p| p.path == budget.path) else {
+            panic!("no path {}", budget.path);
+        };
+        for (kind, tally) in &path.tallies {
+            let allowed = budget
+                .calls
+                .iter()
+                .find(|(k, _, _)| k == kind)
+                .map_or(0, |(_, n, _)| *n);
+            if tally.calls > allowed {
+                over.push(format!("{}: {kind} {} > {allowed}", path.path, tally.calls));
+            }
+        }
+        let logs_allowed = budget
+            .calls
+            .iter()
+            .find(|(k, _, _)| *k == "log lines")
+            .map_or(0, |(_, n, _)| *n);
+        if path.logs > logs_allowed {
+            over.push(format!(
+                "{}: log lines {} > {logs_allowed}",
+                path.path, path.logs
+            ));
+        }
+    }
+    assert!(
+        over.is_empty(),
+        "over budget:\n{}\n{printed}",
+        over.join("\n")
+    );
+}
