@@ -19,11 +19,7 @@ const DETACHED: &str = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["
     "execution":"detached","upstream_cluster":"orders-svc","upstream_timeout_ms":5000}]}"#;
 
 fn root(host: &FakeHost, config: &str) -> PluginRoot {
-    *host.configuration.borrow_mut() = config.as_bytes().to_vec();
-    host.effective_context.set(ROOT);
-    let mut root = PluginRoot::new(ROOT);
-    assert!(root.on_configure(host));
-    root
+    configured_root(host, config, ROOT)
 }
 
 fn tick(host: &FakeHost, root: &mut PluginRoot) {

@@ -100,6 +100,20 @@ pub(super) fn post_in_context(
     (journey, verdict)
 }
 
+/// A root context `root_id` configured with `config` as Envoy does it (the root's context is
+/// the effective one).
+pub(super) fn configured_root(
+    host: &FakeHost,
+    config: &str,
+    root_id: u32,
+) -> crate::plugin::root::PluginRoot {
+    *host.configuration.borrow_mut() = config.as_bytes().to_vec();
+    host.effective_context.set(root_id);
+    let mut root = crate::plugin::root::PluginRoot::new(root_id);
+    assert!(root.on_configure(host));
+    root
+}
+
 /// The worker's held duplicates and the bytes of their requests.
 pub(super) fn held_duplicates(root: &crate::plugin::root::PluginRoot) -> (usize, usize) {
     root.plugin().unwrap().waits.held()

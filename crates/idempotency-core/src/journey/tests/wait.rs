@@ -18,11 +18,7 @@ const WAIT: &str = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/ord
     "on_in_flight":"wait","wait_ms":2000}]}"#;
 
 fn root(host: &FakeHost, config: &str) -> PluginRoot {
-    *host.configuration.borrow_mut() = config.as_bytes().to_vec();
-    host.effective_context.set(ROOT);
-    let mut root = PluginRoot::new(ROOT);
-    assert!(root.on_configure(host));
-    root
+    configured_root(host, config, ROOT)
 }
 
 fn request(
