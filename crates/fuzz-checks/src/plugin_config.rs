@@ -7,7 +7,7 @@ use idempotency_core::config::{
 };
 use idempotency_core::fingerprint::FingerprintMode;
 use idempotency_core::key_source::FieldSource;
-use idempotency_core::table_layout::{Layout, MAX_SLOTS, MIN_INLINE_BYTES};
+use idempotency_core::table::layout::{Layout, MAX_SLOTS, MIN_INLINE_BYTES};
 use serde_json::{json, Map, Value};
 
 /// Any bytes, and configurations built from the input: parsing never panics, and a

@@ -1,15 +1,15 @@
 //! What the local table keeps in Envoy's shared data, which every worker (and every earlier
 //! configuration) of the process writes: buckets and page pointers (`table::codec`), the
-//! registry of tables (`table_lineage`) and the layout tags in its lines (`table_layout`).
+//! registry of tables (`table::lineage`) and the layout tags in its lines (`table::layout`).
 
 use arbitrary::{Arbitrary, Result, Unstructured};
 use idempotency_core::record::RecordedResponse;
 use idempotency_core::table::codec::{
     decode_page_pointer, encode_page_pointer, reencode_bucket, BUCKET_BYTES,
 };
+use idempotency_core::table::layout::{Layout, PageClass};
+use idempotency_core::table::lineage::{self, TableEntry};
 use idempotency_core::table::{SLOT_BYTES, WAYS};
-use idempotency_core::table_layout::{Layout, PageClass};
-use idempotency_core::table_lineage::{self, TableEntry};
 
 /// Buckets: any value reads without panicking as exactly the slots it holds whole (a state
 /// byte other than in-flight or completed reads as free, a short tail as free slots), so a
@@ -58,9 +58,9 @@ fn page_pointer(data: &[u8]) {
 }
 
 fn registry(data: &[u8]) {
-    let entries = table_lineage::decode(data);
-    let encoded = table_lineage::encode(&entries);
-    assert_eq!(table_lineage::decode(&encoded), entries, "stable");
+    let entries = lineage::decode(data);
+    let encoded = lineage::encode(&entries);
+    assert_eq!(lineage::decode(&encoded), entries, "stable");
     assert!(entries.len() <= data.iter().filter(|&&b| b == b'\n').count() + 1);
     if let Ok(text) = std::str::from_utf8(data) {
         for line in text.lines() {
@@ -124,9 +124,6 @@ fn built(u: &mut Unstructured<'_>) -> Result<()> {
             retired_at_ms: (retired != 0).then_some(retired),
         });
     }
-    assert_eq!(
-        table_lineage::decode(&table_lineage::encode(&entries)),
-        entries
-    );
+    assert_eq!(lineage::decode(&lineage::encode(&entries)), entries);
     Ok(())
 }

@@ -7,7 +7,7 @@ use std::fmt;
 use crate::fingerprint::FingerprintMode;
 use crate::key_source::FieldSource;
 use crate::response_policy::{HeaderFilter, ReleasePolicy};
-use crate::table_layout::Layout;
+use crate::table::layout::Layout;
 
 /// Raw JSON shape of the plugin configuration. Every field has a documented default.
 #[derive(Debug, Deserialize)]
@@ -351,7 +351,7 @@ pub fn default_replay_skip_headers() -> Vec<String> {
 }
 
 /// Upper bounds that keep one rule from exhausting the proxy.
-const MAX_CAPACITY: u64 = crate::table_layout::MAX_SLOTS;
+const MAX_CAPACITY: u64 = crate::table::layout::MAX_SLOTS;
 const MIN_TABLE_BYTES: u64 = 1024 * 1024;
 const MAX_TABLE_BYTES: u64 = 64 * 1024 * 1024 * 1024;
 const MAX_TTL_SECONDS: u64 = 366 * 86_400;

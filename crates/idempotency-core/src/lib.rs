@@ -7,7 +7,7 @@
 //! root's life). The decisions they call: [`rule_select`] picks the rule, [`key_source`]
 //! reads the key from headers, query or body fields ([`request_fields`]), [`key`] parses and
 //! scopes it, [`fingerprint`] hashes the payload, [`table`] claims the key in shared data
-//! ([`table_lineage`] keeps the tables a capacity change replaced), [`capture`] collects the
+//! (its layout within the byte budget, and the lineage of tables a capacity change replaced), [`capture`] collects the
 //! upstream response and [`record`] encodes it; in cluster mode [`store_client`] speaks to
 //! the shared store. [`problem`] words every answer the filter gives itself, [`outcome`]
 //! names what the metrics count, [`burst_log`] keeps failures from flooding the log.
@@ -21,8 +21,6 @@ pub mod capture;
 pub mod config;
 #[cfg(test)]
 mod fake_host;
-#[cfg(test)]
-mod fake_shared;
 pub mod fingerprint;
 pub mod host;
 pub mod journey;
@@ -38,9 +36,5 @@ pub mod rule_select;
 pub mod store_client;
 pub mod store_stream;
 pub mod table;
-pub mod table_layout;
-pub mod table_lineage;
-#[cfg(all(test, not(target_arch = "wasm32")))]
-mod table_properties;
 pub mod who_answered;
 mod wire;

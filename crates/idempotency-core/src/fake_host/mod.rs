@@ -11,9 +11,9 @@ mod census;
 pub(crate) use census::Tally;
 use census::{map_bytes, Census};
 
-use crate::fake_shared::FakeShared;
 use crate::host::{Callout, HeaderPairs, Host, HostError, SetOutcome, SharedData};
 use crate::outcome::Outcome;
+use crate::table::fake_shared::FakeShared;
 
 /// What the flow did to the outside world.
 #[derive(Debug, Clone, PartialEq, Eq)]

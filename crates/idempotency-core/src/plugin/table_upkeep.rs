@@ -1,13 +1,13 @@
 //! Keeping the local table in step with the tables other configurations of this process use:
 //! registering it, consulting the tables a capacity change retired, and emptying those whose
-//! records have all expired, a few buckets per tick (see core's `table_lineage`).
+//! records have all expired, a few buckets per tick (see core's `table::lineage`).
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 
 use crate::host::Host;
+use crate::table::lineage::{self, Lineage, LineageWatch, TableEntry};
 use crate::table::Table;
-use crate::table_lineage::{self, Lineage, LineageWatch, TableEntry};
 
 /// Buckets emptied per tick: each is nine shared-data writes under Envoy's process-wide lock,
 /// so a tick stays well under a millisecond however large the retired table.
@@ -76,7 +76,7 @@ impl TableUpkeep {
         let now_ms = host.now_ms();
         if self.next_reclaim_ms.get().is_some_and(|at| now_ms >= at) {
             self.next_reclaim_ms.set(None);
-            match table_lineage::reclaim_due(host, &self.namespace, now_ms) {
+            match lineage::reclaim_due(host, &self.namespace, now_ms) {
                 Ok(due) => self.start_emptying(&due),
                 Err(e) => log::warn!("retired tables not reclaimed: {}", e.0),
             }

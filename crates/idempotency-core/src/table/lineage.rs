@@ -9,8 +9,8 @@
 //! passed, and then its buckets and responses are emptied, a few buckets per tick of the
 //! root context.
 
+use crate::table::layout::Layout;
 use crate::table::{HostError, SetOutcome, SharedData, Table};
-use crate::table_layout::Layout;
 
 /// Retired tables remembered at most; an older one is reclaimed at once (its records lost).
 pub const MAX_RETIRED: usize = 4;
@@ -242,9 +242,9 @@ pub fn reclaim_due(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fake_shared::FakeShared;
     use crate::key::Digest;
     use crate::record::RecordedResponse;
+    use crate::table::fake_shared::FakeShared;
     use crate::table::OversizedBody::RecordWithoutIt;
     use crate::table::{Claim, Completion};
     #[cfg(target_arch = "wasm32")]

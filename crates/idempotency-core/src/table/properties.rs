@@ -14,11 +14,11 @@ use std::rc::Rc;
 
 use proptest::prelude::*;
 
-use crate::fake_shared::FakeShared;
 use crate::key::Digest;
 use crate::record::RecordedResponse;
+use crate::table::fake_shared::FakeShared;
+use crate::table::layout::Layout;
 use crate::table::{Claim, Completion, Held, OversizedBody, Table};
-use crate::table_layout::Layout;
 
 const LEASE_MS: u64 = 1_000;
 const TTL_MS: u64 = 5_000;

@@ -14,9 +14,16 @@ use std::cell::RefCell;
 
 use idempotency_protocol::decision::{self, ClaimDecision, CompleteDecision, ReleaseDecision};
 
+#[cfg(test)]
+pub(crate) mod fake_shared;
+pub mod layout;
+pub mod lineage;
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod properties;
+
 use crate::key::Digest;
 use crate::record::RecordedResponse;
-use crate::table_layout::{Layout, PAGE_HEADER_BYTES};
+use crate::table::layout::{Layout, PAGE_HEADER_BYTES};
 use crate::wire::Reader;
 
 /// Slots per bucket. Each claim copies one bucket (8 × 91 bytes); a new key evicts the
@@ -1013,7 +1020,7 @@ fn oldest_completed(slots: &[Slot; WAYS]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fake_shared::FakeShared;
+    use crate::table::fake_shared::FakeShared;
     use crate::table::OversizedBody::RecordWithoutIt;
     use std::cell::RefCell;
     #[cfg(target_arch = "wasm32")]
@@ -1469,8 +1476,8 @@ mod tests {
                 .keys()
                 .filter(|k| k.starts_with("test/"))
                 .count() as u64;
-            let held_bytes =
-                s.bytes_under("test/") as u64 + entries * crate::table_layout::ENTRY_OVERHEAD_BYTES;
+            let held_bytes = s.bytes_under("test/") as u64
+                + entries * crate::table::layout::ENTRY_OVERHEAD_BYTES;
             assert!(held_bytes <= bound, "round {round}: {held_bytes} > {bound}");
         }
     }
