@@ -296,7 +296,13 @@ def check_setup(s: Setup, w: WrkResult, stats: dict[str, int], coordination: dic
         notes.append("Envoy answered " + ", ".join(f"{v} {c}" for c, v in codes.items() if v))
     upstream = stats.get("cluster.demo_upstream.upstream_rq_total", 0)
     streams = stats.get(f"cluster.{STORE_CLUSTER}.upstream_rq_total", 0)
-    if s.wasm != FILTER_WASM:
+    if s.direct:
+        notes.append(f"upstream requests {upstream}")
+        if upstream > 0:
+            raise BenchFailure(f"setup ({s.key}): {upstream} upstream requests behind a direct_response route")
+        if s.wasm != FILTER_WASM:
+            return notes
+    elif s.wasm != FILTER_WASM:
         notes.append(f"upstream requests {upstream}")
         if upstream < 0.9 * ok2xx:
             raise BenchFailure(f"setup ({s.key}): only {upstream} upstream requests for {ok2xx} 2xx answers")

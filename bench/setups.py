@@ -27,6 +27,8 @@ NOOP_WASM = WASM_DIR / "noop_filter.wasm"
 PRODUCT_CONFIG = REPO / "envoy" / "envoy.yaml"
 
 BODY = '{"sku":"book","qty":1}'
+# What a direct_response route answers: about the size of the demo upstream's answer.
+DIRECT_BODY = '{"order":"ord_1","status":"accepted"}'
 RULE = "orders"  # the rule of envoy/envoy.yaml that protects /orders
 STORE_TOKEN = "bench-store-token"
 # The memory run keeps the product's `local_table` (envoy/envoy.yaml: max_bytes only, the
@@ -139,6 +141,19 @@ def memory_geometry() -> harness.TableGeometry:
     return harness.table_geometry(table.get("capacity"), table.get("max_bytes"), largest)
 
 
+def direct_response(config: dict) -> None:
+    """Every route answers 201 with a small JSON body itself (`direct_response`): no upstream,
+    so a setup measures the filter's own cost and Envoy's, nothing behind them."""
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for net in chain["filters"]:
+                tc = net.get("typed_config") or {}
+                for vhost in (tc.get("route_config") or {}).get("virtual_hosts", []):
+                    for route in vhost["routes"]:
+                        route.pop("route", None)
+                        route["direct_response"] = {"status": 201, "body": {"inline_string": DIRECT_BODY}}
+
+
 def without_wasm_filter(config: dict) -> None:
     for listener in config["static_resources"]["listeners"]:
         for chain in listener["filter_chains"]:
@@ -162,6 +177,8 @@ class Setup:
     echo: bool = False
     # Also measured at the fixed moderate rate (after its saturating run, same Envoy).
     rate: bool = False
+    # Routes answer themselves (`direct_response`): no upstream request is expected.
+    direct: bool = False
 
     @property
     def transport(self) -> str | None:
@@ -197,6 +214,14 @@ def setups() -> list[Setup]:
         Setup("h", "idempotency, cluster, embedded store, HTTP callouts (`transport: \"http\"`)",
               wasm=FILTER_WASM, plugin=cluster_http, store_backend="embedded",
               short="cluster, embedded\nHTTP callouts"),
+        Setup("k", "no-op Wasm filter, waits for the body, `direct_response` route", wasm=NOOP_WASM,
+              plugin={"wait_for_body": True}, mutate=direct_response, direct=True,
+              short="no-op Wasm\ndirect response"),
+        Setup("l", "idempotency, single-proxy, new keys, `direct_response` route", wasm=FILTER_WASM,
+              plugin=single, mutate=direct_response, direct=True, short="new keys\ndirect response"),
+        Setup("m", "idempotency, single-proxy, replays, `direct_response` route", wasm=FILTER_WASM,
+              plugin=replays, replay=True, mutate=direct_response, direct=True,
+              short="replays\ndirect response"),
         Setup("i", "(c) with `execution: \"detached\"`", wasm=FILTER_WASM, plugin=detached(single),
               short="single-proxy\ndetached"),
         Setup("j", "(e) with `execution: \"detached\"`", wasm=FILTER_WASM, plugin=detached(cluster),

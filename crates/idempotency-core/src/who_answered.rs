@@ -47,6 +47,9 @@ const NEVER_SENT: u64 = flag::FAILED_LOCAL_HEALTH_CHECK
 
 /// Envoy's `response.code_details` for a response the upstream sent.
 const VIA_UPSTREAM: &str = "via_upstream";
+/// ... and for the answer of a route that answers itself (`direct_response`): that route's
+/// service, whose answer is recorded like an upstream's.
+const DIRECT_RESPONSE: &str = "direct_response";
 
 /// What Envoy says about how a request ended.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -84,7 +87,7 @@ impl EnvoyReport {
         let attempts = property(host, &["upstream", "request_attempt_count"])
             .and_then(|bytes| integer(&bytes))
             .map(|n| u32::try_from(n).unwrap_or(u32::MAX));
-        let flags = if details.as_deref() == Some(VIA_UPSTREAM) {
+        let flags = if matches!(details.as_deref(), Some(VIA_UPSTREAM | DIRECT_RESPONSE)) {
             0
         } else {
             property(host, &["response", "flags"])
@@ -105,6 +108,9 @@ impl EnvoyReport {
             return Answerer::Upstream {
                 resent: attempts > 1,
             };
+        }
+        if self.details.as_deref() == Some(DIRECT_RESPONSE) {
+            return Answerer::Upstream { resent: false };
         }
         // No attempt at all: a filter after this one answered, or the client left before the
         // router sent anything.
@@ -279,6 +285,14 @@ mod tests {
         assert_eq!(
             report(201, "via_upstream", 0, 3).answerer(),
             Answerer::Upstream { resent: true }
+        );
+    }
+
+    #[test]
+    fn a_route_that_answers_itself_is_that_routes_service() {
+        assert_eq!(
+            report(201, "direct_response", 0, 0).answerer(),
+            Answerer::Upstream { resent: false }
         );
     }
 
