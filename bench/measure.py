@@ -300,9 +300,9 @@ def check_setup(s: Setup, w: WrkResult, stats: dict[str, int], coordination: dic
         notes.append(f"upstream requests {upstream}")
         if upstream > 0:
             raise BenchFailure(f"setup ({s.key}): {upstream} upstream requests behind a direct_response route")
-        if s.wasm != FILTER_WASM:
+        if not s.is_filter:
             return notes
-    elif s.wasm != FILTER_WASM:
+    elif not s.is_filter:
         notes.append(f"upstream requests {upstream}")
         if upstream < 0.9 * ok2xx:
             raise BenchFailure(f"setup ({s.key}): only {upstream} upstream requests for {ok2xx} 2xx answers")

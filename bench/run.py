@@ -17,6 +17,9 @@ envoy/envoy.yaml and driven by the same wrk command:
       an instant server (`demo-upstream --grpc-echo`) and resumes on the answer
   h   e over the filter's older store transport (`store.transport: "http"`, one HTTP/2
       callout per claim and per completion), for before/after in one run
+  k   b with every route a `direct_response` (no upstream)
+  l   c on that route: the filter's own cost for a new key, nothing behind it
+  m   d on that route: a replay
   i   c with `execution: "detached"`: each write sent upstream as a callout of the root
       context instead of through Envoy's router
   j   e with `execution: "detached"`
@@ -46,6 +49,7 @@ the load and the measurements, bench/report.py the page and the chart.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -82,8 +86,12 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=1000, help="requests/s of the fixed-rate runs (0 skips them)")
     p.add_argument("--rate-duration", type=float, default=10, help="seconds of each fixed-rate run")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,memory,store,cluster (development; writes no page)")
+                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,memory,store,cluster (development; writes no page)")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary directory of logs and configs")
+    p.add_argument("--abba", metavar="BASELINE_WASM", default="",
+                   help="instead: each setup of --only (default c,l,m) with this module (A) and the built "
+                        "one (B), in the order A B B A, for Envoy's CPU per request before and after; "
+                        "writes no page")
     p.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"), help="page to write")
     args = p.parse_args()
     durations = Durations(args.duration, args.warmup, args.store_duration, min(2.0, args.warmup),
@@ -101,6 +109,8 @@ def main() -> int:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} not found: apt-get install wrk redis-server")
 
+    if args.abba:
+        return abba(Path(args.abba), args.only or "c,l,m", durations)
     started = time.monotonic()
     info = machine()
     only = set(args.only.split(",")) - {""}
@@ -151,6 +161,41 @@ def main() -> int:
         log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
     if not args.keep_logs:
         shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def abba(baseline: Path, only: str, durations: Durations) -> int:
+    """Before and after in one run: A (``baseline``) B (the built module) B A per setup, so a
+    drift of the machine's speed during the run weighs on both alike."""
+    if not baseline.is_file():
+        raise SystemExit(f"{baseline} missing")
+    keys = set(only.split(",")) - {""}
+    chosen = [s for s in setups() if s.key in keys and s.is_filter]
+    tmp = Path(tempfile.mkdtemp(prefix="idempotency-abba-"))
+    log(f"logs and configs in {tmp}")
+    rows: list[tuple[str, str, float, float]] = []
+    try:
+        with harness.ProcessGroup(tmp) as group:
+            upstream = group.add(harness.start_upstream(tmp, fast=True, name="upstream"))
+            redis = group.add(harness.start_redis(tmp, name="redis"))
+            for s in chosen:
+                for n, which in enumerate("ABBA"):
+                    run = dataclasses.replace(s, wasm=baseline if which == "A" else FILTER_WASM)
+                    r = run_setup(run, tmp / f"{s.key}-{n}{which}", upstream, durations, redis)
+                    rows.append((s.key, which, r.cpu_us_per_request, r.wrk.rps))
+    except BenchFailure as err:
+        print(f"\nBENCH FAILED: {err}\n(logs in {tmp})", file=sys.stderr, flush=True)
+        return 1
+    print("| setup | A: baseline µs/req | B: built µs/req | B − A | A req/s | B req/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for s in chosen:
+        mine = [r for r in rows if r[0] == s.key]
+        a = [r for r in mine if r[1] == "A"]
+        b = [r for r in mine if r[1] == "B"]
+        cpu_a, cpu_b = sum(r[2] for r in a) / len(a), sum(r[2] for r in b) / len(b)
+        rps_a, rps_b = sum(r[3] for r in a) / len(a), sum(r[3] for r in b) / len(b)
+        print(f"| ({s.key}) {s.title} | {cpu_a:.0f} | {cpu_b:.0f} | {cpu_b - cpu_a:+.0f} | {rps_a:,.0f} | {rps_b:,.0f} |")
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

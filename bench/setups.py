@@ -181,8 +181,13 @@ class Setup:
     direct: bool = False
 
     @property
+    def is_filter(self) -> bool:
+        """This filter's module (the build under test, or a baseline build of it)."""
+        return self.wasm is not None and self.wasm != NOOP_WASM
+
+    @property
     def transport(self) -> str | None:
-        return store_transport(self.plugin) if self.wasm == FILTER_WASM else None
+        return store_transport(self.plugin) if self.is_filter else None
 
 
 # The store's cluster in envoy/envoy.yaml, which the floor (g) streams to as well.
