@@ -189,6 +189,19 @@ def start_envoy(procs: harness.ProcessGroup, upstream: harness.Upstream, config:
                        **envoy_options(upstream, config, store_port=store_port))
 
 
+def add_refused_cluster(config: dict) -> None:
+    """Adds the cluster ``refused`` to an Envoy config (for a ``mutate``): one endpoint on a
+    loopback port nobody listens on, so every connection to it is refused."""
+    config["static_resources"]["clusters"].append({
+        "name": "refused",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": "refused", "endpoints": [{"lb_endpoints": [{
+            "endpoint": {"address": {"socket_address": {
+                "address": harness.LOOPBACK, "port_value": harness.free_port()}}}}]}]},
+    })
+
+
 def prepend_routes(config: dict, routes: list[dict]) -> None:
     """Puts ``routes`` ahead of the catch-all in the first virtual host of an Envoy config
     (for a ``mutate``): a test's own timeouts and retry policies on paths of its own."""

@@ -27,6 +27,7 @@ from helpers import (
     line_for,
     new_key,
     post,
+    add_refused_cluster,
     prepend_routes,
     problem,
     rule,
@@ -56,14 +57,7 @@ def add_routes(config: dict) -> None:
         {"name": "edge-refused", "match": {"prefix": REFUSED + "/"},
          "route": {"cluster": "refused", "timeout": "5s"}},
     ])
-    config["static_resources"]["clusters"].append({
-        "name": "refused",
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "load_assignment": {"cluster_name": "refused", "endpoints": [{"lb_endpoints": [{
-            "endpoint": {"address": {"socket_address": {
-                "address": harness.LOOPBACK, "port_value": harness.free_port()}}}}]}]},
-    })
+    add_refused_cluster(config)
 
 
 def edge_rule(**fields: Any) -> dict:
