@@ -40,6 +40,7 @@ from setups import (  # first: it puts tests/e2e on sys.path
 )
 
 import client  # noqa: E402  (from tests/e2e, the tests' own request client)
+import cpu_profile  # noqa: E402  (bench/cpu_profile.py)
 
 WRK_THREADS = 2
 WRK_CONNECTIONS = 32
@@ -220,6 +221,8 @@ class Durations:
     # The fixed-rate runs: requests/s in total, and how long (0: not run).
     rate_rps: float = 1000
     rate_seconds: float = 10
+    # Seconds of `perf` sampling of the setups in PROFILED, after their measured run (0: none).
+    profile_seconds: float = 6
 
 
 # --------------------------------------------------------------------------
@@ -262,6 +265,7 @@ class SetupResult:
     checks: list[str]
     command: str
     rate: RateResult | None = None
+    split: cpu_profile.CpuSplit | None = None
 
 
 # Envoy's startup advice about the overload manager: not about what is measured.
@@ -441,10 +445,37 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
             f"{'; '.join(checks)}")
         command = display_cmd(argv, {url: "http://127.0.0.1:$ENVOY_PORT/", nonce: "$NONCE"}
                               | ({key: "$KEY"} if s.replay else {}))
+        split = None
+        if s.key in PROFILED and durations.profile_seconds > 0 and cpu_profile.perf_available():
+            split = profile_setup(s, envoy, tmp, durations.profile_seconds, args)
         rate = None
         if s.rate and durations.rate_rps > 0 and durations.rate_seconds > 0:
             rate = run_rate(s, envoy, durations, lambda: coordination_counts(s, store, echo))
-    return SetupResult(s, w, rss, rss_start, 1e6 * cpu / max(1, w.requests), stats, checks, command, rate)
+    return SetupResult(s, w, rss, rss_start, 1e6 * cpu / max(1, w.requests), stats, checks, command, rate, split)
+
+
+# The setups whose CPU is split by `perf` into the module, its host calls and Envoy's own work:
+# the floors and the filter's single-proxy paths, with and without an upstream.
+PROFILED = ("b", "c", "d", "k", "l", "m")
+
+
+def profile_setup(s: Setup, envoy: harness.Envoy, tmp: Path, seconds: float, args: list[str]) -> cpu_profile.CpuSplit:
+    """The setup's load again, `seconds` of it sampled by perf (a run of its own, so that the
+    sampling does not weigh on the measured one)."""
+    data = tmp / f"perf-{s.key}.data"
+    recorder = cpu_profile.start_record(envoy.process.pid, seconds, data)
+    try:
+        run_wrk(wrk_argv(envoy.url("/"), seconds + 1, WRK_DIR / "post.lua",
+                         args if s.replay else ["unique", "p" + args[1], BODY]), seconds + 1)
+        recorder.wait(timeout=seconds + 60)
+    finally:
+        if recorder.poll() is None:
+            recorder.kill()
+            recorder.wait(timeout=10)
+    split = cpu_profile.split(data)
+    data.unlink(missing_ok=True)
+    log(f"  perf: {split.samples} samples: " + ", ".join(f"{p} {100 * v:.0f} %" for p, v in split.shares.items()))
+    return split
 
 
 def run_rate(s: Setup, envoy: harness.Envoy, durations: "Durations",

@@ -70,6 +70,7 @@ from measure import (
     run_store_alone,
     run_store_on_cluster,
 )
+from cpu_profile import count_instructions
 from report import machine, write_chart, write_page
 from setups import FILTER_WASM, NOOP_WASM, PRODUCT, REPO, harness, setups
 
@@ -85,18 +86,23 @@ def main() -> int:
     p.add_argument("--redis-requests", type=int, default=200_000)
     p.add_argument("--rate", type=float, default=1000, help="requests/s of the fixed-rate runs (0 skips them)")
     p.add_argument("--rate-duration", type=float, default=10, help="seconds of each fixed-rate run")
+    p.add_argument("--profile-seconds", type=float, default=6,
+                   help="seconds of perf sampling per profiled setup, after its measured run (0: none)")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,memory,store,cluster (development; writes no page)")
+                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,instructions,memory,store,cluster "
+                        "(development; writes no page)")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary directory of logs and configs")
     p.add_argument("--abba", metavar="BASELINE_WASM", default="",
                    help="instead: each setup of --only (default c,l,m) with this module (A) and the built "
                         "one (B), in the order A B B A, for Envoy's CPU per request before and after; "
                         "writes no page")
+    p.add_argument("--abba-b", metavar="WASM", default="",
+                   help="with --abba: this module as B instead of the built one")
     p.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"), help="page to write")
     args = p.parse_args()
     durations = Durations(args.duration, args.warmup, args.store_duration, min(2.0, args.warmup),
                           args.memory_keys, args.memory_max_seconds, args.redis_requests, args.rate,
-                          args.rate_duration)
+                          args.rate_duration, args.profile_seconds)
 
     # The harness would take a newer debug build if there is one; a benchmark wants release.
     os.environ.setdefault("DEMO_UPSTREAM_BIN", str(REPO / "target" / "release" / "demo-upstream"))
@@ -110,13 +116,21 @@ def main() -> int:
             raise SystemExit(f"{tool} not found: apt-get install wrk redis-server")
 
     if args.abba:
-        return abba(Path(args.abba), args.only or "c,l,m", durations)
+        return abba(Path(args.abba), Path(args.abba_b) if args.abba_b else FILTER_WASM,
+                    args.only or "c,l,m", durations)
     started = time.monotonic()
     info = machine()
     only = set(args.only.split(",")) - {""}
     wanted = [s for s in setups() if not only or s.key in only]
     tmp = Path(tempfile.mkdtemp(prefix="idempotency-bench-"))
     log(f"logs and configs in {tmp}")
+    # Before any Envoy runs: it builds, and counts under valgrind, on the same two cores.
+    instructions = None
+    if not only or "instructions" in only:
+        instructions = count_instructions(REPO)
+        log("instructions per request, natively: " + (
+            ", ".join(f"{p} {n:,}" for p, n in instructions.per_path.items()) if instructions
+            else "not counted (valgrind not found)"))
     results: list[SetupResult] = []
     mem = None
     stores: list[StoreResult] = []
@@ -155,7 +169,7 @@ def main() -> int:
     chart = out.with_suffix(".png")
     write_chart(results, chart)
     targets = write_page(out, chart, info, durations, results, mem, stores, rb, scale, FILTER_WASM.stat().st_size,
-                         NOOP_WASM.stat().st_size, elapsed, envoy_cmd)
+                         NOOP_WASM.stat().st_size, elapsed, envoy_cmd, instructions)
     log(f"wrote {out} and {chart} in {elapsed:.0f}s")
     for name, ok, detail in targets:
         log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
@@ -164,11 +178,12 @@ def main() -> int:
     return 0
 
 
-def abba(baseline: Path, only: str, durations: Durations) -> int:
-    """Before and after in one run: A (``baseline``) B (the built module) B A per setup, so a
-    drift of the machine's speed during the run weighs on both alike."""
-    if not baseline.is_file():
-        raise SystemExit(f"{baseline} missing")
+def abba(baseline: Path, candidate: Path, only: str, durations: Durations) -> int:
+    """Before and after in one run: A (``baseline``) B (``candidate``, by default the built
+    module) B A per setup, so a drift of the machine's speed during the run weighs on both alike."""
+    for module in (baseline, candidate):
+        if not module.is_file():
+            raise SystemExit(f"{module} missing")
     keys = set(only.split(",")) - {""}
     chosen = [s for s in setups() if s.key in keys and s.is_filter]
     tmp = Path(tempfile.mkdtemp(prefix="idempotency-abba-"))
@@ -180,7 +195,7 @@ def abba(baseline: Path, only: str, durations: Durations) -> int:
             redis = group.add(harness.start_redis(tmp, name="redis"))
             for s in chosen:
                 for n, which in enumerate("ABBA"):
-                    run = dataclasses.replace(s, wasm=baseline if which == "A" else FILTER_WASM)
+                    run = dataclasses.replace(s, wasm=baseline if which == "A" else candidate)
                     r = run_setup(run, tmp / f"{s.key}-{n}{which}", upstream, durations, redis)
                     rows.append((s.key, which, r.cpu_us_per_request, r.wrk.rps))
     except BenchFailure as err:

@@ -551,3 +551,69 @@ fn census_of_host_calls_per_path_within_budget() {
         over.join("\n")
     );
 }
+
+/// Milliseconds of a monotonic clock, on both targets.
+#[cfg(not(target_arch = "wasm32"))]
+fn now_ms() -> f64 {
+    thread_local! {
+        static START: std::time::Instant = std::time::Instant::now();
+    }
+    START.with(|s| s.elapsed().as_secs_f64() * 1000.0)
+}
+
+#[cfg(target_arch = "wasm32")]
+fn now_ms() -> f64 {
+    js_sys::Date::now()
+}
+
+/// Not a test: a loop for a profiler, the module's own work on the replay and new-key paths
+/// without Envoy, its fake host included. Natively: `CENSUS_LOOP_ROUNDS=100000 cargo test
+/// --release -p idempotency-core --lib census_loop -- --ignored --nocapture` (under `perf
+/// record`); in V8, as Envoy runs the module: `scripts/profile-module.sh`, which builds it for
+/// wasm32 with the rounds fixed at compile time (a wasm32 test reads no environment).
+#[test]
+#[ignore]
+fn census_loop() {
+    #[cfg(not(target_arch = "wasm32"))]
+    let rounds = std::env::var("CENSUS_LOOP_ROUNDS").ok();
+    #[cfg(target_arch = "wasm32")]
+    let rounds = option_env!("CENSUS_LOOP_ROUNDS").map(str::to_string);
+    let rounds: u32 = rounds.and_then(|v| v.parse().ok()).unwrap_or(20_000);
+    // A path's rounds left out (`CENSUS_LOOP_ONLY=replay` or `new_key`), for an instruction
+    // count of one path under callgrind.
+    #[cfg(not(target_arch = "wasm32"))]
+    let only = std::env::var("CENSUS_LOOP_ONLY").unwrap_or_default();
+    #[cfg(target_arch = "wasm32")]
+    let only = String::new();
+    let replay_rounds = if only == "new_key" { 0 } else { rounds };
+    let new_key_rounds = if only == "replay" { 0 } else { rounds };
+    let host = FakeHost::default();
+    let root = root(&host, SINGLE);
+    let first = arrive(&host, &root, 2, "k1", &body());
+    upstream_answers(&host, &first, 2);
+    let body = body();
+    let started = now_ms();
+    for n in 0..replay_rounds {
+        let retry = arrive(&host, &root, 3 + n, "k1", &body);
+        local_answer_passes(&host, &retry, 3 + n);
+        let _ = host.take_effects();
+        let _ = host.census.take();
+    }
+    let replay_us = (now_ms() - started) * 1000.0 / f64::from(rounds);
+    let started = now_ms();
+    for n in 0..new_key_rounds {
+        let key = format!("n{n}");
+        let j = arrive(&host, &root, 3 + rounds + n, &key, &body);
+        upstream_answers(&host, &j, 3 + rounds + n);
+        let _ = host.take_effects();
+        let _ = host.census.take();
+    }
+    let new_key_us = (now_ms() - started) * 1000.0 / f64::from(rounds);
+    let line = format!(
+        "census loop, {rounds} rounds, per request: replay {replay_us:.2} us, new key {new_key_us:.2} us"
+    );
+    #[cfg(target_arch = "wasm32")]
+    wasm_bindgen_test::console_log!("{line}");
+    #[cfg(not(target_arch = "wasm32"))]
+    println!("{line}");
+}
