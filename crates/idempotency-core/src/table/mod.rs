@@ -563,12 +563,23 @@ impl Table {
         self.layout.slots()
     }
 
+    // The two keys every request names, built without the formatting machinery.
     fn bucket_key(&self, bucket: u32) -> String {
-        format!("{}/b/{bucket}", self.prefix)
+        let mut key = String::with_capacity(self.prefix.len() + 13);
+        key.push_str(&self.prefix);
+        key.push_str("/b/");
+        key.push_str(itoa::Buffer::new().format(bucket));
+        key
     }
 
     fn response_key(&self, slot: SlotRef) -> String {
-        format!("{}/r/{}/{}", self.prefix, slot.bucket, slot.way)
+        let mut key = String::with_capacity(self.prefix.len() + 17);
+        key.push_str(&self.prefix);
+        key.push_str("/r/");
+        key.push_str(itoa::Buffer::new().format(slot.bucket));
+        key.push('/');
+        key.push_str(itoa::Buffer::new().format(slot.way));
+        key
     }
 
     fn page_key(&self, class: u8, page: u64) -> String {
