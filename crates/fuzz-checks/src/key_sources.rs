@@ -1,9 +1,9 @@
-//! Keys taken from the request (`idempotency_core::key_source`): headers, query parameters,
+//! Keys taken from the request (`idempotency_core::key::source`): headers, query parameters,
 //! JSON and form body fields, one or several combined.
 
 use arbitrary::{Result, Unstructured};
+use idempotency_core::key::source::{complete_key, header_parts, FieldSource};
 use idempotency_core::key::{parse_key, MAX_KEY_BYTES};
-use idempotency_core::key_source::{complete_key, header_parts, FieldSource};
 use idempotency_core::request_fields::{query_value, RequestBody};
 
 use crate::gen::{number_literal, percent_encode, sf_string, visible_ascii};
@@ -21,7 +21,7 @@ pub fn key_sources(data: &[u8]) {
     let _ = built(&mut Unstructured::new(data));
 }
 
-/// The parts of a key made of several, as `key_source` frames them (count, then each part
+/// The parts of a key made of several, as `key::source` frames them (count, then each part
 /// length-prefixed, all u32 big-endian); None when the bytes are not such a frame.
 fn split_parts(key: &[u8], count: usize) -> Option<Vec<&[u8]>> {
     let (n, mut rest) = key.split_first_chunk::<4>()?;

@@ -6,7 +6,7 @@ use idempotency_core::config::{
     STORE_MAX_LEASE_MS, STORE_MAX_TTL_MS,
 };
 use idempotency_core::fingerprint::FingerprintMode;
-use idempotency_core::key_source::FieldSource;
+use idempotency_core::key::source::FieldSource;
 use idempotency_core::table::layout::{Layout, MAX_SLOTS, MIN_INLINE_BYTES};
 use serde_json::{json, Map, Value};
 

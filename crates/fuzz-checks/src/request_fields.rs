@@ -4,7 +4,7 @@
 
 use arbitrary::{Result, Unstructured};
 use idempotency_core::fingerprint::{fingerprint, FingerprintMode};
-use idempotency_core::key_source::FieldSource;
+use idempotency_core::key::source::FieldSource;
 use idempotency_core::request_fields::{query_value, FieldError, RequestBody};
 use serde_json::Value;
 

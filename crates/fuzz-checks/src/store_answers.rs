@@ -1,11 +1,11 @@
 //! The store's answers as the filter reads them: JSON bodies of the HTTP API
-//! (`store_client::read_claim`, `read_write_answer`) and messages of the gRPC stream
-//! (`idempotency_protocol::stream::decode_answer`, `store_client::read_claim_reply`,
+//! (`store::client::read_claim`, `read_write_answer`) and messages of the gRPC stream
+//! (`idempotency_protocol::stream::decode_answer`, `store::client::read_claim_reply`,
 //! `read_write_reply`).
 
 use arbitrary::{Result, Unstructured};
 use idempotency_core::record::RecordedResponse;
-use idempotency_core::store_client::{
+use idempotency_core::store::client::{
     read_claim, read_claim_reply, read_write_answer, read_write_reply, StoreClaim, StoreFailure,
     WriteAnswer, WriteKind,
 };

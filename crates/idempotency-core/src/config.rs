@@ -5,7 +5,7 @@ use serde::Deserialize;
 use std::fmt;
 
 use crate::fingerprint::FingerprintMode;
-use crate::key_source::FieldSource;
+use crate::key::source::FieldSource;
 use crate::response_policy::{HeaderFilter, ReleasePolicy};
 use crate::table::layout::Layout;
 

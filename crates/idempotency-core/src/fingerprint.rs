@@ -2,8 +2,8 @@
 
 use sha2::{Digest as _, Sha256};
 
+use crate::key::source::{FieldSource, SourceFailure};
 use crate::key::{hash_field, Digest};
-use crate::key_source::{FieldSource, SourceFailure};
 use crate::request_fields::RequestBody;
 use crate::rule_select::path_without_query;
 

@@ -4,12 +4,12 @@
 //!
 //! A request's journey is [`journey`]: one state type and one transition function. Each
 //! configuration is a [`plugin`] (rules resolved to handles, the table, store writes, the
-//! root's life). The decisions they call: [`rule_select`] picks the rule, [`key_source`]
+//! root's life). The decisions they call: [`rule_select`] picks the rule, [`key::source`]
 //! reads the key from headers, query or body fields ([`request_fields`]), [`key`] parses and
 //! scopes it, [`fingerprint`] hashes the payload, [`table`] claims the key in shared data
 //! (its layout within the byte budget, and the lineage of tables a capacity change replaced), [`capture`] collects the
-//! upstream response and [`record`] encodes it; in cluster mode [`store_client`] speaks to
-//! the shared store. [`problem`] words every answer the filter gives itself, [`outcome`]
+//! upstream response and [`record`] encodes it; in cluster mode [`store`] speaks to
+//! the shared store (what it sends and reads, and the stream it travels on). [`problem`] words every answer the filter gives itself, [`outcome`]
 //! names what the metrics count, [`burst_log`] keeps failures from flooding the log.
 //!
 //! What the filter and the store must agree on lives in the `idempotency-protocol` crate,
@@ -25,7 +25,6 @@ pub mod fingerprint;
 pub mod host;
 pub mod journey;
 pub mod key;
-pub mod key_source;
 pub mod outcome;
 pub mod plugin;
 pub mod problem;
@@ -33,8 +32,7 @@ pub mod record;
 pub mod request_fields;
 pub mod response_policy;
 pub mod rule_select;
-pub mod store_client;
-pub mod store_stream;
+pub mod store;
 pub mod table;
 pub mod who_answered;
 mod wire;

@@ -19,7 +19,7 @@ use crate::plugin::store_calls::{self, StoreAnswer, StoreOp};
 use crate::plugin::store_link::{ClaimWaiter, Waiter};
 use crate::problem::Problem;
 use crate::record::RecordedResponse;
-use crate::store_client::{self, read_claim, StoreClaim, StoreFailure};
+use crate::store::client::{self as store_client, read_claim, StoreClaim, StoreFailure};
 use crate::table::{Claim, Held, OversizedBody, SlotRef};
 
 impl RequestJourney {

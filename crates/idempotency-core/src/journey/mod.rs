@@ -27,7 +27,7 @@ use crate::plugin::waits::{HoldTicket, WaitEnd};
 use crate::plugin::Plugin;
 use crate::problem::Problem;
 use crate::record::RecordedResponse;
-use crate::store_client::{StoreClaim, StoreFailure};
+use crate::store::client::{StoreClaim, StoreFailure};
 use crate::table::Held;
 use detached::{DetachedIntake, DetachedRun};
 

@@ -16,7 +16,7 @@ use idempotency_protocol::stream::CallOp;
 
 use crate::plugin::store_writes::{LeanRecord, PendingWrite};
 use crate::record::RecordedResponse;
-use crate::store_client;
+use crate::store::client as store_client;
 use crate::table::{Completion, Held, OversizedBody};
 use crate::who_answered::{flag_names, Answerer, EnvoyReport};
 

@@ -18,7 +18,7 @@ use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::waits::{HoldTicket, WaitEnd, Waiter};
 use crate::problem::Problem;
-use crate::store_client;
+use crate::store::client as store_client;
 
 /// Where a duplicate waits for the first request's end to show.
 #[derive(Clone, Copy)]

@@ -14,7 +14,7 @@ use crate::plugin::store_link::{ClaimWaiter, Waiter};
 use crate::plugin::store_writes::PendingWrite;
 use crate::plugin::waits::{read_wait_reply, WAIT_TICK_MS};
 use crate::plugin::Plugin;
-use crate::store_client::{read_claim_reply, StoreClaim, StoreFailure};
+use crate::store::client::{read_claim_reply, StoreClaim, StoreFailure};
 
 /// How often the root retries store writes that failed.
 pub const STORE_RETRY_TICK_MS: u32 = 200;

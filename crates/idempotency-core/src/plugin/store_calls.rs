@@ -5,7 +5,7 @@ use idempotency_protocol::wire::path;
 
 use crate::config::StoreConfig;
 use crate::host::{status_of, Callout, Host, HostError};
-use crate::store_client::MAX_STORE_ANSWER_BYTES;
+use crate::store::client::MAX_STORE_ANSWER_BYTES;
 
 /// The protocol operation, which is also its path under the store's prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

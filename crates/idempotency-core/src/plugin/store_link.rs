@@ -18,7 +18,7 @@ use crate::host::Host;
 use crate::journey::RequestJourney;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::store_writes::PendingWrite;
-use crate::store_stream::{NotSent, StoreStream, StreamLimits};
+use crate::store::stream::{NotSent, StoreStream, StreamLimits};
 
 /// The store's streaming method (`proto/idempotency_store.proto`).
 pub const SERVICE: &str = "idempotency.store.v1.Store";

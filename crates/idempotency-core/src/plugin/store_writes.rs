@@ -26,7 +26,7 @@ use crate::plugin::leases::renew_every_ms;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::store_calls::{self, StoreOp};
 use crate::plugin::store_link::{StoreLink, Waiter};
-use crate::store_client::{
+use crate::store::client::{
     call_bytes, http_body, read_write_answer, read_write_reply, renew_calls, WriteAnswer, WriteKind,
 };
 use crate::table::{Held, Table};

@@ -12,7 +12,7 @@ use crate::journey::RequestJourney;
 use crate::key::Digest;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::record::RecordedResponse;
-use crate::store_client::{read_claim_reply, StoreClaim, StoreFailure};
+use crate::store::client::{read_claim_reply, StoreClaim, StoreFailure};
 use crate::table::{Claim, Table};
 use idempotency_protocol::stream::Reply;
 

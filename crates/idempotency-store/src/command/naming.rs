@@ -5,8 +5,8 @@
 use std::path::Path;
 
 use idempotency_core::config::{Config, Rule};
+use idempotency_core::key::source::{complete_key, header_parts, FieldSource, SourceFailure};
 use idempotency_core::key::{request_scope, storage_key};
-use idempotency_core::key_source::{complete_key, header_parts, FieldSource, SourceFailure};
 use idempotency_core::request_fields::RequestBody;
 
 use crate::storage::{Digest, KeyPrefix};
@@ -236,7 +236,7 @@ mod tests {
         let mut named = parts(&[("host", "api"), ("authorization", "Bearer a")]);
         add_key(&rule, &mut named, "k1").unwrap();
         let digest = storage_key_for(&rule, &named).unwrap();
-        // Pinned in core (key.rs): the storage key of every release so far.
+        // Pinned in core (key/mod.rs): the storage key of every release so far.
         assert_eq!(
             digest.as_str(),
             "a6df2d0df2d2a81489c8dcb9622e05d28bf3c78be8881699b2f4ce2c55d74d43"

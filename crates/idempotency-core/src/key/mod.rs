@@ -1,5 +1,7 @@
 //! The idempotency key: parsing the header value and deriving the scoped storage key.
 
+pub mod source;
+
 use sha2::{Digest as _, Sha256};
 use std::fmt;
 
