@@ -294,8 +294,19 @@ def census() -> tuple[str, list[str]]:
     return table, budgets
 
 
-def add_census_section(add) -> None:
-    table, budgets = census()
+# Which census path each profiled setup's requests take.
+CENSUS_PATH_OF = {"c": "new key", "l": "new key", "d": "replay", "m": "replay"}
+
+
+def census_calls(table: str) -> dict[str, int]:
+    """All host calls per path, from the census table's header and its last row."""
+    rows = [ln for ln in table.splitlines() if ln.startswith("|")]
+    paths = [c.strip() for c in rows[0].strip("|").split("|")][1:]
+    totals = [c.strip() for c in rows[-1].strip("|").split("|")][1:]
+    return {p: int(re.match(r"\*\*(\d+)\*\*", t).group(1)) for p, t in zip(paths, totals)}
+
+
+def add_census_section(add, table: str, budgets: list[str]) -> None:
     add("## The census: what crosses the ABI per request")
     add("")
     add("Counted, not timed, on core's fake host by `cargo test -p idempotency-core --lib census` "
@@ -329,7 +340,8 @@ def add_census_section(add) -> None:
 CPU_TARGETS = (("m", "k", 0.8), ("l", "k", 0.6), ("c", "b", 0.75), ("d", "b", 1.0))
 
 
-def add_cpu_section(add, results: list[SetupResult], instructions: "Instructions | None") -> None:
+def add_cpu_section(add, results: list[SetupResult], instructions: "Instructions | None",
+                    calls: dict[str, int]) -> None:
     add("## Where the CPU goes")
     add("")
     split = {r.setup.key: r for r in results if r.split}
@@ -342,7 +354,8 @@ def add_cpu_section(add, results: list[SetupResult], instructions: "Instructions
             "module to machine code that `perf` sees as JIT code, so every sample is one of: **module** "
             "(the filter's code as V8 compiled it), **host calls** (Envoy's code with the module above it "
             "on the stack: the ABI calls and V8's runtime), **Envoy** (everything else Envoy does for the "
-            "request, the callbacks into the module's context included), **kernel**. µs per request are "
+            "request: codec, filter chain, the local reply, the filter state the module set, and "
+            "entering the module for each of its callbacks), **kernel**. µs per request are "
             "each part's share of the samples times the setup's Envoy CPU per request above.")
         add("")
         add("| setup | Envoy CPU µs/req | module | host calls | Envoy | kernel | samples |")
@@ -354,6 +367,13 @@ def add_cpu_section(add, results: list[SetupResult], instructions: "Instructions
                 + f" | {r.split.samples:,} |")
         add("")
         part_us = {k: {p: r.split.shares[p] * r.cpu_us_per_request for p in PARTS} for k, r in split.items()}
+        prices = [f"({k}) {part_us[k]['host calls'] / calls[path]:.1f} µs over its {calls[path]} calls ({path})"
+                  for k, path in CENSUS_PATH_OF.items() if k in part_us and calls.get(path)]
+        if prices:
+            add("What a host call costs on average, the host-call part over the census's count for the "
+                "same path: " + "; ".join(prices) + ". The no-op filter's host calls hardly show: it "
+                "makes almost none.")
+            add("")
         for key, floor, target in CPU_TARGETS:
             if key not in part_us or floor not in part_us:
                 continue
@@ -598,8 +618,9 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     rated = [r for r in results if r.rate]
     if rated and rate_a:
         add_rate_section(add, rated, rate_a, durations)
-    add_census_section(add)
-    add_cpu_section(add, results, instructions)
+    census_table, budgets = census()
+    add_census_section(add, census_table, budgets)
+    add_cpu_section(add, results, instructions, census_calls(census_table))
     add("## Memory: a million keys through the default byte budget")
     add("")
     if mem:
