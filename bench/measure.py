@@ -834,6 +834,31 @@ class RedisBench:
     p50_ms: float
     p99_ms: float
     command: str
+    # What each operation cost: Redis's CPU and its commands, for SET NX here and for the
+    # store's claims over its stream (`redis_per_claim`).
+    redis_cpu_us: float = 0.0
+    commands: dict[str, tuple[float, float]] = field(default_factory=dict)
+    redis_per_claim: "RedisCost | None" = None
+
+
+@dataclass
+class RedisCost:
+    """Per claim of the store on Redis (over its stream): Redis's and the store's CPU, and each
+    Redis command's calls per claim and server time per call (`INFO commandstats`)."""
+
+    redis_cpu_us: float
+    store_cpu_us: float
+    commands: dict[str, tuple[float, float]]
+
+
+def command_stats(redis: harness.Redis, per: int) -> dict[str, tuple[float, float]]:
+    """Each command's calls per `per` operations and µs per call, since the last RESETSTAT."""
+    stats = redis.command("INFO", "commandstats")
+    out = {}
+    for name, v in stats.items():
+        if name.startswith("cmdstat_") and name not in ("cmdstat_info", "cmdstat_config"):
+            out[name.removeprefix("cmdstat_")] = (int(v["calls"]) / max(1, per), float(v["usec_per_call"]))
+    return out
 
 
 def claimed_so_far(store: harness.Store) -> int:
@@ -955,9 +980,21 @@ def run_store_alone(tmp: Path, redis: harness.Redis, seconds: float, warmup: flo
             log(f"  {w.rps:.0f} claims/s, p50 {w.p50_ms:.2f} ms, p99 {w.p99_ms:.2f} ms, non-2xx {w.non2xx}")
             results.append(StoreResult(backend, w, claimed, display_cmd(
                 argv, {url: "http://127.0.0.1:$STORE_PORT", STORE_TOKEN: "$TOKEN", nonce: "$NONCE"})))
-            results.append(run_stream_load(store, backend, url, seconds))
+            if backend != "redis":
+                results.append(run_stream_load(store, backend, url, seconds))
+                continue
+            redis.command("CONFIG", "RESETSTAT")
+            redis_cpu0, store_cpu0 = cpu_seconds(redis.process.pid), cpu_seconds(store.process.pid)
+            streamed = run_stream_load(store, backend, url, seconds)
+            claims = max(1, streamed.claimed)
+            per_claim = RedisCost(1e6 * (cpu_seconds(redis.process.pid) - redis_cpu0) / claims,
+                                  1e6 * (cpu_seconds(store.process.pid) - store_cpu0) / claims,
+                                  command_stats(redis, claims))
+            results.append(streamed)
     log("redis-benchmark SET NX")
     redis.command("FLUSHALL")
+    redis.command("CONFIG", "RESETSTAT")
+    redis_cpu0 = cpu_seconds(redis.process.pid)
     argv = ["redis-benchmark", "-h", harness.LOOPBACK, "-p", str(redis.port), "-c", str(WRK_CONNECTIONS),
             "--threads", str(WRK_THREADS), "-n", str(redis_requests), "-r", "100000000", "--csv",
             "SET", "key:__rand_int__", "x", "NX"]
@@ -969,7 +1006,11 @@ def run_store_alone(tmp: Path, redis: harness.Redis, seconds: float, warmup: flo
         raise BenchFailure(f"redis-benchmark printed no result: {res.stdout}")
     row = rows[-1]
     rb = RedisBench(float(row[1]), float(row[4]), float(row[6]),
-                    display_cmd(argv, {str(redis.port): "$REDIS_PORT"}))
-    log(f"  {rb.rps:.0f} SET NX/s, p50 {rb.p50_ms:.3f} ms, p99 {rb.p99_ms:.3f} ms")
+                    display_cmd(argv, {str(redis.port): "$REDIS_PORT"}),
+                    1e6 * (cpu_seconds(redis.process.pid) - redis_cpu0) / redis_requests,
+                    command_stats(redis, redis_requests), per_claim)
+    log(f"  {rb.rps:.0f} SET NX/s, p50 {rb.p50_ms:.3f} ms, p99 {rb.p99_ms:.3f} ms; Redis CPU "
+        f"{rb.redis_cpu_us:.1f} us per SET NX, {per_claim.redis_cpu_us:.1f} us per claim of the store "
+        f"(the store {per_claim.store_cpu_us:.1f} us); commands per claim {per_claim.commands}")
     return results, rb
 

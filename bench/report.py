@@ -651,6 +651,21 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
             "A claim is a stream message, one Lua script (`EVALSHA`) of five Redis commands (`HMGET`, "
             "`TIME`, `DEL`, `HSET`, `PEXPIRE`) instead of one `SET NX`, and the store's own task, "
             "metrics and answer; the store, Redis and the load generator share the machine's two cores.")
+        cost = rb.redis_per_claim
+        if cost and rb.redis_cpu_us > 0:
+            def listed(commands: dict[str, tuple[float, float]]) -> str:
+                return ", ".join(f"`{name.upper()}` {calls:.2f}× at {usec:.1f} µs" for name, (calls, usec)
+                                 in sorted(commands.items(), key=lambda kv: -kv[1][0] * kv[1][1]) if calls >= 0.01)
+            add("")
+            add(f"What one operation cost, in CPU time of each process (`/proc`) and Redis's own count "
+                f"(`INFO commandstats`, calls per operation and server time per call): a `SET NX` of "
+                f"redis-benchmark cost Redis {rb.redis_cpu_us:.1f} µs ({listed(rb.commands)}); a claim of "
+                f"the store over its stream cost Redis {cost.redis_cpu_us:.1f} µs ({listed(cost.commands)}) "
+                f"and the store itself {cost.store_cpu_us:.1f} µs: {cost.redis_cpu_us + cost.store_cpu_us:.1f} µs "
+                f"of server CPU per claim against {rb.redis_cpu_us:.1f} µs per `SET NX`, on the two cores "
+                f"the load generator also runs on. The script is the price of deciding the claim inside "
+                f"Redis (absent, in flight, completed, another payload, a lease to take over) in one "
+                f"atomic step; a `SET NX` decides only the first.")
         add("")
     if scale:
         add_cluster_section(add, scale)
