@@ -95,6 +95,22 @@ impl Host for EnvoyHost {
         host::replace_header(MapType::HttpRequestHeaders, name, value).map_err(error)
     }
 
+    fn remove_request_header(&self, name: &str) -> Result<(), HostError> {
+        host::remove_header(MapType::HttpRequestHeaders, name).map_err(error)
+    }
+
+    fn set_request_body(&self, body: &[u8]) -> Result<(), HostError> {
+        host::set_buffer(BufferType::HttpRequestBody, body).map_err(error)
+    }
+
+    fn response_trailers(&self) -> Result<HeaderPairs, HostError> {
+        host::get_header_pairs(MapType::HttpResponseTrailers).map_err(error)
+    }
+
+    fn add_response_trailer(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        host::add_header(MapType::HttpResponseTrailers, name, value).map_err(error)
+    }
+
     fn replace_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
         host::replace_header(MapType::HttpResponseHeaders, name, value).map_err(error)
     }

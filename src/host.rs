@@ -66,6 +66,21 @@ extern "C" {
         return_map_size: *mut usize,
     ) -> u32;
     fn proxy_remove_header_map_value(map_type: u32, key_data: *const u8, key_size: usize) -> u32;
+    fn proxy_add_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
+    fn proxy_get_buffer_status(buffer_type: u32, length: *mut usize, flags: *mut u32) -> u32;
+    fn proxy_set_buffer_bytes(
+        buffer_type: u32,
+        start: usize,
+        size: usize,
+        buffer_data: *const u8,
+        buffer_size: usize,
+    ) -> u32;
     fn proxy_replace_header_map_value(
         map_type: u32,
         key_data: *const u8,
@@ -193,6 +208,27 @@ pub fn get_header_pairs(map: MapType) -> HostResult<Vec<(String, Vec<u8>)>> {
 
 pub fn remove_header(map: MapType, name: &str) -> HostResult<()> {
     check(unsafe { proxy_remove_header_map_value(map as u32, name.as_ptr(), name.len()) })
+}
+
+pub fn add_header(map: MapType, name: &str, value: &[u8]) -> HostResult<()> {
+    check(unsafe {
+        proxy_add_header_map_value(
+            map as u32,
+            name.as_ptr(),
+            name.len(),
+            value.as_ptr(),
+            value.len(),
+        )
+    })
+}
+
+/// Replaces the whole of a buffer: Envoy drains the `size` bytes it is told from the start
+/// and prepends the new ones, so the buffer's length is read first.
+pub fn set_buffer(buffer: BufferType, bytes: &[u8]) -> HostResult<()> {
+    let mut length: usize = 0;
+    let mut flags: u32 = 0;
+    check(unsafe { proxy_get_buffer_status(buffer as u32, &mut length, &mut flags) })?;
+    check(unsafe { proxy_set_buffer_bytes(buffer as u32, 0, length, bytes.as_ptr(), bytes.len()) })
 }
 
 pub fn replace_header(map: MapType, name: &str, value: &[u8]) -> HostResult<()> {

@@ -978,6 +978,8 @@ class Envoy:
             raise KeyError(f"no listener(s) named {sorted(unknown)} in the Envoy config")
         for index, listener in enumerate(listeners):
             name = listener.get("name") or f"listener_{index}"
+            if "internal_listener" in listener:
+                continue  # no socket: reached through a cluster of this Envoy only
             port = int(listener_ports.get(name) or free_port())
             address = _socket_address(listener, f"listener {name!r}")
             address["address"] = LOOPBACK

@@ -257,11 +257,20 @@ pub fn replayable_record(u: &mut Unstructured<'_>) -> Result<RecordedResponse> {
             .collect();
         headers.push((name, value));
     }
+    let trailers = if u.arbitrary::<bool>()? {
+        vec![(
+            "grpc-status".to_string(),
+            u.int_in_range(0..=16_u8)?.to_string().into_bytes(),
+        )]
+    } else {
+        Vec::new()
+    };
     Ok(RecordedResponse {
         owner: u.arbitrary()?,
         status: u.arbitrary()?,
         headers,
         body: u.arbitrary()?,
+        trailers,
         body_omitted: u.arbitrary()?,
         unknown: unknown_outcome(u)?,
     })

@@ -57,6 +57,7 @@ fn built(u: &mut Unstructured<'_>) -> Result<()> {
         status: u.arbitrary()?,
         headers,
         body,
+        trailers: u.arbitrary()?,
         body_omitted: u.arbitrary()?,
         unknown: crate::gen::unknown_outcome(u)?,
     };

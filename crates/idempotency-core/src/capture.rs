@@ -11,6 +11,7 @@ pub struct ResponseCapture {
     body: Vec<u8>,
     body_omitted: bool,
     limit: usize,
+    trailers: Vec<(String, Vec<u8>)>,
 }
 
 impl ResponseCapture {
@@ -43,6 +44,7 @@ impl ResponseCapture {
             body: Vec::new(),
             body_omitted,
             limit: rule.max_response_bytes,
+            trailers: Vec::new(),
         }
     }
 
@@ -68,12 +70,28 @@ impl ResponseCapture {
         }
     }
 
+    /// Keeps a gRPC response's trailers (its status and trailing metadata), filtered as
+    /// headers are.
+    pub fn set_trailers(&mut self, rule: &Rule, trailers: &[(String, Vec<u8>)]) {
+        self.trailers = trailers
+            .iter()
+            .filter(|(n, _)| rule.replay_headers.keeps(n))
+            .cloned()
+            .collect();
+    }
+
+    /// The status the recorded response carries, for logs.
+    pub fn status(&self) -> u16 {
+        self.status
+    }
+
     pub fn finish(self) -> RecordedResponse {
         RecordedResponse {
             owner: 0,
             status: self.status,
             headers: self.headers,
             body: self.body,
+            trailers: self.trailers,
             body_omitted: self.body_omitted,
             unknown: None,
         }

@@ -5,6 +5,7 @@ use serde::Deserialize;
 use std::fmt;
 
 use crate::fingerprint::FingerprintMode;
+use crate::grpc::GrpcRule;
 use crate::key::source::FieldSource;
 use crate::response_policy::{HeaderFilter, ReleasePolicy};
 use crate::table::layout::Layout;
@@ -21,6 +22,9 @@ struct RawConfig {
     store: Option<RawStore>,
     #[serde(default)]
     rules: Vec<RawRule>,
+    /// This plugin is the far end of gRPC replays' hops (see `grpc::echo`), and only that.
+    #[serde(default)]
+    grpc_replay_echo: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -118,6 +122,15 @@ struct RawRule {
     upstream_cluster: Option<String>,
     #[serde(default)]
     upstream_timeout_ms: Option<u64>,
+    #[serde(default)]
+    grpc: Option<RawGrpc>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawGrpc {
+    #[serde(default = "crate::grpc::status::default_release")]
+    release_on_status: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -133,6 +146,12 @@ struct RawMatch {
     virtual_hosts: Vec<String>,
     #[serde(default)]
     methods: Option<Vec<String>>,
+    /// gRPC services (`shop.v1.Orders`): every method of each.
+    #[serde(default)]
+    grpc_services: Vec<String>,
+    /// gRPC methods (`shop.v1.Orders/PlaceOrder`).
+    #[serde(default)]
+    grpc_methods: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -401,6 +420,8 @@ pub struct Config {
     /// Derived once from the rules, so each request skips host calls no rule needs.
     pub(crate) needs_route_name: bool,
     pub(crate) needs_virtual_host: bool,
+    /// The plugin answers gRPC replays' hops and protects nothing (`grpc_replay_echo`).
+    pub grpc_replay_echo: bool,
 }
 
 /// One rule: which requests it protects and how.
@@ -436,6 +457,9 @@ pub struct Rule {
     pub on_unknown_outcome: UnknownOutcomePolicy,
     /// Some: `execution: "detached"`, sent from the root context to this upstream.
     pub detached: Option<DetachedUpstream>,
+    /// Some: the rule protects gRPC unary calls (`grpc`, or gRPC services or methods in its
+    /// match).
+    pub grpc: Option<GrpcRule>,
 }
 
 /// Where and how the filter reaches the shared store.
@@ -462,6 +486,8 @@ impl AsRef<Rule> for Rule {
 pub struct RuleMatch {
     pub route_names: Vec<String>,
     pub path_prefixes: Vec<String>,
+    /// Whole paths (a gRPC method's `/service/Method`).
+    pub paths: Vec<String>,
     /// Lower-cased hosts, compared without port.
     pub hosts: Vec<String>,
     /// Envoy virtual host names.
@@ -503,6 +529,12 @@ impl Config {
                 ));
             }
         }
+        if raw.grpc_replay_echo && !raw.rules.is_empty() {
+            return Err(invalid(
+                "grpc_replay_echo",
+                "a replay echo protects nothing: configure it on its own listener, without rules",
+            ));
+        }
         let global_store = raw.store.map(|s| validate_store("store", s)).transpose()?;
         let mut rules = Vec::with_capacity(raw.rules.len());
         for (index, raw_rule) in raw.rules.into_iter().enumerate() {
@@ -528,6 +560,7 @@ impl Config {
             route_metadata_namespace: raw.route_metadata_namespace,
             needs_route_name: rules.iter().any(|r| !r.matcher.route_names.is_empty()),
             needs_virtual_host: rules.iter().any(|r| !r.matcher.virtual_hosts.is_empty()),
+            grpc_replay_echo: raw.grpc_replay_echo,
             rules,
         })
     }
@@ -762,6 +795,41 @@ fn validate_rule(
             format!("must be between 1 and {MAX_WAIT_MS}, and at most lease_seconds"),
         ));
     }
+    let is_grpc = raw.grpc.is_some()
+        || !raw.matcher.grpc_services.is_empty()
+        || !raw.matcher.grpc_methods.is_empty();
+    let grpc = match (is_grpc, raw.grpc) {
+        (false, _) => None,
+        (true, raw_grpc) => {
+            let raw_grpc = raw_grpc.unwrap_or_else(|| RawGrpc {
+                release_on_status: crate::grpc::status::default_release(),
+            });
+            if raw.execution == ExecutionMode::Detached {
+                return Err(invalid(
+                    at("execution"),
+                    "\"detached\" is not supported for gRPC rules: a detached write is sent by \
+                     HTTP callout, which does not carry a gRPC response's trailers",
+                ));
+            }
+            let mut release = Vec::with_capacity(raw_grpc.release_on_status.len());
+            for (i, entry) in raw_grpc.release_on_status.iter().enumerate() {
+                let code = crate::grpc::status::parse(entry).map_err(|reason| {
+                    invalid(
+                        format!("rules[{index}].grpc.release_on_status[{i}]"),
+                        reason,
+                    )
+                })?;
+                if code == crate::grpc::status::OK {
+                    return Err(invalid(
+                        format!("rules[{index}].grpc.release_on_status[{i}]"),
+                        "OK cannot release a claim: a call that succeeded is recorded",
+                    ));
+                }
+                release.push(code);
+            }
+            Some(GrpcRule { release })
+        }
+    };
     let detached = validate_execution(
         &at,
         raw.execution,
@@ -771,7 +839,7 @@ fn validate_rule(
     )?;
     Ok(Rule {
         name: raw.name,
-        matcher: validate_match(index, raw.matcher)?,
+        matcher: validate_match(index, raw.matcher, grpc.is_some())?,
         key_required: raw.key.required,
         key_sources,
         fingerprint,
@@ -794,6 +862,7 @@ fn validate_rule(
         wait_ms,
         on_unknown_outcome: raw.on_unknown_outcome,
         detached,
+        grpc,
     })
 }
 
@@ -891,8 +960,45 @@ fn validate_source(at: &str, raw: RawSource) -> Result<FieldSource, ConfigError>
     }
 }
 
-fn validate_match(index: usize, raw: RawMatch) -> Result<RuleMatch, ConfigError> {
+/// A gRPC name part: a service's dotted name or a method's name.
+fn valid_grpc_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.')
+}
+
+fn validate_match(index: usize, raw: RawMatch, grpc: bool) -> Result<RuleMatch, ConfigError> {
     let at = |field: &str| format!("rules[{index}].match.{field}");
+    let mut path_prefixes = raw.path_prefixes.clone();
+    for (i, service) in raw.grpc_services.iter().enumerate() {
+        if !valid_grpc_name(service) {
+            return Err(invalid(
+                format!("rules[{index}].match.grpc_services[{i}]"),
+                format!("'{service}' is not a gRPC service name like \"shop.v1.Orders\""),
+            ));
+        }
+        path_prefixes.push(format!("/{service}/"));
+    }
+    let mut paths = Vec::with_capacity(raw.grpc_methods.len());
+    for (i, method) in raw.grpc_methods.iter().enumerate() {
+        let valid = method.split_once('/').is_some_and(|(service, name)| {
+            valid_grpc_name(service) && valid_grpc_name(name) && !name.contains('.')
+        });
+        if !valid {
+            return Err(invalid(
+                format!("rules[{index}].match.grpc_methods[{i}]"),
+                format!("'{method}' is not a gRPC method like \"shop.v1.Orders/PlaceOrder\""),
+            ));
+        }
+        paths.push(format!("/{method}"));
+    }
+    if grpc && raw.methods.is_some() {
+        return Err(invalid(
+            at("methods"),
+            "a gRPC rule matches gRPC calls (always POST): name services or methods instead",
+        ));
+    }
     for (i, p) in raw.path_prefixes.iter().enumerate() {
         if !p.starts_with('/') {
             return Err(invalid(
@@ -902,6 +1008,7 @@ fn validate_match(index: usize, raw: RawMatch) -> Result<RuleMatch, ConfigError>
         }
     }
     let methods = match raw.methods {
+        None if grpc => vec!["POST".to_string()],
         None => vec!["POST".to_string(), "PATCH".to_string()],
         Some(list) if list.is_empty() => {
             return Err(invalid(
@@ -933,7 +1040,8 @@ fn validate_match(index: usize, raw: RawMatch) -> Result<RuleMatch, ConfigError>
     }
     Ok(RuleMatch {
         route_names: raw.route_names,
-        path_prefixes: raw.path_prefixes,
+        path_prefixes,
+        paths,
         hosts: raw.hosts.iter().map(|h| h.to_ascii_lowercase()).collect(),
         virtual_hosts: raw.virtual_hosts,
         methods,

@@ -36,13 +36,22 @@ pub trait Host: SharedData {
     fn request_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
     /// The request's trailers (request trailers callback, and while the request is held).
     fn request_trailers(&self) -> Result<HeaderPairs, HostError>;
-    /// Sets a request header before the request goes on (request headers callback only).
+    /// Sets a request header before the request goes on (while the request is held).
     fn replace_request_header(&self, name: &str, value: &[u8]) -> Result<(), HostError>;
+    /// Removes a request header before the request goes on (while the request is held).
+    fn remove_request_header(&self, name: &str) -> Result<(), HostError>;
+    /// Replaces the whole buffered request body before the request goes on.
+    fn set_request_body(&self, body: &[u8]) -> Result<(), HostError>;
     fn response_headers(&self) -> Result<HeaderPairs, HostError>;
     /// The current chunk of the response body (`size` bytes).
     fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
     fn replace_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError>;
     fn remove_response_header(&self, name: &str) -> Result<(), HostError>;
+    /// The response's trailers (response trailers callback).
+    fn response_trailers(&self) -> Result<HeaderPairs, HostError>;
+    /// Adds a response trailer; on the last chunk of a response without trailers, Envoy
+    /// gives it trailers to add to.
+    fn add_response_trailer(&self, name: &str, value: &[u8]) -> Result<(), HostError>;
     /// A stream property such as `xds.route_name`; None when absent.
     fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError>;
 

@@ -8,7 +8,8 @@
 //! reads the key from headers, query or body fields ([`request_fields`]), [`key`] parses and
 //! scopes it, [`fingerprint`] hashes the payload, [`table`] claims the key in shared data
 //! (its layout within the byte budget, and the lineage of tables a capacity change replaced), [`capture`] collects the
-//! upstream response and [`record`] encodes it; in cluster mode [`store`] speaks to
+//! upstream response and [`record`] encodes it; [`grpc`] is what a gRPC rule adds (framing,
+//! statuses, its answers, the replay echo); in cluster mode [`store`] speaks to
 //! the shared store (what it sends and reads, and the stream it travels on). [`problem`] words every answer the filter gives itself, [`outcome`]
 //! names what the metrics count, [`burst_log`] keeps failures from flooding the log.
 //!
@@ -22,6 +23,7 @@ pub mod config;
 #[cfg(test)]
 mod fake_host;
 pub mod fingerprint;
+pub mod grpc;
 pub mod host;
 pub mod journey;
 pub mod key;

@@ -69,10 +69,13 @@ pub enum Outcome {
     /// A detached write that completed after its client had left: recorded, so the client's
     /// retry replays it instead of learning nothing.
     CompletedAfterClientLeft,
+    /// A gRPC call on a protected path that is not unary (no request message, or several):
+    /// let through unprotected.
+    GrpcStreaming,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 28] = [
+    pub const ALL: [Outcome; 29] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -101,6 +104,7 @@ impl Outcome {
         Outcome::LeaseLost,
         Outcome::Detached,
         Outcome::CompletedAfterClientLeft,
+        Outcome::GrpcStreaming,
     ];
 
     pub fn name(self) -> &'static str {
@@ -133,6 +137,7 @@ impl Outcome {
             Outcome::LeaseLost => "lease_lost",
             Outcome::Detached => "detached",
             Outcome::CompletedAfterClientLeft => "completed_after_client_left",
+            Outcome::GrpcStreaming => "grpc_streaming",
         }
     }
 

@@ -181,6 +181,35 @@ impl Problem {
         }
     }
 
+    /// A gRPC call's body is not gRPC's framing (a length-prefixed message).
+    pub fn malformed_grpc() -> Problem {
+        Problem {
+            status: 400,
+            kind: "grpc-malformed",
+            title: "The request is not a gRPC message",
+            detail: "The body of this gRPC call is not length-prefixed messages, so it was not \
+                     executed. Send it with a gRPC client."
+                .to_string(),
+            retry_after_seconds: None,
+        }
+    }
+
+    /// The first call with this key completed, and its response was larger than the rule
+    /// records: it is not run again, and there is no message to replay.
+    pub fn response_not_kept() -> Problem {
+        Problem {
+            status: 409,
+            kind: "response-not-kept",
+            title:
+                "The first request with this idempotency key completed; its response was not kept",
+            detail: "The first request with this key was carried out, but its response was larger \
+                     than this endpoint records, so it cannot be sent again. It will not be run \
+                     again under this key: look the result up with the service."
+                .to_string(),
+            retry_after_seconds: None,
+        }
+    }
+
     pub fn type_uri(&self) -> String {
         format!("{PROBLEM_TYPE_BASE}{}", self.kind)
     }

@@ -7,6 +7,8 @@ const MAGIC: &[u8; 4] = b"IDR1";
 const FLAG_BODY_OMITTED: u8 = 1;
 /// The record is an unknown outcome; what Envoy reported follows the body.
 const FLAG_OUTCOME_UNKNOWN: u8 = 2;
+/// Trailers follow the body (a gRPC response's status and trailing metadata).
+const FLAG_TRAILERS: u8 = 4;
 /// Envoy's details string is kept to this many bytes (its own strings are far shorter).
 const MAX_DETAILS_BYTES: usize = 255;
 
@@ -35,6 +37,10 @@ pub struct RecordedResponse {
     /// Lower-case names, in upstream order, already filtered for replay.
     pub headers: Vec<(String, Vec<u8>)>,
     pub body: Vec<u8>,
+    /// Lower-case names, in upstream order: a gRPC response's `grpc-status`, `grpc-message`
+    /// and trailing metadata (empty for HTTP, and for a trailers-only gRPC response, whose
+    /// status is among its headers).
+    pub trailers: Vec<(String, Vec<u8>)>,
     /// The body exceeded the rule's cap and was not recorded.
     pub body_omitted: bool,
     /// Set when no response was recorded because the write's outcome is unknown (then
@@ -85,22 +91,17 @@ impl RecordedResponse {
         if self.unknown.is_some() {
             flags |= FLAG_OUTCOME_UNKNOWN;
         }
-        out.push(flags);
-        // Counts and lengths saturate at what the format holds; Envoy's own limits are far lower.
-        let count = u16::try_from(self.headers.len()).unwrap_or(u16::MAX);
-        out.extend_from_slice(&count.to_be_bytes());
-        for (name, value) in self.headers.iter().take(usize::from(count)) {
-            let name = name.as_bytes();
-            let name = name.get(..usize::from(u16::MAX)).unwrap_or(name);
-            let value = value.get(..u32::MAX as usize).unwrap_or(value);
-            out.extend_from_slice(&(name.len() as u16).to_be_bytes());
-            out.extend_from_slice(name);
-            out.extend_from_slice(&(value.len() as u32).to_be_bytes());
-            out.extend_from_slice(value);
+        if !self.trailers.is_empty() {
+            flags |= FLAG_TRAILERS;
         }
+        out.push(flags);
+        encode_pairs(&mut out, &self.headers);
         let body_len = u32::try_from(self.body.len()).unwrap_or(u32::MAX);
         out.extend_from_slice(&body_len.to_be_bytes());
         out.extend_from_slice(self.body.get(..body_len as usize).unwrap_or(&self.body));
+        if !self.trailers.is_empty() {
+            encode_pairs(&mut out, &self.trailers);
+        }
         if let Some(unknown) = &self.unknown {
             out.extend_from_slice(&unknown.proxy_status.to_be_bytes());
             out.extend_from_slice(&unknown.response_flags.to_be_bytes());
@@ -121,17 +122,14 @@ impl RecordedResponse {
         let owner = r.u64()?;
         let status = r.u16()?;
         let flags = r.u8()?;
-        let count = r.u16()?;
-        let mut headers = Vec::with_capacity(usize::from(count).min(64));
-        for _ in 0..count {
-            let name_len = r.u16()?;
-            let name = std::str::from_utf8(r.take(usize::from(name_len))?).ok()?;
-            let value_len = r.u32()?;
-            let value = r.take(usize::try_from(value_len).ok()?)?;
-            headers.push((name.to_string(), value.to_vec()));
-        }
+        let headers = decode_pairs(&mut r)?;
         let body_len = r.u32()?;
         let body = r.take(usize::try_from(body_len).ok()?)?.to_vec();
+        let trailers = if flags & FLAG_TRAILERS != 0 {
+            decode_pairs(&mut r)?
+        } else {
+            Vec::new()
+        };
         let unknown = if flags & FLAG_OUTCOME_UNKNOWN != 0 {
             let proxy_status = r.u16()?;
             let response_flags = r.u64()?;
@@ -155,10 +153,40 @@ impl RecordedResponse {
             status,
             headers,
             body,
+            trailers,
             body_omitted: flags & FLAG_BODY_OMITTED != 0,
             unknown,
         })
     }
+}
+
+/// A count, then each name (16-bit length) and value (32-bit length). Counts and lengths
+/// saturate at what the format holds; Envoy's own limits are far lower.
+fn encode_pairs(out: &mut Vec<u8>, pairs: &[(String, Vec<u8>)]) {
+    let count = u16::try_from(pairs.len()).unwrap_or(u16::MAX);
+    out.extend_from_slice(&count.to_be_bytes());
+    for (name, value) in pairs.iter().take(usize::from(count)) {
+        let name = name.as_bytes();
+        let name = name.get(..usize::from(u16::MAX)).unwrap_or(name);
+        let value = value.get(..u32::MAX as usize).unwrap_or(value);
+        out.extend_from_slice(&(name.len() as u16).to_be_bytes());
+        out.extend_from_slice(name);
+        out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        out.extend_from_slice(value);
+    }
+}
+
+fn decode_pairs(r: &mut Reader<'_>) -> Option<Vec<(String, Vec<u8>)>> {
+    let count = r.u16()?;
+    let mut pairs = Vec::with_capacity(usize::from(count).min(64));
+    for _ in 0..count {
+        let name_len = r.u16()?;
+        let name = std::str::from_utf8(r.take(usize::from(name_len))?).ok()?;
+        let value_len = r.u32()?;
+        let value = r.take(usize::try_from(value_len).ok()?)?;
+        pairs.push((name.to_string(), value.to_vec()));
+    }
+    Some(pairs)
 }
 
 /// The longest prefix of `text` of at most `max` bytes that ends on a character boundary.
@@ -200,6 +228,7 @@ impl RecordedResponse {
         match self
             .headers
             .iter()
+            .chain(self.trailers.iter())
             .find_map(|(name, value)| unsafe_header(name, value))
         {
             Some(why) => Err(why),
@@ -223,6 +252,7 @@ mod tests {
                 ("x-bin".into(), vec![0, 255, 10]),
             ],
             body: b"{\"id\":1}".to_vec(),
+            trailers: Vec::new(),
             body_omitted: false,
             unknown: None,
         }
@@ -238,6 +268,30 @@ mod tests {
             ..sample()
         };
         assert_eq!(RecordedResponse::decode(&omitted.encode()), Some(omitted));
+    }
+
+    #[test]
+    fn a_grpc_response_round_trips_with_its_trailers_and_older_records_still_read() {
+        let grpc = RecordedResponse {
+            trailers: vec![
+                ("grpc-status".into(), b"0".to_vec()),
+                ("grpc-status-details-bin".into(), b"CAkSBG5vcGU".to_vec()),
+            ],
+            ..sample()
+        };
+        let bytes = grpc.encode();
+        assert_eq!(RecordedResponse::decode(&bytes), Some(grpc));
+        for cut in 0..bytes.len() {
+            assert_eq!(
+                RecordedResponse::decode(&bytes[..cut]),
+                None,
+                "cut at {cut}"
+            );
+        }
+        // A record without trailers is encoded as before they existed (no flag, no section).
+        let plain = sample().encode();
+        assert_eq!(plain.get(14).map(|f| f & FLAG_TRAILERS), Some(0));
+        assert!(RecordedResponse::decode(&plain).is_some_and(|r| r.trailers.is_empty()));
     }
 
     #[test]

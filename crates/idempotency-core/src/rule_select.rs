@@ -88,10 +88,11 @@ fn request_matches(m: &RuleMatch, facts: &RequestFacts<'_>) -> bool {
         || facts
             .virtual_host
             .is_some_and(|v| m.virtual_hosts.iter().any(|n| n == v));
-    let path_ok = m.path_prefixes.is_empty()
+    let path_ok = (m.path_prefixes.is_empty() && m.paths.is_empty())
         || m.path_prefixes
             .iter()
-            .any(|p| facts.path.starts_with(p.as_str()));
+            .any(|p| facts.path.starts_with(p.as_str()))
+        || m.paths.iter().any(|p| facts.path == p.as_str());
     let host = host_without_port(facts.authority);
     let host_ok = m.hosts.is_empty() || m.hosts.iter().any(|h| h.eq_ignore_ascii_case(host));
     route_ok && vhost_ok && path_ok && host_ok

@@ -361,6 +361,7 @@ mod record_command {
             status: 201,
             headers: vec![("content-type".into(), b"application/json".to_vec())],
             body: b"{\"id\":42}".to_vec(),
+            trailers: Vec::new(),
             body_omitted: false,
             unknown: None,
         };

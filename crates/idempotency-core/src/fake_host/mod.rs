@@ -52,6 +52,10 @@ pub(crate) enum Effect {
     Switched(u32),
     ReplaceResponseHeader(String, Vec<u8>),
     RemoveResponseHeader(String),
+    RemoveRequestHeader(String),
+    /// The buffered request body was replaced by this.
+    RequestBodySet(Vec<u8>),
+    AddResponseTrailer(String, Vec<u8>),
     Done,
 }
 
@@ -82,6 +86,7 @@ pub(crate) struct FakeHost {
     /// Local replies with these statuses are refused (as Envoy refuses a reply it cannot send).
     pub refused_statuses: RefCell<Vec<u16>>,
     pub response_headers: RefCell<HeaderPairs>,
+    pub response_trailers: RefCell<HeaderPairs>,
     pub response_chunk: RefCell<Vec<u8>>,
     pub properties: RefCell<HashMap<String, Vec<u8>>>,
     /// The callout answer being delivered: its headers and body.
@@ -120,6 +125,7 @@ impl Default for FakeHost {
             request_header_edits: RefCell::default(),
             refused_statuses: RefCell::default(),
             response_headers: RefCell::default(),
+            response_trailers: RefCell::default(),
             response_chunk: RefCell::default(),
             properties: RefCell::default(),
             callout_answer: RefCell::default(),
@@ -334,6 +340,39 @@ impl Host for FakeHost {
         self.request_header_edits
             .borrow_mut()
             .push((name.into(), value.to_vec()));
+        Ok(())
+    }
+
+    fn remove_request_header(&self, name: &str) -> Result<(), HostError> {
+        self.check(HostCall::RequestHeaders)?;
+        self.census.count("header edits", 0, name.len());
+        self.record(Effect::RemoveRequestHeader(name.into()));
+        Ok(())
+    }
+
+    fn set_request_body(&self, body: &[u8]) -> Result<(), HostError> {
+        self.check(HostCall::RequestBody)?;
+        self.census.count("request body set", 0, body.len());
+        *self.request_body.borrow_mut() = body.to_vec();
+        self.record(Effect::RequestBodySet(body.to_vec()));
+        Ok(())
+    }
+
+    fn response_trailers(&self) -> Result<HeaderPairs, HostError> {
+        self.check(HostCall::ResponseHeaders)?;
+        let trailers = self.response_trailers.borrow().clone();
+        self.census.count(
+            "response trailers",
+            map_bytes(trailers.iter().map(|(n, v)| (n.as_bytes(), v.as_slice()))),
+            0,
+        );
+        Ok(trailers)
+    }
+
+    fn add_response_trailer(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        self.census
+            .count("header edits", 0, name.len() + value.len());
+        self.record(Effect::AddResponseTrailer(name.into(), value.to_vec()));
         Ok(())
     }
 

@@ -375,7 +375,7 @@ impl RequestJourney {
     pub(super) fn replay(
         &self,
         host: &impl Host,
-        rule: &RuleHandle,
+        rule: &Rc<RuleHandle>,
         recorded: &RecordedResponse,
         outcome: Outcome,
     ) -> Step {
@@ -384,6 +384,9 @@ impl RequestJourney {
             return self.answer_problem(host, rule, &Problem::outcome_unknown());
         }
         self.note(host, rule, outcome);
+        if rule.rule.grpc.is_some() {
+            return self.replay_grpc(host, rule, recorded);
+        }
         send_response(host, rule, recorded, true)
     }
 

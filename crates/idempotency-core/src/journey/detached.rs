@@ -199,6 +199,7 @@ impl RequestJourney {
             status,
             headers: forwarded,
             body,
+            trailers: Vec::new(),
             body_omitted,
             unknown: None,
         };

@@ -5,8 +5,10 @@
 use std::rc::Rc;
 
 use super::detached::{self, DetachedIntake};
+use super::grpc::{call_shape, CallShape};
 use super::{access_log, pass, Journey, PendingRequest, RequestJourney, Step, Verdict};
 use crate::fingerprint::{fingerprint, FingerprintMode};
+use crate::grpc::is_grpc_content_type;
 use crate::host::Host;
 use crate::key::source::{complete_key, header_parts, FieldSource, SourceFailure};
 use crate::key::{request_scope, storage_key};
@@ -34,6 +36,7 @@ const REQUEST_OVERHEAD_BYTES: usize = 2048;
 /// A detached rule always holds the whole body: it sends the request's copy itself.
 fn needs_body(rule: &RuleHandle) -> bool {
     rule.rule.detached.is_some()
+        || rule.rule.grpc.is_some()
         || rule.rule.fingerprint.needs_body()
         || rule.rule.key_sources.iter().any(|s| s.in_body())
 }
@@ -98,6 +101,12 @@ impl RequestJourney {
             Selection::MethodNotCovered | Selection::NoRule => return pass(),
         };
         access_log::publish_rule(host, &rule.rule.name);
+        if rule.rule.grpc.is_some() && !is_grpc_content_type(text("content-type")) {
+            // Not a gRPC call (gRPC-Web, or plain HTTP on a gRPC path): this rule is not for it.
+            log::debug!("rule {}: not a gRPC request; passes", rule.rule.name);
+            self.note(host, &rule, Outcome::PassedThrough);
+            return pass();
+        }
         let key_parts = match header_parts(&rule.rule.key_sources, find, path) {
             Ok(parts) => parts,
             Err(failure) => return self.key_failed(host, &rule, &failure, FailedAt::Headers),
@@ -185,6 +194,9 @@ impl RequestJourney {
             return pass();
         }
         if !end_of_stream {
+            if pending.rule.rule.grpc.is_some() && self.is_streaming_so_far(host, size) {
+                return self.pass_streaming(host, &pending.rule);
+            }
             // Keep buffering: Envoy holds the body until the decision.
             return (Journey::AwaitingBody(pending), Verdict::Pause);
         }
@@ -242,6 +254,16 @@ impl RequestJourney {
     /// Completes the key with the body's fields, fingerprints the payload and claims.
     fn claim_request(&self, host: &impl Host, pending: PendingRequest, body: &[u8]) -> Step {
         let rule = pending.rule;
+        if rule.rule.grpc.is_some() {
+            match call_shape(body) {
+                CallShape::Unary => {}
+                CallShape::Streaming => return self.pass_streaming(host, &rule),
+                CallShape::Malformed => {
+                    self.note(host, &rule, Outcome::InvalidKey);
+                    return self.answer_problem(host, &rule, &Problem::malformed_grpc());
+                }
+            }
+        }
         let mut parsed = RequestBody::new(&pending.content_type, body);
         // One pass over a JSON body finds the key's fields and the fingerprint's together.
         let fingerprint_fields = match &rule.rule.fingerprint {

@@ -10,6 +10,7 @@
 pub mod access_log;
 mod claim;
 mod detached;
+mod grpc;
 mod intake;
 mod response;
 mod wait;
@@ -104,6 +105,9 @@ pub enum Journey {
     /// A replay with an empty body was sent; these recorded headers, which Envoy strips from
     /// bodiless local replies, are restored when the reply passes back through the filter.
     Replaying { restore: Vec<(String, Vec<u8>)> },
+    /// A gRPC replay with a message, sent through the echo hop; its answer becomes the
+    /// recorded response as it passes back.
+    ReplayHop(Box<grpc::ReplayHop>),
     /// Recorded, released, or given up: nothing more to do.
     Finished,
 }
@@ -246,6 +250,9 @@ impl RequestJourney {
 
     /// The transition function: every way a request moves through the filter.
     pub fn on(&mut self, host: &impl Host, event: Event) -> Verdict {
+        if self.plugin.config.grpc_replay_echo {
+            return crate::grpc::echo::on(host, event);
+        }
         let journey = std::mem::replace(&mut self.journey, Journey::Finished);
         let running = running_claim(&journey);
         let (next, verdict) = self.step(host, journey, event);
@@ -301,7 +308,10 @@ impl RequestJourney {
             }
             // The client left while the store was confirming: nothing went upstream.
             (J::AwaitingStore(wait), E::StreamEnd) => self.abandon_store_wait(host, wait),
-            (J::Waiting(held), E::WaitOver(end)) => self.on_wait_over(host, held, end),
+            // A replay through the echo hop goes on from here: the root delivered this.
+            (J::Waiting(held), E::WaitOver(end)) => {
+                resumed(host, self.on_wait_over(host, held, end))
+            }
             // A held duplicate whose client left costs nothing further.
             (J::Waiting(held), E::StreamEnd) => self.abandon_wait(held),
             // Envoy answered a held duplicate itself (its request or idle timeout fired): that
@@ -315,6 +325,12 @@ impl RequestJourney {
                 restore_replay_headers(host, &restore);
                 (J::AnsweredLocally, Verdict::Continue)
             }
+            (J::ReplayHop(hop), E::ResponseHeaders { end_of_stream }) => {
+                self.on_hop_headers(host, hop, end_of_stream)
+            }
+            (J::ReplayHop(hop), E::ResponseBody { end_of_stream, .. }) => {
+                self.on_hop_body(host, hop, end_of_stream)
+            }
             (J::Executing(run), E::ResponseHeaders { end_of_stream }) => {
                 self.on_response_headers(host, run, end_of_stream)
             }
@@ -325,6 +341,9 @@ impl RequestJourney {
                     end_of_stream,
                 },
             ) => self.on_response_body(host, run, size, end_of_stream),
+            (J::Executing(run), E::ResponseTrailers) if run.rule.rule.grpc.is_some() => {
+                self.on_grpc_trailers(host, run)
+            }
             (J::Executing(run), E::ResponseTrailers) => self.record(host, run),
             (J::Executing(run), E::StreamEnd) => self.on_cut_short(host, run),
             (J::Detached(run), E::DetachedAnswer(answer)) => {
@@ -358,6 +377,9 @@ impl RequestJourney {
 
     /// Sends a problem+json reply and stops the request here.
     fn answer_problem(&self, host: &impl Host, rule: &RuleHandle, problem: &Problem) -> Step {
+        if rule.rule.grpc.is_some() {
+            return self.answer_grpc_problem(host, rule, problem);
+        }
         let body = problem.body(&rule.rule.name);
         let headers = problem.headers();
         let pairs: Vec<(&str, &[u8])> = headers.iter().map(|(n, v)| (*n, v.as_bytes())).collect();

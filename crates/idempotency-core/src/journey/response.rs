@@ -80,10 +80,16 @@ impl RequestJourney {
             status,
             headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())),
         );
+        let is_grpc = rule.rule.grpc.is_some();
         let run = Execution {
             capture: Some(capture),
             ..run
         };
+        if end_of_stream && is_grpc {
+            // Trailers-only: the call's status is in its headers.
+            let code = crate::grpc::status::status_in(&headers);
+            return self.on_grpc_status(host, run, None, code);
+        }
         if end_of_stream {
             return self.record(host, run);
         }
@@ -120,6 +126,11 @@ impl RequestJourney {
     /// upstream may have run the write unless the router never sent it.
     pub(super) fn on_cut_short(&self, host: &impl Host, mut run: Execution) -> Step {
         match run.capture.as_mut() {
+            // A gRPC call's status comes last: without it, how the call ended is unknown.
+            Some(_) if run.rule.rule.grpc.is_some() => {
+                let report = EnvoyReport::read(host, 200);
+                self.unknown_outcome(host, run, &report)
+            }
             Some(capture) => {
                 capture.omit_body();
                 self.record(host, run)
@@ -319,6 +330,7 @@ impl RequestJourney {
                 status: response.status,
                 headers: response.headers.clone(),
                 body: Vec::new(),
+                trailers: response.trailers.clone(),
                 body_omitted: true,
                 unknown: None,
             };

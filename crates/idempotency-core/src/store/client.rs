@@ -342,6 +342,7 @@ mod tests {
             status: 201,
             headers: vec![("content-type".into(), b"application/json".to_vec())],
             body: b"{}".to_vec(),
+            trailers: Vec::new(),
             body_omitted: false,
             unknown: None,
         }

@@ -323,6 +323,7 @@ mod tests {
             status: 201,
             headers: vec![],
             body: vec![7; 10_000],
+            trailers: Vec::new(),
             body_omitted: false,
             unknown: None,
         }

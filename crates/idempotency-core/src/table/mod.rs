@@ -840,6 +840,7 @@ impl Table {
             status: response.status,
             headers: response.headers.clone(),
             body: Vec::new(),
+            trailers: response.trailers.clone(),
             body_omitted: true,
             unknown: response.unknown.clone(),
         };
@@ -1047,6 +1048,7 @@ mod tests {
             status,
             headers: vec![("content-type".into(), b"text/plain".to_vec())],
             body: b"done".to_vec(),
+            trailers: Vec::new(),
             body_omitted: false,
             unknown: None,
         }

@@ -99,6 +99,7 @@ struct Model {
 }
 
 /// A step made ready to run against the tables, which need nothing else from the model.
+#[allow(clippy::large_enum_variant)] // test-only, short-lived
 enum Prepared {
     Claim {
         worker: usize,
@@ -131,6 +132,7 @@ impl Prepared {
 }
 
 /// What the tables answered, to be checked against the model.
+#[allow(clippy::large_enum_variant)] // test-only, short-lived
 enum Executed {
     Claim {
         worker: usize,
@@ -173,6 +175,7 @@ impl Model {
                     status: 201,
                     headers: Vec::new(),
                     body: body(r.key, r.held.owner),
+                    trailers: Vec::new(),
                     body_omitted: false,
                     unknown: None,
                 });

@@ -341,6 +341,7 @@ mod tests {
             status: 201,
             headers: vec![("content-type".into(), b"application/json".to_vec())],
             body: b"{\"id\":1}".to_vec(),
+            trailers: Vec::new(),
             body_omitted: false,
             unknown: None,
         };

@@ -150,6 +150,7 @@ fn a_record_from_the_store_is_replayed_and_kept_for_the_next_retry() {
         status: 201,
         headers: vec![("content-type".into(), b"text/plain".to_vec())],
         body: b"made elsewhere".to_vec(),
+        trailers: Vec::new(),
         body_omitted: false,
         unknown: None,
     };

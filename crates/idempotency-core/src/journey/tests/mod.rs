@@ -6,6 +6,7 @@ mod access_log;
 mod census;
 mod cluster;
 mod detached;
+mod grpc;
 mod intake;
 mod local_claim;
 mod response;

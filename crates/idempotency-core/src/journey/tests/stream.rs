@@ -208,6 +208,7 @@ fn the_store_saying_in_flight_or_completed_answers_the_request_in_its_context() 
         status: 201,
         headers: vec![("content-type".into(), b"application/json".to_vec())],
         body: b"{\"id\":2}".to_vec(),
+        trailers: Vec::new(),
         body_omitted: false,
         unknown: None,
     };

@@ -1,0 +1,228 @@
+//! A gRPC rule's own steps: streaming calls let through, the release decided by the
+//! `grpc-status` of the trailers (or of a trailers-only response), the filter's answers as
+//! trailers-only statuses, and the replay, sent itself when the record has no message, or
+//! through the echo hop when it has one (see `crate::grpc`).
+
+use std::rc::Rc;
+
+use super::{pass, send_local, Execution, Journey, RequestJourney, Step, Verdict};
+use crate::grpc::frame::{frame_len, framing, Framing};
+use crate::grpc::{self, answer, status};
+use crate::host::Host;
+use crate::outcome::Outcome;
+use crate::plugin::rule_handle::RuleHandle;
+use crate::problem::Problem;
+use crate::record::RecordedResponse;
+use crate::who_answered::{Answerer, EnvoyReport};
+
+/// A replay on its way through the echo hop: what the echo's answer is turned back into.
+pub struct ReplayHop {
+    pub rule: Rc<RuleHandle>,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub trailers: Vec<(String, Vec<u8>)>,
+}
+
+/// What a gRPC request body holds for the rule.
+pub(super) enum CallShape {
+    /// One message: a unary call, protected.
+    Unary,
+    /// No message or several: a streaming call, let through unprotected.
+    Streaming,
+    /// Not gRPC framing.
+    Malformed,
+}
+
+/// The shape of a whole request body.
+pub(super) fn call_shape(body: &[u8]) -> CallShape {
+    match framing(body) {
+        Framing::Messages(1) => CallShape::Unary,
+        Framing::Messages(_) => CallShape::Streaming,
+        Framing::Partial | Framing::Malformed => CallShape::Malformed,
+    }
+}
+
+impl RequestJourney {
+    /// A streaming call on a protected path: counted, and let through.
+    pub(super) fn pass_streaming(&self, host: &impl Host, rule: &RuleHandle) -> Step {
+        self.note(host, rule, Outcome::GrpcStreaming);
+        pass()
+    }
+
+    /// While the body is still arriving: more bytes than its first message holds means a
+    /// second message, so a client-streaming call, which is let go at once rather than held
+    /// until the client ends its side (a bidirectional call would wait for an answer first).
+    pub(super) fn is_streaming_so_far(&self, host: &impl Host, size: usize) -> bool {
+        if size <= grpc::frame::PREFIX_BYTES {
+            return false;
+        }
+        match host
+            .request_body(grpc::frame::PREFIX_BYTES)
+            .map(|b| frame_len(&b))
+        {
+            Ok(Some(Ok(first))) => size > first,
+            _ => false,
+        }
+    }
+
+    /// The filter's own answer to a gRPC call: a trailers-only status.
+    pub(super) fn answer_grpc_problem(
+        &self,
+        host: &impl Host,
+        rule: &RuleHandle,
+        problem: &Problem,
+    ) -> Step {
+        let headers = answer::trailers_only(problem);
+        let pairs: Vec<(&str, &[u8])> = headers.iter().map(|(n, v)| (*n, v.as_bytes())).collect();
+        send_local(host, &rule.rule.name, 200, &pairs, b"")
+    }
+
+    /// A gRPC response that ended with its status: released when the status says the call
+    /// did not take effect (unless the router sent it more than once), recorded otherwise.
+    pub(super) fn on_grpc_status(
+        &self,
+        host: &impl Host,
+        mut run: Execution,
+        trailers: Option<Vec<(String, Vec<u8>)>>,
+        code: Option<Option<u32>>,
+    ) -> Step {
+        let rule = Rc::clone(&run.rule);
+        let releases = rule
+            .rule
+            .grpc
+            .as_ref()
+            .is_some_and(|g| code.flatten().is_some_and(|c| g.release.contains(&c)));
+        if releases {
+            let report = EnvoyReport::read(host, 200);
+            return match report.answerer() {
+                Answerer::Upstream { resent: true } => self.unknown_outcome(host, run, &report),
+                _ => self.release(host, run),
+            };
+        }
+        if let (Some(trailers), Some(capture)) = (trailers, run.capture.as_mut()) {
+            capture.set_trailers(&rule.rule, &trailers);
+        }
+        self.record(host, run)
+    }
+
+    /// The trailers of a gRPC response arrived: its status is among them.
+    pub(super) fn on_grpc_trailers(&self, host: &impl Host, run: Execution) -> Step {
+        match host.response_trailers() {
+            Ok(trailers) => {
+                let code = status::status_in(&trailers);
+                self.on_grpc_status(host, run, Some(trailers), code)
+            }
+            Err(e) => {
+                log::error!(
+                    "rule {}: response trailers unreadable ({}); the call's status is unknown",
+                    run.rule.rule.name,
+                    e.0
+                );
+                let report = EnvoyReport::read(host, 200);
+                self.unknown_outcome(host, run, &report)
+            }
+        }
+    }
+
+    /// A retry of a recorded gRPC call.
+    pub(super) fn replay_grpc(
+        &self,
+        host: &impl Host,
+        rule: &Rc<RuleHandle>,
+        recorded: &RecordedResponse,
+    ) -> Step {
+        if recorded.body_omitted {
+            // The call completed; its message was too large to keep. It is not run again.
+            return self.answer_grpc_problem(host, rule, &Problem::response_not_kept());
+        }
+        let marker: (&str, &[u8]) = (rule.rule.replay_header.as_str(), b"true");
+        if recorded.body.is_empty() {
+            // No message: a trailers-only answer carries the status and all the metadata.
+            let mut pairs: Vec<(&str, &[u8])> = recorded
+                .headers
+                .iter()
+                .chain(recorded.trailers.iter())
+                .map(|(n, v)| (n.as_str(), v.as_slice()))
+                .collect();
+            pairs.push(marker);
+            return send_local(host, &rule.rule.name, 200, &pairs, b"");
+        }
+        // A message: the hop, which brings it back as the echo's answer.
+        let rewritten = host
+            .replace_request_header(":path", grpc::REPLAY_PATH.as_bytes())
+            .and_then(|()| {
+                host.replace_request_header("content-type", grpc::HOP_CONTENT_TYPE.as_bytes())
+            })
+            .and_then(|()| host.set_request_body(&recorded.body));
+        if let Err(e) = rewritten {
+            log::error!("rule {}: replay hop not prepared: {}", rule.rule.name, e.0);
+            let problem = Problem::unavailable("the proxy could not replay the recorded response");
+            return self.answer_grpc_problem(host, rule, &problem);
+        }
+        let hop = ReplayHop {
+            rule: Rc::clone(rule),
+            headers: recorded.headers.clone(),
+            trailers: recorded.trailers.clone(),
+        };
+        (Journey::ReplayHop(Box::new(hop)), Verdict::Continue)
+    }
+
+    /// The echo's answer to a hop: the recorded metadata goes back on it. An answer without
+    /// the echo's marker came from elsewhere (no route to the echo): the client gets
+    /// UNAVAILABLE instead, and nothing was executed (no service has the hop's method).
+    pub(super) fn on_hop_headers(
+        &self,
+        host: &impl Host,
+        hop: Box<ReplayHop>,
+        end_of_stream: bool,
+    ) -> Step {
+        let from_echo = host
+            .response_headers()
+            .map(|h| h.iter().any(|(n, _)| n == grpc::ECHO_MARKER))
+            .unwrap_or(false);
+        if !from_echo {
+            log::error!(
+                "rule {}: a replay's hop to {} was not answered by the replay echo; is the \
+                 route to it configured?",
+                hop.rule.rule.name,
+                grpc::REPLAY_PATH
+            );
+            let problem = Problem::unavailable("the proxy could not replay the recorded response");
+            return self.answer_grpc_problem(host, &hop.rule, &problem);
+        }
+        for name in [grpc::ECHO_MARKER, "content-length"] {
+            if let Err(e) = host.remove_response_header(name) {
+                log::warn!("replay: {name} not removed: {}", e.0);
+            }
+        }
+        for (name, value) in &hop.headers {
+            if let Err(e) = host.replace_response_header(name, value) {
+                log::warn!("replay: {name} not restored: {}", e.0);
+            }
+        }
+        if let Err(e) = host.replace_response_header(&hop.rule.rule.replay_header, b"true") {
+            log::warn!("replay: marker not set: {}", e.0);
+        }
+        if end_of_stream {
+            return (Journey::AnsweredLocally, Verdict::Continue);
+        }
+        (Journey::ReplayHop(hop), Verdict::Continue)
+    }
+
+    /// The last chunk of the echo's answer: the recorded trailers follow it.
+    pub(super) fn on_hop_body(
+        &self,
+        host: &impl Host,
+        hop: Box<ReplayHop>,
+        end_of_stream: bool,
+    ) -> Step {
+        if !end_of_stream {
+            return (Journey::ReplayHop(hop), Verdict::Continue);
+        }
+        for (name, value) in &hop.trailers {
+            if let Err(e) = host.add_response_trailer(name, value) {
+                log::error!("replay: trailer {name} not added: {}", e.0);
+            }
+        }
+        (Journey::AnsweredLocally, Verdict::Continue)
+    }
+}

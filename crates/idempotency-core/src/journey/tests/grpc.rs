@@ -1,0 +1,491 @@
+//! gRPC rules: unary calls recorded with their trailers and replayed (through the echo hop
+//! when they carry a message), released by status, streaming calls let through, and the
+//! filter's own answers as trailers-only statuses.
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+use super::*;
+use crate::grpc::{ECHO_MARKER, HOP_CONTENT_TYPE, REPLAY_PATH};
+use crate::outcome::Outcome;
+
+const ORDERS_GRPC: &str =
+    r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]}}]}"#;
+const PLACE: &str = "/shop.v1.Orders/PlaceOrder";
+
+fn frame(message: &[u8]) -> Vec<u8> {
+    let mut out = vec![0];
+    out.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    out.extend_from_slice(message);
+    out
+}
+
+fn grpc_headers<'a>(path: &'a str, key: Option<&'a str>) -> Vec<(&'a str, &'a str)> {
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", path),
+        (":authority", "shop.local"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ];
+    if let Some(k) = key {
+        headers.push(("idempotency-key", k));
+    }
+    headers
+}
+
+fn call(
+    host: &FakeHost,
+    plugin: &Rc<Plugin>,
+    key: Option<&str>,
+    message: &[u8],
+) -> (RequestJourney, Verdict) {
+    send(host, plugin, &grpc_headers(PLACE, key), &frame(message))
+}
+
+/// The upstream answers with headers, one message and trailers.
+fn answer(
+    host: &FakeHost,
+    request: &mut RequestJourney,
+    message: &[u8],
+    trailers: &[(&str, &str)],
+) {
+    envoy_reports(host, "via_upstream", 0, 1);
+    host.set_response(
+        &[
+            (":status", "200"),
+            ("content-type", "application/grpc"),
+            ("x-order-id", "o-1"),
+        ],
+        &frame(message),
+    );
+    request.on(
+        host,
+        Event::ResponseHeaders {
+            end_of_stream: false,
+        },
+    );
+    request.on(
+        host,
+        Event::ResponseBody {
+            size: message.len() + 5,
+            end_of_stream: false,
+        },
+    );
+    *host.response_trailers.borrow_mut() = trailers
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+        .collect();
+    request.on(host, Event::ResponseTrailers);
+    request.on(host, Event::StreamEnd);
+}
+
+/// The upstream answers trailers-only with `status`.
+fn answer_trailers_only(host: &FakeHost, request: &mut RequestJourney, status: &str) {
+    envoy_reports(host, "via_upstream", 0, 1);
+    host.set_response(
+        &[
+            (":status", "200"),
+            ("content-type", "application/grpc"),
+            ("grpc-status", status),
+            ("grpc-message", "no such customer"),
+            ("x-reason", "r"),
+        ],
+        b"",
+    );
+    request.on(
+        host,
+        Event::ResponseHeaders {
+            end_of_stream: true,
+        },
+    );
+    request.on(host, Event::StreamEnd);
+}
+
+fn value<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a str> {
+    header(headers, name).and_then(|v| std::str::from_utf8(v).ok())
+}
+
+#[test]
+fn a_retry_of_a_completed_call_is_replayed_through_the_hop_with_its_trailers() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    let (mut first, verdict) = call(&host, &plugin, Some("k1"), b"order");
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(is_executing(&first));
+    answer(
+        &host,
+        &mut first,
+        b"placed",
+        &[
+            ("grpc-status", "0"),
+            ("x-trailer", "t"),
+            ("grpc-status-details-bin", "AAEC"),
+        ],
+    );
+    host.take_effects();
+
+    // The retry goes on, rewritten into a hop to the echo with the recorded message.
+    let (mut retry, verdict) = call(&host, &plugin, Some("k1"), b"order");
+    assert_eq!(verdict, Verdict::Continue);
+    let edits = host.request_header_edits.borrow().clone();
+    assert!(edits.contains(&(":path".to_string(), REPLAY_PATH.as_bytes().to_vec())));
+    assert!(edits.contains(&(
+        "content-type".to_string(),
+        HOP_CONTENT_TYPE.as_bytes().to_vec()
+    )));
+    assert!(host
+        .take_effects()
+        .contains(&Effect::RequestBodySet(frame(b"placed"))));
+    assert_eq!(host.counter("orders", Outcome::Replayed), 1);
+
+    // The echo's answer becomes the recorded response, marked, and the trailers follow.
+    host.set_response(
+        &[
+            (":status", "200"),
+            (ECHO_MARKER, "1"),
+            ("content-length", "11"),
+        ],
+        &frame(b"placed"),
+    );
+    assert_eq!(
+        retry.on(
+            &host,
+            Event::ResponseHeaders {
+                end_of_stream: false
+            }
+        ),
+        Verdict::Continue
+    );
+    assert_eq!(
+        retry.on(
+            &host,
+            Event::ResponseBody {
+                size: 11,
+                end_of_stream: true
+            }
+        ),
+        Verdict::Continue
+    );
+    let effects = host.take_effects();
+    for wanted in [
+        Effect::RemoveResponseHeader(ECHO_MARKER.into()),
+        Effect::RemoveResponseHeader("content-length".into()),
+        Effect::ReplaceResponseHeader("x-order-id".into(), b"o-1".to_vec()),
+        Effect::ReplaceResponseHeader("content-type".into(), b"application/grpc".to_vec()),
+        Effect::ReplaceResponseHeader("idempotent-replayed".into(), b"true".to_vec()),
+        Effect::AddResponseTrailer("grpc-status".into(), b"0".to_vec()),
+        Effect::AddResponseTrailer("x-trailer".into(), b"t".to_vec()),
+        Effect::AddResponseTrailer("grpc-status-details-bin".into(), b"AAEC".to_vec()),
+    ] {
+        assert!(
+            effects.contains(&wanted),
+            "{wanted:?} missing from {effects:?}"
+        );
+    }
+    assert_eq!(host.counter("orders", Outcome::Executed), 1);
+}
+
+#[test]
+fn a_hop_that_does_not_reach_the_echo_answers_unavailable() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer(&host, &mut first, b"placed", &[("grpc-status", "0")]);
+    let (mut retry, _) = call(&host, &plugin, Some("k1"), b"order");
+    host.take_effects();
+    host.set_response(&[(":status", "404")], b"");
+    retry.on(
+        &host,
+        Event::ResponseHeaders {
+            end_of_stream: true,
+        },
+    );
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.len()), (200, 0));
+    assert_eq!(value(&headers, "grpc-status"), Some("14"));
+}
+
+#[test]
+fn a_trailers_only_answer_is_recorded_and_replayed_as_one() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer_trailers_only(&host, &mut first, "5");
+    host.take_effects();
+    let (_, verdict) = call(&host, &plugin, Some("k1"), b"order");
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.len()), (200, 0));
+    assert_eq!(value(&headers, "grpc-status"), Some("5"));
+    assert_eq!(value(&headers, "grpc-message"), Some("no such customer"));
+    assert_eq!(value(&headers, "x-reason"), Some("r"));
+    assert_eq!(value(&headers, "idempotent-replayed"), Some("true"));
+    assert!(host
+        .request_header_edits
+        .borrow()
+        .iter()
+        .all(|(n, _)| n != ":path"));
+}
+
+#[test]
+fn transient_statuses_release_the_claim_and_the_retry_executes() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer(
+        &host,
+        &mut first,
+        b"",
+        &[("grpc-status", "14"), ("grpc-message", "busy")],
+    );
+    assert_eq!(host.counter("orders", Outcome::Released), 1);
+    let (mut second, verdict) = call(&host, &plugin, Some("k1"), b"order");
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(is_executing(&second));
+    answer_trailers_only(&host, &mut second, "13");
+    assert_eq!(host.counter("orders", Outcome::Released), 2);
+    // A status outside the list is recorded: FAILED_PRECONDITION.
+    let (mut third, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer_trailers_only(&host, &mut third, "9");
+    host.take_effects();
+    call(&host, &plugin, Some("k1"), b"order");
+    let (_, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(value(&headers, "grpc-status"), Some("9"));
+    assert_eq!(host.counter("orders", Outcome::Executed), 3);
+}
+
+#[test]
+fn a_rules_own_release_list_replaces_the_default() {
+    let host = FakeHost::default();
+    let config = r#"{"rules":[{"name":"orders","match":{"grpc_methods":["shop.v1.Orders/PlaceOrder"]},
+        "grpc":{"release_on_status":["NOT_FOUND"]}}]}"#;
+    let plugin = plugin(&host, config);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer_trailers_only(&host, &mut first, "5");
+    assert_eq!(host.counter("orders", Outcome::Released), 1);
+    let (mut second, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer_trailers_only(&host, &mut second, "14");
+    assert_eq!(
+        host.counter("orders", Outcome::Released),
+        1,
+        "UNAVAILABLE is recorded here"
+    );
+}
+
+#[test]
+fn the_filters_answers_are_trailers_only_statuses() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    call(&host, &plugin, None, b"order");
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.len()), (200, 0));
+    assert_eq!(value(&headers, "content-type"), Some("application/grpc"));
+    assert_eq!(value(&headers, "grpc-status"), Some("3"));
+    assert!(value(&headers, "grpc-message").is_some_and(|m| m.contains("idempotency key")));
+
+    let (_first, _) = call(&host, &plugin, Some("k1"), b"order");
+    call(&host, &plugin, Some("k1"), b"order");
+    let (_, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(
+        value(&headers, "grpc-status"),
+        Some("10"),
+        "in flight: ABORTED"
+    );
+    assert_eq!(value(&headers, "grpc-retry-pushback-ms"), Some("1000"));
+
+    call(&host, &plugin, Some("k1"), b"another order");
+    let (_, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(
+        value(&headers, "grpc-status"),
+        Some("3"),
+        "another message: INVALID_ARGUMENT"
+    );
+    assert!(value(&headers, "idempotency-problem-type").is_some_and(|t| t.ends_with("key-reused")));
+}
+
+#[test]
+fn a_call_cut_short_before_its_status_is_never_run_again() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    envoy_reports(&host, "via_upstream", 0, 1);
+    host.set_response(
+        &[(":status", "200"), ("content-type", "application/grpc")],
+        b"",
+    );
+    first.on(
+        &host,
+        Event::ResponseHeaders {
+            end_of_stream: false,
+        },
+    );
+    first.on(&host, Event::StreamEnd);
+    assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 1);
+    host.take_effects();
+    call(&host, &plugin, Some("k1"), b"order");
+    let (_, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(
+        value(&headers, "grpc-status"),
+        Some("9"),
+        "FAILED_PRECONDITION"
+    );
+    assert_eq!(value(&headers, "grpc-retry-pushback-ms"), None);
+}
+
+#[test]
+fn streaming_calls_pass_unprotected_and_are_counted() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    let mut two = frame(b"a");
+    two.extend_from_slice(&frame(b"b"));
+    // Two messages in one chunk, still open: let go at once.
+    host.set_request(&grpc_headers("/shop.v1.Orders/Upload", Some("k1")), &two);
+    let mut upload = RequestJourney::new(Rc::clone(&plugin));
+    assert_eq!(
+        upload.on(
+            &host,
+            Event::RequestHeaders {
+                end_of_stream: false
+            }
+        ),
+        Verdict::Pause
+    );
+    assert_eq!(
+        upload.on(
+            &host,
+            Event::RequestBody {
+                size: two.len(),
+                end_of_stream: false
+            }
+        ),
+        Verdict::Continue
+    );
+    assert!(matches!(upload.state(), Journey::Unprotected));
+    // No message at all.
+    let (empty, verdict) = send(
+        &host,
+        &plugin,
+        &grpc_headers("/shop.v1.Orders/Upload", Some("k2")),
+        b"",
+    );
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(matches!(empty.state(), Journey::Unprotected));
+    assert_eq!(host.counter("orders", Outcome::GrpcStreaming), 2);
+    assert_eq!(host.counter("orders", Outcome::Executed), 0);
+}
+
+#[test]
+fn a_body_that_is_not_grpc_framing_is_refused_and_grpc_web_is_not_this_rules() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    send(
+        &host,
+        &plugin,
+        &grpc_headers(PLACE, Some("k1")),
+        &[0, 0, 0, 0, 9, 1],
+    );
+    let (_, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(value(&headers, "grpc-status"), Some("3"));
+    assert!(
+        value(&headers, "idempotency-problem-type").is_some_and(|t| t.ends_with("grpc-malformed"))
+    );
+
+    let mut web = grpc_headers(PLACE, Some("k1"));
+    web[3] = ("content-type", "application/grpc-web+proto");
+    let (request, verdict) = send(&host, &plugin, &web, &frame(b"x"));
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(matches!(request.state(), Journey::Unprotected));
+}
+
+#[test]
+fn grpc_rules_refuse_what_they_cannot_honour() {
+    let host = FakeHost::default();
+    for (config, needle) in [
+        (
+            r#"{"rules":[{"name":"o","match":{"grpc_services":["shop v1"]}}]}"#,
+            "grpc_services[0]",
+        ),
+        (
+            r#"{"rules":[{"name":"o","match":{"grpc_methods":["shop.v1.Orders"]}}]}"#,
+            "grpc_methods[0]",
+        ),
+        (
+            r#"{"rules":[{"name":"o","grpc":{"release_on_status":["OK"]}}]}"#,
+            "release_on_status[0]",
+        ),
+        (
+            r#"{"rules":[{"name":"o","grpc":{"release_on_status":["NOPE"]}}]}"#,
+            "release_on_status[0]",
+        ),
+        (
+            r#"{"rules":[{"name":"o","grpc":{},"execution":"detached"}]}"#,
+            "execution",
+        ),
+        (
+            r#"{"rules":[{"name":"o","grpc":{},"match":{"methods":["PUT"]}}]}"#,
+            "match.methods",
+        ),
+        (
+            r#"{"grpc_replay_echo":true,"rules":[{"name":"o"}]}"#,
+            "grpc_replay_echo",
+        ),
+    ] {
+        let err = crate::plugin::Plugin::configure(&host, config.as_bytes())
+            .err()
+            .unwrap_or_else(|| panic!("{config} accepted"));
+        assert!(err.to_string().contains(needle), "{config}: {err}");
+    }
+}
+
+#[test]
+fn the_echo_answers_a_hop_with_its_body_and_nothing_else() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, r#"{"grpc_replay_echo":true}"#);
+    let body = frame(b"placed");
+    host.set_request(
+        &[
+            (":method", "POST"),
+            (":path", REPLAY_PATH),
+            ("content-type", HOP_CONTENT_TYPE),
+        ],
+        &body,
+    );
+    let mut hop = RequestJourney::new(Rc::clone(&plugin));
+    assert_eq!(
+        hop.on(
+            &host,
+            Event::RequestHeaders {
+                end_of_stream: false
+            }
+        ),
+        Verdict::Pause
+    );
+    assert_eq!(
+        hop.on(
+            &host,
+            Event::RequestBody {
+                size: body.len(),
+                end_of_stream: true
+            }
+        ),
+        Verdict::Pause
+    );
+    let (status, headers, reply) = the_reply(&host.take_effects());
+    assert_eq!((status, reply), (200, body));
+    assert_eq!(value(&headers, ECHO_MARKER), Some("1"));
+
+    host.set_request(
+        &[(":method", "POST"), (":path", "/shop.v1.Orders/PlaceOrder")],
+        b"",
+    );
+    let mut other = RequestJourney::new(Rc::clone(&plugin));
+    other.on(
+        &host,
+        Event::RequestHeaders {
+            end_of_stream: true,
+        },
+    );
+    let (status, _, _) = the_reply(&host.take_effects());
+    assert_eq!(status, 404);
+}
