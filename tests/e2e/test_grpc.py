@@ -1,0 +1,278 @@
+"""gRPC unary writes through real Envoy, with grpcio's client (and its retry policy) in front
+of a real grpcio server: one execution per key, and every retry gets the original status,
+message and metadata back; the filter's own answers are gRPC statuses. Single-proxy, then
+two Envoys sharing a store."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+import harness
+from cluster import start_backend
+from grpc_calls import (
+    TOKEN,
+    call,
+    channel,
+    new_key,
+    plugin_config,
+    recorded_copy,
+    retry_policy,
+    route_timeout,
+    start_envoy,
+    start_server,
+    with_store,
+)
+from helpers import crash_lines, rule_counter
+
+REPLAYED = "idempotent-replayed"
+PROBLEM = "idempotency-problem-type"
+
+
+@pytest.fixture
+def server(procs):
+    return start_server(procs)
+
+
+@pytest.fixture
+def edge(procs, server):
+    envoy = start_envoy(procs, server)
+    yield envoy
+    assert crash_lines(envoy.process.log_text()) == []
+
+
+def problem_of(answer) -> str:
+    return str(answer.trailing.get(PROBLEM, "")).rsplit(":", 1)[-1]
+
+
+# --------------------------------------------------------------------------
+# single proxy
+# --------------------------------------------------------------------------
+
+
+def test_a_retry_gets_the_recorded_message_metadata_and_trailers(edge, server) -> None:
+    key = new_key()
+    first = call(edge, key)
+    assert first.code == grpc.StatusCode.OK and first.message == b"placed:order:1"
+    retry = call(edge, key)
+    assert recorded_copy(retry) == recorded_copy(first)
+    assert retry.initial[REPLAYED] == "true" and REPLAYED not in first.initial
+    assert retry.trailing["x-bin-bin"] == bytes([0, 1, 2, 1])
+    assert server.executions(key) == 1
+    assert rule_counter(edge, "orders", "replayed") == 1
+
+
+def test_an_error_is_replayed_with_its_status_details_and_metadata(edge, server) -> None:
+    key = new_key()
+    md = [("x-test-status", "5")]
+    first = call(edge, key, metadata=md)
+    assert first.code == grpc.StatusCode.NOT_FOUND
+    retry = call(edge, key, metadata=md)
+    assert (retry.code, retry.details) == (first.code, "refused on execution 1")
+    # Without a message the replay is trailers-only: the initial metadata comes with the trailers.
+    assert retry.trailing["grpc-status-details-bin"] == first.trailing["grpc-status-details-bin"]
+    assert retry.trailing["x-trailer"] == "failed-1"
+    assert retry.trailing["x-order-id"] == first.initial["x-order-id"]
+    assert retry.trailing[REPLAYED] == "true"
+    assert server.executions(key) == 1
+
+
+def test_a_transient_status_leaves_the_call_retryable(edge, server) -> None:
+    key = new_key()
+    md = [("x-test-unavailable-first", "1")]
+    assert call(edge, key, metadata=md).code == grpc.StatusCode.UNAVAILABLE
+    second = call(edge, key, metadata=md)
+    assert second.code == grpc.StatusCode.OK and second.message == b"placed:order:1"
+    third = call(edge, key, metadata=md)
+    assert third.message == second.message and third.initial[REPLAYED] == "true"
+    assert (server.attempts(key), server.executions(key)) == (2, 1)
+    assert rule_counter(edge, "orders", "released") == 1
+
+
+def test_the_filters_answers_are_grpc_statuses(edge, server) -> None:
+    missing = call(edge, None)
+    assert missing.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "idempotency key" in missing.details and problem_of(missing) == "missing-key"
+
+    key = new_key()
+    with harness_thread(lambda: call(edge, key, metadata=[("x-test-sleep-ms", "1500")])) as first:
+        harness.wait_until(lambda: server.attempts(key) == 1, timeout=10, what="first call running")
+        busy = call(edge, key)
+        assert busy.code == grpc.StatusCode.ABORTED and problem_of(busy) == "request-in-flight"
+        assert busy.trailing["grpc-retry-pushback-ms"] == "1000"
+    assert first.result.code == grpc.StatusCode.OK
+
+    other = call(edge, key, b"another order")
+    assert other.code == grpc.StatusCode.INVALID_ARGUMENT and problem_of(other) == "key-reused"
+    assert server.executions(key) == 1
+
+
+def test_a_client_retry_policy_waits_out_a_call_in_flight_and_gets_its_answer(edge, server) -> None:
+    """The duplicate's ABORTED carries pushback; the policy waits it, then gets the replay."""
+    key = new_key()
+    retrying = channel(edge, retry_policy(["ABORTED"]))
+    with harness_thread(lambda: call(edge, key, metadata=[("x-test-sleep-ms", "800")])) as first:
+        harness.wait_until(lambda: server.attempts(key) == 1, timeout=10, what="first call running")
+        duplicate = call(retrying, key)
+    assert duplicate.code == grpc.StatusCode.OK
+    assert duplicate.message == first.result.message == b"placed:order:1"
+    assert duplicate.initial[REPLAYED] == "true"
+    assert server.executions(key) == 1
+    assert rule_counter(edge, "orders", "conflict") >= 1
+
+
+def test_a_client_retry_policy_over_a_transient_failure_executes_once(edge, server) -> None:
+    key = new_key()
+    retrying = channel(edge, retry_policy(["UNAVAILABLE"]))
+    answer = call(retrying, key, metadata=[("x-test-unavailable-first", "1")])
+    assert answer.code == grpc.StatusCode.OK
+    assert (server.attempts(key), server.executions(key)) == (2, 1)
+    assert call(retrying, key).initial[REPLAYED] == "true"
+    assert server.executions(key) == 1
+
+
+def test_a_route_timeout_retried_by_the_client_policy_is_not_run_again(procs, server) -> None:
+    """Envoy gives up after 0.5 s and answers UNAVAILABLE, which the client's policy retries:
+    the first call may complete (it does, at 1.5 s), so the retry is told, never run."""
+    envoy = start_envoy(procs, server, mutate=route_timeout(0.5))
+    key = new_key()
+    retrying = channel(envoy, retry_policy(["UNAVAILABLE"]))
+    answer = call(retrying, key, metadata=[("x-test-sleep-ms", "1500")])
+    assert answer.code == grpc.StatusCode.FAILED_PRECONDITION, answer
+    assert problem_of(answer) == "outcome-unknown"
+    time.sleep(1.5)
+    assert server.executions(key) == 1
+    assert call(envoy, key).code == grpc.StatusCode.FAILED_PRECONDITION
+    assert server.executions(key) == 1
+    assert rule_counter(envoy, "orders", "outcome_unknown") == 1
+
+
+def test_a_deadline_shorter_than_the_call_then_a_retry_never_runs_it_twice(edge, server) -> None:
+    key = new_key()
+    md = [("x-test-sleep-ms", "1000")]
+    assert call(edge, key, metadata=md, timeout=0.3).code == grpc.StatusCode.DEADLINE_EXCEEDED
+    harness.wait_until(lambda: rule_counter(edge, "orders", "outcome_unknown") == 1, timeout=10,
+                       what="the cancelled call recorded as an unknown outcome")
+    time.sleep(1.0)
+    assert server.executions(key) == 1
+    retry = call(edge, key, metadata=md)
+    assert retry.code == grpc.StatusCode.FAILED_PRECONDITION and problem_of(retry) == "outcome-unknown"
+    assert server.executions(key) == 1
+
+
+def test_wait_mode_answers_a_duplicate_with_the_first_calls_response(procs, server) -> None:
+    envoy = start_envoy(procs, server, plugin_config(on_in_flight="wait", wait_ms=5000))
+    key = new_key()
+    with harness_thread(lambda: call(envoy, key, metadata=[("x-test-sleep-ms", "800")])) as first:
+        harness.wait_until(lambda: server.attempts(key) == 1, timeout=10, what="first call running")
+        held = call(envoy, key)
+    assert held.code == grpc.StatusCode.OK and held.message == first.result.message
+    assert held.initial[REPLAYED] == "true" and held.trailing["x-trailer"] == "done-1"
+    assert server.executions(key) == 1
+
+
+def test_a_required_scope_is_unauthenticated_and_streaming_calls_pass(procs, server) -> None:
+    config = plugin_config(match={"grpc_services": ["shop.v1.Orders"]}, scope_required=True)
+    envoy = start_envoy(procs, server, config)
+    anonymous = call(envoy, new_key())
+    assert anonymous.code == grpc.StatusCode.UNAUTHENTICATED and problem_of(anonymous) == "missing-scope"
+    with channel(envoy) as ch:
+        upload = ch.stream_unary("/shop.v1.Orders/Upload")
+        reply = upload(iter([b"aa", b"bbb", b"c"]), timeout=10,
+                       metadata=[("idempotency-key", new_key()), ("authorization", "Bearer a")])
+    assert reply == b"uploaded:6"
+    assert rule_counter(envoy, "orders", "grpc_streaming") == 1
+
+
+def test_a_hop_without_the_echo_route_executes_nothing(procs, server) -> None:
+    """A configuration that lost the route to the echo: the replay is UNAVAILABLE, the service
+    never sees the hop, and the first call's record is still there."""
+    def drop_echo_route(config: dict) -> None:
+        for vhost in harness._walk_dicts(config):
+            routes = vhost.get("routes")
+            if isinstance(routes, list):
+                vhost["routes"] = [r for r in routes if r.get("route", {}).get("cluster") != "idempotency_replay_echo"]
+                for r in vhost["routes"]:
+                    if r.get("match", {}).get("prefix") == "/shop.v1.Orders/":
+                        r["match"] = {"prefix": "/"}
+    envoy = start_envoy(procs, server, mutate=drop_echo_route)
+    key = new_key()
+    assert call(envoy, key).code == grpc.StatusCode.OK
+    retry = call(envoy, key)
+    assert retry.code == grpc.StatusCode.UNAVAILABLE
+    assert server.executions(key) == 1
+    assert "not answered by the replay echo" in envoy.process.log_text()
+
+
+# --------------------------------------------------------------------------
+# cluster mode: two Envoys, one store
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def replicas(procs, server):
+    store = start_backend(procs, "embedded", token=TOKEN)
+    envoys = []
+    for name in ("envoy-grpc-a", "envoy-grpc-b"):
+        plugin = plugin_config()
+        mutate = with_store(plugin, store.port)
+        envoys.append(start_envoy(procs, server, plugin, name=name, mutate=mutate))
+    return store, envoys
+
+
+def test_cluster_a_call_on_one_replica_is_replayed_on_the_other(replicas, server) -> None:
+    _, (a, b) = replicas
+    key = new_key()
+    first = call(a, key)
+    retry = call(b, key)
+    assert recorded_copy(retry) == recorded_copy(first)
+    assert retry.initial[REPLAYED] == "true"
+    assert server.executions(key) == 1
+
+
+def test_cluster_a_deadline_on_one_replica_is_not_run_again_on_the_other(replicas, server) -> None:
+    _, (a, b) = replicas
+    key = new_key()
+    md = [("x-test-sleep-ms", "1000")]
+    assert call(a, key, metadata=md, timeout=0.3).code == grpc.StatusCode.DEADLINE_EXCEEDED
+    harness.wait_until(lambda: rule_counter(a, "orders", "outcome_unknown") == 1, timeout=10,
+                       what="the cancelled call recorded as an unknown outcome")
+    time.sleep(1.0)
+    retry = call(b, key, metadata=md)
+    assert retry.code == grpc.StatusCode.FAILED_PRECONDITION and problem_of(retry) == "outcome-unknown"
+    assert server.executions(key) == 1
+
+
+def test_cluster_a_store_that_is_down_is_unavailable_and_runs_nothing(replicas, server) -> None:
+    store, (a, _) = replicas
+    store.stop()
+    key = new_key()
+    answer = call(a, key)
+    assert answer.code == grpc.StatusCode.UNAVAILABLE and problem_of(answer) == "idempotency-unavailable"
+    assert answer.trailing["grpc-retry-pushback-ms"] == "1000"
+    assert server.attempts(key) == 0
+
+
+# --------------------------------------------------------------------------
+
+
+class harness_thread:
+    """Runs ``fn`` in a thread for the ``with`` block; ``.result`` once the block is left."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.result = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        self.result = self.fn()
+
+    def __enter__(self) -> "harness_thread":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.join(timeout=30)
