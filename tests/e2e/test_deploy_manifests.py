@@ -432,3 +432,57 @@ def test_protected_routes_turn_istios_retries_off() -> None:
     assert protected and protected <= set(routes), (protected, sorted(routes))
     for name in protected:
         assert routes[name].get("retries") == {"attempts": 0}, name
+
+
+def echo_patches() -> dict[str, dict]:
+    """grpc-replay-echo.yaml's patches by what they apply to."""
+    patches = one(ISTIO / "grpc-replay-echo.yaml", "EnvoyFilter")["spec"]["configPatches"]
+    by_kind = {p["applyTo"]: p for p in patches}
+    assert sorted(by_kind) == ["CLUSTER", "EXTENSION_CONFIG", "HTTP_ROUTE", "LISTENER"]
+    return by_kind
+
+
+def test_the_grpc_replay_echo_patches_replay_a_grpc_write(procs) -> None:
+    """Envoy as the gateway would run with grpc-replay-echo.yaml: its listener, cluster and
+    route (the echo's filter inlined from the ECDS patch), the gRPC rule of wasmplugin.yaml on
+    a route named as in virtualservice.yaml. A retried call gets its message back."""
+    import grpc_calls
+
+    patches = echo_patches()
+    listener = patches["LISTENER"]["patch"]["value"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    echo = patches["EXTENSION_CONFIG"]["patch"]["value"]
+    slot = next(i for i, f in enumerate(hcm["http_filters"]) if f["name"] == echo["name"])
+    inline = json.loads(json.dumps({"name": echo["name"], "typed_config": echo["typed_config"]}))
+    plugin = wasm_config_of(inline)
+    assert json.loads(plugin["configuration"]["value"]) == {"grpc_replay_echo": True}
+    assert plugin["vm_config"]["vm_id"] != "idempotency", "the echo must not share the filter's VM"
+    plugin["vm_config"]["code"] = {"local": {"filename": str(helpers.wasm_path())}}
+    hcm["http_filters"][slot] = inline
+    route = patches["HTTP_ROUTE"]["patch"]
+    assert route["operation"] == "INSERT_FIRST"
+    cluster = patches["CLUSTER"]["patch"]["value"]
+
+    rule = next(r for r in wasmplugin_config()["rules"] if "grpc" in r)
+    virtual_service = one(ISTIO / "virtualservice.yaml", "VirtualService")["spec"]
+    grpc_route = next(r for r in virtual_service["http"] if r["name"] in rule["match"]["route_names"])
+    assert grpc_route["retries"] == {"attempts": 0}
+    path = grpc_route["match"][0]["uri"]["exact"]
+
+    def gateway_like(config: dict) -> None:
+        resources = config["static_resources"]
+        resources["listeners"] = [lst for lst in resources["listeners"] if "internal_listener" not in lst] + [listener]
+        resources["clusters"] = [c for c in resources["clusters"] if c["name"] != cluster["name"]] + [cluster]
+        vhost = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
+        vhost["routes"] = [route["value"], {"name": grpc_route["name"], "match": {"path": path},
+                                            "route": {"cluster": grpc_calls.SERVICE_CLUSTER}}]
+
+    server = grpc_calls.start_server(procs)
+    envoy = grpc_calls.start_envoy(procs, server, {"rules": [rule]}, mutate=gateway_like)
+    key = grpc_calls.new_key()
+    caller = [("x-verified-subject", "user-1")]
+    first = grpc_calls.call(envoy, key, metadata=caller)
+    again = grpc_calls.call(envoy, key, metadata=caller)
+    assert first.message == again.message == b"placed:order:1"
+    assert again.initial["idempotent-replayed"] == "true" and again.trailing["x-trailer"] == "done-1"
+    assert server.executions(key) == 1
