@@ -46,6 +46,8 @@ pub struct Summary {
     pub headers: usize,
     pub body_bytes: usize,
     pub body_omitted: bool,
+    /// A gRPC response's `grpc-status` (from its trailers, or its headers when trailers-only).
+    pub grpc_status: Option<u32>,
 }
 
 impl Shown {
@@ -69,6 +71,9 @@ impl Shown {
                         headers: r.headers.len(),
                         body_bytes: r.body.len(),
                         body_omitted: r.body_omitted,
+                        grpc_status: idempotency_core::grpc::status::status_in(&r.trailers)
+                            .or_else(|| idempotency_core::grpc::status::status_in(&r.headers))
+                            .flatten(),
                     }),
                     None => Response::Unreadable {
                         bytes: bytes.len(),
@@ -141,6 +146,12 @@ impl Shown {
         match &self.response {
             Some(Response::Recorded(r)) => {
                 line("status", r.status.to_string());
+                if let Some(code) = r.grpc_status {
+                    line(
+                        "grpc status",
+                        format!("{code} {}", idempotency_core::grpc::status::name(code)),
+                    );
+                }
                 line("headers", r.headers.to_string());
                 line(
                     "body",
@@ -191,6 +202,7 @@ impl Shown {
                 "header_count": r.headers,
                 "body_bytes": r.body_bytes,
                 "body_omitted": r.body_omitted,
+                "grpc_status": r.grpc_status,
             }),
             Some(Response::OutcomeUnknown(u)) => json!({
                 "outcome": "unknown",
@@ -364,7 +376,7 @@ mod tests {
         let omitted = RecordedResponse {
             body: vec![],
             body_omitted: true,
-            ..recorded
+            ..recorded.clone()
         };
         let shown = Shown::new(
             "k",
@@ -372,6 +384,19 @@ mod tests {
             0,
         );
         assert!(shown.text().contains("body         omitted"));
+        assert!(!shown.text().contains("grpc status"));
+        assert_eq!(shown.json()["response"]["grpc_status"], Value::Null);
+        let grpc = RecordedResponse {
+            trailers: vec![("grpc-status".into(), b"5".to_vec())],
+            ..recorded.clone()
+        };
+        let shown = Shown::new("k", &answer(RecordState::Completed, Some(grpc.encode())), 0);
+        assert!(
+            shown.text().contains("grpc status  5 NOT_FOUND"),
+            "{}",
+            shown.text()
+        );
+        assert_eq!(shown.json()["response"]["grpc_status"], 5);
         let junk = Shown::new(
             "k",
             &answer(RecordState::Completed, Some(b"junk".to_vec())),
