@@ -246,6 +246,32 @@ def test_cluster_a_deadline_on_one_replica_is_not_run_again_on_the_other(replica
     assert server.executions(key) == 1
 
 
+def test_cluster_a_transient_status_on_one_replica_leaves_the_call_retryable_on_the_other(
+        replicas, server) -> None:
+    _, (a, b) = replicas
+    key = new_key()
+    md = [("x-test-unavailable-first", "1")]
+    assert call(a, key, metadata=md).code == grpc.StatusCode.UNAVAILABLE
+    second = call(b, key, metadata=md)
+    assert second.code == grpc.StatusCode.OK
+    third = call(a, key, metadata=md)
+    assert third.message == second.message and third.initial[REPLAYED] == "true"
+    assert (server.attempts(key), server.executions(key)) == (2, 1)
+
+
+def test_cluster_a_retry_policy_on_another_replica_waits_out_the_call_in_flight(replicas, server) -> None:
+    _, (a, b) = replicas
+    key = new_key()
+    retrying = channel(b, retry_policy(["ABORTED"]))
+    with harness_thread(lambda: call(a, key, metadata=[("x-test-sleep-ms", "800")])) as first:
+        harness.wait_until(lambda: server.attempts(key) == 1, timeout=10, what="first call running")
+        duplicate = call(retrying, key)
+    assert duplicate.code == grpc.StatusCode.OK and duplicate.message == first.result.message
+    assert duplicate.initial[REPLAYED] == "true"
+    assert server.executions(key) == 1
+    assert rule_counter(b, "orders", "conflict") >= 1
+
+
 def test_cluster_a_store_that_is_down_is_unavailable_and_runs_nothing(replicas, server) -> None:
     store, (a, _) = replicas
     store.stop()
