@@ -65,6 +65,17 @@ def test_a_retry_gets_the_recorded_message_metadata_and_trailers(edge, server) -
     assert rule_counter(edge, "orders", "replayed") == 1
 
 
+def test_a_large_message_is_replayed_whole(edge, server) -> None:
+    key = new_key()
+    order = bytes(range(256)) * 3000  # 768,000 bytes, within the rule's 1 MiB
+    first = call(edge, key, order)
+    retry = call(edge, key, order)
+    assert first.code == retry.code == grpc.StatusCode.OK
+    assert retry.message == first.message and len(retry.message) > len(order)
+    assert retry.initial[REPLAYED] == "true"
+    assert server.executions(key) == 1
+
+
 def test_an_error_is_replayed_with_its_status_details_and_metadata(edge, server) -> None:
     key = new_key()
     md = [("x-test-status", "5")]
