@@ -20,6 +20,7 @@
 )]
 
 mod gen;
+mod grpc_framing;
 mod key_header;
 mod key_sources;
 mod plugin_config;
@@ -29,6 +30,7 @@ mod store_answers;
 mod store_requests;
 mod table_codecs;
 
+pub use grpc_framing::grpc_framing;
 pub use key_header::key_header;
 pub use key_sources::key_sources;
 pub use plugin_config::plugin_config;
@@ -50,6 +52,7 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("plugin_config", plugin_config),
     ("table_codecs", table_codecs),
     ("record_codec", record_codec),
+    ("grpc_framing", grpc_framing),
     ("store_answer_http", store_answer_http),
     ("store_answer_stream", store_answer_stream),
     ("store_request_http", store_request_http),

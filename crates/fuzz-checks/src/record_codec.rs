@@ -6,10 +6,12 @@ use idempotency_core::record::RecordedResponse;
 
 /// Offset of the flags byte: after the magic, the owner and the status.
 const FLAGS_AT: usize = 4 + 8 + 2;
+/// The flags the format uses: body omitted, outcome unknown, trailers.
+const USED_FLAGS: u8 = 0b111;
 
 /// Any bytes that decode are the one encoding of what they decode to (but for the unused
-/// bits of the flags byte), and the replay check refuses exactly the headers a response
-/// could not carry. Any record within the format's limits (up to 65,535 headers with names
+/// bits of the flags byte), and the replay check refuses exactly the headers and trailers a
+/// response could not carry. Any record within the format's limits (up to 65,535 headers with names
 /// of up to 65,535 bytes, values and body of up to 4 GiB) decodes to itself, and no cut or
 /// padded encoding decodes.
 pub fn record_codec(data: &[u8]) {
@@ -26,13 +28,18 @@ fn raw(data: &[u8]) {
         return;
     };
     let mut canonical = data.to_vec();
-    canonical[FLAGS_AT] &= 1;
+    canonical[FLAGS_AT] &= USED_FLAGS;
     assert_eq!(record.encode(), canonical);
-    let replayable = record.headers.iter().all(|(name, value)| {
-        !name.is_empty()
-            && name.bytes().all(is_tchar)
-            && !value.iter().any(|b| matches!(b, b'\r' | b'\n' | 0))
-    });
+    // Trailers are replayed as headers are (a gRPC response's), so they are checked alike.
+    let replayable = record
+        .headers
+        .iter()
+        .chain(&record.trailers)
+        .all(|(name, value)| {
+            !name.is_empty()
+                && name.bytes().all(is_tchar)
+                && !value.iter().any(|b| matches!(b, b'\r' | b'\n' | 0))
+        });
     assert_eq!(
         record.check_headers().is_ok(),
         replayable,

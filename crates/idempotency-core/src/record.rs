@@ -126,7 +126,8 @@ impl RecordedResponse {
         let body_len = r.u32()?;
         let body = r.take(usize::try_from(body_len).ok()?)?.to_vec();
         let trailers = if flags & FLAG_TRAILERS != 0 {
-            decode_pairs(&mut r)?
+            // The flag is set only for trailers: an empty list is not an encoding.
+            Some(decode_pairs(&mut r)?).filter(|t| !t.is_empty())?
         } else {
             Vec::new()
         };
