@@ -553,8 +553,14 @@ impl Config {
             .max()
             .unwrap_or(0);
         let table = raw.local_table;
-        let table_layout = Layout::plan(table.budget(), table.capacity, largest_body)
-            .map_err(|e| invalid(e.field, e.reason))?;
+        // The echo records nothing: the smallest table, not a sidecar's 64 MiB.
+        let (budget, capacity) = if raw.grpc_replay_echo {
+            (MIN_TABLE_BYTES, None)
+        } else {
+            (table.budget(), table.capacity)
+        };
+        let table_layout =
+            Layout::plan(budget, capacity, largest_body).map_err(|e| invalid(e.field, e.reason))?;
         Ok(Config {
             table_layout,
             route_metadata_namespace: raw.route_metadata_namespace,
@@ -809,6 +815,22 @@ fn validate_rule(
                     at("execution"),
                     "\"detached\" is not supported for gRPC rules: a detached write is sent by \
                      HTTP callout, which does not carry a gRPC response's trailers",
+                ));
+            }
+            // A gRPC message is protobuf, not JSON or a form, and a gRPC path has no query.
+            if let Some(i) = key_sources
+                .iter()
+                .position(|s| !matches!(s, FieldSource::Header(_)))
+            {
+                return Err(invalid(
+                    at(&format!("key.sources[{i}]")),
+                    "a gRPC rule's key comes from metadata: use 'header' sources only",
+                ));
+            }
+            if matches!(fingerprint, FingerprintMode::Fields(_)) {
+                return Err(invalid(
+                    at("fingerprint"),
+                    "a gRPC rule fingerprints the whole message: \"body\" or \"none\"",
                 ));
             }
             let mut release = Vec::with_capacity(raw_grpc.release_on_status.len());

@@ -51,6 +51,12 @@ impl PluginRoot {
     /// False makes Envoy refuse the configuration.
     pub fn on_configure(&mut self, host: &impl Host) -> bool {
         match configure(host) {
+            Ok(plugin) if plugin.config.grpc_replay_echo => {
+                log::info!("configured as the gRPC replay echo: answers replays' hops only");
+                plugin.root_context.set(self.context_id);
+                self.plugin = Some(Rc::new(plugin));
+                true
+            }
             Ok(plugin) => {
                 log::info!(
                     "configured {} rule(s); local table holds {} records in {} buckets",

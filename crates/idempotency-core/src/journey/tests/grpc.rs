@@ -442,6 +442,10 @@ fn grpc_rules_refuse_what_they_cannot_honour() {
 fn the_echo_answers_a_hop_with_its_body_and_nothing_else() {
     let host = FakeHost::default();
     let plugin = plugin(&host, r#"{"grpc_replay_echo":true}"#);
+    assert!(
+        plugin.config.table_layout.bound_bytes() <= 1024 * 1024,
+        "the echo keeps no table"
+    );
     let body = frame(b"placed");
     host.set_request(
         &[
