@@ -223,19 +223,39 @@ def test_a_hop_without_the_echo_route_executes_nothing(procs, server) -> None:
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def replicas(procs, server):
+def start_replicas(procs):
+    """A gRPC server, an embedded store and two Envoys from envoy-grpc.yaml sharing it."""
+    server = start_server(procs)
     store = start_backend(procs, "embedded", token=TOKEN)
     envoys = []
     for name in ("envoy-grpc-a", "envoy-grpc-b"):
         plugin = plugin_config()
         mutate = with_store(plugin, store.port)
         envoys.append(start_envoy(procs, server, plugin, name=name, mutate=mutate))
-    return store, envoys
+    return server, store, envoys
 
 
-def test_cluster_a_call_on_one_replica_is_replayed_on_the_other(replicas, server) -> None:
-    _, (a, b) = replicas
+@pytest.fixture(scope="module")
+def shared_replicas(tmp_path_factory):
+    """One set of replicas for the cluster tests that leave the store running (each uses its
+    own keys; counters are reset before each)."""
+    group = harness.ProcessGroup(tmp_path_factory.mktemp("grpc-replicas"))
+    try:
+        yield start_replicas(group)
+    finally:
+        group.close()
+
+
+@pytest.fixture
+def replicas(shared_replicas):
+    server, _, envoys = shared_replicas
+    for envoy in envoys:
+        envoy.admin("/reset_counters", "POST")
+    return server, envoys
+
+
+def test_cluster_a_call_on_one_replica_is_replayed_on_the_other(replicas) -> None:
+    server, (a, b) = replicas
     key = new_key()
     first = call(a, key)
     retry = call(b, key)
@@ -244,8 +264,8 @@ def test_cluster_a_call_on_one_replica_is_replayed_on_the_other(replicas, server
     assert server.executions(key) == 1
 
 
-def test_cluster_a_deadline_on_one_replica_is_not_run_again_on_the_other(replicas, server) -> None:
-    _, (a, b) = replicas
+def test_cluster_a_deadline_on_one_replica_is_not_run_again_on_the_other(replicas) -> None:
+    server, (a, b) = replicas
     key = new_key()
     md = [("x-test-sleep-ms", "1000")]
     assert call(a, key, metadata=md, timeout=0.3).code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -258,8 +278,8 @@ def test_cluster_a_deadline_on_one_replica_is_not_run_again_on_the_other(replica
 
 
 def test_cluster_a_transient_status_on_one_replica_leaves_the_call_retryable_on_the_other(
-        replicas, server) -> None:
-    _, (a, b) = replicas
+        replicas) -> None:
+    server, (a, b) = replicas
     key = new_key()
     md = [("x-test-unavailable-first", "1")]
     assert call(a, key, metadata=md).code == grpc.StatusCode.UNAVAILABLE
@@ -270,8 +290,8 @@ def test_cluster_a_transient_status_on_one_replica_leaves_the_call_retryable_on_
     assert (server.attempts(key), server.executions(key)) == (2, 1)
 
 
-def test_cluster_a_retry_policy_on_another_replica_waits_out_the_call_in_flight(replicas, server) -> None:
-    _, (a, b) = replicas
+def test_cluster_a_retry_policy_on_another_replica_waits_out_the_call_in_flight(replicas) -> None:
+    server, (a, b) = replicas
     key = new_key()
     retrying = channel(b, retry_policy(["ABORTED"]))
     with harness_thread(lambda: call(a, key, metadata=[("x-test-sleep-ms", "800")])) as first:
@@ -283,8 +303,8 @@ def test_cluster_a_retry_policy_on_another_replica_waits_out_the_call_in_flight(
     assert rule_counter(b, "orders", "conflict") >= 1
 
 
-def test_cluster_a_store_that_is_down_is_unavailable_and_runs_nothing(replicas, server) -> None:
-    store, (a, _) = replicas
+def test_cluster_a_store_that_is_down_is_unavailable_and_runs_nothing(procs) -> None:
+    server, store, (a, _) = start_replicas(procs)
     store.stop()
     key = new_key()
     answer = call(a, key)
