@@ -107,6 +107,10 @@ impl Host for EnvoyHost {
         host::get_header_pairs(MapType::HttpResponseTrailers).map_err(error)
     }
 
+    fn add_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        host::add_header(MapType::HttpResponseHeaders, name, value).map_err(error)
+    }
+
     fn add_response_trailer(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
         host::add_header(MapType::HttpResponseTrailers, name, value).map_err(error)
     }

@@ -194,8 +194,10 @@ def test_a_required_scope_is_unauthenticated_and_streaming_calls_pass(procs, ser
         upload = ch.stream_unary("/shop.v1.Orders/Upload")
         reply = upload(iter([b"aa", b"bbb", b"c"]), timeout=10,
                        metadata=[("idempotency-key", new_key()), ("authorization", "Bearer a")])
-    assert reply == b"uploaded:6"
-    assert rule_counter(envoy, "orders", "grpc_streaming") == 1
+        # Without key or caller too: only a unary call is refused for its metadata.
+        bare = upload(iter([b"dd", b"e"]), timeout=10)
+    assert (reply, bare) == (b"uploaded:6", b"uploaded:3")
+    assert rule_counter(envoy, "orders", "grpc_streaming") == 2
 
 
 def test_a_hop_without_the_echo_route_executes_nothing(procs, server) -> None:
@@ -213,9 +215,11 @@ def test_a_hop_without_the_echo_route_executes_nothing(procs, server) -> None:
     key = new_key()
     assert call(envoy, key).code == grpc.StatusCode.OK
     retry = call(envoy, key)
-    assert retry.code == grpc.StatusCode.UNAVAILABLE
-    assert server.executions(key) == 1
+    assert retry.code == grpc.StatusCode.UNAVAILABLE and problem_of(retry) == "idempotency-unavailable"
     assert "not answered by the replay echo" in envoy.process.log_text()
+    # The record is still there: the next retry is not run either.
+    assert call(envoy, key).code == grpc.StatusCode.UNAVAILABLE
+    assert (server.attempts(key), server.executions(key)) == (1, 1)
 
 
 # --------------------------------------------------------------------------

@@ -71,11 +71,12 @@ impl ResponseCapture {
     }
 
     /// Keeps a gRPC response's trailers (its status and trailing metadata), filtered as
-    /// headers are.
+    /// headers are, but for gRPC's own (`grpc-status`, `grpc-message`, ...), which a replay
+    /// cannot do without whatever `replay_skip_headers` says.
     pub fn set_trailers(&mut self, rule: &Rule, trailers: &[(String, Vec<u8>)]) {
         self.trailers = trailers
             .iter()
-            .filter(|(n, _)| rule.replay_headers.keeps(n))
+            .filter(|(n, _)| n.starts_with("grpc-") || rule.replay_headers.keeps(n))
             .cloned()
             .collect();
     }

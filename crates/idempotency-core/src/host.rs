@@ -47,6 +47,8 @@ pub trait Host: SharedData {
     fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
     fn replace_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError>;
     fn remove_response_header(&self, name: &str) -> Result<(), HostError>;
+    /// Adds a value to a response header (another value of a repeated one).
+    fn add_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError>;
     /// The response's trailers (response trailers callback).
     fn response_trailers(&self) -> Result<HeaderPairs, HostError>;
     /// Adds a response trailer; on the last chunk of a response without trailers, Envoy

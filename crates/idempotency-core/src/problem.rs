@@ -194,17 +194,19 @@ impl Problem {
         }
     }
 
-    /// The first call with this key completed, and its response was larger than the rule
-    /// records: it is not run again, and there is no message to replay.
+    /// The first call with this key completed, and its response is not kept (larger than the
+    /// rule records, or its copy in the local table reused): it is not run again, and there
+    /// is no message to replay.
     pub fn response_not_kept() -> Problem {
         Problem {
             status: 409,
             kind: "response-not-kept",
             title:
                 "The first request with this idempotency key completed; its response was not kept",
-            detail: "The first request with this key was carried out, but its response was larger \
-                     than this endpoint records, so it cannot be sent again. It will not be run \
-                     again under this key: look the result up with the service."
+            detail: "The first request with this key was carried out, but its response is not \
+                     kept (larger than this endpoint records, or no longer in the proxy's table), \
+                     so it cannot be sent again. It will not be run again under this key: look \
+                     the result up with the service."
                 .to_string(),
             retry_after_seconds: None,
         }

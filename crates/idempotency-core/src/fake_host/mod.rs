@@ -56,6 +56,7 @@ pub(crate) enum Effect {
     /// The buffered request body was replaced by this.
     RequestBodySet(Vec<u8>),
     AddResponseTrailer(String, Vec<u8>),
+    AddResponseHeader(String, Vec<u8>),
     Done,
 }
 
@@ -367,6 +368,13 @@ impl Host for FakeHost {
             0,
         );
         Ok(trailers)
+    }
+
+    fn add_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        self.census
+            .count("header edits", 0, name.len() + value.len());
+        self.record(Effect::AddResponseHeader(name.into(), value.to_vec()));
+        Ok(())
     }
 
     fn add_response_trailer(&self, name: &str, value: &[u8]) -> Result<(), HostError> {

@@ -86,11 +86,22 @@ impl RequestJourney {
         code: Option<Option<u32>>,
     ) -> Step {
         let rule = Rc::clone(&run.rule);
+        let Some(code) = code else {
+            // No status at all: the call's end is not known, so neither is its effect.
+            log::warn!(
+                "rule {}: a gRPC response without grpc-status",
+                rule.rule.name
+            );
+            let report = EnvoyReport::read(host, 200);
+            return self.unknown_outcome(host, run, &report);
+        };
+        // A status that is not a number is UNKNOWN to a client, and so it is here.
+        let code = code.unwrap_or(status::UNKNOWN);
         let releases = rule
             .rule
             .grpc
             .as_ref()
-            .is_some_and(|g| code.flatten().is_some_and(|c| g.release.contains(&c)));
+            .is_some_and(|g| g.release.contains(&code));
         if releases {
             let report = EnvoyReport::read(host, 200);
             return match report.answerer() {
@@ -135,6 +146,18 @@ impl RequestJourney {
             return self.answer_grpc_problem(host, rule, &Problem::response_not_kept());
         }
         let marker: (&str, &[u8]) = (rule.rule.replay_header.as_str(), b"true");
+        if recorded.status != 200 {
+            // Not a gRPC response (a proxy in between answered): Envoy gives the retry the
+            // status a client derives from that HTTP status, as the first call's got.
+            let mut pairs: Vec<(&str, &[u8])> = recorded
+                .headers
+                .iter()
+                .filter(|(n, _)| n != "content-type")
+                .map(|(n, v)| (n.as_str(), v.as_slice()))
+                .collect();
+            pairs.push(marker);
+            return send_local(host, &rule.rule.name, recorded.status, &pairs, b"");
+        }
         if recorded.body.is_empty() {
             // No message: a trailers-only answer carries the status and all the metadata.
             let mut pairs: Vec<(&str, &[u8])> = recorded
@@ -147,11 +170,13 @@ impl RequestJourney {
             return send_local(host, &rule.rule.name, 200, &pairs, b"");
         }
         // A message: the hop, which brings it back as the echo's answer.
+        // The client's content-length (if it sent one) would not be the new body's.
         let rewritten = host
             .replace_request_header(":path", grpc::REPLAY_PATH.as_bytes())
             .and_then(|()| {
                 host.replace_request_header("content-type", grpc::HOP_CONTENT_TYPE.as_bytes())
             })
+            .and_then(|()| host.remove_request_header("content-length"))
             .and_then(|()| host.set_request_body(&recorded.body));
         if let Err(e) = rewritten {
             log::error!("rule {}: replay hop not prepared: {}", rule.rule.name, e.0);
@@ -194,8 +219,15 @@ impl RequestJourney {
                 log::warn!("replay: {name} not removed: {}", e.0);
             }
         }
-        for (name, value) in &hop.headers {
-            if let Err(e) = host.replace_response_header(name, value) {
+        for (i, (name, value)) in hop.headers.iter().enumerate() {
+            // A repeated name keeps every value: the first replaces the echo's, the rest add.
+            let repeated = hop.headers.iter().take(i).any(|(n, _)| n == name);
+            let restored = if repeated {
+                host.add_response_header(name, value)
+            } else {
+                host.replace_response_header(name, value)
+            };
+            if let Err(e) = restored {
                 log::warn!("replay: {name} not restored: {}", e.0);
             }
         }

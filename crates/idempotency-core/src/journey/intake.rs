@@ -107,8 +107,22 @@ impl RequestJourney {
             self.note(host, &rule, Outcome::PassedThrough);
             return pass();
         }
+        let is_grpc = rule.rule.grpc.is_some();
+        // A gRPC call's refusal waits for its body: a streaming call passes whatever its
+        // metadata, and only the body tells it from a unary one.
+        let mut deferred = None;
         let key_parts = match header_parts(&rule.rule.key_sources, find, path) {
             Ok(parts) => parts,
+            Err(failure) if is_grpc => match self.key_refusal(&rule, &failure, FailedAt::Headers) {
+                Some(refusal) => {
+                    deferred = Some(refusal);
+                    Vec::new()
+                }
+                None => {
+                    self.note(host, &rule, Outcome::PassedThrough);
+                    return pass();
+                }
+            },
             Err(failure) => return self.key_failed(host, &rule, &failure, FailedAt::Headers),
         };
         // Every value of a repeated scope header counts, not only the first.
@@ -125,6 +139,10 @@ impl RequestJourney {
             all_values,
         ) {
             Ok(scope) => scope,
+            Err(header) if is_grpc => {
+                deferred.get_or_insert((Outcome::MissingScope, Problem::missing_scope(header)));
+                Vec::new()
+            }
             Err(header) => {
                 self.note(host, &rule, Outcome::MissingScope);
                 return self.answer_problem(host, &rule, &Problem::missing_scope(header));
@@ -159,6 +177,7 @@ impl RequestJourney {
             content_type: text("content-type").to_string(),
             key_parts,
             scope,
+            deferred,
         };
         if end_of_stream || !wants_body {
             // Nothing to wait for: claim now, and let any body stream through (held with the
@@ -256,7 +275,12 @@ impl RequestJourney {
         let rule = pending.rule;
         if rule.rule.grpc.is_some() {
             match call_shape(body) {
-                CallShape::Unary => {}
+                CallShape::Unary => {
+                    if let Some((outcome, problem)) = pending.deferred {
+                        self.note(host, &rule, outcome);
+                        return self.answer_problem(host, &rule, &problem);
+                    }
+                }
                 CallShape::Streaming => return self.pass_streaming(host, &rule),
                 CallShape::Malformed => {
                     self.note(host, &rule, Outcome::InvalidKey);
@@ -305,21 +329,37 @@ impl RequestJourney {
         failure: &SourceFailure,
         at: FailedAt,
     ) -> Step {
-        if !rule.rule.key_required && (failure.is_missing() || at == FailedAt::Body) {
-            self.note(host, rule, Outcome::PassedThrough);
-            return pass();
+        match self.key_refusal(rule, failure, at) {
+            Some((outcome, problem)) => {
+                self.note(host, rule, outcome);
+                self.answer_problem(host, rule, &problem)
+            }
+            None => {
+                self.note(host, rule, Outcome::PassedThrough);
+                pass()
+            }
         }
-        let problem = match failure {
+    }
+
+    /// What a key source's failure answers; None: the request passes unprotected (the key
+    /// is optional and absent, or a body source of an optional key failed).
+    fn key_refusal(
+        &self,
+        rule: &RuleHandle,
+        failure: &SourceFailure,
+        at: FailedAt,
+    ) -> Option<(Outcome, Problem)> {
+        if !rule.rule.key_required && (failure.is_missing() || at == FailedAt::Body) {
+            return None;
+        }
+        Some(match failure {
             SourceFailure::Missing { source } => {
-                self.note(host, rule, Outcome::MissingKey);
-                Problem::missing_key(source)
+                (Outcome::MissingKey, Problem::missing_key(source))
             }
             SourceFailure::Invalid { source, why } => {
-                self.note(host, rule, Outcome::InvalidKey);
-                Problem::invalid_key(source, why)
+                (Outcome::InvalidKey, Problem::invalid_key(source, why))
             }
-        };
-        self.answer_problem(host, rule, &problem)
+        })
     }
 }
 

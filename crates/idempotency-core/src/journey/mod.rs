@@ -121,6 +121,8 @@ pub struct PendingRequest {
     /// Key parts read from headers and query; None for body sources.
     pub key_parts: Vec<Option<Vec<u8>>>,
     pub scope: Vec<Option<Vec<u8>>>,
+    /// A gRPC call's refusal found in its metadata, answered once its body shows it unary.
+    pub deferred: Option<(Outcome, Problem)>,
 }
 
 /// A duplicate held while the first request with its key runs.

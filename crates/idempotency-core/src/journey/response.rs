@@ -114,6 +114,12 @@ impl RequestJourney {
                 }
             }
         }
+        if end_of_stream && awaits_grpc_status(&run) {
+            // A gRPC response ends with its status in trailers: without them, how the call
+            // ended is unknown.
+            let report = EnvoyReport::read(host, 200);
+            return self.unknown_outcome(host, run, &report);
+        }
         if end_of_stream {
             return self.record(host, run);
         }
@@ -125,12 +131,12 @@ impl RequestJourney {
     /// retry gets the status and headers instead of a second execution. Before any, the
     /// upstream may have run the write unless the router never sent it.
     pub(super) fn on_cut_short(&self, host: &impl Host, mut run: Execution) -> Step {
-        match run.capture.as_mut() {
+        if awaits_grpc_status(&run) {
             // A gRPC call's status comes last: without it, how the call ended is unknown.
-            Some(_) if run.rule.rule.grpc.is_some() => {
-                let report = EnvoyReport::read(host, 200);
-                self.unknown_outcome(host, run, &report)
-            }
+            let report = EnvoyReport::read(host, 200);
+            return self.unknown_outcome(host, run, &report);
+        }
+        match run.capture.as_mut() {
             Some(capture) => {
                 capture.omit_body();
                 self.record(host, run)
@@ -351,6 +357,12 @@ impl RequestJourney {
             .writes
             .submit_from(host, &plugin.links(), self.acting_context(), write);
     }
+}
+
+/// A gRPC rule's response that is a gRPC response (HTTP 200) and so owes its status in
+/// trailers; any other status (a proxy in between answered) is recorded as HTTP.
+fn awaits_grpc_status(run: &Execution) -> bool {
+    run.rule.rule.grpc.is_some() && run.capture.as_ref().is_some_and(|c| c.status() == 200)
 }
 
 /// A body the local budget cannot keep: recorded without it, unless the store keeps it.

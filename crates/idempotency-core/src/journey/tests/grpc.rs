@@ -493,3 +493,191 @@ fn the_echo_answers_a_hop_with_its_body_and_nothing_else() {
     let (status, _, _) = the_reply(&host.take_effects());
     assert_eq!(status, 404);
 }
+
+#[test]
+fn a_streaming_call_without_a_key_passes_and_a_unary_one_is_refused_once_its_body_is_in() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    let mut two = frame(b"a");
+    two.extend_from_slice(&frame(b"b"));
+    let (upload, verdict) = send(
+        &host,
+        &plugin,
+        &grpc_headers("/shop.v1.Orders/Upload", None),
+        &two,
+    );
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(matches!(upload.state(), Journey::Unprotected));
+    assert!(
+        host.take_effects().is_empty(),
+        "no refusal for a streaming call"
+    );
+    assert_eq!(host.counter("orders", Outcome::GrpcStreaming), 1);
+
+    host.set_request(&grpc_headers(PLACE, None), &frame(b"order"));
+    let mut unary = RequestJourney::new(Rc::clone(&plugin));
+    assert_eq!(
+        unary.on(
+            &host,
+            Event::RequestHeaders {
+                end_of_stream: false
+            }
+        ),
+        Verdict::Pause
+    );
+    assert!(
+        host.take_effects().is_empty(),
+        "the refusal waits for the body"
+    );
+    unary.on(
+        &host,
+        Event::RequestBody {
+            size: 10,
+            end_of_stream: true,
+        },
+    );
+    let (_, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(value(&headers, "grpc-status"), Some("3"));
+    assert_eq!(host.counter("orders", Outcome::MissingKey), 1);
+}
+
+#[test]
+fn a_response_without_its_status_is_an_unknown_outcome_and_a_garbled_one_is_unknown() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    // The body ends the stream: no trailers, no status.
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    envoy_reports(&host, "via_upstream", 0, 1);
+    host.set_response(
+        &[(":status", "200"), ("content-type", "application/grpc")],
+        &frame(b"x"),
+    );
+    first.on(
+        &host,
+        Event::ResponseHeaders {
+            end_of_stream: false,
+        },
+    );
+    first.on(
+        &host,
+        Event::ResponseBody {
+            size: 6,
+            end_of_stream: true,
+        },
+    );
+    assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 1);
+    // Trailers without grpc-status.
+    let (mut second, _) = call(&host, &plugin, Some("k2"), b"order");
+    answer(&host, &mut second, b"x", &[("x-trailer", "t")]);
+    assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 2);
+    // A status that is not a number reads as UNKNOWN, which releases by default.
+    let (mut third, _) = call(&host, &plugin, Some("k3"), b"order");
+    answer(&host, &mut third, b"", &[("grpc-status", "fourteen")]);
+    assert_eq!(host.counter("orders", Outcome::Released), 1);
+    host.take_effects();
+    call(&host, &plugin, Some("k1"), b"order");
+    let (_, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(value(&headers, "grpc-status"), Some("9"));
+}
+
+#[test]
+fn a_recorded_non_grpc_answer_is_replayed_with_its_http_status() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    envoy_reports(&host, "via_upstream", 0, 1);
+    host.set_response(
+        &[(":status", "404"), ("content-type", "text/html")],
+        b"<h1>no</h1>",
+    );
+    first.on(
+        &host,
+        Event::ResponseHeaders {
+            end_of_stream: false,
+        },
+    );
+    first.on(
+        &host,
+        Event::ResponseBody {
+            size: 11,
+            end_of_stream: true,
+        },
+    );
+    host.take_effects();
+    call(&host, &plugin, Some("k1"), b"order");
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.len()), (404, 0));
+    assert_eq!(
+        value(&headers, "content-type"),
+        None,
+        "Envoy makes it gRPC's"
+    );
+    assert_eq!(value(&headers, "idempotent-replayed"), Some("true"));
+}
+
+#[test]
+fn the_hop_drops_the_clients_length_and_keeps_every_value_of_repeated_metadata() {
+    let host = FakeHost::default();
+    let config = r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]},
+        "replay_skip_headers":["grpc-status","x-envoy-*"]}]}"#;
+    let plugin = plugin(&host, config);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    envoy_reports(&host, "via_upstream", 0, 1);
+    host.set_response(
+        &[
+            (":status", "200"),
+            ("content-type", "application/grpc"),
+            ("x-tag", "a"),
+            ("x-tag", "b"),
+        ],
+        &frame(b"placed"),
+    );
+    first.on(
+        &host,
+        Event::ResponseHeaders {
+            end_of_stream: false,
+        },
+    );
+    first.on(
+        &host,
+        Event::ResponseBody {
+            size: 11,
+            end_of_stream: false,
+        },
+    );
+    *host.response_trailers.borrow_mut() = vec![("grpc-status".into(), b"0".to_vec())];
+    first.on(&host, Event::ResponseTrailers);
+    host.take_effects();
+
+    let mut headers = grpc_headers(PLACE, Some("k1"));
+    headers.push(("content-length", "10"));
+    let (mut retry, _) = send(&host, &plugin, &headers, &frame(b"order"));
+    assert!(host
+        .take_effects()
+        .contains(&Effect::RemoveRequestHeader("content-length".into())));
+    host.set_response(&[(":status", "200"), (ECHO_MARKER, "1")], &frame(b"placed"));
+    retry.on(
+        &host,
+        Event::ResponseHeaders {
+            end_of_stream: false,
+        },
+    );
+    retry.on(
+        &host,
+        Event::ResponseBody {
+            size: 11,
+            end_of_stream: true,
+        },
+    );
+    let effects = host.take_effects();
+    assert!(effects.contains(&Effect::ReplaceResponseHeader(
+        "x-tag".into(),
+        b"a".to_vec()
+    )));
+    assert!(effects.contains(&Effect::AddResponseHeader("x-tag".into(), b"b".to_vec())));
+    // gRPC's own trailers survive a skip list that names them.
+    assert!(effects.contains(&Effect::AddResponseTrailer(
+        "grpc-status".into(),
+        b"0".to_vec()
+    )));
+}
