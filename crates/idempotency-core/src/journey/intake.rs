@@ -202,6 +202,13 @@ impl RequestJourney {
         size: usize,
         end_of_stream: bool,
     ) -> Step {
+        if !end_of_stream
+            && pending.rule.rule.grpc.is_some()
+            && self.is_streaming_so_far(host, size)
+        {
+            // Before the size check: a stream's messages add up, a unary call's is one.
+            return self.pass_streaming(host, &pending.rule);
+        }
         let limit = pending.rule.rule.max_request_bytes;
         if size > limit {
             let rule = &pending.rule;
@@ -213,9 +220,6 @@ impl RequestJourney {
             return pass();
         }
         if !end_of_stream {
-            if pending.rule.rule.grpc.is_some() && self.is_streaming_so_far(host, size) {
-                return self.pass_streaming(host, &pending.rule);
-            }
             // Keep buffering: Envoy holds the body until the decision.
             return (Journey::AwaitingBody(pending), Verdict::Pause);
         }

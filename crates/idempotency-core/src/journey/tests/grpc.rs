@@ -681,3 +681,31 @@ fn the_hop_drops_the_clients_length_and_keeps_every_value_of_repeated_metadata()
         b"0".to_vec()
     )));
 }
+
+#[test]
+fn a_stream_longer_than_max_request_bytes_passes_as_a_stream() {
+    let host = FakeHost::default();
+    let config = r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]},
+        "max_request_bytes":16}]}"#;
+    let plugin = plugin(&host, config);
+    let mut stream = frame(b"0123456789");
+    stream.extend_from_slice(&frame(b"0123456789"));
+    host.set_request(&grpc_headers("/shop.v1.Orders/Upload", Some("k1")), &stream);
+    let mut upload = RequestJourney::new(Rc::clone(&plugin));
+    upload.on(
+        &host,
+        Event::RequestHeaders {
+            end_of_stream: false,
+        },
+    );
+    let verdict = upload.on(
+        &host,
+        Event::RequestBody {
+            size: stream.len(),
+            end_of_stream: false,
+        },
+    );
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(host.take_effects().is_empty(), "not refused as too large");
+    assert_eq!(host.counter("orders", Outcome::GrpcStreaming), 1);
+}
