@@ -142,7 +142,8 @@ impl RequestJourney {
         recorded: &RecordedResponse,
     ) -> Step {
         if recorded.body_omitted {
-            // The call completed; its message was too large to keep. It is not run again.
+            // The call completed; its message is not kept (too large, or its page reused). It
+            // is not run again.
             return self.answer_grpc_problem(host, rule, &Problem::response_not_kept());
         }
         let marker: (&str, &[u8]) = (rule.rule.replay_header.as_str(), b"true");
