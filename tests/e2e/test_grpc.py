@@ -121,18 +121,24 @@ def test_the_filters_answers_are_grpc_statuses(edge, server) -> None:
     assert server.executions(key) == 1
 
 
-def test_a_client_retry_policy_waits_out_a_call_in_flight_and_gets_its_answer(edge, server) -> None:
-    """The duplicate's ABORTED carries pushback; the policy waits it, then gets the replay."""
+def retry_policy_through_a_call_in_flight(first, then, server) -> None:
+    """A call running on ``first`` (0.8 s) and its duplicate on ``then`` from a client whose
+    policy retries ABORTED: the duplicate's ABORTED carries pushback, the policy waits it, then
+    gets the replay; the call ran once."""
     key = new_key()
-    retrying = channel(edge, retry_policy(["ABORTED"]))
-    with harness_thread(lambda: call(edge, key, metadata=[("x-test-sleep-ms", "800")])) as first:
+    retrying = channel(then, retry_policy(["ABORTED"]))
+    with harness_thread(lambda: call(first, key, metadata=[("x-test-sleep-ms", "800")])) as running:
         harness.wait_until(lambda: server.attempts(key) == 1, timeout=10, what="first call running")
         duplicate = call(retrying, key)
     assert duplicate.code == grpc.StatusCode.OK
-    assert duplicate.message == first.result.message == b"placed:order:1"
+    assert duplicate.message == running.result.message == b"placed:order:1"
     assert duplicate.initial[REPLAYED] == "true"
     assert server.executions(key) == 1
-    assert rule_counter(edge, "orders", "conflict") >= 1
+    assert rule_counter(then, "orders", "conflict") >= 1
+
+
+def test_a_client_retry_policy_waits_out_a_call_in_flight_and_gets_its_answer(edge, server) -> None:
+    retry_policy_through_a_call_in_flight(edge, edge, server)
 
 
 def test_a_client_retry_policy_over_a_transient_failure_executes_once(edge, server) -> None:
@@ -161,17 +167,23 @@ def test_a_route_timeout_retried_by_the_client_policy_is_not_run_again(procs, se
     assert rule_counter(envoy, "orders", "outcome_unknown") == 1
 
 
-def test_a_deadline_shorter_than_the_call_then_a_retry_never_runs_it_twice(edge, server) -> None:
+def deadline_then_retry(first, then, server) -> None:
+    """A call whose 0.3 s deadline passes while it runs (1 s) on ``first``, then its retry
+    on ``then``: the retry is told the outcome is unknown, and the call ran once."""
     key = new_key()
     md = [("x-test-sleep-ms", "1000")]
-    assert call(edge, key, metadata=md, timeout=0.3).code == grpc.StatusCode.DEADLINE_EXCEEDED
-    harness.wait_until(lambda: rule_counter(edge, "orders", "outcome_unknown") == 1, timeout=10,
+    assert call(first, key, metadata=md, timeout=0.3).code == grpc.StatusCode.DEADLINE_EXCEEDED
+    harness.wait_until(lambda: rule_counter(first, "orders", "outcome_unknown") == 1, timeout=10,
                        what="the cancelled call recorded as an unknown outcome")
     time.sleep(1.0)
     assert server.executions(key) == 1
-    retry = call(edge, key, metadata=md)
+    retry = call(then, key, metadata=md)
     assert retry.code == grpc.StatusCode.FAILED_PRECONDITION and problem_of(retry) == "outcome-unknown"
     assert server.executions(key) == 1
+
+
+def test_a_deadline_shorter_than_the_call_then_a_retry_never_runs_it_twice(edge, server) -> None:
+    deadline_then_retry(edge, edge, server)
 
 
 def test_wait_mode_answers_a_duplicate_with_the_first_calls_response(procs, server) -> None:
@@ -270,15 +282,7 @@ def test_cluster_a_call_on_one_replica_is_replayed_on_the_other(replicas) -> Non
 
 def test_cluster_a_deadline_on_one_replica_is_not_run_again_on_the_other(replicas) -> None:
     server, (a, b) = replicas
-    key = new_key()
-    md = [("x-test-sleep-ms", "1000")]
-    assert call(a, key, metadata=md, timeout=0.3).code == grpc.StatusCode.DEADLINE_EXCEEDED
-    harness.wait_until(lambda: rule_counter(a, "orders", "outcome_unknown") == 1, timeout=10,
-                       what="the cancelled call recorded as an unknown outcome")
-    time.sleep(1.0)
-    retry = call(b, key, metadata=md)
-    assert retry.code == grpc.StatusCode.FAILED_PRECONDITION and problem_of(retry) == "outcome-unknown"
-    assert server.executions(key) == 1
+    deadline_then_retry(a, b, server)
 
 
 def test_cluster_a_transient_status_on_one_replica_leaves_the_call_retryable_on_the_other(
@@ -296,15 +300,7 @@ def test_cluster_a_transient_status_on_one_replica_leaves_the_call_retryable_on_
 
 def test_cluster_a_retry_policy_on_another_replica_waits_out_the_call_in_flight(replicas) -> None:
     server, (a, b) = replicas
-    key = new_key()
-    retrying = channel(b, retry_policy(["ABORTED"]))
-    with harness_thread(lambda: call(a, key, metadata=[("x-test-sleep-ms", "800")])) as first:
-        harness.wait_until(lambda: server.attempts(key) == 1, timeout=10, what="first call running")
-        duplicate = call(retrying, key)
-    assert duplicate.code == grpc.StatusCode.OK and duplicate.message == first.result.message
-    assert duplicate.initial[REPLAYED] == "true"
-    assert server.executions(key) == 1
-    assert rule_counter(b, "orders", "conflict") >= 1
+    retry_policy_through_a_call_in_flight(a, b, server)
 
 
 def test_cluster_a_store_that_is_down_is_unavailable_and_runs_nothing(procs) -> None:

@@ -33,21 +33,20 @@ pub fn on(host: &impl Host, event: Event) -> Verdict {
         Event::RequestBody {
             size,
             end_of_stream: true,
-        } => match host.request_body(size) {
-            Ok(body) => answer(host, body),
-            Err(e) => {
-                log::error!("replay echo: hop body unreadable: {}", e.0);
-                reply(host, 503, b"hop body unreadable")
-            }
-        },
-        Event::RequestTrailers => match host.request_body(usize::MAX) {
-            Ok(body) => answer(host, body),
-            Err(e) => {
-                log::error!("replay echo: hop body unreadable: {}", e.0);
-                reply(host, 503, b"hop body unreadable")
-            }
-        },
+        } => answer_with_body(host, size),
+        Event::RequestTrailers => answer_with_body(host, usize::MAX),
         _ => Verdict::Continue,
+    }
+}
+
+/// The hop's body is complete (its end, or trailers): it goes back as the answer.
+fn answer_with_body(host: &impl Host, size: usize) -> Verdict {
+    match host.request_body(size) {
+        Ok(body) => answer(host, body),
+        Err(e) => {
+            log::error!("replay echo: hop body unreadable: {}", e.0);
+            reply(host, 503, b"hop body unreadable")
+        }
     }
 }
 

@@ -16,17 +16,16 @@ pub enum Framing {
 /// The length of a frame's prefix.
 pub const PREFIX_BYTES: usize = 5;
 
-/// The whole length (prefix included) of the frame that starts `bytes`, once its prefix is
-/// there; None before, or for a flag that is neither 0 nor 1.
+/// The whole length (prefix included) of the frame that starts `bytes`: None before its
+/// prefix is there, Err for a compressed flag that is neither 0 nor 1.
 pub fn frame_len(bytes: &[u8]) -> Option<Result<usize, ()>> {
     let prefix = bytes.get(..PREFIX_BYTES)?;
     let (flag, len) = prefix.split_first()?;
     if *flag > 1 {
         return Some(Err(()));
     }
-    let mut be = [0u8; 4];
-    be.copy_from_slice(len);
-    let len = usize::try_from(u32::from_be_bytes(be)).ok()?;
+    let len = <[u8; 4]>::try_from(len).ok()?;
+    let len = usize::try_from(u32::from_be_bytes(len)).ok()?;
     Some(Ok(len.saturating_add(PREFIX_BYTES)))
 }
 

@@ -43,6 +43,34 @@ fn call(
     send(host, plugin, &grpc_headers(PLACE, key), &frame(message))
 }
 
+/// The upstream's response begins: its headers, then `body` as one chunk unless it is
+/// empty, that chunk ending the stream when `ends`.
+fn upstream_sends(
+    host: &FakeHost,
+    request: &mut RequestJourney,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    ends: bool,
+) {
+    envoy_reports(host, "via_upstream", 0, 1);
+    host.set_response(headers, body);
+    request.on(
+        host,
+        Event::ResponseHeaders {
+            end_of_stream: false,
+        },
+    );
+    if !body.is_empty() {
+        request.on(
+            host,
+            Event::ResponseBody {
+                size: body.len(),
+                end_of_stream: ends,
+            },
+        );
+    }
+}
+
 /// The upstream answers with headers, one message and trailers.
 fn answer(
     host: &FakeHost,
@@ -50,28 +78,12 @@ fn answer(
     message: &[u8],
     trailers: &[(&str, &str)],
 ) {
-    envoy_reports(host, "via_upstream", 0, 1);
-    host.set_response(
-        &[
-            (":status", "200"),
-            ("content-type", "application/grpc"),
-            ("x-order-id", "o-1"),
-        ],
-        &frame(message),
-    );
-    request.on(
-        host,
-        Event::ResponseHeaders {
-            end_of_stream: false,
-        },
-    );
-    request.on(
-        host,
-        Event::ResponseBody {
-            size: message.len() + 5,
-            end_of_stream: false,
-        },
-    );
+    let headers = [
+        (":status", "200"),
+        ("content-type", "application/grpc"),
+        ("x-order-id", "o-1"),
+    ];
+    upstream_sends(host, request, &headers, &frame(message), false);
     *host.response_trailers.borrow_mut() = trailers
         .iter()
         .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
@@ -309,17 +321,8 @@ fn a_call_cut_short_before_its_status_is_never_run_again() {
     let host = FakeHost::default();
     let plugin = plugin(&host, ORDERS_GRPC);
     let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
-    envoy_reports(&host, "via_upstream", 0, 1);
-    host.set_response(
-        &[(":status", "200"), ("content-type", "application/grpc")],
-        b"",
-    );
-    first.on(
-        &host,
-        Event::ResponseHeaders {
-            end_of_stream: false,
-        },
-    );
+    let headers = [(":status", "200"), ("content-type", "application/grpc")];
+    upstream_sends(&host, &mut first, &headers, b"", false);
     first.on(&host, Event::StreamEnd);
     assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 1);
     host.take_effects();
@@ -547,24 +550,8 @@ fn a_response_without_its_status_is_an_unknown_outcome_and_a_garbled_one_is_unkn
     let plugin = plugin(&host, ORDERS_GRPC);
     // The body ends the stream: no trailers, no status.
     let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
-    envoy_reports(&host, "via_upstream", 0, 1);
-    host.set_response(
-        &[(":status", "200"), ("content-type", "application/grpc")],
-        &frame(b"x"),
-    );
-    first.on(
-        &host,
-        Event::ResponseHeaders {
-            end_of_stream: false,
-        },
-    );
-    first.on(
-        &host,
-        Event::ResponseBody {
-            size: 6,
-            end_of_stream: true,
-        },
-    );
+    let headers = [(":status", "200"), ("content-type", "application/grpc")];
+    upstream_sends(&host, &mut first, &headers, &frame(b"x"), true);
     assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 1);
     // Trailers without grpc-status.
     let (mut second, _) = call(&host, &plugin, Some("k2"), b"order");
@@ -585,24 +572,8 @@ fn a_recorded_non_grpc_answer_is_replayed_with_its_http_status() {
     let host = FakeHost::default();
     let plugin = plugin(&host, ORDERS_GRPC);
     let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
-    envoy_reports(&host, "via_upstream", 0, 1);
-    host.set_response(
-        &[(":status", "404"), ("content-type", "text/html")],
-        b"<h1>no</h1>",
-    );
-    first.on(
-        &host,
-        Event::ResponseHeaders {
-            end_of_stream: false,
-        },
-    );
-    first.on(
-        &host,
-        Event::ResponseBody {
-            size: 11,
-            end_of_stream: true,
-        },
-    );
+    let headers = [(":status", "404"), ("content-type", "text/html")];
+    upstream_sends(&host, &mut first, &headers, b"<h1>no</h1>", true);
     host.take_effects();
     call(&host, &plugin, Some("k1"), b"order");
     let (status, headers, body) = the_reply(&host.take_effects());
@@ -622,29 +593,13 @@ fn the_hop_drops_the_clients_length_and_keeps_every_value_of_repeated_metadata()
         "replay_skip_headers":["grpc-status","x-envoy-*"]}]}"#;
     let plugin = plugin(&host, config);
     let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
-    envoy_reports(&host, "via_upstream", 0, 1);
-    host.set_response(
-        &[
-            (":status", "200"),
-            ("content-type", "application/grpc"),
-            ("x-tag", "a"),
-            ("x-tag", "b"),
-        ],
-        &frame(b"placed"),
-    );
-    first.on(
-        &host,
-        Event::ResponseHeaders {
-            end_of_stream: false,
-        },
-    );
-    first.on(
-        &host,
-        Event::ResponseBody {
-            size: 11,
-            end_of_stream: false,
-        },
-    );
+    let headers = [
+        (":status", "200"),
+        ("content-type", "application/grpc"),
+        ("x-tag", "a"),
+        ("x-tag", "b"),
+    ];
+    upstream_sends(&host, &mut first, &headers, &frame(b"placed"), false);
     *host.response_trailers.borrow_mut() = vec![("grpc-status".into(), b"0".to_vec())];
     first.on(&host, Event::ResponseTrailers);
     host.take_effects();
