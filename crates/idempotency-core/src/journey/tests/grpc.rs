@@ -664,3 +664,54 @@ fn a_stream_longer_than_max_request_bytes_passes_as_a_stream() {
     assert!(host.take_effects().is_empty(), "not refused as too large");
     assert_eq!(host.counter("orders", Outcome::GrpcStreaming), 1);
 }
+
+#[test]
+fn a_held_duplicate_is_replayed_through_the_hop_and_resumed_by_the_root() {
+    let host = FakeHost::default();
+    let config = r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]},
+        "on_in_flight":"wait","wait_ms":2000}]}"#;
+    let mut root = configured_root(&host, config, 1);
+    let arrive = |context: u32| {
+        host.effective_context.set(context);
+        host.set_request(&grpc_headers(PLACE, Some("k1")), &frame(b"order"));
+        let journey = root.new_request(context).unwrap();
+        journey.borrow_mut().on(
+            &host,
+            Event::RequestHeaders {
+                end_of_stream: false,
+            },
+        );
+        let verdict = journey.borrow_mut().on(
+            &host,
+            Event::RequestBody {
+                size: 10,
+                end_of_stream: true,
+            },
+        );
+        (journey, verdict)
+    };
+    let (first, _) = arrive(7);
+    let (held, verdict) = arrive(8);
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(matches!(held.borrow().state(), Journey::Waiting(_)));
+    host.effective_context.set(7);
+    answer(
+        &host,
+        &mut first.borrow_mut(),
+        b"placed",
+        &[("grpc-status", "0")],
+    );
+    host.take_effects();
+    host.effective_context.set(1);
+    root.on_tick(&host);
+    // The root delivered the record: the held request is rewritten into the hop and resumed
+    // (the callback that paused it has long returned, so nothing else would let it go on).
+    let effects = host.take_effects();
+    assert!(
+        effects.contains(&Effect::RequestBodySet(frame(b"placed"))),
+        "{effects:?}"
+    );
+    assert!(effects.contains(&Effect::Resume), "{effects:?}");
+    assert!(matches!(held.borrow().state(), Journey::ReplayHop(_)));
+    assert_eq!(host.counter("orders", Outcome::ReplayedAfterWait), 1);
+}
