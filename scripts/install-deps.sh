@@ -56,6 +56,8 @@ fi
 if $test_images; then
     # A real registry on loopback, and the compose sample run against podman's API.
     command -v docker-registry >/dev/null || need_apt+=(docker-registry)
+    # The runtime the tests fall back on where crun refuses hybrid cgroups (containers.py).
+    command -v runc >/dev/null || need_apt+=(runc)
     command -v docker-compose >/dev/null || need_apt+=(docker-compose)
 fi
 if [[ $mode == test ]]; then

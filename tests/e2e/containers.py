@@ -6,7 +6,12 @@ tests never see nor touch the machine's images and containers:
 - ``containers.conf`` without default rlimits (some sandboxes refuse the ones podman sets)
   and with its own temporary directory;
 - ``storage.conf`` with the vfs driver (works wherever podman does, and these images are a
-  few MB) under the same directory.
+  few MB) under the same directory;
+- the OCI runtime that works on this machine: podman's default (crun on Debian) unless it
+  refuses to run a container, as crun does where cgroups are mounted in hybrid mode (v1
+  controllers plus cgroup2 at ``/sys/fs/cgroup/unified``); then runc, written into that
+  ``containers.conf`` so that every later ``podman`` command and podman's API service (the
+  compose test's docker-compose) use it too.
 
 Containers run in the foreground (``podman run --rm``) as ``harness.ManagedProcess``es: stopped
 by their podman's PID (SIGTERM, which podman passes on to the container), then removed by the
@@ -72,15 +77,8 @@ class Podman:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         (root / "tmp").mkdir(exist_ok=True)
-        (root / "containers.conf").write_text(
-            "[containers]\n"
-            "default_ulimits = []\n"
-            "pids_limit = 0\n"
-            "[engine]\n"
-            f'tmp_dir = "{root / "tmp"}"\n'
-            'events_logger = "file"\n'
-            f'events_logfile_path = "{root / "events.log"}"\n'
-        )
+        self.runtime: str | None = None  # podman's default until choose_runtime finds it refused
+        self._write_containers_conf()
         (root / "storage.conf").write_text(
             "[storage]\n"
             'driver = "vfs"\n'
@@ -91,6 +89,39 @@ class Podman:
         self.env["CONTAINERS_CONF"] = str(root / "containers.conf")
         self.env["CONTAINERS_STORAGE_CONF"] = str(root / "storage.conf")
         self.env.pop("DOCKER_HOST", None)
+
+    def _write_containers_conf(self) -> None:
+        runtime = f'runtime = "{self.runtime}"\n' if self.runtime else ""
+        (self.root / "containers.conf").write_text(
+            "[containers]\n"
+            "default_ulimits = []\n"
+            "pids_limit = 0\n"
+            "[engine]\n"
+            f"{runtime}"
+            f'tmp_dir = "{self.root / "tmp"}"\n'
+            'events_logger = "file"\n'
+            f'events_logfile_path = "{self.root / "events.log"}"\n'
+        )
+
+    def choose_runtime(self, image: str, *args: str) -> str:
+        """Runs ``image`` with ``args`` once (a command that exits at once, such as
+        ``--version``) on podman's default runtime; if that runtime refuses to run containers
+        here, switches this podman to runc and runs it again. Returns the runtime in use, or
+        raises with both runtimes' errors."""
+        first = self.run("run", "--rm", "--network=host", image, *args, check=False)
+        if first.returncode == 0:
+            self.runtime = self.run("info", "--format", "{{.Host.OCIRuntime.Name}}").stdout.strip()
+            return self.runtime
+        if shutil.which("runc") is None:
+            raise RuntimeError(f"podman's default runtime cannot run a container here and runc is missing "
+                               f"(scripts/install-deps.sh --test-images):\n{first.stderr}")
+        self.runtime = "runc"
+        self._write_containers_conf()
+        second = self.run("run", "--rm", "--network=host", image, *args, check=False)
+        if second.returncode != 0:
+            raise RuntimeError(f"no runtime runs a container here; the default said:\n{first.stderr}\n"
+                               f"runc said:\n{second.stderr}")
+        return self.runtime
 
     def argv(self, *args: str | os.PathLike[str]) -> list[str]:
         return ["podman", *(str(a) for a in args)]

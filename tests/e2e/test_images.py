@@ -49,12 +49,14 @@ STORE_TIMEOUT_MS = 2000
 
 @pytest.fixture(scope="module")
 def podman(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Podman]:
-    """A podman of the test's own, with the three images `make image` builds (default names)."""
+    """A podman of the test's own, with the three images `make image` builds (default names),
+    on a runtime that runs containers on this machine (runc where crun refuses hybrid cgroups)."""
     static_binary("idempotency-store")
     static_binary("demo-upstream")
     engine = Podman(tmp_path_factory.mktemp("podman"))
     try:
         engine.build_images()
+        engine.choose_runtime(image_names()["store"], "--version")
         yield engine
     finally:
         engine.close()
