@@ -11,12 +11,13 @@ cluster nobody listens on.
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -78,10 +79,12 @@ def wait_started(upstream: harness.Upstream, path: str, executions: int = 1) -> 
                        what=f"{executions} execution(s) of {path}")
 
 
-def detached_envoy(procs: harness.ProcessGroup, name: str, **fields: Any) -> tuple[harness.Envoy, harness.Upstream]:
-    """An upstream, and an Envoy with the test routes whose detached rule has ``fields``."""
+def detached_envoy(procs: harness.ProcessGroup, name: str, mutate: Callable[[dict], None] = add_routes,
+                   **fields: Any) -> tuple[harness.Envoy, harness.Upstream]:
+    """An upstream, and an Envoy with the test routes (or what ``mutate`` makes of
+    envoy.yaml) whose detached rule has ``fields``."""
     upstream = procs.upstream()
-    envoy = start_envoy(procs, upstream, single_proxy_config(**fields), name=name, mutate=add_routes)
+    envoy = start_envoy(procs, upstream, single_proxy_config(**fields), name=name, mutate=mutate)
     return envoy, upstream
 
 
@@ -154,10 +157,118 @@ def test_what_the_upstream_receives_and_what_a_detached_write_gives_up(edge) -> 
     assert seen["x-forwarded-proto"] == "http"
     assert "x-added-by-route" not in seen, "the route's request_headers_to_add is not applied"
     # Envoy's callout announces its own timeout (the rule's upstream_timeout_ms) and marks
-    # itself internal.
+    # itself internal; the filter says what Envoy had decided for the original, and caps the
+    # router at no retry.
     assert seen["x-envoy-expected-rq-timeout-ms"] == "15000"
     assert seen["x-envoy-internal"] == "true"
+    assert seen["x-idempotency-original-internal"] == "false"
     assert seen["content-length"] == str(doc["body_bytes"])
+
+
+INTERNAL_CLIENT = "127.0.0.2"  # the address the edge Envoy below treats as internal
+
+
+def hcm_of(config: dict) -> dict:
+    return next(f["typed_config"] for listener in config["static_resources"]["listeners"]
+                for chain in listener["filter_chains"] for f in chain["filters"]
+                if f["name"] == "envoy.filters.network.http_connection_manager")
+
+
+def as_edge(config: dict) -> None:
+    """``mutate``: the test routes, and the connection manager of an edge proxy that trusts
+    the client's address (``use_remote_address``) and treats only INTERNAL_CLIENT as internal,
+    so that a client on 127.0.0.1 is external and one on 127.0.0.2 internal. Envoy lets an
+    internal client's ``x-envoy-*`` headers through to the filters and the router."""
+    add_routes(config)
+    hcm = hcm_of(config)
+    hcm["use_remote_address"] = True
+    hcm["internal_address_config"] = {"cidr_ranges": [{"address_prefix": INTERNAL_CLIENT, "prefix_len": 32}]}
+
+
+def as_edge_with_internal_mark_restored(config: dict) -> None:
+    """``mutate``: ``as_edge``, and on demo_upstream the upstream filter of
+    docs/detached-writes.md that puts the original request's internal mark back in
+    ``x-envoy-internal`` (Envoy's callout sets it to true on every copy)."""
+    as_edge(config)
+    cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "demo_upstream")
+    cluster["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http_protocol_options": {}},
+        "http_filters": [
+            {"name": "envoy.filters.http.header_mutation", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+                "mutations": {"request_mutations": [
+                    {"append": {"header": {"key": "x-envoy-internal",
+                                           "value": "%REQ(x-idempotency-original-internal)%"},
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}},
+                    {"remove": "x-idempotency-original-internal"},
+                ]}}},
+            {"name": "envoy.filters.http.upstream_codec", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.upstream_codec.v3.UpstreamCodec"}},
+        ],
+    }}
+
+
+def post_from(envoy: harness.Envoy, source: str, path: str, key: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    """A POST from the loopback address ``source``: status and body."""
+    conn = http.client.HTTPConnection(harness.LOOPBACK, envoy.port, timeout=20, source_address=(source, 0))
+    try:
+        conn.request("POST", path, body=b'{"amount": 100}',
+                     headers={"host": "api.test", "idempotency-key": key, "content-type": "application/json",
+                              **headers})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_an_internal_clients_router_headers_do_not_resend_a_detached_write(procs) -> None:
+    """A caller Envoy treats as internal may steer its router with x-envoy-* headers. A
+    detached write's copy carries none of them: asked for three retries after 200 ms per try,
+    the 500 ms write runs once and its answer reaches the client."""
+    envoy, upstream = detached_envoy(procs, "envoy-detached-edge", mutate=as_edge)
+    path, key = unique_path(DETACHED), new_key()
+    status, body = post_from(envoy, INTERNAL_CLIENT, path, key, {
+        "x-demo-delay-ms": "500", "x-envoy-retry-on": "gateway-error,5xx,reset",
+        "x-envoy-max-retries": "3", "x-envoy-upstream-rq-per-try-timeout-ms": "200",
+        "x-envoy-hedge-on-per-try-timeout": "true"})
+    assert status == 201, body[:300]
+    time.sleep(1.0)  # room for any retry the router would have sent
+    assert upstream.executions(path) == 1
+    assert rule_counter(envoy, RULE, "outcome_unknown") == 0
+
+
+def test_an_internal_client_cannot_lift_the_rules_timeout(procs) -> None:
+    """``x-envoy-upstream-rq-timeout-ms: 0`` (no timeout, to the router) from an internal
+    caller: the rule's 1 s upstream_timeout_ms still ends a 2 s write, as an unknown outcome."""
+    envoy, upstream = detached_envoy(procs, "envoy-detached-edge-timeout", mutate=as_edge, upstream_timeout_ms=1000)
+    path, key = unique_path(DETACHED), new_key()
+    status, body = post_from(envoy, INTERNAL_CLIENT, path, key, {
+        "x-demo-delay-ms": "2000", "x-envoy-upstream-rq-timeout-ms": "0"})
+    assert status == 504 and body == b"upstream request timeout", (status, body[:300])
+    assert rule_counter(envoy, RULE, "outcome_unknown") == 1
+    assert upstream.executions(path) == 1
+
+
+def test_the_upstream_filter_of_the_docs_gives_an_external_clients_copy_no_internal_mark(procs) -> None:
+    """Envoy's callout marks every copy ``x-envoy-internal: true``; the filter says on the copy
+    what Envoy had decided for the original, and the cluster's upstream filter from
+    docs/detached-writes.md puts that back. Routed requests on the same cluster keep Envoy's own
+    mark."""
+    envoy, _ = detached_envoy(procs, "envoy-detached-mark", mutate=as_edge_with_internal_mark_restored)
+
+    def seen(source: str, prefix: str) -> dict:
+        status, body = post_from(envoy, source, unique_path(prefix), new_key(), {"x-demo-echo": "1"})
+        assert status == 201, body[:300]
+        return json.loads(body)["headers"]
+
+    external, internal = seen(harness.LOOPBACK, DETACHED), seen(INTERNAL_CLIENT, DETACHED)
+    assert external.get("x-envoy-internal") == "false", external
+    assert internal.get("x-envoy-internal") == "true", internal
+    assert "x-idempotency-original-internal" not in external and "x-idempotency-original-internal" not in internal
+    routed_internal = seen(INTERNAL_CLIENT, "/unprotected")
+    assert routed_internal.get("x-envoy-internal") == "true", routed_internal
+    assert "x-envoy-internal" not in seen(harness.LOOPBACK, "/unprotected")
 
 
 def add_filter_after_ours(config: dict) -> None:

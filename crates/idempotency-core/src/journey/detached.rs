@@ -6,6 +6,7 @@
 
 use std::rc::Rc;
 
+use super::intake::NO_ROUTER_RETRIES;
 use super::{send_response, Execution, Journey, RequestJourney, Step, Verdict};
 use crate::capture::ResponseCapture;
 use crate::host::{HeaderPairs, Host};
@@ -28,6 +29,38 @@ const HOP_BY_HOP: [&str; 8] = [
     "content-length",
 ];
 
+/// Request headers that steer Envoy's router rather than describe the request. The callout
+/// runs the router too, and it obeys them from anyone: a client Envoy treats as internal
+/// could make it resend the write (`x-envoy-retry-on`, `x-envoy-max-retries`, hedging) or
+/// lift the rule's timeout (`x-envoy-upstream-rq-timeout-ms: 0`). None reaches the copy;
+/// the filter caps retries itself, and Envoy sets `x-envoy-internal` and
+/// `x-envoy-expected-rq-timeout-ms` on every callout.
+const ROUTER_CONTROL: [&str; 14] = [
+    "x-envoy-retry-on",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-max-retries",
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names",
+    "x-envoy-upstream-rq-timeout-ms",
+    "x-envoy-upstream-rq-per-try-timeout-ms",
+    "x-envoy-hedge-on-per-try-timeout",
+    "x-envoy-upstream-rq-timeout-alt-response",
+    "x-envoy-upstream-stream-duration-ms",
+    "x-envoy-upstream-alt-stat-name",
+    "x-envoy-expected-rq-timeout-ms",
+    "x-envoy-attempt-count",
+    ENVOY_INTERNAL,
+];
+
+const ENVOY_INTERNAL: &str = "x-envoy-internal";
+
+/// Whether Envoy had marked the original request internal, on every copy, because Envoy's
+/// callout sets `x-envoy-internal: true` on all of them whatever the client was
+/// (proxy-wasm cannot ask it not to). An upstream that trusts `x-envoy-internal` puts this
+/// value back in its place with an upstream filter on the cluster
+/// (docs/detached-writes.md#what-the-upstream-receives).
+pub const ORIGINAL_INTERNAL: &str = "x-idempotency-original-internal";
+
 /// What a detached rule keeps of the request at intake, while its own callbacks can read it.
 pub struct DetachedIntake {
     pub request: ForwardedRequest,
@@ -42,14 +75,38 @@ pub struct DetachedRun {
     pub client_here: bool,
 }
 
-/// The request headers as the upstream receives them; Err names a header whose value is not
-/// text (the callout ABI carries values as UTF-8).
+/// The request headers as the upstream receives them: the client's, without those of the
+/// connection or the router, plus the retry cap and the original's internal mark; Err names
+/// a header whose value is not text (the callout ABI carries values as UTF-8).
 pub(super) fn forwarded_headers(headers: &HeaderPairs) -> Result<Vec<(String, String)>, String> {
-    let mut kept = Vec::with_capacity(headers.len());
+    let mut kept = Vec::with_capacity(headers.len().saturating_add(2));
+    let mut internal = false;
     for (name, value) in headers {
-        if HOP_BY_HOP.contains(&name.as_str()) {
+        if name == ENVOY_INTERNAL {
+            internal = value.as_slice() == b"true";
+        }
+        if HOP_BY_HOP.contains(&name.as_str())
+            || ROUTER_CONTROL.contains(&name.as_str())
+            || name == ORIGINAL_INTERNAL
+        {
             continue;
         }
+        let Ok(text) = std::str::from_utf8(value) else {
+            return Err(name.clone());
+        };
+        kept.push((name.clone(), text.to_string()));
+    }
+    kept.push((NO_ROUTER_RETRIES.to_string(), "0".to_string()));
+    let internal = if internal { "true" } else { "false" };
+    kept.push((ORIGINAL_INTERNAL.to_string(), internal.to_string()));
+    Ok(kept)
+}
+
+/// Trailers as the upstream would receive them (today Envoy's callout drops request
+/// trailers; see docs/detached-writes.md).
+pub(super) fn forwarded_trailers(trailers: &HeaderPairs) -> Result<Vec<(String, String)>, String> {
+    let mut kept = Vec::with_capacity(trailers.len());
+    for (name, value) in trailers {
         let Ok(text) = std::str::from_utf8(value) else {
             return Err(name.clone());
         };

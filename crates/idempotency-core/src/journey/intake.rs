@@ -232,7 +232,7 @@ impl RequestJourney {
         if let Some(intake) = self.detached_intake.borrow_mut().as_mut() {
             match host
                 .request_trailers()
-                .map(|t| detached::forwarded_headers(&t))
+                .map(|t| detached::forwarded_trailers(&t))
             {
                 Ok(Ok(trailers)) => intake.request.trailers = trailers,
                 Ok(Err(name)) => {

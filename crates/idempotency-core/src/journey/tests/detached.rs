@@ -297,19 +297,19 @@ fn without_a_cluster_in_the_rule_the_routes_is_used_and_without_either_it_runs_i
     assert!(matches!(journey.borrow().state(), Journey::Executing(_)));
 }
 
-#[test]
-fn hop_by_hop_headers_stay_behind_and_trailers_go_with_the_body() {
+/// The copy the root hands to Envoy of a POST with `extra` headers, and `trailers` after
+/// its body when there are any.
+fn copy_of(extra: &[(&str, &str)], trailers: &[(&str, &str)]) -> Option<SentCopy> {
     let host = FakeHost::default();
     let mut root = root(&host, DETACHED);
     host.effective_context.set(2);
     let mut headers = post_headers("/orders", Some("k1"));
-    headers.extend([
-        ("connection", "keep-alive"),
-        ("transfer-encoding", "chunked"),
-        ("x-request-id", "r-1"),
-    ]);
+    headers.extend_from_slice(extra);
     host.set_request(&headers, b"{}");
-    *host.request_trailers.borrow_mut() = vec![("x-checksum".into(), b"abc".to_vec())];
+    *host.request_trailers.borrow_mut() = trailers
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+        .collect();
     let journey = root.new_request(2).unwrap();
     journey.borrow_mut().on(
         &host,
@@ -321,22 +321,97 @@ fn hop_by_hop_headers_stay_behind_and_trailers_go_with_the_body() {
         &host,
         Event::RequestBody {
             size: 2,
-            end_of_stream: false,
+            end_of_stream: trailers.is_empty(),
         },
     );
-    let verdict = journey.borrow_mut().on(&host, Event::RequestTrailers);
-    assert_eq!(verdict, Verdict::Pause);
+    if !trailers.is_empty() {
+        let verdict = journey.borrow_mut().on(&host, Event::RequestTrailers);
+        assert_eq!(verdict, Verdict::Pause);
+    }
     let _ = host.take_effects();
     tick(&host, &mut root);
-    let sent = detached_sent(&host.take_effects());
-    let (_, _, headers, body, trailers, _) = &sent[0];
+    detached_sent(&host.take_effects()).into_iter().next()
+}
+
+fn copy_headers_of(extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    copy_of(extra, &[]).map(|copy| copy.2).unwrap_or_default()
+}
+
+#[test]
+fn hop_by_hop_headers_stay_behind_and_trailers_are_handed_to_envoy() {
+    let extra = [
+        ("connection", "keep-alive"),
+        ("transfer-encoding", "chunked"),
+        ("x-request-id", "r-1"),
+    ];
+    let (_, _, headers, body, trailers, _) = copy_of(&extra, &[("x-checksum", "abc")]).unwrap();
     let names: Vec<&str> = headers.iter().map(|(n, _)| n.as_str()).collect();
     assert!(names.contains(&"x-request-id"));
     assert!(!names.contains(&"connection") && !names.contains(&"transfer-encoding"));
     assert_eq!(body, b"{}");
     assert_eq!(
         trailers,
-        &vec![("x-checksum".to_string(), "abc".to_string())]
+        vec![("x-checksum".to_string(), "abc".to_string())]
+    );
+}
+
+fn values<'a>(headers: &'a [(String, String)], name: &str) -> Vec<&'a str> {
+    headers
+        .iter()
+        .filter(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+        .collect()
+}
+
+#[test]
+fn the_copy_obeys_no_clients_router_headers_and_is_sent_once() {
+    let copy = copy_headers_of(&[
+        ("x-envoy-retry-on", "gateway-error,reset"),
+        ("x-envoy-retry-grpc-on", "unavailable"),
+        ("x-envoy-max-retries", "3"),
+        ("x-envoy-upstream-rq-per-try-timeout-ms", "200"),
+        ("x-envoy-upstream-rq-timeout-ms", "0"),
+        ("x-envoy-hedge-on-per-try-timeout", "true"),
+        ("x-envoy-retriable-status-codes", "409"),
+        ("x-request-id", "r-1"),
+    ]);
+    assert!(!copy.is_empty(), "the write was sent");
+    let envoy: Vec<&str> = copy
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .filter(|n| n.starts_with("x-envoy-"))
+        .collect();
+    assert_eq!(envoy, vec!["x-envoy-max-retries"], "{copy:?}");
+    assert_eq!(values(&copy, "x-envoy-max-retries"), vec!["0"]);
+    assert_eq!(
+        values(&copy, "x-request-id"),
+        vec!["r-1"],
+        "other headers go on"
+    );
+}
+
+#[test]
+fn the_copy_says_whether_envoy_had_marked_the_request_internal() {
+    let external = copy_headers_of(&[]);
+    assert_eq!(
+        values(&external, "x-idempotency-original-internal"),
+        vec!["false"]
+    );
+    assert!(values(&external, "x-envoy-internal").is_empty());
+    let internal = copy_headers_of(&[("x-envoy-internal", "true")]);
+    assert_eq!(
+        values(&internal, "x-idempotency-original-internal"),
+        vec!["true"]
+    );
+    assert!(
+        values(&internal, "x-envoy-internal").is_empty(),
+        "Envoy's callout sets its own"
+    );
+    // A client cannot claim to be internal through the marker itself.
+    let forged = copy_headers_of(&[("x-idempotency-original-internal", "true")]);
+    assert_eq!(
+        values(&forged, "x-idempotency-original-internal"),
+        vec!["false"]
     );
 }
 
