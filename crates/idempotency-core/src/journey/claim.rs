@@ -7,8 +7,8 @@ use idempotency_protocol::stream::CallOp;
 
 use super::intake::NO_ROUTER_RETRIES;
 use super::{
-    access_log, pass, send_response, Execution, Journey, RequestJourney, Step, StoreCall,
-    StoreOwner, StoreWait, Verdict,
+    access_log, pass, running_claim, send_response, Execution, Journey, RequestJourney, Step,
+    StoreCall, StoreOwner, StoreWait, Verdict,
 };
 use crate::config::{OverloadPolicy, StoreErrorPolicy, StoreTransport};
 use crate::host::Host;
@@ -348,20 +348,26 @@ impl RequestJourney {
             .as_ref()
             .filter(|o| o.confirmed)
             .map(|o| o.token.clone());
-        self.plugin
-            .leases
-            .begin(&rule, &held, store_claim, host.now_ms());
         let run = Execution {
-            rule,
-            held,
+            rule: Rc::clone(&rule),
+            held: held.clone(),
             store_owner,
             capture: None,
         };
-        if run.rule.rule.detached.is_some() {
-            return self.detach(host, run);
+        let step = if rule.rule.detached.is_some() {
+            self.detach(host, run)
+        } else {
+            cap_router_retries(host, &rule);
+            (Journey::Executing(run), Verdict::Continue)
+        };
+        // Leased only once it runs: a detached write refused for lack of room never does,
+        // and its freed key must not be renewed (nor counted lost) afterwards.
+        if running_claim(&step.0).is_some() {
+            self.plugin
+                .leases
+                .begin(&rule, &held, store_claim, host.now_ms());
         }
-        cap_router_retries(host, &run.rule);
-        (Journey::Executing(run), Verdict::Continue)
+        step
     }
 
     pub(super) fn release_local(&self, host: &impl Host, held: &Held) {

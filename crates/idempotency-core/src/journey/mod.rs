@@ -390,7 +390,7 @@ impl RequestJourney {
 }
 
 /// The owner of the claim a request running upstream holds.
-fn running_claim(journey: &Journey) -> Option<u64> {
+pub(super) fn running_claim(journey: &Journey) -> Option<u64> {
     match journey {
         Journey::Executing(run) => Some(run.held.owner),
         Journey::Detached(detached) => Some(detached.run.held.owner),

@@ -8,6 +8,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
+use crate::burst_log::BurstLog;
 use crate::host::Host;
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
@@ -21,15 +22,27 @@ struct LiveLease {
     /// Its claim in the store (cluster mode), when the store confirmed one.
     store_owner: Option<String>,
     renew_at_ms: u64,
+    /// Past this, the lease is let lapse: no write is renewed beyond its rule's TTL, so a
+    /// request Envoy never ends cannot hold a key (and its configuration) forever.
+    renew_until_ms: u64,
 }
 
 /// A lease as the store names it: the key's digest and the store claim's owner, in hex.
 pub type StoreLease = (String, String);
 
 /// Live leases by the local claim's owner token (unique per claim).
-#[derive(Default)]
 pub struct Leases {
     live: RefCell<HashMap<u64, LiveLease>>,
+    lost_log: RefCell<BurstLog>,
+}
+
+impl Default for Leases {
+    fn default() -> Self {
+        Leases {
+            live: RefCell::new(HashMap::new()),
+            lost_log: RefCell::new(BurstLog::new(10_000)),
+        }
+    }
 }
 
 /// How often a live lease is renewed: three times a lease, so that one lost renewal (a store
@@ -52,6 +65,7 @@ impl Leases {
             held: held.clone(),
             store_owner,
             renew_at_ms: now_ms.saturating_add(renew_every_ms(rule.rule.lease_ms)),
+            renew_until_ms: now_ms.saturating_add(rule.rule.ttl_ms),
         };
         if let Ok(mut live) = self.live.try_borrow_mut() {
             live.insert(held.owner, lease);
@@ -74,7 +88,8 @@ impl Leases {
     }
 
     /// From the root's tick: renews every lease due, locally and in the store. A lease some
-    /// other request took over (it lapsed before a renewal landed) is counted and forgotten.
+    /// other request took over (it lapsed before a renewal landed, here or in the store) is
+    /// counted and forgotten; one older than its rule's TTL is forgotten.
     pub fn renew_due(
         &self,
         host: &impl Host,
@@ -91,6 +106,25 @@ impl Leases {
         let mut for_store: Vec<(Rc<RuleHandle>, Vec<StoreLease>)> = Vec::new();
         {
             let mut live = self.live.borrow_mut();
+            let taken_in_store = writes.take_lost_leases();
+            if !taken_in_store.is_empty() {
+                live.retain(|_, lease| {
+                    !lease.store_owner.as_ref().is_some_and(|token| {
+                        taken_in_store.contains(&store_lease(&lease.held, token))
+                    })
+                });
+            }
+            live.retain(|_, lease| {
+                let within_ttl = now < lease.renew_until_ms;
+                if !within_ttl {
+                    log::warn!(
+                        "rule {}: a request still running after ttl_seconds; its lease is no \
+                         longer renewed",
+                        lease.rule.rule.name
+                    );
+                }
+                within_ttl
+            });
             for (owner, lease) in live.iter_mut().filter(|(_, l)| l.renew_at_ms <= now) {
                 let lease_ms = lease.rule.rule.lease_ms;
                 lease.renew_at_ms = now.saturating_add(renew_every_ms(lease_ms));
@@ -98,10 +132,13 @@ impl Leases {
                     Ok(Completion::LostOwnership) => {
                         lost.push(*owner);
                         lease.rule.count(host, Outcome::LeaseLost);
-                        log::warn!(
-                            "rule {}: a live request's lease was taken over before it was renewed",
-                            lease.rule.rule.name
-                        );
+                        if let Some(suppressed) = self.lost_log.borrow_mut().admit(now) {
+                            log::warn!(
+                                "rule {}: a live request's lease was taken over before it was \
+                                 renewed ({suppressed} similar not logged)",
+                                lease.rule.rule.name
+                            );
+                        }
                         continue;
                     }
                     Ok(_) => {}

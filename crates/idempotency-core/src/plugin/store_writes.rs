@@ -204,6 +204,10 @@ pub struct StoreWrites {
     /// What these writes hold of the VM's write budget, given back should the configuration
     /// go with some still held.
     charged: Cell<usize>,
+    /// Leases (key, owner) the store said another request took over, for `Leases` to stop
+    /// renewing.
+    lost_leases: RefCell<Vec<(String, String)>>,
+    lost_log: RefCell<BurstLog>,
 }
 
 impl Drop for StoreWrites {
@@ -235,7 +239,14 @@ impl StoreWrites {
             failures: RefCell::new(BurstLog::new(10_000)),
             drops: RefCell::new(BurstLog::new(10_000)),
             charged: Cell::new(0),
+            lost_leases: RefCell::new(Vec::new()),
+            lost_log: RefCell::new(BurstLog::new(10_000)),
         }
+    }
+
+    /// The leases the store reported lost since the last call.
+    pub fn take_lost_leases(&self) -> Vec<(String, String)> {
+        std::mem::take(&mut *self.lost_leases.borrow_mut())
     }
 
     /// Writes not yet taken by the store: submitted, waiting for a retry, or awaiting an
@@ -540,14 +551,27 @@ impl StoreWrites {
             WriteAnswer::Retry(why) => self.retry_later(host, write, &why),
             WriteAnswer::LeasesLost(lost) => {
                 self.store_answered();
-                for _ in 0..lost {
+                for _ in 0..lost.len() {
                     write.rule.count(host, Outcome::LeaseLost);
                 }
-                log::warn!(
-                    "rule {}: {lost} running request(s) lost their store lease: another request \
-                     took the key over before a renewal landed",
-                    write.rule.rule.name
-                );
+                if let Some(suppressed) = self.lost_log.borrow_mut().admit(host.now_ms()) {
+                    log::warn!(
+                        "rule {}: {} running request(s) lost their store lease: another request \
+                         took the key over before a renewal landed ({suppressed} similar not \
+                         logged)",
+                        write.rule.rule.name,
+                        lost.len()
+                    );
+                }
+                if let CallOp::Renew { leases, .. } = &write.call {
+                    let mut gone = self.lost_leases.borrow_mut();
+                    for index in lost {
+                        let lease = usize::try_from(index).ok().and_then(|i| leases.get(i));
+                        if let Some(lease) = lease {
+                            gone.push(lease.clone());
+                        }
+                    }
+                }
             }
         }
     }

@@ -209,7 +209,7 @@ pub fn read_write_reply(kind: WriteKind, reply: &Reply) -> WriteAnswer {
         (WriteKind::Complete, Reply::Recorded) | (WriteKind::Release, Reply::Released) => {
             WriteAnswer::Done
         }
-        (WriteKind::Renew, Reply::Renewed { lost }) => renewed(lost.len()),
+        (WriteKind::Renew, Reply::Renewed { lost }) => renewed(lost.clone()),
         // Nothing left to release (released before, expired, or taken over): the goal holds.
         (WriteKind::Release, Reply::NotOwner) => WriteAnswer::Done,
         (WriteKind::Complete, Reply::NotOwner) => WriteAnswer::Superseded,
@@ -279,8 +279,8 @@ pub enum WriteAnswer {
     /// The store refused for good (a request it will never take).
     Refused(String),
     Retry(String),
-    /// A renewal whose leases (this many) were no longer this proxy's claims.
-    LeasesLost(usize),
+    /// A renewal some of whose leases were no longer this proxy's claims: their indices, in the renew call's list, of the leases the store no longer holds.
+    LeasesLost(Vec<u32>),
 }
 
 /// Which write an answer is for.
@@ -291,9 +291,9 @@ pub enum WriteKind {
     Renew,
 }
 
-/// A renewal's answer: done, or so many of its leases were taken over meanwhile.
-fn renewed(lost: usize) -> WriteAnswer {
-    if lost == 0 {
+/// A renewal's answer: done, or these of its leases were taken over meanwhile.
+fn renewed(lost: Vec<u32>) -> WriteAnswer {
+    if lost.is_empty() {
         WriteAnswer::Done
     } else {
         WriteAnswer::LeasesLost(lost)
@@ -306,7 +306,7 @@ pub fn read_write_answer(kind: WriteKind, status: Option<u16>, body: &[u8]) -> W
         Some(409) if kind == WriteKind::Release => WriteAnswer::Done,
         Some(200) if kind == WriteKind::Renew => {
             match serde_json::from_slice::<RenewResponse>(body) {
-                Ok(a) if a.outcome == outcome::RENEWED => renewed(a.lost.len()),
+                Ok(a) if a.outcome == outcome::RENEWED => renewed(a.lost),
                 Ok(a) => WriteAnswer::Retry(format!("unexpected outcome '{}'", a.outcome)),
                 Err(e) => WriteAnswer::Retry(format!("answer unreadable: {e}")),
             }

@@ -525,6 +525,28 @@ fn the_worker_holds_detached_writes_to_a_byte_budget() {
 }
 
 #[test]
+fn a_write_refused_for_lack_of_room_leaves_no_lease_behind() {
+    let host = FakeHost::default();
+    let mut root = root(&host, DETACHED);
+    let plugin = root.plugin().unwrap();
+    let budget = plugin.detached.reserve(MAX_DETACHED_BYTES).unwrap();
+    let (_refused, verdict) = post_in_context(&host, &root, 2, "k1");
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, _, _) = the_reply(&host.take_effects());
+    assert_eq!(status, 503, "refused, nothing sent");
+    assert_eq!(plugin.leases.len(), 0, "nothing runs, so nothing is leased");
+    drop(budget);
+    // The retry takes the freed key and runs; renewing never finds the refused one's
+    // claim taken over.
+    let (_retry, _) = detached_post(&host, &mut root, 3, "k1");
+    for _ in 0..4 {
+        host.advance_ms(5_000);
+        tick(&host, &mut root);
+    }
+    assert_eq!(host.counter("orders", Outcome::LeaseLost), 0);
+}
+
+#[test]
 fn a_write_envoy_never_answers_ends_as_an_unknown_outcome_not_a_key_held_forever() {
     let host = FakeHost::default();
     let mut root = root(&host, DETACHED);

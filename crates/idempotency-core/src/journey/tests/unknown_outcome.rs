@@ -300,25 +300,7 @@ fn a_live_request_renews_its_store_lease_in_one_call_per_rule_and_counts_a_lost_
     for (context, key) in [(7, "k1"), (8, "k2")] {
         let (journey, verdict) = post_in_context(&host, &root, context, key);
         assert_eq!(verdict, Verdict::Pause, "waits for the store");
-        let token = host
-            .take_effects()
-            .into_iter()
-            .find_map(|e| match e {
-                Effect::Callout { token, .. } => Some(token),
-                _ => None,
-            })
-            .unwrap();
-        let claimed = format!(r#"{{"outcome":"claimed","owner":"0{context}"}}"#);
-        host.set_callout_answer(Some(200), claimed.as_bytes());
-        journey.borrow_mut().on(
-            &host,
-            Event::CalloutAnswer {
-                token,
-                num_headers: 1,
-                body_size: claimed.len(),
-            },
-        );
-        assert!(is_executing(&journey.borrow()));
+        store_claims(&host, &journey, &format!("0{context}"));
         running.push(journey);
     }
     let _ = host.take_effects();
@@ -332,31 +314,91 @@ fn a_live_request_renews_its_store_lease_in_one_call_per_rule_and_counts_a_lost_
     assert_eq!(sent.len(), 1, "one call for both: {sent:?}");
     let (token, body) = &sent[0];
     assert_eq!(body["lease_ms"], 3000);
-    let mut owners: Vec<&str> = body["leases"]
+    let owners: Vec<String> = body["leases"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|l| l["owner"].as_str().unwrap())
+        .map(|l| l["owner"].as_str().unwrap().to_string())
         .collect();
-    owners.sort_unstable();
-    assert_eq!(owners, ["07", "08"]);
-    // The store says one of them was taken over meanwhile.
+    let mut sorted = owners.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, ["07", "08"]);
+    // The store says the second of them was taken over meanwhile: counted, and renewed no
+    // more.
     let answer = br#"{"outcome":"renewed","lost":[1]}"#;
     host.set_callout_answer(Some(200), answer);
     root.on_callout_answer(&host, *token, 1, answer.len());
     assert_eq!(host.counter("orders", Outcome::LeaseLost), 1);
-    // A request that ended is renewed no more.
-    host.effective_context.set(7);
-    envoy_reports(&host, "via_upstream", 0, 1);
-    respond(&host, &mut running[0].borrow_mut(), 201, b"{}");
-    host.effective_context.set(1);
     let _ = host.take_effects();
     host.advance_ms(1_100);
     root.on_tick(&host);
     let sent = renewals(&host.take_effects());
     assert_eq!(sent.len(), 1);
     assert_eq!(sent[0].1["leases"].as_array().unwrap().len(), 1);
-    assert_eq!(sent[0].1["leases"][0]["owner"], "08");
+    assert_eq!(sent[0].1["leases"][0]["owner"], owners[0].as_str());
+    // A request that ended is renewed no more either.
+    let kept = if owners[0] == "07" { 0 } else { 1 };
+    host.effective_context.set(if kept == 0 { 7 } else { 8 });
+    envoy_reports(&host, "via_upstream", 0, 1);
+    respond(&host, &mut running[kept].borrow_mut(), 201, b"{}");
+    host.effective_context.set(1);
+    let _ = host.take_effects();
+    host.advance_ms(1_100);
+    root.on_tick(&host);
+    assert!(renewals(&host.take_effects()).is_empty());
+    assert_eq!(
+        host.counter("orders", Outcome::LeaseLost),
+        1,
+        "nothing else lost"
+    );
+}
+
+#[test]
+fn a_request_running_past_its_ttl_is_renewed_no_more() {
+    let host = FakeHost::default();
+    let mut root = configured_root(
+        &host,
+        br#"{"store":{"cluster":"store","transport":"http"},
+        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+                  "lease_seconds":3,"ttl_seconds":10}]}"#,
+    );
+    let (journey, _) = post_in_context(&host, &root, 7, "k1");
+    store_claims(&host, &journey, "07");
+    let mut renewed = 0;
+    for _ in 0..12 {
+        host.advance_ms(1_000);
+        root.on_tick(&host);
+        renewed += renewals(&host.take_effects()).len();
+    }
+    // A third of the lease is a second: renewed at 1 s to 9 s, and not once 10 s (the TTL)
+    // have passed.
+    assert_eq!(renewed, 9);
+    host.advance_ms(5_000);
+    root.on_tick(&host);
+    assert!(renewals(&host.take_effects()).is_empty());
+}
+
+/// The store answers the claim callout `journey` sent: claimed for `owner`; it runs.
+fn store_claims(host: &FakeHost, journey: &Rc<RefCell<RequestJourney>>, owner: &str) {
+    let token = host
+        .take_effects()
+        .into_iter()
+        .find_map(|e| match e {
+            Effect::Callout { token, .. } => Some(token),
+            _ => None,
+        })
+        .unwrap();
+    let claimed = format!(r#"{{"outcome":"claimed","owner":"{owner}"}}"#);
+    host.set_callout_answer(Some(200), claimed.as_bytes());
+    journey.borrow_mut().on(
+        host,
+        Event::CalloutAnswer {
+            token,
+            num_headers: 1,
+            body_size: claimed.len(),
+        },
+    );
+    assert!(is_executing(&journey.borrow()));
 }
 
 /// The renewal callouts among `effects`: token and JSON body.
