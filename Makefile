@@ -116,7 +116,7 @@ run: deps-run build venv
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy --release --target $(WASM_TARGET) -p idempotency-filter -p idempotency-core -p idempotency-protocol -p noop-filter -- -D warnings
+	cargo clippy --release --target $(WASM_TARGET) -p idempotency-filter -p idempotency-core -p idempotency-protocol -p noop-filter -p job-floor-filter -- -D warnings
 
 unit:
 	cargo test --workspace
@@ -146,10 +146,11 @@ test-images: deps-test-images build venv static-binaries
 test: deps
 	$(MAKE) lint unit unit-wasm e2e e2e-oldest test-images
 
-# The no-op filter is the floor the benchmarks compare against; only `make bench` builds it.
+# The no-op filter and the job floor are what the benchmarks compare against; only `make
+# bench` builds them.
 .PHONY: noop-wasm
 noop-wasm:
-	cargo build --release --target $(WASM_TARGET) -p noop-filter
+	cargo build --release --target $(WASM_TARGET) -p noop-filter -p job-floor-filter
 
 # BENCH_ARGS passes options to bench/run.py, e.g. a short look at a few setups without writing
 # the page: make bench BENCH_ARGS="--only a,c,g --duration 5 --warmup 2 --rate-duration 5"

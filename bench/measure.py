@@ -273,7 +273,8 @@ IGNORED_LOG = ("no configured limit to the number of allowed active downstream c
 
 
 def filter_stats(envoy: harness.Envoy) -> dict[str, int]:
-    wanted = ("idempotency.rule", "idempotency.local_table", "downstream_rq_", "upstream_rq_total", "upstream_rq_timeout")
+    wanted = ("idempotency.rule", "idempotency.local_table", "downstream_rq_", "upstream_rq_total", "upstream_rq_timeout",
+              "job_floor.requests")
     out = {}
     for name, value in envoy.stats().items():
         if any(w in name for w in wanted):
@@ -304,6 +305,11 @@ def check_setup(s: Setup, w: WrkResult, stats: dict[str, int], coordination: dic
         notes.append(f"upstream requests {upstream}")
         if upstream > 0:
             raise BenchFailure(f"setup ({s.key}): {upstream} upstream requests behind a direct_response route")
+        if s.is_floor:
+            counted = stats.get("wasmcustom.job_floor.requests", 0)
+            notes.append(f"the job floor counted {counted} requests with a key")
+            if counted < 0.95 * ok2xx:
+                raise BenchFailure(f"setup ({s.key}): the job floor counted {counted} requests for {ok2xx} 2xx")
         if not s.is_filter:
             return notes
     elif not s.is_filter:

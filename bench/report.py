@@ -97,7 +97,7 @@ def write_chart(results: list[SetupResult], path: Path) -> None:
     p99 = [r.wrk.p99_ms for r in results]
     palette = {"a": "#7f7f7f", "b0": "#bcbcbc", "b": "#9e9e9e", "c": "#1f77b4", "d": "#2ca02c", "e": "#ff7f0e",
                "f": "#d62728", "g": "#c7c7c7", "h": "#ffbb78", "i": "#aec7e8", "j": "#ffd8b1",
-               "k": "#dddddd", "l": "#6baed6", "m": "#74c476"}
+               "k": "#dddddd", "l": "#6baed6", "m": "#74c476", "n": "#bdbdbd", "o": "#969696"}
     colors = [palette.get(r.setup.key, "#17becf") for r in results]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8.5), sharex=True)
     fig.patch.set_facecolor("white")
@@ -449,6 +449,19 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
             targets.append((f"({key}) direct-response {what} ≥ {target}× (k), the no-op filter on the same route",
                             x.rps >= target * k_run.wrk.rps,
                             f"{x.rps / k_run.wrk.rps:.2f}× ({x.rps:,.0f} vs {k_run.wrk.rps:,.0f} req/s)"))
+    for key, floor, what in (("l", "n", "new keys"), ("m", "o", "replays")):
+        if floor in by and key in by:
+            x, y = by[key], by[floor]
+            targets.append((f"({key}) direct-response {what} ≥ 0.85× ({floor}), the job floor",
+                            x.wrk.rps >= 0.85 * y.wrk.rps,
+                            f"{x.wrk.rps / y.wrk.rps:.2f}× ({x.wrk.rps:,.0f} vs {y.wrk.rps:,.0f} req/s; "
+                            f"{x.cpu_us_per_request:.0f} vs {y.cpu_us_per_request:.0f} µs/req)"))
+    if k_run:
+        for floor in ("n", "o"):
+            if floor in by:
+                y = by[floor].wrk
+                targets.append((f"({floor}) the job floor next to (k), the no-op filter on the same route", None,
+                                f"{y.rps / k_run.wrk.rps:.2f}× ({y.rps:,.0f} vs {k_run.wrk.rps:,.0f} req/s)"))
     for k, base in (("i", "c"), ("j", "e")):
         if k in by and base in by:
             x, y = by[k], by[base]
@@ -599,6 +612,19 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
         add(f"- The HTTP transport (h) costs {cpu['h'] - cpu['e']:+.0f} µs of Envoy CPU per request more than "
             "the stream (e) on the same store: each claim and completion is an Envoy async HTTP/2 request "
             "with its own headers, JSON body and answer read back into the module.")
+    for key, floor, what in (("l", "n", "new keys"), ("m", "o", "replays")):
+        if floor in by and key in by:
+            x, y = by[key], by[floor]
+            targets.append((f"({key}) direct-response {what} ≥ 0.85× ({floor}), the job floor",
+                            x.wrk.rps >= 0.85 * y.wrk.rps,
+                            f"{x.wrk.rps / y.wrk.rps:.2f}× ({x.wrk.rps:,.0f} vs {y.wrk.rps:,.0f} req/s; "
+                            f"{x.cpu_us_per_request:.0f} vs {y.cpu_us_per_request:.0f} µs/req)"))
+    if k_run:
+        for floor in ("n", "o"):
+            if floor in by:
+                y = by[floor].wrk
+                targets.append((f"({floor}) the job floor next to (k), the no-op filter on the same route", None,
+                                f"{y.rps / k_run.wrk.rps:.2f}× ({y.rps:,.0f} vs {k_run.wrk.rps:,.0f} req/s)"))
     for k, base in (("i", "c"), ("j", "e")):
         if k in cpu and base in cpu:
             add(f"- Detached ({k}) costs {cpu[k] - cpu[base]:+.0f} µs of Envoy CPU per request over ({base}): "

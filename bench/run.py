@@ -20,6 +20,11 @@ envoy/envoy.yaml and driven by the same wrk command:
   k   b with every route a `direct_response` (no upstream)
   l   c on that route: the filter's own cost for a new key, nothing behind it
   m   d on that route: a replay
+  n   the job floor (crates/job-floor-filter) on that route, every request a new key: a
+      filter doing each step the job needs (one header read, the body, two SHA-256, the
+      clock, a counter, a shared-data lookup and compare-and-swap claim, the response read
+      and written back) and nothing more; what l is held to
+  o   the job floor replaying one recorded key on that route; what m is held to
   i   c with `execution: "detached"`: each write sent upstream as a callout of the root
       context instead of through Envoy's router
   j   e with `execution: "detached"`
@@ -72,7 +77,7 @@ from measure import (
 )
 from cpu_profile import count_instructions
 from report import machine, write_chart, write_page
-from setups import FILTER_WASM, NOOP_WASM, PRODUCT, REPO, harness, setups
+from setups import FILTER_WASM, FLOOR_WASM, NOOP_WASM, PRODUCT, REPO, harness, setups
 
 
 def main() -> int:
@@ -89,7 +94,7 @@ def main() -> int:
     p.add_argument("--profile-seconds", type=float, default=6,
                    help="seconds of perf sampling per profiled setup, after its measured run (0: none)")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,instructions,memory,store,cluster "
+                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,n,o,instructions,memory,store,cluster "
                         "(development; writes no page)")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary directory of logs and configs")
     p.add_argument("--abba", metavar="BASELINE_WASM", default="",
@@ -107,7 +112,7 @@ def main() -> int:
     # The harness would take a newer debug build if there is one; a benchmark wants release.
     os.environ.setdefault("DEMO_UPSTREAM_BIN", str(REPO / "target" / "release" / "demo-upstream"))
     os.environ.setdefault("IDEMPOTENCY_STORE_BIN", str(REPO / "target" / "release" / "idempotency-store"))
-    for needed in (FILTER_WASM, NOOP_WASM, Path(os.environ["DEMO_UPSTREAM_BIN"]),
+    for needed in (FILTER_WASM, NOOP_WASM, FLOOR_WASM, Path(os.environ["DEMO_UPSTREAM_BIN"]),
                    Path(os.environ["IDEMPOTENCY_STORE_BIN"])):
         if not needed.is_file():
             raise SystemExit(f"{needed} missing: run `make bench` (it builds it)")

@@ -24,6 +24,8 @@ WRK_DIR = BENCH / "wrk"
 WASM_DIR = REPO / "target" / "wasm32-unknown-unknown" / "release"
 FILTER_WASM = WASM_DIR / "idempotency_filter.wasm"
 NOOP_WASM = WASM_DIR / "noop_filter.wasm"
+# The job floor (crates/job-floor-filter): every step the job needs, nothing more.
+FLOOR_WASM = WASM_DIR / "job_floor_filter.wasm"
 PRODUCT_CONFIG = REPO / "envoy" / "envoy.yaml"
 
 BODY = '{"sku":"book","qty":1}'
@@ -183,7 +185,12 @@ class Setup:
     @property
     def is_filter(self) -> bool:
         """This filter's module (the build under test, or a baseline build of it)."""
-        return self.wasm is not None and self.wasm != NOOP_WASM
+        return self.wasm is not None and self.wasm not in (NOOP_WASM, FLOOR_WASM)
+
+    @property
+    def is_floor(self) -> bool:
+        """The job floor's module."""
+        return self.wasm == FLOOR_WASM
 
     @property
     def transport(self) -> str | None:
@@ -227,6 +234,10 @@ def setups() -> list[Setup]:
         Setup("m", "idempotency, single-proxy, replays, `direct_response` route", wasm=FILTER_WASM,
               plugin=replays, replay=True, mutate=direct_response, direct=True,
               short="replays\ndirect response"),
+        Setup("n", "job floor, new keys, `direct_response` route", wasm=FLOOR_WASM, plugin={},
+              mutate=direct_response, direct=True, short="job floor\nnew keys"),
+        Setup("o", "job floor, replays, `direct_response` route", wasm=FLOOR_WASM, plugin={}, replay=True,
+              mutate=direct_response, direct=True, short="job floor\nreplays"),
         Setup("i", "(c) with `execution: \"detached\"`", wasm=FILTER_WASM, plugin=detached(single),
               short="single-proxy\ndetached"),
         Setup("j", "(e) with `execution: \"detached\"`", wasm=FILTER_WASM, plugin=detached(cluster),
