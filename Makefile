@@ -57,7 +57,7 @@ build: wasm binaries
 
 wasm:
 	cargo build --release --target $(WASM_TARGET) -p idempotency-filter
-	scripts/shrink-wasm.sh $(WASM)
+	scripts/optimize-wasm.sh $(WASM)
 
 # The table_geometry example lets tests and the bench read the table's layout from the code.
 binaries:

@@ -42,7 +42,7 @@ esac
 need_apt=()
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 command -v curl >/dev/null || need_apt+=(curl)
-# Shrinks the filter's module after cargo builds it (scripts/shrink-wasm.sh).
+# Optimises the filter's module after cargo builds it (scripts/optimize-wasm.sh).
 command -v wasm-opt >/dev/null || need_apt+=(binaryen)
 if $images; then
     # An engine to build the images with: a docker daemon that answers will do for make image,
