@@ -97,17 +97,23 @@ def route_timeout(seconds: float) -> Any:
     return mutate
 
 
-def start_envoy(procs: harness.ProcessGroup, server: GrpcServer, plugin: dict | None = None, *,
-                name: str = "envoy-grpc", mutate: Any = None) -> harness.Envoy:
-    envoy = procs.envoy(
+def grpc_envoy(procs: harness.ProcessGroup, server: GrpcServer, plugin: dict | None = None, *,
+               name: str = "envoy-grpc", mutate: Any = None) -> harness.Envoy:
+    """An Envoy from envoy-grpc.yaml in front of ``server``, registered, not started."""
+    return procs.add(harness.Envoy(
         GRPC_ENVOY_YAML,
+        procs.tmpdir,
         cluster_ports={SERVICE_CLUSTER: server.port},
         plugin_config=plugin if plugin is not None else yaml_plugin_config(),
         wasm_path=wasm_path(),
         mutate=mutate,
         name=name,
-    )
-    return envoy
+    ))
+
+
+def start_envoy(procs: harness.ProcessGroup, server: GrpcServer, plugin: dict | None = None, *,
+                name: str = "envoy-grpc", mutate: Any = None) -> harness.Envoy:
+    return grpc_envoy(procs, server, plugin, name=name, mutate=mutate).start()
 
 
 @dataclass

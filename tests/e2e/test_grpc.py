@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+import yaml
 
 import harness
 from cluster import start_backend
@@ -17,6 +18,7 @@ from grpc_calls import (
     TOKEN,
     call,
     channel,
+    grpc_envoy,
     new_key,
     plugin_config,
     recorded_copy,
@@ -26,7 +28,7 @@ from grpc_calls import (
     start_server,
     with_store,
 )
-from helpers import crash_lines, rule_counter
+from helpers import crash_lines, rule_counter, wasm_path
 
 REPLAYED = "idempotent-replayed"
 PROBLEM = "idempotency-problem-type"
@@ -103,22 +105,28 @@ def test_a_transient_status_leaves_the_call_retryable(edge, server) -> None:
     assert rule_counter(edge, "orders", "released") == 1
 
 
-def test_the_filters_answers_are_grpc_statuses(edge, server) -> None:
-    missing = call(edge, None)
+def the_filters_answers_are_grpc_statuses(envoy, server) -> None:
+    """No key: INVALID_ARGUMENT; in flight: ABORTED with pushback; another message under the
+    key: INVALID_ARGUMENT. The call ran once."""
+    missing = call(envoy, None)
     assert missing.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "idempotency key" in missing.details and problem_of(missing) == "missing-key"
 
     key = new_key()
-    with harness_thread(lambda: call(edge, key, metadata=[("x-test-sleep-ms", "1500")])) as first:
+    with harness_thread(lambda: call(envoy, key, metadata=[("x-test-sleep-ms", "1500")])) as first:
         harness.wait_until(lambda: server.attempts(key) == 1, timeout=10, what="first call running")
-        busy = call(edge, key)
+        busy = call(envoy, key)
         assert busy.code == grpc.StatusCode.ABORTED and problem_of(busy) == "request-in-flight"
         assert busy.trailing["grpc-retry-pushback-ms"] == "1000"
     assert first.result.code == grpc.StatusCode.OK
 
-    other = call(edge, key, b"another order")
+    other = call(envoy, key, b"another order")
     assert other.code == grpc.StatusCode.INVALID_ARGUMENT and problem_of(other) == "key-reused"
     assert server.executions(key) == 1
+
+
+def test_the_filters_answers_are_grpc_statuses(edge, server) -> None:
+    the_filters_answers_are_grpc_statuses(edge, server)
 
 
 def retry_policy_through_a_call_in_flight(first, then, server) -> None:
@@ -225,13 +233,99 @@ def test_a_hop_without_the_echo_route_executes_nothing(procs, server) -> None:
                         r["match"] = {"prefix": "/"}
     envoy = start_envoy(procs, server, mutate=drop_echo_route)
     key = new_key()
-    assert call(envoy, key).code == grpc.StatusCode.OK
-    retry = call(envoy, key)
-    assert retry.code == grpc.StatusCode.UNAVAILABLE and problem_of(retry) == "idempotency-unavailable"
-    assert "not answered by the replay echo" in envoy.process.log_text()
-    # The record is still there: the next retry is not run either.
-    assert call(envoy, key).code == grpc.StatusCode.UNAVAILABLE
+    with channel(envoy) as ch:  # one connection: one worker, one log window
+        assert call(ch, key).code == grpc.StatusCode.OK
+        retry = call(ch, key)
+        assert retry.code == grpc.StatusCode.UNAVAILABLE and problem_of(retry) == "idempotency-unavailable"
+        # The record is still there: the next retry is not run either.
+        assert call(ch, key).code == grpc.StatusCode.UNAVAILABLE
     assert (server.attempts(key), server.executions(key)) == (1, 1)
+    # On-call sees it in a counter, and in one error line per burst naming the missing route.
+    assert rule_counter(envoy, "orders", "replay_echo_unrouted") == 2
+    unrouted = [line for line in envoy.process.log_text().splitlines()
+                if "not answered by the replay echo" in line]
+    assert len(unrouted) == 1 and "/idempotency.filter.v1.Replay/" in unrouted[0], unrouted
+
+
+def test_an_echo_sharing_the_filters_vm_id_is_refused_at_start(procs, server) -> None:
+    """The echo's vm_config given the filter's vm_id: both would run in one VM and share its
+    table. Envoy refuses the configuration, and the log says what to change."""
+    def echo_on_the_filters_vm(config: dict) -> None:
+        for vm in harness._walk_dicts(config):
+            if vm.get("vm_id") == "idempotency_replay_echo":
+                vm["vm_id"] = "idempotency"
+    envoy = grpc_envoy(procs, server, mutate=echo_on_the_filters_vm)
+    code, log = envoy.start_expecting_failure(timeout=30)
+    assert code == 1, log[-2000:]
+    assert "vm_config.vm_id" in log and "give the echo's vm_config a vm_id of its own" in log
+    assert "starting main dispatch loop" not in log
+    assert not crash_lines(log), crash_lines(log)
+
+
+def test_the_minimal_configuration_in_the_docs_protects_and_replays(procs, server) -> None:
+    """docs/grpc.md's Envoy configuration, as written there (ports and module path swapped):
+    a call runs once and its retry is replayed with its message, through the echo."""
+    text = (harness.REPO_ROOT / "docs" / "grpc.md").read_text()
+    section = text.split("## The Envoy configuration", 1)[1]
+    config = yaml.safe_load(section.split("```yaml", 1)[1].split("```", 1)[0])
+    envoy = procs.add(harness.Envoy(config, procs.tmpdir, cluster_ports={"orders": server.port},
+                                    wasm_path=wasm_path(), name="envoy-docs")).start()
+    key = new_key()
+    first, retry = call(envoy, key), call(envoy, key)
+    assert first.code == retry.code == grpc.StatusCode.OK
+    assert retry.message == first.message == b"placed:order:1"
+    assert retry.initial[REPLAYED] == "true" and retry.trailing["x-trailer"] == "done-1"
+    assert server.executions(key) == 1
+    assert crash_lines(envoy.process.log_text()) == []
+
+
+# --------------------------------------------------------------------------
+# a gRPC service behind an HTTP rule (matched by path prefix)
+# --------------------------------------------------------------------------
+
+
+def http_rule(**fields) -> dict:
+    """The rule a new user writes for a gRPC service: an HTTP rule on the service's path."""
+    return {"rules": [{"name": "payments", "match": {"path_prefixes": ["/shop.v1.Orders/"]}, **fields}]}
+
+
+def test_an_http_rule_protects_the_grpc_calls_it_matches_as_grpc(procs, server) -> None:
+    envoy = start_envoy(procs, server, http_rule())
+    key = new_key()
+    first = call(envoy, key)
+    retry = call(envoy, key)
+    # A successful call's retry is that success, not UNKNOWN carrying the recorded frame.
+    assert first.code == retry.code == grpc.StatusCode.OK
+    assert retry.message == first.message == b"placed:order:1"
+    assert retry.initial[REPLAYED] == "true" and retry.trailing["x-trailer"] == "done-1"
+    assert server.executions(key) == 1
+
+    # UNAVAILABLE (HTTP 200, the status in the trailers) is released, not replayed.
+    key = new_key()
+    md = [("x-test-unavailable-first", "1")]
+    assert call(envoy, key, metadata=md).code == grpc.StatusCode.UNAVAILABLE
+    second = call(envoy, key, metadata=md)
+    assert second.code == grpc.StatusCode.OK and REPLAYED not in second.initial
+    assert (server.attempts(key), server.executions(key)) == (2, 1)
+
+    # The filter's own answers are gRPC statuses, not a 409 or a 400.
+    the_filters_answers_are_grpc_statuses(envoy, server)
+    assert rule_counter(envoy, "payments", "grpc_on_http_rule") == 0
+
+
+def test_grpc_calls_an_http_rule_cannot_protect_pass_counted_and_warned_once(procs, server) -> None:
+    """An HTTP rule reading its key from a JSON body: a gRPC call has none. Its calls run
+    unprotected, as they would without the filter, never answered as HTTP."""
+    envoy = start_envoy(procs, server, http_rule(key={"sources": [{"json": "/id"}]}))
+    key = new_key()
+    with channel(envoy) as ch:  # one connection: one worker, whose warning comes once
+        answers = [call(ch, key) for _ in range(3)]
+    assert [a.code for a in answers] == [grpc.StatusCode.OK] * 3
+    assert [a.message for a in answers] == [b"placed:order:1", b"placed:order:2", b"placed:order:3"]
+    assert rule_counter(envoy, "payments", "grpc_on_http_rule") == 3
+    assert rule_counter(envoy, "payments", "executed") == 0
+    warnings = [line for line in envoy.process.log_text().splitlines() if "grpc_on_http_rule" in line]
+    assert len(warnings) == 1 and "rule payments" in warnings[0] and "key.sources[0]" in warnings[0], warnings
 
 
 # --------------------------------------------------------------------------

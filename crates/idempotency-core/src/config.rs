@@ -810,28 +810,9 @@ fn validate_rule(
             let raw_grpc = raw_grpc.unwrap_or_else(|| RawGrpc {
                 release_on_status: crate::grpc::status::default_release(),
             });
-            if raw.execution == ExecutionMode::Detached {
-                return Err(invalid(
-                    at("execution"),
-                    "\"detached\" is not supported for gRPC rules: a detached write is sent by \
-                     HTTP callout, which does not carry a gRPC response's trailers",
-                ));
-            }
-            // A gRPC message is protobuf, not JSON or a form, and a gRPC path has no query.
-            if let Some(i) = key_sources
-                .iter()
-                .position(|s| !matches!(s, FieldSource::Header(_)))
-            {
-                return Err(invalid(
-                    at(&format!("key.sources[{i}]")),
-                    "a gRPC rule's key comes from metadata: use 'header' sources only",
-                ));
-            }
-            if matches!(fingerprint, FingerprintMode::Fields(_)) {
-                return Err(invalid(
-                    at("fingerprint"),
-                    "a gRPC rule fingerprints the whole message: \"body\" or \"none\"",
-                ));
+            let detached = raw.execution == ExecutionMode::Detached;
+            if let Some((field, reason)) = grpc_conflict(&key_sources, &fingerprint, detached) {
+                return Err(invalid(at(&field), reason));
             }
             let mut release = Vec::with_capacity(raw_grpc.release_on_status.len());
             for (i, entry) in raw_grpc.release_on_status.iter().enumerate() {
@@ -886,6 +867,61 @@ fn validate_rule(
         detached,
         grpc,
     })
+}
+
+/// What of a rule a gRPC call cannot honour, as (field, why); None when it can be a gRPC rule.
+fn grpc_conflict(
+    key_sources: &[FieldSource],
+    fingerprint: &FingerprintMode,
+    detached: bool,
+) -> Option<(String, &'static str)> {
+    if detached {
+        return Some((
+            "execution".to_string(),
+            "\"detached\" is not supported for gRPC rules: a detached write is sent by HTTP \
+             callout, which does not carry a gRPC response's trailers",
+        ));
+    }
+    // A gRPC message is protobuf, not JSON or a form, and a gRPC path has no query.
+    if let Some(i) = key_sources
+        .iter()
+        .position(|s| !matches!(s, FieldSource::Header(_)))
+    {
+        return Some((
+            format!("key.sources[{i}]"),
+            "a gRPC rule's key comes from metadata: use 'header' sources only",
+        ));
+    }
+    if matches!(fingerprint, FingerprintMode::Fields(_)) {
+        return Some((
+            "fingerprint".to_string(),
+            "a gRPC rule fingerprints the whole message: \"body\" or \"none\"",
+        ));
+    }
+    None
+}
+
+impl Rule {
+    /// This HTTP rule as it applies to the gRPC calls it matches: the same rule with gRPC's
+    /// semantics (the status from the trailers, released by the default gRPC statuses, gRPC
+    /// answers and replays). Err names what of the rule a gRPC call cannot honour (a key or
+    /// fingerprint read from the body or the query, a detached execution): those calls pass
+    /// unprotected.
+    pub fn for_grpc_calls(&self) -> Result<Rule, String> {
+        if let Some((field, reason)) = grpc_conflict(
+            &self.key_sources,
+            &self.fingerprint,
+            self.detached.is_some(),
+        ) {
+            return Err(format!("{field}: {reason}"));
+        }
+        Ok(Rule {
+            grpc: Some(GrpcRule {
+                release: crate::grpc::status::default_release_codes(),
+            }),
+            ..self.clone()
+        })
+    }
 }
 
 /// The upstream of a detached rule; its settings are refused on an inline one, where they

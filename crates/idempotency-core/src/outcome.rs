@@ -72,10 +72,17 @@ pub enum Outcome {
     /// A gRPC call on a protected path that is not unary (no request message, or several):
     /// let through unprotected.
     GrpcStreaming,
+    /// A gRPC call (or a gRPC-Web one) matched by an HTTP rule that a gRPC call cannot honour
+    /// (its key or fingerprint read from the body or the query, or a detached execution): let
+    /// through unprotected.
+    GrpcOnHttpRule,
+    /// A gRPC replay's hop that did not reach the replay echo (no route to it): the retry got
+    /// UNAVAILABLE and nothing ran. The configuration is missing the echo's route.
+    ReplayEchoUnrouted,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 29] = [
+    pub const ALL: [Outcome; 31] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -105,6 +112,8 @@ impl Outcome {
         Outcome::Detached,
         Outcome::CompletedAfterClientLeft,
         Outcome::GrpcStreaming,
+        Outcome::GrpcOnHttpRule,
+        Outcome::ReplayEchoUnrouted,
     ];
 
     pub fn name(self) -> &'static str {
@@ -138,6 +147,8 @@ impl Outcome {
             Outcome::Detached => "detached",
             Outcome::CompletedAfterClientLeft => "completed_after_client_left",
             Outcome::GrpcStreaming => "grpc_streaming",
+            Outcome::GrpcOnHttpRule => "grpc_on_http_rule",
+            Outcome::ReplayEchoUnrouted => "replay_echo_unrouted",
         }
     }
 

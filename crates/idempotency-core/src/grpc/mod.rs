@@ -43,6 +43,19 @@ pub fn is_grpc_content_type(value: &str) -> bool {
     }
 }
 
+/// A gRPC-Web request's content type (`application/grpc-web`, `-text`, `+proto`...): a gRPC
+/// call whose status travels in its body, which the filter does not protect.
+pub fn is_grpc_web_content_type(value: &str) -> bool {
+    let lower = value.trim().to_ascii_lowercase();
+    match lower.strip_prefix("application/grpc-web") {
+        Some(rest) => {
+            let rest = rest.strip_prefix("-text").unwrap_or(rest);
+            rest.is_empty() || rest.starts_with('+') || rest.starts_with(';')
+        }
+        None => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -67,6 +80,17 @@ mod tests {
             "application/grpcx",
         ] {
             assert!(!is_grpc_content_type(no), "{no}");
+        }
+        for web in [
+            "application/grpc-web",
+            "application/grpc-web+proto",
+            "application/grpc-web-text",
+            "Application/gRPC-Web-Text+proto",
+        ] {
+            assert!(is_grpc_web_content_type(web), "{web}");
+        }
+        for no in ["application/grpc", "application/grpc-webx", "text/plain"] {
+            assert!(!is_grpc_web_content_type(no), "{no}");
         }
     }
 }

@@ -35,17 +35,13 @@ const NAMES: [&str; 17] = [
 /// Statuses that say the call did not take effect and a retry may run it: the server was
 /// unreachable or overloaded, the call was aborted (a concurrency conflict), or it failed
 /// inside the server before it could tell more.
+pub fn default_release_codes() -> Vec<u32> {
+    vec![UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED, INTERNAL, UNKNOWN]
+}
+
+/// [`default_release_codes`] by name, as `grpc.release_on_status` takes them.
 pub fn default_release() -> Vec<String> {
-    [
-        "UNAVAILABLE",
-        "RESOURCE_EXHAUSTED",
-        "ABORTED",
-        "INTERNAL",
-        "UNKNOWN",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    default_release_codes().into_iter().map(name).collect()
 }
 
 /// A code's canonical name ("CODE_17" beyond the known ones).

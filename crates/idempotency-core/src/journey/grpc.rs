@@ -42,6 +42,44 @@ pub(super) fn call_shape(body: &[u8]) -> CallShape {
 }
 
 impl RequestJourney {
+    /// The rule as it applies to this request, by its content type; None: the request passes
+    /// unprotected (counted). A gRPC rule is for gRPC calls only. An HTTP rule applies gRPC's
+    /// semantics to a gRPC call, or lets it pass when it reads what a gRPC call lacks: a
+    /// gRPC client never gets an HTTP answer (it would read a 409 as UNKNOWN) and a call's
+    /// status is in its trailers, not in its HTTP status.
+    pub(super) fn rule_for_call(
+        &self,
+        host: &impl Host,
+        rule: Rc<RuleHandle>,
+        content_type: &str,
+    ) -> Option<Rc<RuleHandle>> {
+        let is_grpc = grpc::is_grpc_content_type(content_type);
+        let Some(calls) = &rule.grpc_calls else {
+            if is_grpc {
+                return Some(rule);
+            }
+            // Not a gRPC call (gRPC-Web, or plain HTTP on a gRPC path): this rule is not for it.
+            log::debug!("rule {}: not a gRPC request; passes", rule.rule.name);
+            self.note(host, &rule, Outcome::PassedThrough);
+            return None;
+        };
+        let why = match &calls.as_grpc {
+            Ok(as_grpc) if is_grpc => return Some(Rc::clone(as_grpc)),
+            _ if !is_grpc && !grpc::is_grpc_web_content_type(content_type) => return Some(rule),
+            Ok(_) => "gRPC-Web carries its status in the body, which the filter does not read",
+            Err(reason) => reason.as_str(),
+        };
+        if !calls.warned.replace(true) {
+            log::warn!(
+                "rule {}: gRPC calls it matches pass unprotected ({why}); counted as \
+                 grpc_on_http_rule. Protect them with a gRPC rule (docs/grpc.md)",
+                rule.rule.name
+            );
+        }
+        self.note(host, &rule, Outcome::GrpcOnHttpRule);
+        None
+    }
+
     /// A streaming call on a protected path: counted, and let through.
     pub(super) fn pass_streaming(&self, host: &impl Host, rule: &RuleHandle) -> Step {
         self.note(host, rule, Outcome::GrpcStreaming);
@@ -206,12 +244,23 @@ impl RequestJourney {
             .map(|h| h.iter().any(|(n, _)| n == grpc::ECHO_MARKER))
             .unwrap_or(false);
         if !from_echo {
-            log::error!(
-                "rule {}: a replay's hop to {} was not answered by the replay echo; is the \
-                 route to it configured?",
-                hop.rule.rule.name,
-                grpc::REPLAY_PATH
-            );
+            self.note(host, &hop.rule, Outcome::ReplayEchoUnrouted);
+            let admitted = self
+                .plugin
+                .echo_unrouted_log
+                .borrow_mut()
+                .admit(host.now_ms());
+            if let Some(suppressed) = admitted {
+                log::error!(
+                    "rule {}: a replay's hop to {} was not answered by the replay echo: the \
+                     route for {} to the echo's listener is missing, and every retry of a call \
+                     recorded with a message gets UNAVAILABLE ({suppressed} similar not logged; \
+                     counted as replay_echo_unrouted; see docs/grpc.md)",
+                    hop.rule.rule.name,
+                    grpc::REPLAY_PATH,
+                    grpc::REPLAY_SERVICE_PREFIX
+                );
+            }
             let problem = Problem::unavailable("the proxy could not replay the recorded response");
             return self.answer_grpc_problem(host, &hop.rule, &problem);
         }

@@ -8,7 +8,6 @@ use super::detached::{self, DetachedIntake};
 use super::grpc::{call_shape, CallShape};
 use super::{access_log, pass, Journey, PendingRequest, RequestJourney, Step, Verdict};
 use crate::fingerprint::{fingerprint, FingerprintMode};
-use crate::grpc::is_grpc_content_type;
 use crate::host::Host;
 use crate::key::source::{complete_key, header_parts, FieldSource, SourceFailure};
 use crate::key::{request_scope, storage_key};
@@ -101,12 +100,9 @@ impl RequestJourney {
             Selection::MethodNotCovered | Selection::NoRule => return pass(),
         };
         access_log::publish_rule(host, &rule.rule.name);
-        if rule.rule.grpc.is_some() && !is_grpc_content_type(text("content-type")) {
-            // Not a gRPC call (gRPC-Web, or plain HTTP on a gRPC path): this rule is not for it.
-            log::debug!("rule {}: not a gRPC request; passes", rule.rule.name);
-            self.note(host, &rule, Outcome::PassedThrough);
+        let Some(rule) = self.rule_for_call(host, rule, text("content-type")) else {
             return pass();
-        }
+        };
         let is_grpc = rule.rule.grpc.is_some();
         // A gRPC call's refusal waits for its body: a streaming call passes whatever its
         // metadata, and only the body tells it from a unary one.

@@ -13,6 +13,7 @@ pub mod store_calls;
 pub mod store_link;
 pub mod store_writes;
 pub mod table_upkeep;
+pub mod vm_roles;
 pub mod waits;
 
 use std::cell::{Cell, RefCell};
@@ -55,6 +56,9 @@ pub struct Plugin {
     /// Unknown outcomes, logged once per burst (an upstream that times out does it to every
     /// write; each one is in the access log and the counters anyway).
     pub unknown_outcome_log: RefCell<BurstLog>,
+    /// Replay hops that did not reach the replay echo (its route is missing), logged once
+    /// per burst: every retry of a recorded call with a message fails the same way.
+    pub echo_unrouted_log: RefCell<BurstLog>,
     /// Keeps `table` in step with the tables other configurations use or retired.
     pub upkeep: TableUpkeep,
     /// How long evicted records had been kept.
@@ -73,13 +77,15 @@ impl Plugin {
     /// Builds the configuration from its bytes and prepares the shared table; an error
     /// makes Envoy refuse the configuration.
     pub fn configure(host: &impl Host, bytes: &[u8]) -> Result<Plugin, String> {
-        let mut config = Config::parse(bytes).map_err(|e| e.to_string())?;
+        let config = Config::parse(bytes).map_err(|e| e.to_string())?;
+        Plugin::build(host, config)
+    }
+
+    /// Builds a parsed configuration: prepares the shared table and resolves the rules.
+    pub fn build(host: &impl Host, mut config: Config) -> Result<Plugin, String> {
         let salt = table::bucket_salt(host, NAMESPACE, host.now_nanos())
             .map_err(|e| format!("shared data table could not be created: {}", e.0))?;
         let table = Table::new(NAMESPACE, config.table_layout.clone(), salt);
-        table
-            .create_buckets(host)
-            .map_err(|e| format!("shared data table could not be created: {}", e.0))?;
         // A record lives at most a lease (claimed, not yet completed) plus its TTL.
         let record_life_ms = config
             .rules
@@ -87,7 +93,15 @@ impl Plugin {
             .map(|r| r.ttl_ms.saturating_add(r.lease_ms))
             .max()
             .unwrap_or(0);
-        let upkeep = TableUpkeep::adopt(host, NAMESPACE, &table, record_life_ms);
+        let upkeep = if config.grpc_replay_echo {
+            // The echo claims nothing: its table is never created nor registered.
+            TableUpkeep::idle(NAMESPACE, &table, record_life_ms)
+        } else {
+            table
+                .create_buckets(host)
+                .map_err(|e| format!("shared data table could not be created: {}", e.0))?;
+            TableUpkeep::adopt(host, NAMESPACE, &table, record_life_ms)
+        };
         let rules: Vec<Rc<RuleHandle>> = std::mem::take(&mut config.rules)
             .into_iter()
             .map(|rule| Rc::new(RuleHandle::resolve(rule, host)))
@@ -114,6 +128,7 @@ impl Plugin {
             store_failures: RefCell::new(BurstLog::new(10_000)),
             table_full_log: RefCell::new(BurstLog::new(10_000)),
             unknown_outcome_log: RefCell::new(BurstLog::new(10_000)),
+            echo_unrouted_log: RefCell::new(BurstLog::new(10_000)),
             upkeep,
             retention: Retention::define(host),
             waits: Waits::default(),

@@ -7,11 +7,13 @@ use std::rc::{Rc, Weak};
 
 use idempotency_protocol::stream::{CallOp, Reply};
 
+use crate::config::Config;
 use crate::host::Host;
 use crate::journey::{Event, RequestJourney};
 use crate::plugin::detached::{self, DetachedAnswer};
 use crate::plugin::store_link::{ClaimWaiter, Waiter};
 use crate::plugin::store_writes::PendingWrite;
+use crate::plugin::vm_roles::{Role, MARK_RENEWAL_MS};
 use crate::plugin::waits::{read_wait_reply, WAIT_TICK_MS};
 use crate::plugin::Plugin;
 use crate::store::client::{read_claim_reply, StoreClaim, StoreFailure};
@@ -38,6 +40,10 @@ pub struct PluginRoot {
     finishing: bool,
     /// Retired tables are looked after once a second, however fast the tick runs.
     next_upkeep_ms: u64,
+    /// This root's role under its vm_id, marked while it is configured (see `vm_roles`).
+    role: Option<Role>,
+    /// When the role's mark is next renewed.
+    next_mark_ms: u64,
 }
 
 impl PluginRoot {
@@ -50,7 +56,13 @@ impl PluginRoot {
 
     /// False makes Envoy refuse the configuration.
     pub fn on_configure(&mut self, host: &impl Host) -> bool {
-        match configure(host) {
+        self.role = None;
+        let configured = configure(host).map(|(plugin, role)| {
+            self.role = Some(role);
+            self.next_mark_ms = host.now_ms().saturating_add(MARK_RENEWAL_MS);
+            plugin
+        });
+        match configured {
             Ok(plugin) if plugin.config.grpc_replay_echo => {
                 log::info!("configured as the gRPC replay echo: answers replays' hops only");
                 plugin.root_context.set(self.context_id);
@@ -196,6 +208,10 @@ impl PluginRoot {
             plugin.writes.on_tick(host, &plugin.links());
             self.send_detached(host, plugin);
             let now = host.now_ms();
+            if let (Some(role), true) = (self.role, now >= self.next_mark_ms) {
+                self.next_mark_ms = now.saturating_add(MARK_RENEWAL_MS);
+                role.mark(host);
+            }
             if now >= self.next_upkeep_ms {
                 self.next_upkeep_ms = now.saturating_add(u64::from(UPKEEP_TICK_MS));
                 plugin.upkeep.on_tick(host);
@@ -411,11 +427,21 @@ struct Unfinished {
     detached: usize,
 }
 
-fn configure(host: &impl Host) -> Result<Plugin, String> {
+/// The configuration and its role under its vm_id, checked before it touches shared data: an
+/// echo refused for sharing the filter's vm_id must not lay out a table there first.
+fn configure(host: &impl Host) -> Result<(Plugin, Role), String> {
     let bytes = host
         .plugin_configuration()
         .map_err(|e| format!("plugin configuration unreadable: {}", e.0))?;
-    let plugin = Plugin::configure(host, &bytes)?;
+    let config = Config::parse(&bytes).map_err(|e| e.to_string())?;
+    let role = if config.grpc_replay_echo {
+        Role::ReplayEcho
+    } else {
+        Role::Filter
+    };
+    role.check(host)?;
+    let plugin = Plugin::build(host, config)?;
+    role.mark(host);
     // The tick is always set: it opens store streams, retries store writes and empties
     // retired tables.
     let tick = if plugin.links.is_empty() {
@@ -425,7 +451,7 @@ fn configure(host: &impl Host) -> Result<Plugin, String> {
     };
     host.set_tick_period_ms(tick)
         .map_err(|e| format!("tick period refused: {}", e.0))?;
-    Ok(plugin)
+    Ok((plugin, role))
 }
 
 /// A claim answered after its request was gone (without the stream end that would have

@@ -1,6 +1,8 @@
 //! A rule as the flow uses it: the configured rule, the store that confirms its claims
-//! (cluster mode) and its counters, resolved once at configuration.
+//! (cluster mode), its counters, and how it treats the gRPC calls it matches, resolved once
+//! at configuration.
 
+use std::cell::Cell;
 use std::rc::Rc;
 
 use crate::config::{Rule, StoreConfig};
@@ -15,6 +17,18 @@ pub struct RuleHandle {
     pub store: Option<Rc<StoreConfig>>,
     /// Counter ids by `Outcome::index`; 0 marks a counter the host refused.
     counters: [u32; OUTCOMES],
+    /// An HTTP rule's treatment of the gRPC calls it matches; None for a gRPC rule.
+    pub grpc_calls: Option<GrpcCalls>,
+}
+
+/// What an HTTP rule does with a gRPC call it matches: never HTTP's semantics (a gRPC client
+/// reads an HTTP 409 as UNKNOWN, and a call's status is in its trailers, not its HTTP status).
+pub struct GrpcCalls {
+    /// The rule with gRPC's semantics, sharing the rule's name, store and counters; Err says
+    /// what of the rule a gRPC call cannot honour, and such calls pass unprotected.
+    pub as_grpc: Result<Rc<RuleHandle>, String>,
+    /// A call passed unprotected was already logged on this worker.
+    pub warned: Cell<bool>,
 }
 
 impl RuleHandle {
@@ -29,10 +43,26 @@ impl RuleHandle {
                 Err(e) => log::warn!("metric {name} not defined: {}", e.0),
             }
         }
+        let store = rule.store.clone().map(Rc::new);
+        let grpc_calls = match rule.grpc {
+            Some(_) => None,
+            None => Some(GrpcCalls {
+                as_grpc: rule.for_grpc_calls().map(|as_grpc| {
+                    Rc::new(RuleHandle {
+                        rule: as_grpc,
+                        store: store.clone(),
+                        counters,
+                        grpc_calls: None,
+                    })
+                }),
+                warned: Cell::new(false),
+            }),
+        };
         RuleHandle {
-            store: rule.store.clone().map(Rc::new),
+            store,
             rule,
             counters,
+            grpc_calls,
         }
     }
 

@@ -25,6 +25,18 @@ pub struct TableUpkeep {
 }
 
 impl TableUpkeep {
+    /// Upkeep that registers nothing, for a configuration that never claims (the replay
+    /// echo): the tables of filters sharing its `vm_id` stay as they are.
+    pub fn idle(namespace: &str, table: &Table, max_record_life_ms: u64) -> TableUpkeep {
+        TableUpkeep {
+            namespace: namespace.to_string(),
+            salt: table.salt(),
+            watch: LineageWatch::new(namespace, max_record_life_ms),
+            next_reclaim_ms: Cell::new(None),
+            emptying: RefCell::new(VecDeque::new()),
+        }
+    }
+
     /// Registers `table` (at configure). Failures only cost the old records, never the
     /// configuration.
     pub fn adopt(
@@ -33,13 +45,7 @@ impl TableUpkeep {
         table: &Table,
         max_record_life_ms: u64,
     ) -> TableUpkeep {
-        let upkeep = TableUpkeep {
-            namespace: namespace.to_string(),
-            salt: table.salt(),
-            watch: LineageWatch::new(namespace, max_record_life_ms),
-            next_reclaim_ms: Cell::new(None),
-            emptying: RefCell::new(VecDeque::new()),
-        };
+        let upkeep = TableUpkeep::idle(namespace, table, max_record_life_ms);
         match upkeep.watch.adopt(host, table, host.now_ms()) {
             Ok(lineage) => {
                 for old in &lineage.retired {

@@ -8,6 +8,7 @@ use wasm_bindgen_test::wasm_bindgen_test as test;
 use super::*;
 use crate::grpc::{ECHO_MARKER, HOP_CONTENT_TYPE, REPLAY_PATH};
 use crate::outcome::Outcome;
+use crate::table::SharedData as _;
 
 const ORDERS_GRPC: &str =
     r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]}}]}"#;
@@ -216,6 +217,8 @@ fn a_hop_that_does_not_reach_the_echo_answers_unavailable() {
     let (status, headers, body) = the_reply(&host.take_effects());
     assert_eq!((status, body.len()), (200, 0));
     assert_eq!(value(&headers, "grpc-status"), Some("14"));
+    // On-call sees the missing route in a counter, not only in the client's UNAVAILABLE.
+    assert_eq!(host.counter("orders", Outcome::ReplayEchoUnrouted), 1);
 }
 
 #[test]
@@ -714,4 +717,138 @@ fn a_held_duplicate_is_replayed_through_the_hop_and_resumed_by_the_root() {
     assert!(effects.contains(&Effect::Resume), "{effects:?}");
     assert!(matches!(held.borrow().state(), Journey::ReplayHop(_)));
     assert_eq!(host.counter("orders", Outcome::ReplayedAfterWait), 1);
+}
+
+/// An HTTP rule matched by path prefix, as a new user writes one for a gRPC service.
+const ORDERS_BY_PREFIX: &str =
+    r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/shop.v1.Orders/"]}}]}"#;
+
+#[test]
+fn an_http_rule_gives_the_grpc_calls_it_matches_grpcs_semantics() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_BY_PREFIX);
+
+    // A success is replayed through the hop (its message and trailers), not as a local
+    // reply a client would read as UNKNOWN with the recorded frame as its message.
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer(&host, &mut first, b"placed", &[("grpc-status", "0")]);
+    host.take_effects();
+    let (_, verdict) = call(&host, &plugin, Some("k1"), b"order");
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(host
+        .request_header_edits
+        .borrow()
+        .contains(&(":path".to_string(), REPLAY_PATH.as_bytes().to_vec())));
+    assert!(replies(&host.take_effects()).is_empty());
+    assert_eq!(host.counter("orders", Outcome::Replayed), 1);
+
+    // UNAVAILABLE in the trailers (HTTP 200) releases the claim: the retry runs.
+    let (mut transient, _) = call(&host, &plugin, Some("k2"), b"order");
+    answer(&host, &mut transient, b"", &[("grpc-status", "14")]);
+    assert_eq!(host.counter("orders", Outcome::Released), 1);
+    let (retry, verdict) = call(&host, &plugin, Some("k2"), b"order");
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(is_executing(&retry));
+
+    // The filter's own answers are gRPC statuses, not a 409 or a 400.
+    host.take_effects();
+    call(&host, &plugin, Some("k2"), b"order");
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.len()), (200, 0));
+    assert_eq!(
+        value(&headers, "grpc-status"),
+        Some("10"),
+        "in flight: ABORTED"
+    );
+    call(&host, &plugin, None, b"order");
+    let (status, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(status, 200);
+    assert_eq!(
+        value(&headers, "grpc-status"),
+        Some("3"),
+        "no key: INVALID_ARGUMENT"
+    );
+
+    // The rule's HTTP requests keep HTTP's semantics.
+    let (_, _) = send(
+        &host,
+        &plugin,
+        &post_headers("/shop.v1.Orders/PlaceOrder", None),
+        b"{}",
+    );
+    let (status, _, _) = the_reply(&host.take_effects());
+    assert_eq!(status, 400);
+    assert_eq!(host.counter("orders", Outcome::GrpcOnHttpRule), 0);
+}
+
+#[test]
+fn grpc_calls_on_an_http_rule_that_reads_the_body_pass_unprotected_and_counted() {
+    let host = FakeHost::default();
+    let config = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/shop.v1.Orders/"]},
+        "key":{"sources":[{"json":"/id"}]}}]}"#;
+    let plugin = plugin(&host, config);
+    for key in ["k1", "k1"] {
+        let (request, verdict) = call(&host, &plugin, Some(key), b"order");
+        assert_eq!(verdict, Verdict::Continue);
+        assert!(matches!(request.state(), Journey::Unprotected));
+    }
+    assert!(replies(&host.take_effects()).is_empty());
+    assert_eq!(host.counter("orders", Outcome::GrpcOnHttpRule), 2);
+    assert_eq!(host.counter("orders", Outcome::Executed), 0);
+
+    // gRPC-Web carries its status in the body: never protected as HTTP, even by a rule
+    // whose key a gRPC call could give.
+    let host = FakeHost::default();
+    let by_header = super::plugin(&host, ORDERS_BY_PREFIX);
+    let mut web = grpc_headers(PLACE, Some("k1"));
+    web[3] = ("content-type", "application/grpc-web+proto");
+    let (request, _) = send(&host, &by_header, &web, &frame(b"x"));
+    assert!(matches!(request.state(), Journey::Unprotected));
+    assert!(replies(&host.take_effects()).is_empty());
+    assert_eq!(host.counter("orders", Outcome::GrpcOnHttpRule), 1);
+    assert_eq!(host.counter("orders", Outcome::Executed), 0);
+}
+
+#[test]
+fn an_echo_sharing_the_filters_vm_id_is_refused_whichever_comes_first() {
+    let host = FakeHost::default();
+    let filter = configured_root(&host, ORDERS_GRPC, 1);
+    let tables_key = format!("{}/idempotency/v2/tables", crate::plugin::NAMESPACE);
+    let tables = host.get(&tables_key).unwrap();
+    // Later than the mark's life: the filter's tick renews it.
+    host.clock_ms.set(host.clock_ms.get() + 60_000);
+    let mut filter = filter;
+    filter.on_tick(&host);
+    *host.configuration.borrow_mut() = br#"{"grpc_replay_echo":true}"#.to_vec();
+    let mut echo = crate::plugin::root::PluginRoot::new(2);
+    assert!(
+        !echo.on_configure(&host),
+        "the echo shares the filter's vm_id"
+    );
+    assert!(echo.new_request(3).is_none());
+    assert_eq!(
+        host.get(&tables_key).unwrap(),
+        tables,
+        "the refused echo laid out no table"
+    );
+
+    // Once the filter is gone (its mark no longer renewed) the echo may run there, and then a
+    // filter may not.
+    drop(filter);
+    host.clock_ms.set(host.clock_ms.get() + 60_000);
+    let _echo = configured_root(&host, r#"{"grpc_replay_echo":true}"#, 4);
+    *host.configuration.borrow_mut() = ORDERS_GRPC.as_bytes().to_vec();
+    let mut late_filter = crate::plugin::root::PluginRoot::new(5);
+    assert!(!late_filter.on_configure(&host));
+}
+
+#[test]
+fn an_echo_in_another_vm_with_the_filters_vm_id_leaves_its_table_alone() {
+    // Same vm_id, other VM settings: Envoy starts two VMs, which share one shared-data map.
+    let host = FakeHost::default();
+    let tables_key = format!("{}/idempotency/v2/tables", crate::plugin::NAMESPACE);
+    let _filter = plugin(&host, ORDERS_GRPC);
+    let tables = host.get(&tables_key).unwrap();
+    let _echo = plugin(&host, r#"{"grpc_replay_echo":true}"#);
+    assert_eq!(host.get(&tables_key).unwrap(), tables);
 }
