@@ -55,6 +55,9 @@ pub struct Plugin {
     /// Unknown outcomes, logged once per burst (an upstream that times out does it to every
     /// write; each one is in the access log and the counters anyway).
     pub unknown_outcome_log: RefCell<BurstLog>,
+    /// Requests Envoy answered before they reached the upstream, logged once per burst (an
+    /// upstream that is down or refuses streams does it to every write).
+    pub never_reached_log: RefCell<BurstLog>,
     /// Keeps `table` in step with the tables other configurations use or retired.
     pub upkeep: TableUpkeep,
     /// How long evicted records had been kept.
@@ -114,6 +117,7 @@ impl Plugin {
             store_failures: RefCell::new(BurstLog::new(10_000)),
             table_full_log: RefCell::new(BurstLog::new(10_000)),
             unknown_outcome_log: RefCell::new(BurstLog::new(10_000)),
+            never_reached_log: RefCell::new(BurstLog::new(10_000)),
             upkeep,
             retention: Retention::define(host),
             waits: Waits::default(),
