@@ -9,7 +9,9 @@ import copy
 import json
 import os
 import re
+import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -25,6 +27,7 @@ BODY_OMITTED = "idempotent-body-omitted"
 TIMEOUT = client.TIMEOUT
 UPSTREAM_CLUSTER = "demo_upstream"
 STORE_CLUSTER = "idempotency_store"
+REFUSING_H2_SERVER = Path(__file__).resolve().parent / "refusing_h2_server.py"
 
 # Lines a healthy run never logs: the module's panic hook ("idempotency: panic: ..."), a
 # trap in any proxy_on_* callback, or a V8 runtime error with its in-VM backtrace.
@@ -199,6 +202,55 @@ def add_refused_cluster(config: dict) -> None:
         "load_assignment": {"cluster_name": "refused", "endpoints": [{"lb_endpoints": [{
             "endpoint": {"address": {"socket_address": {
                 "address": harness.LOOPBACK, "port_value": harness.free_port()}}}}]}]},
+    })
+
+
+@dataclass
+class RefusingH2Server:
+    """``refusing_h2_server.py`` running: an HTTP/2 upstream that refuses the first stream
+    of every idempotency key unprocessed and executes the later ones."""
+
+    process: harness.ManagedProcess
+    port: int
+    control_port: int
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        resp = client.get(f"http://{harness.LOOPBACK}:{self.control_port}/counts", timeout=5)
+        resp.raise_for_status()
+        return resp.json()
+
+    def refused(self, key: str) -> int:
+        return self.counts()["refused"].get(key, 0)
+
+    def executions(self, key: str) -> int:
+        return self.counts()["executions"].get(key, 0)
+
+
+def start_refusing_h2_server(procs: harness.ProcessGroup) -> RefusingH2Server:
+    port, control_port = harness.free_port(), harness.free_port()
+    proc = procs.process([sys.executable, str(REFUSING_H2_SERVER), "--port", str(port),
+                          "--control-port", str(control_port)], name="refusing-h2")
+    # The control port is served before the HTTP/2 one listens.
+    harness.wait_for_tcp(port, timeout=20, proc=proc)
+    return RefusingH2Server(proc, port, control_port)
+
+
+def add_h2_cluster(config: dict, name: str, port: int) -> None:
+    """Adds the cluster ``name`` to an Envoy config (for a ``mutate``): one loopback endpoint
+    on ``port`` that Envoy speaks HTTP/2 to (cleartext, prior knowledge)."""
+    config["static_resources"]["clusters"].append({
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{
+            "endpoint": {"address": {"socket_address": {
+                "address": harness.LOOPBACK, "port_value": port}}}}]}]},
     })
 
 

@@ -28,7 +28,7 @@ from grpc_calls import (
     start_server,
     with_store,
 )
-from helpers import crash_lines, rule_counter, wasm_path
+from helpers import crash_lines, rule_counter, start_refusing_h2_server, wasm_path
 
 REPLAYED = "idempotent-replayed"
 PROBLEM = "idempotency-problem-type"
@@ -157,6 +157,22 @@ def test_a_client_retry_policy_over_a_transient_failure_executes_once(edge, serv
     assert (server.attempts(key), server.executions(key)) == (2, 1)
     assert call(retrying, key).initial[REPLAYED] == "true"
     assert server.executions(key) == 1
+
+
+def test_a_call_whose_stream_the_upstream_refused_is_retried_by_the_client_policy_and_runs_once(procs) -> None:
+    """The service refuses the call's HTTP/2 stream unprocessed (RST_STREAM REFUSED_STREAM):
+    Envoy answers UNAVAILABLE, the key is released, and the client policy's retry runs the
+    call, instead of FAILED_PRECONDITION outcome-unknown until the TTL."""
+    refusing = start_refusing_h2_server(procs)
+    envoy = start_envoy(procs, refusing)
+    key = new_key()
+    answer = call(channel(envoy, retry_policy(["UNAVAILABLE"])), key)
+    assert answer.code == grpc.StatusCode.OK and answer.message == b"placed:1", answer
+    assert call(envoy, key).initial[REPLAYED] == "true"
+    assert (refusing.refused(key), refusing.executions(key)) == (1, 1)
+    assert rule_counter(envoy, "orders", "released") == 1
+    assert rule_counter(envoy, "orders", "outcome_unknown") == 0
+    assert crash_lines(envoy.process.log_text()) == []
 
 
 def test_a_route_timeout_retried_by_the_client_policy_is_not_run_again(procs, server) -> None:

@@ -2,7 +2,8 @@
 the upstream never runs twice (docs/guarantees.md "Unknown outcomes").
 
 Envoy from envoy/envoy.yaml, with routes added for each way Envoy gives up: a route timeout
-shorter than the write, a retry policy with a per-try timeout, a cluster nobody listens on.
+shorter than the write, a retry policy with a per-try timeout, a cluster nobody listens on,
+an HTTP/2 upstream that refuses streams.
 Each test counts the demo upstream's executions of its own path. Single-proxy mode (the
 sample's plugin configuration without its store), then cluster mode (two Envoys sharing one
 store), since a retry of an unknown outcome may land on any replica.
@@ -27,6 +28,7 @@ from helpers import (
     line_for,
     new_key,
     post,
+    add_h2_cluster,
     add_refused_cluster,
     prepend_routes,
     problem,
@@ -34,6 +36,7 @@ from helpers import (
     rule_counter,
     sample_single_proxy_config,
     start_envoy,
+    start_refusing_h2_server,
     unique_path,
 )
 
@@ -42,6 +45,8 @@ SLOW_ROUTE = "/edge-slow"  # route timeout 1 s
 RETRIED = "/edge-retried"  # retry_policy 5xx,reset x2, per-try timeout 1 s (Istio's shape)
 REFUSED = "/edge-refused"  # a cluster whose port nobody listens on
 PLAIN = "/edge"  # the sample's 15 s route
+H2_REFUSING = "/edge-h2"  # an HTTP/2 upstream that refuses each key's first stream
+H2_REFUSING_RETRIED = "/edge-h2-retried"  # the same, under Istio's retry on refused streams
 EDGE_RULE = "edge"
 
 
@@ -210,6 +215,54 @@ def test_on_unknown_outcome_release_frees_the_key_as_before(procs) -> None:
     assert again.status_code == 201 and again.headers["x-execution"] == "2"
     assert rule_counter(envoy, EDGE_RULE, "outcome_unknown") == 1
     assert rule_counter(envoy, EDGE_RULE, "released") == 1
+
+
+def refusing_h2_routes(server_port: int) -> Any:
+    """``mutate``: the routes above, and the ``H2_REFUSING`` routes to the refusing HTTP/2
+    upstream on ``server_port``."""
+    def mutate(config: dict) -> None:
+        add_routes(config)
+        prepend_routes(config, [
+            {"name": "edge-h2", "match": {"prefix": H2_REFUSING + "/"},
+             "route": {"cluster": "refusing_h2", "timeout": "5s"}},
+            {"name": "edge-h2-retried", "match": {"prefix": H2_REFUSING_RETRIED + "/"},
+             "route": {"cluster": "refusing_h2", "timeout": "5s",
+                       "retry_policy": {"retry_on": "refused-stream,reset,5xx", "num_retries": 2}}},
+        ])
+        add_h2_cluster(config, "refusing_h2", server_port)
+    return mutate
+
+
+@pytest.mark.parametrize("refusal,route", [("rst", H2_REFUSING), ("goaway", H2_REFUSING),
+                                           ("rst", H2_REFUSING_RETRIED)])
+def test_a_stream_the_http2_upstream_refused_is_released_and_its_retry_runs(procs, refusal, route) -> None:
+    """An HTTP/2 server above its stream limit answers RST_STREAM(REFUSED_STREAM); one going
+    away in a rolling restart sends GOAWAY below the stream. Either way the stream provably
+    did not run (RFC 9113 8.7): Envoy's 503 (``UR``) frees the key, and the retry with the
+    same key executes once, instead of 409 outcome-unknown until the TTL. A route that
+    retries refused streams still makes one attempt: the filter caps it."""
+    server = start_refusing_h2_server(procs)
+    envoy = start_envoy(procs, procs.upstream(), single_proxy_config(), name="envoy-h2-refusing",
+                        mutate=refusing_h2_routes(server.port))
+    path, key = unique_path(route), new_key()
+    request_id = f"refused-{new_key()}"
+    first = post(envoy, path, key=key, headers={"x-test-refuse": refusal, "x-request-id": request_id})
+    assert first.status_code == 503 and "problem+json" not in first.headers.get("content-type", ""), \
+        first.content[:200]
+    assert (server.refused(key), server.executions(key)) == (1, 0)
+    line = line_for(envoy, request_id)
+    assert line["idempotency_outcome"] == "executed+released", line
+    assert "UR" in line["flags"].split(","), line
+    assert "released: the request never reached the upstream (status 503, flags " in envoy.log_text()
+    assert "details upstream_reset_before_response_started{remote_refused_stream_reset}, attempts 1)" \
+        in envoy.log_text()
+    again = post(envoy, path, key=key)
+    assert again.status_code == 201 and again.headers["x-execution"] == "1", again.content[:200]
+    assert is_replay(post(envoy, path, key=key))
+    assert (server.refused(key), server.executions(key)) == (1, 1)
+    assert rule_counter(envoy, EDGE_RULE, "released") == 1
+    assert rule_counter(envoy, EDGE_RULE, "outcome_unknown") == 0
+    assert not crash_lines(envoy.log_text())
 
 
 # --------------------------------------------------------------------------

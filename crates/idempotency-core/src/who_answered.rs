@@ -45,6 +45,15 @@ const NEVER_SENT: u64 = flag::FAILED_LOCAL_HEALTH_CHECK
     | flag::DROP_OVERLOAD
     | flag::UPSTREAM_RETRY_LIMIT_EXCEEDED;
 
+/// Envoy's `response.code_details` for a reset before the response began:
+/// `upstream_reset_before_response_started{<reason>}`, a transport failure after the reason
+/// behind `|` when there is one.
+const RESET_BEFORE_RESPONSE: &str = "upstream_reset_before_response_started{";
+/// The reset reason of an HTTP/2 or HTTP/3 stream the upstream refused: `REFUSED_STREAM`, or
+/// a stream above the last one its `GOAWAY` accepted (Envoy 1.36 and 1.40 report both so,
+/// with the flag `UR`). The server did not process it (RFC 9113 8.7).
+const REFUSED_STREAM: &str = "remote_refused_stream_reset";
+
 /// Envoy's `response.code_details` for a response the upstream sent.
 const VIA_UPSTREAM: &str = "via_upstream";
 /// ... and for the answer of a route that answers itself (`direct_response`): that route's
@@ -122,6 +131,12 @@ impl EnvoyReport {
         if attempts <= 1 && self.flags != 0 && self.flags & !NEVER_SENT == 0 {
             return Answerer::NeverReached;
         }
+        // A stream the upstream refused did not run; the flag `UR` alone does not tell it
+        // from a reset after the upstream took the request, its details do. After an earlier
+        // attempt, that attempt may have run it.
+        if attempts <= 1 && self.is_refused_stream() {
+            return Answerer::NeverReached;
+        }
         // Without details (none given) and without a flag, Envoy reports nothing wrong: the
         // response is the upstream's, as before Envoy reported details.
         if self.details.is_none() && self.flags == 0 && self.status != 0 {
@@ -132,6 +147,20 @@ impl EnvoyReport {
         Answerer::Unknown
     }
 
+    /// The upstream refused the stream (`UR`, and a retry policy's `URX` at most): the reset
+    /// reason in the details, not the flag, says so.
+    fn is_refused_stream(&self) -> bool {
+        let reason = self
+            .details
+            .as_deref()
+            .and_then(|details| details.strip_prefix(RESET_BEFORE_RESPONSE))
+            .and_then(|rest| rest.split(['|', '}']).next());
+        reason == Some(REFUSED_STREAM)
+            && self.flags & flag::UPSTREAM_REMOTE_RESET != 0
+            && self.flags & !(flag::UPSTREAM_REMOTE_RESET | flag::UPSTREAM_RETRY_LIMIT_EXCEEDED)
+                == 0
+    }
+
     /// What the record of an unknown outcome keeps of this report.
     pub fn as_unknown_outcome(&self) -> UnknownOutcome {
         UnknownOutcome {
@@ -139,6 +168,23 @@ impl EnvoyReport {
             response_flags: self.flags,
             details: self.details.clone().unwrap_or_default(),
             attempts: self.attempts.unwrap_or(0),
+        }
+    }
+}
+
+/// What Envoy reported, for a log line: `status 503, flags UR, details ..., attempts 1`.
+impl std::fmt::Display for EnvoyReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "status {}, flags {}, details {}, attempts ",
+            self.status,
+            flag_names(self.flags),
+            self.details.as_deref().unwrap_or("-")
+        )?;
+        match self.attempts {
+            Some(n) => write!(f, "{n}"),
+            None => f.write_str("-"),
         }
     }
 }
@@ -161,10 +207,7 @@ const RESETS_BEFORE_SENDING: [(&str, u64); 6] = [
     ("connection failure", flag::UPSTREAM_CONNECTION_FAILURE),
     ("connection timeout", flag::UPSTREAM_CONNECTION_FAILURE),
     ("overflow", flag::UPSTREAM_OVERFLOW),
-    (
-        "remote refused stream reset",
-        flag::UPSTREAM_CONNECTION_FAILURE,
-    ),
+    ("remote refused stream reset", flag::UPSTREAM_REMOTE_RESET),
 ];
 
 impl EnvoyReport {
@@ -315,6 +358,18 @@ mod tests {
                 flag::UPSTREAM_OVERFLOW,
                 1,
             ),
+            // An HTTP/2 stream the upstream refused (RST_STREAM REFUSED_STREAM, or above its
+            // GOAWAY), as Envoy 1.36 and 1.40 report it; with a retry policy capped at none.
+            (
+                "upstream_reset_before_response_started{remote_refused_stream_reset}",
+                flag::UPSTREAM_REMOTE_RESET,
+                1,
+            ),
+            (
+                "upstream_reset_before_response_started{remote_refused_stream_reset}",
+                flag::UPSTREAM_REMOTE_RESET | flag::UPSTREAM_RETRY_LIMIT_EXCEEDED,
+                1,
+            ),
             ("route_not_found", flag::NO_ROUTE_FOUND, 0),
             ("cluster_not_found", flag::NO_CLUSTER_FOUND, 0),
             // A filter after this one answered: the router never ran.
@@ -368,6 +423,33 @@ mod tests {
                 "upstream_reset_before_response_started{remote_connection_failure}",
                 flag::UPSTREAM_CONNECTION_FAILURE | flag::UPSTREAM_RETRY_LIMIT_EXCEEDED,
                 2,
+            ),
+            // A refused stream after an earlier attempt, which may have run the write.
+            (
+                503,
+                "upstream_reset_before_response_started{remote_refused_stream_reset}",
+                flag::UPSTREAM_REMOTE_RESET | flag::UPSTREAM_RETRY_LIMIT_EXCEEDED,
+                2,
+            ),
+            // Refused, say the details, but a flag besides `UR` says something else happened
+            // too; and `UR` with another reason is a reset after the upstream took the request.
+            (
+                503,
+                "upstream_reset_before_response_started{remote_refused_stream_reset}",
+                flag::UPSTREAM_REMOTE_RESET | flag::UPSTREAM_REQUEST_TIMEOUT,
+                1,
+            ),
+            (
+                503,
+                "upstream_reset_before_response_started{remote_refused_stream_reset_later}",
+                flag::UPSTREAM_REMOTE_RESET,
+                1,
+            ),
+            (
+                503,
+                "upstream_reset_after_response_started{remote_refused_stream_reset}",
+                flag::UPSTREAM_REMOTE_RESET,
+                1,
             ),
             // The client left after the router made its attempt (Envoy reports one even when
             // the request had not been written to the upstream yet).
@@ -430,7 +512,7 @@ mod tests {
                 "upstream connect error or disconnect/reset before headers. reset reason: {reason}"
             )
         };
-        for reason in ["connection failure, transport failure reason: delayed connect error: Connection refused", "remote connection failure", "overflow"] {
+        for reason in ["connection failure, transport failure reason: delayed connect error: Connection refused", "remote connection failure", "overflow", "remote refused stream reset"] {
             assert_eq!(of(503, &reset(reason), 3), Answerer::NeverReached, "{reason}");
         }
         for reason in [
@@ -448,6 +530,26 @@ mod tests {
         assert_eq!(
             report.details.as_deref(),
             Some("detached: upstream_timeout_ms passed")
+        );
+    }
+
+    #[test]
+    fn a_report_prints_what_envoy_said() {
+        let refused = report(
+            503,
+            "upstream_reset_before_response_started{remote_refused_stream_reset}",
+            flag::UPSTREAM_REMOTE_RESET,
+            1,
+        );
+        assert_eq!(
+            refused.to_string(),
+            "status 503, flags UR, details \
+             upstream_reset_before_response_started{remote_refused_stream_reset}, attempts 1"
+        );
+        let silent = EnvoyReport::default();
+        assert_eq!(
+            silent.to_string(),
+            "status 0, flags -, details -, attempts -"
         );
     }
 

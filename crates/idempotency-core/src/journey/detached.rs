@@ -211,6 +211,8 @@ impl RequestJourney {
         };
         let _recorded = if answerer == Answerer::Unknown {
             self.unknown_outcome(host, run, &report)
+        } else if answerer == Answerer::NeverReached {
+            self.never_reached(host, run, &report)
         } else if releases {
             self.release(host, run)
         } else {

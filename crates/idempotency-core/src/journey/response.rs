@@ -41,7 +41,7 @@ impl RequestJourney {
                 // Who answered is still known to Envoy; what the status was is not.
                 let report = EnvoyReport::read(host, 0);
                 return match report.answerer() {
-                    Answerer::NeverReached => self.release(host, run),
+                    Answerer::NeverReached => self.never_reached(host, run, &report),
                     Answerer::Upstream { .. } | Answerer::Unknown => {
                         self.unknown_outcome(host, run, &report)
                     }
@@ -65,7 +65,7 @@ impl RequestJourney {
                     };
                 }
             }
-            Answerer::NeverReached => return self.release(host, run),
+            Answerer::NeverReached => return self.never_reached(host, run, &report),
             Answerer::Unknown => return self.unknown_outcome(host, run, &report),
         }
         let replay_header = &rule.rule.replay_header;
@@ -144,13 +144,37 @@ impl RequestJourney {
             None => {
                 let report = EnvoyReport::read(host, 0);
                 match report.answerer() {
-                    Answerer::NeverReached => self.release(host, run),
+                    Answerer::NeverReached => self.never_reached(host, run, &report),
                     Answerer::Upstream { .. } | Answerer::Unknown => {
                         self.unknown_outcome(host, run, &report)
                     }
                 }
             }
         }
+    }
+
+    /// Envoy answered a request that provably never reached the upstream (no host, no
+    /// connection, a circuit breaker, a stream the upstream refused): the write did not run,
+    /// so its key is freed and the retry runs it.
+    pub(super) fn never_reached(
+        &self,
+        host: &impl Host,
+        run: Execution,
+        report: &EnvoyReport,
+    ) -> Step {
+        let admitted = self
+            .plugin
+            .never_reached_log
+            .borrow_mut()
+            .admit(host.now_ms());
+        if let Some(suppressed) = admitted {
+            log::info!(
+                "rule {}: released: the request never reached the upstream ({report}); its \
+                 retry runs ({suppressed} similar not logged)",
+                run.rule.rule.name,
+            );
+        }
+        self.release(host, run)
     }
 
     /// The request may have reached the upstream and no answer of the upstream's came back:
@@ -172,13 +196,8 @@ impl RequestJourney {
             .admit(host.now_ms());
         if let Some(suppressed) = admitted {
             log::warn!(
-                "rule {}: outcome unknown (status {}, flags {}, details {}, attempts {}); {} \
-                 ({suppressed} similar not logged)",
+                "rule {}: outcome unknown ({report}); {} ({suppressed} similar not logged)",
                 rule.rule.name,
-                report.status,
-                flag_names(report.flags),
-                report.details.as_deref().unwrap_or("-"),
-                report.attempts.map_or("-".to_string(), |n| n.to_string()),
                 if release {
                     "key released (on_unknown_outcome: release)"
                 } else {

@@ -59,6 +59,9 @@ pub struct Plugin {
     /// Replay hops that did not reach the replay echo (its route is missing), logged once
     /// per burst: every retry of a recorded call with a message fails the same way.
     pub echo_unrouted_log: RefCell<BurstLog>,
+    /// Requests Envoy answered before they reached the upstream, logged once per burst (an
+    /// upstream that is down or refuses streams does it to every write).
+    pub never_reached_log: RefCell<BurstLog>,
     /// Keeps `table` in step with the tables other configurations use or retired.
     pub upkeep: TableUpkeep,
     /// How long evicted records had been kept.
@@ -129,6 +132,7 @@ impl Plugin {
             table_full_log: RefCell::new(BurstLog::new(10_000)),
             unknown_outcome_log: RefCell::new(BurstLog::new(10_000)),
             echo_unrouted_log: RefCell::new(BurstLog::new(10_000)),
+            never_reached_log: RefCell::new(BurstLog::new(10_000)),
             upkeep,
             retention: Retention::define(host),
             waits: Waits::default(),

@@ -271,6 +271,50 @@ fn transient_statuses_release_the_claim_and_the_retry_executes() {
 }
 
 #[test]
+fn a_call_whose_stream_the_upstream_refused_is_released_and_its_retry_executes() {
+    for (attempts, retry_runs) in [(1, true), (2, false)] {
+        let host = FakeHost::default();
+        let plugin = plugin(&host, ORDERS_GRPC);
+        let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+        // Envoy's own answer to the refused stream: trailers-only UNAVAILABLE.
+        envoy_reports(
+            &host,
+            REFUSED_STREAM,
+            crate::who_answered::flag::UPSTREAM_REMOTE_RESET,
+            attempts,
+        );
+        host.set_response(
+            &[
+                (":status", "200"),
+                ("content-type", "application/grpc"),
+                ("grpc-status", "14"),
+                ("grpc-message", "upstream connect error or disconnect/reset before headers. reset reason: remote refused stream reset"),
+            ],
+            b"",
+        );
+        first.on(
+            &host,
+            Event::ResponseHeaders {
+                end_of_stream: true,
+            },
+        );
+        first.on(&host, Event::StreamEnd);
+        host.take_effects();
+        let (second, verdict) = call(&host, &plugin, Some("k1"), b"order");
+        if retry_runs {
+            assert_eq!(host.counter("orders", Outcome::Released), 1);
+            assert_eq!(verdict, Verdict::Continue);
+            assert!(is_executing(&second));
+        } else {
+            // Refused after an earlier attempt that may have run it: FAILED_PRECONDITION.
+            assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 1);
+            let (_, headers, _) = the_reply(&host.take_effects());
+            assert_eq!(value(&headers, "grpc-status"), Some("9"));
+        }
+    }
+}
+
+#[test]
 fn a_rules_own_release_list_replaces_the_default() {
     let host = FakeHost::default();
     let config = r#"{"rules":[{"name":"orders","match":{"grpc_methods":["shop.v1.Orders/PlaceOrder"]},

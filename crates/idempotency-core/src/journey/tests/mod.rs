@@ -160,6 +160,11 @@ pub(super) fn respond(host: &FakeHost, request: &mut RequestJourney, status: u16
 
 /// What Envoy reports of the stream: `response.code_details`, `response.flags` and
 /// `upstream.request_attempt_count`, as the host hands them to the filter.
+/// Envoy's `response.code_details` for a stream the HTTP/2 upstream refused (flag `UR`), on
+/// 1.36 and 1.40.
+pub(super) const REFUSED_STREAM: &str =
+    "upstream_reset_before_response_started{remote_refused_stream_reset}";
+
 pub(super) fn envoy_reports(host: &FakeHost, details: &str, flags: u64, attempts: i64) {
     let mut properties = host.properties.borrow_mut();
     properties.insert("response.code_details".into(), details.as_bytes().to_vec());

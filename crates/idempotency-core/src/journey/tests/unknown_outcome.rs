@@ -17,6 +17,7 @@ use crate::who_answered::flag;
 
 const UT: u64 = flag::UPSTREAM_REQUEST_TIMEOUT;
 const URX: u64 = flag::UPSTREAM_RETRY_LIMIT_EXCEEDED;
+const UR: u64 = flag::UPSTREAM_REMOTE_RESET;
 
 /// Envoy answers `status` itself (or the upstream does, with details `via_upstream`).
 fn answered(
@@ -111,6 +112,7 @@ fn envoys_timeouts_and_resets_after_sending_are_unknown_outcomes_kept_past_the_l
             0x20 | URX,
             2,
         ),
+        (503, REFUSED_STREAM, UR | URX, 2),
     ] {
         let host = FakeHost::default();
         let plugin = plugin(&host, ORDERS);
@@ -151,6 +153,9 @@ fn envoys_answers_to_a_request_that_never_reached_the_upstream_free_the_key() {
             1,
         ),
         ("cluster_not_found", flag::NO_CLUSTER_FOUND, 0),
+        // An HTTP/2 upstream refused the stream (above its stream limit, or going away).
+        (REFUSED_STREAM, UR, 1),
+        (REFUSED_STREAM, UR | URX, 1),
     ] {
         let host = FakeHost::default();
         let plugin = plugin(&host, ORDERS);
