@@ -72,10 +72,14 @@ PRODUCT_PLUGIN = harness.get_plugin_configuration(PRODUCT)
 
 
 def plugin_config(*, capacity: int, ttl_s: int, lease_s: int, store: bool, transport: str | None = None) -> dict:
-    """The product's plugin configuration with the table size and timings of a run; the
-    store section (cluster mode) kept with the bench token, or removed (single-proxy).
+    """The product's plugin configuration with the table size and timings of a run, without
+    its access-log fields; the store section (cluster mode) kept with the bench token, or
+    removed (single-proxy).
     ``transport`` sets `store.transport` (unset: the filter's default, the gRPC stream)."""
     cfg = copy.deepcopy(PRODUCT_PLUGIN)
+    # The filter's default: the sample publishes access-log fields for its demo log, three
+    # host calls a request that a deployment pays only if it asks for them.
+    cfg.pop("access_log_fields", None)
     cfg["local_table"] = {"capacity": capacity, "max_bytes": budget_for(capacity)}
     for rule in cfg["rules"]:
         rule["ttl_seconds"] = ttl_s

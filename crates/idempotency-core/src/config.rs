@@ -25,6 +25,9 @@ struct RawConfig {
     /// This plugin is the far end of gRPC replays' hops (see `grpc::echo`), and only that.
     #[serde(default)]
     grpc_replay_echo: bool,
+    /// Publish the rule, outcome and key hash as filter state for Envoy's access log.
+    #[serde(default)]
+    access_log_fields: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -422,6 +425,10 @@ pub struct Config {
     pub(crate) needs_virtual_host: bool,
     /// The plugin answers gRPC replays' hops and protects nothing (`grpc_replay_echo`).
     pub grpc_replay_echo: bool,
+    /// Each protected request publishes `idempotency_rule`, `idempotency_outcome` and
+    /// `idempotency_key_hash` as filter state (`access_log_fields`): three host calls a
+    /// request, so only when asked for.
+    pub access_log_fields: bool,
 }
 
 /// One rule: which requests it protects and how.
@@ -567,6 +574,7 @@ impl Config {
             needs_route_name: rules.iter().any(|r| !r.matcher.route_names.is_empty()),
             needs_virtual_host: rules.iter().any(|r| !r.matcher.virtual_hosts.is_empty()),
             grpc_replay_echo: raw.grpc_replay_echo,
+            access_log_fields: raw.access_log_fields,
             rules,
         })
     }

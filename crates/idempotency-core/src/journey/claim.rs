@@ -32,7 +32,9 @@ impl RequestJourney {
         fingerprint: Digest,
     ) -> Step {
         let plugin = &self.plugin;
-        access_log::publish_key(host, &key);
+        if plugin.config.access_log_fields {
+            access_log::publish_key(host, &key);
+        }
         let owner = plugin.owners.next();
         let now = host.now_ms();
         let name = &rule.rule.name;

@@ -99,7 +99,9 @@ impl RequestJourney {
             }
             Selection::MethodNotCovered | Selection::NoRule => return pass(),
         };
-        access_log::publish_rule(host, &rule.rule.name);
+        if self.plugin.config.access_log_fields {
+            access_log::publish_rule(host, &rule.rule.name);
+        }
         let Some(rule) = self.rule_for_call(host, rule, text("content-type")) else {
             return pass();
         };

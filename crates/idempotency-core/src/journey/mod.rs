@@ -374,7 +374,9 @@ impl RequestJourney {
     /// Counts what happened to this request and adds it to its access-log outcome.
     fn note(&self, host: &impl Host, rule: &RuleHandle, outcome: Outcome) {
         rule.count(host, outcome);
-        self.decisions.add(host, outcome);
+        if self.plugin.config.access_log_fields {
+            self.decisions.add(host, outcome);
+        }
     }
 
     /// Sends a problem+json reply and stops the request here.

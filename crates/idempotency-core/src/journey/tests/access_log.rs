@@ -7,6 +7,11 @@ use wasm_bindgen_test::wasm_bindgen_test as test;
 
 use super::*;
 use crate::journey::access_log::{KEY_HASH, KEY_HASH_HEX, OUTCOME, RULE};
+use crate::outcome::Outcome;
+
+/// ORDERS, publishing its fields.
+const LOGGED: &str = r#"{"access_log_fields":true,
+    "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]}}]}"#;
 
 fn published(host: &FakeHost) -> (Option<String>, Option<String>, Option<String>) {
     (
@@ -19,7 +24,7 @@ fn published(host: &FakeHost) -> (Option<String>, Option<String>, Option<String>
 #[test]
 fn an_executed_write_then_its_replay_publish_the_rule_the_outcome_and_the_same_key_hash() {
     let host = FakeHost::default();
-    let plugin = plugin(&host, ORDERS);
+    let plugin = plugin(&host, LOGGED);
     let (mut first, _) = post(&host, &plugin, "k1", b"{}");
     let (rule, outcome, hash) = published(&host);
     assert_eq!(rule.as_deref(), Some("orders"));
@@ -50,7 +55,7 @@ fn an_executed_write_then_its_replay_publish_the_rule_the_outcome_and_the_same_k
 #[test]
 fn every_outcome_of_a_request_is_published_in_order() {
     let host = FakeHost::default();
-    let plugin = plugin(&host, ORDERS);
+    let plugin = plugin(&host, LOGGED);
     let (mut first, _) = post(&host, &plugin, "k1", b"{}");
     post(&host, &plugin, "k1", b"{}");
     assert_eq!(host.published(OUTCOME).as_deref(), Some("conflict"));
@@ -65,7 +70,7 @@ fn every_outcome_of_a_request_is_published_in_order() {
 #[test]
 fn a_refused_request_publishes_its_rule_and_why_and_an_unprotected_one_nothing() {
     let host = FakeHost::default();
-    let plugin = plugin(&host, ORDERS);
+    let plugin = plugin(&host, LOGGED);
     send(&host, &plugin, &post_headers("/orders", None), b"{}");
     assert_eq!(
         published(&host),
@@ -73,7 +78,7 @@ fn a_refused_request_publishes_its_rule_and_why_and_an_unprotected_one_nothing()
     );
 
     let host = FakeHost::default();
-    let plugin = super::plugin(&host, ORDERS);
+    let plugin = super::plugin(&host, LOGGED);
     send(
         &host,
         &plugin,
@@ -81,4 +86,20 @@ fn a_refused_request_publishes_its_rule_and_why_and_an_unprotected_one_nothing()
         b"{}",
     );
     assert_eq!(published(&host), (None, None, None));
+}
+
+#[test]
+fn without_access_log_fields_a_request_publishes_nothing() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut first, _) = post(&host, &plugin, "k1", b"{}");
+    respond(&host, &mut first, 201, b"ok");
+    post(&host, &plugin, "k1", b"{}");
+    send(&host, &plugin, &post_headers("/orders", None), b"{}");
+    assert_eq!(published(&host), (None, None, None));
+    assert_eq!(
+        host.counter("orders", Outcome::Replayed),
+        1,
+        "the paths ran"
+    );
 }

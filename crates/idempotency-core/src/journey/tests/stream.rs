@@ -23,6 +23,7 @@ const REQUEST: u32 = 7;
 fn config(policy: &str) -> String {
     format!(
         r#"{{"store":{{"cluster":"store","token":"s3cret","timeout_ms":250}},
+            "access_log_fields":true,
             "rules":[{{"name":"orders","match":{{"path_prefixes":["/orders"]}},
             "on_store_error":"{policy}","max_response_bytes":8388608}}]}}"#
     )

@@ -14,7 +14,7 @@ use crate::plugin::root::PluginRoot;
 use crate::plugin::waits::{MAX_WAITERS, WAIT_TICK_MS};
 
 const ROOT: u32 = 1;
-const WAIT: &str = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+const WAIT: &str = r#"{"access_log_fields":true,"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
     "on_in_flight":"wait","wait_ms":2000}]}"#;
 
 fn root(host: &FakeHost, config: &str) -> PluginRoot {
