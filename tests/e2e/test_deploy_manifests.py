@@ -379,6 +379,23 @@ def test_store_workloads_fit_the_image() -> None:
             assert pod["securityContext"]["fsGroup"] == user, name
 
 
+def test_the_embedded_store_is_bounded_below_its_volume() -> None:
+    """The StatefulSet's --max-db-bytes leaves its volume room for the completions of the
+    claims the store took once it is at the bound (docs/operations.md): at most 80 % of it."""
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+
+    def size(text: str) -> int:
+        number = text.rstrip("KMGiB")
+        return int(number) * units[text[len(number):]]
+
+    statefulset = one(ISTIO / "store.yaml", "StatefulSet")
+    args = statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
+    bound = next(a.split("=", 1)[1] for a in args if a.startswith("--max-db-bytes="))
+    claim, = statefulset["spec"]["volumeClaimTemplates"]
+    volume = claim["spec"]["resources"]["requests"]["storage"]
+    assert 0 < size(bound) <= 0.8 * size(volume), (bound, volume)
+
+
 def test_compose_runs_the_tested_envoy_config_and_ports() -> None:
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]

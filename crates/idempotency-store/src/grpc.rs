@@ -8,10 +8,11 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::admission::ConnectionAuth;
 use crate::metrics::Rejection;
 use crate::protocol::{self, BadRequest, ClaimBody, LeaseBody, RenewBody};
 use crate::server::{self, AppState, Verdict};
-use crate::storage::{ClaimOutcome, CompleteOutcome, ReleaseOutcome};
+use crate::storage::{ClaimOutcome, CompleteOutcome, ReleaseOutcome, StorageError};
 use crate::waits::{HeldWait, WaitOutcome};
 
 /// The generated messages, server and client.
@@ -136,7 +137,11 @@ impl StoreStreams {
     ) -> Result<Response<ReceiverStream<Result<pb::Answer, Status>>>, Status> {
         let headers = request.metadata().clone().into_headers();
         match self.state.auth.data_plane(&headers) {
-            Verdict::Allowed => {}
+            Verdict::Allowed => {
+                if let Some(auth) = request.extensions().get::<ConnectionAuth>() {
+                    auth.authenticated();
+                }
+            }
             Verdict::Unauthorized => {
                 self.state.metrics.rejected(Rejection::Unauthorized);
                 return Err(Status::unauthenticated(
@@ -357,7 +362,7 @@ impl HeldStreamWait {
         let answered = async {
             let reply = match server::wait_for(&state, &held, request).await {
                 Ok(outcome) => wait_reply(outcome),
-                Err(_) => unavailable(),
+                Err(e) => unavailable(&e),
             };
             // The room's place ends with the wait, not with the delivery of its answer.
             drop(held);
@@ -391,7 +396,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
             match protocol::validate_claim(raw) {
                 Ok(req) => match server::execute(state, req).await {
                     Ok(outcome) => claim_reply(outcome),
-                    Err(_) => unavailable(),
+                    Err(e) => unavailable(&e),
                 },
                 Err(bad) => refuse(state, bad),
             }
@@ -402,7 +407,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
                 Ok(req) => match server::execute(state, req).await {
                     Ok(CompleteOutcome::Completed) => Reply::Recorded(pb::Empty {}),
                     Ok(CompleteOutcome::NotOwner) => Reply::NotOwner(pb::Empty {}),
-                    Err(_) => unavailable(),
+                    Err(e) => unavailable(&e),
                 },
                 Err(bad) => refuse(state, bad),
             }
@@ -413,7 +418,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
             Ok(req) => match server::execute(state, req).await {
                 Ok(ReleaseOutcome::Released) => Reply::Released(pb::Empty {}),
                 Ok(ReleaseOutcome::NotOwner) => Reply::NotOwner(pb::Empty {}),
-                Err(_) => unavailable(),
+                Err(e) => unavailable(&e),
             },
             Err(bad) => refuse(state, bad),
         },
@@ -432,7 +437,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
             match protocol::validate_renew(raw) {
                 Ok(req) => match server::execute(state, req).await {
                     Ok(lost) => Reply::Renewed(pb::Renewed { lost }),
-                    Err(_) => unavailable(),
+                    Err(e) => unavailable(&e),
                 },
                 Err(bad) => refuse(state, bad),
             }
@@ -480,10 +485,9 @@ fn refuse(state: &AppState, bad: BadRequest) -> Reply {
     })
 }
 
-fn unavailable() -> Reply {
+fn unavailable(e: &StorageError) -> Reply {
     Reply::Failure(pb::Failure {
         kind: Kind::Unavailable.into(),
-        detail: "the storage backend failed; the outcome of this call is unknown, retry later"
-            .into(),
+        detail: server::unavailable_detail(e),
     })
 }

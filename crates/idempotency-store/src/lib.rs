@@ -3,6 +3,7 @@
 //! The crate is a library so the integration tests (and other workspace crates,
 //! e.g. the filter's cluster-mode tests) can start the real router in-process.
 
+pub mod admission;
 pub mod clock;
 pub mod command;
 pub mod grpc;

@@ -12,9 +12,9 @@ use idempotency_store::clock::SystemClock;
 use idempotency_store::command::{self, RecordCommand};
 use idempotency_store::metrics::{BatchMetrics, Metrics};
 use idempotency_store::server::{self, AppState, Auth};
-use idempotency_store::storage::embedded::EmbeddedStorage;
+use idempotency_store::storage::embedded::{EmbeddedOptions, EmbeddedStorage};
 use idempotency_store::storage::memory::MemoryStorage;
-use idempotency_store::storage::redis::RedisStorage;
+use idempotency_store::storage::redis::{ClusterMode, RedisStorage};
 use idempotency_store::storage::Storage;
 use idempotency_store::sweeper;
 use tracing_subscriber::EnvFilter;
@@ -38,6 +38,23 @@ impl BackendKind {
             Self::Embedded => "embedded",
             Self::Redis => "redis",
             Self::Memory => "memory",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum RedisClusterFlag {
+    Auto,
+    True,
+    False,
+}
+
+impl From<RedisClusterFlag> for ClusterMode {
+    fn from(flag: RedisClusterFlag) -> Self {
+        match flag {
+            RedisClusterFlag::Auto => Self::Auto,
+            RedisClusterFlag::True => Self::Cluster,
+            RedisClusterFlag::False => Self::Single,
         }
     }
 }
@@ -84,15 +101,32 @@ struct Serve {
     #[arg(long, default_value = "./.run/store-data")]
     data_dir: PathBuf,
 
+    /// Bound on the embedded store's file, in bytes it takes on disk (suffixes KiB, MiB, GiB,
+    /// TiB; 0: none). Once a write has grown the file to it, new claims are taken only as the
+    /// sweeper frees room, and refused (503, the filter's on_store_error) otherwise;
+    /// completions of claims already taken are always recorded. Size the disk above it
+    /// (docs/operations.md, "Sizing the embedded store's disk").
+    #[arg(long, value_name = "BYTES", default_value = "8GiB", value_parser = parse_bytes)]
+    max_db_bytes: u64,
+
     /// Redis URL for --backend redis, e.g. redis://127.0.0.1:6379/. Several,
     /// comma-separated, are the seed nodes of a Redis (or Valkey) Cluster.
     #[arg(long)]
     redis_url: Option<String>,
 
-    /// Treat a single --redis-url as a seed node of a Redis Cluster. Without it the store
-    /// asks the server at start (INFO cluster) and uses the cluster client for a cluster node.
-    #[arg(long)]
-    redis_cluster: bool,
+    /// Whether a single --redis-url is a seed node of a Redis Cluster: `true` (also the bare
+    /// flag), `false` (one server, or a primary behind one address), or `auto`: ask the server
+    /// at start (INFO cluster), and refuse to start, saying why, if it cannot be asked (an ACL
+    /// that denies INFO, say). Several URLs are always a cluster's seeds.
+    #[arg(
+        long,
+        value_enum,
+        default_value_t = RedisClusterFlag::Auto,
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true"
+    )]
+    redis_cluster: RedisClusterFlag,
 
     /// File holding the bearer token clients must present (surrounding
     /// whitespace ignored). Takes precedence over IDEMPOTENCY_STORE_TOKEN.
@@ -135,6 +169,23 @@ struct Serve {
     #[arg(long, default_value_t = server::DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     max_connections: u32,
 
+    /// Seconds a new connection has to show a valid token (in the gRPC stream's metadata or
+    /// a /v1 request's header) before it is closed. /healthz and /metrics need no token:
+    /// a connection that only asks them ends here.
+    #[arg(long, default_value_t = server::DEFAULT_UNAUTHENTICATED_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    unauthenticated_timeout_secs: u64,
+
+    /// Connections that have not shown a valid token yet, at most, at once (default: a
+    /// quarter of --max-connections). A newer one is still taken, and the oldest of them is
+    /// closed: the rest of --max-connections is kept for authenticated connections.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    max_unauthenticated_connections: Option<u32>,
+
+    /// Of those, at most this many from one IP address; a newer one closes that address's
+    /// oldest.
+    #[arg(long, default_value_t = server::DEFAULT_MAX_UNAUTHENTICATED_PER_PEER, value_parser = clap::value_parser!(u32).range(1..))]
+    max_unauthenticated_connections_per_peer: u32,
+
     /// Seconds between HTTP/2 PINGs the store sends on a connection.
     #[arg(long, default_value_t = server::DEFAULT_H2_KEEPALIVE_INTERVAL.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     h2_keepalive_interval_secs: u64,
@@ -155,6 +206,32 @@ struct Serve {
     /// Log filter (tracing EnvFilter syntax); RUST_LOG overrides it.
     #[arg(long, default_value = "info")]
     log_level: String,
+}
+
+/// A size: a whole number of bytes, or of KiB, MiB, GiB or TiB (powers of 1024).
+fn parse_bytes(raw: &str) -> Result<u64, String> {
+    let raw = raw.trim();
+    let digits = raw.find(|c: char| !c.is_ascii_digit()).unwrap_or(raw.len());
+    let (number, unit) = raw.split_at(digits);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{raw:?} is not a size: a number of bytes, e.g. 8GiB or 500MiB"))?;
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {raw:?}: use KiB, MiB, GiB or TiB (powers of 1024), \
+                 or none for bytes"
+            ))
+        }
+    };
+    number
+        .checked_mul(scale)
+        .ok_or_else(|| format!("{raw:?} is too large"))
 }
 
 fn init_logging(level: &str) -> Result<(), String> {
@@ -244,8 +321,11 @@ async fn open_storage(cli: &Serve) -> Result<(Arc<dyn Storage>, Option<BatchMetr
     Ok(match cli.backend {
         BackendKind::Memory => (Arc::new(MemoryStorage::new(Arc::new(SystemClock))), None),
         BackendKind::Embedded => {
-            let storage =
-                EmbeddedStorage::open(&cli.data_dir, Arc::new(SystemClock)).map_err(|e| {
+            let options = EmbeddedOptions {
+                max_file_bytes: (cli.max_db_bytes > 0).then_some(cli.max_db_bytes),
+            };
+            let storage = EmbeddedStorage::open_with(&cli.data_dir, Arc::new(SystemClock), options)
+                .map_err(|e| {
                     format!(
                         "cannot open embedded store in {}: {e}",
                         cli.data_dir.display()
@@ -261,7 +341,7 @@ async fn open_storage(cli: &Serve) -> Result<(Arc<dyn Storage>, Option<BatchMetr
                 .ok_or("--backend redis needs --redis-url redis://HOST:PORT/")?;
             (
                 Arc::new(
-                    RedisStorage::connect_to(url, cli.redis_cluster)
+                    RedisStorage::connect_to(url, cli.redis_cluster.into())
                         .await
                         .map_err(|e| format!("cannot connect to redis: {e}"))?,
                 ),
@@ -300,6 +380,15 @@ async fn shutdown_signal() {
 }
 
 async fn run(cli: Serve) -> Result<(), String> {
+    if let Some(n) = cli.max_unauthenticated_connections {
+        if n >= cli.max_connections {
+            return Err(format!(
+                "--max-unauthenticated-connections {n} must be below --max-connections {}: \
+                 the rest is kept for connections that authenticated",
+                cli.max_connections
+            ));
+        }
+    }
     let auth = resolve_auth(&cli)?;
     let (storage, batches) = open_storage(&cli).await?;
     let mut metrics = Metrics::new();
@@ -308,6 +397,7 @@ async fn run(cli: Serve) -> Result<(), String> {
     }
     metrics.start_error_counters_at_zero(storage.backend_name());
     let metrics = Arc::new(metrics);
+    let connection_metrics = metrics.connections();
     let sweeper = sweeper::spawn(
         Arc::clone(&storage),
         Arc::clone(&metrics),
@@ -358,6 +448,9 @@ async fn run(cli: Serve) -> Result<(), String> {
         header_read_timeout: Duration::from_secs(cli.header_read_timeout_secs),
         idle_timeout: Duration::from_secs(cli.idle_timeout_secs),
         max_connections: cli.max_connections,
+        unauthenticated_timeout: Duration::from_secs(cli.unauthenticated_timeout_secs),
+        max_unauthenticated: cli.max_unauthenticated_connections,
+        max_unauthenticated_per_peer: cli.max_unauthenticated_connections_per_peer,
         h2_keepalive_interval: Duration::from_secs(cli.h2_keepalive_interval_secs),
         h2_keepalive_timeout: Duration::from_secs(cli.h2_keepalive_timeout_secs),
         shutdown_grace: Duration::from_secs(cli.shutdown_grace_secs),
@@ -375,7 +468,7 @@ async fn run(cli: Serve) -> Result<(), String> {
         shutdown_signal().await;
         draining.cancel();
     };
-    let served = server::serve_with(listener, app, limits, shutdown).await;
+    let served = server::serve_observed(listener, app, limits, connection_metrics, shutdown).await;
     sweeper.abort();
     if let Some(metrics_server) = metrics_server {
         match metrics_server.await {
@@ -424,6 +517,24 @@ fn main() -> ExitCode {
             tracing::error!("{e}");
             eprintln!("idempotency-store: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_take_binary_units() {
+        assert_eq!(parse_bytes("0"), Ok(0));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("64KiB"), Ok(64 << 10));
+        assert_eq!(parse_bytes("500MiB"), Ok(500 << 20));
+        assert_eq!(parse_bytes("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_bytes("2 TiB"), Ok(2 << 40));
+        for bad in ["", "GiB", "8GB", "8 gigs", "-1", "99999999999TiB"] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
         }
     }
 }

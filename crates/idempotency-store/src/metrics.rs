@@ -6,6 +6,7 @@ use std::time::Duration;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
@@ -41,6 +42,9 @@ impl Operation {
         }
     }
 }
+
+/// The outcome of a claim refused because the store is full (the embedded file at its bound).
+pub const STORE_FULL: &str = "store_full";
 
 /// The outcomes of a purge: a record removed, or none there.
 pub const PURGE_OUTCOMES: [&str; 2] = [idempotency_protocol::wire::outcome::PURGED, "not_found"];
@@ -97,6 +101,88 @@ struct Reason {
     reason: &'static str,
 }
 
+/// Whether a connection has shown a valid token yet (see `admission`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConnectionState {
+    Authenticated,
+    Unauthenticated,
+}
+
+impl ConnectionState {
+    pub const ALL: [ConnectionState; 2] = [Self::Authenticated, Self::Unauthenticated];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Authenticated => "authenticated",
+            Self::Unauthenticated => "unauthenticated",
+        }
+    }
+}
+
+/// Why the store closed a connection that had not authenticated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WaitingClosed {
+    /// `--unauthenticated-timeout-secs` passed.
+    Timeout,
+    /// A newer connection needed room (`--max-unauthenticated-connections`).
+    Evicted,
+    /// A newer connection of the same peer needed room
+    /// (`--max-unauthenticated-connections-per-peer`).
+    PeerLimit,
+}
+
+impl WaitingClosed {
+    pub const ALL: [WaitingClosed; 3] = [Self::Timeout, Self::Evicted, Self::PeerLimit];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Timeout => "timeout",
+            Self::Evicted => "evicted",
+            Self::PeerLimit => "peer_limit",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct StateLabel {
+    state: &'static str,
+}
+
+/// The connections of the data-plane listener: how many are open in each state, and why
+/// those that never authenticated were closed. Clones share the same values; the default is
+/// registered nowhere (for a listener not worth exporting).
+#[derive(Clone, Debug, Default)]
+pub struct ConnectionMetrics {
+    open: Family<StateLabel, Gauge>,
+    waiting_closed: Family<Reason, Counter>,
+}
+
+impl ConnectionMetrics {
+    pub fn opened(&self, state: ConnectionState) {
+        self.open
+            .get_or_create(&StateLabel {
+                state: state.as_str(),
+            })
+            .inc();
+    }
+
+    pub fn closed(&self, state: ConnectionState) {
+        self.open
+            .get_or_create(&StateLabel {
+                state: state.as_str(),
+            })
+            .dec();
+    }
+
+    pub fn waiting_closed(&self, why: WaitingClosed) {
+        self.waiting_closed
+            .get_or_create(&Reason {
+                reason: why.as_str(),
+            })
+            .inc();
+    }
+}
+
 fn duration_histogram() -> Histogram {
     // 0.25 ms .. ~4 s: covers an in-memory hit up to a struggling fsync/Redis.
     Histogram::new(exponential_buckets(0.000_25, 2.0, 15))
@@ -109,6 +195,11 @@ fn duration_histogram() -> Histogram {
 pub struct BatchMetrics {
     commits: Counter,
     batch_size: Histogram,
+    /// What the file takes on disk after the last commit, and its bound (0: none).
+    file_bytes: Gauge,
+    max_file_bytes: Gauge,
+    /// New claims refused because the file is at its bound.
+    claims_refused: Counter,
     // The histogram's own count and sum are not readable outside the
     // prometheus-client crate; these mirror them for tests and logs.
     batches: Counter,
@@ -121,6 +212,9 @@ impl Default for BatchMetrics {
             commits: Counter::default(),
             // 1 .. 256 operations per write transaction (the writer's cap).
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
+            file_bytes: Gauge::default(),
+            max_file_bytes: Gauge::default(),
+            claims_refused: Counter::default(),
             batches: Counter::default(),
             batched_operations: Counter::default(),
         }
@@ -138,6 +232,33 @@ impl BatchMetrics {
         if committed {
             self.commits.inc();
         }
+    }
+
+    /// The file takes `bytes` on disk now.
+    pub fn set_file_bytes(&self, bytes: u64) {
+        self.file_bytes
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    /// The file's bound (`--max-db-bytes`).
+    pub fn set_max_file_bytes(&self, bytes: u64) {
+        self.max_file_bytes
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    /// A new claim was refused because the file is at its bound.
+    pub fn claim_refused(&self) {
+        self.claims_refused.inc();
+    }
+
+    /// What the file took on disk after the last commit.
+    pub fn file_bytes(&self) -> u64 {
+        u64::try_from(self.file_bytes.get()).unwrap_or(0)
+    }
+
+    /// New claims refused so far because the file was at its bound.
+    pub fn claims_refused(&self) -> u64 {
+        self.claims_refused.get()
     }
 
     /// Write transactions committed so far.
@@ -162,6 +283,7 @@ pub struct Metrics {
     durations: Family<Op, Histogram, fn() -> Histogram>,
     backend_errors: Family<Backend, Counter>,
     rejected: Family<Reason, Counter>,
+    connections: ConnectionMetrics,
 }
 
 impl Default for Metrics {
@@ -199,13 +321,43 @@ impl Metrics {
             "Requests refused before reaching storage",
             rejected.clone(),
         );
+        let connections = ConnectionMetrics::default();
+        registry.register(
+            "idempotency_store_connections",
+            "Client connections open on the data-plane listener, by whether they have shown \
+             a valid token yet",
+            connections.open.clone(),
+        );
+        registry.register(
+            "idempotency_store_unauthenticated_connections_closed",
+            "Connections closed before they showed a valid token: timeout \
+             (--unauthenticated-timeout-secs), evicted or peer_limit (room for a newer \
+             connection)",
+            connections.waiting_closed.clone(),
+        );
+        for state in ConnectionState::ALL {
+            let _ = connections.open.get_or_create(&StateLabel {
+                state: state.as_str(),
+            });
+        }
+        for why in WaitingClosed::ALL {
+            let _ = connections.waiting_closed.get_or_create(&Reason {
+                reason: why.as_str(),
+            });
+        }
         Self {
             registry,
             operations,
             durations,
             backend_errors,
             rejected,
+            connections,
         }
+    }
+
+    /// The data-plane listener's connection metrics, for [`crate::server::serve_observed`].
+    pub fn connections(&self) -> ConnectionMetrics {
+        self.connections.clone()
     }
 
     /// Exposes the embedded backend's group-commit statistics.
@@ -219,6 +371,21 @@ impl Metrics {
             "idempotency_store_batch_size",
             "Operations group-committed per embedded write transaction",
             batches.batch_size.clone(),
+        );
+        self.registry.register(
+            "idempotency_store_embedded_file_bytes",
+            "Bytes the embedded store's file takes on disk (allocated blocks, as du counts them)",
+            batches.file_bytes.clone(),
+        );
+        self.registry.register(
+            "idempotency_store_embedded_max_file_bytes",
+            "The embedded store's bound on its file (--max-db-bytes; 0: none)",
+            batches.max_file_bytes.clone(),
+        );
+        self.registry.register(
+            "idempotency_store_embedded_claims_refused",
+            "New claims refused (503) because the embedded store's file was at its bound",
+            batches.claims_refused.clone(),
         );
     }
 

@@ -24,6 +24,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tower_service::Service as _;
 
+use crate::admission::{ConnectionAuth, Gate};
 use crate::metrics::{self, Metrics, Operation, Rejection};
 use crate::operator;
 use crate::protocol::{
@@ -287,6 +288,8 @@ pub fn metrics_router(state: AppState) -> Router {
 
 /// Defaults of [`ConnectionLimits`], also the CLI defaults.
 pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_UNAUTHENTICATED_TIMEOUT: Duration = Duration::from_secs(5);
+pub const DEFAULT_MAX_UNAUTHENTICATED_PER_PEER: u32 = 64;
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
 pub const DEFAULT_H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
@@ -308,6 +311,16 @@ pub struct ConnectionLimits {
     /// Connections served at once. Beyond it the store stops accepting, so
     /// further clients wait in the kernel's listen backlog until one closes.
     pub max_connections: u32,
+    /// A connection that has not shown a valid token within this long after it opened is
+    /// closed (see [`crate::admission`]).
+    pub unauthenticated_timeout: Duration,
+    /// Connections that have not shown a valid token yet, at most, at once: a newer one
+    /// closes the oldest. `None`: a quarter of `max_connections`. At most `max_connections`;
+    /// the rest is kept for authenticated connections.
+    pub max_unauthenticated: Option<u32>,
+    /// Of those, at most this many from one IP address: a newer one closes that peer's
+    /// oldest.
+    pub max_unauthenticated_per_peer: u32,
     /// HTTP/2 PING interval, and how long an unanswered PING may wait before
     /// the connection is dropped (a peer that vanished without a FIN).
     pub h2_keepalive_interval: Duration,
@@ -317,12 +330,25 @@ pub struct ConnectionLimits {
     pub shutdown_grace: Duration,
 }
 
+impl ConnectionLimits {
+    /// How many connections may wait to authenticate at once: `max_unauthenticated`, or a
+    /// quarter of `max_connections`; at least 1, at most `max_connections`.
+    pub fn unauthenticated_share(&self) -> u32 {
+        self.max_unauthenticated
+            .unwrap_or(self.max_connections / 4)
+            .clamp(1, self.max_connections.max(1))
+    }
+}
+
 impl Default for ConnectionLimits {
     fn default() -> Self {
         Self {
             header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            unauthenticated_timeout: DEFAULT_UNAUTHENTICATED_TIMEOUT,
+            max_unauthenticated: None,
+            max_unauthenticated_per_peer: DEFAULT_MAX_UNAUTHENTICATED_PER_PEER,
             h2_keepalive_interval: DEFAULT_H2_KEEPALIVE_INTERVAL,
             h2_keepalive_timeout: DEFAULT_H2_KEEPALIVE_TIMEOUT,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
@@ -350,6 +376,30 @@ pub async fn serve_with(
     limits: ConnectionLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    serve_observed(
+        listener,
+        app,
+        limits,
+        metrics::ConnectionMetrics::default(),
+        shutdown,
+    )
+    .await
+}
+
+/// [`serve_with`], counting its connections in `observed` (the data-plane listener's
+/// [`Metrics::connections`]).
+pub async fn serve_observed(
+    listener: TcpListener,
+    app: Router,
+    limits: ConnectionLimits,
+    observed: metrics::ConnectionMetrics,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let gate = Gate::new(
+        usize::try_from(limits.unauthenticated_share()).unwrap_or(usize::MAX),
+        usize::try_from(limits.max_unauthenticated_per_peer).unwrap_or(usize::MAX),
+        observed,
+    );
     let mut builder = AutoBuilder::new(TokioExecutor::new());
     builder
         .http1()
@@ -378,10 +428,10 @@ pub async fn serve_with(
                 Err(_) => break,
             },
         };
-        let tcp = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     if !is_connection_error(&e) {
                         // Out of file descriptors, say: back off rather than spin.
@@ -399,14 +449,20 @@ pub async fn serve_with(
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!("set_nodelay failed: {e}");
         }
+        // Taken whoever it is: at a limit, the oldest connection still waiting to
+        // authenticate goes instead (see `admission`).
+        let auth = gate.admit(peer.ip());
         tokio::spawn(serve_connection(
             Arc::clone(&builder),
             tcp,
             app.clone(),
             limits,
             close_rx.clone(),
-            slot,
+            Admitted { slot, auth },
         ));
+        // Let the new connection read its first request (a filter's carries its token, and
+        // is there already) before the next accept may push it out.
+        tokio::task::yield_now().await;
     }
     // Refuse new clients at once (and reset those still in the backlog)
     // rather than leave them waiting for an answer that will not come.
@@ -460,6 +516,10 @@ impl Activity {
         u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
+    fn busy(&self) -> bool {
+        self.in_flight.load(Ordering::SeqCst) > 0
+    }
+
     fn ever_used(&self) -> bool {
         self.last_done_ms.load(Ordering::SeqCst) != u64::MAX
     }
@@ -486,16 +546,24 @@ impl Drop for Busy {
     }
 }
 
-/// Serves one connection until it ends, it has been idle too long, or the
-/// server shuts down; `_slot` is returned to the connection limit on exit.
+/// A connection's place: its slot of `max_connections`, returned when it ends, and its
+/// standing with the gate.
+struct Admitted {
+    slot: OwnedSemaphorePermit,
+    auth: ConnectionAuth,
+}
+
+/// Serves one connection until it ends, it has been idle too long, it did not authenticate
+/// in time or was evicted, or the server shuts down.
 async fn serve_connection(
     builder: Arc<AutoBuilder<TokioExecutor>>,
     tcp: TcpStream,
     app: Router,
     limits: ConnectionLimits,
     mut close: watch::Receiver<()>,
-    _slot: OwnedSemaphorePermit,
+    admitted: Admitted,
 ) {
+    let Admitted { slot: _slot, auth } = admitted;
     let activity = Arc::new(Activity {
         opened: Instant::now(),
         in_flight: AtomicUsize::new(0),
@@ -503,8 +571,11 @@ async fn serve_connection(
     });
     let service = {
         let activity = Arc::clone(&activity);
-        hyper::service::service_fn(move |req: Request<Incoming>| {
+        let auth = auth.clone();
+        hyper::service::service_fn(move |mut req: Request<Incoming>| {
             let busy = activity.begin();
+            // The routes that check a token mark the connection when it is right.
+            req.extensions_mut().insert(auth.clone());
             // Router is always ready (its poll_ready is a no-op), so it can
             // be called without polling readiness first.
             let answer = app.clone().call(req.map(Body::new));
@@ -520,9 +591,11 @@ async fn serve_connection(
     // Set once the connection has been asked to finish: it gets
     // `shutdown_grace` more, then it is dropped.
     let mut closing: Option<Instant> = None;
+    let auth_deadline = activity.opened + limits.unauthenticated_timeout;
     loop {
         let deadline = match closing {
             Some(since) => since + limits.shutdown_grace,
+            None if !auth.is_authenticated() => activity.idle_deadline(&limits).min(auth_deadline),
             None => activity.idle_deadline(&limits),
         };
         tokio::select! {
@@ -530,6 +603,12 @@ async fn serve_connection(
                 if let Err(e) = served {
                     tracing::debug!("connection ended: {e}");
                 }
+                return;
+            }
+            // A newer connection needed its room: it had its chance to authenticate, and
+            // what it was doing (a /healthz, a refusal) is not worth a grace period.
+            () = auth.evicted() => {
+                tracing::debug!("closing a connection that had not authenticated: evicted");
                 return;
             }
             // Err: the server dropped the sender, which also means close.
@@ -541,6 +620,17 @@ async fn serve_connection(
                 if closing.is_some() {
                     tracing::debug!("dropping a connection that did not finish in time");
                     return;
+                }
+                if Instant::now() >= auth_deadline && !auth.is_authenticated() && auth.expire() {
+                    tracing::debug!("closing a connection that did not authenticate in time");
+                    // Nothing to finish: closed at once (an HTTP/2 GOAWAY would wait for a
+                    // PING that a peer holding connections does not answer).
+                    if !activity.busy() {
+                        return;
+                    }
+                    conn.as_mut().graceful_shutdown();
+                    closing = Some(Instant::now());
+                    continue;
                 }
                 if Instant::now() >= activity.idle_deadline(&limits) {
                     if !activity.ever_used() {
@@ -586,15 +676,30 @@ fn problem_with_outcome(
 
 async fn require_data_plane(State(st): State<AppState>, req: Request, next: Next) -> Response {
     match st.auth.data_plane(req.headers()) {
-        Verdict::Allowed => next.run(req).await,
+        Verdict::Allowed => {
+            connection_authenticated(req.extensions());
+            next.run(req).await
+        }
         refused => refusal(&st, refused),
     }
 }
 
 async fn require_operator(State(st): State<AppState>, req: Request, next: Next) -> Response {
     match st.auth.operator(req.headers()) {
-        Verdict::Allowed => next.run(req).await,
+        Verdict::Allowed => {
+            connection_authenticated(req.extensions());
+            next.run(req).await
+        }
         refused => refusal(&st, refused),
+    }
+}
+
+/// A request passed its route's token check: its connection no longer waits to
+/// authenticate (see [`crate::admission`]). Requests not served by [`serve_with`] (a router
+/// called directly) carry no connection.
+pub(crate) fn connection_authenticated(extensions: &axum::http::Extensions) {
+    if let Some(auth) = extensions.get::<ConnectionAuth>() {
+        auth.authenticated();
     }
 }
 
@@ -669,18 +774,39 @@ fn parse_body<T>(
     parse(&bytes).map_err(Refusal::Bad)
 }
 
-fn count_backend_failure(st: &AppState, op: Operation, started: Instant, e: &StorageError) {
-    tracing::warn!(operation = op.as_str(), error = %e, "storage backend failed");
-    st.metrics.record_operation(op, "error", started.elapsed());
-    st.metrics.backend_error(st.storage.backend_name());
+fn count_failure(st: &AppState, op: Operation, started: Instant, e: &StorageError) {
+    match e {
+        // The writer logs when the file reaches its bound; the refusals are counted (the
+        // embedded backend's own counter, and this outcome).
+        StorageError::Full(why) => {
+            tracing::debug!(operation = op.as_str(), "refused: {why}");
+            st.metrics
+                .record_operation(op, metrics::STORE_FULL, started.elapsed());
+        }
+        StorageError::Backend(_) => {
+            tracing::warn!(operation = op.as_str(), error = %e, "storage backend failed");
+            st.metrics.record_operation(op, "error", started.elapsed());
+            st.metrics.backend_error(st.storage.backend_name());
+        }
+    }
 }
 
-fn unavailable() -> Response {
+/// The detail a 503 (HTTP) or an `UNAVAILABLE` failure (gRPC) carries for `e`.
+pub(crate) fn unavailable_detail(e: &StorageError) -> String {
+    match e {
+        StorageError::Full(why) => why.clone(),
+        StorageError::Backend(_) => {
+            "the storage backend failed; the outcome of this call is unknown, retry later".into()
+        }
+    }
+}
+
+fn unavailable(e: &StorageError) -> Response {
     problem(
         StatusCode::SERVICE_UNAVAILABLE,
         protocol::PROBLEM_UNAVAILABLE,
         "Storage backend unavailable",
-        "the storage backend failed; the outcome of this call is unknown, retry later",
+        unavailable_detail(e),
     )
 }
 
@@ -721,7 +847,7 @@ async fn run_detached<Op: V1Operation>(
         // here; answer like any other backend failure, never re-panic.
         Err(e) => {
             let e = StorageError::Backend(format!("operation task failed: {e}"));
-            count_backend_failure(st, Op::OPERATION, started, &e);
+            count_failure(st, Op::OPERATION, started, &e);
             Err(e)
         }
     }
@@ -980,7 +1106,7 @@ pub(crate) async fn execute<Op: V1Operation>(
                 Op::name(outcome),
                 started.elapsed(),
             ),
-            Err(e) => count_backend_failure(&task_st, Op::OPERATION, started, e),
+            Err(e) => count_failure(&task_st, Op::OPERATION, started, e),
         }
         // Whatever the outcome: a waiter only looks again, which is cheap.
         if let Some(key) = &settles {
@@ -1012,7 +1138,7 @@ pub(crate) async fn wait_for(
             st.metrics
                 .record_operation(Operation::Wait, outcome.name(), started.elapsed())
         }
-        Err(e) => count_backend_failure(st, Operation::Wait, started, e),
+        Err(e) => count_failure(st, Operation::Wait, started, e),
     }
     result
 }
@@ -1030,7 +1156,7 @@ pub(crate) fn wait_refused(st: &AppState) -> WaitOutcome {
 async fn perform<Op: V1Operation>(st: &AppState, op: Op) -> Response {
     match execute(st, op).await {
         Ok(outcome) => Op::answer(outcome),
-        Err(_) => unavailable(),
+        Err(e) => unavailable(&e),
     }
 }
 

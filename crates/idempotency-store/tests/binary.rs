@@ -567,3 +567,92 @@ mod record_command {
         );
     }
 }
+
+/// A Redis user whose ACL denies `INFO`: the store cannot ask whether the server is a
+/// cluster node. It used to take such a server for a single one without a word (and on a
+/// cluster node then failed every other node's key with `MOVED` at run time); it now refuses
+/// to start, saying why and which flag settles it, and starts when told.
+#[tokio::test]
+async fn a_redis_user_denied_info_stops_the_start_unless_the_flag_says_what_redis_is() {
+    let redis = common::RedisServer::start();
+    let acl = Command::new("redis-cli")
+        .args(["-p", &redis.port.to_string()])
+        .args(["ACL", "SETUSER", "store", "on", ">s3cret-pw", "~*", "&*"])
+        .args(["+@all", "-info"])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&acl.stdout).trim(), "OK");
+    let url = format!("redis://store:s3cret-pw@127.0.0.1:{}/", redis.port);
+
+    let refused = Command::new(BIN)
+        .args(["--listen", "127.0.0.1:0", "--backend", "redis"])
+        .args(["--redis-url", &url])
+        .env("IDEMPOTENCY_STORE_TOKEN", "t")
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("cannot tell whether")
+            && stderr.contains("INFO cluster failed")
+            && stderr.to_lowercase().contains("noperm"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("--redis-cluster=false") && stderr.contains("--redis-cluster "),
+        "the error names the flag that settles it: {stderr}"
+    );
+    assert!(
+        !stderr.contains("s3cret-pw"),
+        "the password is not shown: {stderr}"
+    );
+    assert!(
+        String::from_utf8_lossy(&refused.stdout).is_empty(),
+        "no ready line"
+    );
+
+    // Told it is one server, it starts on that user and serves.
+    let (mut run, addr) = start(
+        &[
+            "--backend",
+            "redis",
+            "--redis-url",
+            &url,
+            "--redis-cluster=false",
+        ],
+        &[("IDEMPOTENCY_STORE_TOKEN", "t")],
+    );
+    let resp = reqwest::Client::new()
+        .post(format!("http://{addr}/v1/claim"))
+        .bearer_auth("t")
+        .json(&serde_json::json!({"key": "3".repeat(64), "fingerprint": "4".repeat(64), "lease_ms": 1000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["outcome"], "claimed");
+    sigterm(&run.0);
+    assert!(wait_exit(&mut run.0).success());
+
+    // The flag takes true, false and auto, and only with `=` (a bare `--redis-cluster` is
+    // `true`, as in deploy/kubernetes/store-on-redis-cluster.yaml).
+    let bad = Command::new(BIN)
+        .args([
+            "--backend",
+            "redis",
+            "--redis-url",
+            &url,
+            "--redis-cluster=maybe",
+        ])
+        .env("IDEMPOTENCY_STORE_TOKEN", "t")
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        stderr.contains("auto") && stderr.contains("false"),
+        "{stderr}"
+    );
+}

@@ -20,7 +20,7 @@ use std::time::Duration;
 use idempotency_store::clock::ManualClock;
 use idempotency_store::storage::embedded::EmbeddedStorage;
 use idempotency_store::storage::memory::MemoryStorage;
-use idempotency_store::storage::redis::RedisStorage;
+use idempotency_store::storage::redis::{ClusterMode, RedisStorage};
 use idempotency_store::storage::{
     renew_batch, ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, Lease, OwnerToken, RecordState,
     RecordView, ReleaseOutcome, RenewOutcome, Storage,
@@ -76,7 +76,7 @@ impl Harness {
     }
 
     async fn redis_cluster(cluster: &Arc<RedisCluster>) -> Self {
-        let storage = RedisStorage::connect_to(&cluster.urls(), true)
+        let storage = RedisStorage::connect_to(&cluster.urls(), ClusterMode::Cluster)
             .await
             .unwrap();
         Self {
@@ -1018,11 +1018,56 @@ async fn the_contract_holds_on_a_redis_cluster() {
     // cluster client, so keys of every primary's slots are claimed (a plain client claimed
     // only the seed's third and got MOVED for the rest).
     let seed = format!("redis://127.0.0.1:{}/", cluster.ports[0]);
-    let one = RedisStorage::connect_to(&seed, false).await.unwrap();
+    let one = RedisStorage::connect_to(&seed, ClusterMode::Auto)
+        .await
+        .unwrap();
+    claims_land_on_every_primary(&one).await;
+
+    // `--redis-cluster=false` on a cluster node: refused at start, not MOVED at run time.
+    let Err(refused) = RedisStorage::connect_to(&seed, ClusterMode::Single).await else {
+        panic!("a cluster node taken for a single server");
+    };
+    let refused = refused.to_string();
+    assert!(
+        refused.contains("is a cluster node") && refused.contains("MOVED"),
+        "{refused}"
+    );
+
+    // A user whose ACL denies INFO, on every node: the store cannot ask, so `auto` refuses to
+    // start with the reason (it used to take the seed for a single server and fail two thirds
+    // of the keys with MOVED), and `--redis-cluster` (no question asked) works.
+    for port in &cluster.ports {
+        let acl = std::process::Command::new("redis-cli")
+            .args(["-p", &port.to_string()])
+            .args([
+                "ACL", "SETUSER", "store", "on", ">pw", "~*", "&*", "+@all", "-info",
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&acl.stdout).trim(), "OK");
+    }
+    let as_user = format!("redis://store:pw@127.0.0.1:{}/", cluster.ports[0]);
+    let Err(refused) = RedisStorage::connect_to(&as_user, ClusterMode::Auto).await else {
+        panic!("a seed that cannot be asked was guessed at");
+    };
+    let refused = refused.to_string();
+    assert!(
+        refused.contains("INFO cluster failed") && refused.contains("--redis-cluster"),
+        "{refused}"
+    );
+    let told = RedisStorage::connect_to(&as_user, ClusterMode::Cluster)
+        .await
+        .unwrap();
+    claims_land_on_every_primary(&told).await;
+}
+
+/// Claims of random keys, whose slots belong to every primary: each is claimed (a plain
+/// client on one node got MOVED for the others' slots).
+async fn claims_land_on_every_primary(storage: &RedisStorage) {
     let fp = random_digest();
     for _ in 0..60 {
         let owner = OwnerToken::generate().unwrap();
-        let claimed = one
+        let claimed = storage
             .claim(&random_digest(), &fp, LONG_LEASE_MS, &owner)
             .await;
         assert!(

@@ -108,3 +108,118 @@ async fn batch_metrics_are_exposed() {
         "{text}"
     );
 }
+
+/// `--max-db-bytes`, through the binary: once the file has reached it, a new claim is answered
+/// 503 with the reason (the filter's store-error policy applies), a claim the store took is
+/// still completed, a completed key still replays, and /metrics has the file's size, its
+/// bound and the refusals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_file_answers_new_claims_503_with_the_reason_and_counts_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().to_str().unwrap().to_owned();
+    let (_run, addr) = common::start(
+        &["--data-dir", &data_dir, "--max-db-bytes", "1MiB"],
+        &[("IDEMPOTENCY_STORE_TOKEN", "t")],
+    );
+    let client = reqwest::Client::new();
+    let post = |op: &'static str, body: serde_json::Value| {
+        let (client, addr) = (client.clone(), addr.clone());
+        async move {
+            let resp = client
+                .post(format!("http://{addr}/v1/{op}"))
+                .bearer_auth("t")
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.json::<serde_json::Value>().await.unwrap())
+        }
+    };
+    let fp = "f".repeat(64);
+    // 12,000 bytes of "AAA…", base64.
+    let record = "QUFB".repeat(4_000);
+    let claim = |key: String| {
+        post(
+            "claim",
+            serde_json::json!({"key": key, "fingerprint": fp, "lease_ms": 60_000, "owner": "ab"}),
+        )
+    };
+    let held = "e".repeat(64);
+    assert_eq!(claim(held.clone()).await.1["outcome"], "claimed");
+    let mut completed = Vec::new();
+    let refusal = loop {
+        assert!(completed.len() < 1_000, "no claim was refused");
+        let key = format!("{:064x}", completed.len());
+        let (status, body) = claim(key.clone()).await;
+        if status == 503 {
+            break body;
+        }
+        assert_eq!(
+            (status, &body["outcome"]),
+            (200, &serde_json::json!("claimed"))
+        );
+        let (status, _) = post(
+            "complete",
+            serde_json::json!({"key": key, "owner": "ab", "ttl_ms": 600_000, "record": record}),
+        )
+        .await;
+        assert_eq!(status, 200);
+        completed.push(key);
+    };
+    assert_eq!(
+        refusal["type"], "urn:idempotency-store:backend-unavailable",
+        "{refusal}"
+    );
+    let detail = refusal["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("--max-db-bytes 1048576") && detail.contains("nothing was recorded"),
+        "{detail}"
+    );
+    // Taken before the bound was reached: completed after it.
+    let (status, _) = post(
+        "complete",
+        serde_json::json!({"key": held, "owner": "ab", "ttl_ms": 600_000, "record": record}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (status, replay) = claim(completed[0].clone()).await;
+    assert_eq!(
+        (status, &replay["outcome"]),
+        (200, &serde_json::json!("completed"))
+    );
+
+    let metrics = client
+        .get(format!("http://{addr}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let value = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing from\n{metrics}"))
+    };
+    assert_eq!(
+        value("idempotency_store_embedded_claims_refused_total"),
+        1.0
+    );
+    assert_eq!(
+        value("idempotency_store_embedded_max_file_bytes"),
+        1_048_576.0
+    );
+    let file = value("idempotency_store_embedded_file_bytes");
+    assert!((1_048_576.0..1_400_000.0).contains(&file), "{file}");
+    assert_eq!(
+        value(r#"idempotency_store_operations_total{operation="claim",outcome="store_full"}"#),
+        1.0
+    );
+    assert_eq!(
+        value(r#"idempotency_store_backend_errors_total{backend="embedded"}"#),
+        0.0,
+        "a full store is no backend failure"
+    );
+}

@@ -16,6 +16,12 @@
 //! that index from its oldest end and deletes in small chunks, one write
 //! transaction each, so writes queued meanwhile go in between chunks instead
 //! of waiting for a whole sweep.
+//!
+//! The file may be bounded ([`EmbeddedOptions::max_file_bytes`], `--max-db-bytes`): once a
+//! commit has grown it to the bound, new claims are taken only into the room that deletions
+//! (sweeps, releases, purges) have freed since, and refused with [`StorageError::Full`]
+//! otherwise. Completions, releases and renews are never refused: a claim the store took is
+//! always recorded, so no key it guards is left unknown. See [`Space`].
 
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
@@ -65,48 +71,224 @@ const SWEEP_CHUNK_TIME: Duration = Duration::from_millis(4);
 /// changed while a range over it is open).
 const SWEEP_STEP: usize = 32;
 
-/// The tables every write transaction works on.
+/// The tables every write transaction works on, and the room for new records as the
+/// batch's writes so far have left it.
 struct Tables<'txn> {
     records: Table<'txn, &'static str, &'static [u8]>,
     expiry: Table<'txn, (u64, &'static str), ()>,
+    room: Room,
+}
+
+/// What the file holds under a key before a write: its expiry (to move its index entry) and
+/// the length of its encoded record (to count what the write adds or frees).
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    expires_at_ms: u64,
+    len: usize,
+}
+
+/// The bytes a record of `len` encoded bytes under `key` takes in the tables as the room
+/// counts them: key and record, and the expiry index entry (key and expiry).
+fn footprint(key: &str, len: usize) -> i64 {
+    let bytes = key
+        .len()
+        .saturating_mul(2)
+        .saturating_add(len)
+        .saturating_add(8);
+    i64::try_from(bytes).unwrap_or(i64::MAX)
 }
 
 impl Tables<'_> {
-    /// Stores `rec` under `key` and moves its expiry index entry from
-    /// `old_exp` (the expiry of the record it replaces, if any).
+    /// Stores `rec` under `key` and moves its expiry index entry from that of `old` (the
+    /// record it replaces, if any).
+    #[cfg(test)]
     fn put(
         &mut self,
         key: &str,
-        old_exp: Option<u64>,
+        old: Option<Held>,
         rec: &StoredRecord,
     ) -> Result<(), BatchFailure> {
+        self.put_encoded(key, old, rec.expires_at_ms, &encode(rec))
+    }
+
+    /// [`Self::put`] of a record already encoded.
+    fn put_encoded(
+        &mut self,
+        key: &str,
+        old: Option<Held>,
+        expires_at_ms: u64,
+        bytes: &[u8],
+    ) -> Result<(), BatchFailure> {
         self.records
-            .insert(key, encode(rec).as_slice())
+            .insert(key, bytes)
             .map_err(|e| backend_err("insert", e))?;
-        if old_exp != Some(rec.expires_at_ms) {
+        let old_exp = old.map(|o| o.expires_at_ms);
+        if old_exp != Some(expires_at_ms) {
             if let Some(old) = old_exp {
                 self.expiry
                     .remove((old, key))
                     .map_err(|e| backend_err("unindex", e))?;
             }
             self.expiry
-                .insert((rec.expires_at_ms, key), ())
+                .insert((expires_at_ms, key), ())
                 .map_err(|e| backend_err("index", e))?;
         }
+        self.room
+            .wrote(footprint(key, bytes.len()) - old.map_or(0, |o| footprint(key, o.len)));
         Ok(())
     }
 
-    /// Deletes the record under `key` and its expiry index entry.
-    fn delete(&mut self, key: &str, old_exp: Option<u64>) -> Result<(), BatchFailure> {
+    /// Deletes the record under `key` (`old`, if there is one) and its expiry index entry.
+    fn delete(&mut self, key: &str, old: Option<Held>) -> Result<(), BatchFailure> {
         self.records
             .remove(key)
             .map_err(|e| backend_err("remove", e))?;
-        if let Some(old) = old_exp {
+        if let Some(old) = old {
             self.expiry
-                .remove((old, key))
+                .remove((old.expires_at_ms, key))
                 .map_err(|e| backend_err("unindex", e))?;
+            self.room.wrote(-footprint(key, old.len));
         }
         Ok(())
+    }
+}
+
+/// The room a batch has for new records (see [`Space`]).
+#[derive(Debug, Clone, Copy)]
+struct Room {
+    /// `None`: every write is taken (no bound, the file is below it, or it has not grown
+    /// since the store opened). `Some(bytes)`: the file has grown to its bound, and this is
+    /// what deletions have freed since, less what writes have added (may be negative).
+    bytes: Option<i64>,
+    /// For a refusal's message: the file's size after the last commit, and its bound.
+    file_bytes: u64,
+    max_file_bytes: Option<u64>,
+}
+
+impl Room {
+    fn unbounded() -> Self {
+        Self {
+            bytes: None,
+            file_bytes: 0,
+            max_file_bytes: None,
+        }
+    }
+
+    /// Whether a new claim that adds `growth` bytes may be written.
+    fn admits(&self, growth: i64) -> bool {
+        growth <= 0 || self.bytes.is_none_or(|room| room >= growth)
+    }
+
+    fn wrote(&mut self, growth: i64) {
+        if let Some(room) = &mut self.bytes {
+            *room = room.saturating_sub(growth);
+        }
+    }
+
+    fn refusal(&self) -> StorageError {
+        StorageError::Full(format!(
+            "the embedded store's file takes {} bytes and has reached its bound \
+             (--max-db-bytes {}): new claims are refused until the sweeper has removed \
+             expired records; nothing was recorded for this one, and claims already taken \
+             are still completed",
+            self.file_bytes,
+            self.max_file_bytes.unwrap_or(u64::MAX)
+        ))
+    }
+}
+
+/// The file's size and bound, kept by the writer thread across batches.
+///
+/// Size is what the file takes on disk (allocated blocks, as `du` counts them): redb grows
+/// the file's length ahead of use, in steps of up to a 4 GiB region, but blocks are taken
+/// only as pages are written. redb reuses the pages that deletions free, so a file that has
+/// reached its bound can keep taking records as long as records leave; it never shrinks much
+/// (only a free tail is cut). Hence the rule: while the file is below the bound every write is
+/// taken; a commit that grows it at or past the bound closes the room (to minus the bytes it
+/// grew past); from then on deletions open it and writes close it, and a new claim is taken
+/// only while the room holds it. Completions are always taken, the room may go negative.
+struct Space {
+    path: PathBuf,
+    max_file_bytes: Option<u64>,
+    file_bytes: u64,
+    room: Option<i64>,
+    metrics: BatchMetrics,
+}
+
+impl Space {
+    fn new(path: PathBuf, max_file_bytes: Option<u64>, metrics: BatchMetrics) -> Self {
+        let file_bytes = file_bytes_on_disk(&path).unwrap_or(0);
+        metrics.set_file_bytes(file_bytes);
+        if let Some(max) = max_file_bytes {
+            metrics.set_max_file_bytes(max);
+            if file_bytes >= max {
+                tracing::warn!(
+                    file_bytes,
+                    max_file_bytes = max,
+                    path = %path.display(),
+                    "the embedded store's file is already at its bound (--max-db-bytes): \
+                     new claims are refused whenever taking them would grow it"
+                );
+            }
+        }
+        Self {
+            path,
+            max_file_bytes,
+            file_bytes,
+            room: None,
+            metrics,
+        }
+    }
+
+    fn room(&self) -> Room {
+        Room {
+            bytes: self.room,
+            file_bytes: self.file_bytes,
+            max_file_bytes: self.max_file_bytes,
+        }
+    }
+
+    /// After a batch committed, leaving `room`.
+    fn committed(&mut self, room: Room) {
+        self.room = room.bytes;
+        let before = self.file_bytes;
+        let Some(now) = file_bytes_on_disk(&self.path) else {
+            return;
+        };
+        self.file_bytes = now;
+        self.metrics.set_file_bytes(now);
+        let Some(max) = self.max_file_bytes else {
+            return;
+        };
+        if now < max {
+            self.room = None;
+        } else if now > before {
+            let past = i64::try_from(now - before.max(max)).unwrap_or(i64::MAX);
+            if self.room.is_none() {
+                tracing::warn!(
+                    file_bytes = now,
+                    max_file_bytes = max,
+                    "the embedded store's file has reached its bound (--max-db-bytes): new \
+                     claims are taken only as expired records are swept, and refused (503) \
+                     otherwise"
+                );
+            }
+            self.room = Some(self.room.unwrap_or(0).min(0).saturating_sub(past));
+        }
+    }
+}
+
+/// What the file at `path` takes on disk; its length where blocks are not reported.
+fn file_bytes_on_disk(path: &Path) -> Option<u64> {
+    let meta = std::fs::metadata(path).ok()?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt as _;
+        Some(meta.blocks().saturating_mul(512))
+    }
+    #[cfg(not(unix))]
+    {
+        Some(meta.len())
     }
 }
 
@@ -131,6 +313,8 @@ trait Job: Send {
 /// choose, write that choice.
 struct KeyedJob<T, F> {
     key: String,
+    /// A new claim: refused when the file has no room for it (see [`Space`]).
+    refusable: bool,
     decide: Option<F>,
     answer: Option<Result<T, StorageError>>,
     reply: oneshot::Sender<Result<T, StorageError>>,
@@ -148,7 +332,7 @@ where
         let key = self.key.as_str();
         let current = match tables.records.get(key).map_err(|e| backend_err("get", e))? {
             Some(guard) => match decode(guard.value()) {
-                Ok(rec) => Some(rec),
+                Ok(rec) => Some((rec, guard.value().len())),
                 Err(e) => {
                     self.answer = Some(Err(e));
                     return Ok(());
@@ -156,15 +340,24 @@ where
             },
             None => None,
         };
-        let old_exp = current.as_ref().map(|r| r.expires_at_ms);
-        let out = match decide(current.as_ref(), now_ms) {
+        let old = current.as_ref().map(|(rec, len)| Held {
+            expires_at_ms: rec.expires_at_ms,
+            len: *len,
+        });
+        let out = match decide(current.as_ref().map(|(rec, _)| rec), now_ms) {
             Decision::Keep(out) => out,
             Decision::Put(rec, out) => {
-                tables.put(key, old_exp, &rec)?;
+                let bytes = encode(&rec);
+                let growth = footprint(key, bytes.len()) - old.map_or(0, |o| footprint(key, o.len));
+                if self.refusable && !tables.room.admits(growth) {
+                    self.answer = Some(Err(tables.room.refusal()));
+                    return Ok(());
+                }
+                tables.put_encoded(key, old, rec.expires_at_ms, &bytes)?;
                 out
             }
             Decision::Delete(out) => {
-                tables.delete(key, old_exp)?;
+                tables.delete(key, old)?;
                 out
             }
         };
@@ -230,16 +423,20 @@ impl Job for SweepChunkJob {
                     .records
                     .get(key.as_str())
                     .map_err(|e| backend_err("sweep get", e))?
-                    .map(|guard| expires_at_ms(guard.value()));
+                    .map(|guard| (expires_at_ms(guard.value()), guard.value().len()));
                 // Only a record this entry really describes goes. An
                 // undecodable row is kept (and reported by every access to
                 // it) rather than silently destroyed by housekeeping.
-                if stored == Some(Some(*exp)) {
-                    tables
-                        .records
-                        .remove(key.as_str())
-                        .map_err(|e| backend_err("sweep remove", e))?;
-                    removed = removed.saturating_add(1);
+                if let Some((Some(stored_exp), len)) = stored {
+                    if stored_exp == *exp {
+                        tables
+                            .records
+                            .remove(key.as_str())
+                            .map_err(|e| backend_err("sweep remove", e))?;
+                        // The index entry went above.
+                        tables.room.wrote(-footprint(key, len));
+                        removed = removed.saturating_add(1);
+                    }
                 }
             }
             seen = seen.saturating_add(step.len());
@@ -271,6 +468,7 @@ fn run_writer(
     clock: Arc<dyn Clock>,
     mut queue: mpsc::Receiver<Box<dyn Job>>,
     stats: BatchMetrics,
+    mut space: Space,
 ) {
     let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(MAX_BATCH);
     while let Some(first) = queue.blocking_recv() {
@@ -285,8 +483,9 @@ fn run_writer(
         // (in redb, say) must not take the writer down and leave every later
         // write unanswerable: it fails this batch only. The transaction was
         // dropped, hence aborted, while unwinding.
+        let room = space.room();
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            commit_batch(&db, clock.as_ref(), &mut batch)
+            commit_batch(&db, clock.as_ref(), &mut batch, room)
         }))
         .unwrap_or_else(|_| {
             Err(StorageError::Backend(
@@ -294,6 +493,10 @@ fn run_writer(
             ))
         });
         stats.record_batch(batch.len(), outcome.is_ok());
+        // A batch that failed wrote nothing: the room stays as it was.
+        if let Ok(room) = &outcome {
+            space.committed(*room);
+        }
         if let Err(e) = &outcome {
             tracing::warn!(error = %e, ops = batch.len(), "embedded write batch failed");
         }
@@ -303,23 +506,29 @@ fn run_writer(
     }
 }
 
-/// Applies `batch` in order inside one write transaction and commits it.
+/// Applies `batch` in order inside one write transaction, starting from `room`, and commits
+/// it; answers the room the batch left.
 fn commit_batch(
     db: &Database,
     clock: &dyn Clock,
     batch: &mut [Box<dyn Job>],
-) -> Result<(), BatchFailure> {
+    room: Room,
+) -> Result<Room, BatchFailure> {
     let txn = db.begin_write().map_err(|e| backend_err("begin", e))?;
-    let applied = open_tables(&txn).and_then(|mut tables| {
+    let applied = open_tables(&txn, room).and_then(|mut tables| {
         batch.iter_mut().try_for_each(|job| {
             // Read the clock inside the transaction, per operation, so
             // each decision and the time it is based on are serialised
             // together.
             job.apply(&mut tables, clock.now_ms())
-        })
+        })?;
+        Ok(tables.room)
     });
     match applied {
-        Ok(()) => txn.commit().map_err(|e| backend_err("commit", e)),
+        Ok(room) => txn
+            .commit()
+            .map(|()| room)
+            .map_err(|e| backend_err("commit", e)),
         Err(e) => {
             if let Err(abort) = txn.abort() {
                 tracing::warn!(error = %abort, "aborting a failed embedded write batch failed");
@@ -329,8 +538,9 @@ fn commit_batch(
     }
 }
 
-fn open_tables(txn: &redb::WriteTransaction) -> Result<Tables<'_>, BatchFailure> {
+fn open_tables(txn: &redb::WriteTransaction, room: Room) -> Result<Tables<'_>, BatchFailure> {
     Ok(Tables {
+        room,
         records: txn
             .open_table(RECORDS)
             .map_err(|e| backend_err("open table", e))?,
@@ -350,7 +560,7 @@ fn prepare(db: &Database) -> Result<(), StorageError> {
         .map_err(|e| backend_err("list tables", e))?
         .any(|t| t.name() == EXPIRY.name());
     {
-        let mut tables = open_tables(&txn)?;
+        let mut tables = open_tables(&txn, Room::unbounded())?;
         if !indexed {
             let mut added = 0u64;
             for entry in tables
@@ -396,10 +606,27 @@ fn writer_gone() -> StorageError {
     StorageError::Backend("embedded writer has stopped".to_owned())
 }
 
+/// How the embedded store is run.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EmbeddedOptions {
+    /// The file's bound, in bytes it takes on disk (`--max-db-bytes`); `None`: no bound. See
+    /// [`Space`] for what it refuses and when.
+    pub max_file_bytes: Option<u64>,
+}
+
 impl EmbeddedStorage {
     /// Opens (or creates) `dir/idempotency.redb`, creating `dir` if needed,
-    /// and starts its writer thread.
+    /// and starts its writer thread. The file is not bounded.
     pub fn open(dir: &Path, clock: Arc<dyn Clock>) -> Result<Self, StorageError> {
+        Self::open_with(dir, clock, EmbeddedOptions::default())
+    }
+
+    /// [`Self::open`] with `options`.
+    pub fn open_with(
+        dir: &Path,
+        clock: Arc<dyn Clock>,
+        options: EmbeddedOptions,
+    ) -> Result<Self, StorageError> {
         std::fs::create_dir_all(dir).map_err(|e| {
             StorageError::Backend(format!("cannot create data dir {}: {e}", dir.display()))
         })?;
@@ -409,11 +636,12 @@ impl EmbeddedStorage {
         let db = Arc::new(db);
         let batches = BatchMetrics::default();
         let (tx, rx) = mpsc::channel(QUEUE_CAPACITY);
+        let space = Space::new(path.clone(), options.max_file_bytes, batches.clone());
         let writer = {
             let (db, clock, batches) = (Arc::clone(&db), Arc::clone(&clock), batches.clone());
             std::thread::Builder::new()
                 .name("redb-writer".to_owned())
-                .spawn(move || run_writer(db, clock, rx, batches))
+                .spawn(move || run_writer(db, clock, rx, batches, space))
                 .map_err(|e| {
                     StorageError::Backend(format!("cannot start the embedded writer thread: {e}"))
                 })?
@@ -456,9 +684,20 @@ impl EmbeddedStorage {
         key: &Digest,
         decide: impl FnOnce(Option<&StoredRecord>, u64) -> Decision<T> + Send + 'static,
     ) -> Result<T, StorageError> {
+        self.apply_job(key, false, decide).await
+    }
+
+    /// [`Self::apply`]; `refusable` for a new claim, which the file's bound may refuse.
+    async fn apply_job<T: Send + 'static>(
+        &self,
+        key: &Digest,
+        refusable: bool,
+        decide: impl FnOnce(Option<&StoredRecord>, u64) -> Decision<T> + Send + 'static,
+    ) -> Result<T, StorageError> {
         let (reply, answer) = oneshot::channel();
         let job = KeyedJob {
             key: key.as_str().to_owned(),
+            refusable,
             decide: Some(decide),
             answer: None,
             reply,
@@ -511,10 +750,15 @@ impl Storage for EmbeddedStorage {
     ) -> Result<ClaimOutcome, StorageError> {
         let fingerprint = fingerprint.clone();
         let owner = owner.clone();
-        self.apply(key, move |cur, now| {
-            logic::claim(cur, &fingerprint, lease_ms, now, &owner)
-        })
-        .await
+        let claimed = self
+            .apply_job(key, true, move |cur, now| {
+                logic::claim(cur, &fingerprint, lease_ms, now, &owner)
+            })
+            .await;
+        if matches!(claimed, Err(StorageError::Full(_))) {
+            self.batches.claim_refused();
+        }
+        claimed
     }
 
     async fn complete_or_create(
@@ -1091,7 +1335,7 @@ mod tests {
             let db = Database::create(dir.path().join(DB_FILE_NAME)).unwrap();
             let txn = db.begin_write().unwrap();
             {
-                let mut t = open_tables(&txn).unwrap();
+                let mut t = open_tables(&txn, Room::unbounded()).unwrap();
                 for (key, state, exp, tail) in [
                     (&claimed, 0, START_MS + 60_000, &b"ff"[..]),
                     (&done, 1, START_MS + 86_400_000, &b"recorded"[..]),
@@ -1190,7 +1434,7 @@ mod tests {
     fn populate(s: &EmbeddedStorage, n: usize, exp: impl Fn(usize) -> u64) {
         let txn = s.db.begin_write().unwrap();
         {
-            let mut tables = open_tables(&txn).unwrap();
+            let mut tables = open_tables(&txn, Room::unbounded()).unwrap();
             for i in 0..n {
                 let rec = StoredRecord {
                     fingerprint: digest(7),
@@ -1362,5 +1606,215 @@ mod tests {
             longest < Duration::from_millis(200),
             "a claim waited {longest:?}"
         );
+    }
+
+    // The file's bound (`--max-db-bytes`).
+
+    fn open_bounded(dir: &Path, clock: Arc<ManualClock>, max: u64) -> Arc<EmbeddedStorage> {
+        let options = EmbeddedOptions {
+            max_file_bytes: Some(max),
+        };
+        Arc::new(EmbeddedStorage::open_with(dir, clock, options).unwrap())
+    }
+
+    /// What a fresh file takes on disk.
+    fn empty_file_bytes() -> u64 {
+        let dir = tempfile::tempdir().unwrap();
+        open(dir.path()).batch_metrics().file_bytes()
+    }
+
+    /// Claims and completes keys `from..` with `record` until a claim is refused; answers the
+    /// keys completed and the refusal's message.
+    async fn fill(s: &EmbeddedStorage, from: usize, record: &[u8]) -> (Vec<Digest>, String) {
+        let mut completed = Vec::new();
+        for i in from..from + 100_000 {
+            let k = digest(i);
+            match s.claim(&k, &digest(7), 60_000, &owner(1)).await {
+                Ok(ClaimOutcome::Claimed { .. }) => {}
+                Err(StorageError::Full(why)) => return (completed, why),
+                other => panic!("key {i}: {other:?}"),
+            }
+            let done = s.complete(&k, &owner(1), 10_000, record.to_vec()).await;
+            assert_eq!(done.unwrap(), CompleteOutcome::Completed);
+            completed.push(k);
+        }
+        panic!("no claim was refused");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_file_at_its_bound_refuses_new_claims_and_records_every_claim_it_took() {
+        const MAX_SLACK: u64 = 256 * 1024;
+        let dir = tempfile::tempdir().unwrap();
+        let clock = Arc::new(ManualClock::new(START_MS));
+        let max = empty_file_bytes() + 1024 * 1024;
+        let s = open_bounded(dir.path(), clock.clone(), max);
+        let record = vec![0x5a; 10_000];
+        // Taken before the file is full, completed after.
+        let held = digest(999_999);
+        claim_op(&s, held.clone(), owner(1)).await.unwrap();
+
+        let (completed, why) = fill(&s, 0, &record).await;
+        println!(
+            "{} records of {} bytes before the first refusal; the file takes {} of {max}",
+            completed.len(),
+            record.len(),
+            s.batch_metrics().file_bytes()
+        );
+        assert!(completed.len() > 20, "{}", completed.len());
+        assert!(
+            why.contains("--max-db-bytes") && why.contains(&max.to_string()),
+            "{why}"
+        );
+        assert!(s.batch_metrics().file_bytes() >= max);
+        assert_eq!(s.batch_metrics().claims_refused(), 1);
+        // Still refused, and refused alone: nothing was recorded for it.
+        let refused = digest(completed.len());
+        assert!(matches!(
+            claim_op(&s, refused.clone(), owner(2)).await,
+            Err(StorageError::Full(_))
+        ));
+        assert_eq!(s.lookup(&refused).await.unwrap(), None);
+        assert_eq!(s.batch_metrics().claims_refused(), 2);
+
+        // What the store took is still answered and recorded: the held claim completes (a
+        // write that grows the file past its bound), its owner asking again gets its claim
+        // back, and every completed key replays.
+        let again = claim_op(&s, held.clone(), owner(1)).await.unwrap();
+        assert!(matches!(again, ClaimOutcome::Claimed { .. }), "{again:?}");
+        assert_eq!(
+            s.complete(&held, &owner(1), 10_000, record.clone())
+                .await
+                .unwrap(),
+            CompleteOutcome::Completed
+        );
+        for k in completed.iter().chain([&held]) {
+            assert_eq!(
+                claim_op(&s, k.clone(), owner(3)).await.unwrap(),
+                ClaimOutcome::Completed {
+                    record: record.clone()
+                }
+            );
+        }
+        let file = s.batch_metrics().file_bytes();
+        assert!(file <= max + MAX_SLACK, "{file} bytes for a bound of {max}");
+        assert_eq!(s.batch_metrics().claims_refused(), 2);
+
+        // The records expire and are swept: the room they leave takes new claims, and the
+        // file does not grow for them.
+        clock.advance_ms(10_001);
+        assert_eq!(s.sweep_expired().await.unwrap(), completed.len() as u64 + 1);
+        let (refilled, _) = fill(&s, 1_000_000, &record).await;
+        println!("{} records after the sweep", refilled.len());
+        assert!(refilled.len() * 2 > completed.len(), "{}", refilled.len());
+        let file = s.batch_metrics().file_bytes();
+        assert!(file <= max + MAX_SLACK, "{file} bytes for a bound of {max}");
+        let (index, records) = index_and_records(&s);
+        assert_eq!(index, records);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_store_that_churns_at_its_bound_stays_within_it() {
+        // Records arrive faster than they expire: the file would grow without end. At the
+        // bound, claims are taken as the sweeps free room, and the file stays put.
+        let dir = tempfile::tempdir().unwrap();
+        let clock = Arc::new(ManualClock::new(START_MS));
+        let max = empty_file_bytes() + 2 * 1024 * 1024;
+        let s = open_bounded(dir.path(), clock.clone(), max);
+        let (mut taken, mut refused, mut next) = (0usize, 0usize, 0usize);
+        let (mut largest, mut taken_late) = (0, 0);
+        for round in 0..30 {
+            for _ in 0..200 {
+                let k = digest(next);
+                next += 1;
+                clock.advance_ms(1);
+                match s.claim(&k, &digest(7), 60_000, &owner(1)).await {
+                    Ok(ClaimOutcome::Claimed { .. }) => {
+                        let size = 500 + (next * 7919) % 6_000;
+                        let done = s.complete(&k, &owner(1), 2_000, vec![1; size]).await;
+                        assert_eq!(done.unwrap(), CompleteOutcome::Completed);
+                        taken += 1;
+                        if round >= 20 {
+                            taken_late += 1;
+                        }
+                    }
+                    Err(StorageError::Full(_)) => refused += 1,
+                    other => panic!("{other:?}"),
+                }
+            }
+            s.sweep_expired().await.unwrap();
+            largest = largest.max(s.batch_metrics().file_bytes());
+        }
+        println!(
+            "taken {taken} ({taken_late} in the last third), refused {refused}; largest file \
+             {largest} for a bound of {max}"
+        );
+        // Refused at the bound, but not for good: the sweeps keep making room.
+        assert!(refused > 0, "{taken} taken, {refused} refused");
+        assert!(taken_late > 50, "{taken_late} taken in the last ten rounds");
+        assert!(
+            largest <= max + 512 * 1024,
+            "{largest} bytes for a bound of {max}"
+        );
+        assert_eq!(s.batch_metrics().claims_refused(), refused as u64);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn without_a_bound_nothing_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path());
+        for i in 0..300 {
+            let k = digest(i);
+            claim_op(&s, k.clone(), owner(1)).await.unwrap();
+            s.complete(&k, &owner(1), 60_000, vec![9; 20_000])
+                .await
+                .unwrap();
+        }
+        assert!(s.batch_metrics().file_bytes() > 6_000_000);
+        assert_eq!(s.batch_metrics().claims_refused(), 0);
+    }
+
+    /// What the file takes on disk per record it holds, for docs/operations.md: records of
+    /// several sizes arrive and expire at a steady rate (the sweeper keeping up), and the
+    /// file's size once it stops growing is divided by the records it holds at the peak.
+    /// `cargo test -p idempotency-store --release --lib -- --ignored --nocapture disk_per_record`
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "writes a few hundred MB: run on purpose"]
+    async fn disk_per_record() {
+        const HELD: usize = 10_000;
+        println!("record bytes | held records | file on disk | per record | / (record + 250)");
+        for size in [100, 500, 1_000, 2_000, 5_000, 10_000, 50_000] {
+            let dir = tempfile::tempdir().unwrap();
+            let clock = Arc::new(ManualClock::new(START_MS));
+            let s = Arc::new(EmbeddedStorage::open(dir.path(), clock.clone()).unwrap());
+            let mut next = 0;
+            for _ in 0..8 {
+                let mut tasks = Vec::new();
+                for _ in 0..HELD {
+                    let (s, k) = (Arc::clone(&s), digest(next));
+                    next += 1;
+                    clock.advance_ms(1);
+                    // Sizes spread over ±20 %, as responses are.
+                    let len = size * 4 / 5 + (next * 7919) % (size * 2 / 5 + 1);
+                    tasks.push(tokio::spawn(async move {
+                        s.claim(&k, &digest(7), 60_000, &owner(1)).await.unwrap();
+                        s.complete(&k, &owner(1), HELD as u64, vec![3; len])
+                            .await
+                            .unwrap();
+                    }));
+                }
+                for t in tasks {
+                    t.await.unwrap();
+                }
+                // Every record of the round before has expired: 2 × HELD held at the peak.
+                s.sweep_expired().await.unwrap();
+            }
+            let file = s.batch_metrics().file_bytes();
+            let per = file / (2 * HELD as u64);
+            println!(
+                "{size:>12} | {:>12} | {file:>12} | {per:>10} | {:.2}",
+                2 * HELD,
+                per as f64 / (size + 250) as f64
+            );
+        }
     }
 }

@@ -220,6 +220,11 @@ pub enum StorageError {
     /// unknown (the HTTP layer answers 503).
     #[error("storage backend failure: {0}")]
     Backend(String),
+    /// A new claim refused because the store is full (the embedded file at its bound,
+    /// `--max-db-bytes`): nothing was recorded, and the detail says why. Answered like a
+    /// backend failure (503, the filter's store-error policy), but not counted as one.
+    #[error("storage full: {0}")]
+    Full(String),
 }
 
 #[async_trait]

@@ -218,24 +218,50 @@ fn unexpected(what: &str, v: &Value) -> StorageError {
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Whether a single `--redis-url` names a Redis Cluster (`--redis-cluster`). Several URLs
+/// are always the seeds of one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClusterMode {
+    /// Ask the server at start (`INFO cluster`); a server that cannot be asked is a start-up
+    /// error that says so, never a guess.
+    Auto,
+    /// A cluster: the cluster client, without asking.
+    Cluster,
+    /// One server (or a primary behind one address): the plain client. A server that answers
+    /// `INFO cluster` with `cluster_enabled:1` is still refused at start.
+    Single,
+}
+
 impl RedisStorage {
     /// Connects eagerly so a wrong URL fails at startup, not on the first request.
-    /// Several URLs (comma-separated) are seed nodes of a Redis Cluster, as is one URL when
-    /// `cluster` is set, or when the server behind it says it is a cluster node: a plain
-    /// client there would reach only that node's slots, and every other key would fail
-    /// with `MOVED`.
-    pub async fn connect_to(urls: &str, cluster: bool) -> Result<Self, StorageError> {
+    /// Several URLs (comma-separated) are seed nodes of a Redis Cluster, as is one URL in
+    /// [`ClusterMode::Cluster`], or in [`ClusterMode::Auto`] when the server behind it says it
+    /// is a cluster node: a plain client there would reach only that node's slots, and every
+    /// other key would fail with `MOVED`.
+    pub async fn connect_to(urls: &str, mode: ClusterMode) -> Result<Self, StorageError> {
         let seeds: Vec<&str> = urls
             .split(',')
             .map(str::trim)
             .filter(|u| !u.is_empty())
             .collect();
-        let conn = match seeds.as_slice() {
-            [] => return Err(StorageError::Backend("redis: no URL given".into())),
-            [one] if !cluster && !is_cluster_node(one).await => {
-                Connection::Node(connect_node(one).await?)
+        let conn = match (seeds.as_slice(), mode) {
+            ([], _) => return Err(StorageError::Backend("redis: no URL given".into())),
+            ([one], ClusterMode::Auto | ClusterMode::Single) => {
+                if is_cluster_node(one, mode).await? {
+                    Connection::Cluster(connect_cluster(&[one]).await?)
+                } else {
+                    Connection::Node(connect_node(one).await?)
+                }
             }
-            many => Connection::Cluster(connect_cluster(many).await?),
+            ([_, _, ..], ClusterMode::Single) => {
+                return Err(StorageError::Backend(
+                    "redis: several URLs are the seed nodes of a Redis Cluster, but \
+                     --redis-cluster=false says a single server: give one URL, or drop \
+                     --redis-cluster=false"
+                        .into(),
+                ))
+            }
+            (many, _) => Connection::Cluster(connect_cluster(many).await?),
         };
         for seed in &seeds {
             warn_if_evicting(seed).await;
@@ -243,9 +269,9 @@ impl RedisStorage {
         Ok(Self::with(conn))
     }
 
-    /// One Redis server at `url`.
+    /// One Redis server at `url`, asked whether it is a cluster node.
     pub async fn connect(url: &str) -> Result<Self, StorageError> {
-        Self::connect_to(url, false).await
+        Self::connect_to(url, ClusterMode::Auto).await
     }
 
     fn with(conn: Connection) -> Self {
@@ -260,10 +286,17 @@ impl RedisStorage {
     }
 }
 
-/// Whether the server at `url` runs in cluster mode (`INFO cluster` says `cluster_enabled:1`).
-/// A server that cannot be asked is taken for a single one, and its connection then fails
-/// (or works) as it would have.
-async fn is_cluster_node(url: &str) -> bool {
+/// Whether the server at `url` runs in cluster mode (`INFO cluster` says `cluster_enabled:1`),
+/// in `mode` [`ClusterMode::Auto`] or [`ClusterMode::Single`].
+///
+/// Auto: a server that cannot be asked (unreachable, no answer in time, or `INFO` refused,
+/// as an ACL may) is an error naming the reason and the flag that settles it. Taking it for a
+/// single server would fail every key of the other nodes' slots with `MOVED` at run time, and
+/// taking it for a cluster would fail on a single server: neither guess is safe.
+///
+/// Single: the operator said so; a server that cannot be asked is trusted, one that says it
+/// is a cluster node is an error.
+async fn is_cluster_node(url: &str, mode: ClusterMode) -> Result<bool, StorageError> {
     let asked = async {
         let client = redis::Client::open(url)?;
         let mut conn = client.get_multiplexed_async_connection().await?;
@@ -274,22 +307,61 @@ async fn is_cluster_node(url: &str) -> bool {
     };
     let info: Result<String, String> = match tokio::time::timeout(RESPONSE_TIMEOUT, asked).await {
         Ok(answer) => answer.map_err(|e: redis::RedisError| e.to_string()),
-        Err(_) => Err("no answer in time".to_owned()),
+        Err(_) => Err(format!("no answer within {} s", RESPONSE_TIMEOUT.as_secs())),
     };
-    match info {
-        Ok(info) if cluster_enabled(&info) => {
+    let shown = redacted(url);
+    match (info, mode) {
+        (Ok(info), ClusterMode::Single) if cluster_enabled(&info) => {
+            Err(StorageError::Backend(format!(
+                "redis: {shown} is a cluster node (INFO cluster: cluster_enabled:1), but \
+                 --redis-cluster=false says a single server: a plain client would reach only \
+                 this node's slots and fail every other key with MOVED. Drop \
+                 --redis-cluster=false (or pass --redis-cluster)"
+            )))
+        }
+        (Ok(info), _) if cluster_enabled(&info) => {
             tracing::info!(
-                %url,
+                url = %shown,
                 "the redis server is a cluster node: using the cluster client \
                  (as --redis-cluster would)"
             );
-            true
+            Ok(true)
         }
-        Ok(_) => false,
-        Err(e) => {
-            tracing::info!(%url, "cannot ask redis whether it is a cluster node ({e})");
-            false
+        (Ok(_), _) => Ok(false),
+        (Err(e), ClusterMode::Single) => {
+            tracing::info!(
+                url = %shown,
+                "cannot ask redis whether it is a cluster node ({e}); --redis-cluster=false \
+                 says it is a single server"
+            );
+            Ok(false)
         }
+        (Err(e), _) => Err(StorageError::Backend(format!(
+            "redis: cannot tell whether {shown} is a single server or a cluster node: \
+             INFO cluster failed ({e}). Say which: --redis-cluster=false for a single \
+             server (or a primary behind one address), --redis-cluster for a Redis Cluster; \
+             or let the store's Redis user run INFO"
+        ))),
+    }
+}
+
+/// `url` without its password, for logs and errors.
+fn redacted(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.rsplit_once('@') {
+            Some((user_info, host)) => {
+                let user = user_info
+                    .split_once(':')
+                    .map_or(user_info, |(user, _)| user);
+                if user.is_empty() {
+                    format!("{scheme}://***@{host}")
+                } else {
+                    format!("{scheme}://{user}:***@{host}")
+                }
+            }
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
     }
 }
 
@@ -332,14 +404,17 @@ async fn warn_if_evicting(url: &str) {
     .await;
     match policy.as_deref() {
         Ok([_, policy]) if eviction_is_unsafe(policy) => tracing::warn!(
-            %url,
+            url = %redacted(url),
             %policy,
             "redis may evict keys under memory pressure: an evicted claim lets a retry \
              execute twice; set maxmemory-policy noeviction"
         ),
         Ok(_) => {}
         Err(e) => {
-            tracing::info!(%url, "cannot read maxmemory-policy ({e}); make sure it is noeviction")
+            tracing::info!(
+                url = %redacted(url),
+                "cannot read maxmemory-policy ({e}); make sure it is noeviction"
+            )
         }
     }
 }
@@ -747,7 +822,20 @@ impl Storage for RedisStorage {
 
 #[cfg(test)]
 mod tests {
-    use super::eviction_is_unsafe;
+    use super::{eviction_is_unsafe, redacted};
+
+    #[test]
+    fn a_url_is_shown_without_its_password() {
+        assert_eq!(
+            redacted("redis://store:s3cret@10.0.0.5:6379/"),
+            "redis://store:***@10.0.0.5:6379/"
+        );
+        assert_eq!(
+            redacted("rediss://:s3cret@redis:6379/0"),
+            "rediss://***@redis:6379/0"
+        );
+        assert_eq!(redacted("redis://10.0.0.5:6379/"), "redis://10.0.0.5:6379/");
+    }
 
     #[test]
     fn a_cluster_node_says_so_in_its_info() {
