@@ -314,7 +314,11 @@ def add_census_section(add, table: str, budgets: list[str]) -> None:
         "realistic request (12 headers, a 300-byte JSON body) and response (6 headers, 400 bytes): "
         "each host call by kind, with the bytes it copies into the module and out to Envoy (header "
         "maps in their ABI serialisation), and the log lines the module hands Envoy. The test fails "
-        "when a path makes a call its budget does not list.")
+        "when a path makes a call its budget does not list. The gRPC paths send the same headers as "
+        "metadata and the body as one framed message, answered with a 400-byte message and "
+        "`grpc-status: 0` trailers; a gRPC replay is the filter's side of the hop to the replay echo "
+        "(the echo listener's own module reads the hop and answers it: a request's headers and body, "
+        "and a local reply, more).")
     add("")
     add(table)
     add("")

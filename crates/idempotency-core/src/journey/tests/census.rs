@@ -25,6 +25,9 @@ const WAIT: &str = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/ord
 const CLUSTER: &str = r#"{"store":{"cluster":"store","token":"s3cret"},
     "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]}}]}"#;
 
+const GRPC: &str =
+    r#"{"rules":[{"name":"orders","match":{"grpc_methods":["shop.v1.Orders/PlaceOrder"]}}]}"#;
+
 thread_local! {
     static LOG_LINES: Cell<u64> = const { Cell::new(0) };
 }
@@ -128,8 +131,18 @@ fn arrive(
     key: &str,
     body: &[u8],
 ) -> Rc<RefCell<RequestJourney>> {
-    host.effective_context.set(context);
     set_request(host, key, body);
+    headers_then_body(host, root, context, body.len())
+}
+
+/// The request set on the host arrives in `context`: its headers, then its `size`-byte body.
+fn headers_then_body(
+    host: &FakeHost,
+    root: &PluginRoot,
+    context: u32,
+    size: usize,
+) -> Rc<RefCell<RequestJourney>> {
+    host.effective_context.set(context);
     let journey = root.new_request(context).unwrap();
     deliver(
         host,
@@ -142,7 +155,7 @@ fn arrive(
         host,
         &mut journey.borrow_mut(),
         Event::RequestBody {
-            size: body.len(),
+            size,
             end_of_stream: true,
         },
     );
@@ -159,23 +172,31 @@ fn deliver(host: &FakeHost, journey: &mut RequestJourney, event: Event) {
 fn upstream_answers(host: &FakeHost, journey: &Rc<RefCell<RequestJourney>>, context: u32) {
     host.effective_context.set(context);
     set_response(host);
-    let mut j = journey.borrow_mut();
+    response_passes(host, &mut journey.borrow_mut(), 400, false);
+}
+
+/// The response set on the host passes through: headers, its `size`-byte body (then its
+/// trailers, `with_trailers`), and the stream's end.
+fn response_passes(host: &FakeHost, j: &mut RequestJourney, size: usize, with_trailers: bool) {
     deliver(
         host,
-        &mut j,
+        j,
         Event::ResponseHeaders {
             end_of_stream: false,
         },
     );
     deliver(
         host,
-        &mut j,
+        j,
         Event::ResponseBody {
-            size: 400,
-            end_of_stream: true,
+            size,
+            end_of_stream: !with_trailers,
         },
     );
-    deliver(host, &mut j, Event::StreamEnd);
+    if with_trailers {
+        deliver(host, j, Event::ResponseTrailers);
+    }
+    deliver(host, j, Event::StreamEnd);
 }
 
 /// The filter's own answer passing back through it, then the stream's end.
@@ -190,6 +211,104 @@ fn local_answer_passes(host: &FakeHost, journey: &Rc<RefCell<RequestJourney>>, c
         },
     );
     deliver(host, &mut j, Event::StreamEnd);
+}
+
+/// A unary gRPC call's request in `context`: the census's headers as gRPC metadata and its
+/// 300-byte body as one length-prefixed message, then the call's end of stream.
+fn grpc_arrives(
+    host: &FakeHost,
+    root: &PluginRoot,
+    context: u32,
+    key: &str,
+) -> Rc<RefCell<RequestJourney>> {
+    let message = body();
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    framed.extend_from_slice(&message);
+    let mut headers = request_headers(key);
+    for (name, value) in headers.iter_mut() {
+        match name.as_str() {
+            ":path" => *value = "/shop.v1.Orders/PlaceOrder".into(),
+            "content-type" => *value = "application/grpc".into(),
+            "content-length" => *value = framed.len().to_string(),
+            "accept" => *name = "te".into(),
+            _ => {}
+        }
+    }
+    for (name, value) in headers.iter_mut().filter(|(n, _)| n == "te") {
+        *name = "te".into();
+        *value = "trailers".into();
+    }
+    *host.request_headers.borrow_mut() = headers
+        .into_iter()
+        .map(|(n, v)| (n, v.into_bytes()))
+        .collect();
+    *host.request_body.borrow_mut() = framed.clone();
+    headers_then_body(host, root, context, framed.len())
+}
+
+/// The service's answer to a unary call: headers, one 400-byte message, `grpc-status: 0`
+/// trailers, then the stream's end.
+fn grpc_upstream_answers(host: &FakeHost, journey: &Rc<RefCell<RequestJourney>>, context: u32) {
+    host.effective_context.set(context);
+    let message = vec![b'y'; 400];
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    framed.extend_from_slice(&message);
+    host.set_response(
+        &[
+            (":status", "200"),
+            ("content-type", "application/grpc"),
+            ("x-request-id", "4f1c2b7e-9a8d-4c3b-b2a1-0e9f8d7c6b5a"),
+        ],
+        &framed,
+    );
+    envoy_reports(host, "via_upstream", 0, 1);
+    *host.response_trailers.borrow_mut() = vec![
+        ("grpc-status".into(), b"0".to_vec()),
+        ("grpc-message".into(), b"".to_vec()),
+    ];
+    response_passes(host, &mut journey.borrow_mut(), framed.len(), true);
+}
+
+fn grpc_new_call() -> Counted {
+    let host = FakeHost::default();
+    let root = root(&host, GRPC);
+    reset(&host);
+    let journey = grpc_arrives(&host, &root, 2, "k1");
+    grpc_upstream_answers(&host, &journey, 2);
+    counted("gRPC new call", &host)
+}
+
+/// A retry of a completed call: the filter turns it into a hop to the replay echo carrying
+/// the recorded message, and the echo's answer passes back through the filter, which
+/// restores the recorded metadata and adds the trailers. The filter's side only: the echo
+/// listener's module reads the hop's headers and body and answers it (a local reply).
+fn grpc_replay() -> Counted {
+    let host = FakeHost::default();
+    let root = root(&host, GRPC);
+    let first = grpc_arrives(&host, &root, 2, "k1");
+    grpc_upstream_answers(&host, &first, 2);
+    reset(&host);
+    let retry = grpc_arrives(&host, &root, 3, "k1");
+    let mut framed = vec![0u8, 0, 0, 1, 144];
+    framed.extend_from_slice(&[b'y'; 400]);
+    host.set_response(
+        &[
+            (":status", "200"),
+            (crate::grpc::ECHO_MARKER, "1"),
+            ("content-length", "405"),
+        ],
+        &framed,
+    );
+    response_passes(&host, &mut retry.borrow_mut(), framed.len(), false);
+    assert!(
+        host.take_effects()
+            .iter()
+            .any(|e| matches!(e, Effect::AddResponseTrailer(name, _) if name == "grpc-status")),
+        "the replay carries the recorded trailers"
+    );
+    counted("gRPC replay", &host)
 }
 
 /// What one path cost.
@@ -432,6 +551,23 @@ const BUDGETS: &[Budget] = &[
         ]],
     },
     Budget { path: "cluster replay", calls: &[&REQUEST, &ROUTE_METADATA, &REPLAYED] },
+    Budget {
+        path: "gRPC new call",
+        calls: &[&REQUEST, &EXECUTED, &[
+            ("clock", 2, "one per callback that decides: the claim, the completion"),
+            ("response trailers", 1, "the trailers to record: grpc-status decides, and a replay gives them back"),
+        ]],
+    },
+    Budget {
+        path: "gRPC replay",
+        calls: &[&REQUEST, &ROUTE_METADATA, &[
+            ("clock", 1, "the claim"),
+            ("shared data get", 3, "the registry, the bucket, the recorded response"),
+            ("request body set", 1, "the hop carries the recorded message to the echo (Envoy sends a gRPC call's local reply trailers-only)"),
+            ("header edits", 10, "the hop: :path and content-type set, the client's content-length dropped; on the way back the echo's marker and length dropped, the recorded metadata (2 here) and the replay marker set, the recorded trailers (2 here) added: one call each"),
+            ("response headers", 1, "the echo's answer, to tell it from anything else"),
+        ]],
+    },
 ];
 
 impl Budget {
@@ -503,6 +639,8 @@ fn census_of_host_calls_per_path_within_budget() {
         wait(),
         cluster_new_key(),
         cluster_replay(),
+        grpc_new_call(),
+        grpc_replay(),
     ];
     let printed = table(&paths);
     println!("census-begin\n{printed}census-end");
