@@ -12,7 +12,7 @@ mod common;
 
 use std::process::Command;
 
-use common::{sigterm, start, wait_exit, BIN};
+use common::{sigterm, start, wait_exit, Running, BIN};
 
 #[test]
 fn refuses_to_start_without_a_token() {
@@ -155,10 +155,15 @@ async fn redis_binary_uses_env_token() {
         &["--backend", "redis", "--redis-url", &url],
         &[("IDEMPOTENCY_STORE_TOKEN", "env-token")],
     );
-    let client = reqwest::Client::new();
-    let resp = client
+    claims_then_stops(&mut run, &addr, "env-token").await;
+}
+
+/// The running binary answers a claim of a new key with `token` as `claimed`, then stops
+/// cleanly on SIGTERM.
+async fn claims_then_stops(run: &mut Running, addr: &str, token: &str) {
+    let resp = reqwest::Client::new()
         .post(format!("http://{addr}/v1/claim"))
-        .bearer_auth("env-token")
+        .bearer_auth(token)
         .json(&serde_json::json!({"key": "1".repeat(64), "fingerprint": "2".repeat(64), "lease_ms": 1000}))
         .send()
         .await
@@ -623,18 +628,7 @@ async fn a_redis_user_denied_info_stops_the_start_unless_the_flag_says_what_redi
         ],
         &[("IDEMPOTENCY_STORE_TOKEN", "t")],
     );
-    let resp = reqwest::Client::new()
-        .post(format!("http://{addr}/v1/claim"))
-        .bearer_auth("t")
-        .json(&serde_json::json!({"key": "3".repeat(64), "fingerprint": "4".repeat(64), "lease_ms": 1000}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let body: serde_json::Value = resp.json().await.unwrap();
-    assert_eq!(body["outcome"], "claimed");
-    sigterm(&run.0);
-    assert!(wait_exit(&mut run.0).success());
+    claims_then_stops(&mut run, &addr, "t").await;
 
     // The flag takes true, false and auto, and only with `=` (a bare `--redis-cluster` is
     // `true`, as in deploy/kubernetes/store-on-redis-cluster.yaml).
