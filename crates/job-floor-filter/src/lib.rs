@@ -20,6 +20,7 @@
 //! recorded), access-log fields, cluster mode, wait mode, gRPC. The idempotency filter must do
 //! those too; they are what it may spend beyond this floor.
 
+use idempotency_protocol::digest::to_hex;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, MetricType};
@@ -79,16 +80,6 @@ struct FloorRequest {
 }
 
 impl Context for FloorRequest {}
-
-fn hex(bytes: &[u8]) -> String {
-    let digit = |n: u8| char::from(if n < 10 { b'0' + n } else { b'a' + n - 10 });
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(digit(b >> 4));
-        out.push(digit(b & 15));
-    }
-    out
-}
 
 fn put(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(&u32::try_from(bytes.len()).unwrap_or(u32::MAX).to_le_bytes());
@@ -180,7 +171,8 @@ impl FloorRequest {
         if let Some(counter) = self.counter {
             let _ = hostcalls::increment_metric(counter, 1);
         }
-        let key = hex(&digest);
+        let digest: [u8; 32] = digest.into();
+        let key = to_hex(&digest);
         let (value, cas) = hostcalls::get_shared_data(&key).unwrap_or((None, None));
         match value.as_deref() {
             Some(record) if !record.is_empty() => {
