@@ -79,40 +79,38 @@ pub struct DetachedRun {
 /// connection or the router, plus the retry cap and the original's internal mark; Err names
 /// a header whose value is not text (the callout ABI carries values as UTF-8).
 pub(super) fn forwarded_headers(headers: &HeaderPairs) -> Result<Vec<(String, String)>, String> {
-    let mut kept = Vec::with_capacity(headers.len().saturating_add(2));
-    let mut internal = false;
-    for (name, value) in headers {
-        if name == ENVOY_INTERNAL {
-            internal = value.as_slice() == b"true";
-        }
-        if HOP_BY_HOP.contains(&name.as_str())
-            || ROUTER_CONTROL.contains(&name.as_str())
-            || name == ORIGINAL_INTERNAL
-        {
-            continue;
-        }
-        let Ok(text) = std::str::from_utf8(value) else {
-            return Err(name.clone());
-        };
-        kept.push((name.clone(), text.to_string()));
-    }
-    kept.push((NO_ROUTER_RETRIES.to_string(), "0".to_string()));
+    let internal = headers
+        .iter()
+        .rev()
+        .find(|(name, _)| name == ENVOY_INTERNAL)
+        .is_some_and(|(_, value)| value.as_slice() == b"true");
+    let kept = headers.iter().filter(|(name, _)| {
+        let name = name.as_str();
+        !HOP_BY_HOP.contains(&name) && !ROUTER_CONTROL.contains(&name) && name != ORIGINAL_INTERNAL
+    });
+    let mut forwarded = as_text(kept)?;
+    forwarded.push((NO_ROUTER_RETRIES.to_string(), "0".to_string()));
     let internal = if internal { "true" } else { "false" };
-    kept.push((ORIGINAL_INTERNAL.to_string(), internal.to_string()));
-    Ok(kept)
+    forwarded.push((ORIGINAL_INTERNAL.to_string(), internal.to_string()));
+    Ok(forwarded)
 }
 
 /// Trailers as the upstream would receive them (today Envoy's callout drops request
 /// trailers; see docs/detached-writes.md).
 pub(super) fn forwarded_trailers(trailers: &HeaderPairs) -> Result<Vec<(String, String)>, String> {
-    let mut kept = Vec::with_capacity(trailers.len());
-    for (name, value) in trailers {
-        let Ok(text) = std::str::from_utf8(value) else {
-            return Err(name.clone());
-        };
-        kept.push((name.clone(), text.to_string()));
-    }
-    Ok(kept)
+    as_text(trailers.iter())
+}
+
+/// The pairs as text; Err names the first whose value is not UTF-8.
+fn as_text<'a>(
+    pairs: impl Iterator<Item = &'a (String, Vec<u8>)>,
+) -> Result<Vec<(String, String)>, String> {
+    pairs
+        .map(|(name, value)| match std::str::from_utf8(value) {
+            Ok(text) => Ok((name.clone(), text.to_string())),
+            Err(_) => Err(name.clone()),
+        })
+        .collect()
 }
 
 impl RequestJourney {
