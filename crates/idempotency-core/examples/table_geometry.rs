@@ -55,7 +55,7 @@ fn geometry(layout: Layout) -> Result<serde_json::Value, String> {
 
     // A claim writes its bucket's whole value: its length is what one bucket holds.
     let claimed = table
-        .claim(&shared, &[7; 32], &[9; 32], 1, 0, 1_000)
+        .claim(&shared, &[7; 32], &[9; 32], 1, 0, 1_000, || {})
         .map_err(|e| e.to_string())?;
     let Claim::Claimed(_) = claimed else {
         return Err(format!("a claim in an empty table answered {claimed:?}"));

@@ -46,11 +46,16 @@ impl RequestJourney {
             let problem = Problem::unavailable("the proxy's clock is unavailable");
             return self.answer_problem(host, &rule, &problem);
         }
-        plugin.upkeep.before_claim(host, &plugin.table, now);
-        match plugin
-            .table
-            .claim(host, &key, &fingerprint, owner, now, rule.rule.lease_ms)
-        {
+        let catch_up = || plugin.upkeep.before_new_claim(host, &plugin.table, now);
+        match plugin.table.claim(
+            host,
+            &key,
+            &fingerprint,
+            owner,
+            now,
+            rule.rule.lease_ms,
+            catch_up,
+        ) {
             Ok(Claim::Claimed(held)) => {
                 if held.took_over {
                     log::warn!("rule {name}: took over a claim whose lease had passed");

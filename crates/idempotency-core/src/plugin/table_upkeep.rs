@@ -66,9 +66,9 @@ impl TableUpkeep {
         upkeep
     }
 
-    /// Before a claim: catch up with a registry another configuration changed (a push that
-    /// brought this configuration back without configuring it again).
-    pub fn before_claim(&self, host: &impl Host, table: &Table, now_ms: u64) {
+    /// Before claiming a key the table lacks: catch up with a registry another configuration
+    /// changed (a push that brought this configuration back without configuring it again).
+    pub fn before_new_claim(&self, host: &impl Host, table: &Table, now_ms: u64) {
         match self.watch.refresh(host, table, now_ms) {
             Ok(None) => {}
             Ok(Some(lineage)) => self.follow(lineage),

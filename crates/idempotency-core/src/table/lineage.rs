@@ -285,7 +285,7 @@ mod tests {
         let (a, a_watch, _) = configure_watched(&s, 64, DAY, 0);
         assert_eq!(a_watch.refresh(&s, &a, 1).unwrap(), None);
         let (b, b_watch, _) = configure_watched(&s, 1024, DAY, 10);
-        let h = match b.claim(&s, &d(5), &d(9), 1, 20, 60_000).unwrap() {
+        let h = match b.claim(&s, &d(5), &d(9), 1, 20, 60_000, || {}).unwrap() {
             Claim::Claimed(h) => h,
             other => panic!("{other:?}"),
         };
@@ -295,7 +295,7 @@ mod tests {
         let lineage = a_watch.refresh(&s, &a, 30).unwrap().unwrap();
         assert_eq!(lineage.retired.len(), 1);
         assert!(matches!(
-            a.claim(&s, &d(5), &d(9), 2, 40, 60_000).unwrap(),
+            a.claim(&s, &d(5), &d(9), 2, 40, 60_000, || {}).unwrap(),
             Claim::Completed { .. }
         ));
         // Nothing changed since: no re-registration on the next claim.
@@ -304,7 +304,7 @@ mod tests {
         // own records are unaffected.
         b_watch.refresh(&s, &b, 60).unwrap().unwrap();
         assert!(matches!(
-            b.claim(&s, &d(5), &d(9), 3, 70, 60_000).unwrap(),
+            b.claim(&s, &d(5), &d(9), 3, 70, 60_000, || {}).unwrap(),
             Claim::Completed { .. }
         ));
     }
@@ -342,7 +342,7 @@ mod tests {
     fn a_new_capacity_still_replays_and_blocks_what_the_old_table_holds() {
         let s = Shared::default();
         let (old, _) = configure(&s, 64, DAY, 0);
-        let done = match old.claim(&s, &d(1), &d(9), 1, 0, 60_000).unwrap() {
+        let done = match old.claim(&s, &d(1), &d(9), 1, 0, 60_000, || {}).unwrap() {
             Claim::Claimed(h) => h,
             other => panic!("{other:?}"),
         };
@@ -352,7 +352,7 @@ mod tests {
             Completion::Recorded
         );
         assert!(matches!(
-            old.claim(&s, &d(2), &d(9), 2, 2, 60_000).unwrap(),
+            old.claim(&s, &d(2), &d(9), 2, 2, 60_000, || {}).unwrap(),
             Claim::Claimed(_)
         ));
 
@@ -362,7 +362,9 @@ mod tests {
             slot,
             owner,
             status,
-        } = new.claim(&s, &d(1), &d(9), 3, 2_000, 60_000).unwrap()
+        } = new
+            .claim(&s, &d(1), &d(9), 3, 2_000, 60_000, || {})
+            .unwrap()
         else {
             panic!("the record of the old table must replay");
         };
@@ -372,15 +374,18 @@ mod tests {
             vec![7; 10_000]
         );
         assert_eq!(
-            new.claim(&s, &d(1), &d(8), 3, 2_000, 60_000).unwrap(),
+            new.claim(&s, &d(1), &d(8), 3, 2_000, 60_000, || {})
+                .unwrap(),
             Claim::Mismatch
         );
         assert!(matches!(
-            new.claim(&s, &d(2), &d(9), 4, 2_000, 60_000).unwrap(),
+            new.claim(&s, &d(2), &d(9), 4, 2_000, 60_000, || {})
+                .unwrap(),
             Claim::InFlight { .. }
         ));
         assert!(matches!(
-            new.claim(&s, &d(3), &d(9), 5, 2_000, 60_000).unwrap(),
+            new.claim(&s, &d(3), &d(9), 5, 2_000, 60_000, || {})
+                .unwrap(),
             Claim::Claimed(_)
         ));
     }
@@ -389,7 +394,7 @@ mod tests {
     fn a_retired_table_is_emptied_once_its_longest_ttl_has_passed() {
         let s = Shared::default();
         let (old, _) = configure(&s, 64, DAY, 0);
-        let h = match old.claim(&s, &d(1), &d(9), 1, 0, 60_000).unwrap() {
+        let h = match old.claim(&s, &d(1), &d(9), 1, 0, 60_000, || {}).unwrap() {
             Claim::Claimed(h) => h,
             other => panic!("{other:?}"),
         };
@@ -428,7 +433,7 @@ mod tests {
     fn going_back_to_an_earlier_capacity_reuses_its_records() {
         let s = Shared::default();
         let (a, _) = configure(&s, 64, DAY, 0);
-        let h = match a.claim(&s, &d(1), &d(9), 1, 0, 60_000).unwrap() {
+        let h = match a.claim(&s, &d(1), &d(9), 1, 0, 60_000, || {}).unwrap() {
             Claim::Claimed(h) => h,
             other => panic!("{other:?}"),
         };
@@ -439,7 +444,9 @@ mod tests {
         assert_eq!(lineage.retired.len(), 1);
         assert_eq!(lineage.retired[0].layout.buckets, 128);
         assert!(matches!(
-            a_again.claim(&s, &d(1), &d(9), 2, 30, 60_000).unwrap(),
+            a_again
+                .claim(&s, &d(1), &d(9), 2, 30, 60_000, || {})
+                .unwrap(),
             Claim::Completed { .. }
         ));
     }

@@ -645,6 +645,12 @@ impl Table {
     }
 
     /// Claims `key` for a request with payload `fingerprint`, or reports who holds it.
+    ///
+    /// `catch_up` runs once, before any other table is consulted, when this table's bucket
+    /// lacks `key`: the caller's moment to learn of tables another configuration registered
+    /// since. Those only matter to a key this table lacks; a record it holds answers on its
+    /// own, so a replay, a 409 or a 422 reads nothing more.
+    #[allow(clippy::too_many_arguments)]
     pub fn claim(
         &self,
         shared: &impl SharedData,
@@ -653,8 +659,10 @@ impl Table {
         owner: u64,
         now_ms: u64,
         lease_ms: u64,
+        catch_up: impl FnOnce(),
     ) -> Result<Claim, TableError> {
         let bucket = self.bucket_of(key);
+        let mut catch_up = Some(catch_up);
         for _ in 0..MAX_CAS_ATTEMPTS {
             let (mut slots, cas) = self.read_bucket(shared, bucket)?;
             let same_key = slots
@@ -672,6 +680,11 @@ impl Table {
                     return Ok(found);
                 }
                 took_over = decided == ClaimDecision::TakeOver;
+            }
+            if same_key.is_none() {
+                if let Some(catch_up) = catch_up.take() {
+                    catch_up();
+                }
             }
             if same_key.is_none() && !self.predecessors.borrow().is_empty() {
                 if let Some(found) = self.claim_in_predecessors(shared, key, fingerprint, now_ms)? {
@@ -1076,10 +1089,10 @@ mod tests {
         let s = FakeShared::default();
         let t = table(&s, 64);
         let (k, fp) = (digest(1), digest(2));
-        let h = held(t.claim(&s, &k, &fp, 7, 1_000, 60_000).unwrap());
+        let h = held(t.claim(&s, &k, &fp, 7, 1_000, 60_000, || {}).unwrap());
         assert!(!h.took_over);
         assert_eq!(
-            t.claim(&s, &k, &fp, 8, 1_500, 60_000).unwrap(),
+            t.claim(&s, &k, &fp, 8, 1_500, 60_000, || {}).unwrap(),
             Claim::InFlight {
                 retry_after_ms: 59_500
             }
@@ -1093,7 +1106,7 @@ mod tests {
             slot,
             owner,
             status,
-        } = t.claim(&s, &k, &fp, 9, 3_000, 60_000).unwrap()
+        } = t.claim(&s, &k, &fp, 9, 3_000, 60_000, || {}).unwrap()
         else {
             panic!("expected completed");
         };
@@ -1109,7 +1122,7 @@ mod tests {
         let t = table(&s, 64);
         let (k, fp) = (digest(1), digest(2));
         assert_eq!(t.peek(&s, &k, &fp, 1_000).unwrap(), None, "nothing yet");
-        let h = held(t.claim(&s, &k, &fp, 7, 1_000, 60_000).unwrap());
+        let h = held(t.claim(&s, &k, &fp, 7, 1_000, 60_000, || {}).unwrap());
         assert!(matches!(
             t.peek(&s, &k, &fp, 1_500).unwrap(),
             Some(Claim::InFlight { .. })
@@ -1132,12 +1145,15 @@ mod tests {
         ));
         // The peeks claimed nothing: the record is still the one completed by owner 7.
         assert!(matches!(
-            t.claim(&s, &k, &fp, 9, 3_000, 60_000).unwrap(),
+            t.claim(&s, &k, &fp, 9, 3_000, 60_000, || {}).unwrap(),
             Claim::Completed { owner: 7, .. }
         ));
         t.release(
             &s,
-            &held(t.claim(&s, &digest(5), &fp, 10, 3_000, 60_000).unwrap()),
+            &held(
+                t.claim(&s, &digest(5), &fp, 10, 3_000, 60_000, || {})
+                    .unwrap(),
+            ),
         )
         .unwrap();
         assert_eq!(
@@ -1152,19 +1168,19 @@ mod tests {
         let s = FakeShared::default();
         let t = table(&s, 64);
         let k = digest(1);
-        let h = held(t.claim(&s, &k, &digest(2), 7, 0, 1_000).unwrap());
+        let h = held(t.claim(&s, &k, &digest(2), 7, 0, 1_000, || {}).unwrap());
         assert_eq!(
-            t.claim(&s, &k, &digest(3), 8, 1, 1_000).unwrap(),
+            t.claim(&s, &k, &digest(3), 8, 1, 1_000, || {}).unwrap(),
             Claim::Mismatch
         );
         t.complete(&s, &h, &response(200), 2, 10_000, RecordWithoutIt)
             .unwrap();
         assert_eq!(
-            t.claim(&s, &k, &digest(3), 8, 3, 1_000).unwrap(),
+            t.claim(&s, &k, &digest(3), 8, 3, 1_000, || {}).unwrap(),
             Claim::Mismatch
         );
         assert!(matches!(
-            t.claim(&s, &k, &digest(2), 9, 4, 1_000).unwrap(),
+            t.claim(&s, &k, &digest(2), 9, 4, 1_000, || {}).unwrap(),
             Claim::Completed { owner: 7, .. }
         ));
     }
@@ -1174,14 +1190,14 @@ mod tests {
         let s = FakeShared::default();
         let t = table(&s, 64);
         let (k, fp) = (digest(1), digest(2));
-        let h = held(t.claim(&s, &k, &fp, 7, 0, 1_000).unwrap());
+        let h = held(t.claim(&s, &k, &fp, 7, 0, 1_000, || {}).unwrap());
         t.complete(&s, &h, &response(200), 10, 5_000, RecordWithoutIt)
             .unwrap();
         assert!(matches!(
-            t.claim(&s, &k, &fp, 8, 5_009, 1_000).unwrap(),
+            t.claim(&s, &k, &fp, 8, 5_009, 1_000, || {}).unwrap(),
             Claim::Completed { .. }
         ));
-        let again = held(t.claim(&s, &k, &fp, 8, 5_010, 1_000).unwrap());
+        let again = held(t.claim(&s, &k, &fp, 8, 5_010, 1_000, || {}).unwrap());
         assert!(!again.took_over);
     }
 
@@ -1190,8 +1206,8 @@ mod tests {
         let s = FakeShared::default();
         let t = table(&s, 64);
         let (k, fp) = (digest(1), digest(2));
-        let first = held(t.claim(&s, &k, &fp, 7, 0, 1_000).unwrap());
-        let second = held(t.claim(&s, &k, &fp, 8, 1_000, 1_000).unwrap());
+        let first = held(t.claim(&s, &k, &fp, 7, 0, 1_000, || {}).unwrap());
+        let second = held(t.claim(&s, &k, &fp, 8, 1_000, 1_000, || {}).unwrap());
         assert!(second.took_over);
         assert_eq!(
             t.complete(&s, &first, &response(200), 1_100, 5_000, RecordWithoutIt)
@@ -1208,7 +1224,7 @@ mod tests {
             slot,
             owner,
             status,
-        } = t.claim(&s, &k, &fp, 9, 1_300, 1_000).unwrap()
+        } = t.claim(&s, &k, &fp, 9, 1_300, 1_000, || {}).unwrap()
         else {
             panic!("expected completed");
         };
@@ -1223,27 +1239,30 @@ mod tests {
     fn a_renewed_lease_is_not_taken_over_and_a_lost_one_cannot_be_renewed() {
         let s = FakeShared::default();
         let t = table(&s, 64);
-        let first = held(t.claim(&s, &digest(1), &digest(9), 1, 0, 1_000).unwrap());
+        let first = held(
+            t.claim(&s, &digest(1), &digest(9), 1, 0, 1_000, || {})
+                .unwrap(),
+        );
         assert_eq!(
             t.renew(&s, &first, 900, 1_000).unwrap(),
             Completion::Recorded
         );
         // Past the first lease, inside the renewed one: still in flight.
         assert!(matches!(
-            t.claim(&s, &digest(1), &digest(9), 2, 1_500, 1_000)
+            t.claim(&s, &digest(1), &digest(9), 2, 1_500, 1_000, || {})
                 .unwrap(),
             Claim::InFlight { .. }
         ));
         // A renewal never shortens the lease.
         assert_eq!(t.renew(&s, &first, 100, 10).unwrap(), Completion::Recorded);
         assert!(matches!(
-            t.claim(&s, &digest(1), &digest(9), 2, 1_800, 1_000)
+            t.claim(&s, &digest(1), &digest(9), 2, 1_800, 1_000, || {})
                 .unwrap(),
             Claim::InFlight { .. }
         ));
         // Unrenewed past its end, it is taken over, and the old owner cannot renew it back.
         let second = held(
-            t.claim(&s, &digest(1), &digest(9), 3, 2_000, 1_000)
+            t.claim(&s, &digest(1), &digest(9), 3, 2_000, 1_000, || {})
                 .unwrap(),
         );
         assert!(second.took_over);
@@ -1272,10 +1291,10 @@ mod tests {
         let s = FakeShared::default();
         let t = table(&s, 64);
         let (k, fp) = (digest(1), digest(2));
-        let h = held(t.claim(&s, &k, &fp, 7, 0, 1_000).unwrap());
+        let h = held(t.claim(&s, &k, &fp, 7, 0, 1_000, || {}).unwrap());
         assert_eq!(t.release(&s, &h).unwrap(), Completion::Recorded);
         assert!(matches!(
-            t.claim(&s, &k, &fp, 8, 1, 1_000).unwrap(),
+            t.claim(&s, &k, &fp, 8, 1, 1_000, || {}).unwrap(),
             Claim::Claimed(_)
         ));
     }
@@ -1287,25 +1306,34 @@ mod tests {
         assert_eq!(t.bucket_count(), 1);
         for n in 0..WAYS as u8 {
             held(
-                t.claim(&s, &digest(10 + n), &digest(0), u64::from(n), 0, 1_000)
-                    .unwrap(),
+                t.claim(
+                    &s,
+                    &digest(10 + n),
+                    &digest(0),
+                    u64::from(n),
+                    0,
+                    1_000,
+                    || {},
+                )
+                .unwrap(),
             );
         }
         assert_eq!(
-            t.claim(&s, &digest(99), &digest(0), 50, 10, 1_000).unwrap(),
+            t.claim(&s, &digest(99), &digest(0), 50, 10, 1_000, || {})
+                .unwrap(),
             Claim::Full
         );
         // Every earlier claim is still in flight.
         for n in 0..WAYS as u8 {
             assert!(matches!(
-                t.claim(&s, &digest(10 + n), &digest(0), 60, 20, 1_000)
+                t.claim(&s, &digest(10 + n), &digest(0), 60, 20, 1_000, || {})
                     .unwrap(),
                 Claim::InFlight { .. }
             ));
         }
         // Once leases pass, slots are reused.
         assert!(matches!(
-            t.claim(&s, &digest(99), &digest(0), 50, 1_000, 1_000)
+            t.claim(&s, &digest(99), &digest(0), 50, 1_000, 1_000, || {})
                 .unwrap(),
             Claim::Claimed(_)
         ));
@@ -1313,8 +1341,16 @@ mod tests {
 
     fn claim_and_record(t: &Table, s: &FakeShared, n: u8, now_ms: u64, body: usize) -> Completion {
         let h = held(
-            t.claim(s, &digest(n), &digest(0), u64::from(n), now_ms, 1_000)
-                .unwrap(),
+            t.claim(
+                s,
+                &digest(n),
+                &digest(0),
+                u64::from(n),
+                now_ms,
+                1_000,
+                || {},
+            )
+            .unwrap(),
         );
         let mut r = response(201);
         r.body = vec![n; body];
@@ -1331,30 +1367,30 @@ mod tests {
         claim_and_record(&t, &s, 11, 900, 4);
         for n in 12..10 + WAYS as u8 {
             held(
-                t.claim(&s, &digest(n), &digest(0), 50, 1_000, 60_000)
+                t.claim(&s, &digest(n), &digest(0), 50, 1_000, 60_000, || {})
                     .unwrap(),
             );
         }
         let first = held(
-            t.claim(&s, &digest(90), &digest(0), 90, 1_000, 60_000)
+            t.claim(&s, &digest(90), &digest(0), 90, 1_000, 60_000, || {})
                 .unwrap(),
         );
         assert_eq!(first.evicted, Some(Evicted { age_ms: 900 }));
         let second = held(
-            t.claim(&s, &digest(91), &digest(0), 91, 1_000, 60_000)
+            t.claim(&s, &digest(91), &digest(0), 91, 1_000, 60_000, || {})
                 .unwrap(),
         );
         assert_eq!(second.evicted, Some(Evicted { age_ms: 100 }));
         // Only claims in flight remain: a new key finds the bucket full.
         assert_eq!(
-            t.claim(&s, &digest(92), &digest(0), 92, 1_000, 60_000)
+            t.claim(&s, &digest(92), &digest(0), 92, 1_000, 60_000, || {})
                 .unwrap(),
             Claim::Full
         );
         // The evicted keys are new again; the in-flight ones still answer 409.
         for n in 12..10 + WAYS as u8 {
             assert!(matches!(
-                t.claim(&s, &digest(n), &digest(0), 60, 1_001, 60_000)
+                t.claim(&s, &digest(n), &digest(0), 60, 1_001, 60_000, || {})
                     .unwrap(),
                 Claim::InFlight { .. }
             ));
@@ -1374,7 +1410,7 @@ mod tests {
         for n in 100 - WAYS as u8..100 {
             assert!(
                 matches!(
-                    t.claim(&s, &digest(n), &digest(0), 999, 5_000, 1_000)
+                    t.claim(&s, &digest(n), &digest(0), 999, 5_000, 1_000, || {})
                         .unwrap(),
                     Claim::Completed { .. }
                 ),
@@ -1393,8 +1429,9 @@ mod tests {
             claim_and_record(&t, &s, 1, 0, 100_000),
             Completion::Recorded
         );
-        let Claim::Completed { slot, owner, .. } =
-            t.claim(&s, &digest(1), &digest(0), 99, 1, 1_000).unwrap()
+        let Claim::Completed { slot, owner, .. } = t
+            .claim(&s, &digest(1), &digest(0), 99, 1, 1_000, || {})
+            .unwrap()
         else {
             panic!("expected a replay");
         };
@@ -1406,7 +1443,7 @@ mod tests {
             let mut key = [0xEE; 32];
             key[..4].copy_from_slice(&n.to_be_bytes());
             let h = held(
-                t.claim(&s, &key, &digest(0), 100 + u64::from(n), 10, 1_000)
+                t.claim(&s, &key, &digest(0), 100 + u64::from(n), 10, 1_000, || {})
                     .unwrap(),
             );
             let mut r = response(201);
@@ -1429,7 +1466,9 @@ mod tests {
             slot,
             owner,
             status,
-        } = t.claim(&s, &digest(1), &digest(0), 99, 1, 1_000).unwrap()
+        } = t
+            .claim(&s, &digest(1), &digest(0), 99, 1, 1_000, || {})
+            .unwrap()
         else {
             panic!("expected a replay");
         };
@@ -1442,7 +1481,10 @@ mod tests {
         assert_eq!(replay.headers, response(201).headers);
 
         // Cluster mode: the store has the body, so the slot is freed for the store to answer.
-        let h = held(t.claim(&s, &digest(2), &digest(0), 2, 0, 1_000).unwrap());
+        let h = held(
+            t.claim(&s, &digest(2), &digest(0), 2, 0, 1_000, || {})
+                .unwrap(),
+        );
         let mut big = response(201);
         big.body = vec![0; 1 << 20];
         assert_eq!(
@@ -1451,7 +1493,8 @@ mod tests {
             Completion::NotHeld
         );
         assert!(matches!(
-            t.claim(&s, &digest(2), &digest(0), 3, 2, 1_000).unwrap(),
+            t.claim(&s, &digest(2), &digest(0), 3, 2, 1_000, || {})
+                .unwrap(),
             Claim::Claimed(_)
         ));
     }
@@ -1476,6 +1519,7 @@ mod tests {
                     u64::from(round),
                     u64::from(round),
                     1_000,
+                    || {},
                 )
                 .unwrap(),
             );
@@ -1500,11 +1544,11 @@ mod tests {
         let s = FakeShared::default();
         let t = table(&s, 4);
         let (k, fp) = (digest(1), digest(2));
-        held(t.claim(&s, &k, &fp, 7, 0, 1_000).unwrap());
+        held(t.claim(&s, &k, &fp, 7, 0, 1_000, || {}).unwrap());
         // Another worker configures later.
         t.create_buckets(&s).unwrap();
         assert!(matches!(
-            t.claim(&s, &k, &fp, 8, 1, 1_000).unwrap(),
+            t.claim(&s, &k, &fp, 8, 1, 1_000, || {}).unwrap(),
             Claim::InFlight { .. }
         ));
     }
@@ -1530,7 +1574,7 @@ mod tests {
                     // The rival claims the same key first.
                     let t = Table::new("test", layout(4), 0);
                     let rival = t
-                        .claim(&self.inner, &digest(1), &digest(2), 99, 0, 1_000)
+                        .claim(&self.inner, &digest(1), &digest(2), 99, 0, 1_000, || {})
                         .unwrap();
                     assert!(matches!(rival, Claim::Claimed(_)));
                     return Ok(SetOutcome::CasMismatch);
@@ -1545,7 +1589,8 @@ mod tests {
         let t = table(&s.inner, 4);
         *s.lose_next.borrow_mut() = true;
         assert!(matches!(
-            t.claim(&s, &digest(1), &digest(2), 7, 1, 1_000).unwrap(),
+            t.claim(&s, &digest(1), &digest(2), 7, 1, 1_000, || {})
+                .unwrap(),
             Claim::InFlight { .. }
         ));
     }
@@ -1557,7 +1602,7 @@ mod tests {
         let (k, fp) = (digest(1), digest(2));
         // The host's cas counter has wrapped around to the marker's value for this claim.
         *s.next_cas.borrow_mut() = CREATE_IF_ABSENT_CAS - 1;
-        held(t.claim(&s, &k, &fp, 7, 0, 60_000).unwrap());
+        held(t.claim(&s, &k, &fp, 7, 0, 60_000, || {}).unwrap());
         assert_eq!(
             s.get(&t.bucket_key(0)).unwrap().map(|(_, cas)| cas),
             Some(CREATE_IF_ABSENT_CAS)
@@ -1565,7 +1610,7 @@ mod tests {
         // An Istio push re-runs configure on every worker.
         t.create_buckets(&s).unwrap();
         assert!(matches!(
-            t.claim(&s, &k, &fp, 8, 1, 60_000).unwrap(),
+            t.claim(&s, &k, &fp, 8, 1, 60_000, || {}).unwrap(),
             Claim::InFlight { .. }
         ));
     }
@@ -1602,7 +1647,7 @@ mod tests {
         let s = FakeShared::default();
         let t = table(&s, 8);
         let (k, fp) = (digest(1), digest(2));
-        let late = held(t.claim(&s, &k, &fp, 7, 0, 1_000).unwrap());
+        let late = held(t.claim(&s, &k, &fp, 7, 0, 1_000, || {}).unwrap());
         // Its lease has passed. Right after the late finisher reads the bucket and sees its
         // claim, another worker takes the key over, executes and records its own response.
         let rival_table = t.clone();
@@ -1610,7 +1655,11 @@ mod tests {
             inner: &s,
             reads_before_rival: RefCell::new(1),
             rival: RefCell::new(Some(Box::new(move |shared: &FakeShared| {
-                let taker = held(rival_table.claim(shared, &k, &fp, 8, 2_000, 1_000).unwrap());
+                let taker = held(
+                    rival_table
+                        .claim(shared, &k, &fp, 8, 2_000, 1_000, || {})
+                        .unwrap(),
+                );
                 assert!(taker.took_over);
                 let mut theirs = response(201);
                 theirs.body = b"the new owner's body".to_vec();
@@ -1629,7 +1678,8 @@ mod tests {
                 .unwrap(),
             Completion::LostOwnership
         );
-        let Claim::Completed { slot, owner, .. } = t.claim(&s, &k, &fp, 9, 3_000, 1_000).unwrap()
+        let Claim::Completed { slot, owner, .. } =
+            t.claim(&s, &k, &fp, 9, 3_000, 1_000, || {}).unwrap()
         else {
             panic!("expected the new owner's record");
         };
@@ -1664,7 +1714,7 @@ mod tests {
         let s = FakeShared::default();
         let t = table(&s, 8); // one bucket: every key shares it
         let (k, fp, other) = (digest(1), digest(2), digest(3));
-        let mine = held(t.claim(&s, &k, &fp, 7, 0, 60_000).unwrap());
+        let mine = held(t.claim(&s, &k, &fp, 7, 0, 60_000, || {}).unwrap());
         // Right after the completion's proof read, another worker claims another key of the
         // same bucket: the flip must not write back the bucket as the proof saw it.
         let rival_table = t.clone();
@@ -1673,7 +1723,7 @@ mod tests {
             reads_before_rival: RefCell::new(1),
             rival: RefCell::new(Some(Box::new(move |shared: &FakeShared| {
                 let theirs = rival_table
-                    .claim(shared, &other, &fp, 8, 1_000, 60_000)
+                    .claim(shared, &other, &fp, 8, 1_000, 60_000, || {})
                     .unwrap();
                 assert!(matches!(theirs, Claim::Claimed(_)));
             }))),
@@ -1691,10 +1741,11 @@ mod tests {
             Completion::Recorded
         );
         assert!(matches!(
-            t.claim(&s, &other, &fp, 9, 2_000, 60_000).unwrap(),
+            t.claim(&s, &other, &fp, 9, 2_000, 60_000, || {}).unwrap(),
             Claim::InFlight { .. }
         ));
-        let Claim::Completed { slot, owner, .. } = t.claim(&s, &k, &fp, 9, 2_000, 60_000).unwrap()
+        let Claim::Completed { slot, owner, .. } =
+            t.claim(&s, &k, &fp, 9, 2_000, 60_000, || {}).unwrap()
         else {
             panic!("expected the completed record");
         };
@@ -1710,14 +1761,14 @@ mod tests {
         let t = table(&s, 8);
         let (k, fp) = (digest(1), digest(2));
         let writes = || *s.next_cas.borrow();
-        let h = held(t.claim(&s, &k, &fp, 7, 0, 60_000).unwrap());
+        let h = held(t.claim(&s, &k, &fp, 7, 0, 60_000, || {}).unwrap());
         let before = writes();
         t.complete(&s, &h, &response(201), 1_000, 60_000, RecordWithoutIt)
             .unwrap();
         // The response and the flip to completed; no renewal.
         assert_eq!(writes() - before, 2);
         // Near the end of its lease a claim is renewed first.
-        let h = held(t.claim(&s, &digest(3), &fp, 8, 0, 6_000).unwrap());
+        let h = held(t.claim(&s, &digest(3), &fp, 8, 0, 6_000, || {}).unwrap());
         let before = writes();
         t.complete(&s, &h, &response(201), 2_000, 60_000, RecordWithoutIt)
             .unwrap();

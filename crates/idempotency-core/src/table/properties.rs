@@ -298,6 +298,7 @@ impl Tables {
                         owner,
                         now,
                         LEASE_MS,
+                        || {},
                     )
                     .map_err(|e| e.to_string())?;
                 let replay = match claim {

@@ -507,8 +507,8 @@ const REPLAYED: [Allowed; 3] = [
     ("clock", 1, "the claim"),
     (
         "shared data get",
-        3,
-        "the registry, the bucket, the recorded response",
+        2,
+        "the bucket, the recorded response (the bucket holds the key: no registry read)",
     ),
     ("local reply", 1, "the replay"),
 ];
@@ -516,7 +516,11 @@ const REPLAYED: [Allowed; 3] = [
 /// A claim the table refuses (409 in flight, 422 reused): nothing to read beyond the bucket.
 const REFUSED: [Allowed; 3] = [
     ("clock", 1, "the claim"),
-    ("shared data get", 2, "the registry, the bucket"),
+    (
+        "shared data get",
+        1,
+        "the bucket (it holds the key: no registry read)",
+    ),
     ("local reply", 1, "the problem"),
 ];
 
@@ -535,7 +539,7 @@ const BUDGETS: &[Budget] = &[
             ("request body", 1, "as any request"),
             ("metrics", 2, "waited, replayed_after_wait"),
             ("clock", 2, "the claim; the root's tick"),
-            ("shared data get", 4, "the registry and the bucket at the claim; on the tick the bucket and the response"),
+            ("shared data get", 3, "the bucket at the claim (it holds the key: no registry read); on the tick the bucket and the response"),
             ("context switches", 2, "into the held request to answer it, back to the root"),
             ("local reply", 1, "the replay"),
         ]],
@@ -562,7 +566,7 @@ const BUDGETS: &[Budget] = &[
         path: "gRPC replay",
         calls: &[&REQUEST, &ROUTE_METADATA, &[
             ("clock", 1, "the claim"),
-            ("shared data get", 3, "the registry, the bucket, the recorded response"),
+            ("shared data get", 2, "the bucket, the recorded response (the bucket holds the key: no registry read)"),
             ("request body set", 1, "the hop carries the recorded message to the echo (Envoy sends a gRPC call's local reply trailers-only)"),
             ("header edits", 10, "the hop: :path and content-type set, the client's content-length dropped; on the way back the echo's marker and length dropped, the recorded metadata (2 here) and the replay marker set, the recorded trailers (2 here) added: one call each"),
             ("response headers", 1, "the echo's answer, to tell it from anything else"),

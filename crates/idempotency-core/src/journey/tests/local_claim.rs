@@ -243,3 +243,40 @@ fn a_claim_without_a_clock_is_refused_not_born_expired() {
     let (first, _) = post(&host, &plugin, "k1", b"{}");
     assert!(is_executing(&first));
 }
+
+/// A push that brings back an earlier `local_table` (2 MiB, then 4 MiB, then 2 MiB again on
+/// a worker that never saw it configured again): the earlier configuration's first claim of a
+/// key its own table lacks catches up with the registry and finds the newer table's record.
+#[test]
+fn a_configuration_brought_back_by_a_push_replays_what_the_newer_table_recorded() {
+    const SMALL: &str = r#"{"local_table":{"max_bytes":2097152},
+        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]}}]}"#;
+    const LARGE: &str = r#"{"local_table":{"max_bytes":4194304},
+        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]}}]}"#;
+    let host = FakeHost::default();
+    let small = plugin(&host, SMALL);
+    let (mut before_push, _) = post(&host, &small, "k0", b"{}");
+    respond(&host, &mut before_push, 201, b"made before the push");
+    let large = plugin(&host, LARGE);
+    let (mut first, _) = post(&host, &large, "k1", b"{}");
+    assert!(is_executing(&first));
+    respond(&host, &mut first, 201, b"made by the newer table");
+
+    // The earlier configuration, still live on a worker: its own record answers at once...
+    let (_, verdict) = post(&host, &small, "k0", b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(
+        (status, body.as_slice()),
+        (201, &b"made before the push"[..])
+    );
+    // ... and a key only the newer table holds is found there, not run again.
+    let (_, verdict) = post(&host, &small, "k1", b"{}");
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!(
+        (status, body.as_slice()),
+        (201, &b"made by the newer table"[..])
+    );
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+}
