@@ -462,7 +462,7 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
 
 # The setups whose CPU is split by `perf` into the module, its host calls and Envoy's own work:
 # the floors and the filter's single-proxy paths, with and without an upstream.
-PROFILED = ("b", "c", "d", "k", "l", "m")
+PROFILED = ("b", "c", "d", "k", "l", "m", "n", "o")
 
 
 def profile_setup(s: Setup, envoy: harness.Envoy, tmp: Path, seconds: float, args: list[str]) -> cpu_profile.CpuSplit:

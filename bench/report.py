@@ -341,9 +341,9 @@ def add_census_section(add, table: str, budgets: list[str]) -> None:
     add("")
 
 
-# What each no-upstream and upstream target allows the filter over its floor, as a ratio of
+# What each target allows the filter over the job floor doing the same requests, as a ratio of
 # throughput: a setup at ratio r of its floor costs floor/r of CPU per request.
-CPU_TARGETS = (("m", "k", 0.8), ("l", "k", 0.6), ("c", "b", 0.75), ("d", "b", 1.0))
+CPU_TARGETS = (("l", "n", 0.85), ("m", "o", 0.85))
 
 
 def add_cpu_section(add, results: list[SetupResult], instructions: "Instructions | None",

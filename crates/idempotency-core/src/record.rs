@@ -75,6 +75,12 @@ impl RecordedResponse {
 
 impl RecordedResponse {
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_as(self.owner)
+    }
+
+    /// Its encoding under another claim's `owner` (the table stamps the claim that records
+    /// it without copying the response to do so).
+    pub fn encode_as(&self, owner: u64) -> Vec<u8> {
         let headers_len: usize = self
             .headers
             .iter()
@@ -82,7 +88,7 @@ impl RecordedResponse {
             .sum();
         let mut out = Vec::with_capacity(4 + 8 + 2 + 1 + 2 + headers_len + 4 + self.body.len());
         out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&self.owner.to_be_bytes());
+        out.extend_from_slice(&owner.to_be_bytes());
         out.extend_from_slice(&self.status.to_be_bytes());
         let mut flags = 0;
         if self.body_omitted {

@@ -36,20 +36,27 @@ pub struct GrpcRule {
 /// A gRPC request's content type: `application/grpc`, bare or with a subtype
 /// (`application/grpc+proto`); gRPC-Web is not gRPC here (its trailers travel in the body).
 pub fn is_grpc_content_type(value: &str) -> bool {
-    let lower = value.trim().to_ascii_lowercase();
-    match lower.strip_prefix("application/grpc") {
+    match strip_prefix_ignoring_case(value.trim(), "application/grpc") {
         Some(rest) => rest.is_empty() || rest.starts_with('+') || rest.starts_with(';'),
         None => false,
     }
 }
 
+/// `value` without `prefix`, compared without regard to ASCII case (no lowercase copy: every
+/// protected request asks).
+fn strip_prefix_ignoring_case<'a>(value: &'a str, prefix: &str) -> Option<&'a str> {
+    let head = value.get(..prefix.len())?;
+    head.eq_ignore_ascii_case(prefix)
+        .then(|| value.get(prefix.len()..))
+        .flatten()
+}
+
 /// A gRPC-Web request's content type (`application/grpc-web`, `-text`, `+proto`...): a gRPC
 /// call whose status travels in its body, which the filter does not protect.
 pub fn is_grpc_web_content_type(value: &str) -> bool {
-    let lower = value.trim().to_ascii_lowercase();
-    match lower.strip_prefix("application/grpc-web") {
+    match strip_prefix_ignoring_case(value.trim(), "application/grpc-web") {
         Some(rest) => {
-            let rest = rest.strip_prefix("-text").unwrap_or(rest);
+            let rest = strip_prefix_ignoring_case(rest, "-text").unwrap_or(rest);
             rest.is_empty() || rest.starts_with('+') || rest.starts_with(';')
         }
         None => false,

@@ -830,11 +830,7 @@ impl Table {
         owner: u64,
         response: &RecordedResponse,
     ) -> Result<(Vec<u8>, bool), HostError> {
-        let encoded = RecordedResponse {
-            owner,
-            ..response.clone()
-        }
-        .encode();
+        let encoded = response.encode_as(owner);
         let inline = self.layout.inline_bytes as usize;
         if encoded.len() <= inline {
             return Ok((encoded, true));
