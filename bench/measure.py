@@ -266,6 +266,8 @@ class SetupResult:
     command: str
     rate: RateResult | None = None
     split: cpu_profile.CpuSplit | None = None
+    # Cluster mode: the store's CPU per request during the measured run, and its Redis's.
+    coordination_cpu_us: float | None = None
 
 
 # Envoy's startup advice about the overload manager: not about what is measured.
@@ -434,9 +436,15 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
         envoy.admin("/reset_counters", "POST").raise_for_status()
         before = coordination_counts(s, store, echo)
         argv = wrk_argv(url, durations.setup, WRK_DIR / "post.lua", args)
-        cpu0 = cpu_seconds(pid)
+        # What cluster mode costs beside Envoy: the store and, on Redis, Redis (shared by the
+        # run's setups, but only the one running loads it).
+        others = [store.process.pid] if store else []
+        if store and s.store_backend == "redis" and redis is not None:
+            others.append(redis.process.pid)
+        cpu0, others0 = cpu_seconds(pid), [cpu_seconds(p) for p in others]
         w = run_wrk(argv, durations.setup)
         cpu = cpu_seconds(pid) - cpu0
+        coordination = sum(cpu_seconds(p) - c for p, c in zip(others, others0)) if others else None
         rss = rss_kib(pid)
         stats = filter_stats(envoy)
         checks = check_setup(s, w, stats, since(before, coordination_counts(s, store, echo)))
@@ -457,7 +465,8 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
         rate = None
         if s.rate and durations.rate_rps > 0 and durations.rate_seconds > 0:
             rate = run_rate(s, envoy, durations, lambda: coordination_counts(s, store, echo))
-    return SetupResult(s, w, rss, rss_start, 1e6 * cpu / max(1, w.requests), stats, checks, command, rate, split)
+    return SetupResult(s, w, rss, rss_start, 1e6 * cpu / max(1, w.requests), stats, checks, command, rate, split,
+                       None if coordination is None else 1e6 * coordination / max(1, w.requests))
 
 
 # The setups whose CPU is split by `perf` into the module, its host calls and Envoy's own work:

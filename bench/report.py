@@ -24,6 +24,7 @@ from measure import (
     outcome,
 )
 from cpu_profile import PARTS, Instructions
+import peer
 from setups import (
     BODY,
     MEMORY_LEASE_S,
@@ -420,8 +421,11 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                results: list[SetupResult], mem: MemoryResult | None, stores: list[StoreResult],
                rb: RedisBench | None, scale: ClusterScale | None, wasm_size: int, noop_size: int,
                elapsed: float, envoy_cmd: str,
-               instructions: "Instructions | None" = None) -> list[tuple[str, bool | None, str]]:
+               instructions: "Instructions | None" = None,
+               peer_cmp: "peer.PeerComparison | None" = None) -> list[tuple[str, bool | None, str]]:
     by = {r.setup.key: r for r in results}
+    peer_lines: list[str] = []
+    peer_targets = peer.report(peer_lines.append, peer_cmp)
     a, b = by["a"].wrk, by["b"].wrk
     targets: list[tuple[str, bool | None, str]] = []
     c, d = by["c"].wrk, by["d"].wrk
@@ -503,6 +507,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                         f"{mem.max_bytes / 2**20:.0f} + {mem.working_overhead_bytes / 2**20:.0f} = "
                         f"{mem.budget_kib / 1024:.1f} MiB"))
 
+    targets.extend(peer_targets)
     L: list[str] = []
     add = L.append
     add("# Benchmarks")
@@ -654,6 +659,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     rated = [r for r in results if r.rate]
     if rated and rate_a:
         add_rate_section(add, rated, rate_a, durations)
+    L.extend(peer_lines)
     census_table, budgets = census()
     add_census_section(add, census_table, budgets)
     add_cpu_section(add, results, instructions, census_calls(census_table))

@@ -76,6 +76,7 @@ from measure import (
     run_store_on_cluster,
 )
 from cpu_profile import count_instructions
+import peer
 from report import machine, write_chart, write_page
 from setups import FILTER_WASM, FLOOR_WASM, NOOP_WASM, PRODUCT, REPO, harness, setups
 
@@ -94,8 +95,10 @@ def main() -> int:
     p.add_argument("--profile-seconds", type=float, default=6,
                    help="seconds of perf sampling per profiled setup, after its measured run (0: none)")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,n,o,instructions,memory,store,cluster "
+                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,n,o,instructions,memory,store,cluster,peer "
                         "(development; writes no page)")
+    p.add_argument("--peer-rounds", type=int, default=2,
+                   help="rounds of the peer comparison (bench/peer.py; skipped without the peer's binary)")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary directory of logs and configs")
     p.add_argument("--abba", metavar="BASELINE_WASM", default="",
                    help="instead: each setup of --only (default c,l,m) with this module (A) and the built "
@@ -141,6 +144,7 @@ def main() -> int:
     stores: list[StoreResult] = []
     rb = None
     scale = None
+    peer_cmp = None
     envoy_cmd = ""
     try:
         with harness.ProcessGroup(tmp) as group:
@@ -163,24 +167,54 @@ def main() -> int:
             if not only or "cluster" in only:
                 scale = run_store_on_cluster(tmp / "cluster", args.store_duration, durations.store_warmup,
                                              args.redis_requests)
+            if (not only or "peer" in only) and args.peer_rounds > 0:
+                peer_cmp = run_peer_comparison(tmp / "peer", upstream, redis, durations, args.peer_rounds)
     except BenchFailure as err:
         print(f"\nBENCH FAILED: {err}\n(logs in {tmp})", file=sys.stderr, flush=True)
         return 1
     elapsed = time.monotonic() - started
     if only:
+        if peer_cmp:
+            lines: list[str] = []
+            peer.report(lines.append, peer_cmp)
+            print("\n".join(lines))
         log(f"done in {elapsed:.0f}s (partial run, no page written)")
         return 0
     out = Path(args.out)
     chart = out.with_suffix(".png")
     write_chart(results, chart)
     targets = write_page(out, chart, info, durations, results, mem, stores, rb, scale, FILTER_WASM.stat().st_size,
-                         NOOP_WASM.stat().st_size, elapsed, envoy_cmd, instructions)
+                         NOOP_WASM.stat().st_size, elapsed, envoy_cmd, instructions, peer_cmp)
     log(f"wrote {out} and {chart} in {elapsed:.0f}s")
     for name, ok, detail in targets:
         log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
     if not args.keep_logs:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def run_peer_comparison(tmp: Path, upstream: harness.Upstream, redis: harness.Redis, durations: Durations,
+                        rounds: int) -> "peer.PeerComparison | None":
+    """Rounds of the peer against (f) and (a), in alternating order (so a drift of the machine's
+    speed weighs on both alike); None without the peer's binary."""
+    if peer.peer_binary() is None:
+        log("peer comparison skipped: no peer binary (make peer PEER_SRC=..., or PEER_PROXY_BIN)")
+        return None
+    log("peer comparison: ldclabs/idempotent-proxy against (f) and (a)")
+    by_key = {s.key: s for s in setups()}
+    cmp = peer.PeerComparison([], [], [])
+    for n in range(1, rounds + 1):
+        def ours() -> None:
+            cmp.bare.append(run_setup(by_key["a"], tmp / f"a-{n}", upstream, durations, redis))
+            cmp.ours.append(run_setup(by_key["f"], tmp / f"f-{n}", upstream, durations, redis))
+
+        def theirs() -> None:
+            cmp.rounds.append(peer.run_peer_round(tmp / f"peer-{n}", upstream, durations, n))
+
+        first, second = (ours, theirs) if n % 2 else (theirs, ours)
+        first()
+        second()
+    return cmp
 
 
 def abba(baseline: Path, candidate: Path, only: str, durations: Durations) -> int:
