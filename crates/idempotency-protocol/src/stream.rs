@@ -195,15 +195,26 @@ impl Writer {
     }
 }
 
+/// Room for a message of small fields (a claim, most answers) without growing.
+const SMALL_MESSAGE_BYTES: usize = 160;
+/// A field's tag and length prefix, at most (field numbers below 16, lengths below 2^32).
+const FIELD_HEAD_BYTES: usize = 6;
+
 fn build(fill: impl FnOnce(&mut Writer)) -> Vec<u8> {
-    let mut w = Writer(Vec::new());
+    build_sized(SMALL_MESSAGE_BYTES, fill)
+}
+
+/// `build` into a buffer of `capacity` bytes: a message carrying a record is written once,
+/// not grown and copied as it fills (a completion is the largest call on the stream).
+fn build_sized(capacity: usize, fill: impl FnOnce(&mut Writer)) -> Vec<u8> {
+    let mut w = Writer(Vec::with_capacity(capacity));
     fill(&mut w);
     w.0
 }
 
 /// A Call or an Answer: its id, and its oneof member (field number `member`) holding `body`.
 fn wrap(id: u64, member: u32, body: &[u8]) -> Vec<u8> {
-    build(|w| {
+    build_sized(body.len() + 2 * FIELD_HEAD_BYTES + 10, |w| {
         w.uint(field::ID, id);
         w.message(member, body);
     })
@@ -238,13 +249,16 @@ pub fn encode_call_parts(id: u64, op: &CallOp) -> Vec<u8> {
             fingerprint,
         } => (
             field::COMPLETE,
-            build(|w| {
-                w.bytes(1, key.as_bytes());
-                w.bytes(2, owner.as_bytes());
-                w.uint(3, *ttl_ms);
-                w.bytes(4, record);
-                w.bytes(5, fingerprint.as_bytes());
-            }),
+            build_sized(
+                key.len() + owner.len() + record.len() + fingerprint.len() + 5 * FIELD_HEAD_BYTES,
+                |w| {
+                    w.bytes(1, key.as_bytes());
+                    w.bytes(2, owner.as_bytes());
+                    w.uint(3, *ttl_ms);
+                    w.bytes(4, record);
+                    w.bytes(5, fingerprint.as_bytes());
+                },
+            ),
         ),
         CallOp::Release { key, owner } => (
             field::RELEASE,
@@ -309,7 +323,10 @@ pub fn encode_answer(answer: &Answer) -> Vec<u8> {
         Reply::InFlight { retry_after_ms } => {
             (field::IN_FLIGHT, build(|w| w.uint(1, *retry_after_ms)))
         }
-        Reply::Completed { record } => (field::COMPLETED, build(|w| w.bytes(1, record))),
+        Reply::Completed { record } => (
+            field::COMPLETED,
+            build_sized(record.len() + FIELD_HEAD_BYTES, |w| w.bytes(1, record)),
+        ),
         Reply::Mismatch => (field::MISMATCH, Vec::new()),
         Reply::Recorded => (field::RECORDED, Vec::new()),
         Reply::Released => (field::RELEASED, Vec::new()),

@@ -133,7 +133,7 @@ impl RequestJourney {
         let Some(store) = rule.store.clone() else {
             return self.execute(host, rule, held, None);
         };
-        let owner = store_client::store_owner(held.owner, host.now_nanos(), &held.key);
+        let owner = store_client::store_owner(held.owner, host.now_nanos());
         let call =
             store_client::claim_call(&held.key, &held.fingerprint, rule.rule.lease_ms, &owner);
         let sent = match store.transport {

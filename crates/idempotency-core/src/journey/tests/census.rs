@@ -717,11 +717,28 @@ fn census_loop() {
     let rounds = option_env!("CENSUS_LOOP_ROUNDS").map(str::to_string);
     let rounds: u32 = rounds.and_then(|v| v.parse().ok()).unwrap_or(20_000);
     // A path's rounds left out (`CENSUS_LOOP_ONLY=replay` or `new_key`), for an instruction
-    // count of one path under callgrind.
+    // count of one path under callgrind; `cluster_new_key` runs that path alone.
     #[cfg(not(target_arch = "wasm32"))]
     let only = std::env::var("CENSUS_LOOP_ONLY").unwrap_or_default();
     #[cfg(target_arch = "wasm32")]
     let only = String::new();
+    if only == "cluster_new_key" {
+        // Cluster mode's new key: the claim and the completion on the stream, answered.
+        let host = FakeHost::default();
+        let mut root = root(&host, CLUSTER);
+        let started = now_ms();
+        for n in 0..rounds {
+            let j = arrive(&host, &root, 3 + n, &format!("c{n}"), &body());
+            store_answers(&host, &mut root, claimed);
+            upstream_answers(&host, &j, 3 + n);
+            store_answers(&host, &mut root, recorded);
+            let _ = host.take_effects();
+            let _ = host.census.take();
+        }
+        let us = (now_ms() - started) * 1000.0 / f64::from(rounds);
+        println!("census loop, {rounds} rounds, per request: cluster new key {us:.2} us");
+        return;
+    }
     let replay_rounds = if only == "new_key" { 0 } else { rounds };
     let new_key_rounds = if only == "replay" { 0 } else { rounds };
     let host = FakeHost::default();
