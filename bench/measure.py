@@ -518,6 +518,34 @@ def run_rate(s: Setup, envoy: harness.Envoy, durations: "Durations",
     return r
 
 
+@dataclass
+class DiskCommit:
+    """What one durable commit costs on the disk the stores write to: a 4 KiB write and its
+    fsync, timed `samples` times."""
+
+    samples: int
+    p50_ms: float
+    p99_ms: float
+
+
+def measure_disk_commit(directory: Path, samples: int = 200) -> DiskCommit:
+    """The embedded store's latency floor: each of its group commits is at least one fsync of
+    this disk (redb's durable commit), so a claim waits for one whatever the filter does."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "commit-probe"
+    times: list[float] = []
+    with open(path, "wb") as f:
+        for _ in range(samples):
+            f.write(os.urandom(4096))
+            started = time.perf_counter()
+            f.flush()
+            os.fsync(f.fileno())
+            times.append((time.perf_counter() - started) * 1000)
+    path.unlink(missing_ok=True)
+    times.sort()
+    return DiskCommit(samples, times[len(times) // 2], times[min(len(times) - 1, int(len(times) * 0.99))])
+
+
 # --------------------------------------------------------------------------
 # memory run
 # --------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from measure import (
     RedisBench,
     SetupResult,
     ClusterScale,
+    DiskCommit,
     StoreResult,
     outcome,
 )
@@ -422,7 +423,8 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                rb: RedisBench | None, scale: ClusterScale | None, wasm_size: int, noop_size: int,
                elapsed: float, envoy_cmd: str,
                instructions: "Instructions | None" = None,
-               peer_cmp: "peer.PeerComparison | None" = None) -> list[tuple[str, bool | None, str]]:
+               peer_cmp: "peer.PeerComparison | None" = None,
+               disk: "DiskCommit | None" = None) -> list[tuple[str, bool | None, str]]:
     by = {r.setup.key: r for r in results}
     peer_lines: list[str] = []
     peer_targets = peer.report(peer_lines.append, peer_cmp)
@@ -485,6 +487,22 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
             targets.append((f"({k}) at {rr.target_rps:,.0f} req/s: p50 and p99 added over (a)", None,
                             f"+{rr.wrk.p50_ms - rate_a.wrk.p50_ms:.2f} ms p50, "
                             f"+{rr.wrk.p99_ms - rate_a.wrk.p99_ms:.2f} ms p99{caveat}"))
+        rate_g = by["g"].rate if "g" in by else None
+        if rate_g:
+            g50 = rate_g.wrk.p50_ms - rate_a.wrk.p50_ms
+            rate_f = by["f"].rate if "f" in by else None
+            if rate_f:
+                f50 = rate_f.wrk.p50_ms - rate_a.wrk.p50_ms
+                targets.append((f"(f) p50 added at {rate_f.target_rps:,.0f} req/s ≤ 2× (g)'s, the coordination floor",
+                                f50 <= 2 * max(g50, 0.0),
+                                f"{f50:+.2f} ms against (g) {g50:+.2f} ms"))
+            rate_e = by["e"].rate if "e" in by else None
+            if rate_e and disk:
+                e50 = rate_e.wrk.p50_ms - rate_a.wrk.p50_ms
+                targets.append((f"(e) p50 added at {rate_e.target_rps:,.0f} req/s ≤ (g)'s plus one commit (fsync) "
+                                "of the same disk", e50 <= max(g50, 0.0) + disk.p50_ms,
+                                f"{e50:+.2f} ms against (g) {g50:+.2f} ms + commit {disk.p50_ms:.2f} ms "
+                                f"(p99 {disk.p99_ms:.2f} ms, {disk.samples} samples)"))
     store_redis = next((s for s in stores if s.backend == "redis" and s.transport == "stream"), None)
     if store_redis and rb:
         targets.append(("store on Redis (over its stream) ≥ 0.7× redis-benchmark SET NX",

@@ -64,6 +64,7 @@ import time
 from pathlib import Path
 
 from measure import (
+    measure_disk_commit,
     BenchFailure,
     Durations,
     SetupResult,
@@ -145,6 +146,9 @@ def main() -> int:
     rb = None
     scale = None
     peer_cmp = None
+    # What one durable commit costs the disk the embedded store writes to (its latency floor).
+    disk = measure_disk_commit(tmp / "disk-probe")
+    log(f"disk commit (4 KiB write + fsync): p50 {disk.p50_ms:.2f} ms, p99 {disk.p99_ms:.2f} ms")
     envoy_cmd = ""
     try:
         with harness.ProcessGroup(tmp) as group:
@@ -184,7 +188,7 @@ def main() -> int:
     chart = out.with_suffix(".png")
     write_chart(results, chart)
     targets = write_page(out, chart, info, durations, results, mem, stores, rb, scale, FILTER_WASM.stat().st_size,
-                         NOOP_WASM.stat().st_size, elapsed, envoy_cmd, instructions, peer_cmp)
+                         NOOP_WASM.stat().st_size, elapsed, envoy_cmd, instructions, peer_cmp, disk)
     log(f"wrote {out} and {chart} in {elapsed:.0f}s")
     for name, ok, detail in targets:
         log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
