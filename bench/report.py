@@ -25,6 +25,7 @@ from measure import (
     outcome,
 )
 from cpu_profile import PARTS, Instructions
+import grpc_rows
 import peer
 from setups import (
     BODY,
@@ -424,8 +425,11 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                elapsed: float, envoy_cmd: str,
                instructions: "Instructions | None" = None,
                peer_cmp: "peer.PeerComparison | None" = None,
-               disk: "DiskCommit | None" = None) -> list[tuple[str, bool | None, str]]:
+               disk: "DiskCommit | None" = None,
+               grpc_results: "list[grpc_rows.GrpcRow] | None" = None) -> list[tuple[str, bool | None, str]]:
     by = {r.setup.key: r for r in results}
+    grpc_lines: list[str] = []
+    grpc_targets = grpc_rows.report(grpc_lines.append, grpc_results or [], by)
     peer_lines: list[str] = []
     peer_targets = peer.report(peer_lines.append, peer_cmp)
     a, b = by["a"].wrk, by["b"].wrk
@@ -525,6 +529,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                         f"{mem.max_bytes / 2**20:.0f} + {mem.working_overhead_bytes / 2**20:.0f} = "
                         f"{mem.budget_kib / 1024:.1f} MiB"))
 
+    targets.extend(grpc_targets)
     targets.extend(peer_targets)
     L: list[str] = []
     add = L.append
@@ -677,6 +682,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     rated = [r for r in results if r.rate]
     if rated and rate_a:
         add_rate_section(add, rated, rate_a, durations)
+    L.extend(grpc_lines)
     L.extend(peer_lines)
     census_table, budgets = census()
     add_census_section(add, census_table, budgets)
