@@ -26,6 +26,7 @@ from measure import (
 )
 from cpu_profile import PARTS, Instructions
 import grpc_rows
+import sweep
 import peer
 from setups import (
     BODY,
@@ -426,8 +427,11 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                instructions: "Instructions | None" = None,
                peer_cmp: "peer.PeerComparison | None" = None,
                disk: "DiskCommit | None" = None,
-               grpc_results: "list[grpc_rows.GrpcRow] | None" = None) -> list[tuple[str, bool | None, str]]:
+               grpc_results: "list[grpc_rows.GrpcRow] | None" = None,
+               sweep_result: "sweep.SweepResult | None" = None) -> list[tuple[str, bool | None, str]]:
     by = {r.setup.key: r for r in results}
+    sweep_lines: list[str] = []
+    sweep_targets = sweep.report(sweep_lines.append, sweep_result)
     grpc_lines: list[str] = []
     grpc_targets = grpc_rows.report(grpc_lines.append, grpc_results or [], by)
     peer_lines: list[str] = []
@@ -529,6 +533,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                         f"{mem.max_bytes / 2**20:.0f} + {mem.working_overhead_bytes / 2**20:.0f} = "
                         f"{mem.budget_kib / 1024:.1f} MiB"))
 
+    targets.extend(sweep_targets)
     targets.extend(grpc_targets)
     targets.extend(peer_targets)
     L: list[str] = []
@@ -682,6 +687,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     rated = [r for r in results if r.rate]
     if rated and rate_a:
         add_rate_section(add, rated, rate_a, durations)
+    L.extend(sweep_lines)
     L.extend(grpc_lines)
     L.extend(peer_lines)
     census_table, budgets = census()

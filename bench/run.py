@@ -79,6 +79,8 @@ from measure import (
 from cpu_profile import count_instructions
 import peer
 import grpc_rows
+import sweep
+from sweep import run_sweep
 from grpc_rows import run_grpc_rows
 from report import machine, write_chart, write_page
 from setups import FILTER_WASM, FLOOR_WASM, NOOP_WASM, PRODUCT, REPO, harness, setups
@@ -98,7 +100,7 @@ def main() -> int:
     p.add_argument("--profile-seconds", type=float, default=6,
                    help="seconds of perf sampling per profiled setup, after its measured run (0: none)")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,n,o,instructions,memory,store,cluster,peer,grpc "
+                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,n,o,instructions,memory,store,cluster,peer,grpc,sweep "
                         "(development; writes no page)")
     p.add_argument("--peer-rounds", type=int, default=2,
                    help="rounds of the peer comparison (bench/peer.py; skipped without the peer's binary)")
@@ -149,6 +151,7 @@ def main() -> int:
     scale = None
     peer_cmp = None
     grpc_results: list = []
+    sweep_result = None
     # What one durable commit costs the disk the embedded store writes to (its latency floor).
     disk = measure_disk_commit(tmp / "disk-probe")
     log(f"disk commit (4 KiB write + fsync): p50 {disk.p50_ms:.2f} ms, p99 {disk.p99_ms:.2f} ms")
@@ -174,6 +177,8 @@ def main() -> int:
             if not only or "cluster" in only:
                 scale = run_store_on_cluster(tmp / "cluster", args.store_duration, durations.store_warmup,
                                              args.redis_requests)
+            if not only or "sweep" in only:
+                sweep_result = run_sweep(tmp / "sweep")
             if not only or "grpc" in only:
                 grpc_results = run_grpc_rows(tmp / "grpc", durations)
             if (not only or "peer" in only) and args.peer_rounds > 0:
@@ -183,6 +188,10 @@ def main() -> int:
         return 1
     elapsed = time.monotonic() - started
     if only:
+        if sweep_result:
+            lines = []
+            sweep.report(lines.append, sweep_result)
+            print("\n".join(lines))
         if grpc_results:
             lines = []
             grpc_rows.report(lines.append, grpc_results, {r.setup.key: r for r in results})
@@ -198,7 +207,7 @@ def main() -> int:
     write_chart(results, chart)
     targets = write_page(out, chart, info, durations, results, mem, stores, rb, scale, FILTER_WASM.stat().st_size,
                          NOOP_WASM.stat().st_size, elapsed, envoy_cmd, instructions, peer_cmp, disk,
-                         grpc_results)
+                         grpc_results, sweep_result)
     log(f"wrote {out} and {chart} in {elapsed:.0f}s")
     for name, ok, detail in targets:
         log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")

@@ -4,7 +4,8 @@
 //! `{"calls":..,"seconds":..,"rps":..,"p50_ms":..,"p99_ms":..,"errors":..}`.
 //!
 //! `stream_load --url http://127.0.0.1:PORT --token T [--in-flight 16] [--streams 1]
-//! [--seconds 10]`
+//! [--seconds 10] [--lease-ms 60000]` (the claims' lease: how soon they expire, for the
+//! bench's sweep run)
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -23,6 +24,7 @@ struct Args {
     in_flight: usize,
     streams: usize,
     seconds: f64,
+    lease_ms: u64,
 }
 
 fn args() -> Result<Args, String> {
@@ -32,6 +34,7 @@ fn args() -> Result<Args, String> {
         in_flight: 16,
         streams: 1,
         seconds: 10.0,
+        lease_ms: 60_000,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -43,12 +46,14 @@ fn args() -> Result<Args, String> {
             "--in-flight" => a.in_flight = number()? as usize,
             "--streams" => a.streams = number()? as usize,
             "--seconds" => a.seconds = number()?,
+            "--lease-ms" => a.lease_ms = number()? as u64,
             other => return Err(format!("unknown flag {other}")),
         }
     }
     if a.url.is_empty() || a.in_flight == 0 || a.streams == 0 || a.seconds <= 0.0 {
         return Err(
-            "usage: stream_load --url URL --token T [--in-flight N] [--streams N] [--seconds S]"
+            "usage: stream_load --url URL --token T [--in-flight N] [--streams N] [--seconds S] \
+             [--lease-ms MS]"
                 .into(),
         );
     }
@@ -71,6 +76,7 @@ async fn one_stream(
     in_flight: usize,
     until: Instant,
     prefix: String,
+    lease_ms: u64,
 ) -> Result<Tally, String> {
     let (calls, rx) = mpsc::channel(in_flight.max(1) * 2);
     let mut request = Request::new(ReceiverStream::new(rx));
@@ -91,7 +97,7 @@ async fn one_stream(
         op: Some(pb::call::Op::Claim(pb::Claim {
             key: key(&prefix, id),
             fingerprint: "ab".repeat(32),
-            lease_ms: 60_000,
+            lease_ms,
             owner: String::new(),
         })),
     };
@@ -160,6 +166,7 @@ async fn main() -> Result<(), String> {
             share,
             until,
             prefix.chars().take(48).collect(),
+            a.lease_ms,
         )));
     }
     let mut latencies = Vec::new();
