@@ -298,6 +298,22 @@ def census() -> tuple[str, list[str]]:
     return table, budgets
 
 
+# The job floor's host calls per path (crates/job-floor-filter): headers, body, clock, counter,
+# the shared-data read, then the claim's compare-and-swap, the response's headers and body and
+# its write (new key), or the local reply (replay).
+FLOOR_CALLS = {"new key": 9, "replay": 6}
+# What the filter's path has beyond the floor's, call by call (the census's budgets say why).
+FLOOR_EXTRA_CALLS = {
+    "new key": "beyond them: the route's metadata naming a rule (1); who answered, `response.code_details` and "
+               "`upstream.request_attempt_count` (2); the table registry, for a key the bucket lacks (1); the "
+               "completion's read of the bucket (a set returns no cas, and the slot flips by compare-and-swap) and "
+               "the response written apart from its bucket (2: eight slots share a bucket, and keeping responses "
+               "in it would copy every slot's response on every claim); `x-envoy-max-retries: 0` (1); the clock "
+               "again at the completion, which dates the record (1).",
+    "replay": "beyond them: the route's metadata naming a rule (1) and the response read apart from its bucket "
+              "(1).",
+}
+
 # Which census path each profiled setup's requests take.
 CENSUS_PATH_OF = {"c": "new key", "l": "new key", "d": "replay", "m": "replay"}
 
@@ -662,12 +678,14 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
         add(f"- The HTTP transport (h) costs {cpu['h'] - cpu['e']:+.0f} µs of Envoy CPU per request more than "
             "the stream (e) on the same store: each claim and completion is an Envoy async HTTP/2 request "
             "with its own headers, JSON body and answer read back into the module.")
-    for key, floor in (("l", "n"), ("m", "o")):
+    calls = census_calls(census()[0])
+    for key, floor, path in (("l", "n", "new key"), ("m", "o", "replay")):
         if key in cpu and floor in cpu:
             add(f"- ({key}) spends {cpu[key] - cpu[floor]:+.0f} µs of Envoy CPU per request over the job floor "
                 f"({floor}), which does the same request's every needed step and nothing more: what the "
-                "rules, the bounded table, leases and the who-answered checks cost (the census below: a "
-                "new key makes 17 host calls against the floor's 9, a replay 9 against 6).")
+                f"rules, the bounded table, leases and the who-answered checks cost. The census below: a "
+                f"{path} makes {calls.get(path, 0)} host calls against the floor's {FLOOR_CALLS[path]}; "
+                f"{FLOOR_EXTRA_CALLS[path]}")
     for k, base in (("i", "c"), ("j", "e")):
         if k in cpu and base in cpu:
             add(f"- Detached ({k}) costs {cpu[k] - cpu[base]:+.0f} µs of Envoy CPU per request over ({base}): "
