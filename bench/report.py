@@ -679,13 +679,13 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
             "the stream (e) on the same store: each claim and completion is an Envoy async HTTP/2 request "
             "with its own headers, JSON body and answer read back into the module.")
     calls = census_calls(census()[0])
-    for key, floor, path in (("l", "n", "new key"), ("m", "o", "replay")):
+    for key, floor, census_path in (("l", "n", "new key"), ("m", "o", "replay")):
         if key in cpu and floor in cpu:
             add(f"- ({key}) spends {cpu[key] - cpu[floor]:+.0f} µs of Envoy CPU per request over the job floor "
                 f"({floor}), which does the same request's every needed step and nothing more: what the "
                 f"rules, the bounded table, leases and the who-answered checks cost. The census below: a "
-                f"{path} makes {calls.get(path, 0)} host calls against the floor's {FLOOR_CALLS[path]}; "
-                f"{FLOOR_EXTRA_CALLS[path]}")
+                f"{census_path} makes {calls.get(census_path, 0)} host calls against the floor's {FLOOR_CALLS[census_path]}; "
+                f"{FLOOR_EXTRA_CALLS[census_path]}")
     for k, base in (("i", "c"), ("j", "e")):
         if k in cpu and base in cpu:
             add(f"- Detached ({k}) costs {cpu[k] - cpu[base]:+.0f} µs of Envoy CPU per request over ({base}): "

@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -86,6 +87,10 @@ from report import machine, write_chart, write_page
 from setups import FILTER_WASM, FLOOR_WASM, NOOP_WASM, PRODUCT, REPO, harness, setups
 
 
+# Where a full run keeps its measurements before it writes the page.
+RESULTS_FILE = REPO / "target" / "bench" / "results.pickle"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=20, help="measured seconds per Envoy setup")
@@ -112,7 +117,12 @@ def main() -> int:
     p.add_argument("--abba-b", metavar="WASM", default="",
                    help="with --abba: this module as B instead of the built one")
     p.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"), help="page to write")
+    p.add_argument("--page-from", metavar="PICKLE", default="",
+                   help=f"instead: write the page from the measurements a full run kept ({RESULTS_FILE.relative_to(REPO)})")
     args = p.parse_args()
+    if args.page_from:
+        write_results_page(Path(args.out), pickle.loads(Path(args.page_from).read_bytes()))
+        return 0
     durations = Durations(args.duration, args.warmup, args.store_duration, min(2.0, args.warmup),
                           args.memory_keys, args.memory_max_seconds, args.redis_requests, args.rate,
                           args.rate_duration, args.profile_seconds)
@@ -202,18 +212,34 @@ def main() -> int:
             print("\n".join(lines))
         log(f"done in {elapsed:.0f}s (partial run, no page written)")
         return 0
-    out = Path(args.out)
-    chart = out.with_suffix(".png")
-    write_chart(results, chart)
-    targets = write_page(out, chart, info, durations, results, mem, stores, rb, scale, FILTER_WASM.stat().st_size,
-                         NOOP_WASM.stat().st_size, elapsed, envoy_cmd, instructions, peer_cmp, disk,
-                         grpc_results, sweep_result)
-    log(f"wrote {out} and {chart} in {elapsed:.0f}s")
-    for name, ok, detail in targets:
-        log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
+    measured = dict(info=info, durations=durations, results=results, mem=mem, stores=stores, rb=rb,
+                    scale=scale, wasm_size=FILTER_WASM.stat().st_size, noop_size=NOOP_WASM.stat().st_size,
+                    elapsed=elapsed, envoy_cmd=envoy_cmd, instructions=instructions, peer_cmp=peer_cmp,
+                    disk=disk, grpc_results=grpc_results, sweep_result=sweep_result)
+    # Kept first, so that a fault in writing the page costs a rerun of the page, not of the run.
+    try:
+        RESULTS_FILE.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS_FILE.write_bytes(pickle.dumps(measured))
+        log(f"measurements kept in {RESULTS_FILE} (bench/run.py --page-from it rewrites the page)")
+    except (OSError, pickle.PicklingError, TypeError, AttributeError) as err:
+        log(f"measurements not kept ({err}); writing the page from memory")
+    write_results_page(Path(args.out), measured)
     if not args.keep_logs:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def write_results_page(out: Path, measured: dict) -> None:
+    chart = out.with_suffix(".png")
+    write_chart(measured["results"], chart)
+    targets = write_page(out, chart, measured["info"], measured["durations"], measured["results"],
+                         measured["mem"], measured["stores"], measured["rb"], measured["scale"],
+                         measured["wasm_size"], measured["noop_size"], measured["elapsed"],
+                         measured["envoy_cmd"], measured["instructions"], measured["peer_cmp"],
+                         measured["disk"], measured["grpc_results"], measured["sweep_result"])
+    log(f"wrote {out} and {chart}")
+    for name, ok, detail in targets:
+        log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
 
 
 def run_peer_comparison(tmp: Path, upstream: harness.Upstream, redis: harness.Redis, durations: Durations,
