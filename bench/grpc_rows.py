@@ -123,7 +123,7 @@ def report(add, rows: list[GrpcRow], by: dict) -> list[tuple[str, bool | None, s
     add("Unary calls of `/shop.v1.Orders/PlaceOrder` through [envoy/envoy-grpc.yaml](../envoy/envoy-grpc.yaml) "
         "(single-proxy, `--concurrency 1`), the same 22-byte body as the HTTP setups' writes, to the end-to-end "
         "tests' gRPC service (grpcio, [tests/e2e/grpc_service.py](../tests/e2e/grpc_service.py)), loaded by "
-        f"grpcio's asyncio client with {CONCURRENCY} calls in flight ([bench/grpc_load.py](grpc_load.py); wrk "
+        f"grpcio's asyncio client with {CONCURRENCY} calls in flight ([bench/grpc_load.py](../bench/grpc_load.py); wrk "
         "cannot speak gRPC). The service and the client are Python and share the two cores with Envoy, so "
         "calls/s say more about them than about Envoy: Envoy's CPU per call is the figure. A replay takes the "
         "hop to the replay echo, an internal listener of the same Envoy, whose work is in that figure too. "
