@@ -1228,7 +1228,7 @@ async fn embedded_completed_record_survives_reopen() {
 }
 
 #[tokio::test]
-async fn redis_records_use_cluster_safe_hash_keys() {
+async fn redis_records_are_one_string_under_a_cluster_safe_key() {
     let server = RedisServer::start();
     let s = RedisStorage::connect(&server.url()).await.unwrap();
     let (k, fp) = (random_digest(), random_digest());
@@ -1243,7 +1243,7 @@ async fn redis_records_use_cluster_safe_hash_keys() {
         .query_async(&mut conn)
         .await
         .unwrap();
-    assert_eq!(kind, "hash");
+    assert_eq!(kind, "string", "a packed record (one string, not a hash)");
     let pttl: i64 = ::redis::cmd("PTTL")
         .arg(&key)
         .query_async(&mut conn)
@@ -1367,13 +1367,140 @@ async fn redis_renew_moves_the_key_expiry_with_the_lease() {
         pttl > 1_000 && pttl <= 60_000,
         "Redis deletes the key at the renewed lease end: {pttl}"
     );
-    let stored: u64 = ::redis::cmd("HGET")
+    let stored = s.lookup(&k).await.unwrap().unwrap().expires_at_ms;
+    assert_eq!(stored, lease_expires_at_ms);
+}
+
+/// Writes a record as the store before packed strings did: a hash, its lease or TTL on
+/// Redis's expiry.
+async fn legacy_hash(
+    conn: &mut ::redis::aio::MultiplexedConnection,
+    k: &Digest,
+    fields: &[(&str, &str)],
+) {
+    let key = format!("idem:{{{}}}", k.as_str());
+    let mut hset = ::redis::cmd("HSET");
+    hset.arg(&key);
+    for (name, value) in fields {
+        hset.arg(*name).arg(*value);
+    }
+    let _: () = hset.query_async(conn).await.unwrap();
+    let _: () = ::redis::cmd("PEXPIRE")
         .arg(&key)
-        .arg("expires_at_ms")
-        .query_async(&mut conn)
+        .arg(LONG_LEASE_MS)
+        .query_async(conn)
         .await
         .unwrap();
-    assert_eq!(stored, lease_expires_at_ms);
+}
+
+#[tokio::test]
+async fn redis_records_an_earlier_store_wrote_as_hashes_are_decided_on_as_before() {
+    let server = RedisServer::start();
+    let s = RedisStorage::connect(&server.url()).await.unwrap();
+    let client = ::redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let fp = random_digest();
+    let holder = OwnerToken::parse("0a1b").unwrap();
+    let in_flight = [
+        ("state", "in_flight"),
+        ("fingerprint", fp.as_str()),
+        ("owner", "0a1b"),
+        ("expires_at_ms", "4102444800000"),
+    ];
+
+    // A completed record replays, and refuses another payload.
+    let done = random_digest();
+    legacy_hash(
+        &mut conn,
+        &done,
+        &[
+            ("state", "completed"),
+            ("fingerprint", fp.as_str()),
+            ("record", "recorded\n\x00bytes"),
+            ("expires_at_ms", "4102444800000"),
+        ],
+    )
+    .await;
+    let other = OwnerToken::generate().unwrap();
+    assert_eq!(
+        s.claim(&done, &fp, LONG_LEASE_MS, &other).await.unwrap(),
+        ClaimOutcome::Completed {
+            record: b"recorded\n\x00bytes".to_vec()
+        }
+    );
+    assert_eq!(
+        s.claim(&done, &random_digest(), LONG_LEASE_MS, &other)
+            .await
+            .unwrap(),
+        ClaimOutcome::Mismatch
+    );
+
+    // A claim in flight: someone else waits, its holder renews and completes it, and the
+    // completed record (now a packed string) replays.
+    let running = random_digest();
+    legacy_hash(&mut conn, &running, &in_flight).await;
+    assert!(matches!(
+        s.claim(&running, &fp, LONG_LEASE_MS, &other).await.unwrap(),
+        ClaimOutcome::InFlight { .. }
+    ));
+    assert_eq!(
+        s.claim(&running, &fp, LONG_LEASE_MS, &holder)
+            .await
+            .unwrap(),
+        ClaimOutcome::Claimed {
+            owner: holder.clone(),
+            lease_expires_at_ms: 4_102_444_800_000
+        }
+    );
+    assert_eq!(
+        s.renew(&running, &other, LONG_LEASE_MS).await.unwrap(),
+        RenewOutcome::NotOwner
+    );
+    assert!(matches!(
+        s.renew(&running, &holder, 2 * LONG_LEASE_MS).await.unwrap(),
+        RenewOutcome::Renewed { .. }
+    ));
+    assert_eq!(
+        s.complete_or_create(&running, &other, LONG_TTL_MS, b"r".to_vec(), None)
+            .await
+            .unwrap(),
+        CompleteOutcome::NotOwner
+    );
+    assert_eq!(
+        s.complete_or_create(&running, &holder, LONG_TTL_MS, b"r".to_vec(), None)
+            .await
+            .unwrap(),
+        CompleteOutcome::Completed
+    );
+    assert_eq!(
+        s.claim(&running, &fp, LONG_LEASE_MS, &other).await.unwrap(),
+        ClaimOutcome::Completed {
+            record: b"r".to_vec()
+        }
+    );
+    let view = s.lookup(&running).await.unwrap().unwrap();
+    assert_eq!(
+        (view.state, view.fingerprint),
+        (RecordState::Completed, fp.clone())
+    );
+
+    // Another claim in flight is released by its holder only, and is then free.
+    let abandoned = random_digest();
+    legacy_hash(&mut conn, &abandoned, &in_flight).await;
+    assert_eq!(
+        s.release(&abandoned, &other).await.unwrap(),
+        ReleaseOutcome::NotOwner
+    );
+    assert_eq!(
+        s.release(&abandoned, &holder).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+    assert!(matches!(
+        s.claim(&abandoned, &fp, LONG_LEASE_MS, &other)
+            .await
+            .unwrap(),
+        ClaimOutcome::Claimed { .. }
+    ));
 }
 
 #[tokio::test]

@@ -1,24 +1,22 @@
-//! Shared backend for several store replicas: records live in Redis and every
-//! state transition is one Lua script, so it is atomic on the server. Expiry is
-//! Redis's own (PEXPIRE), and lease/TTL instants come from `redis.call('TIME')`,
-//! so store replicas with skewed clocks still agree.
+//! Shared backend for several store replicas: records live in Redis, and every state
+//! transition is one atomic step on the Redis server: a claim is one native
+//! `SET key value NX PX lease GET` (it claims a free key, or answers what the key holds
+//! without touching it), every other transition one Lua script (`scripts.rs`). Expiry is
+//! Redis's own, relative (`PX`): a record leaves when Redis's clock says so, whatever the
+//! clocks of the store replicas. The instants a record shows (its lease or TTL end, when it
+//! was written) are the writing replica's clock; a renewal decides on Redis's `PTTL`, so a
+//! replica whose clock runs behind never shortens another's lease.
 //!
-//! Layout: one hash per record at `idem:{<key>}`. The braces make the whole key
-//! the Redis Cluster hash tag, so a record always lives on one slot, and every
-//! script touches that one key: on a Redis (or Valkey) Cluster each operation
-//! runs on the node that owns the record's slot, and the client follows
-//! MOVED/ASK redirections and topology changes. Fields: `state`, `fingerprint`,
-//! `owner` (in flight), `record` (completed), `expires_at_ms`, and
-//! `written_at_ms` (claimed or completed; absent on records older than it).
+//! Layout: one string per record at `idem:{<key>}` (`packed.rs`). The braces make the whole
+//! key the Redis Cluster hash tag, so a record always lives on one slot, and every
+//! operation touches that one key: on a Redis (or Valkey) Cluster each runs on the node
+//! that owns the record's slot, and the client follows MOVED/ASK redirections and topology
+//! changes. Records an earlier store wrote as hashes are still read and decided on.
 //!
-//! The one operation that is not about one key, the operators' prefix search,
-//! walks the keyspace with `SCAN` on the server, or on every primary of a cluster.
+//! The one operation that is not about one key, the operators' prefix search, walks the
+//! keyspace with `SCAN` on the server, or on every primary of a cluster.
 //!
-//! The scripts implement `idempotency_protocol::decision` (`claim`, `complete`,
-//! `release`, `renew`), which the other backends and the filter's local table call
-//! directly; they stay Lua so that each decision and its write are one atomic
-//! step on the Redis server. A change to one side must be made to the other;
-//! `tests/contract.rs` runs the same cases against every backend.
+//! Needs Redis 7.0 or later (or Valkey): `SET` takes `NX` and `GET` together since 7.0.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -34,119 +32,10 @@ use super::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordState,
     RecordView, ReleaseOutcome, RenewOutcome, Storage, StorageError,
 };
+use crate::clock::{Clock, SystemClock};
 
-// `decision::claim`. ARGV: fingerprint, lease_ms, owner (client-chosen or
-// server-generated). A key that exists is live by definition: Redis deleted it
-// at lease/TTL end, so `Claim` and `TakeOver` are one branch here (a takeover
-// finds the key already gone). Mismatch, then AlreadyClaimed (the caller's own
-// claim: its lease end, unchanged), then InFlight (retry_after_ms: the key's
-// PTTL, at least 1), then Replay; otherwise claim.
-const CLAIM_LUA: &str = r"
-local k = KEYS[1]
-local cur = redis.call('HMGET', k, 'state', 'fingerprint', 'owner', 'expires_at_ms')
-if cur[1] then
-  if cur[2] ~= ARGV[1] then return {'mismatch'} end
-  if cur[1] == 'in_flight' and cur[3] == ARGV[3] then
-    return {'claimed', tonumber(cur[4])}
-  end
-  if cur[1] == 'in_flight' then
-    local left = redis.call('PTTL', k)
-    if left < 1 then left = 1 end
-    return {'in_flight', left}
-  end
-  return {'completed', redis.call('HGET', k, 'record')}
-end
-local lease = tonumber(ARGV[2])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local exp = now + lease
-redis.call('DEL', k)
-redis.call('HSET', k, 'state', 'in_flight', 'fingerprint', ARGV[1], 'owner', ARGV[3],
-  'expires_at_ms', string.format('%d', exp), 'written_at_ms', string.format('%d', now))
-redis.call('PEXPIRE', k, lease)
-return {'claimed', exp}
-";
-
-// `decision::complete`. ARGV: owner, ttl_ms, record bytes, fingerprint (may
-// be empty). The branches in the decision's order: the caller's own in-flight
-// claim → `Record`; a completed record whose stored bytes equal ARGV[3] → a
-// retried complete, `AlreadyRecorded`: confirm it and leave the record and its
-// expiry as they are (Lua strings are 8-bit clean, so `==` compares the raw
-// bytes); no record and a fingerprint → `RecordAfresh`; else `NotOwner`.
-// Unlike the other backends, a lapsed lease is already gone here, so its
-// owner's late complete is recorded only through `RecordAfresh` (with a
-// fingerprint) and refused without one.
-const COMPLETE_LUA: &str = r"
-local k = KEYS[1]
-local cur = redis.call('HMGET', k, 'state', 'owner')
-if cur[1] == 'in_flight' and cur[2] == ARGV[1] then
-  local ttl = tonumber(ARGV[2])
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('HDEL', k, 'owner')
-  redis.call('HSET', k, 'state', 'completed', 'record', ARGV[3],
-    'expires_at_ms', string.format('%d', now + ttl), 'written_at_ms', string.format('%d', now))
-  redis.call('PEXPIRE', k, ttl)
-  return 'completed'
-end
-if cur[1] == 'completed' and redis.call('HGET', k, 'record') == ARGV[3] then
-  return 'completed'
-end
-if not cur[1] and ARGV[4] ~= '' then
-  -- The claim's lease ran out (Redis deleted it) while the completion waited out an
-  -- outage, and nobody claimed the key since: record what executed.
-  local ttl = tonumber(ARGV[2])
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('HSET', k, 'state', 'completed', 'fingerprint', ARGV[4], 'record', ARGV[3],
-    'expires_at_ms', string.format('%d', now + ttl), 'written_at_ms', string.format('%d', now))
-  redis.call('PEXPIRE', k, ttl)
-  return 'completed'
-end
-return 'not_owner'
-";
-
-// `decision::release`. ARGV: owner. Only the owner's in-flight claim is
-// removed; anything else is `NotOwner`.
-const RELEASE_LUA: &str = r"
-local k = KEYS[1]
-local cur = redis.call('HMGET', k, 'state', 'owner')
-if cur[1] ~= 'in_flight' or cur[2] ~= ARGV[1] then return 'not_owner' end
-redis.call('DEL', k)
-return 'released'
-";
-
-// `decision::renew`. ARGV: owner, lease_ms. Only the owner's in-flight claim is renewed
-// (a lapsed one is gone already, as for complete and release): its lease end becomes
-// max(expires_at_ms, now + lease), and the key's Redis expiry moves with it, since Redis
-// deleting the key at the old instant would end the claim all the same. Answers
-// {'renewed', lease end} or {'not_owner'}.
-const RENEW_LUA: &str = r"
-local k = KEYS[1]
-local cur = redis.call('HMGET', k, 'state', 'owner', 'expires_at_ms')
-if cur[1] ~= 'in_flight' or cur[2] ~= ARGV[1] then return {'not_owner'} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local exp = now + tonumber(ARGV[2])
-local held = tonumber(cur[3])
-if held and held >= exp then return {'renewed', held} end
-redis.call('HSET', k, 'expires_at_ms', string.format('%d', exp))
-redis.call('PEXPIREAT', k, exp)
-return {'renewed', exp}
-";
-
-// A lookup, or with ARGV[1] = 'purge' a lookup and delete in one step (so a purge answers
-// exactly what it removed): the record's fields in `parse_view`'s order, then Redis's
-// clock (the clock that expires the record, for its age and time left).
-const RECORD_LUA: &str = r"
-local v = redis.call('HMGET', KEYS[1], 'state', 'fingerprint', 'expires_at_ms', 'record',
-  'owner', 'written_at_ms')
-if not v[1] then return false end
-local t = redis.call('TIME')
-v[7] = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-if ARGV[1] == 'purge' then redis.call('DEL', KEYS[1]) end
-return v
-";
+mod packed;
+mod scripts;
 
 /// Keys one `SCAN` call is asked to look at (a hint: Redis may return more or fewer).
 const SCAN_COUNT: u64 = 1_000;
@@ -195,7 +84,9 @@ impl ConnectionLike for Connection {
 
 pub struct RedisStorage {
     conn: Connection,
-    claim: Script,
+    /// Stamps the instants a record shows (never when Redis expires it).
+    clock: SystemClock,
+    legacy_claim: Script,
     complete: Script,
     release: Script,
     renew: Script,
@@ -264,6 +155,7 @@ impl RedisStorage {
             (many, _) => Connection::Cluster(connect_cluster(many).await?),
         };
         for seed in &seeds {
+            refuse_before_7(seed).await?;
             warn_if_evicting(seed).await;
         }
         Ok(Self::with(conn))
@@ -277,11 +169,12 @@ impl RedisStorage {
     fn with(conn: Connection) -> Self {
         Self {
             conn,
-            claim: Script::new(CLAIM_LUA),
-            complete: Script::new(COMPLETE_LUA),
-            release: Script::new(RELEASE_LUA),
-            renew: Script::new(RENEW_LUA),
-            record: Script::new(RECORD_LUA),
+            clock: SystemClock,
+            legacy_claim: Script::new(scripts::LEGACY_CLAIM_LUA),
+            complete: Script::new(&scripts::complete()),
+            release: Script::new(&scripts::release()),
+            renew: Script::new(&scripts::renew()),
+            record: Script::new(scripts::RECORD_LUA),
         }
     }
 }
@@ -389,6 +282,50 @@ pub fn eviction_is_unsafe(policy: &str) -> bool {
     policy != "noeviction"
 }
 
+/// The oldest Redis whose `SET` takes `NX` and `GET` together, as every claim sends it.
+const OLDEST_VERSION: (u64, u64) = (7, 0);
+
+/// `redis_version` from an `INFO server` answer, as (major, minor). Valkey reports the Redis
+/// version it is compatible with there (7.2.4 for Valkey 7 and 8).
+pub fn redis_version(info: &str) -> Option<(u64, u64)> {
+    let version = info
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("redis_version:"))?;
+    let mut parts = version.split('.').map(|n| n.parse::<u64>().ok());
+    Some((parts.next()??, parts.next()??))
+}
+
+/// Refuses at start a server too old for the claim's `SET NX GET` (it would fail every
+/// claim at run time with a syntax error). A server that will not answer `INFO` is trusted.
+async fn refuse_before_7(url: &str) -> Result<(), StorageError> {
+    let info: Result<String, redis::RedisError> = async {
+        let client = redis::Client::open(url)?;
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut conn)
+            .await
+    }
+    .await;
+    match info.as_deref().map(redis_version) {
+        Ok(Some(found)) if found < OLDEST_VERSION => Err(StorageError::Backend(format!(
+            "redis: {} runs Redis {}.{}; the store needs 7.0 or later (or Valkey): a claim is \
+             one SET with NX and GET together",
+            redacted(url),
+            found.0,
+            found.1
+        ))),
+        Ok(_) => Ok(()),
+        Err(e) => {
+            tracing::info!(
+                url = %redacted(url),
+                "cannot read the redis version ({e}); the store needs 7.0 or later"
+            );
+            Ok(())
+        }
+    }
+}
+
 /// Warns at start when the server at `url` may evict claims (only seeds are asked; a
 /// server that refuses `CONFIG GET`, as some managed ones do, is noted and trusted).
 async fn warn_if_evicting(url: &str) {
@@ -481,18 +418,67 @@ impl RedisStorage {
             .invoke_async(&mut conn)
             .await
             .map_err(backend)?;
-        parse_view(op, &reply)
+        parse_view(op, &reply, self.clock.now_ms())
+    }
+
+    /// A claim that met a record in the older layout (a hash): decided by the script that
+    /// layout was written for, or made as `fresh` (`claimed`) if the hash expired meanwhile.
+    async fn claim_legacy(
+        &self,
+        key: &Digest,
+        fingerprint: &Digest,
+        lease_ms: u64,
+        owner: &OwnerToken,
+        fresh: Vec<u8>,
+        claimed: ClaimOutcome,
+    ) -> Result<ClaimOutcome, StorageError> {
+        let mut conn = self.conn.clone();
+        let reply: Value = self
+            .legacy_claim
+            .key(redis_key(key))
+            .arg(fingerprint.as_str())
+            .arg(lease_ms)
+            .arg(owner.as_str())
+            .arg(fresh)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(backend)?;
+        let (tag, payload) = parse_tagged("claim", &reply)?;
+        let bad = || unexpected("claim", &reply);
+        Ok(match tag.as_str() {
+            "fresh" => claimed,
+            "mismatch" => ClaimOutcome::Mismatch,
+            "in_flight" => ClaimOutcome::InFlight {
+                retry_after_ms: payload.and_then(as_u64).ok_or_else(bad)?.max(1),
+            },
+            "completed" => ClaimOutcome::Completed {
+                record: payload.and_then(as_bytes).ok_or_else(bad)?.to_vec(),
+            },
+            "claimed" => ClaimOutcome::Claimed {
+                owner: owner.clone(),
+                lease_expires_at_ms: payload.and_then(as_u64).ok_or_else(bad)?,
+            },
+            _ => return Err(bad()),
+        })
     }
 }
 
-/// Reads what RECORD_LUA answers: nil (no record) or the record's fields followed by
-/// Redis's clock.
-fn parse_view(what: &str, reply: &Value) -> Result<Option<RecordView>, StorageError> {
+/// Reads what RECORD_LUA answers: nil (no record), `{'packed', value}`, or a hash record's
+/// fields followed by Redis's clock.
+fn parse_view(what: &str, reply: &Value, now_ms: u64) -> Result<Option<RecordView>, StorageError> {
     let items = match reply {
         Value::Nil => return Ok(None),
         Value::Array(items) => items,
         other => return Err(unexpected(what, other)),
     };
+    if let [tag, value] = items.as_slice() {
+        if as_bytes(tag) == Some(b"packed") {
+            return as_bytes(value)
+                .and_then(packed::parse)
+                .map(|record| Some(record.view(now_ms)))
+                .ok_or_else(|| unexpected(what, reply));
+        }
+    }
     let bad = || unexpected(what, reply);
     let field = |i: usize| items.get(i).filter(|v| !matches!(v, Value::Nil));
     let state = match field(0).and_then(as_bytes) {
@@ -653,31 +639,55 @@ impl Storage for RedisStorage {
         lease_ms: u64,
         owner: &OwnerToken,
     ) -> Result<ClaimOutcome, StorageError> {
+        let now_ms = self.clock.now_ms();
+        let lease_expires_at_ms = now_ms.saturating_add(lease_ms);
+        let value = packed::in_flight(fingerprint, owner, lease_expires_at_ms, now_ms);
+        let claimed = ClaimOutcome::Claimed {
+            owner: owner.clone(),
+            lease_expires_at_ms,
+        };
         let mut conn = self.conn.clone();
-        let reply: Value = self
-            .claim
-            .key(redis_key(key))
-            .arg(fingerprint.as_str())
+        let answer: redis::RedisResult<Value> = redis::cmd("SET")
+            .arg(redis_key(key))
+            .arg(&value)
+            .arg("NX")
+            .arg("PX")
             .arg(lease_ms)
-            .arg(owner.as_str())
-            .invoke_async(&mut conn)
-            .await
-            .map_err(backend)?;
-        let (tag, payload) = parse_tagged("claim", &reply)?;
-        let bad = || unexpected("claim", &reply);
-        Ok(match tag.as_str() {
-            "mismatch" => ClaimOutcome::Mismatch,
-            "in_flight" => ClaimOutcome::InFlight {
-                retry_after_ms: payload.and_then(as_u64).ok_or_else(bad)?.max(1),
-            },
-            "completed" => ClaimOutcome::Completed {
-                record: payload.and_then(as_bytes).ok_or_else(bad)?.to_vec(),
-            },
-            "claimed" => ClaimOutcome::Claimed {
-                owner: owner.clone(),
-                lease_expires_at_ms: payload.and_then(as_u64).ok_or_else(bad)?,
-            },
-            _ => return Err(bad()),
+            .arg("GET")
+            .query_async(&mut conn)
+            .await;
+        let held = match answer {
+            Ok(Value::Nil) => return Ok(claimed),
+            Ok(held) => held,
+            Err(e) if e.code() == Some("WRONGTYPE") => {
+                return self
+                    .claim_legacy(key, fingerprint, lease_ms, owner, value, claimed)
+                    .await
+            }
+            Err(e) => return Err(backend(e)),
+        };
+        let record = as_bytes(&held)
+            .and_then(packed::parse)
+            .ok_or_else(|| unexpected("claim", &held))?;
+        // `decision::claim`'s order: another payload, the caller's own claim (its lease end,
+        // unchanged), someone else's claim, a completed record.
+        Ok(if record.fingerprint != *fingerprint {
+            ClaimOutcome::Mismatch
+        } else {
+            match (record.state, record.owner) {
+                (RecordState::InFlight, Some(holder)) if holder == *owner => {
+                    ClaimOutcome::Claimed {
+                        owner: holder,
+                        lease_expires_at_ms: record.expires_at_ms,
+                    }
+                }
+                (RecordState::InFlight, _) => ClaimOutcome::InFlight {
+                    retry_after_ms: record.expires_at_ms.saturating_sub(now_ms).max(1),
+                },
+                (RecordState::Completed, _) => ClaimOutcome::Completed {
+                    record: record.record.to_vec(),
+                },
+            }
         })
     }
 
@@ -697,6 +707,7 @@ impl Storage for RedisStorage {
             .arg(ttl_ms)
             .arg(record)
             .arg(fingerprint.map_or("", Digest::as_str))
+            .arg(self.clock.now_ms())
             .invoke_async(&mut conn)
             .await
             .map_err(backend)?;
@@ -739,6 +750,7 @@ impl Storage for RedisStorage {
             .key(redis_key(key))
             .arg(owner.as_str())
             .arg(lease_ms)
+            .arg(self.clock.now_ms())
             .invoke_async(&mut conn)
             .await
             .map_err(backend)?;
@@ -822,7 +834,9 @@ impl Storage for RedisStorage {
 
 #[cfg(test)]
 mod tests {
-    use super::{eviction_is_unsafe, redacted};
+    #![allow(clippy::unwrap_used)]
+
+    use super::{eviction_is_unsafe, redacted, redis_version, OLDEST_VERSION};
 
     #[test]
     fn a_url_is_shown_without_its_password() {
@@ -843,6 +857,15 @@ mod tests {
         assert!(cluster_enabled("# Cluster\r\ncluster_enabled:1\r\n"));
         assert!(!cluster_enabled("# Cluster\r\ncluster_enabled:0\r\n"));
         assert!(!cluster_enabled(""));
+    }
+
+    #[test]
+    fn the_version_is_read_from_info_server() {
+        let info = "# Server\r\nredis_version:7.0.15\r\nredis_mode:standalone\r\n";
+        assert_eq!(redis_version(info), Some((7, 0)));
+        assert_eq!(redis_version("redis_version:6.2.14\r\n"), Some((6, 2)));
+        assert!(redis_version("redis_version:6.2.14").unwrap() < OLDEST_VERSION);
+        assert_eq!(redis_version("# Server\r\n"), None);
     }
 
     #[test]

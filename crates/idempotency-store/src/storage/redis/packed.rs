@@ -1,0 +1,158 @@
+//! A record as one Redis string: a short text header, then the recorded response's bytes.
+//!
+//! ```text
+//! i1\n<state>\n<fingerprint>\n<owner>\n<expires_at_ms>\n<written_at_ms>\n<record>
+//! ```
+//!
+//! `state` is `F` (in flight: `owner` is the claimant's token, `record` empty) or `C`
+//! (completed: `owner` empty). Hex digests, hex owners and decimal numbers hold no newline,
+//! so the header splits on the first five; the record is the rest, byte for byte.
+//!
+//! One string lets a claim be one native `SET key value NX PX lease GET` instead of a
+//! script, and costs Redis a string's bytes instead of a hash table's (see docs/redis.md).
+//! The scripts in `scripts.rs` read and write the same header in Lua (`PACKED_LUA`).
+
+use super::super::{Digest, OwnerToken, RecordState, RecordView};
+
+/// The header's first line, naming this layout; a later layout gets its own.
+const MAGIC: &[u8] = b"i1\n";
+const IN_FLIGHT: &[u8] = b"F";
+const COMPLETED: &[u8] = b"C";
+
+/// A packed record, read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Packed<'a> {
+    pub state: RecordState,
+    pub fingerprint: Digest,
+    pub owner: Option<OwnerToken>,
+    pub expires_at_ms: u64,
+    pub written_at_ms: u64,
+    /// The recorded response; empty while in flight.
+    pub record: &'a [u8],
+}
+
+/// The value of a fresh claim by `owner`, made at `now_ms`, its lease ending at
+/// `expires_at_ms`.
+pub fn in_flight(
+    fingerprint: &Digest,
+    owner: &OwnerToken,
+    expires_at_ms: u64,
+    now_ms: u64,
+) -> Vec<u8> {
+    let mut value = Vec::with_capacity(MAGIC.len() + 2 + 64 + 1 + 64 + 2 * 21);
+    value.extend_from_slice(MAGIC);
+    for field in [
+        IN_FLIGHT,
+        fingerprint.as_str().as_bytes(),
+        owner.as_str().as_bytes(),
+        expires_at_ms.to_string().as_bytes(),
+        now_ms.to_string().as_bytes(),
+    ] {
+        value.extend_from_slice(field);
+        value.push(b'\n');
+    }
+    value
+}
+
+/// Reads a packed record; None for anything else (another layout, a damaged value).
+pub fn parse(value: &[u8]) -> Option<Packed<'_>> {
+    let mut rest = value.strip_prefix(MAGIC)?;
+    let mut fields: [&[u8]; 5] = [&[]; 5];
+    for field in &mut fields {
+        let end = rest.iter().position(|&b| b == b'\n')?;
+        let (head, tail) = rest.split_at(end);
+        *field = head;
+        rest = tail.get(1..)?;
+    }
+    let [state, fingerprint, owner, expires_at_ms, written_at_ms] = fields;
+    let text = |bytes: &[u8]| std::str::from_utf8(bytes).ok().map(str::to_owned);
+    let number = |bytes: &[u8]| std::str::from_utf8(bytes).ok()?.parse::<u64>().ok();
+    let state = match state {
+        IN_FLIGHT => RecordState::InFlight,
+        COMPLETED => RecordState::Completed,
+        _ => return None,
+    };
+    let owner = match state {
+        RecordState::InFlight => Some(OwnerToken::parse(&text(owner)?).ok()?),
+        RecordState::Completed => None,
+    };
+    Some(Packed {
+        state,
+        fingerprint: Digest::parse(&text(fingerprint)?).ok()?,
+        owner,
+        expires_at_ms: number(expires_at_ms)?,
+        written_at_ms: number(written_at_ms)?,
+        record: rest,
+    })
+}
+
+impl Packed<'_> {
+    /// What a lookup shows, read at `now_ms`.
+    pub fn view(&self, now_ms: u64) -> RecordView {
+        RecordView {
+            state: self.state,
+            fingerprint: self.fingerprint.clone(),
+            expires_at_ms: self.expires_at_ms,
+            record: match self.state {
+                RecordState::Completed => Some(self.record.to_vec()),
+                RecordState::InFlight => None,
+            },
+            owner: self.owner.clone(),
+            written_at_ms: Some(self.written_at_ms),
+            now_ms,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn digest(c: char) -> Digest {
+        Digest::parse(&c.to_string().repeat(64)).unwrap()
+    }
+
+    #[test]
+    fn a_claim_reads_back_as_written() {
+        let owner = OwnerToken::parse("00ff").unwrap();
+        let value = in_flight(&digest('a'), &owner, 1_700_000_060_000, 1_700_000_000_000);
+        let read = parse(&value).unwrap();
+        assert_eq!(read.state, RecordState::InFlight);
+        assert_eq!(read.fingerprint, digest('a'));
+        assert_eq!(read.owner, Some(owner));
+        assert_eq!(read.expires_at_ms, 1_700_000_060_000);
+        assert_eq!(read.written_at_ms, 1_700_000_000_000);
+        assert!(read.record.is_empty());
+    }
+
+    #[test]
+    fn a_completed_record_keeps_its_bytes_newlines_and_all() {
+        let mut value = format!("i1\nC\n{}\n\n9\n8\n", "b".repeat(64)).into_bytes();
+        let body = b"HTTP 201\n\n\x00\xff{\"id\":1}\n";
+        value.extend_from_slice(body);
+        let read = parse(&value).unwrap();
+        assert_eq!(read.state, RecordState::Completed);
+        assert_eq!(read.owner, None);
+        assert_eq!(read.record, body);
+        assert_eq!(read.view(10).record.as_deref(), Some(&body[..]));
+    }
+
+    #[test]
+    fn anything_else_is_not_a_record() {
+        let fp = "c".repeat(64);
+        for bad in [
+            String::new(),
+            "i1\n".to_owned(),
+            format!("i2\nC\n{fp}\n\n9\n8\n"),
+            format!("i1\nX\n{fp}\n\n9\n8\n"),
+            format!("i1\nC\n{fp}\n\nnine\n8\n"),
+            format!("i1\nF\n{fp}\n\n9\n8\n"),
+            "i1\nC\nshort\n\n9\n8\n".to_owned(),
+            format!("i1\nC\n{fp}\n\n9\n8"),
+        ] {
+            assert_eq!(parse(bad.as_bytes()), None, "{bad:?}");
+        }
+    }
+}
