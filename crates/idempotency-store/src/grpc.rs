@@ -383,6 +383,8 @@ impl HeldStreamWait {
     }
 }
 
+/// A call's answer. Runs on the task the stream spawned for the call, which no client owns:
+/// the operation goes on to its end even if the client leaves (see `server::execute`).
 async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
     let reply = match call.op {
         None => refuse(state, BadRequest("a call without an operation".into())),
@@ -394,7 +396,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
                 owner: (!c.owner.is_empty()).then_some(c.owner),
             };
             match protocol::validate_claim(raw) {
-                Ok(req) => match server::execute(state, req).await {
+                Ok(req) => match server::execute_on_own_task(state, req).await {
                     Ok(outcome) => claim_reply(outcome),
                     Err(e) => unavailable(&e),
                 },
@@ -404,7 +406,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
         Some(Op::Complete(c)) => {
             let fingerprint = (!c.fingerprint.is_empty()).then_some(c.fingerprint.as_str());
             match protocol::validate_complete(&c.key, &c.owner, c.ttl_ms, c.record, fingerprint) {
-                Ok(req) => match server::execute(state, req).await {
+                Ok(req) => match server::execute_on_own_task(state, req).await {
                     Ok(CompleteOutcome::Completed) => Reply::Recorded(pb::Empty {}),
                     Ok(CompleteOutcome::NotOwner) => Reply::NotOwner(pb::Empty {}),
                     Err(e) => unavailable(&e),
@@ -415,7 +417,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
         // Waits never get here: the stream takes them apart first (`begin_wait`).
         Some(Op::Wait(_)) => refuse(state, BadRequest("a wait outside a stream".into())),
         Some(Op::Release(r)) => match protocol::validate_release(&r.key, &r.owner) {
-            Ok(req) => match server::execute(state, req).await {
+            Ok(req) => match server::execute_on_own_task(state, req).await {
                 Ok(ReleaseOutcome::Released) => Reply::Released(pb::Empty {}),
                 Ok(ReleaseOutcome::NotOwner) => Reply::NotOwner(pb::Empty {}),
                 Err(e) => unavailable(&e),
@@ -435,7 +437,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
                     .collect(),
             };
             match protocol::validate_renew(raw) {
-                Ok(req) => match server::execute(state, req).await {
+                Ok(req) => match server::execute_on_own_task(state, req).await {
                     Ok(lost) => Reply::Renewed(pb::Renewed { lost }),
                     Err(e) => unavailable(&e),
                 },
