@@ -744,9 +744,10 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     add("")
     if store_redis and rb:
         add(f"Store on Redis over its stream / redis-benchmark SET NX: **{store_redis.wrk.rps / rb.rps:.2f}×**. "
-            "A claim is a stream message, one Lua script (`EVALSHA`) of five Redis commands (`HMGET`, "
-            "`TIME`, `DEL`, `HSET`, `PEXPIRE`) instead of one `SET NX`, and the store's own task, "
-            "metrics and answer; the store, Redis and the load generator share the machine's two cores.")
+            "A claim is a stream message, one `SET key value NX PX lease GET` (a `SET NX` that also "
+            "answers what a taken key holds: in flight, completed, another payload), and the store's "
+            "own task, metrics and answer; the store, Redis and the load generator share the machine's "
+            "two cores.")
         cost = rb.redis_per_claim
         if cost and rb.redis_cpu_us > 0:
             def listed(commands: dict[str, tuple[float, float]]) -> str:
@@ -759,9 +760,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                 f"the store over its stream cost Redis {cost.redis_cpu_us:.1f} µs ({listed(cost.commands)}) "
                 f"and the store itself {cost.store_cpu_us:.1f} µs: {cost.redis_cpu_us + cost.store_cpu_us:.1f} µs "
                 f"of server CPU per claim against {rb.redis_cpu_us:.1f} µs per `SET NX`, on the two cores "
-                f"the load generator also runs on. The script is the price of deciding the claim inside "
-                f"Redis (absent, in flight, completed, another payload, a lease to take over) in one "
-                f"atomic step; a `SET NX` decides only the first.")
+                f"the load generator also runs on.")
         add("")
     if scale:
         add_cluster_section(add, scale)
