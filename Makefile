@@ -126,9 +126,14 @@ unit-wasm:
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
 		cargo test --target $(WASM_TARGET) -p idempotency-core -p idempotency-protocol
 
+# The e2e tests run a file per worker at a time (pytest-xdist), each test with processes and
+# ports of its own (a block of ports per worker: tests/e2e/harness.py, free_port). Most of a
+# test is waiting on its processes, so three workers keep a 2-core machine busy.
+E2E_WORKERS ?= 3
+
 e2e: build venv $(E2E_ENVOY)
 	$(if $(E2E_ENVOY),export ENVOY_BIN=$(abspath $(E2E_ENVOY)); )echo "e2e on Envoy $$("$${ENVOY_BIN:-$(ENVOY)}" --version | grep -o '[^ ]*/RELEASE/[^ ]*')"; \
-	$(VENV)/bin/pytest -q tests/e2e --ignore=tests/e2e/test_images.py
+	$(VENV)/bin/pytest -q -n $(E2E_WORKERS) --dist loadfile tests/e2e --ignore=tests/e2e/test_images.py
 
 e2e-oldest:
 	$(MAKE) e2e ENVOY_VERSION=$(ENVOY_OLDEST)

@@ -39,6 +39,13 @@ from redis.retry import Retry
 
 import client
 
+# Every process here is started by fork and exec (Popen with a preexec_fn). A process that
+# also runs grpcio clients (the gRPC tests, the gRPC bench rows) must not let grpcio restart
+# its poller in the forked child: Popen closes the poller's epoll fd before exec, and the
+# restarted poller aborts the child on EBADF (grpc/grpc#43055), which then shows as the
+# started process dying at birth. Set before grpc is first imported (harness comes first).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
 
@@ -48,19 +55,58 @@ LOOPBACK = "127.0.0.1"
 
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
+# Ports handed out come from below the kernel's ephemeral range, where bind(0) and outgoing
+# connections take theirs: a port chosen here can then only be taken, between the choice and
+# the bind of the process it is for (Envoy takes half a second), by another chooser. Tests
+# run in parallel (pytest-xdist) each take a block of their own, so those never meet; within
+# a block the start is random, so two runs side by side rarely try the same port, and a port
+# in use is skipped.
+_LOWEST_PORT = 10_000
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32_768
+    return max(low, _LOWEST_PORT + 1_000)
+
+
+def _port_block() -> range:
+    """This process's block: one of as many as pytest-xdist runs workers (one without it)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")
+    index = int(worker) if worker.isdigit() else 0
+    workers = max(int(count) if count.isdigit() else 1, index + 1)
+    size = (_ephemeral_low() - _LOWEST_PORT) // workers
+    return range(_LOWEST_PORT + index * size, _LOWEST_PORT + (index + 1) * size)
+
+
+_block = _port_block()
+_next_port = random.randrange(_block.start, _block.stop)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (never the same one twice per run)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((LOOPBACK, 0))
-            port = s.getsockname()[1]
-        with _handed_out_lock:
-            if port not in _handed_out:
+    """A currently free TCP port on 127.0.0.1, from this process's block (never the same one
+    twice per run)."""
+    global _next_port
+    with _handed_out_lock:
+        for _ in range(len(_block)):
+            port = _next_port
+            _next_port = _next_port + 1 if _next_port + 1 < _block.stop else _block.start
+            if port not in _handed_out and _bindable(port):
                 _handed_out.add(port)
                 return port
-    raise RuntimeError("no fresh free port found in 100 tries")
+    raise RuntimeError(f"no free port left in {_block.start}-{_block.stop - 1}")
 
 
 def _check_alive(proc: "ManagedProcess | None", what: str) -> None:
