@@ -159,7 +159,7 @@ return {'renewed', now + lease}
 
 /// A lookup, or with ARGV[1] = 'purge' a lookup and delete in one step (so a purge answers
 /// exactly what it removed). A packed record comes back as {'packed', value}; a hash as its
-/// fields in `parse_hash_view`'s order, then Redis's clock (the clock its instants are on).
+/// fields in `parse_view`'s order, then Redis's clock (the clock its instants are on).
 pub const RECORD_LUA: &str = r"
 local k = KEYS[1]
 local kind = redis.call('TYPE', k)['ok']
