@@ -126,14 +126,16 @@ unit-wasm:
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
 		cargo test --target $(WASM_TARGET) -p idempotency-core -p idempotency-protocol
 
-# The e2e tests run a file per worker at a time (pytest-xdist), each test with processes and
-# ports of its own (a block of ports per worker: tests/e2e/harness.py, free_port). Most of a
-# test is waiting on its processes, so three workers keep a 2-core machine busy.
-E2E_WORKERS ?= 3
+# E2E_WORKERS=3 runs three test files at a time (pytest-xdist), each test with processes and
+# ports of its own (a block of ports per worker: tests/e2e/harness.py, free_port): a suite
+# takes about 2 minutes instead of 4 on a 2-core machine. Not yet the default: under that
+# contention a few timing-sensitive tests still fail now and then (in test_cluster.py,
+# test_store_connections.py and test_grpc.py's cluster deadline), and CI must not.
+E2E_WORKERS ?= 1
 
 e2e: build venv $(E2E_ENVOY)
 	$(if $(E2E_ENVOY),export ENVOY_BIN=$(abspath $(E2E_ENVOY)); )echo "e2e on Envoy $$("$${ENVOY_BIN:-$(ENVOY)}" --version | grep -o '[^ ]*/RELEASE/[^ ]*')"; \
-	$(VENV)/bin/pytest -q -n $(E2E_WORKERS) --dist loadfile tests/e2e --ignore=tests/e2e/test_images.py
+	$(VENV)/bin/pytest -q $(if $(filter-out 1,$(E2E_WORKERS)),-n $(E2E_WORKERS) --dist loadfile) tests/e2e --ignore=tests/e2e/test_images.py
 
 e2e-oldest:
 	$(MAKE) e2e ENVOY_VERSION=$(ENVOY_OLDEST)

@@ -339,6 +339,18 @@ class ManagedProcess:
         return f"ManagedProcess({self.name!r}, pid={self.pid}, returncode={self.returncode})"
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped by a signal (state T in /proc)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            # The state follows the command name, which is in parentheses and may hold spaces.
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue
+    return bool(states) and all(state == "T" for state in states)
+
+
 def rss_kib(pid: int) -> int:
     """The resident set of process ``pid`` in KiB (VmRSS in /proc/<pid>/status)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -847,9 +859,14 @@ class Store:
         return self.start(timeout)
 
     def pause(self) -> None:
-        """SIGSTOP to this store's PID: connections are accepted by the kernel, nothing answers."""
+        """SIGSTOP to this store's PID: connections are accepted by the kernel, nothing answers.
+        Returns once every thread of it is stopped: a thread the signal finds running goes on
+        until its CPU takes the interrupt, which a loaded VM can delay by milliseconds."""
         self.process.signal(signal.SIGSTOP)
         self.paused = True
+        if self.process.pid is not None:
+            wait_until(lambda: all_threads_stopped(self.process.pid), timeout=5, interval=0.005,
+                       what=f"{self.process.name} stopped")
 
     def resume(self) -> None:
         if self.paused:
