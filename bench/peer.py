@@ -114,8 +114,9 @@ class PeerComparison:
     bare: list[SetupResult]
 
 
-def report(add, cmp: PeerComparison | None) -> list[tuple[str, bool | None, str]]:
-    """The page's section; returns the targets it checked."""
+def report(add, cmp: PeerComparison | None, by: dict | None = None) -> list[tuple[str, bool | None, str]]:
+    """The page's section; returns the targets it checked. ``by``: the run's main setups by key,
+    whose (a), (c) and (g) say where cluster mode's added latency and CPU go."""
     add("## Beside a peer: ldclabs/idempotent-proxy")
     add("")
     if cmp is None or not cmp.rounds:
@@ -168,4 +169,33 @@ def report(add, cmp: PeerComparison | None) -> list[tuple[str, bool | None, str]
     for name, ok, detail in targets:
         add(f"- {'met' if ok else 'MISSED'}: {name}: {detail}.")
     add("")
+    why = where_it_goes(cmp, by or {})
+    if why:
+        add(why)
+        add("")
     return targets
+
+
+def where_it_goes(cmp: PeerComparison, by: dict) -> str:
+    """Cluster mode's added p50 and CPU, split into what the run's own setups put a number on:
+    the filter's single-proxy work ((c) over (a)) and one stream round trip ((g) over (b))."""
+    a, b, c, g = (by.get(k) for k in "abcg")
+    if not (a and b and c and g and a.rate and b.rate and c.rate and g.rate and cmp.ours[0].rate):
+        return ""
+    f, bare, p = cmp.ours[-1], cmp.bare[-1], cmp.rounds[-1]
+    single = c.rate.wrk.p50_ms - a.rate.wrk.p50_ms
+    trip = g.rate.wrk.p50_ms - b.rate.wrk.p50_ms
+    f_p50 = f.rate.wrk.p50_ms - bare.rate.wrk.p50_ms
+    peer_p50 = p.rate.wrk.p50_ms - p.direct.wrk.p50_ms
+    envoy = f.cpu_us_per_request - bare.cpu_us_per_request
+    behind = f.coordination_cpu_us or 0.0
+    return (f"Where the difference goes (last round, and the main setups of this run): of (f)'s "
+            f"{f_p50:+.2f} ms of p50, the filter's single-proxy work alone adds {single:+.2f} ms "
+            f"((c) over (a) at the same rate) and one stream message to an instant store "
+            f"{trip:+.2f} ms ((g) over (b)): {single + trip:+.2f} ms before the store and Redis "
+            f"do anything, against the peer's whole {peer_p50:+.2f} ms, which is one proxy hop and "
+            f"Redis round trips. Of (f)'s {envoy + behind:+.0f} µs of CPU per write, Envoy spends "
+            f"{envoy:+.0f} µs (the single-proxy filter, (c) over (a) saturated, {c.cpu_us_per_request - a.cpu_us_per_request:+.0f} µs, and "
+            f"the stream), the store and Redis {behind:.0f} µs; the peer spends {p.cpu_us:.0f} µs "
+            f"in all. Most of what (f) adds is the filter's work in Envoy and Envoy's stream to "
+            f"the store: a second hop the peer, talking to Redis itself, does not make.")

@@ -351,7 +351,13 @@ def add_census_section(add, table: str, budgets: list[str]) -> None:
         "before each new claim (a push lands on each worker at its own moment: a claim must see the "
         "table another worker's new configuration registered, or a retry landing there runs again); "
         "skipping the bucket read at completion (Envoy's `set_shared_data` returns no cas, so the "
-        "completion's compare-and-swap needs a fresh one). Cut: the three access-log fields, "
+        "completion's compare-and-swap needs a fresh one); dating the record with the claim's clock "
+        "instead of reading it again at the completion (the completion proves the claim still has "
+        "the recording grace left, so that a finisher whose lease lapsed never overwrites the "
+        "response of a request that took its slot over: that proof needs the time now); reading "
+        "`upstream.request_attempt_count` only when Envoy says the upstream answered (it would "
+        "spare a direct-response route, as here, not a real upstream's answer, where it tells a "
+        "resent write). Cut: the three access-log fields, "
         "published only with `access_log_fields` (−7 µs per new key, −4 µs per replay, ABBA); the clock, "
         "read once per callback (the filter's host caches it: a new key read it 3 times, a held "
         "duplicate 9, a cluster new key 9), and `x-envoy-max-retries`, set only on the way "
@@ -451,7 +457,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     grpc_lines: list[str] = []
     grpc_targets = grpc_rows.report(grpc_lines.append, grpc_results or [], by)
     peer_lines: list[str] = []
-    peer_targets = peer.report(peer_lines.append, peer_cmp)
+    peer_targets = peer.report(peer_lines.append, peer_cmp, by)
     a, b = by["a"].wrk, by["b"].wrk
     targets: list[tuple[str, bool | None, str]] = []
     c, d = by["c"].wrk, by["d"].wrk
