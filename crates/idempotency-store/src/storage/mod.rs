@@ -144,7 +144,9 @@ pub struct RecordView {
     /// before the store kept that time.
     pub written_at_ms: Option<u64>,
     /// The backend's clock when it read the record, so that ages and time left are measured
-    /// on the clock that expires the record, not on the reader's.
+    /// on the clock that wrote its instants, not on the reader's. (On Redis, whose own clock
+    /// expires records from the durations it was given: the reading store instance's clock,
+    /// as the instants of a record are the writing instance's.)
     pub now_ms: u64,
 }
 
