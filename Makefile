@@ -129,8 +129,8 @@ unit-wasm:
 # E2E_WORKERS=3 runs three test files at a time (pytest-xdist), each test with processes and
 # ports of its own (a block of ports per worker: tests/e2e/harness.py, free_port): a suite
 # takes about 2 minutes instead of 4 on a 2-core machine. Not yet the default: under that
-# contention a few timing-sensitive tests still fail now and then (in test_cluster.py,
-# test_store_connections.py and test_grpc.py's cluster deadline), and CI must not.
+# contention two timing-sensitive tests still fail now and then (test_store_connections.py's
+# peer holding connections, test_grpc.py's cluster deadline), and CI must not.
 E2E_WORKERS ?= 1
 
 e2e: build venv $(E2E_ENVOY)
