@@ -670,7 +670,10 @@ impl Storage for RedisStorage {
             .and_then(packed::parse)
             .ok_or_else(|| unexpected("claim", &held))?;
         // `decision::claim`'s order: another payload, the caller's own claim (its lease end,
-        // unchanged), someone else's claim, a completed record.
+        // unchanged), someone else's claim, a completed record. Not `decision::claim` itself:
+        // it would first judge the record's liveness by its lease or TTL end, which on Redis
+        // is the writing instance's clock, while the key existing already proves it live
+        // (Redis expired it otherwise) and `SET NX` has refused to replace it.
         Ok(if record.fingerprint != *fingerprint {
             ClaimOutcome::Mismatch
         } else {

@@ -35,9 +35,10 @@ end
 local function ms(n) return string.format('%d', n) end
 local k = KEYS[1]
 local kind = redis.call('TYPE', k)['ok']
-local current = nil
+local value, current = nil, nil
 if kind == 'string' then
-  current = read_packed(redis.call('GET', k))
+  value = redis.call('GET', k)
+  current = read_packed(value)
   if not current then return redis.error_reply('idempotency: unreadable record at ' .. k) end
 end
 ";
@@ -92,7 +93,7 @@ if kind == 'hash' then
 end
 if current then
   if current[1] == 'F' and current[3] == ARGV[1] then return record_as(current[2]) end
-  if current[1] == 'C' and string.sub(redis.call('GET', k), current.record_at) == ARGV[3] then
+  if current[1] == 'C' and string.sub(value, current.record_at) == ARGV[3] then
     return 'completed'
   end
   return 'not_owner'
