@@ -291,5 +291,6 @@ pub fn unknown_outcome(u: &mut Unstructured<'_>) -> Result<Option<Box<UnknownOut
         response_flags: u.arbitrary()?,
         details,
         attempts: u.arbitrary()?,
+        resolution_due_ms: u.arbitrary()?,
     })))
 }

@@ -12,7 +12,7 @@ use idempotency_store::grpc::pb;
 use idempotency_store::grpc::pb::call::Op as PbOp;
 use idempotency_store::protocol::{
     parse_claim, parse_complete, parse_key, parse_release, parse_renew, validate_claim,
-    validate_complete, validate_release, validate_renew, validate_wait,
+    validate_complete, validate_release, validate_renew, validate_settle, validate_wait,
 };
 use idempotency_store::storage::Digest;
 use idempotency_store::waits::MAX_WAIT_MS;
@@ -270,6 +270,17 @@ fn to_pb(call: &Call) -> pb::Call {
             fingerprint: fingerprint.clone(),
             wait_ms: *wait_ms,
         }),
+        CallOp::Settle {
+            key,
+            current,
+            record,
+            ttl_ms,
+        } => PbOp::Settle(pb::Settle {
+            key: key.clone(),
+            current: current.clone(),
+            record: record.clone(),
+            ttl_ms: *ttl_ms,
+        }),
         CallOp::Renew { lease_ms, leases } => PbOp::Renew(pb::Renew {
             lease_ms: *lease_ms,
             leases: leases
@@ -358,6 +369,28 @@ fn verdicts(op: &CallOp) -> (String, String) {
                 format!("{valid:?}"),
             )
         }
+        // Stream only: judged against the documented bounds instead of a JSON twin.
+        CallOp::Settle {
+            key,
+            current,
+            record,
+            ttl_ms,
+        } => {
+            let valid = Digest::parse(key).is_ok()
+                && !current.is_empty()
+                && if record.is_empty() {
+                    *ttl_ms == 0
+                } else {
+                    *ttl_ms == 0 || (MIN_TTL_MS..=MAX_TTL_MS).contains(ttl_ms)
+                };
+            (
+                format!(
+                    "{:?}",
+                    validate_settle(key, current.clone(), record.clone(), *ttl_ms).is_ok()
+                ),
+                format!("{valid:?}"),
+            )
+        }
         CallOp::Renew { lease_ms, leases } => {
             let body = renew_body(*lease_ms, leases);
             let json = serde_json::to_vec(&body).expect("serializes");
@@ -381,7 +414,7 @@ fn stream_raw(data: &[u8]) {
 }
 
 fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
-    let op = match u.int_in_range(0..=4)? {
+    let op = match u.int_in_range(0..=5)? {
         0 => CallOp::Claim {
             key: digest_text(u)?,
             fingerprint: digest_text(u)?,
@@ -407,6 +440,16 @@ fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
             key: digest_text(u)?,
             fingerprint: digest_text(u)?,
             wait_ms: time(u, MAX_WAIT_MS)?,
+        },
+        4 => CallOp::Settle {
+            key: digest_text(u)?,
+            current: u.arbitrary()?,
+            record: u.arbitrary()?,
+            ttl_ms: if u.arbitrary()? {
+                0
+            } else {
+                time(u, MAX_TTL_MS)?
+            },
         },
         _ => CallOp::Renew {
             lease_ms: time(u, MAX_LEASE_MS)?,

@@ -2,7 +2,7 @@
 //! recorded without holding the response back from the client.
 
 use crate::config::Rule;
-use crate::record::RecordedResponse;
+use crate::record::{RecordedResponse, KEY_EXPIRES_HEADER};
 
 #[derive(Debug, Default)]
 pub struct ResponseCapture {
@@ -79,6 +79,14 @@ impl ResponseCapture {
             .filter(|(n, _)| n.starts_with("grpc-") || rule.replay_headers.keeps(n))
             .cloned()
             .collect();
+    }
+
+    /// Records until when the key is remembered (`KEY_EXPIRES_HEADER`), in place of any
+    /// copy the upstream sent.
+    pub fn set_key_expiry(&mut self, value: &str) {
+        self.headers.retain(|(n, _)| n != KEY_EXPIRES_HEADER);
+        self.headers
+            .push((KEY_EXPIRES_HEADER.to_string(), value.as_bytes().to_vec()));
     }
 
     /// The status the recorded response carries, for logs.

@@ -7,6 +7,7 @@ use std::fmt;
 use crate::fingerprint::FingerprintMode;
 use crate::grpc::GrpcRule;
 use crate::key::source::FieldSource;
+use crate::resolve::settings::{self as resolve_settings, RawResolve, Resolve, RuleFacts};
 use crate::response_policy::{HeaderFilter, ReleasePolicy};
 use crate::table::layout::Layout;
 
@@ -127,6 +128,8 @@ struct RawRule {
     upstream_timeout_ms: Option<u64>,
     #[serde(default)]
     grpc: Option<RawGrpc>,
+    #[serde(default)]
+    resolve: Option<RawResolve>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -467,6 +470,8 @@ pub struct Rule {
     /// Some: the rule protects gRPC unary calls (`grpc`, or gRPC services or methods in its
     /// match).
     pub grpc: Option<GrpcRule>,
+    /// Some: an unknown outcome is resolved by asking the service (`resolve`).
+    pub resolve: Option<Resolve>,
 }
 
 /// Where and how the filter reaches the shared store.
@@ -848,6 +853,32 @@ fn validate_rule(
         raw.upstream_timeout_ms,
         store.as_ref(),
     )?;
+    let resolve = match raw.resolve {
+        None => None,
+        Some(raw_resolve) => {
+            let facts = RuleFacts {
+                key_sources: key_sources.len(),
+                scope_headers: &scope_headers,
+                ttl_ms,
+                releases_unknown: raw.on_unknown_outcome == UnknownOutcomePolicy::Release,
+                is_grpc: grpc.is_some(),
+                store_over_http: store
+                    .as_ref()
+                    .is_some_and(|s| s.transport == StoreTransport::Http),
+                store_cluster: store.as_ref().map(|s| s.cluster.as_str()),
+            };
+            let validated =
+                resolve_settings::validate(raw_resolve, &facts).map_err(|(field, why)| {
+                    let at_field = if field.is_empty() {
+                        at("resolve")
+                    } else {
+                        at(&format!("resolve.{field}"))
+                    };
+                    invalid(at_field, why)
+                })?;
+            Some(validated)
+        }
+    };
     Ok(Rule {
         name: raw.name,
         matcher: validate_match(index, raw.matcher, grpc.is_some())?,
@@ -874,6 +905,7 @@ fn validate_rule(
         on_unknown_outcome: raw.on_unknown_outcome,
         detached,
         grpc,
+        resolve,
     })
 }
 

@@ -32,6 +32,7 @@ pub mod plugin;
 pub mod problem;
 pub mod record;
 pub mod request_fields;
+pub mod resolve;
 pub mod response_policy;
 pub mod rule_select;
 pub mod store;

@@ -79,10 +79,21 @@ pub enum Outcome {
     /// A gRPC replay's hop that did not reach the replay echo (no route to it): the retry got
     /// UNAVAILABLE and nothing ran. The configuration is missing the echo's route.
     ReplayEchoUnrouted,
+    /// An unknown outcome resolved by asking the service (`resolve`): it took effect, and
+    /// what the service answered is now the key's record.
+    ResolvedTookEffect,
+    /// An unknown outcome resolved by asking the service: the write never ran, so the key is
+    /// freed and the next retry executes.
+    ResolvedNeverRan,
+    /// A lookup that settled nothing (an error, a timeout, an unlisted status): asked again
+    /// after a backoff.
+    ResolutionRetried,
+    /// Every lookup of an unknown outcome settled nothing: left for an operator.
+    ResolutionGaveUp,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 31] = [
+    pub const ALL: [Outcome; 35] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -114,6 +125,10 @@ impl Outcome {
         Outcome::GrpcStreaming,
         Outcome::GrpcOnHttpRule,
         Outcome::ReplayEchoUnrouted,
+        Outcome::ResolvedTookEffect,
+        Outcome::ResolvedNeverRan,
+        Outcome::ResolutionRetried,
+        Outcome::ResolutionGaveUp,
     ];
 
     pub fn name(self) -> &'static str {
@@ -149,6 +164,10 @@ impl Outcome {
             Outcome::GrpcStreaming => "grpc_streaming",
             Outcome::GrpcOnHttpRule => "grpc_on_http_rule",
             Outcome::ReplayEchoUnrouted => "replay_echo_unrouted",
+            Outcome::ResolvedTookEffect => "resolved_took_effect",
+            Outcome::ResolvedNeverRan => "resolved_never_ran",
+            Outcome::ResolutionRetried => "resolution_retried",
+            Outcome::ResolutionGaveUp => "resolution_gave_up",
         }
     }
 

@@ -132,6 +132,21 @@ impl Problem {
         }
     }
 
+    /// An unknown outcome the filter is resolving by asking the service (`resolve`): still
+    /// 409 `outcome-unknown`, but it clears, so Retry-After says when the answer is due.
+    pub fn outcome_being_resolved(retry_after_seconds: u64) -> Problem {
+        Problem {
+            detail: "The first request with this key reached the service, but no answer came back \
+                     (a timeout, a dropped connection, or a client that left). It will not be run \
+                     again under this key: the proxy is asking the service whether it took \
+                     effect. Retry with the same key after Retry-After: you will get its result, \
+                     or, if it never ran, it will run then."
+                .to_string(),
+            retry_after_seconds: Some(retry_after_seconds.max(1)),
+            ..Problem::outcome_unknown()
+        }
+    }
+
     pub fn key_reused(source: &str) -> Problem {
         Problem {
             status: 422,

@@ -9,8 +9,22 @@ const FLAG_BODY_OMITTED: u8 = 1;
 const FLAG_OUTCOME_UNKNOWN: u8 = 2;
 /// Trailers follow the body (a gRPC response's status and trailing metadata).
 const FLAG_TRAILERS: u8 = 4;
+/// An unknown outcome the filter is resolving: when it next asks the service follows what
+/// Envoy reported.
+const FLAG_RESOLUTION_PENDING: u8 = 8;
 /// Envoy's details string is kept to this many bytes (its own strings are far shorter).
 const MAX_DETAILS_BYTES: usize = 255;
+
+/// The response header that says until when a key is remembered, on the first recorded
+/// answer and on every replay (an HTTP-date, like `Expires`): a client then knows how long a
+/// retry with this key is safe. The IETF draft leaves this open; the name is this filter's.
+pub const KEY_EXPIRES_HEADER: &str = "idempotency-key-expires";
+
+/// `KEY_EXPIRES_HEADER`'s value for a record kept until `expires_at_ms`.
+pub fn key_expires_value(expires_at_ms: u64) -> String {
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(expires_at_ms);
+    httpdate::fmt_http_date(at)
+}
 
 /// A write that reached the upstream (or may have) without an answer from it: Envoy's router
 /// timed out, the connection was reset after the request was sent, or the client left. The
@@ -26,6 +40,10 @@ pub struct UnknownOutcome {
     pub details: String,
     /// `upstream.request_attempt_count`: how many times the router sent the request.
     pub attempts: u32,
+    /// The rule resolves unknown outcomes (`resolve`) and this one is not settled yet: when
+    /// the service is next asked (ms since the epoch), which a retry is told to wait for.
+    /// None: nobody will ask (no `resolve`, or its attempts ran out: an operator settles it).
+    pub resolution_due_ms: Option<u64>,
 }
 
 /// A response as recorded for replay.
@@ -100,6 +118,13 @@ impl RecordedResponse {
         if !self.trailers.is_empty() {
             flags |= FLAG_TRAILERS;
         }
+        if self
+            .unknown
+            .as_ref()
+            .is_some_and(|u| u.resolution_due_ms.is_some())
+        {
+            flags |= FLAG_RESOLUTION_PENDING;
+        }
         out.push(flags);
         encode_pairs(&mut out, &self.headers);
         let body_len = u32::try_from(self.body.len()).unwrap_or(u32::MAX);
@@ -115,6 +140,9 @@ impl RecordedResponse {
             let details = cut_at_char(&unknown.details, MAX_DETAILS_BYTES).as_bytes();
             out.push(details.len() as u8);
             out.extend_from_slice(details);
+            if let Some(due) = unknown.resolution_due_ms {
+                out.extend_from_slice(&due.to_be_bytes());
+            }
         }
         out
     }
@@ -143,11 +171,17 @@ impl RecordedResponse {
             let attempts = r.u32()?;
             let details_len = r.u8()?;
             let details = std::str::from_utf8(r.take(usize::from(details_len))?).ok()?;
+            let resolution_due_ms = if flags & FLAG_RESOLUTION_PENDING != 0 {
+                Some(r.u64()?)
+            } else {
+                None
+            };
             Some(Box::new(UnknownOutcome {
                 proxy_status,
                 response_flags,
                 details: details.to_string(),
                 attempts,
+                resolution_due_ms,
             }))
         } else {
             None
@@ -308,10 +342,19 @@ mod tests {
             response_flags: 0x8004,
             details: "upstream_per_try_timeout".into(),
             attempts: 1,
+            resolution_due_ms: None,
         });
         let decoded = RecordedResponse::decode(&r.encode()).unwrap();
         assert_eq!(decoded, r);
         assert_eq!(decoded.status, 0);
+        // One being resolved says when the service is next asked, and reads back whole only.
+        let pending = RecordedResponse::unknown_outcome(UnknownOutcome {
+            resolution_due_ms: Some(1_764_000_000_000),
+            ..(*r.unknown.clone().unwrap())
+        });
+        let bytes = pending.encode();
+        assert_eq!(RecordedResponse::decode(&bytes), Some(pending));
+        assert_eq!(RecordedResponse::decode(&bytes[..bytes.len() - 1]), None);
         // Details beyond what the record keeps are cut on a character boundary.
         let long = RecordedResponse::unknown_outcome(UnknownOutcome {
             details: "é".repeat(200),

@@ -168,6 +168,7 @@ impl EnvoyReport {
             response_flags: self.flags,
             details: self.details.clone().unwrap_or_default(),
             attempts: self.attempts.unwrap_or(0),
+            resolution_due_ms: None,
         }
     }
 }

@@ -47,6 +47,16 @@ pub enum CallOp {
         lease_ms: u64,
         leases: Vec<(String, String)>,
     },
+    /// Settles an unknown outcome: only if the key's completed record holds exactly
+    /// `current`, it becomes `record` (kept `ttl_ms` from now; 0: until `current` would have
+    /// expired), or, with `record` empty, is removed so the key is free. Answered `Recorded`,
+    /// `Released`, or `NotOwner` when the record is anything else (nothing changes).
+    Settle {
+        key: String,
+        current: Vec<u8>,
+        record: Vec<u8>,
+        ttl_ms: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,6 +139,7 @@ mod field {
     pub const RELEASE: u32 = 4;
     pub const WAIT: u32 = 5;
     pub const RENEW: u32 = 6;
+    pub const SETTLE: u32 = 7;
     // Answer.result
     pub const CLAIMED: u32 = 2;
     pub const IN_FLIGHT: u32 = 3;
@@ -292,6 +303,23 @@ pub fn encode_call_parts(id: u64, op: &CallOp) -> Vec<u8> {
                     w.message(2, &lease);
                 }
             }),
+        ),
+        CallOp::Settle {
+            key,
+            current,
+            record,
+            ttl_ms,
+        } => (
+            field::SETTLE,
+            build_sized(
+                key.len() + current.len() + record.len() + 4 * FIELD_HEAD_BYTES,
+                |w| {
+                    w.bytes(1, key.as_bytes());
+                    w.bytes(2, current);
+                    w.bytes(3, record);
+                    w.uint(4, *ttl_ms);
+                },
+            ),
         ),
     };
     wrap(id, field, &body)
@@ -487,7 +515,7 @@ fn envelope<'a>(
 }
 
 pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
-    let Envelope { id, member } = envelope(bytes, field::CLAIM..=field::RENEW)?;
+    let Envelope { id, member } = envelope(bytes, field::CLAIM..=field::SETTLE)?;
     let op = match member {
         Some((field::CLAIM, body)) => {
             let (mut key, mut fingerprint, mut lease_ms, mut owner) =
@@ -582,6 +610,26 @@ pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
                 Ok(())
             })?;
             CallOp::Renew { lease_ms, leases }
+        }
+        Some((field::SETTLE, body)) => {
+            let (mut key, mut current, mut record, mut ttl_ms) =
+                (String::new(), Vec::new(), Vec::new(), 0);
+            each_field(body, |n, v| {
+                match n {
+                    1 => key = text(want_len(v)?)?,
+                    2 => current = want_len(v)?.to_vec(),
+                    3 => record = want_len(v)?.to_vec(),
+                    4 => ttl_ms = want_varint(v)?,
+                    _ => {}
+                }
+                Ok(())
+            })?;
+            CallOp::Settle {
+                key,
+                current,
+                record,
+                ttl_ms,
+            }
         }
         _ => return Err(DecodeError("a call without a known operation")),
     };
@@ -722,6 +770,24 @@ mod tests {
                 op: CallOp::Renew {
                     lease_ms: 0,
                     leases: Vec::new(),
+                },
+            },
+            Call {
+                id: 12,
+                op: CallOp::Settle {
+                    key: HEX.into(),
+                    current: b"IDR1 unknown".to_vec(),
+                    record: b"IDR1 took effect".to_vec(),
+                    ttl_ms: 86_400_000,
+                },
+            },
+            Call {
+                id: 13,
+                op: CallOp::Settle {
+                    key: HEX.into(),
+                    current: vec![0; 3],
+                    record: Vec::new(),
+                    ttl_ms: 0,
                 },
             },
         ]

@@ -12,7 +12,7 @@ use crate::admission::ConnectionAuth;
 use crate::metrics::Rejection;
 use crate::protocol::{self, BadRequest, ClaimBody, LeaseBody, RenewBody};
 use crate::server::{self, AppState, Verdict};
-use crate::storage::{ClaimOutcome, CompleteOutcome, ReleaseOutcome, StorageError};
+use crate::storage::{ClaimOutcome, CompleteOutcome, ReleaseOutcome, SettleOutcome, StorageError};
 use crate::waits::{HeldWait, WaitOutcome};
 
 /// The generated messages, server and client.
@@ -424,6 +424,17 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
             },
             Err(bad) => refuse(state, bad),
         },
+        Some(Op::Settle(c)) => {
+            match protocol::validate_settle(&c.key, c.current, c.record, c.ttl_ms) {
+                Ok(req) => match server::execute_on_own_task(state, req).await {
+                    Ok(SettleOutcome::Replaced) => Reply::Recorded(pb::Empty {}),
+                    Ok(SettleOutcome::Removed) => Reply::Released(pb::Empty {}),
+                    Ok(SettleOutcome::NotFound) => Reply::NotOwner(pb::Empty {}),
+                    Err(e) => unavailable(&e),
+                },
+                Err(bad) => refuse(state, bad),
+            }
+        }
         Some(Op::Renew(r)) => {
             let raw = RenewBody {
                 lease_ms: r.lease_ms,

@@ -26,6 +26,8 @@ pub enum Operation {
     Wait,
     /// A batch of lease renewals, counted once per call.
     Renew,
+    /// An unknown outcome settled: its record replaced or removed.
+    Settle,
 }
 
 impl Operation {
@@ -39,6 +41,7 @@ impl Operation {
             Self::Search => "search",
             Self::Wait => "wait",
             Self::Renew => "renew",
+            Self::Settle => "settle",
         }
     }
 }

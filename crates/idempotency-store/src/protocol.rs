@@ -136,6 +136,50 @@ pub fn validate_complete(
     })
 }
 
+/// A settle of an unknown outcome (stream only).
+#[derive(Debug, Clone)]
+pub struct SettleRequest {
+    pub key: Digest,
+    pub current: Vec<u8>,
+    pub replacement: Option<crate::storage::Replacement>,
+}
+
+/// `record` empty frees the key; `ttl_ms` 0 keeps the current record's expiry.
+pub fn validate_settle(
+    key: &str,
+    current: Vec<u8>,
+    record: Vec<u8>,
+    ttl_ms: u64,
+) -> Result<SettleRequest, BadRequest> {
+    let key = parse_key(key)?;
+    if current.is_empty() {
+        return Err(BadRequest::field(
+            "current",
+            "must hold the record to settle",
+        ));
+    }
+    let replacement = if record.is_empty() {
+        if ttl_ms != 0 {
+            return Err(BadRequest::field(
+                "ttl_ms",
+                "must be 0 when the key is freed",
+            ));
+        }
+        None
+    } else {
+        let ttl_ms = match ttl_ms {
+            0 => None,
+            ttl => Some(check_range("ttl_ms", ttl, MIN_TTL_MS, MAX_TTL_MS)?),
+        };
+        Some(crate::storage::Replacement { record, ttl_ms })
+    };
+    Ok(SettleRequest {
+        key,
+        current,
+        replacement,
+    })
+}
+
 pub fn parse_release(body: &[u8]) -> Result<ReleaseRequest, BadRequest> {
     let raw: ReleaseBody = parse_json(body)?;
     validate_release(&raw.key, &raw.owner)

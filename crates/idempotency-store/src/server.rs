@@ -31,8 +31,8 @@ use crate::protocol::{
     self, BadRequest, ClaimResponse, OutcomeResponse, Problem, RecordResponse, RenewResponse,
 };
 use crate::storage::{
-    self, ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome, Storage,
-    StorageError,
+    self, ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordView, ReleaseOutcome,
+    SettleOutcome, Storage, StorageError,
 };
 use crate::waits::{HeldWait, WaitOutcome, WaitRoom};
 
@@ -979,6 +979,41 @@ impl V1Operation for protocol::RenewRequest {
 
     fn answer(lost: Vec<u32>) -> Response {
         Json(RenewResponse::renewed(lost)).into_response()
+    }
+}
+
+/// Settles an unknown outcome; only completed records change, so no wait looks again.
+impl V1Operation for protocol::SettleRequest {
+    const OPERATION: Operation = Operation::Settle;
+    type Outcome = SettleOutcome;
+
+    async fn run(self, storage: &dyn Storage) -> Result<SettleOutcome, StorageError> {
+        let settled = storage
+            .settle(&self.key, &self.current, self.replacement.clone())
+            .await?;
+        if settled != SettleOutcome::NotFound {
+            // Leave a trace of the decision in the store's log: an unknown outcome, settled.
+            let how = if self.replacement.is_some() {
+                "replaced with what the service reported"
+            } else {
+                "removed: the write never ran"
+            };
+            tracing::info!(key = self.key.as_str(), how, "settled an unknown outcome");
+        }
+        Ok(settled)
+    }
+
+    fn name(outcome: &SettleOutcome) -> &'static str {
+        match outcome {
+            SettleOutcome::Replaced => "replaced",
+            SettleOutcome::Removed => "removed",
+            SettleOutcome::NotFound => "not_found",
+        }
+    }
+
+    /// The HTTP API has no settle (the stream carries it); named for completeness.
+    fn answer(outcome: SettleOutcome) -> Response {
+        Json(serde_json::json!({ "outcome": Self::name(&outcome) })).into_response()
     }
 }
 

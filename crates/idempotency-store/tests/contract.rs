@@ -23,7 +23,7 @@ use idempotency_store::storage::memory::MemoryStorage;
 use idempotency_store::storage::redis::{ClusterMode, RedisStorage};
 use idempotency_store::storage::{
     renew_batch, ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, Lease, OwnerToken, RecordState,
-    RecordView, ReleaseOutcome, RenewOutcome, Storage,
+    RecordView, ReleaseOutcome, RenewOutcome, Replacement, SettleOutcome, Storage,
 };
 
 use common::{random_digest, RedisCluster, RedisServer};
@@ -924,6 +924,95 @@ async fn a_batch_answers_the_indexes_of_the_leases_it_lost(h: &Harness) {
     );
 }
 
+/// An unknown outcome is settled only while the key holds exactly the record the caller
+/// names: replaced (fingerprint kept, expiry given or kept), or removed so the key is free;
+/// anything else (another record, an in-flight claim, nothing, a retry of a settle that
+/// landed) is left as it is.
+async fn an_unknown_outcome_is_settled_only_where_it_still_is(h: &Harness) {
+    let unknown = b"IDR1 unknown outcome".to_vec();
+    let resolved = b"IDR1 200 paid".to_vec();
+    let settle = |current: &[u8], replacement: Option<Replacement>, k: Digest| {
+        let current = current.to_vec();
+        async move { h.s().settle(&k, &current, replacement).await.unwrap() }
+    };
+    let replaced = |ttl_ms| Replacement {
+        record: resolved.clone(),
+        ttl_ms,
+    };
+
+    // Took effect, keeping the unknown outcome's expiry.
+    let (k, fp) = (random_digest(), random_digest());
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    h.complete(&k, &owner, LONG_TTL_MS, &unknown).await;
+    let before = h.stored(&k).await.unwrap();
+    assert_eq!(
+        settle(b"IDR1 something else", Some(replaced(None)), k.clone()).await,
+        SettleOutcome::NotFound
+    );
+    assert_eq!(
+        settle(&unknown, Some(replaced(None)), k.clone()).await,
+        SettleOutcome::Replaced
+    );
+    let after = h.stored(&k).await.unwrap();
+    assert_eq!(after.record.as_deref(), Some(resolved.as_slice()));
+    assert_eq!(after.fingerprint, fp, "the payload it was for stays");
+    assert!(
+        after.expires_at_ms.abs_diff(before.expires_at_ms) <= 1_000,
+        "{} vs {}",
+        after.expires_at_ms,
+        before.expires_at_ms
+    );
+    assert_eq!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Completed {
+            record: resolved.clone()
+        }
+    );
+    // Its retry (the answer was lost) finds its own result and changes nothing.
+    assert_eq!(
+        settle(&unknown, Some(replaced(None)), k.clone()).await,
+        SettleOutcome::NotFound
+    );
+
+    // Took effect, kept a TTL of its own from now.
+    let k = random_digest();
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    h.complete(&k, &owner, 60_000, &unknown).await;
+    assert_eq!(
+        settle(&unknown, Some(replaced(Some(LONG_TTL_MS))), k.clone()).await,
+        SettleOutcome::Replaced
+    );
+    let kept = h.stored(&k).await.unwrap();
+    assert!(kept.expires_at_ms > 1_600_000_000_000 + LONG_TTL_MS / 2);
+
+    // Never ran: removed, and the key is free.
+    let k = random_digest();
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    h.complete(&k, &owner, LONG_TTL_MS, &unknown).await;
+    assert_eq!(
+        settle(&unknown, None, k.clone()).await,
+        SettleOutcome::Removed
+    );
+    assert_eq!(h.state(&k).await, None);
+    assert!(matches!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Claimed { .. }
+    ));
+
+    // A claim in flight, and a key with nothing, are never touched.
+    assert_eq!(
+        settle(&unknown, None, k.clone()).await,
+        SettleOutcome::NotFound
+    );
+    assert_eq!(h.state(&k).await, Some(RecordState::InFlight));
+    let nothing = random_digest();
+    assert_eq!(
+        settle(&unknown, Some(replaced(None)), nothing.clone()).await,
+        SettleOutcome::NotFound
+    );
+    assert_eq!(h.state(&nothing).await, None);
+}
+
 macro_rules! contract_suite {
     ($backend:ident, $harness:expr) => {
         mod $backend {
@@ -956,6 +1045,7 @@ macro_rules! contract_suite {
                 a_renew_of_a_completed_or_absent_record_changes_nothing,
                 a_renew_never_shortens_a_lease,
                 a_batch_answers_the_indexes_of_the_leases_it_lost,
+                an_unknown_outcome_is_settled_only_where_it_still_is,
             );
         }
     };
@@ -1004,6 +1094,7 @@ async fn the_contract_holds_on_a_redis_cluster() {
     a_claim_taken_over_is_not_renewed_for_its_old_owner(&h).await;
     a_renew_of_a_completed_or_absent_record_changes_nothing(&h).await;
     a_renew_never_shortens_a_lease(&h).await;
+    an_unknown_outcome_is_settled_only_where_it_still_is(&h).await;
     // Its keys live on every primary: one batch renews on all of them.
     a_batch_answers_the_indexes_of_the_leases_it_lost(&h).await;
     // Keys with one prefix live on every primary (the whole digest is the hash tag), so the
@@ -1391,6 +1482,49 @@ async fn legacy_hash(
         .query_async(conn)
         .await
         .unwrap();
+}
+
+/// An unknown outcome an earlier store wrote as a hash is settled like a packed one.
+#[tokio::test]
+async fn redis_unknown_outcomes_an_earlier_store_wrote_as_hashes_are_settled() {
+    let server = RedisServer::start();
+    let s = RedisStorage::connect(&server.url()).await.unwrap();
+    let client = ::redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let fp = random_digest();
+    let hash = |record: &'static str| {
+        [
+            ("state", "completed"),
+            ("fingerprint", fp.as_str()),
+            ("record", record),
+            ("expires_at_ms", "4102444800000"),
+        ]
+    };
+    let (took, never) = (random_digest(), random_digest());
+    legacy_hash(&mut conn, &took, &hash("unknown\x00a")).await;
+    legacy_hash(&mut conn, &never, &hash("unknown\x00b")).await;
+    assert_eq!(
+        s.settle(&took, b"other", None).await.unwrap(),
+        SettleOutcome::NotFound
+    );
+    let paid = Replacement {
+        record: b"paid".to_vec(),
+        ttl_ms: None,
+    };
+    assert_eq!(
+        s.settle(&took, b"unknown\x00a", Some(paid)).await.unwrap(),
+        SettleOutcome::Replaced
+    );
+    let view = s.lookup(&took).await.unwrap().unwrap();
+    assert_eq!(
+        (view.record.as_deref(), &view.fingerprint),
+        (Some(&b"paid"[..]), &fp)
+    );
+    assert_eq!(
+        s.settle(&never, b"unknown\x00b", None).await.unwrap(),
+        SettleOutcome::Removed
+    );
+    assert!(s.lookup(&never).await.unwrap().is_none());
 }
 
 #[tokio::test]

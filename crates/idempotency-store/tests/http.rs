@@ -21,7 +21,7 @@ use idempotency_store::server::{self, AppState, Auth};
 use idempotency_store::storage::memory::MemoryStorage;
 use idempotency_store::storage::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
-    ReleaseOutcome, RenewOutcome, Storage, StorageError,
+    ReleaseOutcome, RenewOutcome, Replacement, SettleOutcome, Storage, StorageError,
 };
 use reqwest::{Client, StatusCode, Version};
 use serde_json::{json, Value};
@@ -959,6 +959,14 @@ impl Storage for Broken {
     async fn release(&self, _: &Digest, _: &OwnerToken) -> Result<ReleaseOutcome, StorageError> {
         Err(StorageError::Backend("down".into()))
     }
+    async fn settle(
+        &self,
+        _: &Digest,
+        _: &[u8],
+        _: Option<Replacement>,
+    ) -> Result<SettleOutcome, StorageError> {
+        Err(StorageError::Backend("down".into()))
+    }
     async fn renew(
         &self,
         _: &Digest,
@@ -1071,6 +1079,15 @@ impl Storage for Gated {
     ) -> Result<ReleaseOutcome, StorageError> {
         self.hold().await;
         self.inner.release(key, owner).await
+    }
+    async fn settle(
+        &self,
+        key: &Digest,
+        current: &[u8],
+        replacement: Option<Replacement>,
+    ) -> Result<SettleOutcome, StorageError> {
+        self.hold().await;
+        self.inner.settle(key, current, replacement).await
     }
     async fn renew(
         &self,

@@ -240,6 +240,12 @@ impl RequestJourney {
                 self.note(host, &rule, Outcome::Mismatch);
                 self.answer_problem(host, &rule, &Problem::key_reused(&rule.key_label()))
             }
+            Ok(StoreClaim::Completed(recorded)) if is_being_resolved(&recorded) => {
+                // Another proxy is resolving it: a local copy would go on answering 409 here
+                // after the store has settled it, so the next retry asks the store again.
+                self.release_local(host, &held);
+                self.replay(host, &rule, &recorded, Outcome::Replayed)
+            }
             Ok(StoreClaim::Completed(recorded)) => {
                 // Keep a local copy so this proxy's next retry replays without a callout.
                 if let Err(e) = self.plugin.table.complete(
@@ -360,6 +366,7 @@ impl RequestJourney {
             held: held.clone(),
             store_owner,
             capture: None,
+            started_ms: host.now_ms(),
         };
         let step = if rule.rule.detached.is_some() {
             self.detach(host, run)
@@ -392,9 +399,21 @@ impl RequestJourney {
         recorded: &RecordedResponse,
         outcome: Outcome,
     ) -> Step {
-        if recorded.unknown.is_some() {
+        if let Some(unknown) = &recorded.unknown {
             self.note(host, rule, Outcome::OutcomeUnknownAnswered);
-            return self.answer_problem(host, rule, &Problem::outcome_unknown());
+            let problem = match (unknown.resolution_due_ms, &rule.rule.resolve) {
+                (Some(due_ms), Some(resolve)) => {
+                    // Before the lookup is due, until then; once it is being asked (or asked
+                    // again), after the shortest backoff.
+                    let wait_ms = match due_ms.checked_sub(host.now_ms()) {
+                        Some(left) if left > 0 => left,
+                        _ => resolve.backoff_ms,
+                    };
+                    Problem::outcome_being_resolved(wait_ms.div_ceil(1000))
+                }
+                _ => Problem::outcome_unknown(),
+            };
+            return self.answer_problem(host, rule, &problem);
         }
         self.note(host, rule, outcome);
         if rule.rule.grpc.is_some() {
@@ -435,6 +454,14 @@ impl RequestJourney {
             }
         }
     }
+}
+
+/// An unknown outcome some proxy is resolving by asking the service (`resolve`).
+fn is_being_resolved(recorded: &RecordedResponse) -> bool {
+    recorded
+        .unknown
+        .as_ref()
+        .is_some_and(|u| u.resolution_due_ms.is_some())
 }
 
 /// A protected write goes upstream once: the router must not resend one that may have

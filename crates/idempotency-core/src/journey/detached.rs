@@ -13,7 +13,7 @@ use crate::host::{HeaderPairs, Host};
 use crate::outcome::Outcome;
 use crate::plugin::detached::{DetachedAnswer, DetachedWrite, ForwardedRequest};
 use crate::problem::Problem;
-use crate::record::RecordedResponse;
+use crate::record::{key_expires_value, RecordedResponse, KEY_EXPIRES_HEADER};
 use crate::who_answered::{Answerer, EnvoyReport};
 
 /// Headers of one connection, not of the request: never forwarded (Envoy frames the callout
@@ -202,6 +202,7 @@ impl RequestJourney {
             return self.answer_problem(host, &rule, &problem);
         };
         let (answerer, report) = EnvoyReport::of_detached(status, &body, elapsed_ms, timeout_ms);
+        let expires = key_expires_value(run.started_ms.saturating_add(rule.rule.ttl_ms));
         let releases = match answerer {
             Answerer::Upstream { .. } => rule.rule.release.releases(status),
             Answerer::NeverReached => true,
@@ -224,6 +225,7 @@ impl RequestJourney {
             } else {
                 capture.push_body(&body);
             }
+            capture.set_key_expiry(&expires);
             self.record(
                 host,
                 Execution {
@@ -243,14 +245,18 @@ impl RequestJourney {
         }
         // The client gets the upstream's whole response (its cookies too), not the replay's
         // filtered copy; only a replay carries the replay marker.
-        let forwarded: Vec<(String, Vec<u8>)> = headers
+        let mut forwarded: Vec<(String, Vec<u8>)> = headers
             .into_iter()
             .filter(|(n, _)| {
                 !n.starts_with(':')
                     && !HOP_BY_HOP.contains(&n.as_str())
                     && *n != rule.rule.replay_header
+                    && n != KEY_EXPIRES_HEADER
             })
             .collect();
+        if !releases {
+            forwarded.push((KEY_EXPIRES_HEADER.to_string(), expires.into_bytes()));
+        }
         let response = RecordedResponse {
             owner: 0,
             status,

@@ -9,13 +9,14 @@ use super::grpc::{call_shape, CallShape};
 use super::{access_log, pass, Journey, PendingRequest, RequestJourney, Step, Verdict};
 use crate::fingerprint::{fingerprint, FingerprintMode};
 use crate::host::Host;
-use crate::key::source::{complete_key, header_parts, FieldSource, SourceFailure};
+use crate::key::source::{combine, header_parts, key_values, FieldSource, SourceFailure};
 use crate::key::{request_scope, storage_key};
 use crate::outcome::Outcome;
 use crate::plugin::detached::ForwardedRequest;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::problem::Problem;
 use crate::request_fields::RequestBody;
+use crate::resolve::lookup::{LookupParts, LookupRequest};
 use crate::rule_select::{path_without_query, select, RequestFacts, Selection};
 
 /// Where in the request a key source failed: header-borne keys the client chose to send are
@@ -167,6 +168,13 @@ impl RequestJourney {
                 route_cluster,
             });
         }
+        let lookup = rule.rule.resolve.as_ref().map(|resolve| {
+            let route_cluster = match resolve.cluster {
+                Some(_) => None,
+                None => property_string(host, &["xds", "cluster_name"]),
+            };
+            Box::new(LookupParts::read(resolve, &headers, route_cluster))
+        });
         let wants_body = needs_body(&rule);
         let pending = PendingRequest {
             rule,
@@ -176,6 +184,7 @@ impl RequestJourney {
             key_parts,
             scope,
             deferred,
+            lookup,
         };
         if end_of_stream || !wants_body {
             // Nothing to wait for: claim now, and let any body stream through (held with the
@@ -305,10 +314,21 @@ impl RequestJourney {
                 .iter()
                 .filter_map(FieldSource::json_pointer),
         );
-        let key = match complete_key(&rule.rule.key_sources, pending.key_parts, &mut parsed) {
-            Ok(k) => k,
+        let key_values = match key_values(&rule.rule.key_sources, pending.key_parts, &mut parsed) {
+            Ok(values) => values,
             Err(failure) => return self.key_failed(host, &rule, &failure, FailedAt::Body),
         };
+        if let (Some(resolve), Some(parts)) = (&rule.rule.resolve, &pending.lookup) {
+            match LookupRequest::build(resolve, parts, &key_values) {
+                Ok(lookup) => *self.lookup.borrow_mut() = Some(lookup),
+                Err(why) => log::warn!(
+                    "rule {}: no lookup for this request ({why}); should its outcome be \
+                     unknown, it stays so",
+                    rule.rule.name
+                ),
+            }
+        }
+        let key = combine(key_values);
         let fingerprint = match fingerprint(
             &rule.rule.fingerprint,
             &pending.method,

@@ -28,6 +28,7 @@ use crate::plugin::waits::{HoldTicket, WaitEnd};
 use crate::plugin::Plugin;
 use crate::problem::Problem;
 use crate::record::RecordedResponse;
+use crate::resolve::lookup::{LookupParts, LookupRequest};
 use crate::store::client::{StoreClaim, StoreFailure};
 use crate::table::Held;
 use detached::{DetachedIntake, DetachedRun};
@@ -123,6 +124,8 @@ pub struct PendingRequest {
     pub scope: Vec<Option<Vec<u8>>>,
     /// A gRPC call's refusal found in its metadata, answered once its body shows it unary.
     pub deferred: Option<(Outcome, Problem)>,
+    /// A rule with `resolve`: what its lookup takes from the request headers.
+    pub lookup: Option<Box<LookupParts>>,
 }
 
 /// A duplicate held while the first request with its key runs.
@@ -164,6 +167,8 @@ pub struct Execution {
     pub store_owner: Option<StoreOwner>,
     /// The response being copied, from its headers on.
     pub capture: Option<ResponseCapture>,
+    /// When it went upstream: its record is remembered at least `ttl_seconds` from then.
+    pub started_ms: u64,
 }
 
 /// This request's claim in the store.
@@ -196,6 +201,9 @@ pub struct RequestJourney {
     /// The request's context is gone (its client left): the root runs what is left of the
     /// journey in its own context.
     context_gone: std::cell::Cell<bool>,
+    /// A rule with `resolve`: the lookup for this request's write, should its outcome be
+    /// unknown.
+    lookup: RefCell<Option<LookupRequest>>,
 }
 
 impl RequestJourney {
@@ -210,6 +218,7 @@ impl RequestJourney {
             held_bytes: std::cell::Cell::new(0),
             detached_intake: RefCell::new(None),
             context_gone: std::cell::Cell::new(false),
+            lookup: RefCell::new(None),
         }
     }
 
@@ -226,6 +235,7 @@ impl RequestJourney {
                 held_bytes: std::cell::Cell::new(0),
                 detached_intake: RefCell::new(None),
                 context_gone: std::cell::Cell::new(false),
+                lookup: RefCell::new(None),
             })
         })
     }

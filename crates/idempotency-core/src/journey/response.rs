@@ -14,10 +14,11 @@ use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
 use idempotency_protocol::stream::CallOp;
 
+use crate::plugin::resolutions::Resolution;
 use crate::plugin::store_writes::{LeanRecord, PendingWrite};
-use crate::record::RecordedResponse;
+use crate::record::{key_expires_value, RecordedResponse, UnknownOutcome, KEY_EXPIRES_HEADER};
 use crate::store::client as store_client;
-use crate::table::{Completion, Held, OversizedBody};
+use crate::table::{Completion, Held, OversizedBody, Settlement};
 use crate::who_answered::{flag_names, Answerer, EnvoyReport};
 
 use std::rc::Rc;
@@ -75,11 +76,18 @@ impl RequestJourney {
                 log::warn!("could not remove upstream {replay_header}: {}", e.0);
             }
         }
-        let capture = ResponseCapture::start(
+        let mut capture = ResponseCapture::start(
             &rule.rule,
             status,
             headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())),
         );
+        // Dated from when the write went upstream (no clock read here): the record is kept
+        // from its completion, a little later, so the key lives at least this long.
+        let expires = key_expires_value(run.started_ms.saturating_add(rule.rule.ttl_ms));
+        if let Err(e) = host.replace_response_header(KEY_EXPIRES_HEADER, expires.as_bytes()) {
+            log::warn!("{KEY_EXPIRES_HEADER} not set: {}", e.0);
+        }
+        capture.set_key_expiry(&expires);
         let is_grpc = rule.rule.grpc.is_some();
         let run = Execution {
             capture: Some(capture),
@@ -214,8 +222,52 @@ impl RequestJourney {
             store_owner,
             ..
         } = run;
-        let response = RecordedResponse::unknown_outcome(report.as_unknown_outcome());
-        self.keep(host, rule, held, store_owner, response)
+        let mut unknown = report.as_unknown_outcome();
+        let lookup = rule
+            .rule
+            .resolve
+            .as_ref()
+            .zip(self.lookup.borrow_mut().take());
+        let Some((resolve, lookup)) = lookup else {
+            let response = RecordedResponse::unknown_outcome(unknown);
+            return self.keep(host, rule, held, store_owner, response);
+        };
+        // Resolved by asking the service once its settle time has passed; the record says
+        // when, so that a retry meanwhile is told when to come back.
+        let due_ms = host.now_ms().saturating_add(resolve.settle_ms);
+        unknown.resolution_due_ms = Some(due_ms);
+        let response = RecordedResponse::unknown_outcome(unknown.clone());
+        // Cluster mode: the store's record is the one every replica reads, whatever became
+        // of the local copy (no slot for it, say).
+        let in_store = store_owner.is_some();
+        let (step, kept) =
+            self.keep_recording(host, Rc::clone(&rule), held.clone(), store_owner, response);
+        if kept == Some(Completion::Recorded) || in_store {
+            let resolution = Resolution::new(rule, held, lookup, unknown, due_ms);
+            if let Err(refused) = self.plugin.resolutions.schedule(resolution) {
+                log::warn!(
+                    "rule {}: this worker resolves as many unknown outcomes as it can hold; \
+                     this one is not resolved (Retry-After will not clear)",
+                    refused.rule.rule.name
+                );
+                let unresolved = RecordedResponse::unknown_outcome(UnknownOutcome {
+                    resolution_due_ms: None,
+                    ..refused.unknown.clone()
+                });
+                let settlement = Settlement::Record {
+                    response: &unresolved,
+                    ttl_ms: None,
+                };
+                if let Err(e) =
+                    self.plugin
+                        .table
+                        .settle_unknown(host, &refused.held, settlement, host.now_ms())
+                {
+                    log::error!("unresolved outcome not marked so: {e}");
+                }
+            }
+        }
+        step
     }
 
     /// The router sent the request more than once: counted and logged, since the write may
@@ -262,6 +314,7 @@ impl RequestJourney {
             held,
             store_owner,
             capture: Some(capture),
+            ..
         } = run
         else {
             return (Journey::Finished, Verdict::Continue);
@@ -279,19 +332,34 @@ impl RequestJourney {
         store_owner: Option<StoreOwner>,
         response: RecordedResponse,
     ) -> Step {
+        self.keep_recording(host, rule, held, store_owner, response)
+            .0
+    }
+
+    /// `keep`, and what the local table did with the record (None: a host error).
+    fn keep_recording(
+        &self,
+        host: &impl Host,
+        rule: Rc<RuleHandle>,
+        held: Held,
+        store_owner: Option<StoreOwner>,
+        response: RecordedResponse,
+    ) -> (Step, Option<Completion>) {
         if let Some(owner) = store_owner {
             // The cluster-wide record matters most: queue it first, from the root context.
             self.submit_store_completion(host, &rule, &held, &owner, &response);
         }
         let ttl_ms = rule.rule.ttl_ms;
-        match self.plugin.table.complete(
+        let completed = self.plugin.table.complete(
             host,
             &held,
             &response,
             host.now_ms(),
             ttl_ms,
             oversized(&rule),
-        ) {
+        );
+        let kept = completed.as_ref().ok().copied();
+        match completed {
             Ok(Completion::Recorded | Completion::NotHeld) => {
                 if response.body_omitted {
                     self.note(host, &rule, Outcome::BodyOmitted);
@@ -310,7 +378,7 @@ impl RequestJourney {
                 self.note(host, &rule, Outcome::NotRecorded);
             }
         }
-        (Journey::Finished, Verdict::Continue)
+        ((Journey::Finished, Verdict::Continue), kept)
     }
 
     /// Hands a store release to the root, which sends and retries it even after this

@@ -139,6 +139,16 @@ pub fn complete_key(
     parts: Vec<Option<Vec<u8>>>,
     body: &mut RequestBody<'_>,
 ) -> Result<Vec<u8>, SourceFailure> {
+    key_values(sources, parts, body).map(combine)
+}
+
+/// Each source's value, in the rule's order: `complete_key` before they are combined (a
+/// lookup's path names them one by one).
+pub fn key_values(
+    sources: &[FieldSource],
+    parts: Vec<Option<Vec<u8>>>,
+    body: &mut RequestBody<'_>,
+) -> Result<Vec<Vec<u8>>, SourceFailure> {
     let mut values = Vec::with_capacity(sources.len());
     for (source, part) in sources.iter().zip(parts) {
         let value = match (part, source) {
@@ -154,12 +164,12 @@ pub fn complete_key(
         };
         values.push(checked_value(source, value)?);
     }
-    Ok(combine(values))
+    Ok(values)
 }
 
 /// One value is the key itself; several are length-prefixed so that no two different lists
 /// of values give the same key.
-fn combine(mut values: Vec<Vec<u8>>) -> Vec<u8> {
+pub fn combine(mut values: Vec<Vec<u8>>) -> Vec<u8> {
     if values.len() == 1 {
         return values.pop().unwrap_or_default();
     }

@@ -6,6 +6,7 @@
 pub mod detached;
 pub mod leases;
 pub mod owner_tokens;
+pub mod resolutions;
 pub mod retention;
 pub mod root;
 pub mod rule_handle;
@@ -26,6 +27,7 @@ use crate::table::{self, Table};
 use detached::DetachedWrites;
 use leases::Leases;
 use owner_tokens::OwnerTokens;
+use resolutions::Resolutions;
 use retention::Retention;
 use rule_handle::RuleHandle;
 use store_link::StoreLink;
@@ -74,6 +76,8 @@ pub struct Plugin {
     pub detached: DetachedWrites,
     /// Detached writes refused or run inline, logged once per burst.
     pub detached_log: RefCell<BurstLog>,
+    /// Unknown outcomes this worker recorded and is resolving by asking the service.
+    pub resolutions: Resolutions,
 }
 
 impl Plugin {
@@ -139,6 +143,7 @@ impl Plugin {
             leases: Leases::default(),
             detached: DetachedWrites::default(),
             detached_log: RefCell::new(BurstLog::new(10_000)),
+            resolutions: Resolutions::default(),
         })
     }
 
@@ -147,6 +152,15 @@ impl Plugin {
         Links {
             links: &self.links,
             root_context: self.root_context.get(),
+        }
+    }
+
+    /// Where resolutions settle their keys.
+    pub fn settlers(&self) -> resolutions::Settlers<'_> {
+        resolutions::Settlers {
+            table: &self.table,
+            writes: &self.writes,
+            links: self.links(),
         }
     }
 

@@ -114,16 +114,18 @@ impl PluginRoot {
             held,
             running,
             detached,
+            resolving,
         } = self.unfinished();
-        if writes == 0 && held == 0 && running == 0 && detached == 0 {
+        if writes == 0 && held == 0 && running == 0 && detached == 0 && resolving == 0 {
             return true;
         }
         log::warn!(
             "configuration retired with {writes} store write(s) still waiting, {held} \
-             duplicate(s) held, {running} request(s) running upstream and {detached} \
-             detached write(s) in flight; kept until the writes are taken or their deadlines \
-             pass, the duplicates are answered and the requests end (their leases are renewed \
-             meanwhile)"
+             duplicate(s) held, {running} request(s) running upstream, {detached} \
+             detached write(s) in flight and {resolving} unknown outcome(s) being resolved; \
+             kept until the writes are taken or their deadlines pass, the duplicates are \
+             answered, the requests end (their leases are renewed meanwhile) and the \
+             resolutions settle or run out of attempts"
         );
         self.finishing = true;
         false
@@ -140,6 +142,7 @@ impl PluginRoot {
                 held: p.waits.held().0,
                 running: p.leases.len(),
                 detached: p.detached.len(),
+                resolving: p.resolutions.len(),
             })
     }
 
@@ -160,6 +163,14 @@ impl PluginRoot {
                     &flight.journey,
                     Event::DetachedAnswer(answer),
                 );
+            } else if plugin.resolutions.on_answer(
+                host,
+                &plugin.settlers(),
+                token,
+                num_headers,
+                body_size,
+            ) {
+                // A lookup: settled, or asked again later.
             } else if !plugin
                 .writes
                 .on_answer(host, &plugin.table, token, num_headers, body_size)
@@ -207,6 +218,7 @@ impl PluginRoot {
                 .renew_due(host, &plugin.table, &plugin.writes, &plugin.links());
             plugin.writes.on_tick(host, &plugin.links());
             self.send_detached(host, plugin);
+            plugin.resolutions.on_tick(host, &plugin.settlers());
             let now = host.now_ms();
             if let (Some(role), true) = (self.role, now >= self.next_mark_ms) {
                 self.next_mark_ms = now.saturating_add(MARK_RENEWAL_MS);
@@ -425,6 +437,7 @@ struct Unfinished {
     held: usize,
     running: usize,
     detached: usize,
+    resolving: usize,
 }
 
 /// The configuration and its role under its vm_id, checked before it touches shared data: an

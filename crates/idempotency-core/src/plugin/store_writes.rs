@@ -151,6 +151,7 @@ impl PendingWrite {
             CallOp::Complete { .. } => StoreOp::Complete,
             CallOp::Release { .. } => StoreOp::Release,
             CallOp::Renew { .. } => StoreOp::Renew,
+            CallOp::Settle { .. } => StoreOp::Settle,
         }
     }
 
@@ -158,6 +159,7 @@ impl PendingWrite {
         match self.call {
             CallOp::Release { .. } => WriteKind::Release,
             CallOp::Renew { .. } => WriteKind::Renew,
+            CallOp::Settle { .. } => WriteKind::Settle,
             _ => WriteKind::Complete,
         }
     }
@@ -487,15 +489,18 @@ impl StoreWrites {
     ) {
         self.on_stream.set(self.on_stream.get().saturating_sub(1));
         self.uncharge(write.bytes());
+        // The claim a release undoes, or the unknown outcome a settle replaces, may still be
+        // on its way to the store (a write retried through an outage): asked again a few times.
+        let may_be_behind = matches!(write.kind(), WriteKind::Release | WriteKind::Settle);
         if write.best_effort
-            && write.kind() == WriteKind::Release
+            && may_be_behind
             && *reply == Reply::NotOwner
             && write.attempts.saturating_add(1) < BEST_EFFORT_NOT_OWNER_ATTEMPTS
         {
             self.retry_later(
                 host,
                 write,
-                "the claim to release has not reached the store yet",
+                "the record it changes has not reached the store yet",
             );
             return;
         }

@@ -117,6 +117,17 @@ pub fn release_call(key: &Digest, owner: &str) -> CallOp {
     }
 }
 
+/// Settles the unknown outcome `current` recorded for `key`: replaced by `record` (kept
+/// `ttl_ms` from now, 0: as long as `current` would have been), or freed (`record` None).
+pub fn settle_call(key: &Digest, current: Vec<u8>, record: Option<Vec<u8>>, ttl_ms: u64) -> CallOp {
+    CallOp::Settle {
+        key: to_hex(key),
+        current,
+        record: record.unwrap_or_default(),
+        ttl_ms,
+    }
+}
+
 /// A held duplicate's wait for `key`'s in-flight record to end (stream only).
 pub fn wait_call(key: &Digest, fingerprint: &Digest, wait_ms: u64) -> CallOp {
     CallOp::Wait {
@@ -158,7 +169,8 @@ pub fn http_body(call: &CallOp) -> Vec<u8> {
             owner: owner.clone(),
         }),
         CallOp::Renew { lease_ms, leases } => serde_json::to_vec(&RenewBody::of(*lease_ms, leases)),
-        CallOp::Wait { .. } => return Vec::new(),
+        // The stream alone carries these (a rule that resolves in cluster mode needs it).
+        CallOp::Wait { .. } | CallOp::Settle { .. } => return Vec::new(),
     };
     json.unwrap_or_default()
 }
@@ -169,6 +181,12 @@ pub fn call_bytes(call: &CallOp) -> usize {
         CallOp::Complete { record, .. } => record.len().saturating_add(256),
         // A key and an owner of up to 64 hex characters each, per lease.
         CallOp::Renew { leases, .. } => leases.len().saturating_mul(128).saturating_add(256),
+        CallOp::Settle {
+            current, record, ..
+        } => current
+            .len()
+            .saturating_add(record.len())
+            .saturating_add(256),
         CallOp::Claim { .. } | CallOp::Release { .. } | CallOp::Wait { .. } => 256,
     }
 }
@@ -205,6 +223,11 @@ pub fn read_write_reply(kind: WriteKind, reply: &Reply) -> WriteAnswer {
             WriteAnswer::Done
         }
         (WriteKind::Renew, Reply::Renewed { lost }) => renewed(lost.clone()),
+        // Settled now, or the record is something else by now (settled by an earlier attempt
+        // whose answer was lost, by an operator, or expired): nothing is left to do.
+        (WriteKind::Settle, Reply::Recorded | Reply::Released | Reply::NotOwner) => {
+            WriteAnswer::Done
+        }
         // Nothing left to release (released before, expired, or taken over): the goal holds.
         (WriteKind::Release, Reply::NotOwner) => WriteAnswer::Done,
         (WriteKind::Complete, Reply::NotOwner) => WriteAnswer::Superseded,
@@ -284,6 +307,7 @@ pub enum WriteKind {
     Complete,
     Release,
     Renew,
+    Settle,
 }
 
 /// A renewal's answer: done, or these of its leases were taken over meanwhile.

@@ -233,6 +233,8 @@ enum HeldWrite {
     Renew,
     /// Dropping a completed record: the change itself checks that the record is the holder's.
     Forget,
+    /// Settling an unknown outcome the holder recorded: the change checks that it still is.
+    Settle,
 }
 
 impl HeldWrite {
@@ -254,7 +256,7 @@ impl HeldWrite {
                 current,
                 Some(decision::Record::InFlight { owner: holder, .. }) if holder == owner
             ),
-            HeldWrite::Forget => current.is_some(),
+            HeldWrite::Forget | HeldWrite::Settle => current.is_some(),
         }
     }
 }
@@ -323,6 +325,19 @@ fn answer(decided: ClaimDecision, slot: &Slot, at: SlotRef) -> Option<Claim> {
         }),
         ClaimDecision::Mismatch => Some(Claim::Mismatch),
     }
+}
+
+/// How `Table::settle_unknown` settles an unknown outcome.
+#[derive(Debug, Clone, Copy)]
+pub enum Settlement<'a> {
+    /// Recorded in its place, kept `ttl_ms` from now (None: until the unknown outcome
+    /// would have expired).
+    Record {
+        response: &'a RecordedResponse,
+        ttl_ms: Option<u64>,
+    },
+    /// The key is freed.
+    Free,
 }
 
 /// What `complete` does with a response whose body fits no page of the budget.
@@ -941,6 +956,67 @@ impl Table {
             true
         })
         .map(|(completion, _)| completion)
+    }
+
+    /// Settles the unknown outcome `held` recorded, if its slot still holds it (nobody
+    /// evicted it, and no operator or earlier settlement replaced it): `Record` puts a response
+    /// in its place (the write took effect, or the same unknown outcome with its next
+    /// resolution time), `Free` frees the key so that the next retry executes (it never ran).
+    /// `LostOwnership` when the slot holds anything else: nothing is overwritten.
+    pub fn settle_unknown(
+        &self,
+        shared: &impl SharedData,
+        held: &Held,
+        settlement: Settlement<'_>,
+        now_ms: u64,
+    ) -> Result<Completion, TableError> {
+        let Some(at) = held.slot.filter(|s| s.generation == 0) else {
+            return Ok(Completion::NotHeld);
+        };
+        let still_unknown = |slot: &Slot| {
+            slot.state == SlotState::Completed && slot.owner == held.owner && slot.status == 0
+        };
+        let ours = std::cell::Cell::new(false);
+        let kept_until = std::cell::Cell::new(0u64);
+        let (flipped, _) = self.update_held(shared, held, at, HeldWrite::Settle, None, |slot| {
+            ours.set(still_unknown(slot));
+            if !ours.get() {
+                return false;
+            }
+            match settlement {
+                Settlement::Free => *slot = FREE_SLOT,
+                Settlement::Record { .. } => {
+                    // In flight again, under the same owner, until the record would have
+                    // expired: a retry meanwhile gets 409, never an execution, and eviction
+                    // leaves it alone. `complete` then records the response as for any claim.
+                    kept_until.set(slot.expires_at_ms);
+                    slot.state = SlotState::InFlight;
+                    slot.expires_at_ms = slot
+                        .expires_at_ms
+                        .max(now_ms.saturating_add(RECORDING_GRACE_MS));
+                }
+            }
+            true
+        })?;
+        if flipped == Completion::LostOwnership || !ours.get() {
+            return Ok(Completion::LostOwnership);
+        }
+        match settlement {
+            Settlement::Free => Ok(Completion::Recorded),
+            Settlement::Record { response, ttl_ms } => {
+                let ttl_ms = ttl_ms
+                    .unwrap_or_else(|| kept_until.get().saturating_sub(now_ms))
+                    .max(1);
+                self.complete(
+                    shared,
+                    held,
+                    response,
+                    now_ms,
+                    ttl_ms,
+                    OversizedBody::RecordWithoutIt,
+                )
+            }
+        }
     }
 
     /// Changes a held claim's slot by CAS on its bucket, starting from `known` (a bucket and

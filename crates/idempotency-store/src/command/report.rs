@@ -326,6 +326,7 @@ mod tests {
             response_flags: 0x8004,
             details: "upstream_per_try_timeout".into(),
             attempts: 1,
+            resolution_due_ms: None,
         });
         let shown = Shown::new(
             "k",

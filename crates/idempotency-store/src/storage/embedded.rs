@@ -36,7 +36,8 @@ use tokio::sync::{mpsc, oneshot};
 use super::logic::{self, Decision, StoredBody, StoredRecord};
 use super::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
-    ReleaseOutcome, RenewOutcome, Storage, StorageError, PREFIX_SEARCH_MAX_VISITS,
+    ReleaseOutcome, RenewOutcome, Replacement, SettleOutcome, Storage, StorageError,
+    PREFIX_SEARCH_MAX_VISITS,
 };
 use crate::clock::Clock;
 use crate::metrics::BatchMetrics;
@@ -785,6 +786,19 @@ impl Storage for EmbeddedStorage {
         let owner = owner.clone();
         self.apply(key, move |cur, _| logic::release(cur, &owner))
             .await
+    }
+
+    async fn settle(
+        &self,
+        key: &Digest,
+        current: &[u8],
+        replacement: Option<Replacement>,
+    ) -> Result<SettleOutcome, StorageError> {
+        let current = current.to_vec();
+        self.apply(key, move |cur, now| {
+            logic::settle(cur, &current, replacement, now)
+        })
+        .await
     }
 
     async fn renew(

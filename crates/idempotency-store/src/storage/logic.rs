@@ -11,7 +11,7 @@ use idempotency_protocol::decision::{
 
 use super::{
     ClaimOutcome, CompleteOutcome, Digest, OwnerToken, RecordState, RecordView, ReleaseOutcome,
-    RenewOutcome,
+    RenewOutcome, Replacement, SettleOutcome,
 };
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,6 +186,35 @@ pub(crate) fn renew(
         (RenewDecision::Renew { .. }, None) | (RenewDecision::NotOwner, _) => {
             Decision::Keep(RenewOutcome::NotOwner)
         }
+    }
+}
+
+/// See `Storage::settle`: the record keeps its fingerprint, and its expiry unless the
+/// replacement gives a TTL.
+pub(crate) fn settle(
+    existing: Option<&StoredRecord>,
+    current: &[u8],
+    replacement: Option<Replacement>,
+    now_ms: u64,
+) -> Decision<SettleOutcome> {
+    let Some(rec) = existing.filter(|r| r.is_live(now_ms)) else {
+        return Decision::Keep(SettleOutcome::NotFound);
+    };
+    match &rec.body {
+        StoredBody::Completed { record } if record.as_slice() == current => {}
+        _ => return Decision::Keep(SettleOutcome::NotFound),
+    }
+    match replacement {
+        None => Decision::Delete(SettleOutcome::Removed),
+        Some(Replacement { record, ttl_ms }) => Decision::Put(
+            StoredRecord {
+                fingerprint: rec.fingerprint.clone(),
+                expires_at_ms: ttl_ms.map_or(rec.expires_at_ms, |ttl| now_ms.saturating_add(ttl)),
+                written_at_ms: Some(now_ms),
+                body: StoredBody::Completed { record },
+            },
+            SettleOutcome::Replaced,
+        ),
     }
 }
 

@@ -9,7 +9,8 @@ use async_trait::async_trait;
 use super::logic::{self, Decision, StoredRecord};
 use super::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
-    ReleaseOutcome, RenewOutcome, Storage, StorageError, PREFIX_SEARCH_MAX_VISITS,
+    ReleaseOutcome, RenewOutcome, Replacement, SettleOutcome, Storage, StorageError,
+    PREFIX_SEARCH_MAX_VISITS,
 };
 use crate::clock::Clock;
 
@@ -133,6 +134,17 @@ impl Storage for MemoryStorage {
         owner: &OwnerToken,
     ) -> Result<ReleaseOutcome, StorageError> {
         self.apply(key, |cur, _| logic::release(cur, owner))
+    }
+
+    async fn settle(
+        &self,
+        key: &Digest,
+        current: &[u8],
+        replacement: Option<Replacement>,
+    ) -> Result<SettleOutcome, StorageError> {
+        self.apply(key, |cur, now| {
+            logic::settle(cur, current, replacement, now)
+        })
     }
 
     async fn renew(

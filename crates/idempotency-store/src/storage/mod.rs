@@ -91,6 +91,24 @@ pub enum RenewOutcome {
     NotOwner,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettleOutcome {
+    /// The record was replaced.
+    Replaced,
+    /// The record was removed: the key is free.
+    Removed,
+    /// The key holds no live completed record with exactly the bytes given: nothing changed.
+    NotFound,
+}
+
+/// What an unknown outcome is settled with: its replacement and how long that is kept (None:
+/// until the unknown outcome would have expired), or nothing (the key is freed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replacement {
+    pub record: Vec<u8>,
+    pub ttl_ms: Option<u64>,
+}
+
 /// A claim a renew call keeps alive: its key and the owner it was claimed by.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
@@ -288,6 +306,17 @@ pub trait Storage: Send + Sync {
         owner: &OwnerToken,
         lease_ms: u64,
     ) -> Result<RenewOutcome, StorageError>;
+
+    /// Settles an unknown outcome: only if the key's live completed record holds exactly
+    /// `current`, it becomes `replacement` (keeping its fingerprint), or with None is removed.
+    /// Comparing the bytes makes it safe to repeat: a settle whose answer was lost finds its
+    /// own result there and changes nothing.
+    async fn settle(
+        &self,
+        key: &Digest,
+        current: &[u8],
+        replacement: Option<Replacement>,
+    ) -> Result<SettleOutcome, StorageError>;
 
     async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError>;
 

@@ -497,7 +497,7 @@ const EXECUTED: [Allowed; 6] = [
     ("properties", 3, "the route's metadata; response.code_details and upstream.request_attempt_count: who answered"),
     ("shared data get", 3, "the table registry (a push on another worker), the bucket to claim, the bucket to complete (a set returns no cas)"),
     ("shared data set", 3, "the claim, the response, the completion"),
-    ("header edits", 1, "x-envoy-max-retries: 0, on the way upstream only"),
+    ("header edits", 2, "x-envoy-max-retries: 0, on the way upstream only; idempotency-key-expires on the answer that is recorded"),
     ("response headers", 1, "status and headers to record"),
     ("response body", 1, "the body to record"),
 ];
@@ -568,7 +568,7 @@ const BUDGETS: &[Budget] = &[
             ("clock", 1, "the claim"),
             ("shared data get", 2, "the bucket, the recorded response (the bucket holds the key: no registry read)"),
             ("request body set", 1, "the hop carries the recorded message to the echo (Envoy sends a gRPC call's local reply trailers-only)"),
-            ("header edits", 10, "the hop: :path and content-type set, the client's content-length dropped; on the way back the echo's marker and length dropped, the recorded metadata (2 here) and the replay marker set, the recorded trailers (2 here) added: one call each"),
+            ("header edits", 11, "the hop: :path and content-type set, the client's content-length dropped; on the way back the echo's marker and length dropped, the recorded metadata (3 here: 2 and idempotency-key-expires) and the replay marker set, the recorded trailers (2 here) added: one call each"),
             ("response headers", 1, "the echo's answer, to tell it from anything else"),
         ]],
     },

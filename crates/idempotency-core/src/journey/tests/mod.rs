@@ -9,6 +9,7 @@ mod detached;
 mod grpc;
 mod intake;
 mod local_claim;
+mod resolve;
 mod response;
 mod root;
 mod stream;
@@ -82,8 +83,26 @@ pub(super) fn post_in_context(
     context: u32,
     key: &str,
 ) -> (Rc<std::cell::RefCell<RequestJourney>>, Verdict) {
+    request_in_context(
+        host,
+        root,
+        context,
+        &post_headers("/orders", Some(key)),
+        b"{}",
+    )
+}
+
+/// A request with `headers` and a non-empty `body` in the host's context `context`, the
+/// journey as the root hands it out; returns it and the last verdict.
+pub(super) fn request_in_context(
+    host: &FakeHost,
+    root: &crate::plugin::root::PluginRoot,
+    context: u32,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> (Rc<std::cell::RefCell<RequestJourney>>, Verdict) {
     host.effective_context.set(context);
-    host.set_request(&post_headers("/orders", Some(key)), b"{}");
+    host.set_request(headers, body);
     let journey = root.new_request(context).unwrap();
     journey.borrow_mut().on(
         host,
@@ -94,7 +113,7 @@ pub(super) fn post_in_context(
     let verdict = journey.borrow_mut().on(
         host,
         Event::RequestBody {
-            size: 2,
+            size: body.len(),
             end_of_stream: true,
         },
     );

@@ -20,10 +20,72 @@ fn an_upstream_copy_of_the_replay_header_is_removed() {
             end_of_stream: true,
         },
     );
+    let effects = host.take_effects();
     assert_eq!(
-        host.take_effects(),
-        vec![Effect::RemoveResponseHeader("idempotent-replayed".into())]
+        effects.first(),
+        Some(&Effect::RemoveResponseHeader("idempotent-replayed".into()))
     );
+    assert!(
+        !effects.iter().any(
+            |e| matches!(e, Effect::ReplaceResponseHeader(n, _) if n == "idempotent-replayed")
+        ),
+        "{effects:?}"
+    );
+}
+
+#[test]
+fn the_recorded_answer_and_every_replay_say_until_when_the_key_is_remembered() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"ttl_seconds":3600}]}"#,
+    );
+    host.clock_ms.set(1_700_000_000_000); // 2023-11-14T22:13:20Z
+    let (mut request, _) = post(&host, &plugin, "k1", b"{}");
+    // The upstream's own copy would mislead: the filter's replaces it.
+    host.set_response(
+        &[(":status", "201"), ("idempotency-key-expires", "never")],
+        b"",
+    );
+    request.on(
+        &host,
+        Event::ResponseHeaders {
+            end_of_stream: true,
+        },
+    );
+    let expected = b"Tue, 14 Nov 2023 23:13:20 GMT".to_vec();
+    assert!(
+        host.take_effects().contains(&Effect::ReplaceResponseHeader(
+            "idempotency-key-expires".into(),
+            expected.clone()
+        )),
+        "the first answer says it"
+    );
+    host.advance_ms(60_000);
+    post(&host, &plugin, "k1", b"{}");
+    let (status, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(status, 201);
+    let values: Vec<&[u8]> = headers
+        .iter()
+        .filter(|(n, _)| n == "idempotency-key-expires")
+        .map(|(_, v)| v.as_slice())
+        .collect();
+    assert_eq!(
+        values,
+        vec![expected.as_slice()],
+        "the replay says the same, once"
+    );
+}
+
+#[test]
+fn a_released_answer_says_nothing_of_expiry() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut request, _) = post(&host, &plugin, "k1", b"{}");
+    respond(&host, &mut request, 503, b"");
+    assert!(!host.take_effects().iter().any(
+        |e| matches!(e, Effect::ReplaceResponseHeader(n, _) if n == "idempotency-key-expires")
+    ));
 }
 
 #[test]

@@ -30,7 +30,7 @@ use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
 use super::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordState,
-    RecordView, ReleaseOutcome, RenewOutcome, Storage, StorageError,
+    RecordView, ReleaseOutcome, RenewOutcome, Replacement, SettleOutcome, Storage, StorageError,
 };
 use crate::clock::{Clock, SystemClock};
 
@@ -89,6 +89,7 @@ pub struct RedisStorage {
     legacy_claim: Script,
     complete: Script,
     release: Script,
+    settle: Script,
     renew: Script,
     record: Script,
 }
@@ -173,6 +174,7 @@ impl RedisStorage {
             legacy_claim: Script::new(scripts::LEGACY_CLAIM_LUA),
             complete: Script::new(&scripts::complete()),
             release: Script::new(&scripts::release()),
+            settle: Script::new(&scripts::settle()),
             renew: Script::new(&scripts::renew()),
             record: Script::new(scripts::RECORD_LUA),
         }
@@ -738,6 +740,36 @@ impl Storage for RedisStorage {
             "released" => Ok(ReleaseOutcome::Released),
             "not_owner" => Ok(ReleaseOutcome::NotOwner),
             _ => Err(unexpected("release", &reply)),
+        }
+    }
+
+    async fn settle(
+        &self,
+        key: &Digest,
+        current: &[u8],
+        replacement: Option<Replacement>,
+    ) -> Result<SettleOutcome, StorageError> {
+        let mut conn = self.conn.clone();
+        let (record, ttl_ms, mode) = match &replacement {
+            Some(r) => (r.record.as_slice(), r.ttl_ms.unwrap_or(0), "replace"),
+            None => (&[][..], 0, "remove"),
+        };
+        let reply: Value = self
+            .settle
+            .key(redis_key(key))
+            .arg(current)
+            .arg(record)
+            .arg(ttl_ms)
+            .arg(self.clock.now_ms())
+            .arg(mode)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(backend)?;
+        match status_word("settle", &reply)?.as_str() {
+            "replaced" => Ok(SettleOutcome::Replaced),
+            "removed" => Ok(SettleOutcome::Removed),
+            "not_found" => Ok(SettleOutcome::NotFound),
+            _ => Err(unexpected("settle", &reply)),
         }
     }
 

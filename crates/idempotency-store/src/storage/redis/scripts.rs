@@ -158,6 +158,41 @@ end
 return {'renewed', now + lease}
 ";
 
+/// `Storage::settle`. ARGV: the current record's bytes, the replacement's ('' with
+/// 'remove'), its ttl_ms ('0': keep the current expiry), now_ms, 'replace' or 'remove'. Only
+/// a completed record holding exactly ARGV[1] is settled; anything else is 'not_found'.
+pub fn settle() -> String {
+    format!("{PACKED_LUA}{SETTLE_BODY}")
+}
+
+const SETTLE_BODY: &str = r"
+local ttl, now = tonumber(ARGV[3]), tonumber(ARGV[4])
+local fingerprint, owner, expires_at
+if kind == 'hash' then
+  local cur = redis.call('HMGET', k, 'state', 'fingerprint', 'record')
+  if cur[1] ~= 'completed' or cur[3] ~= ARGV[1] then return 'not_found' end
+  fingerprint, owner = cur[2], ''
+elseif current and current[1] == 'C' and string.sub(value, current.record_at) == ARGV[1] then
+  fingerprint, owner, expires_at = current[2], current[3], current[4]
+else
+  return 'not_found'
+end
+if ARGV[5] == 'remove' then
+  redis.call('DEL', k)
+  return 'removed'
+end
+if ttl == 0 then
+  local left = redis.call('PTTL', k)
+  if left < 1 then return 'not_found' end
+  ttl = left
+  expires_at = expires_at or ms(now + left)
+else
+  expires_at = ms(now + ttl)
+end
+redis.call('SET', k, packed('C', fingerprint, owner, expires_at, ms(now), ARGV[2]), 'PX', ttl)
+return 'replaced'
+";
+
 /// A lookup, or with ARGV[1] = 'purge' a lookup and delete in one step (so a purge answers
 /// exactly what it removed). A packed record comes back as {'packed', value}; a hash as its
 /// fields in `parse_view`'s order, then Redis's clock (the clock its instants are on).

@@ -1,0 +1,390 @@
+//! Unknown outcomes resolved by asking the service (`resolve`): after the settle time the
+//! root looks the write up as the caller would, and the answer settles the key for every
+//! retry: replayed as the service reported it, freed so the retry executes, or asked again
+//! after a backoff and finally left for an operator. Until then a retry gets 409 with a
+//! Retry-After that says when to come back.
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+use super::*;
+use crate::outcome::Outcome;
+use crate::plugin::root::PluginRoot;
+use crate::who_answered::flag;
+
+const RESOLVING: &str = r#"{"rules":[{"name":"pay","match":{"path_prefixes":["/payments"]},
+    "resolve":{"cluster":"payments","path":"/payments/by-key/{key}","settle_seconds":5,
+    "max_attempts":3,"backoff_seconds":2}}]}"#;
+
+/// A payment with `key` as caller `who`, in context `context`, whose answer never comes (the
+/// route timed out after it reached the service).
+fn payment_timed_out(host: &FakeHost, root: &PluginRoot, context: u32, key: &str, who: &str) {
+    let (journey, verdict) = pay(host, root, context, key, who);
+    assert_eq!(
+        verdict,
+        Verdict::Continue,
+        "the first attempt goes upstream"
+    );
+    envoy_reports(host, "response_timeout", flag::UPSTREAM_REQUEST_TIMEOUT, 1);
+    respond(host, &mut journey.borrow_mut(), 504, b"");
+    let _ = host.take_effects();
+}
+
+fn pay(
+    host: &FakeHost,
+    root: &PluginRoot,
+    context: u32,
+    key: &str,
+    who: &str,
+) -> (Rc<std::cell::RefCell<RequestJourney>>, Verdict) {
+    let bearer = format!("Bearer {who}");
+    let mut headers = post_headers("/payments", Some(key));
+    headers.push(("authorization", &bearer));
+    request_in_context(host, root, context, &headers, br#"{"amount":100}"#)
+}
+
+/// What a retry gets: None when it executes, else the reply.
+fn retry(host: &FakeHost, root: &PluginRoot, context: u32, key: &str) -> Option<Reply> {
+    let _ = host.take_effects();
+    let (_journey, verdict) = pay(host, root, context, key, "alice");
+    if verdict == Verdict::Continue {
+        return None;
+    }
+    Some(the_reply(&host.take_effects()))
+}
+
+/// A lookup the root sent: its callout token, cluster, path and headers.
+type Lookup = (u32, String, String, Vec<(String, String)>);
+
+/// The root's tick; returns the lookups it sent.
+fn tick(host: &FakeHost, root: &mut PluginRoot) -> Vec<Lookup> {
+    host.effective_context.set(1);
+    root.on_tick(host);
+    host.take_effects()
+        .into_iter()
+        .filter_map(|e| match e {
+            crate::fake_host::Effect::Callout {
+                token,
+                cluster,
+                path,
+                headers,
+                ..
+            } => Some((token, cluster, path, headers)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The service answers the lookup `token` with `status` (None: no answer at all).
+fn lookup_answers(
+    host: &FakeHost,
+    root: &mut PluginRoot,
+    token: u32,
+    status: Option<u16>,
+    body: &[u8],
+) {
+    host.set_callout_answer(status, body);
+    host.effective_context.set(1);
+    let headers = usize::from(status.is_some());
+    root.on_callout_answer(host, token, headers, body.len());
+}
+
+fn retry_after(reply: &Reply) -> Option<String> {
+    header(&reply.1, "retry-after").map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+#[test]
+fn a_payment_that_took_effect_is_replayed_once_the_service_says_so() {
+    let host = FakeHost::default();
+    let mut root = configured_root(&host, RESOLVING, 1);
+    payment_timed_out(&host, &root, 7, "pay-1", "alice");
+    // Before the settle time a retry is told to come back when the lookup is due.
+    host.advance_ms(1_000);
+    let early = retry(&host, &root, 8, "pay-1").expect("not executed");
+    assert_eq!(early.0, 409);
+    assert!(problem_type(&early.2).ends_with("outcome-unknown"));
+    assert_eq!(retry_after(&early).as_deref(), Some("4"));
+    assert!(
+        tick(&host, &mut root).is_empty(),
+        "nobody asks before the settle time"
+    );
+
+    host.advance_ms(4_000);
+    let lookups = tick(&host, &mut root);
+    assert_eq!(lookups.len(), 1);
+    let (token, cluster, path, headers) = &lookups[0];
+    assert_eq!(cluster, "payments");
+    assert_eq!(path, "/payments/by-key/pay-1");
+    let method = headers
+        .iter()
+        .find(|(n, _)| n == ":method")
+        .map(|(_, v)| v.as_str());
+    assert_eq!(method, Some("GET"));
+    let auth = headers
+        .iter()
+        .find(|(n, _)| n == "authorization")
+        .map(|(_, v)| v.as_str());
+    assert_eq!(auth, Some("Bearer alice"), "the caller's scope goes along");
+
+    lookup_answers(
+        &host,
+        &mut root,
+        *token,
+        Some(200),
+        br#"{"id":"pay_1","status":"paid"}"#,
+    );
+    assert_eq!(host.counter("pay", Outcome::ResolvedTookEffect), 1);
+    for context in [9, 10] {
+        let replay = retry(&host, &root, context, "pay-1").expect("replayed, not executed");
+        assert_eq!(replay.0, 200);
+        assert_eq!(replay.2, br#"{"id":"pay_1","status":"paid"}"#);
+        assert_eq!(header(&replay.1, "idempotent-replayed"), Some(&b"true"[..]));
+        assert_eq!(header(&replay.1, "idempotent-resolved"), Some(&b"true"[..]));
+        // Remembered for the rule's TTL from the resolution (2023-11-14T22:13:25Z + 1 day).
+        assert_eq!(
+            header(&replay.1, "idempotency-key-expires"),
+            Some(&b"Wed, 15 Nov 2023 22:13:25 GMT"[..])
+        );
+    }
+    assert!(tick(&host, &mut root).is_empty(), "asked once");
+}
+
+#[test]
+fn a_payment_that_never_ran_frees_its_key_and_the_retry_executes() {
+    let host = FakeHost::default();
+    let mut root = configured_root(&host, RESOLVING, 1);
+    payment_timed_out(&host, &root, 7, "pay-2", "alice");
+    host.advance_ms(5_000);
+    let lookups = tick(&host, &mut root);
+    lookup_answers(&host, &mut root, lookups[0].0, Some(404), b"");
+    assert_eq!(host.counter("pay", Outcome::ResolvedNeverRan), 1);
+    assert_eq!(retry(&host, &root, 8, "pay-2"), None, "the retry runs it");
+}
+
+#[test]
+fn a_failing_lookup_is_asked_again_after_a_backoff_then_left_for_an_operator() {
+    let host = FakeHost::default();
+    let mut root = configured_root(&host, RESOLVING, 1);
+    payment_timed_out(&host, &root, 7, "pay-3", "alice");
+    host.advance_ms(5_000);
+    let first = tick(&host, &mut root);
+    lookup_answers(&host, &mut root, first[0].0, Some(503), b"");
+    assert_eq!(host.counter("pay", Outcome::ResolutionRetried), 1);
+    let waiting = retry(&host, &root, 8, "pay-3").expect("not executed");
+    assert_eq!(
+        (waiting.0, retry_after(&waiting).as_deref()),
+        (409, Some("2"))
+    );
+    host.advance_ms(1_000);
+    assert!(tick(&host, &mut root).is_empty(), "the backoff holds");
+    host.advance_ms(1_000);
+    let second = tick(&host, &mut root);
+    assert_eq!(second.len(), 1);
+    // No answer at all (a reset): another backoff, twice as long.
+    lookup_answers(&host, &mut root, second[0].0, None, b"");
+    host.advance_ms(3_000);
+    assert!(tick(&host, &mut root).is_empty());
+    host.advance_ms(1_000);
+    let third = tick(&host, &mut root);
+    lookup_answers(&host, &mut root, third[0].0, Some(500), b"");
+    assert_eq!(host.counter("pay", Outcome::ResolutionGaveUp), 1);
+    // Left unknown, in its permanent form: no Retry-After, never executed.
+    let left = retry(&host, &root, 9, "pay-3").expect("not executed");
+    assert_eq!((left.0, retry_after(&left)), (409, None));
+    host.advance_ms(60_000);
+    assert!(tick(&host, &mut root).is_empty(), "no more lookups");
+}
+
+#[test]
+fn a_lookup_answered_after_the_record_changed_overwrites_nothing() {
+    let host = FakeHost::default();
+    let mut root = configured_root(&host, RESOLVING, 1);
+    payment_timed_out(&host, &root, 7, "pay-4", "alice");
+    host.advance_ms(5_000);
+    let lookups = tick(&host, &mut root);
+    // Meanwhile the record is gone and the key was used afresh: a lookup's late answer must
+    // not touch the new claim.
+    host.advance_ms(86_400_000);
+    let (_second, verdict) = pay(&host, &root, 8, "pay-4", "alice");
+    assert_eq!(verdict, Verdict::Continue, "expired: the key runs again");
+    lookup_answers(&host, &mut root, lookups[0].0, Some(404), b"");
+    assert_eq!(host.counter("pay", Outcome::ResolvedNeverRan), 0);
+    let busy = retry(&host, &root, 9, "pay-4").expect("the new claim still holds");
+    assert!(
+        problem_type(&busy.2).ends_with("request-in-flight"),
+        "{:?}",
+        busy
+    );
+}
+
+#[test]
+fn without_resolve_an_unknown_outcome_keeps_its_permanent_answer() {
+    let host = FakeHost::default();
+    let mut root = configured_root(
+        &host,
+        r#"{"rules":[{"name":"pay","match":{"path_prefixes":["/payments"]}}]}"#,
+        1,
+    );
+    payment_timed_out(&host, &root, 7, "pay-5", "alice");
+    host.advance_ms(60_000);
+    assert!(tick(&host, &mut root).is_empty());
+    let left = retry(&host, &root, 8, "pay-5").expect("not executed");
+    assert_eq!((left.0, retry_after(&left)), (409, None));
+}
+
+mod cluster {
+    //! Cluster mode: the store's record is settled for every replica, and a replica that did
+    //! not record the unknown outcome keeps no copy of it, so its next retry asks the store.
+
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use idempotency_protocol::stream::{decode_call, encode_answer, Answer, Call, CallOp, Reply};
+
+    use super::super::*;
+    use crate::fake_host::Effect;
+    use crate::outcome::Outcome;
+    use crate::plugin::root::PluginRoot;
+    use crate::record::{RecordedResponse, UnknownOutcome};
+    use crate::who_answered::flag;
+
+    const CLUSTER: &str = r#"{"store":{"cluster":"store","timeout_ms":250},
+        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "resolve":{"cluster":"orders","path":"/orders/by-key/{key}","settle_seconds":5}}]}"#;
+
+    fn calls(host: &FakeHost) -> Vec<Call> {
+        host.take_effects()
+            .iter()
+            .filter_map(|e| match e {
+                Effect::StreamMessage { message, .. } => Some(decode_call(message).unwrap()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn lookups(host: &FakeHost) -> Vec<u32> {
+        host.take_effects()
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Callout { token, cluster, .. } if cluster == "orders" => Some(*token),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn answer(host: &FakeHost, root: &mut PluginRoot, stream: u32, id: u64, reply: Reply) {
+        host.effective_context.set(1);
+        let message = encode_answer(&Answer { id, reply });
+        let size = message.len();
+        *host.grpc_message.borrow_mut() = message;
+        root.on_grpc_message(host, stream, size);
+    }
+
+    fn stream_of(effects: &[Effect]) -> u32 {
+        effects
+            .iter()
+            .find_map(|e| match e {
+                Effect::StreamOpened { stream, .. } => Some(*stream),
+                _ => None,
+            })
+            .expect("a stream to the store")
+    }
+
+    #[test]
+    fn the_store_is_settled_with_what_the_service_said() {
+        let host = FakeHost::default();
+        let mut root = configured_root(&host, CLUSTER, 1);
+        let stream = stream_of(&host.take_effects());
+        let (journey, verdict) = post_in_context(&host, &root, 7, "k1");
+        assert_eq!(verdict, Verdict::Pause, "held for the store");
+        let claim = calls(&host).remove(0);
+        let owner = match &claim.op {
+            CallOp::Claim { owner, .. } => owner.clone(),
+            other => panic!("not a claim: {other:?}"),
+        };
+        answer(
+            &host,
+            &mut root,
+            stream,
+            claim.id,
+            Reply::Claimed {
+                owner,
+                lease_expires_at_ms: 1,
+            },
+        );
+        host.effective_context.set(7);
+        envoy_reports(&host, "response_timeout", flag::UPSTREAM_REQUEST_TIMEOUT, 1);
+        respond(&host, &mut journey.borrow_mut(), 504, b"");
+        host.effective_context.set(1);
+        root.on_queue_ready(&host, 1);
+        let unknown = calls(&host)
+            .into_iter()
+            .find_map(|c| match c.op {
+                CallOp::Complete { record, .. } => Some(record),
+                _ => None,
+            })
+            .expect("the unknown outcome goes to the store");
+        let recorded = RecordedResponse::decode(&unknown).unwrap();
+        assert!(
+            recorded.unknown.unwrap().resolution_due_ms.is_some(),
+            "it says it is resolving"
+        );
+
+        host.advance_ms(5_000);
+        host.effective_context.set(1);
+        root.on_tick(&host);
+        let token = lookups(&host)[0];
+        host.set_callout_answer(Some(200), br#"{"order":"o-1"}"#);
+        root.on_callout_answer(&host, token, 1, 15);
+        root.on_queue_ready(&host, 1);
+        let settle = calls(&host)
+            .into_iter()
+            .find_map(|c| match c.op {
+                CallOp::Settle {
+                    current,
+                    record,
+                    ttl_ms,
+                    ..
+                } => Some((current, record, ttl_ms)),
+                _ => None,
+            })
+            .expect("a settle on the stream");
+        assert_eq!(settle.0, unknown, "only the record it sent is replaced");
+        let resolved = RecordedResponse::decode(&settle.1).unwrap();
+        assert_eq!(
+            (resolved.status, resolved.body.as_slice()),
+            (200, &br#"{"order":"o-1"}"#[..])
+        );
+        assert_eq!(settle.2, 86_400_000);
+        assert_eq!(host.counter("orders", Outcome::ResolvedTookEffect), 1);
+    }
+
+    #[test]
+    fn another_replicas_unknown_outcome_is_not_kept_here() {
+        let host = FakeHost::default();
+        let mut root = configured_root(&host, CLUSTER, 1);
+        let stream = stream_of(&host.take_effects());
+        let pending = RecordedResponse::unknown_outcome(UnknownOutcome {
+            resolution_due_ms: Some(host.clock_ms.get() + 3_000),
+            ..UnknownOutcome::default()
+        });
+        for attempt in 0..2 {
+            let (_journey, verdict) = post_in_context(&host, &root, 7 + attempt, "k2");
+            assert_eq!(verdict, Verdict::Pause, "attempt {attempt} asks the store");
+            let claim = calls(&host).remove(0);
+            assert!(matches!(claim.op, CallOp::Claim { .. }));
+            answer(
+                &host,
+                &mut root,
+                stream,
+                claim.id,
+                Reply::Completed {
+                    record: pending.encode(),
+                },
+            );
+            let (status, headers, _) = the_reply(&host.take_effects());
+            assert_eq!(status, 409);
+            assert_eq!(header(&headers, "retry-after"), Some(&b"3"[..]));
+        }
+    }
+}

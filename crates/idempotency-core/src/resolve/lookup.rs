@@ -1,0 +1,156 @@
+//! One lookup, built from the original request while the filter still has it (its headers
+//! are gone once its body arrives, and the unknown outcome comes later still), kept with the
+//! claim until the resolution needs it.
+
+use super::settings::Resolve;
+use super::template::Values;
+
+/// What a lookup takes from the request's headers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LookupParts {
+    /// The request's headers the lookup carries or its path names (every value of each).
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub authority: String,
+    /// The cluster the request's route chose, when the rule names none.
+    pub route_cluster: Option<String>,
+}
+
+impl LookupParts {
+    /// Reads what `resolve` needs from the request headers.
+    pub fn read(
+        resolve: &Resolve,
+        headers: &[(String, Vec<u8>)],
+        route_cluster: Option<String>,
+    ) -> LookupParts {
+        let wanted = |name: &str| {
+            resolve.forwarded_headers.iter().any(|h| h == name)
+                || resolve.path.headers().any(|h| h == name)
+        };
+        let authority = headers
+            .iter()
+            .find(|(n, _)| n == ":authority")
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+            .unwrap_or("")
+            .to_string();
+        LookupParts {
+            headers: headers.iter().filter(|(n, _)| wanted(n)).cloned().collect(),
+            authority,
+            route_cluster,
+        }
+    }
+}
+
+/// A lookup ready to send as a callout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LookupRequest {
+    pub cluster: String,
+    /// Pseudo-headers first, then the headers carried from the request.
+    pub headers: Vec<(String, String)>,
+    pub timeout_ms: u64,
+}
+
+impl LookupRequest {
+    /// The lookup for a request whose key's sources had `key_sources` values; Err says why
+    /// none can be built (the write is then left unknown, as without `resolve`).
+    pub fn build(
+        resolve: &Resolve,
+        parts: &LookupParts,
+        key_sources: &[Vec<u8>],
+    ) -> Result<LookupRequest, String> {
+        let path = resolve.path.render(&Values {
+            key_sources,
+            headers: &parts.headers,
+        })?;
+        let cluster = resolve
+            .cluster
+            .clone()
+            .or_else(|| parts.route_cluster.clone())
+            .ok_or("the route's cluster is unknown and the rule names none")?;
+        let authority = resolve
+            .authority
+            .clone()
+            .unwrap_or_else(|| parts.authority.clone());
+        let mut headers = vec![
+            (":method".to_string(), resolve.method.clone()),
+            (":path".to_string(), path),
+            (":authority".to_string(), authority),
+        ];
+        for (name, value) in &parts.headers {
+            if !resolve.forwarded_headers.contains(name) {
+                continue; // named by the path only
+            }
+            let Ok(text) = std::str::from_utf8(value) else {
+                return Err(format!("header '{name}' is not UTF-8"));
+            };
+            headers.push((name.clone(), text.to_string()));
+        }
+        Ok(LookupRequest {
+            cluster,
+            headers,
+            timeout_ms: resolve.timeout_ms,
+        })
+    }
+
+    /// Bytes it holds while it waits for its resolution.
+    pub fn bytes(&self) -> usize {
+        self.cluster.len()
+            + self
+                .headers
+                .iter()
+                .map(|(n, v)| n.len() + v.len())
+                .sum::<usize>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::super::settings::{validate, RawResolve, RuleFacts};
+    use super::*;
+
+    #[test]
+    fn the_lookup_carries_the_callers_scope_and_names_the_write() {
+        let raw: RawResolve =
+            serde_json::from_str(r#"{"path":"/payments/by-key/{key}","settle_seconds":5}"#)
+                .unwrap();
+        let scope = vec![":authority".to_string(), "authorization".to_string()];
+        let resolve = validate(
+            raw,
+            &RuleFacts {
+                key_sources: 1,
+                scope_headers: &scope,
+                ttl_ms: 60_000,
+                releases_unknown: false,
+                is_grpc: false,
+                store_over_http: false,
+                store_cluster: None,
+            },
+        )
+        .unwrap();
+        let headers = vec![
+            (":authority".to_string(), b"shop.example".to_vec()),
+            (":path".to_string(), b"/payments".to_vec()),
+            ("authorization".to_string(), b"Bearer alice".to_vec()),
+            ("cookie".to_string(), b"secret".to_vec()),
+        ];
+        let parts = LookupParts::read(&resolve, &headers, Some("payments".to_string()));
+        let lookup = LookupRequest::build(&resolve, &parts, &[b"k 1".to_vec()]).unwrap();
+        assert_eq!(lookup.cluster, "payments");
+        assert_eq!(
+            lookup.headers,
+            vec![
+                (":method".to_string(), "GET".to_string()),
+                (":path".to_string(), "/payments/by-key/k%201".to_string()),
+                (":authority".to_string(), "shop.example".to_string()),
+                ("authorization".to_string(), "Bearer alice".to_string()),
+            ]
+        );
+        let no_cluster = LookupParts {
+            route_cluster: None,
+            ..parts
+        };
+        assert!(LookupRequest::build(&resolve, &no_cluster, &[b"k".to_vec()]).is_err());
+    }
+}

@@ -1,0 +1,384 @@
+//! A rule's `resolve` settings: how to look a write up at the service, what its answers mean,
+//! and when and how often to ask. Validated here (the configuration calls in with the rule's
+//! facts) so that a lookup that could never settle a key is refused when Envoy loads it.
+
+use serde::Deserialize;
+
+use super::template::PathTemplate;
+
+/// As users write it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawResolve {
+    /// The Envoy cluster of the service; absent: the cluster the request's route chose.
+    #[serde(default)]
+    cluster: Option<String>,
+    #[serde(default = "default_method")]
+    method: String,
+    path: String,
+    /// Absent: the original request's `:authority`.
+    #[serde(default)]
+    authority: Option<String>,
+    /// Request headers sent along with the lookup, beyond the rule's scope headers.
+    #[serde(default)]
+    headers: Vec<String>,
+    #[serde(default = "default_took_effect")]
+    took_effect_statuses: Vec<u16>,
+    #[serde(default = "default_never_ran")]
+    never_ran_statuses: Vec<u16>,
+    /// Replay a write that took effect with this status instead of the lookup's own.
+    #[serde(default)]
+    record_status: Option<u16>,
+    settle_seconds: u64,
+    #[serde(default = "default_timeout_ms")]
+    timeout_ms: u64,
+    #[serde(default = "default_max_attempts")]
+    max_attempts: u32,
+    #[serde(default = "default_backoff_seconds")]
+    backoff_seconds: u64,
+}
+
+fn default_method() -> String {
+    "GET".to_string()
+}
+fn default_took_effect() -> Vec<u16> {
+    vec![200]
+}
+fn default_never_ran() -> Vec<u16> {
+    vec![404]
+}
+fn default_timeout_ms() -> u64 {
+    2_000
+}
+fn default_max_attempts() -> u32 {
+    8
+}
+fn default_backoff_seconds() -> u64 {
+    2
+}
+
+/// The longest a lookup may take; a lookup is a read.
+pub const MAX_TIMEOUT_MS: u64 = 60_000;
+/// Attempts at most: with the backoff doubling, more would outlast any record.
+pub const MAX_ATTEMPTS: u32 = 20;
+/// The backoff doubles after each failed lookup, up to this.
+pub const MAX_BACKOFF_MS: u64 = 300_000;
+
+/// Validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolve {
+    pub cluster: Option<String>,
+    pub method: String,
+    pub path: PathTemplate,
+    pub authority: Option<String>,
+    /// Lower case: the headers a lookup carries from the request (scope headers included).
+    pub forwarded_headers: Vec<String>,
+    pub took_effect: Vec<u16>,
+    pub never_ran: Vec<u16>,
+    pub record_status: Option<u16>,
+    pub settle_ms: u64,
+    pub timeout_ms: u64,
+    pub max_attempts: u32,
+    pub backoff_ms: u64,
+}
+
+/// What the lookup's status says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    TookEffect,
+    NeverRan,
+    /// Neither (an error, a timeout, a status the rule does not list): ask again later.
+    Unsettled,
+}
+
+impl Resolve {
+    pub fn verdict(&self, status: u16) -> Verdict {
+        if self.took_effect.contains(&status) {
+            Verdict::TookEffect
+        } else if self.never_ran.contains(&status) {
+            Verdict::NeverRan
+        } else {
+            Verdict::Unsettled
+        }
+    }
+
+    /// How long after the `attempt`-th failed lookup (from 1) the next one goes.
+    pub fn backoff_after(&self, attempt: u32) -> u64 {
+        let doublings = attempt.saturating_sub(1).min(20);
+        self.backoff_ms
+            .saturating_mul(1u64 << doublings)
+            .min(MAX_BACKOFF_MS)
+    }
+}
+
+/// The rule facts a lookup depends on.
+pub struct RuleFacts<'a> {
+    pub key_sources: usize,
+    pub scope_headers: &'a [String],
+    pub ttl_ms: u64,
+    /// `on_unknown_outcome: "release"`: nothing is ever left to resolve.
+    pub releases_unknown: bool,
+    pub is_grpc: bool,
+    /// Cluster mode over the HTTP transport, which has no way to settle a record.
+    pub store_over_http: bool,
+    /// The store's cluster, which a lookup must not be sent to.
+    pub store_cluster: Option<&'a str>,
+}
+
+/// Validates `raw` for a rule; Err is (the field under `resolve`, why).
+pub fn validate(raw: RawResolve, rule: &RuleFacts<'_>) -> Result<Resolve, (String, String)> {
+    let err = |field: &str, why: String| Err((field.to_string(), why));
+    if rule.releases_unknown {
+        return err(
+            "",
+            "a rule with on_unknown_outcome: \"release\" frees every unknown outcome: there is \
+             nothing to resolve"
+                .to_string(),
+        );
+    }
+    if rule.is_grpc {
+        return err("", "not supported for gRPC rules yet".to_string());
+    }
+    if rule.store_over_http {
+        return err(
+            "",
+            "needs the store's stream (store.transport \"grpc\", the default): the HTTP \
+             transport cannot settle a record in the store"
+                .to_string(),
+        );
+    }
+    let method = raw.method.to_ascii_uppercase();
+    if !["GET", "HEAD", "POST"].contains(&method.as_str()) {
+        return err(
+            "method",
+            "must be GET, HEAD or POST (a lookup reads; it never writes)".to_string(),
+        );
+    }
+    let path = PathTemplate::parse(&raw.path, rule.key_sources)
+        .map_err(|why| ("path".to_string(), why))?;
+    if let Some(cluster) = &raw.cluster {
+        if cluster.is_empty() || cluster.bytes().any(|b| !b.is_ascii_graphic()) {
+            return err(
+                "cluster",
+                "must name an Envoy cluster (omit it to ask the route's cluster)".to_string(),
+            );
+        }
+        if rule.store_cluster == Some(cluster.as_str()) {
+            return err("cluster", format!("'{cluster}' is the store's cluster"));
+        }
+    }
+    if let Some(authority) = &raw.authority {
+        if authority.is_empty() || authority.bytes().any(|b| !b.is_ascii_graphic()) {
+            return err("authority", "must be a host name".to_string());
+        }
+    }
+    let mut forwarded_headers: Vec<String> = Vec::new();
+    let named = rule
+        .scope_headers
+        .iter()
+        .map(String::as_str)
+        .chain(raw.headers.iter().map(String::as_str))
+        .chain(path.headers());
+    for name in named {
+        let lower = name.to_ascii_lowercase();
+        if lower.starts_with(':') {
+            continue; // the lookup has its own pseudo-headers
+        }
+        if HOP_BY_HOP.contains(&lower.as_str()) || lower.is_empty() {
+            return err("headers", format!("'{name}' cannot be sent along"));
+        }
+        if !forwarded_headers.contains(&lower) {
+            forwarded_headers.push(lower);
+        }
+    }
+    for (field, statuses) in [
+        ("took_effect_statuses", &raw.took_effect_statuses),
+        ("never_ran_statuses", &raw.never_ran_statuses),
+    ] {
+        if statuses.is_empty() || statuses.iter().any(|s| !(100..=599).contains(s)) {
+            return err(field, "must list HTTP statuses (100 to 599)".to_string());
+        }
+    }
+    if let Some(both) = raw
+        .took_effect_statuses
+        .iter()
+        .find(|s| raw.never_ran_statuses.contains(s))
+    {
+        return err(
+            "never_ran_statuses",
+            format!("{both} is also in took_effect_statuses"),
+        );
+    }
+    if let Some(status) = raw.record_status {
+        if !(200..=599).contains(&status) {
+            return err(
+                "record_status",
+                "must be an HTTP status (200 to 599)".to_string(),
+            );
+        }
+    }
+    let settle_ms = raw.settle_seconds.saturating_mul(1000);
+    if settle_ms == 0 || settle_ms >= rule.ttl_ms {
+        return err(
+            "settle_seconds",
+            "must be at least 1 and less than ttl_seconds: the service's own time limit for a \
+             write, after which a lookup's \"not found\" proves it never ran"
+                .to_string(),
+        );
+    }
+    if raw.timeout_ms == 0 || raw.timeout_ms > MAX_TIMEOUT_MS {
+        return err(
+            "timeout_ms",
+            format!("must be between 1 and {MAX_TIMEOUT_MS}"),
+        );
+    }
+    if raw.max_attempts == 0 || raw.max_attempts > MAX_ATTEMPTS {
+        return err(
+            "max_attempts",
+            format!("must be between 1 and {MAX_ATTEMPTS}"),
+        );
+    }
+    let backoff_ms = raw.backoff_seconds.saturating_mul(1000);
+    if backoff_ms == 0 || backoff_ms > MAX_BACKOFF_MS {
+        return err(
+            "backoff_seconds",
+            format!("must be between 1 and {}", MAX_BACKOFF_MS / 1000),
+        );
+    }
+    Ok(Resolve {
+        cluster: raw.cluster,
+        method,
+        path,
+        authority: raw.authority,
+        forwarded_headers,
+        took_effect: raw.took_effect_statuses,
+        never_ran: raw.never_ran_statuses,
+        record_status: raw.record_status,
+        settle_ms,
+        timeout_ms: raw.timeout_ms,
+        max_attempts: raw.max_attempts,
+        backoff_ms,
+    })
+}
+
+/// Connection-specific headers: never sent along.
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "content-length",
+    "host",
+    "proxy-connection",
+];
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+
+    fn facts() -> RuleFacts<'static> {
+        RuleFacts {
+            key_sources: 1,
+            scope_headers: &[],
+            ttl_ms: 86_400_000,
+            releases_unknown: false,
+            is_grpc: false,
+            store_over_http: false,
+            store_cluster: None,
+        }
+    }
+
+    fn parse(json: &str) -> Result<Resolve, (String, String)> {
+        let raw: RawResolve =
+            serde_json::from_str(json).map_err(|e| (String::new(), e.to_string()))?;
+        validate(raw, &facts())
+    }
+
+    #[test]
+    fn defaults_ask_with_get_and_read_200_and_404() {
+        let r = parse(r#"{"path":"/p/{key}","settle_seconds":30}"#).unwrap();
+        assert_eq!(r.method, "GET");
+        assert_eq!(r.verdict(200), Verdict::TookEffect);
+        assert_eq!(r.verdict(404), Verdict::NeverRan);
+        assert_eq!(r.verdict(503), Verdict::Unsettled);
+        assert_eq!(
+            (r.settle_ms, r.timeout_ms, r.max_attempts),
+            (30_000, 2_000, 8)
+        );
+        assert_eq!(
+            (1..=4).map(|a| r.backoff_after(a)).collect::<Vec<_>>(),
+            vec![2_000, 4_000, 8_000, 16_000]
+        );
+        assert_eq!(r.backoff_after(20), MAX_BACKOFF_MS);
+    }
+
+    #[test]
+    fn a_lookup_that_could_not_settle_a_key_is_refused() {
+        for (json, field) in [
+            (r#"{"path":"/p/{key}"}"#, ""),
+            (
+                r#"{"path":"/p/{key}","settle_seconds":0}"#,
+                "settle_seconds",
+            ),
+            (
+                r#"{"path":"/p/{key}","settle_seconds":86400}"#,
+                "settle_seconds",
+            ),
+            (r#"{"path":"/p","settle_seconds":5}"#, "path"),
+            (
+                r#"{"path":"/p/{key}","settle_seconds":5,"method":"DELETE"}"#,
+                "method",
+            ),
+            (
+                r#"{"path":"/p/{key}","settle_seconds":5,"took_effect_statuses":[200],"never_ran_statuses":[200]}"#,
+                "never_ran_statuses",
+            ),
+            (
+                r#"{"path":"/p/{key}","settle_seconds":5,"timeout_ms":0}"#,
+                "timeout_ms",
+            ),
+            (
+                r#"{"path":"/p/{key}","settle_seconds":5,"max_attempts":0}"#,
+                "max_attempts",
+            ),
+            (
+                r#"{"path":"/p/{key}","settle_seconds":5,"headers":["connection"]}"#,
+                "headers",
+            ),
+        ] {
+            let (at, why) = parse(json).unwrap_err();
+            assert_eq!(at, field, "{json}: {why}");
+        }
+        let raw: RawResolve =
+            serde_json::from_str(r#"{"path":"/p/{key}","settle_seconds":5}"#).unwrap();
+        let releases = RuleFacts {
+            releases_unknown: true,
+            ..facts()
+        };
+        assert!(validate(raw, &releases)
+            .unwrap_err()
+            .1
+            .contains("nothing to resolve"));
+    }
+
+    #[test]
+    fn scope_headers_go_along_so_the_service_authorises_the_caller() {
+        let raw: RawResolve = serde_json::from_str(
+            r#"{"path":"/p/{key}?t={header.x-tenant}","settle_seconds":5,"headers":["X-Request-Id"]}"#,
+        )
+        .unwrap();
+        let scope = vec![":authority".to_string(), "authorization".to_string()];
+        let rule = RuleFacts {
+            scope_headers: &scope,
+            ..facts()
+        };
+        assert_eq!(
+            validate(raw, &rule).unwrap().forwarded_headers,
+            vec!["authorization", "x-request-id", "x-tenant"]
+        );
+    }
+}
