@@ -62,13 +62,16 @@ Logs are in .run/. Try:
   # a duplicate while the first is still running: 409
   curl -s -X POST localhost:10000/orders -H 'Idempotency-Key: slow-1' -H 'x-demo-delay-ms: 3000' -d x &
   sleep 0.5; curl -si -X POST localhost:10000/orders -H 'Idempotency-Key: slow-1' -d x
-  # a client that gives up after 1 s on a 3 s payment: its retry is never run again (409
-  # outcome-unknown: it may have gone through), not charged twice
+  # a client that gives up after 1 s on a 3 s payment: its retry is never run again, not
+  # charged twice. First 409 outcome-unknown with Retry-After while the filter waits out the
+  # settle time (5 s) and asks the service GET /payments/by-key/pay-7; then the payment itself,
+  # with "idempotent-resolved: true"
   curl -s -m 1 -X POST localhost:10000/payments -H 'Idempotency-Key: pay-7' -H 'x-demo-delay-ms: 3000' -d '{"amount":5}'
-  sleep 3; curl -si -X POST localhost:10000/payments -H 'Idempotency-Key: pay-7' -d '{"amount":5}'
+  curl -si -X POST localhost:10000/payments -H 'Idempotency-Key: pay-7' -d '{"amount":5}'
+  sleep 6; curl -si -X POST localhost:10000/payments -H 'Idempotency-Key: pay-7' -d '{"amount":5}'
   # how many times did the upstream really execute /orders?
   curl -s 'localhost:8080/__count?path=/orders'
-  # what the store holds for the payment whose client gave up (an unknown outcome)
+  # what the store holds for the payment whose client gave up (resolved: the payment)
   target/release/idempotency-store record show --operator-token-file .run/operator-token \
     --rule payments -H 'Host: localhost:10000' --key pay-7
   # the counters on-call watches

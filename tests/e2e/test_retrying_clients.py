@@ -30,8 +30,10 @@ that client gets. Every test counts the demo upstream's executions.
    ``request-in-flight`` (the SDK retries it, ignoring its ``Retry-After: 1``); a write whose
    outcome is unknown (the SDK's own timeout made it hang up after the request went upstream,
    or Envoy's route timeout answered 504) leaves ``409`` ``outcome-unknown``, which the SDK
-   retries until its retry limit and then raises: never a second execution. The upstream's own
-   500 releases the key, so each retry the SDK makes executes again.
+   retries until its retry limit and then raises: never a second execution. On a rule that
+   resolves unknown outcomes (``resolve``), the SDK's retries go on until the filter has looked
+   the payment up, and the call returns it. The upstream's own 500 releases the key, so each
+   retry the SDK makes executes again.
 
 2. **nginx as the load balancer** in front of two Envoy replicas in cluster mode sharing one
    store: ``proxy_next_upstream error timeout non_idempotent`` with a 1 s
@@ -273,6 +275,32 @@ def test_sdk_that_times_out_and_retries_gets_outcome_unknown_and_the_write_runs_
     assert counters["executed"] == 1 and counters["outcome_unknown"] == 1, counters
     assert counters["outcome_unknown_answered"] == types.count(OUTCOME_UNKNOWN) + 1, counters
     assert counters["released"] == 0 and counters.get("resent", 0) == 0, counters
+
+
+def test_sdk_that_times_out_keeps_retrying_until_it_receives_its_charge(procs) -> None:
+    """(a) again, on a rule that resolves unknown outcomes (``resolve``: the payment looked up
+    at ``GET /v1/payment_intents/by-key/{key}`` 3 s after the hang-up, with the SDK's own
+    Authorization). The SDK's retries get 409 outcome-unknown with Retry-After until the
+    lookup found the payment; the next retry gets the payment itself, and the call returns it
+    as if nothing had happened. One execution."""
+    upstream = procs.upstream()
+    config = stripe_plugin_config(resolve={"path": INTENTS + "/by-key/{key}", "settle_seconds": 3})
+    envoy = start_envoy(procs, upstream, config, name="envoy-stripe-resolve", mutate=add_routes)
+    sdk, http = Api(envoy, upstream).sdk(timeout=1.0, retries=10)
+    intent = sdk.v1.payment_intents.create(params=PARAMS, options={"headers": {"x-demo-delay-ms": str(DELAY_MS)}})
+    summary = http.summary()
+    assert_one_key_one_body(http)
+    first, *retries, last = http.attempts
+    assert first.error and "Read timed out" in first.error, summary
+    assert retries and all(a.status == 409 for a in retries), summary
+    assert retries[-1].problem_type == OUTCOME_UNKNOWN and "retry-after" in retries[-1].headers, summary
+    assert last.status == 200 and last.headers["idempotent-resolved"] == "true", summary
+    assert last.ended - first.sent >= 3.0, summary  # not before the settle time
+    assert intent["execution"] == 1 and intent["path"] == INTENTS, intent
+    assert upstream.executions(INTENTS) == 1
+    counters = rule_counters(envoy, RULE)
+    assert counters["resolved_took_effect"] == 1 and counters["executed"] == 1, counters
+    assert not crash_lines(envoy.log_text())
 
 
 @pytest.mark.parametrize("prefix", [SHORT, RETRIED], ids=["route-timeout", "per-try-timeout-retry-policy"])

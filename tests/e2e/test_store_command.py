@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import harness
@@ -120,3 +121,59 @@ def test_record_show_and_purge_through_two_envoys(procs, tmp_path: Path) -> None
                                 outcome="purged") == 2
     gone = record(cluster.store, "purge", "--hash", "0123456789abcdef")
     assert gone.returncode == 1 and "nothing purged" in gone.stderr
+
+
+def test_record_resolve_settles_an_unknown_outcome_for_every_envoy(procs, tmp_path: Path) -> None:
+    """Without ``resolve`` an unknown outcome is 409 until its TTL; an operator who learned
+    what happened (from the service, the bank) settles it: took effect, and every retry through
+    either Envoy, the one that recorded it included, replays the response the operator gave;
+    never ran, and the next retry executes. A record that is not an unknown outcome is left
+    alone."""
+    cluster = start_cluster(procs)
+    config = tmp_path / "plugin.json"
+    config.write_text(json.dumps(envoy_yaml_plugin_config()))
+
+    def unknown_outcome() -> tuple[str, str]:
+        path, key = unique_path("orders"), new_key()
+        try:
+            post(cluster.a, path, key, headers={"authorization": AUTH, "x-demo-delay-ms": "1500"},
+                 timeout=0.5)
+        except Exception:  # noqa: BLE001 - the client gives up, as the test means it to
+            pass
+        harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10,
+                           what="the write reached the upstream")
+        time.sleep(1.5)  # it completed upstream; nobody heard
+        for envoy in (cluster.a, cluster.b):
+            retry = post(envoy, path, key, headers={"authorization": AUTH})
+            assert retry.status_code == 409 and "outcome-unknown" in retry.text, retry.text
+        return path, key
+
+    path, key = unknown_outcome()
+    text = record(cluster.store, "show", *by_request(config, key)).stdout
+    assert "outcome      unknown" in text and "resolution   none: settle it by hand" in text, text
+    done = record(cluster.store, "resolve", *by_request(config, key), "--took-effect", "--status", "201",
+                  "--response-header", "content-type: application/json",
+                  "--response-body", '{"order":"o-1"}')
+    assert done.returncode == 0, done.stderr
+    assert "settled: the write took effect" in done.stdout, done.stdout
+    assert "resolved     an unknown outcome, settled as taken effect" in done.stdout, done.stdout
+    for envoy in (cluster.a, cluster.b, cluster.a):
+        replay = post(envoy, path, key, headers={"authorization": AUTH})
+        assert replay.status_code == 201 and replay.text == '{"order":"o-1"}', replay.text
+        assert replay.headers[REPLAYED] == "true" and replay.headers["idempotent-resolved"] == "true"
+    assert cluster.upstream.executions(path) == 1
+    assert "settled an unknown outcome" in cluster.store.log_text()
+    assert 'by="operator"' in cluster.store.log_text() or "by=operator" in cluster.store.log_text()
+
+    # Never ran: the Envoy that recorded it runs the retry, once.
+    path, key = unknown_outcome()
+    done = record(cluster.store, "resolve", *by_request(config, key), "--never-ran")
+    assert done.returncode == 0 and "never ran" in done.stdout, done.stderr
+    again = post(cluster.a, path, key, headers={"authorization": AUTH})
+    assert again.status_code == 201 and again.headers["x-execution"] == "2", again.text
+    assert post(cluster.b, path, key, headers={"authorization": AUTH}).headers[REPLAYED] == "true"
+
+    # A completed write is not an unknown outcome: nothing changes.
+    refused = record(cluster.store, "resolve", *by_request(config, key), "--never-ran")
+    assert refused.returncode == 2 and "not one" in refused.stderr, refused.stderr
+    assert post(cluster.a, path, key, headers={"authorization": AUTH}).headers[REPLAYED] == "true"

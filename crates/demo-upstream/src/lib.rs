@@ -26,7 +26,15 @@
 //! can see a request that is still in flight.
 //!
 //! Endpoints that are never counted: `GET /healthz`, `GET /__count[?path=P]`,
-//! `POST /__reset`. In fast mode every request gets `200 ok` at once.
+//! `POST /__reset`, `POST /__fail-lookups?n=N`, and lookups. In fast mode every request
+//! gets `200 ok` at once.
+//!
+//! **Lookups**, as a payment service offers them: a write that carried an `Idempotency-Key`
+//! and succeeded (2xx, answered or not: `x-demo-reset` after the write counts) is kept by
+//! that key, once it has finished (after its delay), with the caller's `authorization`.
+//! `GET <anything>/by-key/<key>` answers it (`200`, the write's own body and content type)
+//! to the same caller, and `404` for a key it has not finished, has never seen, or that
+//! another caller wrote. `POST /__fail-lookups?n=N` makes the next N lookups answer `503`.
 //!
 //! [`grpc_echo`] is another mode: an instant store for the benchmark's coordination floor.
 
@@ -42,8 +50,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Body, Incoming};
 use hyper::header::{
-    HeaderMap, HeaderName, HeaderValue, CACHE_CONTROL, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE,
-    SET_COOKIE, TRANSFER_ENCODING,
+    HeaderMap, HeaderName, HeaderValue, AUTHORIZATION, CACHE_CONTROL, CONNECTION, CONTENT_LENGTH,
+    CONTENT_TYPE, SET_COOKIE, TRANSFER_ENCODING,
 };
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -91,11 +99,24 @@ pub struct Options {
     pub fast: bool,
 }
 
-/// Execution counters, per request path and in total.
+/// Execution counters, per request path and in total, and the writes kept for lookups.
 #[derive(Debug, Default)]
 pub struct Counters {
     per_path: Mutex<HashMap<String, u64>>,
     total: AtomicU64,
+    /// Finished writes by their idempotency key (see "Lookups" above).
+    ledger: Mutex<HashMap<Vec<u8>, Written>>,
+    /// Lookups still to fail with 503 (`/__fail-lookups`).
+    failing_lookups: AtomicU64,
+}
+
+/// A finished write, as a lookup answers it.
+#[derive(Debug, Clone)]
+struct Written {
+    authorization: Option<HeaderValue>,
+    content_type: Option<HeaderValue>,
+    body: Bytes,
+    execution: u64,
 }
 
 impl Counters {
@@ -122,11 +143,24 @@ impl Counters {
         self.total.load(Ordering::Relaxed)
     }
 
-    /// Forgets every count.
+    /// Forgets every count and every write kept for lookups.
     pub fn reset(&self) {
         let mut map = self.lock();
         map.clear();
         self.total.store(0, Ordering::Relaxed);
+        self.ledger().clear();
+        self.failing_lookups.store(0, Ordering::Relaxed);
+    }
+
+    fn ledger(&self) -> MutexGuard<'_, HashMap<Vec<u8>, Written>> {
+        self.ledger.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes one of the lookups `/__fail-lookups` asked to fail; false when none is left.
+    fn fail_a_lookup(&self) -> bool {
+        self.failing_lookups
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok()
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, u64>> {
@@ -184,7 +218,7 @@ pub async fn serve(listener: TcpListener, options: Options, counters: Arc<Counte
 pub async fn handle<B>(
     req: Request<B>,
     options: Options,
-    counters: &Counters,
+    counters: &Arc<Counters>,
 ) -> Response<ResponseBody>
 where
     B: Body<Data = Bytes>,
@@ -202,6 +236,12 @@ where
     if path.starts_with("/__") {
         drain(body).await;
         return control(&parts.method, path, parts.uri.query(), counters);
+    }
+    if parts.method == Method::GET || parts.method == Method::HEAD {
+        if let Some((_, key)) = path.split_once("/by-key/") {
+            drain(body).await;
+            return lookup(key, parts.headers.get(AUTHORIZATION), counters);
+        }
     }
 
     let spec = match ResponseSpec::from_headers(&parts.headers) {
@@ -235,15 +275,49 @@ where
         }
     }
     let execution = counters.record(path);
-    if !spec.delay.is_zero() {
-        tokio::time::sleep(spec.delay).await;
-    }
+    let (answer, payload) = build_answer(&parts, &spec, execution, path, body_bytes, &digest);
+    let kept = parts
+        .headers
+        .get("idempotency-key")
+        .filter(|_| spec.status.is_success())
+        .map(|key| {
+            let written = Written {
+                authorization: parts.headers.get(AUTHORIZATION).cloned(),
+                content_type: answer.headers().get(CONTENT_TYPE).cloned(),
+                body: payload,
+                execution,
+            };
+            (key.as_bytes().to_vec(), written)
+        });
+    // The write finishes whether its caller stays or not (a service does not undo a payment
+    // because the connection dropped): its delay and its record run on a task of their own.
+    let (delay, ledger) = (spec.delay, Arc::clone(counters));
+    let finished = tokio::spawn(async move {
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        if let Some((key, written)) = kept {
+            ledger.ledger().insert(key, written);
+        }
+    });
+    let _ = finished.await;
     if spec.reset {
         let mut resp = plain(StatusCode::INTERNAL_SERVER_ERROR, Bytes::new());
         resp.extensions_mut().insert(CloseWithoutAnswer);
         return resp;
     }
+    answer
+}
 
+/// The answer to an execution, as `x-demo-*` asked for it, and its body.
+fn build_answer(
+    parts: &hyper::http::request::Parts,
+    spec: &ResponseSpec,
+    execution: u64,
+    path: &str,
+    body_bytes: u64,
+    digest: &[u8; 32],
+) -> (Response<ResponseBody>, Bytes) {
     let no_body = parts.method == Method::HEAD
         || spec.status == StatusCode::NO_CONTENT
         || spec.status == StatusCode::NOT_MODIFIED;
@@ -261,7 +335,7 @@ where
             path,
             parts.uri.query().unwrap_or(""),
             body_bytes,
-            &digest,
+            digest,
         );
         if spec.echo {
             echo_headers(&mut text, &parts.headers);
@@ -272,7 +346,7 @@ where
         )
     };
 
-    let mut resp = Response::new(Full::new(payload));
+    let mut resp = Response::new(Full::new(payload.clone()));
     *resp.status_mut() = spec.status;
     let headers = resp.headers_mut();
     if let Some(content_type) = content_type {
@@ -284,7 +358,42 @@ where
     }
     headers.insert(X_DEMO_UPSTREAM, HeaderValue::from_static("1"));
     headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    apply_extra_headers(headers, spec.extra_headers);
+    apply_extra_headers(headers, spec.extra_headers.clone());
+    (resp, payload)
+}
+
+/// A lookup of the write kept under `key` (percent-encoded, as in a path), for `caller`.
+fn lookup(key: &str, caller: Option<&HeaderValue>, counters: &Counters) -> Response<ResponseBody> {
+    if counters.fail_a_lookup() {
+        return json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            error_json("lookups are failing (/__fail-lookups)"),
+        );
+    }
+    let Some(key) = percent_decode(key) else {
+        return json(
+            StatusCode::BAD_REQUEST,
+            error_json("the key is not percent-encoded UTF-8"),
+        );
+    };
+    let found = counters
+        .ledger()
+        .get(key.as_bytes())
+        .filter(|w| w.authorization.as_ref() == caller)
+        .cloned();
+    let Some(written) = found else {
+        return json(
+            StatusCode::NOT_FOUND,
+            error_json("no finished write with this key"),
+        );
+    };
+    let mut resp = Response::new(Full::new(written.body));
+    let headers = resp.headers_mut();
+    if let Some(content_type) = written.content_type {
+        headers.insert(CONTENT_TYPE, content_type);
+    }
+    headers.insert(X_EXECUTION, HeaderValue::from(written.execution));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
     resp
 }
 
@@ -604,6 +713,21 @@ fn control(
                 ),
             }
         }
+        "/__fail-lookups" => {
+            if method != Method::POST {
+                return json(StatusCode::METHOD_NOT_ALLOWED, error_json("use POST"));
+            }
+            match query
+                .and_then(|q| query_param(q, "n"))
+                .and_then(|n| n.parse::<u64>().ok())
+            {
+                Some(n) => {
+                    counters.failing_lookups.store(n, Ordering::Relaxed);
+                    json(StatusCode::OK, format!("{{\"failing_lookups\":{n}}}"))
+                }
+                None => json(StatusCode::BAD_REQUEST, error_json("n must be a number")),
+            }
+        }
         "/__reset" => {
             if method != Method::POST {
                 return json(StatusCode::METHOD_NOT_ALLOWED, error_json("use POST"));
@@ -763,7 +887,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_signed_endpoint_executes_only_the_genuine_request() {
-        let counters = Counters::default();
+        let counters = Arc::new(Counters::default());
         let body = r#"{"id":"evt_1"}"#;
         let mut mac = HmacSha256::new(DEMO_SIGNING_KEY);
         mac.update(body.as_bytes());

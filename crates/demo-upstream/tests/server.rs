@@ -371,3 +371,51 @@ async fn echo_lists_the_request_headers_it_received() {
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
     assert_eq!(counters.executions("/pay"), 1);
 }
+
+#[tokio::test]
+async fn a_finished_write_is_found_by_its_key_by_the_caller_that_made_it() {
+    let (addr, counters) = start(Options::default()).await;
+    let alice = [
+        ("idempotency-key", "pay 7/x"),
+        ("authorization", "Bearer alice"),
+    ];
+    let lookup = "/payments/by-key/pay%207%2Fx";
+    // Not found while it runs (its delay), found once it finished: as a service that commits
+    // a payment at its end.
+    let slow = tokio::spawn(async move {
+        let mut sender = connect(addr).await;
+        let headers = [alice[0], alice[1], ("x-demo-delay-ms", "300")];
+        send_on(&mut sender, "POST", "/payments", &headers, b"{}").await
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let running = send(addr, "GET", lookup, &[alice[1]], b"").await;
+    assert_eq!(running.status, StatusCode::NOT_FOUND, "{}", running.text());
+    let written = slow.await.unwrap();
+    assert_eq!(written.status, StatusCode::CREATED);
+    let found = send(addr, "GET", lookup, &[alice[1]], b"").await;
+    assert_eq!(found.status, StatusCode::OK);
+    assert_eq!(found.body, written.body, "the write's own answer");
+    assert_eq!(found.header("x-execution"), "1");
+    // Another caller, and a key never written, find nothing; lookups are never counted.
+    let bob = send(addr, "GET", lookup, &[("authorization", "Bearer bob")], b"").await;
+    assert_eq!(bob.status, StatusCode::NOT_FOUND);
+    let none = send(addr, "GET", "/payments/by-key/other", &[alice[1]], b"").await;
+    assert_eq!(none.status, StatusCode::NOT_FOUND);
+    assert_eq!(counters.total(), 1);
+    // A failed write is not one that took effect.
+    let failed = [("idempotency-key", "k2"), ("x-demo-status", "500")];
+    send(addr, "POST", "/payments", &failed, b"{}").await;
+    assert_eq!(
+        send(addr, "GET", "/payments/by-key/k2", &[], b"")
+            .await
+            .status,
+        StatusCode::NOT_FOUND
+    );
+    // Lookups can be made to fail, N of them.
+    let armed = send(addr, "POST", "/__fail-lookups?n=2", &[], b"").await;
+    assert_eq!(armed.status, StatusCode::OK);
+    for expected in [503, 503, 200] {
+        let answer = send(addr, "GET", lookup, &[alice[1]], b"").await;
+        assert_eq!(answer.status.as_u16(), expected);
+    }
+}

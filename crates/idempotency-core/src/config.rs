@@ -862,9 +862,6 @@ fn validate_rule(
                 ttl_ms,
                 releases_unknown: raw.on_unknown_outcome == UnknownOutcomePolicy::Release,
                 is_grpc: grpc.is_some(),
-                store_over_http: store
-                    .as_ref()
-                    .is_some_and(|s| s.transport == StoreTransport::Http),
                 store_cluster: store.as_ref().map(|s| s.cluster.as_str()),
             };
             let validated =

@@ -26,6 +26,8 @@ pub mod path {
     pub const COMPLETE: &str = "/complete";
     pub const RELEASE: &str = "/release";
     pub const RENEW: &str = "/renew";
+    /// An unknown outcome settled by the filter that recorded it.
+    pub const SETTLE: &str = "/settle";
     /// Followed by `/{key}`: a record's state (`GET`), or its removal (`DELETE`); alone,
     /// with `?prefix=<hex>[&limit=N]`, the keys that start with a prefix. For operators.
     pub const RECORDS: &str = "/records";
@@ -54,6 +56,10 @@ pub mod outcome {
     pub const RENEWED: &str = "renewed";
     /// A purge that removed a record.
     pub const PURGED: &str = "purged";
+    /// A settle that replaced an unknown outcome's record.
+    pub const REPLACED: &str = "replaced";
+    /// A settle that removed one: the key is free.
+    pub const REMOVED: &str = "removed";
 }
 
 /// Problem `type` URIs of error answers.
@@ -116,6 +122,24 @@ pub struct CompleteBody {
 pub struct ReleaseBody {
     pub key: String,
     pub owner: String,
+}
+
+/// `POST /v1/settle` (the filter) and `POST /v1/records/{key}/settle` (an operator, whose
+/// path names the key): only while the key's completed record holds exactly `current`, it
+/// becomes `record` (kept `ttl_ms` from now; absent or 0: as long as `current` would have
+/// been), or, without `record`, is removed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettleBody {
+    /// Absent in the operator's form, whose path names the key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// See [`encode_record`].
+    pub current: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub record: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
 }
 
 /// One claim whose lease a renew keeps alive.

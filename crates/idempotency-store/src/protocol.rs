@@ -8,10 +8,10 @@ use serde::Deserialize;
 use idempotency_protocol::wire::{decode_record, encode_record};
 pub use idempotency_protocol::wire::{
     outcome, ClaimBody, ClaimResponse, CompleteBody, LeaseBody, OutcomeResponse, Problem,
-    RecordResponse, ReleaseBody, RenewBody, RenewResponse, MAX_LEASE_MS, MAX_RENEW_LEASES,
-    MAX_TTL_MS, MIN_LEASE_MS, MIN_TTL_MS, OWNER_HASH_HEX, PROBLEM_BAD_REQUEST, PROBLEM_FORBIDDEN,
-    PROBLEM_METHOD_NOT_ALLOWED, PROBLEM_NOT_FOUND, PROBLEM_NOT_OWNER, PROBLEM_TOO_LARGE,
-    PROBLEM_TOO_MANY_REQUESTS, PROBLEM_UNAUTHORIZED, PROBLEM_UNAVAILABLE,
+    RecordResponse, ReleaseBody, RenewBody, RenewResponse, SettleBody, MAX_LEASE_MS,
+    MAX_RENEW_LEASES, MAX_TTL_MS, MIN_LEASE_MS, MIN_TTL_MS, OWNER_HASH_HEX, PROBLEM_BAD_REQUEST,
+    PROBLEM_FORBIDDEN, PROBLEM_METHOD_NOT_ALLOWED, PROBLEM_NOT_FOUND, PROBLEM_NOT_OWNER,
+    PROBLEM_TOO_LARGE, PROBLEM_TOO_MANY_REQUESTS, PROBLEM_UNAUTHORIZED, PROBLEM_UNAVAILABLE,
 };
 
 use crate::storage::{
@@ -136,12 +136,62 @@ pub fn validate_complete(
     })
 }
 
-/// A settle of an unknown outcome (stream only).
+/// Who settles an unknown outcome: the filter that recorded it, or an operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settler {
+    Filter,
+    Operator,
+}
+
+impl Settler {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Settler::Filter => "filter",
+            Settler::Operator => "operator",
+        }
+    }
+}
+
+/// A settle of an unknown outcome.
 #[derive(Debug, Clone)]
 pub struct SettleRequest {
     pub key: Digest,
     pub current: Vec<u8>,
     pub replacement: Option<crate::storage::Replacement>,
+    pub by: Settler,
+}
+
+/// `POST /v1/settle`'s body (the key in it), or, with `path_key`, the operator's
+/// `POST /v1/records/{key}/settle` (the key in the path, none in the body).
+pub fn parse_settle(
+    body: &[u8],
+    path_key: Option<&str>,
+    by: Settler,
+) -> Result<SettleRequest, BadRequest> {
+    let raw: SettleBody = parse_json(body)?;
+    let key = match (path_key, &raw.key) {
+        (Some(key), None) => key,
+        (None, Some(key)) => key.as_str(),
+        (Some(_), Some(_)) => {
+            return Err(BadRequest::field(
+                "key",
+                "is the path's: leave it out of the body",
+            ))
+        }
+        (None, None) => return Err(BadRequest::field("key", "missing")),
+    };
+    let base64 = |field: &str, text: &str| {
+        decode_record(text)
+            .map_err(|e| BadRequest::field(field, &format!("not standard base64: {e}")))
+    };
+    let current = base64("current", &raw.current)?;
+    let record = match &raw.record {
+        Some(text) => base64("record", text)?,
+        None => Vec::new(),
+    };
+    let mut settle = validate_settle(key, current, record, raw.ttl_ms.unwrap_or(0))?;
+    settle.by = by;
+    Ok(settle)
 }
 
 /// `record` empty frees the key; `ttl_ms` 0 keeps the current record's expiry.
@@ -177,6 +227,7 @@ pub fn validate_settle(
         key,
         current,
         replacement,
+        by: Settler::Filter,
     })
 }
 

@@ -239,6 +239,7 @@ pub fn router_with(state: AppState, options: RouterOptions) -> Router {
         .route(&at(path::COMPLETE), post(complete))
         .route(&at(path::RELEASE), post(release))
         .route(&at(path::RENEW), post(renew))
+        .route(&at(path::SETTLE), post(settle))
         // route_layer: auth only for matched routes, so unknown paths are a
         // plain 404 rather than a misleading 401.
         .route_layer(middleware::from_fn_with_state(
@@ -250,6 +251,10 @@ pub fn router_with(state: AppState, options: RouterOptions) -> Router {
         .route(
             &format!("{}/{{key}}", at(path::RECORDS)),
             get(lookup).delete(purge),
+        )
+        .route(
+            &format!("{}/{{key}}{}", at(path::RECORDS), path::SETTLE),
+            post(operator_settle),
         )
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
@@ -762,7 +767,7 @@ impl Refusal {
 /// Buffers the body (within the limit) and parses + validates it.
 fn parse_body<T>(
     body: Result<Bytes, BytesRejection>,
-    parse: fn(&[u8]) -> Result<T, BadRequest>,
+    parse: impl FnOnce(&[u8]) -> Result<T, BadRequest>,
 ) -> Result<T, Refusal> {
     let bytes = body.map_err(|rej| {
         if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
@@ -998,7 +1003,13 @@ impl V1Operation for protocol::SettleRequest {
             } else {
                 "removed: the write never ran"
             };
-            tracing::info!(key = self.key.as_str(), how, "settled an unknown outcome");
+            let by = self.by.as_str();
+            tracing::info!(
+                key = self.key.as_str(),
+                how,
+                by,
+                "settled an unknown outcome"
+            );
         }
         Ok(settled)
     }
@@ -1011,9 +1022,22 @@ impl V1Operation for protocol::SettleRequest {
         }
     }
 
-    /// The HTTP API has no settle (the stream carries it); named for completeness.
     fn answer(outcome: SettleOutcome) -> Response {
-        Json(serde_json::json!({ "outcome": Self::name(&outcome) })).into_response()
+        match outcome {
+            SettleOutcome::Replaced => {
+                Json(OutcomeResponse::new(protocol::outcome::REPLACED)).into_response()
+            }
+            SettleOutcome::Removed => {
+                Json(OutcomeResponse::new(protocol::outcome::REMOVED)).into_response()
+            }
+            SettleOutcome::NotFound => problem(
+                StatusCode::CONFLICT,
+                protocol::PROBLEM_NOT_OWNER,
+                "Not the record named",
+                "the key does not hold exactly the completed record given as current \
+                 (settled already, replaced, expired, or still in flight); nothing changed",
+            ),
+        }
     }
 }
 
@@ -1053,7 +1077,7 @@ impl V1Operation for Lookup {
 async fn post_handler<Op: V1Operation>(
     st: AppState,
     body: Result<Bytes, BytesRejection>,
-    parse: fn(&[u8]) -> Result<Op, BadRequest>,
+    parse: impl FnOnce(&[u8]) -> Result<Op, BadRequest>,
 ) -> Response {
     match parse_body(body, parse) {
         Ok(op) => perform(&st, op).await,
@@ -1075,6 +1099,29 @@ async fn release(State(st): State<AppState>, body: Result<Bytes, BytesRejection>
 
 async fn renew(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     post_handler(st, body, protocol::parse_renew).await
+}
+
+async fn settle(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    post_handler(st, body, |bytes| {
+        protocol::parse_settle(bytes, None, protocol::Settler::Filter)
+    })
+    .await
+}
+
+/// An operator settles an unknown outcome (`idempotency-store record resolve`).
+async fn operator_settle(
+    State(st): State<AppState>,
+    key: Result<Path<String>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let key = match key {
+        Ok(Path(key)) => key,
+        Err(rej) => return bad_request(&st, BadRequest(format!("bad path: {}", rej.body_text()))),
+    };
+    post_handler(st, body, |bytes| {
+        protocol::parse_settle(bytes, Some(&key), protocol::Settler::Operator)
+    })
+    .await
 }
 
 /// The record key a `/v1/records/{key}` path names.

@@ -505,6 +505,50 @@ mod record_command {
         let out = store.record(&["show", "--hash", "0123"]);
         assert_eq!(out.status.code(), Some(2));
         assert!(text(&out.stderr).contains("16 to 64 hex digits"));
+        // resolve says how the write ended, one way, and a response only for "took effect".
+        for (args, says) in [
+            (
+                &["resolve", "--hash", "0123456789abcdef"][..],
+                "--took-effect",
+            ),
+            (
+                &[
+                    "resolve",
+                    "--hash",
+                    "0123456789abcdef",
+                    "--took-effect",
+                    "--never-ran",
+                ],
+                "cannot be used with",
+            ),
+            (
+                &[
+                    "resolve",
+                    "--hash",
+                    "0123456789abcdef",
+                    "--never-ran",
+                    "--status",
+                    "201",
+                ],
+                "cannot be used with",
+            ),
+            (
+                &[
+                    "resolve",
+                    "--hash",
+                    "0123456789abcdef",
+                    "--took-effect",
+                    "--status",
+                    "99",
+                ],
+                "200 to 599",
+            ),
+        ] {
+            let out = store.record(args);
+            assert_eq!(out.status.code(), Some(2), "{args:?}");
+            let stderr = text(&out.stderr);
+            assert!(stderr.contains(says), "{args:?}: {stderr}");
+        }
 
         let closed = format!("http://127.0.0.1:{}", common::free_port());
         let out = Command::new(BIN)

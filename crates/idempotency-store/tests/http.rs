@@ -106,7 +106,7 @@ impl TestServer {
         let resp = self
             .client
             .post(self.url(path))
-            .bearer_auth(TOKEN)
+            .bearer_auth(token_for(path))
             .json(body)
             .send()
             .await
@@ -168,6 +168,80 @@ async fn assert_bad_request(resp: reqwest::Response, mentions: &str) {
     assert!(
         detail.contains(mentions),
         "detail {detail:?} should mention {mentions:?}"
+    );
+}
+
+/// An unknown outcome is settled over HTTP by the filter (`/v1/settle`, the data-plane token)
+/// or an operator (`/v1/records/{key}/settle`, the operator token), only while the key holds
+/// exactly the record named as `current`.
+#[tokio::test]
+async fn an_unknown_outcome_is_settled_by_the_filter_or_an_operator() {
+    let b64 = idempotency_protocol::wire::encode_record;
+    let srv = TestServer::start().await;
+    let record_unknown = |key: &'static str| {
+        let srv = &srv;
+        async move {
+            let claim = json!({"key": key, "fingerprint": FP, "lease_ms": 60000, "owner": "0a"});
+            assert_eq!(srv.post("/v1/claim", &claim).await.0, StatusCode::OK);
+            let complete =
+                json!({"key": key, "owner": "0a", "ttl_ms": 60000, "record": b64(b"unknown")});
+            assert_eq!(srv.post("/v1/complete", &complete).await.0, StatusCode::OK);
+        }
+    };
+    record_unknown(K).await;
+    let settle = json!({"key": K, "current": b64(b"other"), "record": b64(b"paid")});
+    let (st, refused) = srv.post("/v1/settle", &settle).await;
+    assert_eq!(st, StatusCode::CONFLICT);
+    assert_eq!(refused["type"], "urn:idempotency-store:not-owner");
+    let settle = json!({"key": K, "current": b64(b"unknown"), "record": b64(b"paid")});
+    assert_eq!(
+        srv.post("/v1/settle", &settle).await,
+        (StatusCode::OK, json!({"outcome": "replaced"}))
+    );
+    let (_, rec) = srv.get(&format!("/v1/records/{K}")).await;
+    assert_eq!(rec["record"], b64(b"paid"));
+    // Its repeat finds its own result: nothing changes.
+    assert_eq!(
+        srv.post("/v1/settle", &settle).await.0,
+        StatusCode::CONFLICT
+    );
+
+    // The operator's form: the key in the path, on the operator token only.
+    const K2: &str = "dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd";
+    record_unknown(K2).await;
+    let never_ran = json!({"current": b64(b"unknown")});
+    let resp = srv
+        .client
+        .post(srv.url(&format!("/v1/records/{K2}/settle")))
+        .bearer_auth(TOKEN)
+        .json(&never_ran)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.status(),
+        StatusCode::FORBIDDEN,
+        "not on the data-plane token"
+    );
+    assert_eq!(
+        srv.post(&format!("/v1/records/{K2}/settle"), &never_ran)
+            .await,
+        (StatusCode::OK, json!({"outcome": "removed"}))
+    );
+    assert_eq!(
+        srv.get(&format!("/v1/records/{K2}")).await.0,
+        StatusCode::NOT_FOUND
+    );
+    let keyed = json!({"key": K2, "current": b64(b"unknown")});
+    let (st, bad) = srv.post(&format!("/v1/records/{K2}/settle"), &keyed).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    assert!(bad["detail"].as_str().unwrap().contains("key"), "{bad}");
+    let metrics = srv.metrics().await;
+    assert!(
+        metrics.contains(
+            r#"idempotency_store_operations_total{operation="settle",outcome="replaced"} 1"#
+        ),
+        "{metrics}"
     );
 }
 

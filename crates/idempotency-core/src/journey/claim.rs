@@ -12,8 +12,9 @@ use super::{
 };
 use crate::config::{OverloadPolicy, StoreErrorPolicy, StoreTransport};
 use crate::host::Host;
-use crate::key::Digest;
+use crate::key::{to_hex, Digest};
 use crate::outcome::Outcome;
+use crate::plugin::resolutions::Resolution;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::store_calls::{self, StoreAnswer, StoreOp};
 use crate::plugin::store_link::{ClaimWaiter, Waiter};
@@ -91,6 +92,15 @@ impl RequestJourney {
                 owner: recorded_by,
                 status,
             }) => match self.load_recorded(host, &rule, slot, recorded_by) {
+                // Cluster mode: an unknown outcome here is only this proxy's copy, and the
+                // store may have settled it since (a resolution, an operator): ask the store.
+                Some(recorded) if recorded.unknown.is_some() && rule.store.is_some() => {
+                    let held = Held {
+                        completed_status: Some(0),
+                        ..Held::unheld(key, fingerprint, owner)
+                    };
+                    self.confirm_or_execute(host, rule, held)
+                }
                 Some(recorded) => self.replay(host, &rule, &recorded, Outcome::Replayed),
                 // Cluster mode: the local copy is gone (its page was reused), the store
                 // still has the whole response.
@@ -220,11 +230,16 @@ impl RequestJourney {
                     token: owner,
                     confirmed: true,
                 };
-                if let Some(status) = held.completed_status {
-                    // This proxy recorded the write itself (only its body is gone here), and
-                    // its completion has not reached the store yet while the store's claim
-                    // lapsed: never run it again. Replay what it kept, and record that in the
-                    // store under the claim it just got.
+                // An unknown outcome this proxy recorded, whose record the store took, and
+                // the key is free there now: settled as never run, purged, or expired. The
+                // store decides, as it does for every replica.
+                let freed_in_store = held.completed_status == Some(0)
+                    && !self.plugin.writes.completion_pending(&to_hex(&held.key));
+                if let (Some(status), false) = (held.completed_status, freed_in_store) {
+                    // This proxy recorded the write itself (only its body is gone here, or it
+                    // is an unknown outcome), and its completion has not reached the store yet
+                    // while the store's claim lapsed: never run it again. Replay what it kept,
+                    // and record that in the store under the claim it just got.
                     let kept = RecordedResponse::status_only(status);
                     self.submit_store_completion(host, &rule, &held, &confirmed, &kept);
                     return self.replay(host, &rule, &kept, Outcome::Replayed);
@@ -240,10 +255,12 @@ impl RequestJourney {
                 self.note(host, &rule, Outcome::Mismatch);
                 self.answer_problem(host, &rule, &Problem::key_reused(&rule.key_label()))
             }
-            Ok(StoreClaim::Completed(recorded)) if is_being_resolved(&recorded) => {
-                // Another proxy is resolving it: a local copy would go on answering 409 here
-                // after the store has settled it, so the next retry asks the store again.
+            Ok(StoreClaim::Completed(recorded)) if recorded.unknown.is_some() => {
+                // An unknown outcome: the store may settle it (a proxy resolving it, an
+                // operator), and a local copy would go on answering 409 here after that, so
+                // none is kept: the next retry asks the store again.
                 self.release_local(host, &held);
+                self.adopt_resolution(host, &rule, &held, &recorded);
                 self.replay(host, &rule, &recorded, Outcome::Replayed)
             }
             Ok(StoreClaim::Completed(recorded)) => {
@@ -422,6 +439,54 @@ impl RequestJourney {
         send_response(host, rule, recorded, true)
     }
 
+    /// An unknown outcome whose resolution is overdue in the store (the proxy resolving it
+    /// died or restarted, or its lookups keep failing): this proxy takes it on too, with the
+    /// lookup this retry carries (same key, same caller). Lookups are reads, and the store
+    /// settles only the exact record both proxies saw, so two proxies resolving one key
+    /// settle it once.
+    fn adopt_resolution(
+        &self,
+        host: &impl Host,
+        rule: &Rc<RuleHandle>,
+        held: &Held,
+        recorded: &RecordedResponse,
+    ) {
+        let (Some(resolve), Some(unknown)) = (&rule.rule.resolve, &recorded.unknown) else {
+            return;
+        };
+        let Some(due_ms) = unknown.resolution_due_ms else {
+            return;
+        };
+        let now = host.now_ms();
+        let resolutions = &self.plugin.resolutions;
+        if now < due_ms.saturating_add(resolve.adopt_after_ms()) || resolutions.resolving(&held.key)
+        {
+            return;
+        }
+        let Some(lookup) = self.lookup.borrow_mut().take() else {
+            return;
+        };
+        let resolution = Resolution::new(
+            Rc::clone(rule),
+            held.clone(),
+            lookup,
+            (**unknown).clone(),
+            now,
+        );
+        match resolutions.schedule(resolution) {
+            Ok(()) => log::warn!(
+                "rule {}: an unknown outcome's resolution was due {} s ago and is not settled \
+                 in the store; this proxy resolves it too",
+                rule.rule.name,
+                now.saturating_sub(due_ms) / 1000
+            ),
+            Err(_) => log::warn!(
+                "rule {}: an overdue resolution not taken on: this worker holds as many as it can",
+                rule.rule.name
+            ),
+        }
+    }
+
     /// The local table cannot take the claim: reject with `problem`, or pass unprotected.
     fn overloaded(&self, host: &impl Host, rule: &RuleHandle, problem: Problem) -> Step {
         match rule.rule.on_table_full {
@@ -454,14 +519,6 @@ impl RequestJourney {
             }
         }
     }
-}
-
-/// An unknown outcome some proxy is resolving by asking the service (`resolve`).
-fn is_being_resolved(recorded: &RecordedResponse) -> bool {
-    recorded
-        .unknown
-        .as_ref()
-        .is_some_and(|u| u.resolution_due_ms.is_some())
 }
 
 /// A protected write goes upstream once: the router must not resend one that may have

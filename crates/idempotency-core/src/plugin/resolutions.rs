@@ -118,6 +118,12 @@ impl Resolutions {
         Ok(())
     }
 
+    /// Whether this worker is resolving `key` already.
+    pub fn resolving(&self, key: &crate::key::Digest) -> bool {
+        self.waiting.borrow().iter().any(|r| r.held.key == *key)
+            || self.in_flight.borrow().values().any(|r| r.held.key == *key)
+    }
+
     /// Resolutions waiting or asking: a retired configuration's root stays for them.
     pub fn len(&self) -> usize {
         self.waiting.borrow().len() + self.in_flight.borrow().len()

@@ -14,8 +14,6 @@ pub enum StoreOp {
     Complete,
     Release,
     Renew,
-    /// Stream only: the HTTP API has no settle (a rule that resolves in cluster mode is
-    /// refused with the HTTP transport).
     Settle,
 }
 
@@ -26,7 +24,7 @@ impl StoreOp {
             StoreOp::Complete => path::COMPLETE,
             StoreOp::Release => path::RELEASE,
             StoreOp::Renew => path::RENEW,
-            StoreOp::Settle => "/settle",
+            StoreOp::Settle => path::SETTLE,
         }
     }
 }

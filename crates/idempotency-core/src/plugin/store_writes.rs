@@ -210,6 +210,8 @@ pub struct StoreWrites {
     /// renewing.
     lost_leases: RefCell<Vec<(String, String)>>,
     lost_log: RefCell<BurstLog>,
+    /// Keys (hex) with completions not yet taken by the store, and how many.
+    unlanded: RefCell<HashMap<String, u32>>,
 }
 
 impl Drop for StoreWrites {
@@ -243,6 +245,7 @@ impl StoreWrites {
             charged: Cell::new(0),
             lost_leases: RefCell::new(Vec::new()),
             lost_log: RefCell::new(BurstLog::new(10_000)),
+            unlanded: RefCell::new(HashMap::new()),
         }
     }
 
@@ -290,10 +293,11 @@ impl StoreWrites {
             .as_ref()
             .and_then(|s| links.find(s))
             .is_some_and(|link| link.handle().is_some());
+        self.track(&write);
         if context_id != 0 && open {
             self.send_on_stream(host, links, context_id, write);
         } else {
-            self.submit(host, write);
+            self.enqueue(host, write);
         }
     }
 
@@ -319,8 +323,41 @@ impl StoreWrites {
 
     /// Called from a request's context: queue the write and wake the root.
     pub fn submit(&self, host: &impl Host, write: PendingWrite) {
+        self.track(&write);
+        self.enqueue(host, write);
+    }
+
+    fn enqueue(&self, host: &impl Host, write: PendingWrite) {
         self.fresh.borrow_mut().push_back(write);
         self.wake_root(host);
+    }
+
+    /// Whether a completion of `key` (hex) is still on its way to the store: submitted and
+    /// neither taken, refused nor given up yet. A claim that finds the store free while this
+    /// proxy's own record of the key has not landed must not take the store's word for it.
+    pub fn completion_pending(&self, key: &str) -> bool {
+        self.unlanded.borrow().contains_key(key)
+    }
+
+    fn track(&self, write: &PendingWrite) {
+        if let CallOp::Complete { key, .. } = &write.call {
+            let mut unlanded = self.unlanded.borrow_mut();
+            let count = unlanded.entry(key.clone()).or_insert(0);
+            *count = count.saturating_add(1);
+        }
+    }
+
+    /// `write` ended: taken, refused or given up.
+    fn untrack(&self, write: &PendingWrite) {
+        if let CallOp::Complete { key, .. } = &write.call {
+            let mut unlanded = self.unlanded.borrow_mut();
+            if let Some(count) = unlanded.get_mut(key) {
+                *count = count.saturating_sub(1);
+                if *count == 0 {
+                    unlanded.remove(key);
+                }
+            }
+        }
     }
 
     /// Wakes the root (`on_wake`) soon after the current callback; without a wake-up
@@ -516,6 +553,14 @@ impl StoreWrites {
     }
 
     fn settle(&self, host: &impl Host, table: &Table, write: PendingWrite, answer: WriteAnswer) {
+        let ends = match &answer {
+            WriteAnswer::Retry(_) => false,
+            WriteAnswer::Refused(_) => write.lean.is_none(),
+            _ => true,
+        };
+        if ends {
+            self.untrack(&write);
+        }
         match answer {
             WriteAnswer::Done => self.store_answered(),
             WriteAnswer::Superseded => {
@@ -598,7 +643,7 @@ impl StoreWrites {
             store_calls::read_answer(host, num_headers, body_size);
         let kind = write.kind();
         if write.best_effort
-            && kind == WriteKind::Release
+            && matches!(kind, WriteKind::Release | WriteKind::Settle)
             && status == Some(409)
             && write.attempts.saturating_add(1) < BEST_EFFORT_NOT_OWNER_ATTEMPTS
         {
@@ -661,6 +706,7 @@ impl StoreWrites {
     }
 
     fn drop_write(&self, host: &impl Host, write: &PendingWrite, why: &str) {
+        self.untrack(write);
         write.rule.count(host, Outcome::StoreWriteDropped);
         if let Some(suppressed) = self.drops.borrow_mut().admit(host.now_ms()) {
             log::error!(

@@ -124,7 +124,6 @@ mod tests {
                 ttl_ms: 60_000,
                 releases_unknown: false,
                 is_grpc: false,
-                store_over_http: false,
                 store_cluster: None,
             },
         )

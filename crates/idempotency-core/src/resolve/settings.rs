@@ -63,6 +63,8 @@ pub const MAX_TIMEOUT_MS: u64 = 60_000;
 pub const MAX_ATTEMPTS: u32 = 20;
 /// The backoff doubles after each failed lookup, up to this.
 pub const MAX_BACKOFF_MS: u64 = 300_000;
+/// See `Resolve::adopt_after_ms`.
+pub const ADOPT_SLACK_MS: u64 = 5_000;
 
 /// Validated.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,6 +104,13 @@ impl Resolve {
         }
     }
 
+    /// How long past its due time a resolution still unsettled in the store is taken on by
+    /// another proxy: the first lookup's timeout and some slack (a tick, the settle's way to
+    /// the store) beyond it.
+    pub fn adopt_after_ms(&self) -> u64 {
+        self.timeout_ms.saturating_add(ADOPT_SLACK_MS)
+    }
+
     /// How long after the `attempt`-th failed lookup (from 1) the next one goes.
     pub fn backoff_after(&self, attempt: u32) -> u64 {
         let doublings = attempt.saturating_sub(1).min(20);
@@ -119,8 +128,6 @@ pub struct RuleFacts<'a> {
     /// `on_unknown_outcome: "release"`: nothing is ever left to resolve.
     pub releases_unknown: bool,
     pub is_grpc: bool,
-    /// Cluster mode over the HTTP transport, which has no way to settle a record.
-    pub store_over_http: bool,
     /// The store's cluster, which a lookup must not be sent to.
     pub store_cluster: Option<&'a str>,
 }
@@ -138,14 +145,6 @@ pub fn validate(raw: RawResolve, rule: &RuleFacts<'_>) -> Result<Resolve, (Strin
     }
     if rule.is_grpc {
         return err("", "not supported for gRPC rules yet".to_string());
-    }
-    if rule.store_over_http {
-        return err(
-            "",
-            "needs the store's stream (store.transport \"grpc\", the default): the HTTP \
-             transport cannot settle a record in the store"
-                .to_string(),
-        );
     }
     let method = raw.method.to_ascii_uppercase();
     if !["GET", "HEAD", "POST"].contains(&method.as_str()) {
@@ -287,7 +286,6 @@ mod tests {
             ttl_ms: 86_400_000,
             releases_unknown: false,
             is_grpc: false,
-            store_over_http: false,
             store_cluster: None,
         }
     }

@@ -5,7 +5,7 @@
 use idempotency_protocol::stream::{CallOp, FailureKind, Reply};
 use idempotency_protocol::wire::{
     decode_record, encode_record, outcome, ClaimBody, ClaimResponse, CompleteBody, OutcomeResponse,
-    ReleaseBody, RenewBody, RenewResponse, MAX_RENEW_LEASES,
+    ReleaseBody, RenewBody, RenewResponse, SettleBody, MAX_RENEW_LEASES,
 };
 
 use crate::key::{to_hex, Digest};
@@ -169,8 +169,18 @@ pub fn http_body(call: &CallOp) -> Vec<u8> {
             owner: owner.clone(),
         }),
         CallOp::Renew { lease_ms, leases } => serde_json::to_vec(&RenewBody::of(*lease_ms, leases)),
-        // The stream alone carries these (a rule that resolves in cluster mode needs it).
-        CallOp::Wait { .. } | CallOp::Settle { .. } => return Vec::new(),
+        CallOp::Settle {
+            key,
+            current,
+            record,
+            ttl_ms,
+        } => serde_json::to_vec(&SettleBody {
+            key: Some(key.clone()),
+            current: encode_record(current),
+            record: (!record.is_empty()).then(|| encode_record(record)),
+            ttl_ms: (*ttl_ms != 0).then_some(*ttl_ms),
+        }),
+        CallOp::Wait { .. } => return Vec::new(),
     };
     json.unwrap_or_default()
 }
@@ -321,6 +331,9 @@ fn renewed(lost: Vec<u32>) -> WriteAnswer {
 
 pub fn read_write_answer(kind: WriteKind, status: Option<u16>, body: &[u8]) -> WriteAnswer {
     match status {
+        // Settled, or the record is something else by now: nothing is left to do (see
+        // `read_write_reply`).
+        Some(200 | 409) if kind == WriteKind::Settle => WriteAnswer::Done,
         // Nothing left to release (released before, expired, or taken over): the goal holds.
         Some(409) if kind == WriteKind::Release => WriteAnswer::Done,
         Some(200) if kind == WriteKind::Renew => {

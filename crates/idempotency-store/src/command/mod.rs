@@ -1,10 +1,14 @@
-//! `idempotency-store record show|purge`: an operator's look at one record of a running
+//! `idempotency-store record show|purge|resolve`: an operator's look at one record of a running
 //! store, over its HTTP API with the operator token, so it works alike on every backend and
 //! the store never sees a raw key or a caller's credentials (the command hashes them
 //! itself, with the filter's own functions; see `naming`).
 //!
-//! Exit codes: 0 found (or purged), 1 no such record, 2 anything else (usage, connection,
-//! token, an ambiguous prefix), always with a sentence on stderr.
+//! `resolve` settles an unknown outcome by hand (the write took effect, with the response to
+//! replay, or it never ran), as a rule's `resolve` does by asking the service.
+//!
+//! Exit codes: 0 found (or purged, or settled), 1 no such record, 2 anything else (usage,
+//! connection, token, an ambiguous prefix, a record that is not an unknown outcome), always
+//! with a sentence on stderr.
 
 mod naming;
 mod report;
@@ -23,6 +27,8 @@ pub use report::Shown;
 use store_api::{StoreApi, Token};
 
 use crate::storage::Digest;
+use idempotency_core::plugin::resolutions::RESOLVED_HEADER;
+use idempotency_core::record::RecordedResponse;
 
 /// The variable the store reads its data-plane token from (the filter's `store.token`).
 pub const TOKEN_ENV: &str = "IDEMPOTENCY_STORE_TOKEN";
@@ -40,6 +46,39 @@ pub enum RecordCommand {
     /// Remove one record, whatever its state (a claim stuck after a crash, a recorded
     /// response that must not be replayed). Prints what was removed.
     Purge(RecordArgs),
+    /// Settle an unknown outcome: it took effect (its retries then replay the response given
+    /// here) or it never ran (its key is freed: the next retry executes). Only a record that
+    /// still is that unknown outcome changes. The store logs it.
+    Resolve(ResolveArgs),
+}
+
+/// `record resolve`: which record, and how it ended.
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("ending").required(true).args(["took_effect", "never_ran"])))]
+pub struct ResolveArgs {
+    #[command(flatten)]
+    pub record: RecordArgs,
+
+    /// The write took effect: retries get the response given by --status, --response-header
+    /// and --response-body (marked `idempotent-resolved: true`).
+    #[arg(long)]
+    pub took_effect: bool,
+
+    /// The write never ran: the key is freed, and the next retry executes it.
+    #[arg(long, conflicts_with_all = ["status", "response_headers", "response_body"])]
+    pub never_ran: bool,
+
+    /// The status retries get.
+    #[arg(long, default_value_t = 200, value_name = "CODE")]
+    pub status: u16,
+
+    /// A header retries get, `'name: value'` (repeatable).
+    #[arg(long = "response-header", value_name = "'NAME: VALUE'")]
+    pub response_headers: Vec<String>,
+
+    /// The body retries get.
+    #[arg(long, value_name = "TEXT")]
+    pub response_body: Option<String>,
 }
 
 /// How to reach the store, which record, and how to print it.
@@ -106,11 +145,12 @@ impl From<String> for Failure {
 
 /// Runs the command; the exit code and what to print are decided here, never by a panic.
 pub async fn run(command: RecordCommand) -> ExitCode {
-    let (purge, args) = match command {
-        RecordCommand::Show(args) => (false, args),
-        RecordCommand::Purge(args) => (true, args),
+    let done = match command {
+        RecordCommand::Show(args) => execute(false, &args).await,
+        RecordCommand::Purge(args) => execute(true, &args).await,
+        RecordCommand::Resolve(args) => settle_by_hand(&args).await,
     };
-    match execute(purge, &args).await {
+    match done {
         Ok(()) => ExitCode::from(EXIT_FOUND),
         Err(Failure(code, message)) => {
             eprintln!("idempotency-store record: {message}");
@@ -276,27 +316,105 @@ async fn execute(purge: bool, args: &RecordArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-async fn purge_one(
-    api: &StoreApi,
-    args: &RecordArgs,
+/// `record resolve`: the one record named, if it is an unknown outcome, settled as told.
+async fn settle_by_hand(args: &ResolveArgs) -> Result<(), Failure> {
+    let replacement = if args.took_effect {
+        Some(stated_response(args)?)
+    } else {
+        None
+    };
+    let named = resolve(&args.record)?;
+    let api = StoreApi::new(&args.record.store_url, token(&args.record)?)?;
+    let found = find(&api, &named).await?;
+    let key = the_one(&named, &found, "resolve settles", "nothing settled")?;
+    let Some(answer) = api.lookup(key).await? else {
+        return Err(Failure(
+            EXIT_NOT_FOUND,
+            format!("no live record for key {}; nothing settled", key.as_str()),
+        ));
+    };
+    let shown = Shown::new(key.as_str(), &answer, now_ms());
+    let current = match (&shown.response, &answer.record) {
+        (Some(report::Response::OutcomeUnknown(_)), Some(text)) => {
+            idempotency_protocol::wire::decode_record(text)
+                .map_err(|e| format!("the store's record is not base64: {e}"))?
+        }
+        _ => {
+            return Err(Failure(
+                EXIT_ERROR,
+                format!(
+                    "resolve settles an unknown outcome; this record is not one (nothing \
+                     settled):\n{}",
+                    shown.text()
+                ),
+            ))
+        }
+    };
+    let record = replacement.map(|r| r.encode());
+    let outcome = api.settle(key, &current, record.as_deref()).await?;
+    let settled = Shown::new(
+        key.as_str(),
+        &api.lookup(key).await?.unwrap_or(answer),
+        now_ms(),
+    );
+    if args.record.json {
+        println!("{}", json!({"outcome": outcome, "record": settled.json()}));
+    } else if args.never_ran {
+        println!("settled: the write never ran; key {} is free", key.as_str());
+    } else {
+        println!("settled: the write took effect; retries replay:");
+        print!("{}", settled.text());
+    }
+    Ok(())
+}
+
+/// The response an operator says a write that took effect answered.
+fn stated_response(args: &ResolveArgs) -> Result<RecordedResponse, String> {
+    if !(200..=599).contains(&args.status) {
+        return Err(format!(
+            "--status {}: an HTTP status, 200 to 599",
+            args.status
+        ));
+    }
+    let mut headers = Vec::new();
+    for raw in &args.response_headers {
+        let (name, value) = parse_header(raw)?;
+        if name.starts_with(':') {
+            return Err(format!("--response-header {raw:?}: not a pseudo-header"));
+        }
+        headers.push((name, value));
+    }
+    headers.push((RESOLVED_HEADER.to_owned(), b"true".to_vec()));
+    Ok(RecordedResponse {
+        status: args.status,
+        headers,
+        body: args.response_body.clone().unwrap_or_default().into_bytes(),
+        ..RecordedResponse::default()
+    })
+}
+
+/// The one key found, or why an operation that changes one record will not pick one.
+fn the_one<'a>(
     named: &Named,
-    found: &Found,
-) -> Result<(), Failure> {
-    let key = match found.keys.as_slice() {
+    found: &'a Found,
+    what: &str,
+    nothing: &str,
+) -> Result<&'a Digest, Failure> {
+    match found.keys.as_slice() {
         [] => {
-            let mut message = format!("no live record for {}; nothing purged", describe(named));
+            let mut message = format!("no live record for {}; {nothing}", describe(named));
             for note in caveats(found) {
                 message.push_str("; ");
                 message.push_str(&note);
             }
-            return Err(Failure(EXIT_NOT_FOUND, message));
+            Err(Failure(EXIT_NOT_FOUND, message))
         }
-        [one] if !found.truncated && found.exhaustive => one,
+        [one] if !found.truncated && found.exhaustive => Ok(one),
         many => {
             let listed: Vec<&str> = many.iter().map(Digest::as_str).collect();
             let mut message = format!(
-                "purge removes one record, named without doubt; {}: {} (nothing purged). \
-                 Name the one to purge by its whole key, --hash <64 hex digits>:\n  {}",
+                "{what} one record, named without doubt; {}: {} ({nothing}). \
+                 Name it by its whole key, --hash <64 hex digits>:\n  {}",
                 describe(named),
                 if many.len() > 1 || found.truncated {
                     format!("{} or more records match", many.len())
@@ -309,9 +427,18 @@ async fn purge_one(
                 message.push_str("\nnote: ");
                 message.push_str(&note);
             }
-            return Err(Failure(EXIT_ERROR, message));
+            Err(Failure(EXIT_ERROR, message))
         }
-    };
+    }
+}
+
+async fn purge_one(
+    api: &StoreApi,
+    args: &RecordArgs,
+    named: &Named,
+    found: &Found,
+) -> Result<(), Failure> {
+    let key = the_one(named, found, "purge removes", "nothing purged")?;
     let Some(answer) = api.purge(key).await? else {
         return Err(Failure(
             EXIT_NOT_FOUND,

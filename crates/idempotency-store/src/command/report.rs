@@ -4,6 +4,7 @@
 
 use std::fmt::Write as _;
 
+use idempotency_core::plugin::resolutions::RESOLVED_HEADER;
 use idempotency_core::record::{RecordedResponse, UnknownOutcome};
 use idempotency_core::who_answered::flag_names;
 use idempotency_protocol::wire::{decode_record, RecordResponse, RecordState};
@@ -42,6 +43,9 @@ pub enum Response {
 /// an Envoy's local table.)
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Summary {
+    /// The record is what the service answered when asked about an unknown outcome, or what
+    /// an operator settled it with (`idempotent-resolved: true` among its headers).
+    pub resolved: bool,
     pub status: u16,
     pub headers: usize,
     pub body_bytes: usize,
@@ -67,6 +71,10 @@ impl Shown {
                         ..
                     }) => Response::OutcomeUnknown(*unknown),
                     Some(r) => Response::Recorded(Summary {
+                        resolved: r
+                            .headers
+                            .iter()
+                            .any(|(n, v)| n == RESOLVED_HEADER && v.as_slice() == b"true"),
                         status: r.status,
                         headers: r.headers.len(),
                         body_bytes: r.body.len(),
@@ -145,6 +153,18 @@ impl Shown {
         line("fingerprint", self.fingerprint.clone());
         match &self.response {
             Some(Response::Recorded(r)) => {
+                if r.resolved {
+                    line(
+                        "resolved",
+                        format!(
+                            "an unknown outcome, settled as taken effect{}",
+                            match self.written_at_ms {
+                                Some(at) => format!(" at {}", timestamp(at)),
+                                None => String::new(),
+                            }
+                        ),
+                    );
+                }
                 line("status", r.status.to_string());
                 if let Some(code) = r.grpc_status {
                     line(
@@ -186,6 +206,25 @@ impl Shown {
                         u.attempts
                     ),
                 );
+                line(
+                    "resolution",
+                    match u.resolution_due_ms {
+                        Some(due) if due > self.now_ms => format!(
+                            "pending: the service is asked at {} (in {})",
+                            timestamp(due),
+                            duration(due.saturating_sub(self.now_ms))
+                        ),
+                        Some(due) => format!(
+                            "pending: the service was first to be asked at {}; the proxy \
+                             resolving it retries, or is gone (settle it by hand: record \
+                             resolve)",
+                            timestamp(due)
+                        ),
+                        None => {
+                            "none: settle it by hand (record resolve) or let it expire".to_owned()
+                        }
+                    },
+                );
             }
             Some(Response::Unreadable { bytes, why }) => {
                 line("response", format!("unreadable: {why} ({bytes} bytes)"));
@@ -198,6 +237,7 @@ impl Shown {
     pub fn json(&self) -> Value {
         let response = match &self.response {
             Some(Response::Recorded(r)) => json!({
+                "resolved": r.resolved,
                 "status": r.status,
                 "header_count": r.headers,
                 "body_bytes": r.body_bytes,
@@ -210,6 +250,7 @@ impl Shown {
                 "response_flags": flag_names(u.response_flags),
                 "details": u.details,
                 "attempts": u.attempts,
+                "resolution_due_ms": u.resolution_due_ms,
             }),
             Some(Response::Unreadable { bytes, why }) => {
                 json!({"unreadable": why, "record_bytes": bytes})

@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use idempotency_protocol::wire::{
-    path, search, Problem, PurgeResponse, RecordResponse, SearchResponse,
+    encode_record, path, search, OutcomeResponse, Problem, PurgeResponse, RecordResponse,
+    SearchResponse, SettleBody,
 };
 use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
@@ -83,14 +84,53 @@ impl StoreApi {
             .await
     }
 
+    /// Settles the unknown outcome `current` under `key`: replaced by `record`, or removed
+    /// without one. Answers the store's outcome (`replaced`, `removed`).
+    pub async fn settle(
+        &self,
+        key: &Digest,
+        current: &[u8],
+        record: Option<&[u8]>,
+    ) -> Result<String, String> {
+        let body = SettleBody {
+            key: None,
+            current: encode_record(current),
+            record: record.map(encode_record),
+            ttl_ms: None,
+        };
+        let rest = format!("/{}{}", key.as_str(), path::SETTLE);
+        let answer: Option<OutcomeResponse> =
+            self.call_with(Method::POST, &rest, Some(&body)).await?;
+        answer
+            .map(|a| a.outcome)
+            .ok_or_else(|| "the store does not know settle (POST /v1/records/{key}/settle); is it older than this command?".to_owned())
+    }
+
     /// One call; `Ok(None)` for a 404.
     async fn call<T: DeserializeOwned>(
         &self,
         method: Method,
         rest: &str,
     ) -> Result<Option<T>, String> {
+        self.call_with::<T, ()>(method, rest, None).await
+    }
+
+    /// `call`, with a JSON body.
+    async fn call_with<T: DeserializeOwned, B: serde::Serialize>(
+        &self,
+        method: Method,
+        rest: &str,
+        body: Option<&B>,
+    ) -> Result<Option<T>, String> {
         let url = self.url(rest);
         let mut request = self.client.request(method, &url);
+        if let Some(body) = body {
+            let json = serde_json::to_vec(body)
+                .map_err(|e| format!("cannot write the request to the store: {e}"))?;
+            request = request
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(json);
+        }
         if let Some(token) = &self.token {
             request = request.bearer_auth(&token.secret);
         }

@@ -290,40 +290,58 @@ mod cluster {
             .expect("a stream to the store")
     }
 
+    /// A POST of `key` in `context` that asks the store, which answers the key is free (the
+    /// claim is this request's).
+    fn claimed_by_the_store(
+        host: &FakeHost,
+        root: &mut PluginRoot,
+        stream: u32,
+        context: u32,
+        key: &str,
+    ) -> Rc<std::cell::RefCell<RequestJourney>> {
+        let (journey, verdict) = post_in_context(host, root, context, key);
+        assert_eq!(verdict, Verdict::Pause, "it asks the store");
+        let claim = calls(host).remove(0);
+        let CallOp::Claim { owner, .. } = claim.op.clone() else {
+            panic!("not a claim: {claim:?}");
+        };
+        let claimed = Reply::Claimed {
+            owner,
+            lease_expires_at_ms: 1,
+        };
+        answer(host, root, stream, claim.id, claimed);
+        journey
+    }
+
+    /// A POST of `key` whose claim the store confirms and whose route then times out: the
+    /// unknown outcome's completion, sent on the stream (its call id and record).
+    fn timed_out_in_cluster(
+        host: &FakeHost,
+        root: &mut PluginRoot,
+        stream: u32,
+        key: &str,
+    ) -> (u64, Vec<u8>) {
+        let journey = claimed_by_the_store(host, root, stream, 7, key);
+        host.effective_context.set(7);
+        envoy_reports(host, "response_timeout", flag::UPSTREAM_REQUEST_TIMEOUT, 1);
+        respond(host, &mut journey.borrow_mut(), 504, b"");
+        host.effective_context.set(1);
+        root.on_queue_ready(host, 1);
+        calls(host)
+            .into_iter()
+            .find_map(|c| match c.op {
+                CallOp::Complete { record, .. } => Some((c.id, record)),
+                _ => None,
+            })
+            .expect("the unknown outcome goes to the store")
+    }
+
     #[test]
     fn the_store_is_settled_with_what_the_service_said() {
         let host = FakeHost::default();
         let mut root = configured_root(&host, CLUSTER, 1);
         let stream = stream_of(&host.take_effects());
-        let (journey, verdict) = post_in_context(&host, &root, 7, "k1");
-        assert_eq!(verdict, Verdict::Pause, "held for the store");
-        let claim = calls(&host).remove(0);
-        let owner = match &claim.op {
-            CallOp::Claim { owner, .. } => owner.clone(),
-            other => panic!("not a claim: {other:?}"),
-        };
-        answer(
-            &host,
-            &mut root,
-            stream,
-            claim.id,
-            Reply::Claimed {
-                owner,
-                lease_expires_at_ms: 1,
-            },
-        );
-        host.effective_context.set(7);
-        envoy_reports(&host, "response_timeout", flag::UPSTREAM_REQUEST_TIMEOUT, 1);
-        respond(&host, &mut journey.borrow_mut(), 504, b"");
-        host.effective_context.set(1);
-        root.on_queue_ready(&host, 1);
-        let unknown = calls(&host)
-            .into_iter()
-            .find_map(|c| match c.op {
-                CallOp::Complete { record, .. } => Some(record),
-                _ => None,
-            })
-            .expect("the unknown outcome goes to the store");
+        let (_, unknown) = timed_out_in_cluster(&host, &mut root, stream, "k1");
         let recorded = RecordedResponse::decode(&unknown).unwrap();
         assert!(
             recorded.unknown.unwrap().resolution_due_ms.is_some(),
@@ -357,6 +375,128 @@ mod cluster {
         );
         assert_eq!(settle.2, 86_400_000);
         assert_eq!(host.counter("orders", Outcome::ResolvedTookEffect), 1);
+    }
+
+    /// A root with a stream, and an unknown outcome recorded for `key` (no `resolve`): the
+    /// completion carrying it is sent, and answered `Recorded` when `landed`.
+    fn unknown_recorded(key: &str, landed: bool) -> (FakeHost, PluginRoot, u32) {
+        let host = FakeHost::default();
+        let plain = r#"{"store":{"cluster":"store","timeout_ms":250},
+            "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]}}]}"#;
+        let mut root = configured_root(&host, plain, 1);
+        let stream = stream_of(&host.take_effects());
+        let (complete, _) = timed_out_in_cluster(&host, &mut root, stream, key);
+        if landed {
+            answer(&host, &mut root, stream, complete, Reply::Recorded);
+        }
+        (host, root, stream)
+    }
+
+    /// A retry of `key` here finds its local unknown outcome and asks the store, which
+    /// answers the key is free; returns the retry's verdict and local replies.
+    fn retry_when_the_store_is_free(
+        host: &FakeHost,
+        root: &mut PluginRoot,
+        stream: u32,
+        key: &str,
+    ) -> (
+        Rc<std::cell::RefCell<RequestJourney>>,
+        Vec<super::super::Reply>,
+    ) {
+        let journey = claimed_by_the_store(host, root, stream, 9, key);
+        (journey, replies(&host.take_effects()))
+    }
+
+    #[test]
+    fn a_key_an_operator_freed_in_the_store_runs_again_here_too() {
+        let (host, mut root, stream) = unknown_recorded("k3", true);
+        let (journey, replies) = retry_when_the_store_is_free(&host, &mut root, stream, "k3");
+        assert!(replies.is_empty(), "{replies:?}");
+        assert!(
+            is_executing(&journey.borrow()),
+            "the store freed it: it runs"
+        );
+    }
+
+    #[test]
+    fn a_key_whose_unknown_outcome_has_not_reached_the_store_is_never_run_again() {
+        let (host, mut root, stream) = unknown_recorded("k4", false);
+        let (journey, replies) = retry_when_the_store_is_free(&host, &mut root, stream, "k4");
+        assert!(!is_executing(&journey.borrow()));
+        let (status, _, body) = replies.into_iter().next().expect("answered");
+        assert_eq!(status, 409);
+        assert!(problem_type(&body).ends_with("outcome-unknown"));
+    }
+
+    /// A retry here meets, in the store, an unknown outcome whose resolution was due
+    /// `overdue_ms` ago; returns the record as the store holds it.
+    fn met_in_the_store(
+        host: &FakeHost,
+        root: &mut PluginRoot,
+        key: &str,
+        overdue_ms: u64,
+    ) -> Vec<u8> {
+        let stream = 1;
+        let pending = RecordedResponse::unknown_outcome(UnknownOutcome {
+            resolution_due_ms: Some(host.clock_ms.get() - overdue_ms),
+            ..UnknownOutcome::default()
+        })
+        .encode();
+        let (_journey, _) = post_in_context(host, root, 7, key);
+        let claim = calls(host).remove(0);
+        answer(
+            host,
+            root,
+            stream,
+            claim.id,
+            Reply::Completed {
+                record: pending.clone(),
+            },
+        );
+        let (status, _, _) = the_reply(&host.take_effects());
+        assert_eq!(status, 409);
+        pending
+    }
+
+    #[test]
+    fn an_overdue_resolution_is_taken_on_by_the_replica_a_retry_reaches() {
+        let host = FakeHost::default();
+        let mut root = configured_root(&host, CLUSTER, 1);
+        assert_eq!(stream_of(&host.take_effects()), 1);
+        // Due 2 s ago: the proxy resolving it may still be asking (its lookup times out after
+        // 2 s); nobody else asks yet.
+        met_in_the_store(&host, &mut root, "k6", 2_000);
+        host.effective_context.set(1);
+        root.on_tick(&host);
+        assert!(lookups(&host).is_empty(), "not overdue yet");
+        // Due 8 s ago and still unsettled: this replica asks, with the retry's own lookup.
+        let pending = met_in_the_store(&host, &mut root, "k5", 8_000);
+        // Another retry meanwhile does not start a second resolution of the same key.
+        met_in_the_store(&host, &mut root, "k5", 8_000);
+        host.effective_context.set(1);
+        root.on_tick(&host);
+        let sent = lookups(&host);
+        assert_eq!(sent.len(), 1, "one resolution per key");
+        let token = sent[0];
+        host.set_callout_answer(Some(404), b"");
+        root.on_callout_answer(&host, token, 1, 0);
+        root.on_queue_ready(&host, 1);
+        let settle = calls(&host)
+            .into_iter()
+            .find_map(|c| match c.op {
+                CallOp::Settle {
+                    current, record, ..
+                } => Some((current, record)),
+                _ => None,
+            })
+            .expect("a settle on the stream");
+        assert_eq!(
+            settle,
+            (pending, Vec::new()),
+            "the store's own record, freed"
+        );
+        // Another retry meanwhile does not start a second resolution of the same key.
+        assert_eq!(host.counter("orders", Outcome::ResolvedNeverRan), 1);
     }
 
     #[test]

@@ -1,0 +1,287 @@
+"""End-to-end: unknown outcomes converge (docs/guarantees.md "Resolving an unknown outcome").
+
+A write Envoy gave up on after it reached the demo upstream (a 1 s route timeout on a 2 s
+payment) is an unknown outcome. With the rule's ``resolve``, once its settle time has passed
+the Envoy that recorded it looks the payment up at the demo upstream's
+``GET /payments/by-key/{key}``, as the caller (the demo upstream answers only the caller that
+made the write, and only once the write has finished), and settles the key: the retry gets the
+payment itself, or, if it never ran, runs it. Single-proxy mode, then two Envoys on one store,
+then envoy/envoy.yaml's own payments sample as ``make run`` prints it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import pytest
+
+import client
+import harness
+from cluster import post as cluster_post
+from cluster import start_cluster
+from helpers import (
+    crash_lines,
+    envoy_yaml_plugin_config,
+    is_replay,
+    new_key,
+    prepend_routes,
+    problem,
+    rule,
+    rule_counter,
+    sample_single_proxy_config,
+    start_envoy,
+    unique_path,
+)
+
+SLOW = "/pay-slow"  # route timeout 1 s: Envoy gives up on a longer payment
+RULE = "pay"
+CALLER = {"authorization": "Bearer alice"}
+SETTLE_SECONDS = 3
+
+
+def add_routes(config: dict) -> None:
+    prepend_routes(config, [
+        {"name": "pay-slow", "match": {"prefix": SLOW + "/"},
+         "route": {"cluster": "demo_upstream", "timeout": "1s"}},
+    ])
+
+
+def pay_rule(**resolve: Any) -> dict:
+    settings = {"path": "/payments/by-key/{key}", "settle_seconds": SETTLE_SECONDS,
+                "backoff_seconds": 1, **resolve}
+    return rule(RULE, prefixes=[SLOW], resolve=settings)
+
+
+def timed_out(envoy: harness.Envoy, path: str, key: str, delay_ms: int = 2000,
+              **headers: str) -> float:
+    """A payment the route gives up on after 1 s while the upstream goes on; returns when.
+    Sent with the Host both replicas of a cluster test share (it is part of the scope)."""
+    started = time.monotonic()
+    first = cluster_post(envoy, path, key, headers={**CALLER, "x-demo-delay-ms": str(delay_ms), **headers})
+    assert first.status_code == 504, first.content[:200]
+    return started
+
+
+def retry(envoy: harness.Envoy, path: str, key: str) -> client.Response:
+    return cluster_post(envoy, path, key, headers=CALLER)
+
+
+def assert_being_resolved(resp: client.Response) -> int:
+    """409 outcome-unknown with a Retry-After (the key is being resolved); returns it."""
+    problem(resp, 409, "outcome-unknown", rule=RULE)
+    assert "retry-after" in resp.headers, dict(resp.headers)
+    return int(resp.headers["retry-after"])
+
+
+def resolved_answer(envoy: harness.Envoy, path: str, key: str, timeout: float = 15) -> client.Response:
+    """Retries until the answer is not a 409 (bounded); every 409 meanwhile says when."""
+    deadline = time.monotonic() + timeout
+    while True:
+        resp = retry(envoy, path, key)
+        if resp.status_code != 409:
+            return resp
+        assert_being_resolved(resp)
+        assert time.monotonic() < deadline, "still unknown"
+        time.sleep(0.3)
+
+
+@pytest.fixture
+def edge(procs: harness.ProcessGroup) -> Iterator[tuple[harness.Envoy, harness.Upstream]]:
+    upstream = procs.upstream()
+    config = sample_single_proxy_config()
+    config["rules"].append(pay_rule())
+    envoy = start_envoy(procs, upstream, config, name="envoy-resolve", mutate=add_routes)
+    yield envoy, upstream
+    assert not crash_lines(envoy.log_text())
+
+
+# --------------------------------------------------------------------------
+# single-proxy mode
+# --------------------------------------------------------------------------
+
+
+def test_a_payment_that_went_through_is_replayed_once_the_service_says_so(edge) -> None:
+    envoy, upstream = edge
+    path, key = unique_path(SLOW), new_key()
+    started = timed_out(envoy, path, key)
+    # Before the settle time: told when to come back, never run, even once the payment
+    # finished upstream (a lookup now would find it, but none is made before the settle time).
+    first_wait = assert_being_resolved(retry(envoy, path, key))
+    assert 1 <= first_wait <= SETTLE_SECONDS
+    resolved = resolved_answer(envoy, path, key)
+    assert time.monotonic() - started >= SETTLE_SECONDS
+    assert resolved.status_code == 200, resolved.content[:300]
+    assert resolved.headers["idempotent-resolved"] == "true"
+    assert is_replay(resolved)
+    assert resolved.json()["execution"] == 1 and resolved.json()["path"] == path
+    assert "idempotency-key-expires" in resolved.headers
+    again = retry(envoy, path, key)
+    assert again.content == resolved.content and is_replay(again)
+    assert upstream.executions(path) == 1
+    assert rule_counter(envoy, RULE, "resolved_took_effect") == 1
+    assert "unknown outcome resolved after 1 lookup(s) (the service answered 200)" in envoy.log_text()
+
+
+def test_a_payment_that_never_went_through_frees_its_key_and_the_retry_pays_once(edge) -> None:
+    """The upstream failed the write after the route had given up (its 500 nobody saw): the
+    lookup finds nothing, the key is freed, and the retry executes, once."""
+    envoy, upstream = edge
+    path, key = unique_path(SLOW), new_key()
+    timed_out(envoy, path, key, **{"x-demo-status": "500"})
+    again = resolved_answer(envoy, path, key)
+    assert again.status_code == 201 and again.headers["x-execution"] == "2", again.content[:200]
+    assert not is_replay(again)
+    assert is_replay(retry(envoy, path, key))
+    assert upstream.executions(path) == 2
+    assert rule_counter(envoy, RULE, "resolved_never_ran") == 1
+
+
+def test_a_payment_still_running_at_the_settle_time_is_not_freed_by_a_not_found(procs) -> None:
+    """The payment takes 4.5 s; the service promises every write ends within 5 s (the settle
+    time). A lookup 2.5 s in would say 404 and free a key whose payment is about to go through:
+    the filter asks only after the settle time, so the retry gets the payment, never a second
+    execution."""
+    upstream = procs.upstream()
+    config = sample_single_proxy_config()
+    config["rules"].append(pay_rule(settle_seconds=5))
+    envoy = start_envoy(procs, upstream, config, name="envoy-settle", mutate=add_routes)
+    path, key = unique_path(SLOW), new_key()
+    timed_out(envoy, path, key, delay_ms=4500)
+    time.sleep(2.5)
+    # The write is still running upstream (a lookup now would say 404): still unknown.
+    assert upstream.executions(path) == 1
+    assert_being_resolved(retry(envoy, path, key))
+    resolved = resolved_answer(envoy, path, key)
+    assert resolved.status_code == 200 and resolved.headers["idempotent-resolved"] == "true"
+    assert upstream.executions(path) == 1
+    assert rule_counter(envoy, RULE, "resolved_never_ran") == 0
+
+
+def test_a_failing_lookup_is_asked_again_until_the_service_answers(edge) -> None:
+    envoy, upstream = edge
+    client.post(upstream.url("/__fail-lookups"), params={"n": 2}, timeout=5).raise_for_status()
+    path, key = unique_path(SLOW), new_key()
+    timed_out(envoy, path, key)
+    resolved = resolved_answer(envoy, path, key, timeout=20)
+    assert resolved.status_code == 200 and resolved.headers["idempotent-resolved"] == "true"
+    assert upstream.executions(path) == 1
+    assert rule_counter(envoy, RULE, "resolution_retried") == 2
+    assert rule_counter(envoy, RULE, "resolved_took_effect") == 1
+
+
+def test_a_lookup_answers_only_the_caller_who_made_the_write(procs) -> None:
+    """The lookup carries the original caller's scope headers: the service finds the payment
+    for alice. Another caller's retry of alice's key is another key altogether (the scope)."""
+    upstream = procs.upstream()
+    config = sample_single_proxy_config()
+    config["rules"].append(pay_rule(max_attempts=1))
+    envoy = start_envoy(procs, upstream, config, name="envoy-scope", mutate=add_routes)
+    path, key = unique_path(SLOW), new_key()
+    timed_out(envoy, path, key)
+    bob = cluster_post(envoy, path, key, headers={"authorization": "Bearer bob"})
+    assert bob.status_code == 201 and bob.headers["x-execution"] == "2", "bob's own key"
+    resolved = resolved_answer(envoy, path, key)
+    assert resolved.status_code == 200 and resolved.json()["execution"] == 1
+
+
+# --------------------------------------------------------------------------
+# cluster mode: two Envoys, one store
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def replicas(procs: harness.ProcessGroup):
+    config = envoy_yaml_plugin_config()
+    config["rules"].append(pay_rule())
+    cluster = start_cluster(procs, envoys=0)
+    for name in ("envoy-a", "envoy-b"):
+        cluster.add_envoy(name, config, mutate=add_routes)
+    yield cluster
+    for envoy in cluster.envoys:
+        assert not crash_lines(envoy.log_text())
+
+
+def test_cluster_the_replica_that_did_not_see_the_timeout_gets_the_payment(replicas) -> None:
+    a, b = replicas.a, replicas.b
+    path, key = unique_path(SLOW), new_key()
+    timed_out(a, path, key)
+    # The other replica learns from the store that the key is being resolved, and when.
+    assert_being_resolved(cluster_post(b, path, key, headers=CALLER))
+    resolved = resolved_answer(b, path, key)
+    assert resolved.status_code == 200 and resolved.headers["idempotent-resolved"] == "true"
+    assert resolved.json()["execution"] == 1
+    for envoy in (a, b):
+        again = cluster_post(envoy, path, key, headers=CALLER)
+        assert again.status_code == 200 and again.content == resolved.content
+    assert replicas.upstream.executions(path) == 1
+    settled = replicas.store.metric("idempotency_store_operations_total", operation="settle",
+                                    outcome="replaced")
+    assert settled == 1
+    assert "settled an unknown outcome" in replicas.store.log_text()
+
+
+def test_cluster_a_payment_that_never_ran_is_freed_for_every_replica(replicas) -> None:
+    a, b = replicas.a, replicas.b
+    path, key = unique_path(SLOW), new_key()
+    timed_out(b, path, key, **{"x-demo-status": "500"})
+    again = resolved_answer(a, path, key)
+    assert again.status_code == 201 and again.headers["x-execution"] == "2"
+    replay = cluster_post(b, path, key, headers=CALLER)
+    assert replay.status_code == 201 and replay.content == again.content
+    assert replicas.upstream.executions(path) == 2
+
+
+def test_cluster_a_resolution_left_by_a_crashed_envoy_is_taken_on_by_the_other(procs) -> None:
+    """Envoy A records the unknown outcome and dies (SIGKILL) before its lookup. Once the
+    resolution is overdue in the store (its due time plus the lookup's timeout and 5 s), a
+    retry through B takes it on with its own request's lookup: the payment replays, charged
+    once."""
+    config = envoy_yaml_plugin_config()
+    config["rules"].append(pay_rule(settle_seconds=2, timeout_ms=1000))
+    cluster = start_cluster(procs, envoys=0)
+    for name in ("envoy-a", "envoy-b"):
+        cluster.add_envoy(name, config, mutate=add_routes)
+    a, b = cluster.a, cluster.b
+    path, key = unique_path(SLOW), new_key()
+    started = timed_out(a, path, key)
+    a.process.kill()
+    resolved = resolved_answer(b, path, key, timeout=25)
+    assert resolved.status_code == 200 and resolved.headers["idempotent-resolved"] == "true"
+    assert time.monotonic() - started >= 2 + 1 + 5
+    assert resolved.json()["execution"] == 1
+    assert cluster.upstream.executions(path) == 1
+    assert "this proxy resolves it too" in b.log_text()
+
+
+# --------------------------------------------------------------------------
+# the make run sample
+# --------------------------------------------------------------------------
+
+
+def test_the_make_run_payment_sample_resolves(procs) -> None:
+    """scripts/run-demo.sh's lines, against envoy/envoy.yaml as it is (cluster mode, the
+    payments rule named by route metadata, settle time 5 s): a client that gives up after 1 s
+    on a 3 s payment, then retries, gets 409 with Retry-After, then the payment."""
+    cluster = start_cluster(procs, envoys=1)
+    envoy = cluster.envoys[0]
+    key = f"pay-{new_key()}"
+    with pytest.raises(client.HTTPError):
+        cluster_post(envoy, "/payments", key, headers={"x-demo-delay-ms": "3000"}, timeout=1)
+    # Envoy learns of the hang-up a moment later: until then the first is still in flight.
+    retry = cluster_post(envoy, "/payments", key)
+    deadline = time.monotonic() + 3
+    while "request-in-flight" in retry.text and time.monotonic() < deadline:
+        time.sleep(0.1)
+        retry = cluster_post(envoy, "/payments", key)
+    assert_being_resolved_as(retry, "payments")
+    time.sleep(6)
+    paid = cluster_post(envoy, "/payments", key)
+    assert paid.status_code == 200, paid.content[:300]  # what the lookup answered
+    assert paid.headers["idempotent-resolved"] == "true" and is_replay(paid)
+    assert cluster.upstream.executions("/payments") == 1
+
+
+def assert_being_resolved_as(resp: client.Response, rule_name: str) -> None:
+    problem(resp, 409, "outcome-unknown", rule=rule_name)
+    assert int(resp.headers["retry-after"]) >= 1, dict(resp.headers)
