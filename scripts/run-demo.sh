@@ -69,6 +69,8 @@ Logs are in .run/. Try:
   curl -s -m 1 -X POST localhost:10000/payments -H 'Idempotency-Key: pay-7' -H 'x-demo-delay-ms: 3000' -d '{"amount":5}'
   curl -si -X POST localhost:10000/payments -H 'Idempotency-Key: pay-7' -d '{"amount":5}'
   sleep 6; curl -si -X POST localhost:10000/payments -H 'Idempotency-Key: pay-7' -d '{"amount":5}'
+  # what the filter holds for your key (your own only), without running anything
+  curl -s localhost:10000/payments/idempotency-status -H 'Idempotency-Key: pay-7'
   # how many times did the upstream really execute /orders?
   curl -s 'localhost:8080/__count?path=/orders'
   # what the store holds for the payment whose client gave up (resolved: the payment)

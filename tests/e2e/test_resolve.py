@@ -19,7 +19,7 @@ import pytest
 import client
 import harness
 from cluster import post as cluster_post
-from cluster import start_cluster
+from cluster import HOST, start_cluster
 from helpers import (
     crash_lines,
     envoy_yaml_plugin_config,
@@ -38,6 +38,7 @@ SLOW = "/pay-slow"  # route timeout 1 s: Envoy gives up on a longer payment
 RULE = "pay"
 CALLER = {"authorization": "Bearer alice"}
 SETTLE_SECONDS = 3
+STATUS = "/pay-status"  # the rule's lookup route
 
 
 def add_routes(config: dict) -> None:
@@ -50,7 +51,7 @@ def add_routes(config: dict) -> None:
 def pay_rule(**resolve: Any) -> dict:
     settings = {"path": "/payments/by-key/{key}", "settle_seconds": SETTLE_SECONDS,
                 "backoff_seconds": 1, **resolve}
-    return rule(RULE, prefixes=[SLOW], resolve=settings)
+    return rule(RULE, prefixes=[SLOW], resolve=settings, lookup={"path": STATUS})
 
 
 def timed_out(envoy: harness.Envoy, path: str, key: str, delay_ms: int = 2000,
@@ -185,6 +186,32 @@ def test_a_lookup_answers_only_the_caller_who_made_the_write(procs) -> None:
     assert resolved.status_code == 200 and resolved.json()["execution"] == 1
 
 
+def status_of(envoy: harness.Envoy, key: str, caller: str = "Bearer alice") -> client.Response:
+    """The rule's lookup route: what the filter holds for ``key``, for ``caller``."""
+    return client.request("GET", envoy.url(STATUS), body=None, timeout=5,
+                          headers={"Host": HOST, "idempotency-key": key, "authorization": caller})
+
+
+def test_a_caller_asks_what_became_of_its_key_and_only_its_own(edge) -> None:
+    envoy, upstream = edge
+    path, key = unique_path(SLOW), new_key()
+    assert status_of(envoy, key).status_code == 404
+    timed_out(envoy, path, key)
+    asked = status_of(envoy, key)
+    assert asked.status_code == 200 and asked.headers["content-type"] == "application/json"
+    doc = asked.json()
+    assert doc["state"] == "unknown" and doc["resolution"] == "pending", doc
+    assert 1 <= doc["retry_after_seconds"] <= SETTLE_SECONDS
+    # Another caller, same key: nothing to see (its scope is another record).
+    assert status_of(envoy, key, "Bearer mallory").status_code == 404
+    resolved_answer(envoy, path, key)
+    done = status_of(envoy, key).json()
+    assert done["state"] == "completed" and done["status"] == 200, done
+    assert done["expires"].endswith("GMT")
+    assert upstream.executions(path) == 1, "asking never executes"
+    assert rule_counter(envoy, RULE, "looked_up") == 4
+
+
 # --------------------------------------------------------------------------
 # cluster mode: two Envoys, one store
 # --------------------------------------------------------------------------
@@ -215,6 +242,10 @@ def test_cluster_the_replica_that_did_not_see_the_timeout_gets_the_payment(repli
         again = cluster_post(envoy, path, key, headers=CALLER)
         assert again.status_code == 200 and again.content == resolved.content
     assert replicas.upstream.executions(path) == 1
+    # Either replica answers a caller's question from the store.
+    for envoy in (a, b):
+        doc = status_of(envoy, key).json()
+        assert doc["state"] == "completed" and doc["status"] == 200, doc
     settled = replicas.store.metric("idempotency_store_operations_total", operation="settle",
                                     outcome="replaced")
     assert settled == 1
@@ -279,6 +310,9 @@ def test_the_make_run_payment_sample_resolves(procs) -> None:
     paid = cluster_post(envoy, "/payments", key)
     assert paid.status_code == 200, paid.content[:300]  # what the lookup answered
     assert paid.headers["idempotent-resolved"] == "true" and is_replay(paid)
+    asked = client.request("GET", envoy.url("/payments/idempotency-status"), body=None, timeout=5,
+                           headers={"Host": HOST, "idempotency-key": key})
+    assert asked.status_code == 200 and asked.json()["state"] == "completed", asked.text
     assert cluster.upstream.executions("/payments") == 1
 
 

@@ -680,6 +680,7 @@ OUTCOMES = [
     "wait_released", "outcome_unknown", "outcome_unknown_answered", "resent", "lease_lost",
     "detached", "completed_after_client_left", "grpc_streaming", "grpc_on_http_rule", "replay_echo_unrouted",
     "resolved_took_effect", "resolved_never_ran", "resolution_retried", "resolution_gave_up",
+    "looked_up",
 ]
 
 

@@ -259,7 +259,7 @@ fn reply_to(op: CallOp, now_ms: u64) -> Reply {
             lease_expires_at_ms: now_ms.saturating_add(lease_ms),
         },
         CallOp::Complete { .. } | CallOp::Settle { .. } => Reply::Recorded,
-        CallOp::Release { .. } | CallOp::Wait { .. } => Reply::Released,
+        CallOp::Release { .. } | CallOp::Wait { .. } | CallOp::Lookup { .. } => Reply::Released,
         CallOp::Renew { .. } => Reply::Renewed { lost: Vec::new() },
     }
 }

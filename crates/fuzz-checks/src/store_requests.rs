@@ -270,6 +270,7 @@ fn to_pb(call: &Call) -> pb::Call {
             fingerprint: fingerprint.clone(),
             wait_ms: *wait_ms,
         }),
+        CallOp::Lookup { key } => PbOp::Lookup(pb::Lookup { key: key.clone() }),
         CallOp::Settle {
             key,
             current,
@@ -369,6 +370,11 @@ fn verdicts(op: &CallOp) -> (String, String) {
                 format!("{valid:?}"),
             )
         }
+        // Stream only: a key, as every other call's.
+        CallOp::Lookup { key } => (
+            format!("{:?}", parse_key(key).is_ok()),
+            format!("{:?}", Digest::parse(key).is_ok()),
+        ),
         // Stream only: judged against the documented bounds instead of a JSON twin.
         CallOp::Settle {
             key,
@@ -414,7 +420,7 @@ fn stream_raw(data: &[u8]) {
 }
 
 fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
-    let op = match u.int_in_range(0..=5)? {
+    let op = match u.int_in_range(0..=6)? {
         0 => CallOp::Claim {
             key: digest_text(u)?,
             fingerprint: digest_text(u)?,
@@ -440,6 +446,9 @@ fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
             key: digest_text(u)?,
             fingerprint: digest_text(u)?,
             wait_ms: time(u, MAX_WAIT_MS)?,
+        },
+        5 => CallOp::Lookup {
+            key: digest_text(u)?,
         },
         4 => CallOp::Settle {
             key: digest_text(u)?,

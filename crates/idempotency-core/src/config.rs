@@ -7,6 +7,7 @@ use std::fmt;
 use crate::fingerprint::FingerprintMode;
 use crate::grpc::GrpcRule;
 use crate::key::source::FieldSource;
+use crate::lookup_route::settings::{self as lookup_settings, LookupRoute, RawLookupRoute};
 use crate::resolve::settings::{self as resolve_settings, RawResolve, Resolve, RuleFacts};
 use crate::response_policy::{HeaderFilter, ReleasePolicy};
 use crate::table::layout::Layout;
@@ -130,6 +131,8 @@ struct RawRule {
     grpc: Option<RawGrpc>,
     #[serde(default)]
     resolve: Option<RawResolve>,
+    #[serde(default)]
+    lookup: Option<RawLookupRoute>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -472,6 +475,8 @@ pub struct Rule {
     pub grpc: Option<GrpcRule>,
     /// Some: an unknown outcome is resolved by asking the service (`resolve`).
     pub resolve: Option<Resolve>,
+    /// Some: callers may ask what the filter holds for their key (`lookup`).
+    pub lookup_route: Option<LookupRoute>,
 }
 
 /// Where and how the filter reaches the shared store.
@@ -876,6 +881,21 @@ fn validate_rule(
             Some(validated)
         }
     };
+    let lookup_route = match raw.lookup {
+        None => None,
+        Some(raw_lookup) => {
+            let validated = lookup_settings::validate(raw_lookup, &key_sources, grpc.is_some())
+                .map_err(|(field, why)| {
+                    let at_field = if field.is_empty() {
+                        at("lookup")
+                    } else {
+                        at(&format!("lookup.{field}"))
+                    };
+                    invalid(at_field, why)
+                })?;
+            Some(validated)
+        }
+    };
     Ok(Rule {
         name: raw.name,
         matcher: validate_match(index, raw.matcher, grpc.is_some())?,
@@ -903,6 +923,7 @@ fn validate_rule(
         detached,
         grpc,
         resolve,
+        lookup_route,
     })
 }
 

@@ -27,6 +27,7 @@ pub mod grpc;
 pub mod host;
 pub mod journey;
 pub mod key;
+pub mod lookup_route;
 pub mod outcome;
 pub mod plugin;
 pub mod problem;

@@ -90,10 +90,12 @@ pub enum Outcome {
     ResolutionRetried,
     /// Every lookup of an unknown outcome settled nothing: left for an operator.
     ResolutionGaveUp,
+    /// A caller asked the rule's lookup route what the filter holds for its key.
+    LookedUp,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 35] = [
+    pub const ALL: [Outcome; 36] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -129,6 +131,7 @@ impl Outcome {
         Outcome::ResolvedNeverRan,
         Outcome::ResolutionRetried,
         Outcome::ResolutionGaveUp,
+        Outcome::LookedUp,
     ];
 
     pub fn name(self) -> &'static str {
@@ -168,6 +171,7 @@ impl Outcome {
             Outcome::ResolvedNeverRan => "resolved_never_ran",
             Outcome::ResolutionRetried => "resolution_retried",
             Outcome::ResolutionGaveUp => "resolution_gave_up",
+            Outcome::LookedUp => "looked_up",
         }
     }
 

@@ -57,6 +57,11 @@ pub enum CallOp {
         record: Vec<u8>,
         ttl_ms: u64,
     },
+    /// What the key holds, changing nothing (a caller asking about its own key): answered
+    /// `Completed` with the record, `InFlight`, or `Released` when nothing live holds it.
+    Lookup {
+        key: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,6 +145,7 @@ mod field {
     pub const WAIT: u32 = 5;
     pub const RENEW: u32 = 6;
     pub const SETTLE: u32 = 7;
+    pub const LOOKUP: u32 = 8;
     // Answer.result
     pub const CLAIMED: u32 = 2;
     pub const IN_FLIGHT: u32 = 3;
@@ -321,6 +327,7 @@ pub fn encode_call_parts(id: u64, op: &CallOp) -> Vec<u8> {
                 },
             ),
         ),
+        CallOp::Lookup { key } => (field::LOOKUP, build(|w| w.bytes(1, key.as_bytes()))),
     };
     wrap(id, field, &body)
 }
@@ -515,7 +522,7 @@ fn envelope<'a>(
 }
 
 pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
-    let Envelope { id, member } = envelope(bytes, field::CLAIM..=field::SETTLE)?;
+    let Envelope { id, member } = envelope(bytes, field::CLAIM..=field::LOOKUP)?;
     let op = match member {
         Some((field::CLAIM, body)) => {
             let (mut key, mut fingerprint, mut lease_ms, mut owner) =
@@ -630,6 +637,16 @@ pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
                 record,
                 ttl_ms,
             }
+        }
+        Some((field::LOOKUP, body)) => {
+            let mut key = String::new();
+            each_field(body, |n, v| {
+                if n == 1 {
+                    key = text(want_len(v)?)?;
+                }
+                Ok(())
+            })?;
+            CallOp::Lookup { key }
         }
         _ => return Err(DecodeError("a call without a known operation")),
     };
@@ -780,6 +797,10 @@ mod tests {
                     record: b"IDR1 took effect".to_vec(),
                     ttl_ms: 86_400_000,
                 },
+            },
+            Call {
+                id: 14,
+                op: CallOp::Lookup { key: HEX.into() },
             },
             Call {
                 id: 13,

@@ -28,6 +28,8 @@ pub mod path {
     pub const RENEW: &str = "/renew";
     /// An unknown outcome settled by the filter that recorded it.
     pub const SETTLE: &str = "/settle";
+    /// What a key holds, for a caller asking about its own (the filter's lookup route).
+    pub const LOOKUP: &str = "/lookup";
     /// Followed by `/{key}`: a record's state (`GET`), or its removal (`DELETE`); alone,
     /// with `?prefix=<hex>[&limit=N]`, the keys that start with a prefix. For operators.
     pub const RECORDS: &str = "/records";
@@ -140,6 +142,14 @@ pub struct SettleBody {
     pub record: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_ms: Option<u64>,
+}
+
+/// `POST /v1/lookup`: what `key` holds, changing nothing. Answered as
+/// `GET /v1/records/{key}` is ([`RecordResponse`], or 404).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LookupBody {
+    pub key: String,
 }
 
 /// One claim whose lease a renew keeps alive.

@@ -12,7 +12,10 @@ use crate::admission::ConnectionAuth;
 use crate::metrics::Rejection;
 use crate::protocol::{self, BadRequest, ClaimBody, LeaseBody, RenewBody};
 use crate::server::{self, AppState, Verdict};
-use crate::storage::{ClaimOutcome, CompleteOutcome, ReleaseOutcome, SettleOutcome, StorageError};
+use crate::storage::{
+    ClaimOutcome, CompleteOutcome, RecordState, RecordView, ReleaseOutcome, SettleOutcome,
+    StorageError,
+};
 use crate::waits::{HeldWait, WaitOutcome};
 
 /// The generated messages, server and client.
@@ -424,6 +427,13 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
             },
             Err(bad) => refuse(state, bad),
         },
+        Some(Op::Lookup(l)) => match protocol::parse_key(&l.key) {
+            Ok(key) => match server::execute_on_own_task(state, server::Lookup(key)).await {
+                Ok(found) => lookup_reply(found),
+                Err(e) => unavailable(&e),
+            },
+            Err(bad) => refuse(state, bad),
+        },
         Some(Op::Settle(c)) => {
             match protocol::validate_settle(&c.key, c.current, c.record, c.ttl_ms) {
                 Ok(req) => match server::execute_on_own_task(state, req).await {
@@ -476,6 +486,20 @@ fn claim_reply(outcome: ClaimOutcome) -> Reply {
         }
         ClaimOutcome::Completed { record } => Reply::Completed(pb::Recorded { record }),
         ClaimOutcome::Mismatch => Reply::Mismatch(pb::Empty {}),
+    }
+}
+
+/// What a live record is, as a lookup answers it: its record when completed, the lease left
+/// when in flight; `released` when there is none.
+fn lookup_reply(found: Option<RecordView>) -> Reply {
+    match found {
+        Some(view) => match (view.state, view.record) {
+            (RecordState::Completed, Some(record)) => Reply::Completed(pb::Recorded { record }),
+            _ => Reply::InFlight(pb::InFlight {
+                retry_after_ms: view.expires_at_ms.saturating_sub(view.now_ms).max(1),
+            }),
+        },
+        None => Reply::Released(pb::Empty {}),
     }
 }
 

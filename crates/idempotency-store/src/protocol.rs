@@ -7,8 +7,8 @@ use serde::Deserialize;
 
 use idempotency_protocol::wire::{decode_record, encode_record};
 pub use idempotency_protocol::wire::{
-    outcome, ClaimBody, ClaimResponse, CompleteBody, LeaseBody, OutcomeResponse, Problem,
-    RecordResponse, ReleaseBody, RenewBody, RenewResponse, SettleBody, MAX_LEASE_MS,
+    outcome, ClaimBody, ClaimResponse, CompleteBody, LeaseBody, LookupBody, OutcomeResponse,
+    Problem, RecordResponse, ReleaseBody, RenewBody, RenewResponse, SettleBody, MAX_LEASE_MS,
     MAX_RENEW_LEASES, MAX_TTL_MS, MIN_LEASE_MS, MIN_TTL_MS, OWNER_HASH_HEX, PROBLEM_BAD_REQUEST,
     PROBLEM_FORBIDDEN, PROBLEM_METHOD_NOT_ALLOWED, PROBLEM_NOT_FOUND, PROBLEM_NOT_OWNER,
     PROBLEM_TOO_LARGE, PROBLEM_TOO_MANY_REQUESTS, PROBLEM_UNAUTHORIZED, PROBLEM_UNAVAILABLE,

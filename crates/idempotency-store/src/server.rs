@@ -240,6 +240,7 @@ pub fn router_with(state: AppState, options: RouterOptions) -> Router {
         .route(&at(path::RELEASE), post(release))
         .route(&at(path::RENEW), post(renew))
         .route(&at(path::SETTLE), post(settle))
+        .route(&at(path::LOOKUP), post(data_plane_lookup))
         // route_layer: auth only for matched routes, so unknown paths are a
         // plain 404 rather than a misleading 401.
         .route_layer(middleware::from_fn_with_state(
@@ -1041,8 +1042,9 @@ impl V1Operation for protocol::SettleRequest {
     }
 }
 
-/// A lookup by the key in its path.
-struct Lookup(Digest);
+/// A lookup by the key in its path (an operator's), or on the stream (a filter's, for a
+/// caller asking about its own key).
+pub(crate) struct Lookup(pub(crate) Digest);
 
 impl V1Operation for Lookup {
     const OPERATION: Operation = Operation::Lookup;
@@ -1104,6 +1106,20 @@ async fn renew(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) 
 async fn settle(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     post_handler(st, body, |bytes| {
         protocol::parse_settle(bytes, None, protocol::Settler::Filter)
+    })
+    .await
+}
+
+/// A filter asks what a key holds for a caller's lookup route (the HTTP transport's form of
+/// the stream's `lookup`).
+async fn data_plane_lookup(
+    State(st): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    post_handler(st, body, |bytes| {
+        let raw: protocol::LookupBody = serde_json::from_slice(bytes)
+            .map_err(|e| BadRequest(format!("invalid JSON body: {e}")))?;
+        protocol::parse_key(&raw.key).map(Lookup)
     })
     .await
 }

@@ -222,6 +222,25 @@ async fn one_stream_carries_every_operation(store: Store) {
         Reply::Completed(found) => assert_eq!(found.record, record),
         other => panic!("a completed key replays its record, got {other:?}"),
     }
+    // A lookup answers what the key holds and changes nothing; a key with nothing is
+    // `released`, and stays free.
+    let look = |k: &str| Op::Lookup(pb::Lookup { key: k.to_owned() });
+    match s.call(look(key)).await {
+        Reply::Completed(found) => assert_eq!(found.record, record),
+        other => panic!("a lookup of a completed key, got {other:?}"),
+    }
+    let nothing = random_digest();
+    assert!(matches!(
+        s.call(look(nothing.as_str())).await,
+        Reply::Released(_)
+    ));
+    assert!(matches!(
+        s.call(claim(nothing.as_str(), fp, "")).await,
+        Reply::Claimed(_)
+    ));
+    assert!(
+        matches!(s.call(look(nothing.as_str())).await, Reply::InFlight(f) if f.retry_after_ms > 0)
+    );
 
     let released_key = random_digest();
     let owner = "0123456789abcdef";

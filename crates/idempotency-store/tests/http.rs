@@ -243,6 +243,13 @@ async fn an_unknown_outcome_is_settled_by_the_filter_or_an_operator() {
         ),
         "{metrics}"
     );
+    // A filter's lookup for a caller (the data-plane token): what the key holds, or 404.
+    let (st, found) = srv.post("/v1/lookup", &json!({"key": K})).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(found["state"], "completed");
+    assert_eq!(found["record"], b64(b"paid"));
+    let (st, _) = srv.post("/v1/lookup", &json!({"key": K2})).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
 }
 
 #[tokio::test]

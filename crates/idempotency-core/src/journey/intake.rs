@@ -64,6 +64,9 @@ impl RequestJourney {
                 .and_then(|v| std::str::from_utf8(v).ok())
                 .unwrap_or("")
         };
+        if let Some(rule) = self.lookup_rule(text(":method"), path_without_query(text(":path"))) {
+            return self.on_lookup(host, rule, &headers, text(":path"));
+        }
         let config = &self.plugin.config;
         let route_name = config
             .needs_route_name()

@@ -12,6 +12,7 @@ mod claim;
 mod detached;
 mod grpc;
 mod intake;
+mod lookup;
 mod response;
 mod wait;
 
@@ -63,6 +64,12 @@ pub enum Event {
     /// The answer to this request's detached write (delivered by the root, in this
     /// request's context if it is still there).
     DetachedAnswer(DetachedAnswer),
+    /// The store's answer to this request's lookup (its stream call `id`), delivered by the
+    /// root as a store reply is.
+    LookupAnswer {
+        id: u64,
+        found: Result<crate::lookup_route::Found, StoreFailure>,
+    },
     ResponseHeaders {
         end_of_stream: bool,
     },
@@ -109,6 +116,11 @@ pub enum Journey {
     /// A gRPC replay with a message, sent through the echo hop; its answer becomes the
     /// recorded response as it passes back.
     ReplayHop(Box<grpc::ReplayHop>),
+    /// A caller's lookup, waiting for the store's answer to its stream call.
+    LookingUp {
+        rule: Rc<RuleHandle>,
+        call: StoreCall,
+    },
     /// Recorded, released, or given up: nothing more to do.
     Finished,
 }
@@ -320,6 +332,23 @@ impl RequestJourney {
             }
             // The client left while the store was confirming: nothing went upstream.
             (J::AwaitingStore(wait), E::StreamEnd) => self.abandon_store_wait(host, wait),
+            (J::LookingUp { rule, call }, E::LookupAnswer { id, found })
+                if call == StoreCall::Stream(id) =>
+            {
+                self.lookup_answer(host, &rule, found)
+            }
+            (
+                J::LookingUp { rule, call },
+                E::CalloutAnswer {
+                    token,
+                    num_headers,
+                    body_size,
+                },
+            ) if call == StoreCall::Callout(token) => {
+                self.lookup_callout_answer(host, &rule, num_headers, body_size)
+            }
+            (J::LookingUp { rule, call }, E::StreamEnd) => self.abandon_lookup(&rule, call),
+            (looking @ J::LookingUp { .. }, _) => (looking, Verdict::Pause),
             // A replay through the echo hop goes on from here: the root delivered this.
             (J::Waiting(held), E::WaitOver(end)) => {
                 resumed(host, self.on_wait_over(host, held, end))

@@ -78,6 +78,8 @@ pub struct Plugin {
     pub detached_log: RefCell<BurstLog>,
     /// Unknown outcomes this worker recorded and is resolving by asking the service.
     pub resolutions: Resolutions,
+    /// Some rule has a lookup route (`lookup`): GETs are looked at for it.
+    pub has_lookup_routes: bool,
 }
 
 impl Plugin {
@@ -119,6 +121,7 @@ impl Plugin {
                 links.push(StoreLink::new(Rc::clone(store)));
             }
         }
+        let has_lookup_routes = rules.iter().any(|r| r.rule.lookup_route.is_some());
         let owners = OwnerTokens::allocate(host, &format!("{NAMESPACE}/owner-vm-sequence"));
         let writes = StoreWrites::new(
             host,
@@ -144,6 +147,7 @@ impl Plugin {
             detached: DetachedWrites::default(),
             detached_log: RefCell::new(BurstLog::new(10_000)),
             resolutions: Resolutions::default(),
+            has_lookup_routes,
         })
     }
 

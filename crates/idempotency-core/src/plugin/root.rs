@@ -309,6 +309,15 @@ impl PluginRoot {
             }
             Waiter::Claim(claim) => claim,
         };
+        if let CallOp::Lookup { .. } = claim.call {
+            // A caller's lookup: it holds nothing, so a request gone needs no undoing.
+            let event = Event::LookupAnswer {
+                id: claim.call_id,
+                found: crate::lookup_route::found_in_reply(answer),
+            };
+            let _ = self.in_request(host, claim.context_id, &claim.journey, event);
+            return;
+        }
         if let CallOp::Wait { .. } = claim.call {
             // A held duplicate's wait: it holds nothing, so a request gone needs no undoing.
             let end = read_wait_reply(answer);

@@ -15,6 +15,8 @@ pub enum StoreOp {
     Release,
     Renew,
     Settle,
+    /// A caller's lookup route asking what a key holds.
+    Lookup,
 }
 
 impl StoreOp {
@@ -25,6 +27,7 @@ impl StoreOp {
             StoreOp::Release => path::RELEASE,
             StoreOp::Renew => path::RENEW,
             StoreOp::Settle => path::SETTLE,
+            StoreOp::Lookup => path::LOOKUP,
         }
     }
 }

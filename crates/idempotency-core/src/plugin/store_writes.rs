@@ -147,7 +147,7 @@ impl PendingWrite {
     fn op(&self) -> StoreOp {
         match self.call {
             // A write is never a claim or a wait; named for completeness.
-            CallOp::Claim { .. } | CallOp::Wait { .. } => StoreOp::Claim,
+            CallOp::Claim { .. } | CallOp::Wait { .. } | CallOp::Lookup { .. } => StoreOp::Claim,
             CallOp::Complete { .. } => StoreOp::Complete,
             CallOp::Release { .. } => StoreOp::Release,
             CallOp::Renew { .. } => StoreOp::Renew,

@@ -180,7 +180,8 @@ pub fn http_body(call: &CallOp) -> Vec<u8> {
             record: (!record.is_empty()).then(|| encode_record(record)),
             ttl_ms: (*ttl_ms != 0).then_some(*ttl_ms),
         }),
-        CallOp::Wait { .. } => return Vec::new(),
+        // The stream alone carries these.
+        CallOp::Wait { .. } | CallOp::Lookup { .. } => return Vec::new(),
     };
     json.unwrap_or_default()
 }
@@ -197,7 +198,10 @@ pub fn call_bytes(call: &CallOp) -> usize {
             .len()
             .saturating_add(record.len())
             .saturating_add(256),
-        CallOp::Claim { .. } | CallOp::Release { .. } | CallOp::Wait { .. } => 256,
+        CallOp::Claim { .. }
+        | CallOp::Release { .. }
+        | CallOp::Wait { .. }
+        | CallOp::Lookup { .. } => 256,
     }
 }
 

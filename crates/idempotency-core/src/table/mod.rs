@@ -327,6 +327,21 @@ fn answer(decided: ClaimDecision, slot: &Slot, at: SlotRef) -> Option<Claim> {
     }
 }
 
+/// What `Table::find` found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kept {
+    None,
+    InFlight {
+        retry_after_ms: u64,
+    },
+    Completed {
+        slot: SlotRef,
+        owner: u64,
+        status: u16,
+        expires_at_ms: u64,
+    },
+}
+
 /// How `Table::settle_unknown` settles an unknown outcome.
 #[derive(Debug, Clone, Copy)]
 pub enum Settlement<'a> {
@@ -777,6 +792,38 @@ impl Table {
             return Ok(answer(decided, slot, at));
         }
         self.claim_in_predecessors(shared, key, fingerprint, now_ms)
+    }
+
+    /// What this table holds for `key`, changing nothing (a caller's lookup route): a live
+    /// claim, a live record with where its response is, or nothing.
+    pub fn find(
+        &self,
+        shared: &impl SharedData,
+        key: &Digest,
+        now_ms: u64,
+    ) -> Result<Kept, HostError> {
+        let bucket = self.bucket_of(key);
+        let (slots, _) = self.read_bucket(shared, bucket)?;
+        let found = slots
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.state != SlotState::Free && s.key == *key && s.live(now_ms));
+        Ok(match found {
+            None => Kept::None,
+            Some((_, slot)) if slot.state == SlotState::InFlight => Kept::InFlight {
+                retry_after_ms: slot.expires_at_ms.saturating_sub(now_ms).max(1),
+            },
+            Some((way, slot)) => Kept::Completed {
+                slot: SlotRef {
+                    generation: 0,
+                    bucket,
+                    way: way as u8,
+                },
+                owner: slot.owner,
+                status: slot.status,
+                expires_at_ms: slot.expires_at_ms,
+            },
+        })
     }
 
     /// Records `response` for a held claim and keeps it for `ttl_ms`.

@@ -9,6 +9,7 @@ mod detached;
 mod grpc;
 mod intake;
 mod local_claim;
+mod lookup;
 mod resolve;
 mod response;
 mod root;
