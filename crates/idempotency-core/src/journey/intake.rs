@@ -8,7 +8,7 @@ use super::detached::{self, DetachedIntake};
 use super::grpc::{call_shape, CallShape};
 use super::{access_log, pass, Journey, PendingRequest, RequestJourney, Step, Verdict};
 use crate::fingerprint::{fingerprint, FingerprintMode};
-use crate::host::Host;
+use crate::host::{HeaderPairs, Host};
 use crate::key::source::{combine, header_parts, key_values, FieldSource, SourceFailure};
 use crate::key::{request_scope, storage_key};
 use crate::outcome::Outcome;
@@ -127,19 +127,7 @@ impl RequestJourney {
             },
             Err(failure) => return self.key_failed(host, &rule, &failure, FailedAt::Headers),
         };
-        // Every value of a repeated scope header counts, not only the first.
-        let all_values = |name: &str| {
-            headers
-                .iter()
-                .filter(|(n, _)| n == name)
-                .map(|(_, v)| v.as_slice())
-                .collect()
-        };
-        let scope = match request_scope(
-            &rule.rule.scope_headers,
-            rule.rule.scope_required,
-            all_values,
-        ) {
+        let scope = match scope_of(&rule, &headers) {
             Ok(scope) => scope,
             Err(header) if is_grpc => {
                 deferred.get_or_insert((Outcome::MissingScope, Problem::missing_scope(header)));
@@ -386,6 +374,26 @@ impl RequestJourney {
             }
         })
     }
+}
+
+/// The request's scope under `rule`, or the scope header it lacks. Every value of a repeated
+/// scope header counts, not only the first.
+pub(super) fn scope_of<'r>(
+    rule: &'r RuleHandle,
+    headers: &HeaderPairs,
+) -> Result<Vec<Option<Vec<u8>>>, &'r str> {
+    let all_values = |name: &str| {
+        headers
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+            .collect()
+    };
+    request_scope(
+        &rule.rule.scope_headers,
+        rule.rule.scope_required,
+        all_values,
+    )
 }
 
 /// A string property, or None when absent or unreadable.

@@ -5,11 +5,12 @@
 
 use std::rc::Rc;
 
+use super::intake::scope_of;
 use super::{send_local, Journey, RequestJourney, Step, StoreCall, Verdict};
 use crate::config::StoreTransport;
 use crate::host::{HeaderPairs, Host};
 use crate::key::source::{combine, header_parts, key_values};
-use crate::key::{request_scope, storage_key, to_hex};
+use crate::key::{storage_key, to_hex};
 use crate::lookup_route::{answer, found_in_http, Found};
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
@@ -61,18 +62,7 @@ impl RequestJourney {
                 return self.answer_problem(host, &rule, &problem);
             }
         };
-        let all_values = |name: &str| {
-            headers
-                .iter()
-                .filter(|(n, _)| n == name)
-                .map(|(_, v)| v.as_slice())
-                .collect()
-        };
-        let scope = match request_scope(
-            &rule.rule.scope_headers,
-            rule.rule.scope_required,
-            all_values,
-        ) {
+        let scope = match scope_of(&rule, headers) {
             Ok(scope) => scope,
             Err(header) => {
                 return self.answer_problem(host, &rule, &Problem::missing_scope(header))
