@@ -308,8 +308,9 @@ FLOOR_EXTRA_CALLS = {
                "`upstream.request_attempt_count` (2); the table registry, for a key the bucket lacks (1); the "
                "completion's read of the bucket (a set returns no cas, and the slot flips by compare-and-swap) and "
                "the response written apart from its bucket (2: eight slots share a bucket, and keeping responses "
-               "in it would copy every slot's response on every claim); `x-envoy-max-retries: 0` (1); the clock "
-               "again at the completion, which dates the record (1).",
+               "in it would copy every slot's response on every claim); `x-envoy-max-retries: 0` (1); "
+               "`idempotency-key-expires` on the answer recorded (1); the clock again at the completion, which "
+               "dates the record (1).",
     "replay": "beyond them: the route's metadata naming a rule (1) and the response read apart from its bucket "
               "(1).",
 }

@@ -84,6 +84,9 @@ def plugin_config(*, capacity: int, ttl_s: int, lease_s: int, store: bool, trans
     for rule in cfg["rules"]:
         rule["ttl_seconds"] = ttl_s
         rule["lease_seconds"] = lease_s
+        if "resolve" in rule:
+            # A resolution must come while the record lives (settle_seconds < ttl_seconds).
+            rule["resolve"]["settle_seconds"] = max(1, min(rule["resolve"]["settle_seconds"], ttl_s - 1))
     if store:
         cfg["store"]["token"] = STORE_TOKEN
         if transport is not None:
