@@ -19,7 +19,7 @@ import pytest
 import client
 import harness
 from cluster import post as cluster_post
-from cluster import HOST, start_cluster
+from cluster import HOST, start_cluster, wait_for_answer
 from helpers import (
     crash_lines,
     envoy_yaml_plugin_config,
@@ -258,7 +258,8 @@ def test_cluster_a_payment_that_never_ran_is_freed_for_every_replica(replicas) -
     timed_out(b, path, key, **{"x-demo-status": "500"})
     again = resolved_answer(a, path, key)
     assert again.status_code == 201 and again.headers["x-execution"] == "2"
-    replay = cluster_post(b, path, key, headers=CALLER)
+    # A's record of the retry reaches the store from its root a moment later: in flight till then.
+    replay, _ = wait_for_answer(lambda: cluster_post(b, path, key, headers=CALLER), timeout=5)
     assert replay.status_code == 201 and replay.content == again.content
     assert replicas.upstream.executions(path) == 2
 

@@ -9,8 +9,6 @@
 
 use std::cell::RefCell;
 
-use idempotency_protocol::digest::to_hex;
-
 use crate::host::Host;
 use crate::key::Digest;
 use crate::outcome::Outcome;
@@ -22,13 +20,10 @@ pub const RULE: &str = "idempotency_rule";
 pub const OUTCOME: &str = "idempotency_outcome";
 /// The first [`KEY_HASH_HEX`] hex digits of the storage key.
 pub const KEY_HASH: &str = "idempotency_key_hash";
-/// 64 bits: distinct for every record a store holds in practice, short in a log line.
-pub const KEY_HASH_HEX: usize = 16;
+pub const KEY_HASH_HEX: usize = crate::key::SHORT_HASH_HEX;
 
 pub fn key_hash(key: &Digest) -> String {
-    let mut hex = to_hex(key);
-    hex.truncate(KEY_HASH_HEX);
-    hex
+    crate::key::short_hash(key)
 }
 
 pub fn publish_rule(host: &impl Host, rule: &str) {

@@ -111,6 +111,17 @@ pub(crate) fn hash_field(hasher: &mut Sha256, field: &[u8]) {
 
 /// The storage key: SHA-256 over the rule, the scope values (absent differs from empty) and
 /// the key. Raw keys and credentials never leave this function.
+/// Hex digits of a storage key that name it in the access log and in log lines: 64 bits,
+/// distinct for every record a store holds in practice, short in a line.
+pub const SHORT_HASH_HEX: usize = 16;
+
+/// The first [`SHORT_HASH_HEX`] hex digits of a storage key.
+pub fn short_hash(key: &Digest) -> String {
+    let mut hex = to_hex(key);
+    hex.truncate(SHORT_HASH_HEX);
+    hex
+}
+
 pub fn storage_key(rule_name: &str, scope_values: &[Option<&[u8]>], key: &[u8]) -> Digest {
     let mut h = Sha256::new();
     hash_field(&mut h, b"idempotency-filter/storage-key/v1");

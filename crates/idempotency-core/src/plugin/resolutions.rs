@@ -14,6 +14,7 @@ use std::rc::Rc;
 
 use crate::capture::ResponseCapture;
 use crate::host::{status_of, Callout, Host};
+use crate::key::short_hash;
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::store_writes::{Links, PendingWrite, StoreWrites};
@@ -301,6 +302,7 @@ impl Resolutions {
                 "it never ran: the key is freed and the next retry executes",
             ),
         };
+        let key = short_hash(&resolution.held.key);
         let local = to
             .table
             .settle_unknown(host, &resolution.held, settlement, host.now_ms());
@@ -311,8 +313,8 @@ impl Resolutions {
         if resolution.store_record.is_some() && !settled {
             rule.count(host, outcome);
             log::info!(
-                "rule {}: unknown outcome resolved after {} lookup(s) (the service answered \
-                 {status}): {what}; sent to the store",
+                "rule {}, key {key}: unknown outcome resolved after {} lookup(s) (the service \
+                 answered {status}): {what}; sent to the store",
                 rule.rule.name,
                 resolution.attempts
             );
@@ -322,8 +324,8 @@ impl Resolutions {
             Ok(Completion::Recorded | Completion::RecordedWithoutBody) => {
                 rule.count(host, outcome);
                 log::info!(
-                    "rule {}: unknown outcome resolved after {} lookup(s) (the service \
-                     answered {status}): {what}",
+                    "rule {}, key {key}: unknown outcome resolved after {} lookup(s) (the \
+                     service answered {status}): {what}",
                     rule.rule.name,
                     resolution.attempts
                 );
@@ -357,6 +359,7 @@ impl Resolutions {
         };
         let rule = Rc::clone(&resolution.rule);
         let name = &rule.rule.name;
+        let key = short_hash(&resolution.held.key);
         let gave_up = resolution.attempts >= settings.max_attempts;
         let next =
             (!gave_up).then(|| now.saturating_add(settings.backoff_after(resolution.attempts)));
@@ -391,8 +394,8 @@ impl Resolutions {
             Some(due) => {
                 rule.count(host, Outcome::ResolutionRetried);
                 log::warn!(
-                    "rule {name}: lookup {} of an unknown outcome settled nothing ({why}); \
-                     asking again in {} s",
+                    "rule {name}, key {key}: lookup {} of an unknown outcome settled nothing \
+                     ({why}); asking again in {} s",
                     resolution.attempts,
                     due.saturating_sub(now) / 1000
                 );
@@ -402,8 +405,8 @@ impl Resolutions {
             None => {
                 rule.count(host, Outcome::ResolutionGaveUp);
                 log::error!(
-                    "rule {name}: {} lookup(s) of an unknown outcome settled nothing (last: \
-                     {why}); it stays unknown until its TTL or an operator settles it",
+                    "rule {name}, key {key}: {} lookup(s) of an unknown outcome settled nothing \
+                     (last: {why}); it stays unknown until its TTL or an operator settles it",
                     resolution.attempts
                 );
                 self.finish(&resolution);
