@@ -64,8 +64,10 @@ impl RequestJourney {
                 .and_then(|v| std::str::from_utf8(v).ok())
                 .unwrap_or("")
         };
-        if let Some(rule) = self.lookup_rule(text(":method"), path_without_query(text(":path"))) {
-            return self.on_lookup(host, rule, &headers, text(":path"));
+        let method = text(":method");
+        let path = text(":path");
+        if let Some(rule) = self.lookup_rule(method, path_without_query(path)) {
+            return self.on_lookup(host, rule, &headers, path);
         }
         let config = &self.plugin.config;
         let route_name = config
@@ -82,8 +84,6 @@ impl RequestJourney {
                 &["xds", "route_metadata", "filter_metadata", ns, "rule"],
             )
         });
-        let method = text(":method");
-        let path = text(":path");
         let facts = RequestFacts {
             method,
             path: path_without_query(path),
@@ -365,14 +365,17 @@ impl RequestJourney {
         if !rule.rule.key_required && (failure.is_missing() || at == FailedAt::Body) {
             return None;
         }
-        Some(match failure {
-            SourceFailure::Missing { source } => {
-                (Outcome::MissingKey, Problem::missing_key(source))
-            }
-            SourceFailure::Invalid { source, why } => {
-                (Outcome::InvalidKey, Problem::invalid_key(source, why))
-            }
-        })
+        Some(refusal_for(failure))
+    }
+}
+
+/// What a key source's failure answers, and how it is counted: absent, or present but unusable.
+pub(super) fn refusal_for(failure: &SourceFailure) -> (Outcome, Problem) {
+    match failure {
+        SourceFailure::Missing { source } => (Outcome::MissingKey, Problem::missing_key(source)),
+        SourceFailure::Invalid { source, why } => {
+            (Outcome::InvalidKey, Problem::invalid_key(source, why))
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::rc::Rc;
 
-use super::intake::scope_of;
+use super::intake::{refusal_for, scope_of};
 use super::{send_local, Journey, RequestJourney, Step, StoreCall, Verdict};
 use crate::config::StoreTransport;
 use crate::host::{HeaderPairs, Host};
@@ -53,14 +53,7 @@ impl RequestJourney {
         };
         let parts = match header_parts(&rule.rule.key_sources, find, path_with_query) {
             Ok(parts) => parts,
-            Err(failure) => {
-                let problem = if failure.is_missing() {
-                    Problem::missing_key(failure.source())
-                } else {
-                    Problem::invalid_key(failure.source(), failure.why())
-                };
-                return self.answer_problem(host, &rule, &problem);
-            }
+            Err(failure) => return self.answer_problem(host, &rule, &refusal_for(&failure).1),
         };
         let scope = match scope_of(&rule, headers) {
             Ok(scope) => scope,
@@ -71,10 +64,7 @@ impl RequestJourney {
         let mut no_body = RequestBody::new("", &[]);
         let key = match key_values(&rule.rule.key_sources, parts, &mut no_body) {
             Ok(values) => combine(values),
-            Err(failure) => {
-                let problem = Problem::missing_key(failure.source());
-                return self.answer_problem(host, &rule, &problem);
-            }
+            Err(failure) => return self.answer_problem(host, &rule, &refusal_for(&failure).1),
         };
         let scope: Vec<Option<&[u8]>> = scope.iter().map(|v| v.as_deref()).collect();
         let key = storage_key(&rule.rule.name, &scope, &key);
