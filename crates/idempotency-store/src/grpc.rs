@@ -1,6 +1,6 @@
 //! The streaming API (`proto/idempotency_store.proto`): one long-lived bidirectional stream per
 //! client worker, each call answered by id, in whatever order the backend finishes them. It
-//! runs every operation through the same validation and [`server::execute`] as the HTTP API.
+//! runs every operation through the same validation and [`ops::execute`] as the HTTP API.
 
 use std::sync::Arc;
 
@@ -10,8 +10,11 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::admission::ConnectionAuth;
 use crate::metrics::Rejection;
+use crate::ops::answer::unavailable_detail;
+use crate::ops::auth::Verdict;
+use crate::ops::operations::Lookup;
+use crate::ops::{self, AppState};
 use crate::protocol::{self, BadRequest, ClaimBody, LeaseBody, RenewBody};
-use crate::server::{self, AppState, Verdict};
 use crate::storage::{
     ClaimOutcome, CompleteOutcome, RecordState, RecordView, ReleaseOutcome, SettleOutcome,
     StorageError,
@@ -223,7 +226,7 @@ impl StoreStreams {
                 tokio::spawn(async move {
                     let answer = answer(&state, call).await;
                     // A client gone before its answer: the operation still ran and was
-                    // counted (see server::execute); there is nobody left to tell.
+                    // counted (see ops::execute); there is nobody left to tell.
                     let _ = answers.send(Ok(answer)).await;
                     drop(slot);
                 });
@@ -331,10 +334,10 @@ fn begin_wait(state: &AppState, places: &Arc<Semaphore>, id: u64, wait: pb::Wait
         Err(bad) => return answered(refuse(state, bad)),
     };
     let Ok(place) = Arc::clone(places).try_acquire_owned() else {
-        return answered(wait_reply(server::wait_refused(state)));
+        return answered(wait_reply(ops::wait_refused(state)));
     };
     let Some(held) = state.waits.hold(&request.key) else {
-        return answered(wait_reply(server::wait_refused(state)));
+        return answered(wait_reply(ops::wait_refused(state)));
     };
     Wait::Held(HeldStreamWait {
         id,
@@ -363,7 +366,7 @@ impl HeldStreamWait {
             place,
         } = self;
         let answered = async {
-            let reply = match server::wait_for(&state, &held, request).await {
+            let reply = match ops::wait_for(&state, &held, request).await {
                 Ok(outcome) => wait_reply(outcome),
                 Err(e) => unavailable(&e),
             };
@@ -387,7 +390,7 @@ impl HeldStreamWait {
 }
 
 /// A call's answer. Runs on the task the stream spawned for the call, which no client owns:
-/// the operation goes on to its end even if the client leaves (see `server::execute`).
+/// the operation goes on to its end even if the client leaves (see `ops::execute`).
 async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
     let reply = match call.op {
         None => refuse(state, BadRequest("a call without an operation".into())),
@@ -399,7 +402,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
                 owner: (!c.owner.is_empty()).then_some(c.owner),
             };
             match protocol::validate_claim(raw) {
-                Ok(req) => match server::execute_on_own_task(state, req).await {
+                Ok(req) => match ops::execute_on_own_task(state, req).await {
                     Ok(outcome) => claim_reply(outcome),
                     Err(e) => unavailable(&e),
                 },
@@ -409,7 +412,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
         Some(Op::Complete(c)) => {
             let fingerprint = (!c.fingerprint.is_empty()).then_some(c.fingerprint.as_str());
             match protocol::validate_complete(&c.key, &c.owner, c.ttl_ms, c.record, fingerprint) {
-                Ok(req) => match server::execute_on_own_task(state, req).await {
+                Ok(req) => match ops::execute_on_own_task(state, req).await {
                     Ok(CompleteOutcome::Completed) => Reply::Recorded(pb::Empty {}),
                     Ok(CompleteOutcome::NotOwner) => Reply::NotOwner(pb::Empty {}),
                     Err(e) => unavailable(&e),
@@ -420,7 +423,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
         // Waits never get here: the stream takes them apart first (`begin_wait`).
         Some(Op::Wait(_)) => refuse(state, BadRequest("a wait outside a stream".into())),
         Some(Op::Release(r)) => match protocol::validate_release(&r.key, &r.owner) {
-            Ok(req) => match server::execute_on_own_task(state, req).await {
+            Ok(req) => match ops::execute_on_own_task(state, req).await {
                 Ok(ReleaseOutcome::Released) => Reply::Released(pb::Empty {}),
                 Ok(ReleaseOutcome::NotOwner) => Reply::NotOwner(pb::Empty {}),
                 Err(e) => unavailable(&e),
@@ -428,7 +431,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
             Err(bad) => refuse(state, bad),
         },
         Some(Op::Lookup(l)) => match protocol::parse_key(&l.key) {
-            Ok(key) => match server::execute_on_own_task(state, server::Lookup(key)).await {
+            Ok(key) => match ops::execute_on_own_task(state, Lookup(key)).await {
                 Ok(found) => lookup_reply(found),
                 Err(e) => unavailable(&e),
             },
@@ -436,7 +439,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
         },
         Some(Op::Settle(c)) => {
             match protocol::validate_settle(&c.key, c.current, c.record, c.ttl_ms) {
-                Ok(req) => match server::execute_on_own_task(state, req).await {
+                Ok(req) => match ops::execute_on_own_task(state, req).await {
                     Ok(SettleOutcome::Replaced) => Reply::Recorded(pb::Empty {}),
                     Ok(SettleOutcome::Removed) => Reply::Released(pb::Empty {}),
                     Ok(SettleOutcome::NotFound) => Reply::NotOwner(pb::Empty {}),
@@ -458,7 +461,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
                     .collect(),
             };
             match protocol::validate_renew(raw) {
-                Ok(req) => match server::execute_on_own_task(state, req).await {
+                Ok(req) => match ops::execute_on_own_task(state, req).await {
                     Ok(lost) => Reply::Renewed(pb::Renewed { lost }),
                     Err(e) => unavailable(&e),
                 },
@@ -525,6 +528,6 @@ fn refuse(state: &AppState, bad: BadRequest) -> Reply {
 fn unavailable(e: &StorageError) -> Reply {
     Reply::Failure(pb::Failure {
         kind: Kind::Unavailable.into(),
-        detail: server::unavailable_detail(e),
+        detail: unavailable_detail(e),
     })
 }

@@ -9,6 +9,7 @@ pub mod command;
 pub mod grpc;
 pub mod metrics;
 pub mod operator;
+pub mod ops;
 pub mod protocol;
 pub mod server;
 pub mod storage;

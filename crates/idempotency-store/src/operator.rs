@@ -1,16 +1,28 @@
-//! The operators' endpoints beside the lookup: a search by key prefix (the short hash an
-//! access log shows) and the purge of one record. Both run like every `/v1` operation
-//! (`server::execute`: on a task of their own, counted and timed), and answer bad input
-//! with a 400 that names what is wrong.
+//! The operators' front end, `/v1/records...` on the operator token only: a record's lookup,
+//! a search by key prefix (the short hash an access log shows), the purge of one record and
+//! the settling of an unknown outcome. Each runs like every `/v1` operation (`ops::execute`:
+//! on a task of its own, counted and timed), and answers bad input with a 400 that names
+//! what is wrong.
 
-use axum::http::StatusCode;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderValue, StatusCode, Uri};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
 use axum::Json;
+use axum::Router;
 use idempotency_protocol::wire::{outcome, search, PurgeResponse, SearchResponse};
 
-use crate::metrics::Operation;
-use crate::protocol::{BadRequest, RecordResponse, PROBLEM_NOT_FOUND};
-use crate::server::{problem, V1Operation};
+use crate::metrics::{Operation, Rejection};
+use crate::ops::answer::{bad_request, post_handler, problem, refusal};
+use crate::ops::auth::{connection_authenticated, Verdict};
+use crate::ops::operations::Lookup;
+use crate::ops::{perform, AppState, V1Operation};
+use crate::protocol::{self, BadRequest, RecordResponse, PROBLEM_NOT_FOUND};
 use crate::storage::{
     Digest, KeyPrefix, PrefixMatches, RecordState, RecordView, Storage, StorageError,
 };
@@ -188,6 +200,99 @@ impl V1Operation for Purge {
             ),
         }
     }
+}
+
+async fn require_operator(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    match st.auth.operator(req.headers()) {
+        Verdict::Allowed => {
+            connection_authenticated(req.extensions());
+            next.run(req).await
+        }
+        refused => refusal(&st, refused),
+    }
+}
+
+/// An operator settles an unknown outcome (`idempotency-store record resolve`).
+async fn operator_settle(
+    State(st): State<AppState>,
+    key: Result<Path<String>, PathRejection>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let key = match key {
+        Ok(Path(key)) => key,
+        Err(rej) => return bad_request(&st, BadRequest(format!("bad path: {}", rej.body_text()))),
+    };
+    post_handler(st, body, |bytes| {
+        protocol::parse_settle(bytes, Some(&key), protocol::Settler::Operator)
+    })
+    .await
+}
+
+/// The record key a `/v1/records/{key}` path names.
+fn path_key(key: Result<Path<String>, PathRejection>) -> Result<Digest, BadRequest> {
+    key.map_err(|rej| BadRequest(format!("bad path: {}", rej.body_text())))
+        .and_then(|Path(raw)| protocol::parse_key(&raw))
+}
+
+async fn lookup(State(st): State<AppState>, key: Result<Path<String>, PathRejection>) -> Response {
+    match path_key(key) {
+        Ok(key) => perform(&st, Lookup(key)).await,
+        Err(bad) => bad_request(&st, bad),
+    }
+}
+
+async fn purge(State(st): State<AppState>, key: Result<Path<String>, PathRejection>) -> Response {
+    match path_key(key) {
+        Ok(key) => perform(&st, Purge(key)).await,
+        Err(bad) => bad_request(&st, bad),
+    }
+}
+
+async fn search(State(st): State<AppState>, uri: Uri) -> Response {
+    let search = match parse_search(uri.query()) {
+        Ok(search) => search,
+        Err(bad) => return bad_request(&st, bad),
+    };
+    // Refused at once rather than queued: a queue of searches would each walk the keyspace.
+    let Ok(place) = Arc::clone(&st.searches).try_acquire_owned() else {
+        st.metrics.rejected(Rejection::Throttled);
+        let mut resp = problem(
+            StatusCode::TOO_MANY_REQUESTS,
+            protocol::PROBLEM_TOO_MANY_REQUESTS,
+            "Too many requests",
+            format!(
+                "another prefix search is running on this store instance, which runs one at \
+                 a time: retry in {} s",
+                SEARCH_RETRY_AFTER_SECS
+            ),
+        );
+        resp.headers_mut().insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(SEARCH_RETRY_AFTER_SECS),
+        );
+        return resp;
+    };
+    perform(&st, Throttled { search, place }).await
+}
+
+/// The operator routes (`/v1/records...`), on the operator token only.
+pub fn routes(state: AppState) -> Router<AppState> {
+    use idempotency_protocol::wire::path;
+    let at = |operation: &str| format!("{}{operation}", path::PREFIX);
+    Router::new()
+        .route(&at(path::RECORDS), get(search))
+        .route(
+            &format!("{}/{{key}}", at(path::RECORDS)),
+            get(lookup).delete(purge),
+        )
+        .route(
+            &format!("{}/{{key}}{}", at(path::RECORDS), path::SETTLE),
+            post(operator_settle),
+        )
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_operator,
+        ))
 }
 
 #[cfg(test)]

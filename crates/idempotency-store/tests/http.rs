@@ -17,7 +17,9 @@ use axum::middleware::Next;
 use axum::Router;
 use idempotency_store::clock::SystemClock;
 use idempotency_store::metrics::Metrics;
-use idempotency_store::server::{self, AppState, Auth};
+use idempotency_store::ops::auth::Auth;
+use idempotency_store::ops::AppState;
+use idempotency_store::server;
 use idempotency_store::storage::memory::MemoryStorage;
 use idempotency_store::storage::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
