@@ -16,9 +16,10 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 
+use idempotency_core::host::{HostError, SetOutcome, SharedData};
 use idempotency_core::plugin::NAMESPACE;
 use idempotency_core::table::layout::Layout;
-use idempotency_core::table::{Claim, HostError, SetOutcome, SharedData, Table, WAYS};
+use idempotency_core::table::{Claim, Table, WAYS};
 
 /// Shared data with the host's semantics (a write to an absent key always succeeds; an
 /// existing key only takes a write carrying its cas, or none), keeping the order of writes.

@@ -4,8 +4,8 @@ use sha2::{Digest as _, Sha256};
 
 use crate::key::source::{FieldSource, SourceFailure};
 use crate::key::{hash_field, Digest};
+use crate::request_fields::path_without_query;
 use crate::request_fields::RequestBody;
-use crate::rule_select::path_without_query;
 
 /// What of the request the fingerprint covers.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -5,7 +5,22 @@
 //! Each call returns the host's refusal as a [`HostError`] instead of panicking: the flow
 //! decides what a refusal means at each step.
 
-pub use crate::table::{HostError, SetOutcome, SharedData};
+/// The host's shared data: the table, the owner tokens and the registries live in it.
+pub trait SharedData {
+    /// None when the key does not exist; otherwise its value (possibly empty) and cas.
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError>;
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError>;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SetOutcome {
+    Stored,
+    CasMismatch,
+}
+
+/// A host call failed with an unexpected status (named for the log).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostError(pub String);
 
 /// Header pairs as the host lists them (names lower case, values as bytes).
 pub type HeaderPairs = Vec<(String, Vec<u8>)>;

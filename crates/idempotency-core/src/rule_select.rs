@@ -106,11 +106,6 @@ fn host_without_port(authority: &str) -> &str {
     authority.split(':').next().unwrap_or(authority)
 }
 
-/// Splits `/a/b?x=1` into the path used for matching.
-pub fn path_without_query(path: &str) -> &str {
-    path.split(['?', '#']).next().unwrap_or(path)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,7 +192,6 @@ mod tests {
     fn hosts_compare_without_port_and_case() {
         assert_eq!(host_without_port("API.local:443"), "API.local");
         assert_eq!(host_without_port("[::1]:10000"), "[::1]");
-        assert_eq!(path_without_query("/a/b?x=1"), "/a/b");
         assert!(config().needs_route_name() && config().needs_virtual_host());
     }
 }

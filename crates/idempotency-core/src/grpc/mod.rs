@@ -1,8 +1,8 @@
 //! gRPC unary calls as writes: what a gRPC rule needs beyond an HTTP one. [`frame`] reads the
 //! length-prefixed messages of a request or a response, [`status`] names the status codes
 //! and says which release a claim, [`answer`] turns the filter's own problems into
-//! trailers-only gRPC statuses, and [`echo`] is the other end of a replay's hop (see
-//! `REPLAY_PATH`).
+//! trailers-only gRPC statuses; the other end of a replay's hop (see `REPLAY_PATH`) is the
+//! journey's `echo`.
 //!
 //! Why a replay of a response with a message takes a hop: Envoy answers a gRPC request's
 //! local reply as trailers-only, whatever body it is given, so the filter cannot send a
@@ -13,7 +13,6 @@
 //! back. No service implements that path, so a hop that goes astray executes nothing.
 
 pub mod answer;
-pub mod echo;
 pub mod frame;
 pub mod status;
 

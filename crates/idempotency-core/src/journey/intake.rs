@@ -15,9 +15,10 @@ use crate::outcome::Outcome;
 use crate::plugin::detached::ForwardedRequest;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::problem::Problem;
+use crate::request_fields::path_without_query;
 use crate::request_fields::RequestBody;
 use crate::resolve::lookup::{LookupParts, LookupRequest};
-use crate::rule_select::{path_without_query, select, RequestFacts, Selection};
+use crate::rule_select::{select, RequestFacts, Selection};
 
 /// Where in the request a key source failed: header-borne keys the client chose to send are
 /// always checked; body-borne ones only matter when the rule requires a key.

@@ -10,6 +10,7 @@
 pub mod access_log;
 mod claim;
 mod detached;
+mod echo;
 mod grpc;
 mod intake;
 mod lookup;
@@ -275,7 +276,7 @@ impl RequestJourney {
     /// The transition function: every way a request moves through the filter.
     pub fn on(&mut self, host: &impl Host, event: Event) -> Verdict {
         if self.plugin.config.grpc_replay_echo {
-            return crate::grpc::echo::on(host, event);
+            return echo::on(host, event);
         }
         let journey = std::mem::replace(&mut self.journey, Journey::Finished);
         let running = running_claim(&journey);

@@ -4,7 +4,7 @@
 use std::cell::Cell;
 
 use crate::host::Host;
-use crate::table::SetOutcome;
+use crate::host::SetOutcome;
 
 const SEQUENCE_BITS: u32 = 40;
 

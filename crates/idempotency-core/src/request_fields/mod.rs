@@ -11,6 +11,11 @@ mod json;
 
 use json::Form;
 
+/// Splits `/a/b?x=1` into the path used for matching and fingerprinting.
+pub fn path_without_query(path: &str) -> &str {
+    path.split(['?', '#']).next().unwrap_or(path)
+}
+
 /// Why a field could not be read (the caller names the source).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FieldError {
@@ -306,6 +311,13 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
+
+    #[test]
+    fn a_path_is_matched_without_its_query_or_fragment() {
+        assert_eq!(path_without_query("/a/b?x=1"), "/a/b");
+        assert_eq!(path_without_query("/a/b#f"), "/a/b");
+        assert_eq!(path_without_query("/a/b"), "/a/b");
+    }
 
     #[test]
     fn json_scalars_by_pointer() {

@@ -6,7 +6,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use crate::table::{HostError, SetOutcome, SharedData};
+use crate::host::{HostError, SetOutcome, SharedData};
 
 #[derive(Default)]
 pub(crate) struct FakeShared {

@@ -9,8 +9,9 @@
 //! passed, and then its buckets and responses are emptied, a few buckets per tick of the
 //! root context.
 
+use crate::host::{HostError, SetOutcome, SharedData};
 use crate::table::layout::Layout;
-use crate::table::{HostError, SetOutcome, SharedData, Table};
+use crate::table::Table;
 
 /// Retired tables remembered at most; an older one is reclaimed at once (its records lost).
 pub const MAX_RETIRED: usize = 4;

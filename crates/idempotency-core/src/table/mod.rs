@@ -21,6 +21,7 @@ pub mod lineage;
 #[cfg(all(test, not(target_arch = "wasm32")))]
 mod properties;
 
+use crate::host::{HostError, SetOutcome, SharedData};
 use crate::key::Digest;
 use crate::record::RecordedResponse;
 use crate::table::layout::{Layout, PAGE_HEADER_BYTES};
@@ -41,23 +42,6 @@ const RECORDING_GRACE_MS: u64 = 5_000;
 /// A cas that no real entry carries yet: writing with it creates the key if absent and is
 /// refused if another worker created it first.
 const CREATE_IF_ABSENT_CAS: u32 = u32::MAX;
-
-/// The host's shared data, as the table needs it.
-pub trait SharedData {
-    /// None when the key does not exist; otherwise its value (possibly empty) and cas.
-    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError>;
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError>;
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SetOutcome {
-    Stored,
-    CasMismatch,
-}
-
-/// A host call failed with an unexpected status (named for the log).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HostError(pub String);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TableError {

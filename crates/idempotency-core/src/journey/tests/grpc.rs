@@ -7,8 +7,8 @@ use wasm_bindgen_test::wasm_bindgen_test as test;
 
 use super::*;
 use crate::grpc::{ECHO_MARKER, HOP_CONTENT_TYPE, REPLAY_PATH};
+use crate::host::SharedData as _;
 use crate::outcome::Outcome;
-use crate::table::SharedData as _;
 
 const ORDERS_GRPC: &str =
     r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]}}]}"#;

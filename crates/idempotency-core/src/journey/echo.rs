@@ -3,9 +3,9 @@
 //! the filter that sent the hop turns back into the recorded gRPC response. It keeps no
 //! state and reaches no service; anything but a hop gets a 404.
 
-use super::{ECHO_MARKER, REPLAY_PATH};
+use super::{Event, Verdict};
+use crate::grpc::{ECHO_MARKER, REPLAY_PATH};
 use crate::host::Host;
-use crate::journey::{Event, Verdict};
 
 /// One step of the echo for one request.
 pub fn on(host: &impl Host, event: Event) -> Verdict {
