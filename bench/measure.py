@@ -571,7 +571,7 @@ RETENTION_WINDOW_S = 10.0
 
 
 def recorded_size(replay: dict[str, str]) -> int:
-    """Bytes of the encoded record (crates/idempotency-core/src/record.rs) behind a replay:
+    """Bytes of the encoded record (crates/idempotency-protocol/src/record/mod.rs) behind a replay:
     4 magic + 8 owner + 2 status + 1 flags + 2 count + per header (2 + name + 4 + value)
     + 4 body length + body."""
     body = replay.get("__body__", "").encode()

@@ -2,7 +2,7 @@
 //! product's against (written here from the specifications, not from the product's code).
 
 use arbitrary::{Result, Unstructured};
-use idempotency_core::record::{RecordedResponse, UnknownOutcome};
+use idempotency_protocol::record::{RecordedResponse, UnknownOutcome};
 
 /// Visible ASCII (0x21-0x7E), `len` bytes of it.
 pub fn visible_ascii(u: &mut Unstructured<'_>, len: usize) -> Result<Vec<u8>> {

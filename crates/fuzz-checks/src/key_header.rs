@@ -1,7 +1,7 @@
-//! The `Idempotency-Key` header value (`idempotency_core::key::parse_key`).
+//! The `Idempotency-Key` header value (`idempotency_protocol::naming::parse_key`).
 
 use arbitrary::{Result, Unstructured};
-use idempotency_core::key::{parse_key, KeyError, MAX_KEY_BYTES};
+use idempotency_protocol::naming::{parse_key, KeyError, MAX_KEY_BYTES};
 
 use crate::gen::{sf_string, visible_ascii};
 

@@ -1,10 +1,10 @@
-//! Keys taken from the request (`idempotency_core::key::source`): headers, query parameters,
+//! Keys taken from the request (`idempotency_protocol::naming::source`): headers, query parameters,
 //! JSON and form body fields, one or several combined.
 
 use arbitrary::{Result, Unstructured};
-use idempotency_core::key::source::{complete_key, header_parts, FieldSource};
-use idempotency_core::key::{parse_key, MAX_KEY_BYTES};
-use idempotency_core::request_fields::{query_value, RequestBody};
+use idempotency_protocol::naming::fields::{query_value, RequestBody};
+use idempotency_protocol::naming::source::{complete_key, header_parts, FieldSource};
+use idempotency_protocol::naming::{parse_key, MAX_KEY_BYTES};
 
 use crate::gen::{number_literal, percent_encode, sf_string, visible_ascii};
 

@@ -6,8 +6,8 @@ use idempotency_core::config::{
     STORE_MAX_LEASE_MS, STORE_MAX_TTL_MS,
 };
 use idempotency_core::fingerprint::FingerprintMode;
-use idempotency_core::key::source::FieldSource;
 use idempotency_core::table::layout::{Layout, MAX_SLOTS, MIN_INLINE_BYTES};
+use idempotency_protocol::naming::source::FieldSource;
 use serde_json::{json, Map, Value};
 
 /// Any bytes, and configurations built from the input: parsing never panics, and a

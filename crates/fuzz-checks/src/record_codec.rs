@@ -1,8 +1,8 @@
-//! The recorded response (`idempotency_core::record::RecordedResponse`), read back from
+//! The recorded response (`idempotency_protocol::record::RecordedResponse`), read back from
 //! shared data and from the store.
 
 use arbitrary::{Result, Unstructured};
-use idempotency_core::record::RecordedResponse;
+use idempotency_protocol::record::RecordedResponse;
 
 /// Offset of the flags byte: after the magic, the owner and the status.
 const FLAGS_AT: usize = 4 + 8 + 2;

@@ -1,11 +1,11 @@
-//! Request fields (`idempotency_core::request_fields`): JSON Pointer scalars and canonical
+//! Request fields (`idempotency_protocol::naming::fields`): JSON Pointer scalars and canonical
 //! subtrees, form and query values; and the fingerprint over selected fields
 //! (`idempotency_core::fingerprint`).
 
 use arbitrary::{Result, Unstructured};
 use idempotency_core::fingerprint::{fingerprint, FingerprintMode};
-use idempotency_core::key::source::FieldSource;
-use idempotency_core::request_fields::{query_value, FieldError, RequestBody};
+use idempotency_protocol::naming::fields::{query_value, FieldError, RequestBody};
+use idempotency_protocol::naming::source::FieldSource;
 use serde_json::Value;
 
 use crate::gen::{any_string, json_string, percent_encode, short_name, Tree};

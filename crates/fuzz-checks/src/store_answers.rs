@@ -4,11 +4,11 @@
 //! `read_write_reply`).
 
 use arbitrary::{Result, Unstructured};
-use idempotency_core::record::RecordedResponse;
 use idempotency_core::store::client::{
     read_claim, read_claim_reply, read_write_answer, read_write_reply, StoreClaim, StoreFailure,
     WriteAnswer, WriteKind,
 };
+use idempotency_protocol::record::RecordedResponse;
 use idempotency_protocol::stream::{decode_answer, encode_answer, Answer, FailureKind, Reply};
 use idempotency_protocol::wire::{decode_record, encode_record, outcome, ClaimResponse};
 use idempotency_store::grpc::pb;

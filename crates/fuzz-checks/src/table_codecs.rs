@@ -3,13 +3,13 @@
 //! registry of tables (`table::lineage`) and the layout tags in its lines (`table::layout`).
 
 use arbitrary::{Arbitrary, Result, Unstructured};
-use idempotency_core::record::RecordedResponse;
 use idempotency_core::table::codec::{
     decode_page_pointer, encode_page_pointer, reencode_bucket, BUCKET_BYTES,
 };
 use idempotency_core::table::layout::{Layout, PageClass};
 use idempotency_core::table::lineage::{self, TableEntry};
 use idempotency_core::table::{SLOT_BYTES, WAYS};
+use idempotency_protocol::record::RecordedResponse;
 
 /// Buckets: any value reads without panicking as exactly the slots it holds whole (a state
 /// byte other than in-flight or completed reads as free, a short tail as free slots), so a

@@ -2,7 +2,7 @@
 //! recorded without holding the response back from the client.
 
 use crate::config::Rule;
-use crate::record::{RecordedResponse, KEY_EXPIRES_HEADER};
+use idempotency_protocol::record::{RecordedResponse, KEY_EXPIRES_HEADER};
 
 #[derive(Debug, Default)]
 pub struct ResponseCapture {

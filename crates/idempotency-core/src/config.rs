@@ -2,15 +2,19 @@
 //! validated, ready-to-use form the filter runs on.
 
 use serde::Deserialize;
-use std::fmt;
 
 use crate::fingerprint::FingerprintMode;
 use crate::grpc::GrpcRule;
-use crate::key::source::FieldSource;
 use crate::lookup_route::settings::{self as lookup_settings, LookupRoute, RawLookupRoute};
 use crate::resolve::settings::{self as resolve_settings, RawResolve, Resolve, RuleFacts};
 use crate::response_policy::{HeaderFilter, ReleasePolicy};
 use crate::table::layout::Layout;
+pub use idempotency_protocol::naming::rule::ConfigError;
+use idempotency_protocol::naming::rule::{
+    default_scope_headers, invalid, valid_header_name, validate_key, validate_name, validate_scope,
+    validate_source, RawKey, RawSource,
+};
+use idempotency_protocol::naming::source::FieldSource;
 
 /// Raw JSON shape of the plugin configuration. Every field has a documented default.
 #[derive(Debug, Deserialize)]
@@ -164,41 +168,6 @@ struct RawMatch {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawKey {
-    #[serde(default = "default_true")]
-    required: bool,
-    #[serde(default)]
-    header: Option<String>,
-    #[serde(default)]
-    sources: Option<Vec<RawSource>>,
-}
-
-impl Default for RawKey {
-    fn default() -> Self {
-        RawKey {
-            required: true,
-            header: None,
-            sources: None,
-        }
-    }
-}
-
-/// Exactly one of the fields names where a value comes from.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawSource {
-    #[serde(default)]
-    header: Option<String>,
-    #[serde(default)]
-    query: Option<String>,
-    #[serde(default)]
-    json: Option<String>,
-    #[serde(default)]
-    form: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
 #[serde(untagged)]
 enum RawFingerprint {
     Mode(String),
@@ -320,17 +289,8 @@ fn default_table_max_bytes() -> u64 {
 fn default_metadata_namespace() -> Option<String> {
     Some("idempotency".to_string())
 }
-fn default_true() -> bool {
-    true
-}
-fn default_key_header() -> String {
-    "idempotency-key".to_string()
-}
 fn default_max_request_bytes() -> u64 {
     1024 * 1024
-}
-fn default_scope_headers() -> Vec<String> {
-    vec![":authority".to_string(), "authorization".to_string()]
 }
 fn default_ttl_seconds() -> u64 {
     86_400
@@ -384,7 +344,6 @@ const MIN_TABLE_BYTES: u64 = 1024 * 1024;
 const MAX_TABLE_BYTES: u64 = 64 * 1024 * 1024 * 1024;
 const MAX_TTL_SECONDS: u64 = 366 * 86_400;
 const MAX_RESPONSE_BYTES: u64 = 64 * 1024 * 1024;
-const MAX_RULE_NAME_LEN: usize = 64;
 
 /// The store's own limits, from the protocol crate the store shares. The store refuses every
 /// claim outside them, so a rule with a store that exceeds them would fail each request at
@@ -393,30 +352,6 @@ pub const STORE_MIN_LEASE_MS: u64 = idempotency_protocol::wire::MIN_LEASE_MS;
 pub const STORE_MAX_LEASE_MS: u64 = idempotency_protocol::wire::MAX_LEASE_MS;
 pub const STORE_MIN_TTL_MS: u64 = idempotency_protocol::wire::MIN_TTL_MS;
 pub const STORE_MAX_TTL_MS: u64 = idempotency_protocol::wire::MAX_TTL_MS;
-
-/// A configuration error that names the field and says why it was refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigError {
-    pub field: String,
-    pub reason: String,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "invalid plugin configuration: {}: {}",
-            self.field, self.reason
-        )
-    }
-}
-
-fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
-    ConfigError {
-        field: field.into(),
-        reason: reason.into(),
-    }
-}
 
 /// The validated configuration.
 #[derive(Debug, Clone)]
@@ -590,18 +525,6 @@ impl Config {
     }
 }
 
-fn is_token_char(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b == b'-' || b == b'_'
-}
-
-fn valid_header_name(name: &str) -> bool {
-    let body = name.strip_prefix(':').unwrap_or(name);
-    !body.is_empty()
-        && body.bytes().all(|b| {
-            b.is_ascii_lowercase() || b.is_ascii_digit() || b"-_.!#$%&'*+^`|~".contains(&b)
-        })
-}
-
 const MAX_STORE_TIMEOUT_MS: u64 = 60_000;
 
 fn validate_store(at: &str, raw: RawStore) -> Result<StoreConfig, ConfigError> {
@@ -651,48 +574,9 @@ fn validate_rule(
     global_store: Option<&StoreConfig>,
 ) -> Result<Rule, ConfigError> {
     let at = |field: &str| format!("rules[{index}].{field}");
-    if raw.name.is_empty()
-        || raw.name.len() > MAX_RULE_NAME_LEN
-        || !raw.name.bytes().all(is_token_char)
-    {
-        return Err(invalid(
-            at("name"),
-            format!(
-                "must be 1 to {MAX_RULE_NAME_LEN} characters of [A-Za-z0-9_-] (it names metrics)"
-            ),
-        ));
-    }
-    let key_sources = match (raw.key.header, raw.key.sources) {
-        (Some(_), Some(_)) => {
-            return Err(invalid(
-                at("key"),
-                "set either 'header' or 'sources', not both",
-            ))
-        }
-        (header, None) => {
-            let header = header
-                .unwrap_or_else(default_key_header)
-                .to_ascii_lowercase();
-            if !valid_header_name(&header) || header.starts_with(':') {
-                return Err(invalid(
-                    at("key.header"),
-                    "must be a regular HTTP header name",
-                ));
-            }
-            vec![FieldSource::Header(header)]
-        }
-        (None, Some(list)) => {
-            if list.is_empty() {
-                return Err(invalid(at("key.sources"), "must name at least one source"));
-            }
-            let mut sources = Vec::with_capacity(list.len());
-            for (i, raw_source) in list.into_iter().enumerate() {
-                let source_at = format!("rules[{index}].key.sources[{i}]");
-                sources.push(validate_source(&source_at, raw_source)?);
-            }
-            sources
-        }
-    };
+    validate_name(index, &raw.name)?;
+    let key_required = raw.key.required;
+    let key_sources = validate_key(index, raw.key)?;
     let fingerprint = match raw.fingerprint {
         None => FingerprintMode::Body,
         Some(RawFingerprint::Mode(m)) if m == "body" => FingerprintMode::Body,
@@ -731,24 +615,7 @@ fn validate_rule(
             format!("must be between 1 and {MAX_RESPONSE_BYTES}"),
         ));
     }
-    let mut scope_headers = Vec::with_capacity(raw.scope_headers.len());
-    for (i, h) in raw.scope_headers.iter().enumerate() {
-        let lower = h.to_ascii_lowercase();
-        if !valid_header_name(&lower) {
-            return Err(invalid(
-                format!("rules[{index}].scope_headers[{i}]"),
-                format!("'{h}' is not a header name"),
-            ));
-        }
-        scope_headers.push(lower);
-    }
-    if raw.scope_required && scope_headers.iter().all(|h| h == ":authority") {
-        // Nothing would ever be required: refuse rather than give a false sense of safety.
-        return Err(invalid(
-            at("scope_required"),
-            "needs a scope header other than ':authority' in scope_headers",
-        ));
-    }
+    let scope_headers = validate_scope(index, &raw.scope_headers, raw.scope_required)?;
     if raw.ttl_seconds == 0 || raw.ttl_seconds > MAX_TTL_SECONDS {
         return Err(invalid(
             at("ttl_seconds"),
@@ -899,7 +766,7 @@ fn validate_rule(
     Ok(Rule {
         name: raw.name,
         matcher: validate_match(index, raw.matcher, grpc.is_some())?,
-        key_required: raw.key.required,
+        key_required,
         key_sources,
         fingerprint,
         max_request_bytes: usize::try_from(raw.max_request_bytes)
@@ -1031,49 +898,6 @@ fn validate_execution(
         cluster,
         timeout_ms,
     }))
-}
-
-fn validate_source(at: &str, raw: RawSource) -> Result<FieldSource, ConfigError> {
-    let given = [&raw.header, &raw.query, &raw.json, &raw.form]
-        .iter()
-        .filter(|v| v.is_some())
-        .count();
-    if given != 1 {
-        return Err(invalid(
-            at,
-            "must have exactly one of 'header', 'query', 'json' or 'form'",
-        ));
-    }
-    if let Some(h) = raw.header {
-        let lower = h.to_ascii_lowercase();
-        if !valid_header_name(&lower) || lower.starts_with(':') {
-            return Err(invalid(
-                format!("{at}.header"),
-                format!("'{h}' is not a header name"),
-            ));
-        }
-        return Ok(FieldSource::Header(lower));
-    }
-    if let Some(q) = raw.query {
-        if q.is_empty() {
-            return Err(invalid(format!("{at}.query"), "must not be empty"));
-        }
-        return Ok(FieldSource::Query(q));
-    }
-    if let Some(p) = raw.json {
-        // RFC 6901: "" is the whole document, otherwise each token starts with '/'.
-        if !(p.is_empty() || p.starts_with('/')) {
-            return Err(invalid(
-                format!("{at}.json"),
-                format!("'{p}' is not a JSON Pointer (it must start with '/')"),
-            ));
-        }
-        return Ok(FieldSource::Json(p));
-    }
-    match raw.form {
-        Some(f) if !f.is_empty() => Ok(FieldSource::Form(f)),
-        _ => Err(invalid(format!("{at}.form"), "must not be empty")),
-    }
 }
 
 /// A gRPC name part: a service's dotted name or a method's name.
@@ -1336,6 +1160,36 @@ mod tests {
             let e = Config::parse(json).unwrap_err();
             assert_eq!(&e.field, field, "{e}");
         }
+    }
+
+    /// The store's `record` command names a record from the same configuration file with
+    /// `rule_namings`, which reads only the naming fields: it must name every rule as the
+    /// filter does, defaults included, or an operator's lookup finds another record.
+    #[test]
+    fn the_record_command_names_rules_as_the_filter_does() {
+        let json = br#"{"rules":[
+            {"name":"plain"},
+            {"name":"cb","key":{"required":false,"sources":[{"header":"CE-Source"},{"json":"/id"},{"query":"o"}]},
+             "scope_headers":["X-Tenant","authorization"],"scope_required":true,"ttl_seconds":600},
+            {"name":"hook","key":{"header":"X-GitHub-Delivery"},"scope_headers":[],"fingerprint":"none"}]}"#;
+        let filter = Config::parse(json).unwrap();
+        let namings = idempotency_protocol::naming::rule::rule_namings(json).unwrap();
+        assert_eq!(namings.len(), filter.rules.len());
+        for (naming, rule) in namings.iter().zip(&filter.rules) {
+            assert_eq!(naming.name, rule.name);
+            assert_eq!(naming.key_sources, rule.key_sources, "{}", rule.name);
+            assert_eq!(naming.key_required, rule.key_required, "{}", rule.name);
+            assert_eq!(naming.scope_headers, rule.scope_headers, "{}", rule.name);
+            assert_eq!(naming.scope_required, rule.scope_required, "{}", rule.name);
+        }
+        // A naming field the filter refuses is refused the same way, naming the field.
+        let bad = br#"{"rules":[{"name":"a","key":{"header":"x","sources":[{"json":"/id"}]}}]}"#;
+        let filter = Config::parse(bad).unwrap_err();
+        let namings = idempotency_protocol::naming::rule::rule_namings(bad).unwrap_err();
+        assert_eq!(
+            (namings.field, namings.reason),
+            (filter.field, filter.reason)
+        );
     }
 
     #[test]

@@ -2,10 +2,10 @@
 
 use sha2::{Digest as _, Sha256};
 
-use crate::key::source::{FieldSource, SourceFailure};
-use crate::key::{hash_field, Digest};
-use crate::request_fields::path_without_query;
-use crate::request_fields::RequestBody;
+use idempotency_protocol::naming::fields::path_without_query;
+use idempotency_protocol::naming::fields::RequestBody;
+use idempotency_protocol::naming::source::{FieldSource, SourceFailure};
+use idempotency_protocol::naming::{hash_field, Digest};
 
 /// What of the request the fingerprint covers.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

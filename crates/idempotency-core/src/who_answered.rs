@@ -6,31 +6,12 @@
 //! request that never left the proxy.
 
 use crate::host::Host;
-use crate::record::UnknownOutcome;
+use idempotency_protocol::record::UnknownOutcome;
 
-/// Envoy's response flags, as the legacy bit vector of `response.flags` numbers them.
-pub mod flag {
-    pub const FAILED_LOCAL_HEALTH_CHECK: u64 = 0x1;
-    pub const NO_HEALTHY_UPSTREAM: u64 = 0x2;
-    pub const UPSTREAM_REQUEST_TIMEOUT: u64 = 0x4;
-    pub const LOCAL_RESET: u64 = 0x8;
-    pub const UPSTREAM_REMOTE_RESET: u64 = 0x10;
-    pub const UPSTREAM_CONNECTION_FAILURE: u64 = 0x20;
-    pub const UPSTREAM_CONNECTION_TERMINATION: u64 = 0x40;
-    pub const UPSTREAM_OVERFLOW: u64 = 0x80;
-    pub const NO_ROUTE_FOUND: u64 = 0x100;
-    pub const UPSTREAM_RETRY_LIMIT_EXCEEDED: u64 = 0x8000;
-    pub const NO_CLUSTER_FOUND: u64 = 0x100_0000;
-    pub const DNS_RESOLUTION_FAILED: u64 = 0x400_0000;
-    pub const DROP_OVERLOAD: u64 = 0x800_0000;
-
-    /// Short names, as Envoy's access log prints them, in bit order.
-    pub(super) const NAMES: [&str; 29] = [
-        "LH", "UH", "UT", "LR", "UR", "UF", "UC", "UO", "NR", "DI", "FI", "RL", "UAEX", "RLSE",
-        "DC", "URX", "SI", "IH", "DPE", "UMSDR", "RFCF", "NFCF", "DT", "UPE", "NC", "OM", "DF",
-        "DO", "DR",
-    ];
-}
+/// Envoy's response flags: the protocol crate's, as records and the store's `record` command
+/// name them.
+pub use idempotency_protocol::record::flags as flag;
+pub use idempotency_protocol::record::flags::flag_names;
 
 /// Flags that say the router never sent the request: no host to send it to, no connection
 /// to it, a circuit breaker or overload refusing it, nothing to route to. `URX` comes with
@@ -271,21 +252,6 @@ impl EnvoyReport {
             Answerer::Upstream { resent: false },
             report("via_upstream", 0),
         )
-    }
-}
-
-/// The flags as Envoy's access log prints them (`UT,URX`); `-` for none.
-pub fn flag_names(flags: u64) -> String {
-    let names: Vec<&str> = flag::NAMES
-        .iter()
-        .enumerate()
-        .filter(|(bit, _)| flags & (1u64 << bit) != 0)
-        .map(|(_, name)| *name)
-        .collect();
-    if names.is_empty() {
-        "-".to_string()
-    } else {
-        names.join(",")
     }
 }
 

@@ -10,6 +10,9 @@
 
 pub mod decision;
 pub mod digest;
+pub mod grpc_status;
+pub mod naming;
+pub mod record;
 pub mod stream;
 pub mod wire;
 

@@ -240,8 +240,8 @@ fn insecure_mode_starts_and_serves_healthz() {
 /// The `record` command, run as the binary it is, against a real store.
 mod record_command {
     use super::*;
-    use idempotency_core::key::{storage_key, to_hex};
-    use idempotency_core::record::RecordedResponse;
+    use idempotency_protocol::naming::{storage_key, to_hex};
+    use idempotency_protocol::record::RecordedResponse;
     use idempotency_protocol::wire::encode_record;
     use serde_json::{json, Value};
     use std::process::Output;

@@ -14,7 +14,8 @@
 
 pub mod answer;
 pub mod frame;
-pub mod status;
+/// gRPC's status codes: the protocol crate's, which the store's `record` command shares.
+pub use idempotency_protocol::grpc_status as status;
 
 /// The method a replay's hop is sent to; users route its service to the echo listener.
 pub const REPLAY_PATH: &str = "/idempotency.filter.v1.Replay/Echo";

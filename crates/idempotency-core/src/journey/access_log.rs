@@ -10,8 +10,8 @@
 use std::cell::RefCell;
 
 use crate::host::Host;
-use crate::key::Digest;
 use crate::outcome::Outcome;
+use idempotency_protocol::naming::Digest;
 
 /// The rule that protected the request.
 pub const RULE: &str = "idempotency_rule";
@@ -20,10 +20,10 @@ pub const RULE: &str = "idempotency_rule";
 pub const OUTCOME: &str = "idempotency_outcome";
 /// The first [`KEY_HASH_HEX`] hex digits of the storage key.
 pub const KEY_HASH: &str = "idempotency_key_hash";
-pub const KEY_HASH_HEX: usize = crate::key::SHORT_HASH_HEX;
+pub const KEY_HASH_HEX: usize = idempotency_protocol::naming::SHORT_HASH_HEX;
 
 pub fn key_hash(key: &Digest) -> String {
-    crate::key::short_hash(key)
+    idempotency_protocol::naming::short_hash(key)
 }
 
 pub fn publish_rule(host: &impl Host, rule: &str) {

@@ -12,16 +12,16 @@ use super::{
 };
 use crate::config::{OverloadPolicy, StoreErrorPolicy, StoreTransport};
 use crate::host::Host;
-use crate::key::{to_hex, Digest};
 use crate::outcome::Outcome;
 use crate::plugin::resolutions::Resolution;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::store_calls::{self, StoreAnswer, StoreOp};
 use crate::plugin::store_link::{ClaimWaiter, Waiter};
 use crate::problem::Problem;
-use crate::record::RecordedResponse;
 use crate::store::client::{self as store_client, read_claim, StoreClaim, StoreFailure};
 use crate::table::{Claim, Held, OversizedBody, SlotRef};
+use idempotency_protocol::naming::{to_hex, Digest};
+use idempotency_protocol::record::RecordedResponse;
 
 impl RequestJourney {
     /// The key and payload are known: claim the key and act on the answer.

@@ -13,8 +13,8 @@ use crate::host::{HeaderPairs, Host};
 use crate::outcome::Outcome;
 use crate::plugin::detached::{DetachedAnswer, DetachedWrite, ForwardedRequest};
 use crate::problem::Problem;
-use crate::record::{key_expires_value, RecordedResponse, KEY_EXPIRES_HEADER};
 use crate::who_answered::{Answerer, EnvoyReport};
+use idempotency_protocol::record::{key_expires_value, RecordedResponse, KEY_EXPIRES_HEADER};
 
 /// Headers of one connection, not of the request: never forwarded (Envoy frames the callout
 /// itself, content-length included).

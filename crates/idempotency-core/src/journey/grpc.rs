@@ -12,8 +12,8 @@ use crate::host::Host;
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::problem::Problem;
-use crate::record::RecordedResponse;
 use crate::who_answered::{Answerer, EnvoyReport};
+use idempotency_protocol::record::RecordedResponse;
 
 /// A replay on its way through the echo hop: what the echo's answer is turned back into.
 pub struct ReplayHop {

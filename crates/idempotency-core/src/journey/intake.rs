@@ -9,16 +9,18 @@ use super::grpc::{call_shape, CallShape};
 use super::{access_log, pass, Journey, PendingRequest, RequestJourney, Step, Verdict};
 use crate::fingerprint::{fingerprint, FingerprintMode};
 use crate::host::{HeaderPairs, Host};
-use crate::key::source::{combine, header_parts, key_values, FieldSource, SourceFailure};
-use crate::key::{request_scope, storage_key};
 use crate::outcome::Outcome;
 use crate::plugin::detached::ForwardedRequest;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::problem::Problem;
-use crate::request_fields::path_without_query;
-use crate::request_fields::RequestBody;
 use crate::resolve::lookup::{LookupParts, LookupRequest};
 use crate::rule_select::{select, RequestFacts, Selection};
+use idempotency_protocol::naming::fields::path_without_query;
+use idempotency_protocol::naming::fields::RequestBody;
+use idempotency_protocol::naming::source::{
+    combine, header_parts, key_values, FieldSource, SourceFailure,
+};
+use idempotency_protocol::naming::{request_scope, storage_key};
 
 /// Where in the request a key source failed: header-borne keys the client chose to send are
 /// always checked; body-borne ones only matter when the rule requires a key.

@@ -22,18 +22,18 @@ use std::rc::{Rc, Weak};
 
 use crate::capture::ResponseCapture;
 use crate::host::Host;
-use crate::key::Digest;
 use crate::outcome::Outcome;
 use crate::plugin::detached::DetachedAnswer;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::waits::{HoldTicket, WaitEnd};
 use crate::plugin::Plugin;
 use crate::problem::Problem;
-use crate::record::RecordedResponse;
 use crate::resolve::lookup::{LookupParts, LookupRequest};
 use crate::store::client::{StoreClaim, StoreFailure};
 use crate::table::Held;
 use detached::{DetachedIntake, DetachedRun};
+use idempotency_protocol::naming::Digest;
+use idempotency_protocol::record::RecordedResponse;
 
 /// What Envoy delivers to a request's filter.
 #[derive(Debug, Clone, PartialEq, Eq)]

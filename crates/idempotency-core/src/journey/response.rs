@@ -16,10 +16,12 @@ use idempotency_protocol::stream::CallOp;
 
 use crate::plugin::resolutions::Resolution;
 use crate::plugin::store_writes::{LeanRecord, PendingWrite};
-use crate::record::{key_expires_value, RecordedResponse, UnknownOutcome, KEY_EXPIRES_HEADER};
 use crate::store::client as store_client;
 use crate::table::{Completion, Held, OversizedBody, Settlement};
 use crate::who_answered::{flag_names, Answerer, EnvoyReport};
+use idempotency_protocol::record::{
+    key_expires_value, RecordedResponse, UnknownOutcome, KEY_EXPIRES_HEADER,
+};
 
 use std::rc::Rc;
 

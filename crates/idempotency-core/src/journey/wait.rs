@@ -13,12 +13,12 @@ use std::rc::Rc;
 use super::{HeldDuplicate, Journey, RequestJourney, Step, StoreCall, Verdict};
 use crate::config::{InFlightPolicy, StoreTransport};
 use crate::host::Host;
-use crate::key::Digest;
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::waits::{HoldTicket, WaitEnd, Waiter};
 use crate::problem::Problem;
 use crate::store::client as store_client;
+use idempotency_protocol::naming::Digest;
 
 /// Where a duplicate waits for the first request's end to show.
 #[derive(Clone, Copy)]

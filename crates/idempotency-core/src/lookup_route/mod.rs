@@ -13,8 +13,8 @@ use idempotency_protocol::stream::Reply;
 use idempotency_protocol::wire::{decode_record, RecordResponse, RecordState};
 use serde_json::{json, Map, Value};
 
-use crate::record::{key_expires_value, RecordedResponse};
 use crate::store::client::{read_claim_reply, StoreClaim, StoreFailure};
+use idempotency_protocol::record::{key_expires_value, RecordedResponse};
 
 /// What the filter holds for a key, locally or in the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,7 +148,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::record::UnknownOutcome;
+    use idempotency_protocol::record::UnknownOutcome;
 
     fn parsed(found: &Found, include: bool) -> (u16, Value) {
         let (status, body) = answer(found, include, 1_700_000_000_000);

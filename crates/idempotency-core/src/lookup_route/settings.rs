@@ -3,7 +3,7 @@
 
 use serde::Deserialize;
 
-use crate::key::source::FieldSource;
+use idempotency_protocol::naming::source::FieldSource;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -166,5 +166,8 @@ impl Leases {
 }
 
 fn store_lease(held: &Held, owner: &str) -> StoreLease {
-    (crate::key::to_hex(&held.key), owner.to_string())
+    (
+        idempotency_protocol::naming::to_hex(&held.key),
+        owner.to_string(),
+    )
 }

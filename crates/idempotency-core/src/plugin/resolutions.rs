@@ -14,15 +14,15 @@ use std::rc::Rc;
 
 use crate::capture::ResponseCapture;
 use crate::host::{status_of, Callout, Host};
-use crate::key::short_hash;
 use crate::outcome::Outcome;
 use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::store_writes::{Links, PendingWrite, StoreWrites};
-use crate::record::{key_expires_value, RecordedResponse, UnknownOutcome};
 use crate::resolve::lookup::LookupRequest;
 use crate::resolve::settings::{Resolve, Verdict};
 use crate::store::client::settle_call;
 use crate::table::{Completion, Held, Settlement, Table};
+use idempotency_protocol::naming::short_hash;
+use idempotency_protocol::record::{key_expires_value, RecordedResponse, UnknownOutcome};
 
 /// Unknown outcomes one worker resolves at once at most; beyond, the next is left unknown
 /// (and logged), as without `resolve`.
@@ -34,9 +34,7 @@ const RESOLUTION_OVERHEAD_BYTES: usize = 512;
 /// Envoy answers every callout by its timeout; one unanswered this long after is a failed
 /// lookup, so that a lost answer cannot hold a resolution forever.
 const OVERDUE_GRACE_MS: u64 = 10_000;
-/// The marker a replay of a resolved record carries: its response is what the service said
-/// when asked, not the first attempt's own answer.
-pub const RESOLVED_HEADER: &str = "idempotent-resolved";
+pub use idempotency_protocol::record::RESOLVED_HEADER;
 
 /// One unknown outcome being resolved.
 pub struct Resolution {
@@ -120,7 +118,7 @@ impl Resolutions {
     }
 
     /// Whether this worker is resolving `key` already.
-    pub fn resolving(&self, key: &crate::key::Digest) -> bool {
+    pub fn resolving(&self, key: &idempotency_protocol::naming::Digest) -> bool {
         self.waiting.borrow().iter().any(|r| r.held.key == *key)
             || self.in_flight.borrow().values().any(|r| r.held.key == *key)
     }

@@ -9,11 +9,11 @@ use std::rc::{Rc, Weak};
 
 use crate::host::Host;
 use crate::journey::RequestJourney;
-use crate::key::Digest;
 use crate::plugin::rule_handle::RuleHandle;
-use crate::record::RecordedResponse;
 use crate::store::client::{read_claim_reply, StoreClaim, StoreFailure};
 use crate::table::{Claim, Table};
+use idempotency_protocol::naming::Digest;
+use idempotency_protocol::record::RecordedResponse;
 use idempotency_protocol::stream::Reply;
 
 /// Duplicates one worker holds at most, in its local table and on the store together; beyond,

@@ -8,8 +8,8 @@ use idempotency_protocol::wire::{
     ReleaseBody, RenewBody, RenewResponse, SettleBody, MAX_RENEW_LEASES,
 };
 
-use crate::key::{to_hex, Digest};
-use crate::record::RecordedResponse;
+use idempotency_protocol::naming::{to_hex, Digest};
+use idempotency_protocol::record::RecordedResponse;
 
 /// Largest store answer the filter reads (a recorded response of the largest allowed cap,
 /// base64-encoded, plus JSON framing).

@@ -243,11 +243,11 @@ pub fn reclaim_due(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::key::Digest;
-    use crate::record::RecordedResponse;
     use crate::table::fake_shared::FakeShared;
     use crate::table::OversizedBody::RecordWithoutIt;
     use crate::table::{Claim, Completion};
+    use idempotency_protocol::naming::Digest;
+    use idempotency_protocol::record::RecordedResponse;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

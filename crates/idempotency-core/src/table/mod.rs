@@ -22,10 +22,10 @@ pub mod lineage;
 mod properties;
 
 use crate::host::{HostError, SetOutcome, SharedData};
-use crate::key::Digest;
-use crate::record::RecordedResponse;
 use crate::table::layout::{Layout, PAGE_HEADER_BYTES};
-use crate::wire::Reader;
+use idempotency_protocol::naming::Digest;
+use idempotency_protocol::record::reader::Reader;
+use idempotency_protocol::record::RecordedResponse;
 
 /// Slots per bucket. Each claim copies one bucket (8 × 91 bytes); a new key evicts the
 /// oldest completed record of its bucket, so more ways make eviction closer to oldest-first

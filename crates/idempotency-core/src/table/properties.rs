@@ -14,11 +14,11 @@ use std::rc::Rc;
 
 use proptest::prelude::*;
 
-use crate::key::Digest;
-use crate::record::RecordedResponse;
 use crate::table::fake_shared::FakeShared;
 use crate::table::layout::Layout;
 use crate::table::{Claim, Completion, Held, OversizedBody, Table};
+use idempotency_protocol::naming::Digest;
+use idempotency_protocol::record::RecordedResponse;
 
 const LEASE_MS: u64 = 1_000;
 const TTL_MS: u64 = 5_000;

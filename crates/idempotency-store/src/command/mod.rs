@@ -27,8 +27,8 @@ pub use report::Shown;
 use store_api::{StoreApi, Token};
 
 use crate::storage::Digest;
-use idempotency_core::plugin::resolutions::RESOLVED_HEADER;
-use idempotency_core::record::RecordedResponse;
+use idempotency_protocol::record::RecordedResponse;
+use idempotency_protocol::record::RESOLVED_HEADER;
 
 /// The variable the store reads its data-plane token from (the filter's `store.token`).
 pub const TOKEN_ENV: &str = "IDEMPOTENCY_STORE_TOKEN";

@@ -1,13 +1,16 @@
 //! Which record the operator means: a hash from the access log, or the request itself (rule,
-//! scope headers, key), hashed into the storage key by the filter's own functions from
-//! `idempotency-core`, exactly as the filter does on a request (`journey/intake.rs`).
+//! scope headers, key), hashed into the storage key by the functions the filter names its
+//! records with (`idempotency-protocol`'s `naming`), exactly as the filter does on a request
+//! (`journey/intake.rs`).
 
 use std::path::Path;
 
-use idempotency_core::config::{Config, Rule};
-use idempotency_core::key::source::{complete_key, header_parts, FieldSource, SourceFailure};
-use idempotency_core::key::{request_scope, storage_key};
-use idempotency_core::request_fields::RequestBody;
+use idempotency_protocol::naming::fields::RequestBody;
+use idempotency_protocol::naming::rule::{rule_namings, RuleNaming as Rule};
+use idempotency_protocol::naming::source::{
+    complete_key, header_parts, FieldSource, SourceFailure,
+};
+use idempotency_protocol::naming::{request_scope, storage_key};
 
 use crate::storage::{Digest, KeyPrefix};
 
@@ -84,13 +87,14 @@ pub fn parse_header(raw: &str) -> Result<(String, Vec<u8>), String> {
 
 /// The rule named `name` in the plugin configuration at `path`, or, without a file, a rule
 /// of that name with every default the filter applies (scope `:authority` and
-/// `authorization`, key from the `Idempotency-Key` header): core's own defaults, not a copy.
+/// `authorization`, key from the `Idempotency-Key` header): the filter's own defaults
+/// (`idempotency_protocol::naming::rule`, which its configuration validates with), not a copy.
 pub fn load_rule(path: Option<&Path>, name: &str) -> Result<Rule, String> {
     let config = match path {
         Some(path) => {
             let bytes = std::fs::read(path)
                 .map_err(|e| format!("cannot read --plugin-config {}: {e}", path.display()))?;
-            Config::parse(&bytes).map_err(|e| {
+            rule_namings(&bytes).map_err(|e| {
                 format!(
                     "--plugin-config {}: {e} (the file is the filter's JSON configuration, \
                      the `configuration` value of the Wasm filter in the Envoy config)",
@@ -100,12 +104,11 @@ pub fn load_rule(path: Option<&Path>, name: &str) -> Result<Rule, String> {
         }
         None => {
             let minimal = serde_json::json!({ "rules": [{ "name": name }] });
-            Config::parse(minimal.to_string().as_bytes()).map_err(|e| format!("--rule: {e}"))?
+            rule_namings(minimal.to_string().as_bytes()).map_err(|e| format!("--rule: {e}"))?
         }
     };
-    let names: Vec<&str> = config.rules.iter().map(|r| r.name.as_str()).collect();
+    let names: Vec<&str> = config.iter().map(|r| r.name.as_str()).collect();
     config
-        .rules
         .iter()
         .find(|r| r.name == name)
         .cloned()
@@ -196,7 +199,7 @@ pub fn storage_key_for(rule: &Rule, parts: &RequestParts) -> Result<Digest, Stri
 #[cfg(test)]
 mod tests {
     use super::*;
-    use idempotency_core::key::{scope_value, to_hex};
+    use idempotency_protocol::naming::{scope_value, to_hex};
 
     /// The parts `-H 'name: value'` arguments give.
     fn parts(headers: &[(&str, &str)]) -> RequestParts {

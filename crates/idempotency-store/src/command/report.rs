@@ -4,9 +4,9 @@
 
 use std::fmt::Write as _;
 
-use idempotency_core::plugin::resolutions::RESOLVED_HEADER;
-use idempotency_core::record::{RecordedResponse, UnknownOutcome};
-use idempotency_core::who_answered::flag_names;
+use idempotency_protocol::record::flags::flag_names;
+use idempotency_protocol::record::RESOLVED_HEADER;
+use idempotency_protocol::record::{RecordedResponse, UnknownOutcome};
 use idempotency_protocol::wire::{decode_record, RecordResponse, RecordState};
 use serde_json::{json, Value};
 
@@ -79,8 +79,8 @@ impl Shown {
                         headers: r.headers.len(),
                         body_bytes: r.body.len(),
                         body_omitted: r.body_omitted,
-                        grpc_status: idempotency_core::grpc::status::status_in(&r.trailers)
-                            .or_else(|| idempotency_core::grpc::status::status_in(&r.headers))
+                        grpc_status: idempotency_protocol::grpc_status::status_in(&r.trailers)
+                            .or_else(|| idempotency_protocol::grpc_status::status_in(&r.headers))
                             .flatten(),
                     }),
                     None => Response::Unreadable {
@@ -169,7 +169,7 @@ impl Shown {
                 if let Some(code) = r.grpc_status {
                     line(
                         "grpc status",
-                        format!("{code} {}", idempotency_core::grpc::status::name(code)),
+                        format!("{code} {}", idempotency_protocol::grpc_status::name(code)),
                     );
                 }
                 line("headers", r.headers.to_string());

@@ -10,7 +10,7 @@ use base64::Engine as _;
 use super::*;
 use crate::fake_host::HostCall;
 use crate::outcome::Outcome;
-use crate::record::RecordedResponse;
+use idempotency_protocol::record::RecordedResponse;
 
 fn cluster_config(policy: &str) -> String {
     format!(

@@ -10,7 +10,7 @@ use super::*;
 use crate::fake_host::Effect;
 use crate::outcome::Outcome;
 use crate::plugin::root::PluginRoot;
-use crate::record::RecordedResponse;
+use idempotency_protocol::record::RecordedResponse;
 
 const LOOKUP: &str = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
     "lookup":{"path":"/orders/idempotency","include_response":true}}]}"#;

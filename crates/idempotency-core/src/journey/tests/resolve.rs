@@ -245,8 +245,8 @@ mod cluster {
     use crate::fake_host::Effect;
     use crate::outcome::Outcome;
     use crate::plugin::root::PluginRoot;
-    use crate::record::{RecordedResponse, UnknownOutcome};
     use crate::who_answered::flag;
+    use idempotency_protocol::record::{RecordedResponse, UnknownOutcome};
 
     const CLUSTER: &str = r#"{"store":{"cluster":"store","timeout_ms":250},
         "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},

@@ -167,12 +167,12 @@ fn a_retired_configuration_stays_until_its_waiting_writes_are_taken() {
 }
 
 /// The record a completion callout carries.
-fn sent_record(body: &[u8]) -> crate::record::RecordedResponse {
+fn sent_record(body: &[u8]) -> idempotency_protocol::record::RecordedResponse {
     use base64::engine::general_purpose::STANDARD as BASE64;
     use base64::Engine as _;
     let body: serde_json::Value = serde_json::from_slice(body).unwrap();
     let record = BASE64.decode(body["record"].as_str().unwrap()).unwrap();
-    crate::record::RecordedResponse::decode(&record).unwrap()
+    idempotency_protocol::record::RecordedResponse::decode(&record).unwrap()
 }
 
 #[test]

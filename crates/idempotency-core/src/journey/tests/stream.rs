@@ -15,7 +15,7 @@ use crate::host::HeaderPairs;
 use crate::outcome::Outcome;
 use crate::plugin::root::PluginRoot;
 use crate::plugin::store_link::MAX_MESSAGE_BYTES;
-use crate::record::RecordedResponse;
+use idempotency_protocol::record::RecordedResponse;
 
 const ROOT: u32 = 1;
 const REQUEST: u32 = 7;

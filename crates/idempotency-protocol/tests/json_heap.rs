@@ -12,7 +12,7 @@ use std::cell::Cell;
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
-use idempotency_core::request_fields::RequestBody;
+use idempotency_protocol::naming::fields::RequestBody;
 
 /// Counts the bytes each thread holds, so that tests running beside this one (and the
 /// harness) do not show up in its figures.

@@ -1,5 +1,7 @@
 //! The idempotency key: parsing the header value and deriving the scoped storage key.
 
+pub mod fields;
+pub mod rule;
 pub mod source;
 
 use sha2::{Digest as _, Sha256};
@@ -7,7 +9,7 @@ use std::fmt;
 
 /// A SHA-256 digest (storage keys and fingerprints) and its lowercase hex, for logs and the
 /// store protocol: the protocol crate's, which the store shares.
-pub use idempotency_protocol::digest::{to_hex, Digest};
+pub use crate::digest::{to_hex, Digest};
 
 /// Longest key accepted, in bytes (Stripe's limit; the draft recommends UUIDs).
 pub const MAX_KEY_BYTES: usize = 255;
@@ -104,7 +106,7 @@ fn unquote(rest: &[u8]) -> Result<Vec<u8>, KeyError> {
 }
 
 /// Feeds length-prefixed fields into a hash so that no two field lists hash alike.
-pub(crate) fn hash_field(hasher: &mut Sha256, field: &[u8]) {
+pub fn hash_field(hasher: &mut Sha256, field: &[u8]) {
     hasher.update((field.len() as u64).to_be_bytes());
     hasher.update(field);
 }

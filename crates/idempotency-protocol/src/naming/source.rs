@@ -1,8 +1,8 @@
 //! Where a rule takes its idempotency key from: one or several request headers, query
 //! parameters, JSON body fields (RFC 6901 pointers) or form fields, combined into one key.
 
-use crate::key::{parse_key, KeyError, MAX_KEY_BYTES};
-use crate::request_fields::{query_value, FieldError, RequestBody};
+use crate::naming::fields::{query_value, FieldError, RequestBody};
+use crate::naming::{parse_key, KeyError, MAX_KEY_BYTES};
 
 /// One place a key value (or a fingerprinted field) is read from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,7 +55,7 @@ impl SourceFailure {
         }
     }
 
-    pub(crate) fn invalid(source: impl Into<String>, why: impl std::fmt::Display) -> SourceFailure {
+    pub fn invalid(source: impl Into<String>, why: impl std::fmt::Display) -> SourceFailure {
         SourceFailure::Invalid {
             source: source.into(),
             why: why.to_string(),

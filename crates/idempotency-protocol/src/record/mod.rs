@@ -1,7 +1,10 @@
 //! The recorded response: what a retry gets back. Encoded compactly because it is copied
 //! in and out of Envoy's shared data (and sent to the store as opaque bytes).
 
-use crate::wire::Reader;
+pub mod flags;
+pub mod reader;
+
+use reader::Reader;
 
 const MAGIC: &[u8; 4] = b"IDR1";
 const FLAG_BODY_OMITTED: u8 = 1;
@@ -19,6 +22,9 @@ const MAX_DETAILS_BYTES: usize = 255;
 /// answer and on every replay (an HTTP-date, like `Expires`): a client then knows how long a
 /// retry with this key is safe. The IETF draft leaves this open; the name is this filter's.
 pub const KEY_EXPIRES_HEADER: &str = "idempotency-key-expires";
+/// The marker a replay of a resolved record carries: its response is what the service said
+/// when asked, not the first attempt's own answer.
+pub const RESOLVED_HEADER: &str = "idempotent-resolved";
 
 /// `KEY_EXPIRES_HEADER`'s value for a record kept until `expires_at_ms`.
 pub fn key_expires_value(expires_at_ms: u64) -> String {
