@@ -113,8 +113,10 @@ E2E_ENVOY     := $(if $(strip $(ENVOY_VERSION)),.venv-envoy-$(strip $(ENVOY_VERS
 run: deps-run build venv
 	scripts/run-demo.sh
 
+# check-layers: no module of a crate imports one that imports it back (scripts/check-layers.py).
 lint:
 	cargo fmt --all -- --check
+	python3 scripts/check-layers.py src crates/*/src
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --release --target $(WASM_TARGET) -p idempotency-filter -p idempotency-core -p idempotency-protocol -p noop-filter -p job-floor-filter -- -D warnings
 

@@ -2,7 +2,7 @@
 //! writes on wake-ups and ticks, staying until they are taken) and gives each request its
 //! filter.
 
-use idempotency_core::plugin::root::PluginRoot;
+use idempotency_core::root::PluginRoot;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 

@@ -32,6 +32,8 @@ pub mod plugin;
 pub mod problem;
 pub mod resolve;
 pub mod response_policy;
+pub mod root;
+pub mod rule_handle;
 pub mod rule_select;
 pub mod store;
 pub mod table;

@@ -5,7 +5,7 @@ use std::rc::Rc;
 
 use idempotency_protocol::stream::CallOp;
 
-use super::intake::NO_ROUTER_RETRIES;
+use super::NO_ROUTER_RETRIES;
 use super::{
     access_log, pass, running_claim, send_response, Execution, Journey, RequestJourney, Step,
     StoreCall, StoreOwner, StoreWait, Verdict,
@@ -14,11 +14,11 @@ use crate::config::{OverloadPolicy, StoreErrorPolicy, StoreTransport};
 use crate::host::Host;
 use crate::outcome::Outcome;
 use crate::plugin::resolutions::Resolution;
-use crate::plugin::rule_handle::RuleHandle;
-use crate::plugin::store_calls::{self, StoreAnswer, StoreOp};
-use crate::plugin::store_link::{ClaimWaiter, Waiter};
 use crate::problem::Problem;
+use crate::rule_handle::RuleHandle;
+use crate::store::calls::{self, StoreAnswer, StoreOp};
 use crate::store::client::{self as store_client, read_claim, StoreClaim, StoreFailure};
+use crate::store::link::{ClaimWaiter, Waiter};
 use crate::table::{Claim, Held, OversizedBody, SlotRef};
 use idempotency_protocol::naming::{to_hex, Digest};
 use idempotency_protocol::record::RecordedResponse;
@@ -150,7 +150,7 @@ impl RequestJourney {
             StoreTransport::Grpc => self.send_on_stream(host, &rule, call),
             StoreTransport::Http => {
                 let body = store_client::http_body(&call);
-                store_calls::send(host, &store, StoreOp::Claim, &body)
+                calls::send(host, &store, StoreOp::Claim, &body)
                     .map(StoreCall::Callout)
                     .map_err(|e| e.0)
             }
@@ -188,7 +188,6 @@ impl RequestJourney {
         let waiter = Waiter::Claim(ClaimWaiter {
             call_id: 0,
             context_id: self.context_id,
-            journey: self.me.clone(),
             rule: Rc::clone(rule),
             call,
         });
@@ -207,7 +206,7 @@ impl RequestJourney {
         num_headers: usize,
         body_size: usize,
     ) -> Result<StoreClaim, StoreFailure> {
-        let StoreAnswer { status, body } = store_calls::read_answer(host, num_headers, body_size);
+        let StoreAnswer { status, body } = calls::read_answer(host, num_headers, body_size);
         read_claim(status, &body)
     }
 

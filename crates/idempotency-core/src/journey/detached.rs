@@ -6,7 +6,7 @@
 
 use std::rc::Rc;
 
-use super::intake::NO_ROUTER_RETRIES;
+use super::NO_ROUTER_RETRIES;
 use super::{send_response, Execution, Journey, RequestJourney, Step, Verdict};
 use crate::capture::ResponseCapture;
 use crate::host::{HeaderPairs, Host};
@@ -123,7 +123,8 @@ impl RequestJourney {
             return (Journey::Executing(run), Verdict::Continue);
         };
         let intake = self.detached_intake.borrow_mut().take();
-        let (Some(intake), Some(me)) = (intake, self.me.upgrade()) else {
+        let reachable = self.journeys.is_live(self.context_id);
+        let (Some(intake), true) = (intake, reachable) else {
             log::warn!(
                 "rule {}: no copy of the request to detach; it runs inline",
                 rule.rule.name
@@ -154,8 +155,9 @@ impl RequestJourney {
             return self.answer_problem(host, &rule, &problem);
         };
         self.note(host, &rule, Outcome::Detached);
+        // Kept alive for the root, which hands it the answer even after its client left.
+        self.journeys.keep(self.context_id);
         self.plugin.detached.queue(DetachedWrite {
-            journey: me,
             context_id: self.context_id,
             rule: Rc::clone(&rule),
             cluster,

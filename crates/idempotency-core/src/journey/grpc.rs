@@ -10,8 +10,8 @@ use crate::grpc::frame::{frame_len, framing, Framing};
 use crate::grpc::{self, answer, status};
 use crate::host::Host;
 use crate::outcome::Outcome;
-use crate::plugin::rule_handle::RuleHandle;
 use crate::problem::Problem;
+use crate::rule_handle::RuleHandle;
 use crate::who_answered::{Answerer, EnvoyReport};
 use idempotency_protocol::record::RecordedResponse;
 

@@ -11,9 +11,9 @@ use crate::fingerprint::{fingerprint, FingerprintMode};
 use crate::host::{HeaderPairs, Host};
 use crate::outcome::Outcome;
 use crate::plugin::detached::ForwardedRequest;
-use crate::plugin::rule_handle::RuleHandle;
 use crate::problem::Problem;
 use crate::resolve::lookup::{LookupParts, LookupRequest};
+use crate::rule_handle::RuleHandle;
 use crate::rule_select::{select, RequestFacts, Selection};
 use idempotency_protocol::naming::fields::path_without_query;
 use idempotency_protocol::naming::fields::RequestBody;
@@ -29,9 +29,6 @@ enum FailedAt {
     Headers,
     Body,
 }
-
-/// The request header that caps the router's retries of this request.
-pub const NO_ROUTER_RETRIES: &str = "x-envoy-max-retries";
 
 /// What a request costs Envoy beyond its body while it is held (headers, stream state).
 const REQUEST_OVERHEAD_BYTES: usize = 2048;

@@ -11,9 +11,9 @@ use crate::config::StoreTransport;
 use crate::host::{HeaderPairs, Host};
 use crate::lookup_route::{answer, found_in_http, Found};
 use crate::outcome::Outcome;
-use crate::plugin::rule_handle::RuleHandle;
-use crate::plugin::store_calls::{self, StoreOp};
 use crate::problem::Problem;
+use crate::rule_handle::RuleHandle;
+use crate::store::calls::{self, StoreOp};
 use crate::store::client::StoreFailure;
 use crate::table::Kept;
 use idempotency_protocol::naming::fields::RequestBody;
@@ -76,7 +76,7 @@ impl RequestJourney {
                 StoreTransport::Http => {
                     let body =
                         serde_json::to_vec(&LookupBody { key: to_hex(&key) }).unwrap_or_default();
-                    store_calls::send(host, &store, StoreOp::Lookup, &body)
+                    calls::send(host, &store, StoreOp::Lookup, &body)
                         .map(StoreCall::Callout)
                         .map_err(|e| e.0)
                 }
@@ -164,8 +164,7 @@ impl RequestJourney {
         num_headers: usize,
         body_size: usize,
     ) -> Step {
-        let store_calls::StoreAnswer { status, body } =
-            store_calls::read_answer(host, num_headers, body_size);
+        let calls::StoreAnswer { status, body } = calls::read_answer(host, num_headers, body_size);
         self.lookup_answer(host, rule, found_in_http(status, &body))
     }
 }

@@ -14,26 +14,31 @@ mod echo;
 mod grpc;
 mod intake;
 mod lookup;
+pub mod registry;
 mod response;
 mod wait;
 
 use std::cell::RefCell;
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 
 use crate::capture::ResponseCapture;
 use crate::host::Host;
 use crate::outcome::Outcome;
 use crate::plugin::detached::DetachedAnswer;
-use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::waits::{HoldTicket, WaitEnd};
 use crate::plugin::Plugin;
 use crate::problem::Problem;
 use crate::resolve::lookup::{LookupParts, LookupRequest};
+use crate::rule_handle::RuleHandle;
 use crate::store::client::{StoreClaim, StoreFailure};
 use crate::table::Held;
 use detached::{DetachedIntake, DetachedRun};
 use idempotency_protocol::naming::Digest;
 use idempotency_protocol::record::RecordedResponse;
+use registry::Journeys;
+
+/// The request header that caps the router's retries of this request.
+pub const NO_ROUTER_RETRIES: &str = "x-envoy-max-retries";
 
 /// What Envoy delivers to a request's filter.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -202,8 +207,9 @@ pub struct RequestJourney {
     journey: Journey,
     /// The host's id of this request's context.
     context_id: u32,
-    /// Itself, for the root to deliver a store stream's answer to (see `shared`).
-    me: Weak<RefCell<RequestJourney>>,
+    /// The configuration's journeys, in which the root finds this one by `context_id` to
+    /// hand it a store stream's answer (see `shared`).
+    journeys: Rc<Journeys>,
     /// What the filter decided so far, for the access log.
     decisions: access_log::Decisions,
     /// What Envoy holds of this request while it waits (its body, or what a rule that never
@@ -226,7 +232,7 @@ impl RequestJourney {
             plugin,
             journey: Journey::Arrived,
             context_id: 0,
-            me: Weak::new(),
+            journeys: Rc::new(Journeys::default()),
             decisions: access_log::Decisions::default(),
             held_bytes: std::cell::Cell::new(0),
             detached_intake: RefCell::new(None),
@@ -235,22 +241,26 @@ impl RequestJourney {
         }
     }
 
-    /// A journey the root can also reach, to hand it the answer to a claim sent on the store
-    /// stream; `context_id` is the host's id of the request's context.
-    pub fn shared(plugin: Rc<Plugin>, context_id: u32) -> Rc<RefCell<RequestJourney>> {
-        Rc::new_cyclic(|me| {
-            RefCell::new(RequestJourney {
-                plugin,
-                journey: Journey::Arrived,
-                context_id,
-                me: me.clone(),
-                decisions: access_log::Decisions::default(),
-                held_bytes: std::cell::Cell::new(0),
-                detached_intake: RefCell::new(None),
-                context_gone: std::cell::Cell::new(false),
-                lookup: RefCell::new(None),
-            })
-        })
+    /// A journey the root can also reach in `journeys`, to hand it the answer to a claim sent
+    /// on the store stream; `context_id` is the host's id of the request's context.
+    pub fn shared(
+        plugin: Rc<Plugin>,
+        journeys: &Rc<Journeys>,
+        context_id: u32,
+    ) -> Rc<RefCell<RequestJourney>> {
+        let journey = Rc::new(RefCell::new(RequestJourney {
+            plugin,
+            journey: Journey::Arrived,
+            context_id,
+            journeys: Rc::clone(journeys),
+            decisions: access_log::Decisions::default(),
+            held_bytes: std::cell::Cell::new(0),
+            detached_intake: RefCell::new(None),
+            context_gone: std::cell::Cell::new(false),
+            lookup: RefCell::new(None),
+        }));
+        journeys.register(context_id, &journey);
+        journey
     }
 
     /// Where the request is now.

@@ -5,18 +5,18 @@
 //! upstream frees the claim; anything else (a timeout, a reset after the request was sent,
 //! a client that left) is an unknown outcome, recorded so that no retry runs it again.
 
-use super::intake::NO_ROUTER_RETRIES;
+use super::NO_ROUTER_RETRIES;
 use super::{Execution, Journey, RequestJourney, Step, StoreOwner, Verdict};
 use crate::capture::ResponseCapture;
 use crate::config::UnknownOutcomePolicy;
 use crate::host::{status_of, Host};
 use crate::outcome::Outcome;
-use crate::plugin::rule_handle::RuleHandle;
+use crate::rule_handle::RuleHandle;
 use idempotency_protocol::stream::CallOp;
 
 use crate::plugin::resolutions::Resolution;
-use crate::plugin::store_writes::{LeanRecord, PendingWrite};
 use crate::store::client as store_client;
+use crate::store::writes::{LeanRecord, PendingWrite};
 use crate::table::{Completion, Held, OversizedBody, Settlement};
 use crate::who_answered::{flag_names, Answerer, EnvoyReport};
 use idempotency_protocol::record::{

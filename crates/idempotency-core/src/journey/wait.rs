@@ -14,9 +14,9 @@ use super::{HeldDuplicate, Journey, RequestJourney, Step, StoreCall, Verdict};
 use crate::config::{InFlightPolicy, StoreTransport};
 use crate::host::Host;
 use crate::outcome::Outcome;
-use crate::plugin::rule_handle::RuleHandle;
 use crate::plugin::waits::{HoldTicket, WaitEnd, Waiter};
 use crate::problem::Problem;
+use crate::rule_handle::RuleHandle;
 use crate::store::client as store_client;
 use idempotency_protocol::naming::Digest;
 
@@ -90,7 +90,8 @@ impl RequestJourney {
         key: Digest,
         fingerprint: Digest,
     ) -> Option<Duplicate> {
-        let waits = rule.rule.on_in_flight == InFlightPolicy::Wait && self.me.strong_count() > 0;
+        let waits = rule.rule.on_in_flight == InFlightPolicy::Wait
+            && self.journeys.is_live(self.context_id);
         waits.then(|| Duplicate {
             rule: Rc::clone(rule),
             key,
@@ -109,7 +110,6 @@ impl RequestJourney {
             fingerprint: d.fingerprint,
             deadline_ms: d.deadline_ms,
             context_id: self.context_id,
-            journey: self.me.clone(),
             ticket,
         };
         self.plugin.waits.hold(waiter);

@@ -10,8 +10,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::host::{status_of, Callout, HeaderPairs, Host};
-use crate::journey::RequestJourney;
-use crate::plugin::rule_handle::RuleHandle;
+use crate::rule_handle::RuleHandle;
 
 /// Bytes of detached requests one worker holds at most (headers, body and trailers, while
 /// the filter holds them and while Envoy sends them): beyond, a new detached write is
@@ -66,7 +65,6 @@ pub enum DetachedAnswer {
 
 /// A write waiting for the root to send it.
 pub struct DetachedWrite {
-    pub journey: Rc<RefCell<RequestJourney>>,
     pub context_id: u32,
     pub rule: Rc<RuleHandle>,
     pub cluster: String,
@@ -77,7 +75,6 @@ pub struct DetachedWrite {
 
 /// A sent write, until its answer comes.
 pub struct InFlight {
-    pub journey: Rc<RefCell<RequestJourney>>,
     pub context_id: u32,
     pub rule: Rc<RuleHandle>,
     pub sent_ms: u64,
@@ -152,7 +149,6 @@ impl DetachedWrites {
             match sent {
                 Ok(token) => {
                     let DetachedWrite {
-                        journey,
                         context_id,
                         rule,
                         timeout_ms,
@@ -160,7 +156,6 @@ impl DetachedWrites {
                         ..
                     } = write;
                     let flight = InFlight {
-                        journey,
                         context_id,
                         rule,
                         sent_ms: host.now_ms(),

@@ -11,8 +11,8 @@ use std::rc::Rc;
 use crate::burst_log::BurstLog;
 use crate::host::Host;
 use crate::outcome::Outcome;
-use crate::plugin::rule_handle::RuleHandle;
-use crate::plugin::store_writes::{Links, StoreWrites};
+use crate::rule_handle::RuleHandle;
+use crate::store::writes::{renew_every_ms, Links, StoreWrites};
 use crate::table::{Completion, Held, Table};
 
 /// A request running upstream with its claim.
@@ -43,12 +43,6 @@ impl Default for Leases {
             lost_log: RefCell::new(BurstLog::new(10_000)),
         }
     }
-}
-
-/// How often a live lease is renewed: three times a lease, so that one lost renewal (a store
-/// that did not answer in time) still leaves a third of the lease for the next.
-pub fn renew_every_ms(lease_ms: u64) -> u64 {
-    (lease_ms / 3).max(1)
 }
 
 impl Leases {

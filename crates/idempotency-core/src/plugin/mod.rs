@@ -1,6 +1,6 @@
 //! One configuration of the filter, as each worker holds it: its rules resolved to handles,
 //! the shared table, owner tokens, and the root-side work requests leave behind (store
-//! writes that outlive their request, upkeep of retired tables). [`root`] is the root
+//! writes that outlive their request, upkeep of retired tables). `crate::root` is the root
 //! context's life around it.
 
 pub mod detached;
@@ -8,11 +8,6 @@ pub mod leases;
 pub mod owner_tokens;
 pub mod resolutions;
 pub mod retention;
-pub mod root;
-pub mod rule_handle;
-pub mod store_calls;
-pub mod store_link;
-pub mod store_writes;
 pub mod table_upkeep;
 pub mod vm_roles;
 pub mod waits;
@@ -23,15 +18,15 @@ use std::rc::Rc;
 use crate::burst_log::BurstLog;
 use crate::config::{Config, InFlightPolicy, StoreTransport};
 use crate::host::Host;
+use crate::rule_handle::RuleHandle;
+use crate::store::link::StoreLink;
+use crate::store::writes::{Links, StoreWrites};
 use crate::table::{self, Table};
 use detached::DetachedWrites;
 use leases::Leases;
 use owner_tokens::OwnerTokens;
 use resolutions::Resolutions;
 use retention::Retention;
-use rule_handle::RuleHandle;
-use store_link::StoreLink;
-use store_writes::{Links, StoreWrites};
 use table_upkeep::TableUpkeep;
 use waits::Waits;
 

@@ -5,11 +5,10 @@
 //! for it, and hands each waiter its end; a waiter whose client left is dropped unseen.
 
 use std::cell::{Cell, RefCell};
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 
 use crate::host::Host;
-use crate::journey::RequestJourney;
-use crate::plugin::rule_handle::RuleHandle;
+use crate::rule_handle::RuleHandle;
 use crate::store::client::{read_claim_reply, StoreClaim, StoreFailure};
 use crate::table::{Claim, Table};
 use idempotency_protocol::naming::Digest;
@@ -35,7 +34,6 @@ pub struct Waiter {
     pub deadline_ms: u64,
     /// The host's id of the waiter's context, to answer it in.
     pub context_id: u32,
-    pub journey: Weak<RefCell<RequestJourney>>,
     /// Its place in the worker's budget, given back when the waiter is dropped.
     pub ticket: HoldTicket,
 }
@@ -118,14 +116,20 @@ impl Waits {
     /// The waiters whose wait is over, with how it ended; the rest keep waiting. Each waited
     /// key is looked up once. A host error looking one up leaves its waiters to their
     /// deadline.
-    pub fn due(&self, host: &impl Host, table: &Table) -> Vec<(Waiter, WaitEnd)> {
+    /// `is_live` says whether a waiter's request is still there.
+    pub fn due(
+        &self,
+        host: &impl Host,
+        table: &Table,
+        is_live: impl Fn(u32) -> bool,
+    ) -> Vec<(Waiter, WaitEnd)> {
         let now = host.now_ms();
         let waiters = std::mem::take(&mut *self.waiters.borrow_mut());
         let mut seen: Vec<(Digest, Digest, Option<WaitEnd>)> = Vec::new();
         let mut over = Vec::new();
         let mut waiting = Vec::new();
         for waiter in waiters {
-            if waiter.journey.strong_count() == 0 {
+            if !is_live(waiter.context_id) {
                 continue; // its request is gone
             }
             let known = seen

@@ -10,7 +10,11 @@
 //! overwritten oldest first: under pressure large bodies are kept for less time, never
 //! refused and never beyond the budget.
 
-use crate::table::{SLOT_BYTES, WAYS};
+/// Slots per bucket. Each claim copies one bucket (8 × 91 bytes); a new key evicts the
+/// oldest completed record of its bucket, so more ways make eviction closer to oldest-first
+/// across the table, and a burst of in-flight claims less likely to fill a bucket.
+pub const WAYS: usize = 8;
+pub const SLOT_BYTES: usize = 1 + 32 + 32 + 8 + 8 + 8 + 2;
 
 /// What one shared-data entry costs the host beyond its value: the map node, the key text
 /// and allocation rounding. Measured on Envoy 1.40 by the benchmarks' memory run (about 488

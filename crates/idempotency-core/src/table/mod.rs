@@ -23,15 +23,11 @@ mod properties;
 
 use crate::host::{HostError, SetOutcome, SharedData};
 use crate::table::layout::{Layout, PAGE_HEADER_BYTES};
+pub use crate::table::layout::{SLOT_BYTES, WAYS};
 use idempotency_protocol::naming::Digest;
 use idempotency_protocol::record::reader::Reader;
 use idempotency_protocol::record::RecordedResponse;
 
-/// Slots per bucket. Each claim copies one bucket (8 × 91 bytes); a new key evicts the
-/// oldest completed record of its bucket, so more ways make eviction closer to oldest-first
-/// across the table, and a burst of in-flight claims less likely to fill a bucket.
-pub const WAYS: usize = 8;
-pub const SLOT_BYTES: usize = 1 + 32 + 32 + 8 + 8 + 8 + 2;
 /// A slot's response key holding, instead of the response, where in the pages it is.
 const PAGE_POINTER_MAGIC: &[u8; 4] = b"IDP1";
 /// CAS retries before giving up on one bucket (only other workers' writes cause retries).

@@ -15,7 +15,7 @@ use idempotency_protocol::stream::{decode_call, encode_answer, Answer, CallOp, R
 
 use super::*;
 use crate::fake_host::Tally;
-use crate::plugin::root::PluginRoot;
+use crate::root::PluginRoot;
 
 const ROOT: u32 = 1;
 

@@ -12,7 +12,7 @@ use super::*;
 use crate::fake_host::HostCall;
 use crate::outcome::Outcome;
 use crate::plugin::detached::{DetachedWrites, MAX_DETACHED_BYTES};
-use crate::plugin::root::PluginRoot;
+use crate::root::PluginRoot;
 
 const ROOT: u32 = 1;
 const DETACHED: &str = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},

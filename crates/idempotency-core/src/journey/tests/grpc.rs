@@ -864,7 +864,7 @@ fn an_echo_sharing_the_filters_vm_id_is_refused_whichever_comes_first() {
     let mut filter = filter;
     filter.on_tick(&host);
     *host.configuration.borrow_mut() = br#"{"grpc_replay_echo":true}"#.to_vec();
-    let mut echo = crate::plugin::root::PluginRoot::new(2);
+    let mut echo = crate::root::PluginRoot::new(2);
     assert!(
         !echo.on_configure(&host),
         "the echo shares the filter's vm_id"
@@ -882,7 +882,7 @@ fn an_echo_sharing_the_filters_vm_id_is_refused_whichever_comes_first() {
     host.clock_ms.set(host.clock_ms.get() + 60_000);
     let _echo = configured_root(&host, r#"{"grpc_replay_echo":true}"#, 4);
     *host.configuration.borrow_mut() = ORDERS_GRPC.as_bytes().to_vec();
-    let mut late_filter = crate::plugin::root::PluginRoot::new(5);
+    let mut late_filter = crate::root::PluginRoot::new(5);
     assert!(!late_filter.on_configure(&host));
 }
 

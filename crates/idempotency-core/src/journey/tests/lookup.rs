@@ -9,7 +9,7 @@ use idempotency_protocol::stream::{decode_call, encode_answer, Answer, CallOp, R
 use super::*;
 use crate::fake_host::Effect;
 use crate::outcome::Outcome;
-use crate::plugin::root::PluginRoot;
+use crate::root::PluginRoot;
 use idempotency_protocol::record::RecordedResponse;
 
 const LOOKUP: &str = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},

@@ -80,7 +80,7 @@ pub(super) fn send(
 /// hands it out (reachable from the root); returns it and the last verdict.
 pub(super) fn post_in_context(
     host: &FakeHost,
-    root: &crate::plugin::root::PluginRoot,
+    root: &crate::root::PluginRoot,
     context: u32,
     key: &str,
 ) -> (Rc<std::cell::RefCell<RequestJourney>>, Verdict) {
@@ -97,7 +97,7 @@ pub(super) fn post_in_context(
 /// journey as the root hands it out; returns it and the last verdict.
 pub(super) fn request_in_context(
     host: &FakeHost,
-    root: &crate::plugin::root::PluginRoot,
+    root: &crate::root::PluginRoot,
     context: u32,
     headers: &[(&str, &str)],
     body: &[u8],
@@ -127,16 +127,16 @@ pub(super) fn configured_root(
     host: &FakeHost,
     config: &str,
     root_id: u32,
-) -> crate::plugin::root::PluginRoot {
+) -> crate::root::PluginRoot {
     *host.configuration.borrow_mut() = config.as_bytes().to_vec();
     host.effective_context.set(root_id);
-    let mut root = crate::plugin::root::PluginRoot::new(root_id);
+    let mut root = crate::root::PluginRoot::new(root_id);
     assert!(root.on_configure(host));
     root
 }
 
 /// The worker's held duplicates and the bytes of their requests.
-pub(super) fn held_duplicates(root: &crate::plugin::root::PluginRoot) -> (usize, usize) {
+pub(super) fn held_duplicates(root: &crate::root::PluginRoot) -> (usize, usize) {
     root.plugin().unwrap().waits.held()
 }
 

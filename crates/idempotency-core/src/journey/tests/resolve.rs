@@ -9,7 +9,7 @@ use wasm_bindgen_test::wasm_bindgen_test as test;
 
 use super::*;
 use crate::outcome::Outcome;
-use crate::plugin::root::PluginRoot;
+use crate::root::PluginRoot;
 use crate::who_answered::flag;
 
 const RESOLVING: &str = r#"{"rules":[{"name":"pay","match":{"path_prefixes":["/payments"]},
@@ -244,7 +244,7 @@ mod cluster {
     use super::super::*;
     use crate::fake_host::Effect;
     use crate::outcome::Outcome;
-    use crate::plugin::root::PluginRoot;
+    use crate::root::PluginRoot;
     use crate::who_answered::flag;
     use idempotency_protocol::record::{RecordedResponse, UnknownOutcome};
 

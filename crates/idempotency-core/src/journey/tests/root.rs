@@ -6,8 +6,8 @@ use wasm_bindgen_test::wasm_bindgen_test as test;
 
 use super::*;
 use crate::outcome::Outcome;
-use crate::plugin::root::{PluginRoot, STORE_RETRY_TICK_MS, UPKEEP_TICK_MS};
 use crate::plugin::waits::WAIT_TICK_MS;
+use crate::root::{PluginRoot, STORE_RETRY_TICK_MS, UPKEEP_TICK_MS};
 
 const CLUSTER: &str = r#"{"store":{"cluster":"store","transport":"http"},
     "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"ttl_seconds":60}]}"#;
@@ -177,7 +177,7 @@ fn sent_record(body: &[u8]) -> idempotency_protocol::record::RecordedResponse {
 
 #[test]
 fn a_completion_larger_than_the_write_budget_goes_without_its_body() {
-    use crate::plugin::store_writes::RETRY_BUDGET_BYTES;
+    use crate::store::writes::RETRY_BUDGET_BYTES;
 
     let host = FakeHost::default();
     let mut root = configured(
@@ -205,7 +205,7 @@ fn a_completion_larger_than_the_write_budget_goes_without_its_body() {
 
 #[test]
 fn completions_in_flight_to_a_slow_store_are_held_to_the_write_budget() {
-    use crate::plugin::store_writes::RETRY_BUDGET_BYTES;
+    use crate::store::writes::RETRY_BUDGET_BYTES;
 
     let host = FakeHost::default();
     let root = configured(
@@ -276,4 +276,29 @@ fn a_retired_table_is_emptied_a_batch_a_second_however_often_the_root_ticks() {
     root.on_tick(&host);
     // The batch, and the once-a-second renewal of the root's role mark (`vm_roles`).
     assert_eq!(writes() - at, batch + 1, "the next batch a second later");
+}
+
+/// A month of traffic passes through one root: the journeys it can find stay within twice
+/// the requests in flight, however many have come and gone.
+#[test]
+fn the_root_tracks_no_more_journeys_than_twice_those_in_flight() {
+    let host = FakeHost::default();
+    let root = configured(&host, r#"{"rules":[{"name":"orders"}]}"#);
+    let in_flight: Vec<_> = (0..100).filter_map(|id| root.new_request(id)).collect();
+    for id in 100..100_000 {
+        drop(root.new_request(id));
+    }
+    let tracked = root.journeys().tracked();
+    assert!(tracked <= 2 * in_flight.len() + 64, "{tracked} tracked");
+    for (id, journey) in (0..100).zip(&in_flight) {
+        let found = root
+            .journeys()
+            .find(id)
+            .expect("a request in flight is found");
+        assert!(Rc::ptr_eq(&found, journey));
+    }
+    assert!(
+        root.journeys().find(100_000 - 1).is_none(),
+        "a request gone is not found"
+    );
 }

@@ -13,8 +13,8 @@ use super::*;
 use crate::fake_host::HostCall;
 use crate::host::HeaderPairs;
 use crate::outcome::Outcome;
-use crate::plugin::root::PluginRoot;
-use crate::plugin::store_link::MAX_MESSAGE_BYTES;
+use crate::root::PluginRoot;
+use crate::store::link::MAX_MESSAGE_BYTES;
 use idempotency_protocol::record::RecordedResponse;
 
 const ROOT: u32 = 1;
@@ -411,7 +411,7 @@ fn a_completion_over_the_limit_the_store_announced_goes_without_its_body() {
     let (host, mut root, stream) = connected("fail_closed");
     // The store runs with --max-body-bytes 1 MiB and says so when the stream opens.
     *host.grpc_initial_metadata.borrow_mut() = vec![(
-        crate::plugin::store_link::STORE_LIMIT_METADATA.into(),
+        crate::store::link::STORE_LIMIT_METADATA.into(),
         b"1048576".to_vec(),
     )];
     root.on_grpc_initial_metadata(&host, stream);

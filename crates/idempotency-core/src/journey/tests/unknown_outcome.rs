@@ -10,9 +10,9 @@ use wasm_bindgen_test::wasm_bindgen_test as test;
 use std::cell::RefCell;
 
 use super::*;
-use crate::journey::intake::NO_ROUTER_RETRIES;
+use crate::journey::NO_ROUTER_RETRIES;
 use crate::outcome::Outcome;
-use crate::plugin::root::PluginRoot;
+use crate::root::PluginRoot;
 use crate::who_answered::flag;
 
 const UT: u64 = flag::UPSTREAM_REQUEST_TIMEOUT;

@@ -10,8 +10,8 @@ use std::cell::RefCell;
 
 use super::*;
 use crate::outcome::Outcome;
-use crate::plugin::root::PluginRoot;
 use crate::plugin::waits::{MAX_WAITERS, WAIT_TICK_MS};
+use crate::root::PluginRoot;
 
 const ROOT: u32 = 1;
 const WAIT: &str = r#"{"access_log_fields":true,"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},

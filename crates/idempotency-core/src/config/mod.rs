@@ -5,7 +5,8 @@ use serde::Deserialize;
 
 use crate::fingerprint::FingerprintMode;
 use crate::grpc::GrpcRule;
-use crate::lookup_route::settings::{self as lookup_settings, LookupRoute, RawLookupRoute};
+pub mod lookup_route;
+
 use crate::resolve::settings::{self as resolve_settings, RawResolve, Resolve, RuleFacts};
 use crate::response_policy::{HeaderFilter, ReleasePolicy};
 use crate::table::layout::Layout;
@@ -15,6 +16,7 @@ use idempotency_protocol::naming::rule::{
     validate_source, RawKey, RawSource,
 };
 use idempotency_protocol::naming::source::FieldSource;
+use lookup_route::{self as lookup_settings, LookupRoute, RawLookupRoute};
 
 /// Raw JSON shape of the plugin configuration. Every field has a documented default.
 #[derive(Debug, Deserialize)]

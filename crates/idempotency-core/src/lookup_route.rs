@@ -7,8 +7,6 @@
 //!
 //! [`settings`] is what a rule configures; this module turns what was found into the answer.
 
-pub mod settings;
-
 use idempotency_protocol::stream::Reply;
 use idempotency_protocol::wire::{decode_record, RecordResponse, RecordState};
 use serde_json::{json, Map, Value};

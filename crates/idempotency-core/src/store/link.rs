@@ -9,15 +9,14 @@
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 
 use idempotency_protocol::stream::{self, CallOp, Reply};
 
 use crate::config::StoreConfig;
 use crate::host::Host;
-use crate::journey::RequestJourney;
-use crate::plugin::rule_handle::RuleHandle;
-use crate::plugin::store_writes::PendingWrite;
+use crate::rule_handle::RuleHandle;
+use crate::store::pending_write::PendingWrite;
 use crate::store::stream::{NotSent, StoreStream, StreamLimits};
 
 /// The store's streaming method (`proto/idempotency_store.proto`).
@@ -39,7 +38,6 @@ pub struct ClaimWaiter {
     /// The call's id on the stream (set when it is sent).
     pub call_id: u64,
     pub context_id: u32,
-    pub journey: Weak<RefCell<RequestJourney>>,
     /// The rule and the claim, to undo it should the request be gone when the answer comes.
     pub rule: Rc<RuleHandle>,
     pub call: CallOp,

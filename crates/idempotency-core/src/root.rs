@@ -2,21 +2,21 @@
 //! journey, deliver store writes on wake-ups and ticks, and stay after a push retired the
 //! configuration until the writes it holds are taken.
 
-use std::cell::RefCell;
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 
 use idempotency_protocol::stream::{CallOp, Reply};
 
 use crate::config::Config;
 use crate::host::Host;
+use crate::journey::registry::Journeys;
 use crate::journey::{Event, RequestJourney};
 use crate::plugin::detached::{self, DetachedAnswer};
-use crate::plugin::store_link::{ClaimWaiter, Waiter};
-use crate::plugin::store_writes::PendingWrite;
 use crate::plugin::vm_roles::{Role, MARK_RENEWAL_MS};
 use crate::plugin::waits::{read_wait_reply, WAIT_TICK_MS};
 use crate::plugin::Plugin;
 use crate::store::client::{read_claim_reply, StoreClaim, StoreFailure};
+use crate::store::link::{ClaimWaiter, Waiter};
+use crate::store::writes::PendingWrite;
 
 /// How often the root retries store writes that failed.
 pub const STORE_RETRY_TICK_MS: u32 = 200;
@@ -44,6 +44,8 @@ pub struct PluginRoot {
     role: Option<Role>,
     /// When the role's mark is next renewed.
     next_mark_ms: u64,
+    /// The requests' journeys, by context id: where the root hands each what arrives for it.
+    journeys: Rc<Journeys>,
 }
 
 impl PluginRoot {
@@ -96,11 +98,17 @@ impl PluginRoot {
         self.plugin.as_deref()
     }
 
+    /// The journeys the root can find (tests look at how many it tracks).
+    #[cfg(test)]
+    pub(crate) fn journeys(&self) -> &Journeys {
+        &self.journeys
+    }
+
     /// A new request's journey; None before a configuration was accepted.
-    pub fn new_request(&self, context_id: u32) -> Option<Rc<RefCell<RequestJourney>>> {
+    pub fn new_request(&self, context_id: u32) -> Option<Rc<std::cell::RefCell<RequestJourney>>> {
         self.plugin
             .as_ref()
-            .map(|p| RequestJourney::shared(Rc::clone(p), context_id))
+            .map(|p| RequestJourney::shared(Rc::clone(p), &self.journeys, context_id))
     }
 
     /// A push retired this configuration. Completions and releases still waiting out a store
@@ -160,7 +168,6 @@ impl PluginRoot {
                 self.in_request_even_if_gone(
                     host,
                     flight.context_id,
-                    &flight.journey,
                     Event::DetachedAnswer(answer),
                 );
             } else if plugin.resolutions.on_answer(
@@ -204,14 +211,10 @@ impl PluginRoot {
                     self.deliver(host, plugin, waiter, Err(no_stream()));
                 }
             }
-            for (waiter, end) in plugin.waits.due(host, &plugin.table) {
+            let is_live = |context_id| self.journeys.is_live(context_id);
+            for (waiter, end) in plugin.waits.due(host, &plugin.table, is_live) {
                 // A held duplicate whose request is gone holds nothing to undo.
-                let _ = self.in_request(
-                    host,
-                    waiter.context_id,
-                    &waiter.journey,
-                    Event::WaitOver(end),
-                );
+                let _ = self.in_request(host, waiter.context_id, Event::WaitOver(end));
             }
             plugin
                 .leases
@@ -315,13 +318,13 @@ impl PluginRoot {
                 id: claim.call_id,
                 found: crate::lookup_route::found_in_reply(answer),
             };
-            let _ = self.in_request(host, claim.context_id, &claim.journey, event);
+            let _ = self.in_request(host, claim.context_id, event);
             return;
         }
         if let CallOp::Wait { .. } = claim.call {
             // A held duplicate's wait: it holds nothing, so a request gone needs no undoing.
             let end = read_wait_reply(answer);
-            let _ = self.in_request(host, claim.context_id, &claim.journey, Event::WaitOver(end));
+            let _ = self.in_request(host, claim.context_id, Event::WaitOver(end));
             return;
         }
         let answer = answer.and_then(read_claim_reply);
@@ -334,7 +337,7 @@ impl PluginRoot {
         };
         // The answer comes back undelivered only: no copy of a replayed record is made.
         if let Err(Event::StoreReply { answer, .. }) =
-            self.in_request(host, claim.context_id, &claim.journey, event)
+            self.in_request(host, claim.context_id, event)
         {
             orphaned(host, plugin, claim, &answer);
         }
@@ -344,14 +347,8 @@ impl PluginRoot {
     /// request's own callback, then makes the root's context the effective one again. The
     /// event comes back when the request is gone (or busy, which a request never is while the
     /// root runs).
-    fn in_request(
-        &self,
-        host: &impl Host,
-        context_id: u32,
-        journey: &Weak<RefCell<RequestJourney>>,
-        event: Event,
-    ) -> Result<(), Event> {
-        let Some(journey) = journey.upgrade() else {
+    fn in_request(&self, host: &impl Host, context_id: u32, event: Event) -> Result<(), Event> {
+        let Some(journey) = self.journeys.find(context_id) else {
             return Err(event);
         };
         if let Err(e) = host.set_effective_context(context_id) {
@@ -380,33 +377,23 @@ impl PluginRoot {
                 flight.rule.rule.name
             );
             let answer = detached::overdue_answer(host, &flight);
-            self.in_request_even_if_gone(
-                host,
-                flight.context_id,
-                &flight.journey,
-                Event::DetachedAnswer(answer),
-            );
+            self.in_request_even_if_gone(host, flight.context_id, Event::DetachedAnswer(answer));
         }
         for (write, why) in plugin.detached.send_queued(host) {
-            self.in_request_even_if_gone(
-                host,
-                write.context_id,
-                &write.journey,
-                Event::DetachedAnswer(DetachedAnswer::NotSent(why)),
-            );
+            let answer = DetachedAnswer::NotSent(why);
+            self.in_request_even_if_gone(host, write.context_id, Event::DetachedAnswer(answer));
         }
     }
 
     /// Runs `event` on a journey the root keeps alive (a detached write's): in the request's
     /// context if it is still there, else in the root's, since its key must still be recorded
-    /// or freed.
-    fn in_request_even_if_gone(
-        &self,
-        host: &impl Host,
-        context_id: u32,
-        journey: &Rc<RefCell<RequestJourney>>,
-        event: Event,
-    ) {
+    /// or freed. The journey is kept no longer once it has the answer.
+    fn in_request_even_if_gone(&self, host: &impl Host, context_id: u32, event: Event) {
+        let Some(journey) = self.journeys.find(context_id) else {
+            log::error!("a detached write's journey is gone; its answer is lost");
+            return;
+        };
+        self.journeys.release(context_id);
         let Ok(mut journey) = journey.try_borrow_mut() else {
             log::error!("a detached write's journey was busy; its answer is lost");
             return;

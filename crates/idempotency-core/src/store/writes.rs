@@ -22,14 +22,14 @@ use crate::burst_log::BurstLog;
 use crate::config::StoreTransport;
 use crate::host::Host;
 use crate::outcome::Outcome;
-use crate::plugin::leases::renew_every_ms;
-use crate::plugin::rule_handle::RuleHandle;
-use crate::plugin::store_calls::{self, StoreOp};
-use crate::plugin::store_link::{StoreLink, Waiter};
+use crate::rule_handle::RuleHandle;
+use crate::store::calls;
 use crate::store::client::{
-    call_bytes, http_body, read_write_answer, read_write_reply, renew_calls, WriteAnswer, WriteKind,
+    http_body, read_write_answer, read_write_reply, renew_calls, WriteAnswer, WriteKind,
 };
-use crate::table::{Held, Table};
+use crate::store::link::{StoreLink, Waiter};
+pub use crate::store::pending_write::{LeanRecord, PendingWrite};
+use crate::table::Table;
 
 const FIRST_BACKOFF_MS: u64 = 100;
 /// Longest wait between two attempts of one write: once the store is back, a queued
@@ -67,101 +67,6 @@ mod write_bytes_in_vm {
 
     pub fn release(bytes: usize) {
         BYTES.with(|b| b.set(b.get().saturating_sub(bytes)));
-    }
-}
-
-/// Builds the record without its response body, for a completion that cannot keep it.
-pub type LeanRecord = Box<dyn FnOnce() -> Vec<u8>>;
-
-pub struct PendingWrite {
-    /// The rule whose store takes the write and whose counters count its failures.
-    pub rule: Rc<RuleHandle>,
-    /// A completion or a release.
-    pub call: CallOp,
-    /// A completion with a response body: its record without the body.
-    lean: Option<LeanRecord>,
-    /// Writes to a claim whose answer was lost: best effort, so failures are logged but not
-    /// counted as store errors (the failed claim already was).
-    best_effort: bool,
-    attempts: u32,
-    /// After this the write cannot matter any more: the record would have expired (complete)
-    /// or the claim's lease has passed and another request may take it over (release).
-    deadline_ms: u64,
-    /// A completion: the local claim it completes, whose record is dropped should the store
-    /// say another request's record superseded it.
-    local: Option<Held>,
-}
-
-impl PendingWrite {
-    pub fn new(rule: Rc<RuleHandle>, call: CallOp, deadline_ms: u64) -> PendingWrite {
-        PendingWrite {
-            rule,
-            call,
-            lean: None,
-            best_effort: false,
-            attempts: 0,
-            deadline_ms,
-            local: None,
-        }
-    }
-
-    /// A write to a claim the store may never have applied: failures are not store errors.
-    pub fn best_effort(self) -> PendingWrite {
-        PendingWrite {
-            best_effort: true,
-            ..self
-        }
-    }
-
-    /// The record to send instead when the retry budget or the stream cannot hold it.
-    pub fn with_lean_record(self, lean: LeanRecord) -> PendingWrite {
-        PendingWrite {
-            lean: Some(lean),
-            ..self
-        }
-    }
-
-    /// The local claim this completion completes.
-    pub fn with_local_claim(self, held: Held) -> PendingWrite {
-        PendingWrite {
-            local: Some(held),
-            ..self
-        }
-    }
-
-    /// Swaps the record for its lean form; false when there is none.
-    fn slim_down(&mut self) -> bool {
-        match (self.lean.take(), &mut self.call) {
-            (Some(lean), CallOp::Complete { record, .. }) => {
-                *record = lean();
-                true
-            }
-            _ => false,
-        }
-    }
-
-    fn bytes(&self) -> usize {
-        call_bytes(&self.call)
-    }
-
-    fn op(&self) -> StoreOp {
-        match self.call {
-            // A write is never a claim or a wait; named for completeness.
-            CallOp::Claim { .. } | CallOp::Wait { .. } | CallOp::Lookup { .. } => StoreOp::Claim,
-            CallOp::Complete { .. } => StoreOp::Complete,
-            CallOp::Release { .. } => StoreOp::Release,
-            CallOp::Renew { .. } => StoreOp::Renew,
-            CallOp::Settle { .. } => StoreOp::Settle,
-        }
-    }
-
-    fn kind(&self) -> WriteKind {
-        match self.call {
-            CallOp::Release { .. } => WriteKind::Release,
-            CallOp::Renew { .. } => WriteKind::Renew,
-            CallOp::Settle { .. } => WriteKind::Settle,
-            _ => WriteKind::Complete,
-        }
     }
 }
 
@@ -437,7 +342,7 @@ impl StoreWrites {
                         continue;
                     }
                     let body = http_body(&write.call);
-                    match store_calls::send(host, &store, write.op(), &body) {
+                    match calls::send(host, &store, write.op(), &body) {
                         Ok(token) => {
                             self.sent.borrow_mut().insert(token, write);
                         }
@@ -639,8 +544,7 @@ impl StoreWrites {
             return false;
         };
         self.uncharge(write.bytes());
-        let store_calls::StoreAnswer { status, body } =
-            store_calls::read_answer(host, num_headers, body_size);
+        let calls::StoreAnswer { status, body } = calls::read_answer(host, num_headers, body_size);
         let kind = write.kind();
         if write.best_effort
             && matches!(kind, WriteKind::Release | WriteKind::Settle)
@@ -730,4 +634,10 @@ impl Links<'_> {
     pub fn find(&self, store: &crate::config::StoreConfig) -> Option<&StoreLink> {
         self.links.iter().find(|l| *l.store == *store)
     }
+}
+
+/// How often a live lease is renewed: three times a lease, so that one lost renewal (a store
+/// that did not answer in time) still leaves a third of the lease for the next.
+pub fn renew_every_ms(lease_ms: u64) -> u64 {
+    (lease_ms / 3).max(1)
 }
