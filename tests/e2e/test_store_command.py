@@ -56,6 +56,10 @@ def test_record_show_and_purge_through_two_envoys(procs, tmp_path: Path) -> None
     resp = post(cluster.a, path, key, headers={"authorization": AUTH, "x-request-id": f"write-{run}"})
     assert resp.status_code == 201
     key_hash = line_for(cluster.a, f"write-{run}")["idempotency_key_hash"]
+    # The completion reaches the store from Envoy's root context after the response: until
+    # then the record shows the claim in flight.
+    harness.wait_until(lambda: shown(cluster.store, "--hash", key_hash)[0]["state"] == "completed",
+                       timeout=10, what="the completion to reach the store")
     (done,) = shown(cluster.store, "--hash", key_hash)
     assert done["key"].startswith(key_hash) and len(done["key"]) == 64
     assert done["state"] == "completed"
@@ -109,6 +113,8 @@ def test_record_show_and_purge_through_two_envoys(procs, tmp_path: Path) -> None
     # local copy still replays it (here A was restarted, so its table is empty: use B's
     # fresh copy of the record just written and another Envoy that has none).
     cluster.a.start()
+    harness.wait_until(lambda: shown(cluster.store, "--hash", stuck["key"])[0]["state"] == "completed",
+                       timeout=10, what="B's completion to reach the store")
     assert record(cluster.store, "purge", "--hash", stuck["key"]).returncode == 0
     resp = retry_through_b()
     assert resp.status_code == 201 and resp.headers.get(REPLAYED) == "true", "B's local copy"
