@@ -6,6 +6,8 @@
 //! `root.rs` (root context), `http_filter.rs` (each request), `envoy_host.rs` (core's `Host`
 //! trait over the ABI), `host.rs` (the ABI calls themselves, without panics), `logging.rs`.
 
+#[cfg(test)]
+mod abi_tests;
 mod envoy_host;
 mod host;
 mod http_filter;
