@@ -203,7 +203,10 @@ def deadline_then_retry(first, then, server) -> None:
     harness.wait_until(lambda: rule_counter(first, "orders", "outcome_unknown") == 1, timeout=10,
                        what="the cancelled call recorded as an unknown outcome")
     harness.wait_until(lambda: server.executions(key) == 1, timeout=10, what="the service ran it")
-    retry = call(then, key, metadata=md)
+    # In cluster mode the first replica sends the unknown outcome to the store after the call
+    # ended: until it lands, another replica is told the call is in flight (ABORTED), as a
+    # client retrying at once would be.
+    retry = answer_once_settled(lambda: call(then, key, metadata=md))
     assert retry.code == grpc.StatusCode.FAILED_PRECONDITION and problem_of(retry) == "outcome-unknown"
     assert server.executions(key) == 1
 

@@ -19,7 +19,7 @@ import threading
 import time
 
 import harness
-from cluster import Cluster, cluster_plugin_config, post, start_backend
+from cluster import Cluster, cluster_plugin_config, post, start_backend, wait_for_answer
 from helpers import is_replay, new_key, rule_counters, unique_path
 
 STORE_TIMEOUT_MS = 2000
@@ -152,7 +152,10 @@ def test_a_peer_holding_store_connections_cannot_keep_a_restarted_envoy_from_cla
         path, key = unique_path(), new_key()
         first = post(envoy, path, key)
         assert first.status_code == 201 and not is_replay(first), (first.status_code, first.content[:300])
-        retry = post(newcomer, path, key)
+        # The first write's completion reaches the store after its response: until then the
+        # newcomer is told the write is in flight (409), as a client retrying at once would be.
+        retry, _ = wait_for_answer(lambda: post(newcomer, path, key), timeout=10,
+                                   what="the first write's completion to reach the store")
         assert (retry.status_code, is_replay(retry)) == (201, True), (retry.status_code, retry.content[:300])
         assert retry.content == first.content
         assert cluster.upstream.executions(path) == 1
