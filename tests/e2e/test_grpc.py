@@ -28,7 +28,7 @@ from grpc_calls import (
     start_server,
     with_store,
 )
-from helpers import crash_lines, rule_counter, start_refusing_h2_server, wasm_path
+from helpers import crash_lines, rule_counter, rule_counters, start_refusing_h2_server, wasm_path
 
 REPLAYED = "idempotent-replayed"
 PROBLEM = "idempotency-problem-type"
@@ -200,8 +200,12 @@ def deadline_then_retry(first, then, server) -> None:
     md = [("x-test-sleep-ms", "3000")]
     assert call(first, key, metadata=md, timeout=1.0).code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert server.attempts(key) == 1, "the call reached the service before its deadline"
-    harness.wait_until(lambda: rule_counter(first, "orders", "outcome_unknown") == 1, timeout=10,
-                       what="the cancelled call recorded as an unknown outcome")
+    try:
+        harness.wait_until(lambda: rule_counter(first, "orders", "outcome_unknown") == 1,
+                           timeout=10, what="the cancelled call recorded as an unknown outcome")
+    except TimeoutError as e:
+        counters = {k: v for k, v in rule_counters(first, "orders").items() if v}
+        raise AssertionError(f"{e}; the rule's counters: {counters}") from e
     harness.wait_until(lambda: server.executions(key) == 1, timeout=10, what="the service ran it")
     # In cluster mode the first replica sends the unknown outcome to the store after the call
     # ended: until it lands, another replica is told the call is in flight (ABORTED), as a
