@@ -128,12 +128,10 @@ unit-wasm:
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
 		cargo test --target $(WASM_TARGET) -p idempotency-core -p idempotency-protocol
 
-# E2E_WORKERS=3 runs three test files at a time (pytest-xdist), each test with processes and
-# ports of its own (a block of ports per worker: tests/e2e/harness.py, free_port): a suite
-# takes about 2 minutes instead of 4 on a 2-core machine. Not yet the default: under that
-# contention two timing-sensitive tests still fail now and then (test_store_connections.py's
-# peer holding connections, test_grpc.py's cluster deadline), and CI must not.
-E2E_WORKERS ?= 1
+# The e2e suite runs three test files at a time (pytest-xdist), each test with processes and
+# ports of its own (a block of ports per worker: tests/e2e/harness.py, free_port): about 3
+# minutes instead of 6 on a 2-core machine. E2E_WORKERS=1 runs one test at a time.
+E2E_WORKERS ?= 3
 
 e2e: build venv $(E2E_ENVOY)
 	$(if $(E2E_ENVOY),export ENVOY_BIN=$(abspath $(E2E_ENVOY)); )echo "e2e on Envoy $$("$${ENVOY_BIN:-$(ENVOY)}" --version | grep -o '[^ ]*/RELEASE/[^ ]*')"; \

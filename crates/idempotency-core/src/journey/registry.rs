@@ -39,8 +39,13 @@ impl Journeys {
 
     /// The journey of `context_id`, if its request (or a detached write) still holds it.
     pub fn find(&self, context_id: u32) -> Option<Rc<RefCell<RequestJourney>>> {
-        if let Some(kept) = self.kept.try_borrow().ok()?.get(&context_id) {
-            return Some(Rc::clone(kept));
+        let kept = self
+            .kept
+            .try_borrow()
+            .ok()
+            .and_then(|k| k.get(&context_id).cloned());
+        if kept.is_some() {
+            return kept;
         }
         // The borrow ends before the upgrade: a journey dropped here runs no code of ours,
         // but keep the registry unborrowed whatever it does.
