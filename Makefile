@@ -149,7 +149,7 @@ test-images: deps-test-images build venv static-binaries
 	$(VENV)/bin/pytest -q tests/e2e/test_images.py
 
 # CI (.ci/run) is `make test`: the whole e2e suite runs twice, on ENVOY_NEWEST and on
-# ENVOY_OLDEST (3 to 4 minutes each on a 2-core machine), then the images' tests once.
+# ENVOY_OLDEST (about 3 minutes each on a 2-core machine), then the images' tests once.
 test: deps
 	$(MAKE) lint unit unit-wasm e2e e2e-oldest test-images
 
