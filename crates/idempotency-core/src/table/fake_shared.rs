@@ -53,6 +53,8 @@ impl SharedData for FakeShared {
     }
 }
 
+// The property tests that arm rivals run natively only (proptest does not build for wasm32).
+#[cfg_attr(target_arch = "wasm32", allow(dead_code))]
 impl FakeShared {
     /// Arms `rival` to run once, just before the write that follows `writes_before` others.
     pub fn before_write(&self, writes_before: u32, rival: Rival) {
