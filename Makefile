@@ -14,7 +14,7 @@ WASM        := target/$(WASM_TARGET)/release/idempotency_filter.wasm
 # The wasm-bindgen runner must match the wasm-bindgen version in Cargo.lock.
 WASM_BINDGEN_VERSION := $(shell awk '/^name = "wasm-bindgen"$$/{getline; gsub(/"/,"",$$3); print $$3}' Cargo.lock)
 
-.PHONY: help deps deps-run deps-image deps-test-images build wasm binaries static-binaries venv run test lint unit unit-wasm e2e e2e-oldest test-images image release push bench soak fuzz clean
+.PHONY: help deps deps-run deps-image deps-test-images build wasm binaries table-geometry static-binaries venv run test lint unit unit-wasm e2e e2e-oldest test-images image release push bench soak fuzz clean
 
 # The one version of the product ([workspace.package] in Cargo.toml) and the one place images
 # go, REGISTRY (localhost:5000 unless set; scripts/images.sh holds that default): every image
@@ -53,16 +53,19 @@ deps-image:
 deps-test-images:
 	scripts/install-deps.sh --test-images
 
-build: wasm binaries
+build: wasm binaries table-geometry
 
 wasm:
 	cargo build --release --target $(WASM_TARGET) -p idempotency-filter
 	scripts/optimize-wasm.sh $(WASM)
 
-# The table_geometry example lets tests and the bench read the table's layout from the code.
 binaries:
 	cargo build --release -p demo-upstream -p idempotency-store
-	cargo build --release -p idempotency-core --example table_geometry
+
+# The table_geometry example lets tests read the table's layout from the code; a debug build,
+# which `make unit` (cargo test) has made already.
+table-geometry:
+	cargo build -p idempotency-core --example table_geometry
 
 # Static (musl) builds of the store and the demo upstream, for images on an empty base and the
 # release's store binary. Always both in one build: their features unify, so building one
@@ -133,8 +136,20 @@ unit-wasm:
 # minutes instead of 6 on a 2-core machine. E2E_WORKERS=1 runs one test at a time.
 E2E_WORKERS ?= 3
 
-e2e: build venv $(E2E_ENVOY)
-	$(if $(E2E_ENVOY),export ENVOY_BIN=$(abspath $(E2E_ENVOY)); )echo "e2e on Envoy $$("$${ENVOY_BIN:-$(ENVOY)}" --version | grep -o '[^ ]*/RELEASE/[^ ]*')"; \
+# Which build of the store and the demo upstream the e2e suites and the images' tests run:
+# `release` (target/release, as `make build` makes them) or `static` (the musl builds the
+# images hold). `make test` takes `static`, so one build serves every suite and the images.
+TEST_BINARIES ?= release
+ifeq ($(TEST_BINARIES),static)
+TEST_BUILD   := wasm static-binaries table-geometry
+TEST_BIN_ENV := export IDEMPOTENCY_STORE_BIN=$(abspath target/$(MUSL_TARGET)/release/idempotency-store) DEMO_UPSTREAM_BIN=$(abspath target/$(MUSL_TARGET)/release/demo-upstream);
+else
+TEST_BUILD   := build
+TEST_BIN_ENV :=
+endif
+
+e2e: $(TEST_BUILD) venv $(E2E_ENVOY)
+	$(TEST_BIN_ENV)$(if $(E2E_ENVOY),export ENVOY_BIN=$(abspath $(E2E_ENVOY)); )echo "e2e on Envoy $$("$${ENVOY_BIN:-$(ENVOY)}" --version | grep -o '[^ ]*/RELEASE/[^ ]*')"; \
 	$(VENV)/bin/pytest -q $(if $(filter-out 1,$(E2E_WORKERS)),-n $(E2E_WORKERS) --dist loadfile) tests/e2e --ignore=tests/e2e/test_images.py
 
 e2e-oldest:
@@ -145,13 +160,15 @@ e2e-oldest:
 # sample, the release, and both images pushed to a loopback registry and read back with
 # skopeo. It builds the images itself, into a podman storage of its own. About 4 minutes on a
 # 2-core machine, most of it the static (musl) build: under 3 minutes, then 40 s of tests.
-test-images: deps-test-images build venv static-binaries
-	$(VENV)/bin/pytest -q tests/e2e/test_images.py
+test-images: deps-test-images $(TEST_BUILD) venv static-binaries
+	$(TEST_BIN_ENV)$(VENV)/bin/pytest -q tests/e2e/test_images.py
 
 # CI (.ci/run) is `make test`: the whole e2e suite runs twice, on ENVOY_NEWEST and on
-# ENVOY_OLDEST (about 3 minutes each on a 2-core machine), then the images' tests once.
-test: deps
-	$(MAKE) lint unit unit-wasm e2e e2e-oldest test-images
+# ENVOY_OLDEST (about 3 minutes each on a 2-core machine), then the images' tests once, all
+# on one static build of the store and the demo upstream.
+test: deps deps-test-images
+	$(MAKE) lint unit unit-wasm
+	$(MAKE) e2e e2e-oldest test-images TEST_BINARIES=static
 
 # The no-op filter and the job floor are what the benchmarks compare against; only `make
 # bench` builds them.

@@ -514,7 +514,7 @@ def table_geometry(capacity: int | None = None, max_bytes: int | None = None,
     """Asks the code (crates/idempotency-core/examples/table_geometry.rs) rather than
     copying its constants, key names in the filter's own namespace; the first call builds the
     example (bounded by a timeout)."""
-    argv = [os.environ.get("CARGO", "cargo"), "run", "-q", "--release", "-p", "idempotency-core",
+    argv = [os.environ.get("CARGO", "cargo"), "run", "-q", "-p", "idempotency-core",
             "--example", "table_geometry", "--", str(capacity or "auto")]
     if max_bytes is not None or largest_response is not None:
         argv.append(str(max_bytes or 64 << 20))
