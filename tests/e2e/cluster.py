@@ -175,6 +175,20 @@ def assert_unavailable(resp: client.Response, rule: str = "orders") -> dict:
     return doc
 
 
+def past_in_flight(send: Callable[[], client.Response], timeout: float = 10.0,
+                   interval: float = 0.1) -> client.Response:
+    """Calls ``send()`` while it answers 409 request-in-flight (bounded by ``timeout``): the
+    first replica's record is on its way to the store, from its root context after its own
+    answer. Returns the first other answer, a 409 of another kind included."""
+    deadline = time.monotonic() + timeout
+    while True:
+        resp = send()
+        in_flight = resp.status_code == 409 and b"request-in-flight" in resp.content
+        if not in_flight or time.monotonic() >= deadline:
+            return resp
+        time.sleep(interval)
+
+
 def wait_for_answer(
     send: Callable[[], client.Response], timeout: float, *, interval: float = 0.1,
     what: str = "an answer other than 409",

@@ -19,7 +19,7 @@ import pytest
 import client
 import harness
 from cluster import post as cluster_post
-from cluster import HOST, start_cluster, wait_for_answer
+from cluster import HOST, past_in_flight, start_cluster, wait_for_answer
 from helpers import (
     crash_lines,
     envoy_yaml_plugin_config,
@@ -233,8 +233,9 @@ def test_cluster_the_replica_that_did_not_see_the_timeout_gets_the_payment(repli
     a, b = replicas.a, replicas.b
     path, key = unique_path(SLOW), new_key()
     timed_out(a, path, key)
-    # The other replica learns from the store that the key is being resolved, and when.
-    assert_being_resolved(cluster_post(b, path, key, headers=CALLER))
+    # The other replica learns from the store that the key is being resolved, and when (once
+    # A's record of the timeout reached the store: in flight till then).
+    assert_being_resolved(past_in_flight(lambda: cluster_post(b, path, key, headers=CALLER)))
     resolved = resolved_answer(b, path, key)
     assert resolved.status_code == 200 and resolved.headers["idempotent-resolved"] == "true"
     assert resolved.json()["execution"] == 1
