@@ -159,7 +159,8 @@ e2e-oldest:
 # with podman under two Envoys in cluster mode, a restart keeping its volume, the compose
 # sample, the release, and both images pushed to a loopback registry and read back with
 # skopeo. It builds the images itself, into a podman storage of its own. About 4 minutes on a
-# 2-core machine, most of it the static (musl) build: under 3 minutes, then 40 s of tests.
+# 2-core machine, most of it the static (musl) build (under 2 minutes), which `make test` has
+# made already for the e2e suites.
 test-images: deps-test-images $(TEST_BUILD) venv static-binaries
 	$(TEST_BIN_ENV)$(VENV)/bin/pytest -q tests/e2e/test_images.py
 
