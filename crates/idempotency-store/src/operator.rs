@@ -122,7 +122,7 @@ impl V1Operation for Search {
 }
 
 /// A search that holds the store instance's one search place while it runs, on its task to
-/// its end even if the client has gone (see `server::execute`), so the throttle counts the
+/// its end even if the client has gone (see `ops::execute`), so the throttle counts the
 /// searches that really run.
 pub struct Throttled {
     pub search: Search,

@@ -23,7 +23,7 @@ pub(super) struct RawConfig {
     pub(super) store: Option<RawStore>,
     #[serde(default)]
     pub(super) rules: Vec<RawRule>,
-    /// This plugin is the far end of gRPC replays' hops (see `grpc::echo`), and only that.
+    /// This plugin is the far end of gRPC replays' hops (see `journey::echo`), and only that.
     #[serde(default)]
     pub(super) grpc_replay_echo: bool,
     /// Publish the rule, outcome and key hash as filter state for Envoy's access log.
