@@ -133,7 +133,8 @@ unit-wasm:
 
 # The e2e suite runs three test files at a time (pytest-xdist), each test with processes and
 # ports of its own (a block of ports per worker: tests/e2e/harness.py, free_port): about 3
-# minutes instead of 6 on a 2-core machine. E2E_WORKERS=1 runs one test at a time.
+# minutes instead of 6 on a 2-core machine. E2E_WORKERS=1 runs one test at a time. Tests
+# marked `alone` run after that pass, one at a time (test_grpc.py says why).
 E2E_WORKERS ?= 3
 
 # Which build of the store and the demo upstream the e2e suites and the images' tests run:
@@ -150,7 +151,8 @@ endif
 
 e2e: $(TEST_BUILD) venv $(E2E_ENVOY)
 	$(TEST_BIN_ENV)$(if $(E2E_ENVOY),export ENVOY_BIN=$(abspath $(E2E_ENVOY)); )echo "e2e on Envoy $$("$${ENVOY_BIN:-$(ENVOY)}" --version | grep -o '[^ ]*/RELEASE/[^ ]*')"; \
-	$(VENV)/bin/pytest -q $(if $(filter-out 1,$(E2E_WORKERS)),-n $(E2E_WORKERS) --dist loadfile) tests/e2e --ignore=tests/e2e/test_images.py
+	$(VENV)/bin/pytest -q $(if $(filter-out 1,$(E2E_WORKERS)),-n $(E2E_WORKERS) --dist loadfile -m "not alone") tests/e2e --ignore=tests/e2e/test_images.py \
+	$(if $(filter-out 1,$(E2E_WORKERS)),&& $(VENV)/bin/pytest -q -m alone tests/e2e --ignore=tests/e2e/test_images.py)
 
 e2e-oldest:
 	$(MAKE) e2e ENVOY_VERSION=$(ENVOY_OLDEST)

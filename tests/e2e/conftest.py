@@ -26,6 +26,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     setattr(item, f"rep_{report.when}", report)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "alone: run by `make e2e` after the parallel pass, one at a time, on an unloaded "
+        "machine (see the Makefile)",
+    )
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Safety net: nothing survives the session, whatever happened.
     harness.stop_all_processes()
