@@ -77,7 +77,7 @@ fn default_true() -> bool {
 }
 
 /// The key's header when a rule names none.
-pub fn default_key_header() -> String {
+fn default_key_header() -> String {
     "idempotency-key".to_string()
 }
 
@@ -87,7 +87,7 @@ pub fn default_scope_headers() -> Vec<String> {
 }
 
 /// A character of a rule name or a metric label.
-pub fn is_token_char(b: u8) -> bool {
+fn is_token_char(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b == b'-' || b == b'_'
 }
 
@@ -102,11 +102,7 @@ pub fn valid_header_name(name: &str) -> bool {
 
 /// `rules[index].name`: a name metrics can carry.
 pub fn validate_name(index: usize, name: &str) -> Result<(), ConfigError> {
-    let raw_name = name;
-    if raw_name.is_empty()
-        || raw_name.len() > MAX_RULE_NAME_LEN
-        || !raw_name.bytes().all(is_token_char)
-    {
+    if name.is_empty() || name.len() > MAX_RULE_NAME_LEN || !name.bytes().all(is_token_char) {
         return Err(invalid(
             format!("rules[{index}].name"),
             format!(
