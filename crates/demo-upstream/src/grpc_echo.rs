@@ -345,6 +345,7 @@ mod tests {
                 ttl_ms: 1,
                 record: vec![1, 2, 3],
                 fingerprint: String::new(),
+                tombstone_ms: 0,
             },
         }));
         pending.extend(framed(&encode_call(&Call {

@@ -171,12 +171,14 @@ fn http_built(u: &mut Unstructured<'_>) -> Result<()> {
                 } else {
                     None
                 },
+                tombstone_ms: time(u, MAX_TTL_MS)?,
             };
             let decoded = decode_record(&sent.record);
             let valid = !extra
                 && is_digest(&sent.key)
                 && is_owner(&sent.owner)
                 && (MIN_TTL_MS..=MAX_TTL_MS).contains(&sent.ttl_ms)
+                && sent.tombstone_ms <= MAX_TTL_MS
                 && decoded.is_ok()
                 && sent.fingerprint.as_deref().is_none_or(is_digest);
             let read = parse_complete(&json_with(&sent, extra));
@@ -185,6 +187,7 @@ fn http_built(u: &mut Unstructured<'_>) -> Result<()> {
                 assert_eq!(req.key.as_str(), lower(&sent.key));
                 assert_eq!(req.owner.as_str(), lower(&sent.owner));
                 assert_eq!(req.ttl_ms, sent.ttl_ms);
+                assert_eq!(req.tombstone_ms, sent.tombstone_ms);
                 assert_eq!(Ok(req.record), decoded);
                 if sent.record == encode_record(&record) {
                     assert_eq!(decoded, Ok(record));
@@ -250,12 +253,14 @@ fn to_pb(call: &Call) -> pb::Call {
             ttl_ms,
             record,
             fingerprint,
+            tombstone_ms,
         } => PbOp::Complete(pb::Complete {
             key: key.clone(),
             owner: owner.clone(),
             ttl_ms: *ttl_ms,
             record: record.clone(),
             fingerprint: fingerprint.clone(),
+            tombstone_ms: *tombstone_ms,
         }),
         CallOp::Release { key, owner } => PbOp::Release(pb::Release {
             key: key.clone(),
@@ -327,6 +332,7 @@ fn verdicts(op: &CallOp) -> (String, String) {
             ttl_ms,
             record,
             fingerprint,
+            tombstone_ms,
         } => {
             let fingerprint = (!fingerprint.is_empty()).then_some(fingerprint.as_str());
             let body = CompleteBody {
@@ -335,12 +341,20 @@ fn verdicts(op: &CallOp) -> (String, String) {
                 ttl_ms: *ttl_ms,
                 record: encode_record(record),
                 fingerprint: fingerprint.map(str::to_owned),
+                tombstone_ms: *tombstone_ms,
             };
             let json = serde_json::to_vec(&body).expect("serializes");
             (
                 format!(
                     "{:?}",
-                    validate_complete(key, owner, *ttl_ms, record.clone(), fingerprint)
+                    validate_complete(
+                        key,
+                        owner,
+                        *ttl_ms,
+                        *tombstone_ms,
+                        record.clone(),
+                        fingerprint
+                    )
                 ),
                 format!("{:?}", parse_complete(&json)),
             )
@@ -437,6 +451,7 @@ fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
             } else {
                 String::new()
             },
+            tombstone_ms: time(u, MAX_TTL_MS)?,
         },
         2 => CallOp::Release {
             key: digest_text(u)?,

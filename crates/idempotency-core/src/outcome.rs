@@ -7,6 +7,9 @@ pub enum Outcome {
     Executed,
     /// Answered from the recorded response.
     Replayed,
+    /// Answered from a record's tombstone (past `ttl_seconds`, within `tombstone_seconds`):
+    /// its status and headers with the body-omitted marker.
+    ReplayedTombstone,
     /// 409: the same key is still in flight.
     Conflict,
     /// 422: the key was used with another payload.
@@ -95,9 +98,10 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 36] = [
+    pub const ALL: [Outcome; 37] = [
         Outcome::Executed,
         Outcome::Replayed,
+        Outcome::ReplayedTombstone,
         Outcome::Conflict,
         Outcome::Mismatch,
         Outcome::MissingKey,
@@ -138,6 +142,7 @@ impl Outcome {
         match self {
             Outcome::Executed => "executed",
             Outcome::Replayed => "replayed",
+            Outcome::ReplayedTombstone => "replayed_tombstone",
             Outcome::Conflict => "conflict",
             Outcome::Mismatch => "mismatch",
             Outcome::MissingKey => "missing_key",

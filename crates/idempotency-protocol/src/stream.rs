@@ -29,6 +29,8 @@ pub enum CallOp {
         ttl_ms: u64,
         record: Vec<u8>,
         fingerprint: String,
+        /// After `ttl_ms`, how long the record is kept without its body (0: not at all).
+        tombstone_ms: u64,
     },
     Release {
         key: String,
@@ -264,16 +266,18 @@ pub fn encode_call_parts(id: u64, op: &CallOp) -> Vec<u8> {
             ttl_ms,
             record,
             fingerprint,
+            tombstone_ms,
         } => (
             field::COMPLETE,
             build_sized(
-                key.len() + owner.len() + record.len() + fingerprint.len() + 5 * FIELD_HEAD_BYTES,
+                key.len() + owner.len() + record.len() + fingerprint.len() + 6 * FIELD_HEAD_BYTES,
                 |w| {
                     w.bytes(1, key.as_bytes());
                     w.bytes(2, owner.as_bytes());
                     w.uint(3, *ttl_ms);
                     w.bytes(4, record);
                     w.bytes(5, fingerprint.as_bytes());
+                    w.uint(6, *tombstone_ms);
                 },
             ),
         ),
@@ -547,6 +551,7 @@ pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
         Some((field::COMPLETE, body)) => {
             let (mut key, mut owner, mut ttl_ms, mut record, mut fingerprint) =
                 (String::new(), String::new(), 0, Vec::new(), String::new());
+            let mut tombstone_ms = 0;
             each_field(body, |n, v| {
                 match n {
                     1 => key = text(want_len(v)?)?,
@@ -554,6 +559,7 @@ pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
                     3 => ttl_ms = want_varint(v)?,
                     4 => record = want_len(v)?.to_vec(),
                     5 => fingerprint = text(want_len(v)?)?,
+                    6 => tombstone_ms = want_varint(v)?,
                     _ => {}
                 }
                 Ok(())
@@ -564,6 +570,7 @@ pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
                 ttl_ms,
                 record,
                 fingerprint,
+                tombstone_ms,
             }
         }
         Some((field::RELEASE, body)) => {
@@ -754,6 +761,7 @@ mod tests {
                     ttl_ms: 86_400_000,
                     record: (0..=255).collect(),
                     fingerprint: HEX.into(),
+                    tombstone_ms: 15_552_000_000,
                 },
             },
             Call {

@@ -116,6 +116,14 @@ pub struct CompleteBody {
     /// rather than refused (see [`crate::decision::CompleteDecision::RecordAfresh`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fingerprint: Option<String>,
+    /// After `ttl_ms`, how long the record is kept without its body (a tombstone); absent
+    /// or 0: not at all. Left out when 0, so a store older than tombstones takes the call.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tombstone_ms: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// `POST /v1/release`.

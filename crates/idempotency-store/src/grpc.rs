@@ -411,7 +411,14 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
         }
         Some(Op::Complete(c)) => {
             let fingerprint = (!c.fingerprint.is_empty()).then_some(c.fingerprint.as_str());
-            match protocol::validate_complete(&c.key, &c.owner, c.ttl_ms, c.record, fingerprint) {
+            match protocol::validate_complete(
+                &c.key,
+                &c.owner,
+                c.ttl_ms,
+                c.tombstone_ms,
+                c.record,
+                fingerprint,
+            ) {
                 Ok(req) => match ops::execute_on_own_task(state, req).await {
                     Ok(CompleteOutcome::Completed) => Reply::Recorded(pb::Empty {}),
                     Ok(CompleteOutcome::NotOwner) => Reply::NotOwner(pb::Empty {}),

@@ -45,6 +45,8 @@ pub struct CompleteRequest {
     pub key: Digest,
     pub owner: OwnerToken,
     pub ttl_ms: u64,
+    /// After `ttl_ms`, how long the record is kept without its body; 0: not at all.
+    pub tombstone_ms: u64,
     pub record: Vec<u8>,
     pub fingerprint: Option<Digest>,
 }
@@ -111,6 +113,7 @@ pub fn parse_complete(body: &[u8]) -> Result<CompleteRequest, BadRequest> {
         &raw.key,
         &raw.owner,
         raw.ttl_ms,
+        raw.tombstone_ms,
         record,
         raw.fingerprint.as_deref(),
     )
@@ -122,6 +125,7 @@ pub fn validate_complete(
     key: &str,
     owner: &str,
     ttl_ms: u64,
+    tombstone_ms: u64,
     record: Vec<u8>,
     fingerprint: Option<&str>,
 ) -> Result<CompleteRequest, BadRequest> {
@@ -129,6 +133,7 @@ pub fn validate_complete(
         key: parse_key(key)?,
         owner: parse_owner(owner)?,
         ttl_ms: check_range("ttl_ms", ttl_ms, MIN_TTL_MS, MAX_TTL_MS)?,
+        tombstone_ms: check_range("tombstone_ms", tombstone_ms, 0, MAX_TTL_MS)?,
         record,
         fingerprint: fingerprint
             .map(|f| Digest::parse(f).map_err(|why| BadRequest::field("fingerprint", why)))

@@ -369,6 +369,61 @@ async fn lease_expiry_allows_takeover(h: &Harness) {
     );
 }
 
+/// A record completed with a tombstone period answers whole until its TTL, then as its
+/// tombstone (status and headers, the body omitted and marked) until that ends: a retry
+/// replays, another payload is refused, and the sweeper's conversion changes neither.
+async fn a_tombstone_outlives_the_whole_record(h: &Harness) {
+    use idempotency_protocol::record::RecordedResponse;
+    let (k, fp) = (random_digest(), random_digest());
+    let short = h.short_ms();
+    let whole = RecordedResponse {
+        owner: 1,
+        status: 201,
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: br#"{"order":1}"#.to_vec(),
+        ..RecordedResponse::default()
+    };
+    let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+    assert_eq!(
+        h.s()
+            .complete_or_create(&k, &owner, short, 20 * short, whole.encode(), None)
+            .await
+            .unwrap(),
+        CompleteOutcome::Completed
+    );
+    assert_eq!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Completed {
+            record: whole.encode()
+        }
+    );
+    h.pass(short).await;
+    h.s().sweep_expired().await.unwrap();
+    let tombstone = whole.without_body();
+    assert!(tombstone.body_omitted && tombstone.body.is_empty());
+    for _ in 0..2 {
+        assert_eq!(
+            h.claim(&k, &fp, LONG_LEASE_MS).await,
+            ClaimOutcome::Completed {
+                record: tombstone.encode()
+            }
+        );
+        assert_eq!(
+            h.claim(&k, &random_digest(), LONG_LEASE_MS).await,
+            ClaimOutcome::Mismatch
+        );
+        let view = h.s().lookup(&k).await.unwrap().unwrap();
+        assert_eq!(view.record, Some(tombstone.encode()));
+    }
+    h.pass(20 * short).await;
+    h.s().sweep_expired().await.unwrap();
+    assert_eq!(h.state(&k).await, None, "gone once its tombstone has ended");
+    assert!(matches!(
+        h.claim(&k, &fp, LONG_LEASE_MS).await,
+        ClaimOutcome::Claimed { .. }
+    ));
+}
+
 /// Item 8 of "Never twice, never stuck": an attempt whose lease was taken
 /// over can never overwrite the new owner's recorded response, whether it
 /// finishes before, after or at the same time as the new owner.
@@ -614,14 +669,14 @@ async fn complete_after_the_claim_is_gone_records_with_its_fingerprint(h: &Harne
     assert_eq!(h.state(&k).await, None);
     assert_eq!(
         h.s()
-            .complete_or_create(&k, &foreign_owner(), LONG_TTL_MS, b"late".to_vec(), None)
+            .complete_or_create(&k, &foreign_owner(), LONG_TTL_MS, 0, b"late".to_vec(), None)
             .await
             .unwrap(),
         CompleteOutcome::NotOwner
     );
     assert_eq!(
         h.s()
-            .complete_or_create(&k, &owner, LONG_TTL_MS, b"late".to_vec(), Some(&fp))
+            .complete_or_create(&k, &owner, LONG_TTL_MS, 0, b"late".to_vec(), Some(&fp))
             .await
             .unwrap(),
         CompleteOutcome::Completed
@@ -647,7 +702,7 @@ async fn complete_after_the_claim_is_gone_never_touches_a_newer_record(h: &Harne
     let newer = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
     assert_eq!(
         h.s()
-            .complete_or_create(&k, &late, LONG_TTL_MS, b"late".to_vec(), Some(&fp))
+            .complete_or_create(&k, &late, LONG_TTL_MS, 0, b"late".to_vec(), Some(&fp))
             .await
             .unwrap(),
         CompleteOutcome::NotOwner
@@ -658,7 +713,7 @@ async fn complete_after_the_claim_is_gone_never_touches_a_newer_record(h: &Harne
     );
     assert_eq!(
         h.s()
-            .complete_or_create(&k, &late, LONG_TTL_MS, b"late".to_vec(), Some(&fp))
+            .complete_or_create(&k, &late, LONG_TTL_MS, 0, b"late".to_vec(), Some(&fp))
             .await
             .unwrap(),
         CompleteOutcome::NotOwner
@@ -1046,6 +1101,7 @@ macro_rules! contract_suite {
                 a_renew_never_shortens_a_lease,
                 a_batch_answers_the_indexes_of_the_leases_it_lost,
                 an_unknown_outcome_is_settled_only_where_it_still_is,
+                a_tombstone_outlives_the_whole_record,
             );
         }
     };
@@ -1595,13 +1651,13 @@ async fn redis_records_an_earlier_store_wrote_as_hashes_are_decided_on_as_before
         RenewOutcome::Renewed { .. }
     ));
     assert_eq!(
-        s.complete_or_create(&running, &other, LONG_TTL_MS, b"r".to_vec(), None)
+        s.complete_or_create(&running, &other, LONG_TTL_MS, 0, b"r".to_vec(), None)
             .await
             .unwrap(),
         CompleteOutcome::NotOwner
     );
     assert_eq!(
-        s.complete_or_create(&running, &holder, LONG_TTL_MS, b"r".to_vec(), None)
+        s.complete_or_create(&running, &holder, LONG_TTL_MS, 0, b"r".to_vec(), None)
             .await
             .unwrap(),
         CompleteOutcome::Completed

@@ -186,6 +186,7 @@ fn complete(key: &str, owner: &str, record: &[u8]) -> Op {
         ttl_ms: TTL_MS,
         record: record.to_vec(),
         fingerprint: String::new(),
+        tombstone_ms: 0,
     })
 }
 

@@ -1034,6 +1034,7 @@ impl Storage for Broken {
         _: &Digest,
         _: &OwnerToken,
         _: u64,
+        _: u64,
         _: Vec<u8>,
         _: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError> {
@@ -1147,12 +1148,13 @@ impl Storage for Gated {
         key: &Digest,
         owner: &OwnerToken,
         ttl_ms: u64,
+        tombstone_ms: u64,
         record: Vec<u8>,
         fingerprint: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError> {
         self.hold().await;
         self.inner
-            .complete_or_create(key, owner, ttl_ms, record, fingerprint)
+            .complete_or_create(key, owner, ttl_ms, tombstone_ms, record, fingerprint)
             .await
     }
     async fn release(

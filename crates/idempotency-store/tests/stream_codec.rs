@@ -50,6 +50,7 @@ fn calls_the_filter_encodes_are_the_calls_the_store_reads() {
                     ttl_ms: 86_400_000,
                     record: (0..100_000).map(|i| (i % 253) as u8).collect(),
                     fingerprint: String::new(),
+                    tombstone_ms: 15_552_000_000,
                 },
             },
             pb::Call {
@@ -60,6 +61,7 @@ fn calls_the_filter_encodes_are_the_calls_the_store_reads() {
                     ttl_ms: 86_400_000,
                     record: (0..100_000).map(|i| (i % 253) as u8).collect(),
                     fingerprint: String::new(),
+                    tombstone_ms: 15_552_000_000,
                 })),
             },
         ),

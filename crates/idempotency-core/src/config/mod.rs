@@ -163,6 +163,10 @@ pub struct Rule {
     /// than sharing one anonymous scope with every other such caller.
     pub scope_required: bool,
     pub ttl_ms: u64,
+    /// After `ttl_ms`, how long a completed record is kept without its body (a tombstone): a
+    /// retry then gets the recorded status and headers with the body-omitted marker, never a
+    /// second execution. 0: the record is gone at `ttl_ms`.
+    pub tombstone_ms: u64,
     pub lease_ms: u64,
     pub max_response_bytes: usize,
     pub release: ReleasePolicy,

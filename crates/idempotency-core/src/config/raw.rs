@@ -98,6 +98,10 @@ pub(super) struct RawRule {
     pub(super) ttl_seconds: u64,
     #[serde(default = "default_lease_seconds")]
     pub(super) lease_seconds: u64,
+    /// After `ttl_seconds`, how long a completed record is kept as a tombstone (status and
+    /// headers, no body); 0: none.
+    #[serde(default)]
+    pub(super) tombstone_seconds: u64,
     #[serde(default = "default_max_response_bytes")]
     pub(super) max_response_bytes: u64,
     #[serde(default = "default_release_on_status")]

@@ -341,6 +341,11 @@ fn with_a_store_lease_and_ttl_stay_within_what_the_store_accepts() {
             format!(r#",{store},"ttl_seconds":172800,"lease_seconds":90000"#),
             "rules[0].lease_seconds",
         ),
+        (
+            format!("{store},"),
+            r#","tombstone_seconds":31536001"#.to_string(),
+            "rules[0].tombstone_seconds",
+        ),
     ] {
         let e = parse(&global, &rule).unwrap_err();
         assert_eq!(e.field, field, "{e}");
@@ -349,6 +354,17 @@ fn with_a_store_lease_and_ttl_stay_within_what_the_store_accepts() {
     // Single-proxy mode keeps its own, wider limits.
     let c = parse("", r#","ttl_seconds":31622400,"lease_seconds":172800"#).unwrap();
     assert_eq!(c.rules[0].lease_ms, 172_800_000);
+}
+
+#[test]
+fn a_tombstone_period_is_optional_and_at_most_a_year_and_a_day() {
+    let parse =
+        |rule: &str| Config::parse(format!(r#"{{"rules":[{{"name":"a"{rule}}}]}}"#).as_bytes());
+    assert_eq!(parse("").unwrap().rules[0].tombstone_ms, 0);
+    let c = parse(r#","tombstone_seconds":15552000"#).unwrap();
+    assert_eq!(c.rules[0].tombstone_ms, 15_552_000_000);
+    let e = parse(r#","tombstone_seconds":31622401"#).unwrap_err();
+    assert_eq!(e.field, "rules[0].tombstone_seconds", "{e}");
 }
 
 #[test]

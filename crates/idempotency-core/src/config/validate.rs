@@ -172,6 +172,12 @@ fn validate_rule(
             format!("must be between 1 and {MAX_TTL_SECONDS}"),
         ));
     }
+    if raw.tombstone_seconds > MAX_TTL_SECONDS {
+        return Err(invalid(
+            at("tombstone_seconds"),
+            format!("must be between 0 and {MAX_TTL_SECONDS}"),
+        ));
+    }
     if raw.lease_seconds == 0 || raw.lease_seconds > raw.ttl_seconds {
         return Err(invalid(
             at("lease_seconds"),
@@ -201,8 +207,18 @@ fn validate_rule(
         None => global_store.cloned(),
     };
     let ttl_ms = raw.ttl_seconds.saturating_mul(1000);
+    let tombstone_ms = raw.tombstone_seconds.saturating_mul(1000);
     let lease_ms = raw.lease_seconds.saturating_mul(1000);
     if store.is_some() {
+        if tombstone_ms > STORE_MAX_TTL_MS {
+            return Err(invalid(
+                at("tombstone_seconds"),
+                format!(
+                    "must be at most {} with a store: the store refuses longer tombstones",
+                    STORE_MAX_TTL_MS / 1000
+                ),
+            ));
+        }
         if !(STORE_MIN_TTL_MS..=STORE_MAX_TTL_MS).contains(&ttl_ms) {
             return Err(invalid(
                 at("ttl_seconds"),
@@ -324,6 +340,7 @@ fn validate_rule(
         scope_headers,
         scope_required: raw.scope_required,
         ttl_ms,
+        tombstone_ms,
         lease_ms,
         max_response_bytes: usize::try_from(raw.max_response_bytes)
             .map_err(|_| invalid(at("max_response_bytes"), "too large for this platform"))?,

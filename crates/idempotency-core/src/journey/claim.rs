@@ -91,6 +91,7 @@ impl RequestJourney {
                 slot,
                 owner: recorded_by,
                 status,
+                recorded_at_ms,
             }) => match self.load_recorded(host, &rule, slot, recorded_by) {
                 // Cluster mode: an unknown outcome here is only this proxy's copy, and the
                 // store may have settled it since (a resolution, an operator): ask the store.
@@ -100,6 +101,15 @@ impl RequestJourney {
                         ..Held::unheld(key, fingerprint, owner)
                     };
                     self.confirm_or_execute(host, rule, held)
+                }
+                Some(recorded)
+                    if rule.rule.tombstone_ms > 0
+                        && recorded.unknown.is_none()
+                        && now >= recorded_at_ms.saturating_add(rule.rule.ttl_ms) =>
+                {
+                    // Past the TTL the record is only kept as its tombstone.
+                    let tombstone = recorded.without_body();
+                    self.replay(host, &rule, &tombstone, Outcome::ReplayedTombstone)
                 }
                 Some(recorded) => self.replay(host, &rule, &recorded, Outcome::Replayed),
                 // Cluster mode: the local copy is gone (its page was reused), the store

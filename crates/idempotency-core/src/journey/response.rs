@@ -84,8 +84,10 @@ impl RequestJourney {
             headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())),
         );
         // Dated from when the write went upstream (no clock read here): the record is kept
-        // from its completion, a little later, so the key lives at least this long.
-        let expires = key_expires_value(run.started_ms.saturating_add(rule.rule.ttl_ms));
+        // from its completion, a little later, so the key lives at least this long (its
+        // tombstone included: a retry until then never executes).
+        let remembered_ms = rule.rule.ttl_ms.saturating_add(rule.rule.tombstone_ms);
+        let expires = key_expires_value(run.started_ms.saturating_add(remembered_ms));
         if let Err(e) = host.replace_response_header(KEY_EXPIRES_HEADER, expires.as_bytes()) {
             log::warn!("{KEY_EXPIRES_HEADER} not set: {}", e.0);
         }
@@ -351,7 +353,12 @@ impl RequestJourney {
             // The cluster-wide record matters most: queue it first, from the root context.
             self.submit_store_completion(host, &rule, &held, &owner, &response);
         }
-        let ttl_ms = rule.rule.ttl_ms;
+        // A response is kept past its TTL as its tombstone; an unknown outcome keeps its own
+        // rules (it is settled or expires).
+        let ttl_ms = rule
+            .rule
+            .ttl_ms
+            .saturating_add(tombstone_ms(&rule.rule, &response));
         let completed = self.plugin.table.complete(
             host,
             &held,
@@ -414,21 +421,14 @@ impl RequestJourney {
             &held.fingerprint,
             &owner.token,
             ttl_ms,
+            tombstone_ms(&rule.rule, response),
             response,
         );
         let deadline = host.now_ms().saturating_add(ttl_ms);
         let mut write =
             PendingWrite::new(Rc::clone(rule), call, deadline).with_local_claim(held.clone());
         if !response.body.is_empty() {
-            let without_body = RecordedResponse {
-                owner: response.owner,
-                status: response.status,
-                headers: response.headers.clone(),
-                body: Vec::new(),
-                trailers: response.trailers.clone(),
-                body_omitted: true,
-                unknown: None,
-            };
+            let without_body = response.without_body();
             let lean: LeanRecord = Box::new(move || without_body.encode());
             write = write.with_lean_record(lean);
         }
@@ -452,6 +452,15 @@ impl RequestJourney {
 /// trailers; any other status (a proxy in between answered) is recorded as HTTP.
 fn awaits_grpc_status(run: &Execution) -> bool {
     run.rule.rule.grpc.is_some() && run.capture.as_ref().is_some_and(|c| c.status() == 200)
+}
+
+/// How long `response` is kept as a tombstone after the rule's TTL: only a response is;
+/// an unknown outcome is not one.
+pub(super) fn tombstone_ms(rule: &crate::config::Rule, response: &RecordedResponse) -> u64 {
+    match response.unknown {
+        None => rule.tombstone_ms,
+        Some(_) => 0,
+    }
 }
 
 /// A body the local budget cannot keep: recorded without it, unless the store keeps it.

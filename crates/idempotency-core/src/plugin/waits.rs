@@ -173,6 +173,7 @@ fn look(
             slot,
             owner,
             status,
+            ..
         })) => {
             let recorded = table
                 .load_response(host, slot, owner)

@@ -86,6 +86,7 @@ pub fn complete_call(
     fingerprint: &Digest,
     owner: &str,
     ttl_ms: u64,
+    tombstone_ms: u64,
     response: &RecordedResponse,
 ) -> CallOp {
     CallOp::Complete {
@@ -96,6 +97,7 @@ pub fn complete_call(
         // Lets the store record the completion even if the claim lapsed and was removed
         // while this write waited out an outage (and nobody claimed the key since).
         fingerprint: to_hex(fingerprint),
+        tombstone_ms,
     }
 }
 
@@ -157,12 +159,14 @@ pub fn http_body(call: &CallOp) -> Vec<u8> {
             ttl_ms,
             record,
             fingerprint,
+            tombstone_ms,
         } => serde_json::to_vec(&CompleteBody {
             key: key.clone(),
             owner: owner.clone(),
             ttl_ms: *ttl_ms,
             record: encode_record(record),
             fingerprint: Some(fingerprint.clone()),
+            tombstone_ms: *tombstone_ms,
         }),
         CallOp::Release { key, owner } => serde_json::to_vec(&ReleaseBody {
             key: key.clone(),
@@ -402,6 +406,7 @@ mod tests {
             &[2; 32],
             "own",
             5,
+            0,
             &recorded(),
         )))
         .unwrap();
@@ -409,6 +414,18 @@ mod tests {
         assert_eq!(RecordedResponse::decode(&bytes), Some(recorded()));
         assert_eq!(v["owner"], "own");
         assert_eq!(v["fingerprint"].as_str().unwrap(), "02".repeat(32));
+        // No tombstone: the field is left out, so a store older than tombstones takes it.
+        assert!(v.get("tombstone_ms").is_none());
+        let v: serde_json::Value = serde_json::from_slice(&http_body(&complete_call(
+            &[0; 32],
+            &[2; 32],
+            "own",
+            5,
+            7,
+            &recorded(),
+        )))
+        .unwrap();
+        assert_eq!(v["tombstone_ms"], 7);
     }
 
     #[test]

@@ -363,6 +363,7 @@ mod tests {
             slot,
             owner,
             status,
+            ..
         } = new
             .claim(&s, &d(1), &d(9), 3, 2_000, 60_000, || {})
             .unwrap()

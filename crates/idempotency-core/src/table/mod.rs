@@ -124,6 +124,8 @@ pub enum Claim {
         slot: SlotRef,
         owner: u64,
         status: u16,
+        /// When it was recorded: past the rule's TTL, only its tombstone is answered.
+        recorded_at_ms: u64,
     },
     /// The key is live with a different payload.
     Mismatch,
@@ -302,6 +304,7 @@ fn answer(decided: ClaimDecision, slot: &Slot, at: SlotRef) -> Option<Claim> {
             slot: at,
             owner: slot.owner,
             status: slot.status,
+            recorded_at_ms: slot.recorded_at_ms,
         }),
         ClaimDecision::Mismatch => Some(Claim::Mismatch),
     }

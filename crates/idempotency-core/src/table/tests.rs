@@ -60,11 +60,12 @@ fn first_claim_executes_then_duplicates_wait_then_replay() {
         slot,
         owner,
         status,
+        recorded_at_ms,
     } = t.claim(&s, &k, &fp, 9, 3_000, 60_000, || {}).unwrap()
     else {
         panic!("expected completed");
     };
-    assert_eq!((owner, status), (7, 201));
+    assert_eq!((owner, status, recorded_at_ms), (7, 201, 2_000));
     let replay = t.load_response(&s, slot, owner).unwrap().unwrap();
     assert_eq!(replay.body, b"done");
     assert_eq!(replay.status, 201);
@@ -178,6 +179,7 @@ fn abandoned_in_flight_claim_is_taken_over_and_the_late_owner_cannot_record() {
         slot,
         owner,
         status,
+        ..
     } = t.claim(&s, &k, &fp, 9, 1_300, 1_000, || {}).unwrap()
     else {
         panic!("expected completed");
@@ -420,6 +422,7 @@ fn a_response_larger_than_every_page_is_recorded_without_its_body_or_left_to_the
         slot,
         owner,
         status,
+        ..
     } = t
         .claim(&s, &digest(1), &digest(0), 99, 1, 1_000, || {})
         .unwrap()

@@ -88,6 +88,20 @@ impl RecordedResponse {
         }
     }
 
+    /// The record as its tombstone keeps it: status, headers and trailers, the body dropped
+    /// and marked as omitted (a record with no body keeps its look).
+    pub fn without_body(&self) -> RecordedResponse {
+        RecordedResponse {
+            owner: self.owner,
+            status: self.status,
+            headers: self.headers.clone(),
+            body: Vec::new(),
+            trailers: self.trailers.clone(),
+            body_omitted: self.body_omitted || !self.body.is_empty(),
+            unknown: self.unknown.clone(),
+        }
+    }
+
     /// The record of a write whose outcome is unknown.
     pub fn unknown_outcome(outcome: UnknownOutcome) -> RecordedResponse {
         RecordedResponse {

@@ -49,6 +49,7 @@ impl V1Operation for protocol::CompleteRequest {
                 &self.key,
                 &self.owner,
                 self.ttl_ms,
+                self.tombstone_ms,
                 self.record,
                 self.fingerprint.as_ref(),
             )

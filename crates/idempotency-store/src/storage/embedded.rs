@@ -424,18 +424,42 @@ impl Job for SweepChunkJob {
                     .records
                     .get(key.as_str())
                     .map_err(|e| backend_err("sweep get", e))?
-                    .map(|guard| (expires_at_ms(guard.value()), guard.value().len()));
+                    .map(|guard| {
+                        let bytes = guard.value();
+                        // Only a record with a tombstone to turn into is decoded.
+                        let tombstone = (bytes.first() == Some(&FORMAT_V3))
+                            .then(|| decode(bytes).ok())
+                            .flatten()
+                            .and_then(|rec| rec.into_tombstone(now_ms));
+                        (expires_at_ms(bytes), bytes.len(), tombstone)
+                    });
                 // Only a record this entry really describes goes. An
                 // undecodable row is kept (and reported by every access to
                 // it) rather than silently destroyed by housekeeping.
-                if let Some((Some(stored_exp), len)) = stored {
+                if let Some((Some(stored_exp), len, tombstone)) = stored {
                     if stored_exp == *exp {
-                        tables
-                            .records
-                            .remove(key.as_str())
-                            .map_err(|e| backend_err("sweep remove", e))?;
-                        // The index entry went above.
-                        tables.room.wrote(-footprint(key, len));
+                        match tombstone {
+                            Some(rec) => {
+                                // Its index entry went above: no old entry to move.
+                                tables.put_encoded(
+                                    key,
+                                    Some(Held {
+                                        expires_at_ms: *exp,
+                                        len,
+                                    }),
+                                    rec.expires_at_ms,
+                                    &encode(&rec),
+                                )?;
+                            }
+                            None => {
+                                tables
+                                    .records
+                                    .remove(key.as_str())
+                                    .map_err(|e| backend_err("sweep remove", e))?;
+                                // The index entry went above.
+                                tables.room.wrote(-footprint(key, len));
+                            }
+                        }
                         removed = removed.saturating_add(1);
                     }
                 }
@@ -767,13 +791,22 @@ impl Storage for EmbeddedStorage {
         key: &Digest,
         owner: &OwnerToken,
         ttl_ms: u64,
+        tombstone_ms: u64,
         record: Vec<u8>,
         fingerprint: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError> {
         let owner = owner.clone();
         let fingerprint = fingerprint.cloned();
         self.apply(key, move |cur, now| {
-            logic::complete(cur, &owner, ttl_ms, record, now, fingerprint.as_ref())
+            logic::complete(
+                cur,
+                &owner,
+                ttl_ms,
+                tombstone_ms,
+                record,
+                now,
+                fingerprint.as_ref(),
+            )
         })
         .await
     }
@@ -916,8 +949,13 @@ impl Storage for EmbeddedStorage {
 // Version 1, written by releases that did not keep the time, is the same without
 // written_at_ms. It is still read (the time is then unknown) and becomes version 2 at the
 // key's next write. An older release cannot read version 2: no downgrade past this one.
+// Version 3 is version 2 with, after written_at_ms, the end of the record's tombstone
+// (8 bytes, big endian): written only for a completed record that has one, until the
+// sweeper turns it into its tombstone (a version 2 record again). A release before
+// tombstones cannot read it.
 const FORMAT_V1: u8 = 1;
 const FORMAT_V2: u8 = 2;
+const FORMAT_V3: u8 = 3;
 const STATE_IN_FLIGHT: u8 = 0;
 const STATE_COMPLETED: u8 = 1;
 
@@ -926,17 +964,25 @@ fn encode(rec: &StoredRecord) -> Vec<u8> {
         StoredBody::InFlight { owner } => (STATE_IN_FLIGHT, owner.as_str().as_bytes()),
         StoredBody::Completed { record } => (STATE_COMPLETED, record.as_slice()),
     };
-    let mut out = Vec::with_capacity(2 + 8 + 8 + Digest::HEX_LEN + tail.len());
+    let mut out = Vec::with_capacity(2 + 8 + 8 + 8 + Digest::HEX_LEN + tail.len());
     // A record whose time is unknown (read from version 1) keeps the format that says so.
-    out.push(if rec.written_at_ms.is_some() {
-        FORMAT_V2
-    } else {
-        FORMAT_V1
+    let written = match (rec.written_at_ms, rec.tombstone_until_ms) {
+        (None, _) => None,
+        (Some(at), None) => Some((at, None)),
+        (Some(at), Some(until)) => Some((at, Some(until))),
+    };
+    out.push(match written {
+        None => FORMAT_V1,
+        Some((_, None)) => FORMAT_V2,
+        Some((_, Some(_))) => FORMAT_V3,
     });
     out.push(state);
     out.extend_from_slice(&rec.expires_at_ms.to_be_bytes());
-    if let Some(written) = rec.written_at_ms {
-        out.extend_from_slice(&written.to_be_bytes());
+    if let Some((at, tombstone_until)) = written {
+        out.extend_from_slice(&at.to_be_bytes());
+        if let Some(until) = tombstone_until {
+            out.extend_from_slice(&until.to_be_bytes());
+        }
     }
     out.extend_from_slice(rec.fingerprint.as_str().as_bytes());
     out.extend_from_slice(tail);
@@ -958,20 +1004,29 @@ fn split_header(bytes: &[u8]) -> Option<(u8, u8, u64, &[u8])> {
 /// read it alike.
 fn expires_at_ms(bytes: &[u8]) -> Option<u64> {
     split_header(bytes)
-        .filter(|(version, ..)| matches!(*version, FORMAT_V1 | FORMAT_V2))
+        .filter(|(version, ..)| matches!(*version, FORMAT_V1 | FORMAT_V2 | FORMAT_V3))
         .map(|(_, _, exp, _)| exp)
 }
 
 fn decode(bytes: &[u8]) -> Result<StoredRecord, StorageError> {
     let (version, state, expires_at_ms, rest) =
         split_header(bytes).ok_or_else(|| corrupt("truncated header"))?;
-    let (written_at_ms, rest) = match version {
-        FORMAT_V1 => (None, rest),
-        FORMAT_V2 => {
+    let (written_at_ms, tombstone_until_ms, rest) = match version {
+        FORMAT_V1 => (None, None, rest),
+        FORMAT_V2 | FORMAT_V3 => {
             let (written, rest) = rest
                 .split_first_chunk::<8>()
                 .ok_or_else(|| corrupt("truncated header"))?;
-            (Some(u64::from_be_bytes(*written)), rest)
+            let (until, rest) = match version {
+                FORMAT_V3 => {
+                    let (until, rest) = rest
+                        .split_first_chunk::<8>()
+                        .ok_or_else(|| corrupt("truncated header"))?;
+                    (Some(u64::from_be_bytes(*until)), rest)
+                }
+                _ => (None, rest),
+            };
+            (Some(u64::from_be_bytes(*written)), until, rest)
         }
         _ => return Err(corrupt("unknown format version")),
     };
@@ -999,6 +1054,7 @@ fn decode(bytes: &[u8]) -> Result<StoredRecord, StorageError> {
         fingerprint,
         expires_at_ms,
         written_at_ms,
+        tombstone_until_ms,
         body,
     })
 }

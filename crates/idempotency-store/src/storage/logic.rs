@@ -27,11 +27,16 @@ pub(crate) struct StoredRecord {
     pub expires_at_ms: u64,
     /// When it was claimed or completed; None for a record stored before that was kept.
     pub written_at_ms: Option<u64>,
+    /// Completed records with a tombstone period: from `expires_at_ms` until this, the record
+    /// is kept (and answered) without its body. The sweeper rewrites it so at
+    /// `expires_at_ms`; until then a read strips the body itself.
+    pub tombstone_until_ms: Option<u64>,
     pub body: StoredBody,
 }
 
 impl StoredRecord {
-    /// The record as the protocol's decisions see it.
+    /// The record as the protocol's decisions see it: a completed record lives until its
+    /// tombstone's end.
     fn as_decided(&self) -> decision::Record<'_, Digest, OwnerToken> {
         match &self.body {
             StoredBody::InFlight { owner } => decision::Record::InFlight {
@@ -41,14 +46,59 @@ impl StoredRecord {
             },
             StoredBody::Completed { record } => decision::Record::Completed {
                 fingerprint: &self.fingerprint,
-                expires_at_ms: self.expires_at_ms,
+                expires_at_ms: self.live_until_ms(),
                 record: Some(record),
             },
         }
     }
 
+    /// The end of the whole record's life, tombstone included.
+    pub fn live_until_ms(&self) -> u64 {
+        self.tombstone_until_ms
+            .map_or(self.expires_at_ms, |t| t.max(self.expires_at_ms))
+    }
+
     pub fn is_live(&self, now_ms: u64) -> bool {
         self.as_decided().is_live(now_ms)
+    }
+
+    /// The recorded bytes a reader gets at `now_ms`: the whole record, or past its TTL its
+    /// tombstone.
+    pub fn answered_record(&self, now_ms: u64) -> Option<Vec<u8>> {
+        let StoredBody::Completed { record } = &self.body else {
+            return None;
+        };
+        if self.tombstone_until_ms.is_some() && now_ms >= self.expires_at_ms {
+            return Some(tombstone_of(record));
+        }
+        Some(record.clone())
+    }
+
+    /// What the sweeper makes of a record at `expires_at_ms`: its tombstone, kept until the
+    /// tombstone's end; None when the record is to go.
+    pub fn into_tombstone(self, now_ms: u64) -> Option<StoredRecord> {
+        let until = self.tombstone_until_ms.filter(|&t| t > now_ms)?;
+        let StoredBody::Completed { record } = &self.body else {
+            return None;
+        };
+        Some(StoredRecord {
+            expires_at_ms: until,
+            tombstone_until_ms: None,
+            body: StoredBody::Completed {
+                record: tombstone_of(record),
+            },
+            ..self
+        })
+    }
+}
+
+/// A recorded response without its body, marked as omitted (`RecordedResponse::without_body`).
+/// Bytes the store cannot read as a recorded response stay as they are.
+pub(crate) fn tombstone_of(record: &[u8]) -> Vec<u8> {
+    use idempotency_protocol::record::RecordedResponse;
+    match RecordedResponse::decode(record) {
+        Some(response) => response.without_body().encode(),
+        None => record.to_vec(),
     }
 }
 
@@ -79,10 +129,8 @@ pub(crate) fn claim(
         ClaimDecision::InFlight { retry_after_ms } => {
             Decision::Keep(ClaimOutcome::InFlight { retry_after_ms })
         }
-        ClaimDecision::Replay => match existing.map(|r| &r.body) {
-            Some(StoredBody::Completed { record }) => Decision::Keep(ClaimOutcome::Completed {
-                record: record.clone(),
-            }),
+        ClaimDecision::Replay => match existing.and_then(|r| r.answered_record(now_ms)) {
+            Some(record) => Decision::Keep(ClaimOutcome::Completed { record }),
             // Replay is only ever decided for a completed record; answer as if
             // the key were busy rather than invent a record.
             _ => Decision::Keep(ClaimOutcome::InFlight { retry_after_ms: 1 }),
@@ -93,6 +141,7 @@ pub(crate) fn claim(
                 fingerprint: fingerprint.clone(),
                 expires_at_ms: lease_expires_at_ms,
                 written_at_ms: Some(now_ms),
+                tombstone_until_ms: None,
                 body: StoredBody::InFlight {
                     owner: owner.clone(),
                 },
@@ -112,6 +161,7 @@ pub(crate) fn complete(
     existing: Option<&StoredRecord>,
     owner: &OwnerToken,
     ttl_ms: u64,
+    tombstone_ms: u64,
     record: Vec<u8>,
     now_ms: u64,
     fingerprint: Option<&Digest>,
@@ -135,6 +185,8 @@ pub(crate) fn complete(
                 fingerprint: fingerprint.clone(),
                 expires_at_ms: now_ms.saturating_add(ttl_ms),
                 written_at_ms: Some(now_ms),
+                tombstone_until_ms: (tombstone_ms > 0)
+                    .then(|| now_ms.saturating_add(ttl_ms).saturating_add(tombstone_ms)),
                 body: StoredBody::Completed { record },
             },
             CompleteOutcome::Completed,
@@ -211,6 +263,7 @@ pub(crate) fn settle(
                 fingerprint: rec.fingerprint.clone(),
                 expires_at_ms: ttl_ms.map_or(rec.expires_at_ms, |ttl| now_ms.saturating_add(ttl)),
                 written_at_ms: Some(now_ms),
+                tombstone_until_ms: None,
                 body: StoredBody::Completed { record },
             },
             SettleOutcome::Replaced,
@@ -222,12 +275,12 @@ pub(crate) fn view(existing: Option<&StoredRecord>, now_ms: u64) -> Option<Recor
     let rec = existing.filter(|r| r.is_live(now_ms))?;
     let (state, record, owner) = match &rec.body {
         StoredBody::InFlight { owner } => (RecordState::InFlight, None, Some(owner.clone())),
-        StoredBody::Completed { record } => (RecordState::Completed, Some(record.clone()), None),
+        StoredBody::Completed { .. } => (RecordState::Completed, rec.answered_record(now_ms), None),
     };
     Some(RecordView {
         state,
         fingerprint: rec.fingerprint.clone(),
-        expires_at_ms: rec.expires_at_ms,
+        expires_at_ms: rec.live_until_ms(),
         record,
         owner,
         written_at_ms: rec.written_at_ms,

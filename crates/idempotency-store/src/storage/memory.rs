@@ -89,7 +89,14 @@ impl MemoryStorage {
                 _ => return Ok((removed, false)),
             }
             if let Some((_, key)) = map.expiry.pop_first() {
-                map.by_key.remove(&key);
+                let tombstone = map
+                    .by_key
+                    .remove(&key)
+                    .and_then(|rec| rec.into_tombstone(bound));
+                if let Some(rec) = tombstone {
+                    map.expiry.insert((rec.expires_at_ms, key.clone()));
+                    map.by_key.insert(key, rec);
+                }
                 removed = removed.saturating_add(1);
             }
         }
@@ -120,11 +127,12 @@ impl Storage for MemoryStorage {
         key: &Digest,
         owner: &OwnerToken,
         ttl_ms: u64,
+        tombstone_ms: u64,
         record: Vec<u8>,
         fingerprint: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError> {
         self.apply(key, |cur, now| {
-            logic::complete(cur, owner, ttl_ms, record, now, fingerprint)
+            logic::complete(cur, owner, ttl_ms, tombstone_ms, record, now, fingerprint)
         })
     }
 

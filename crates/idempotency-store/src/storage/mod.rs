@@ -273,19 +273,21 @@ pub trait Storage: Send + Sync {
         ttl_ms: u64,
         record: Vec<u8>,
     ) -> Result<CompleteOutcome, StorageError> {
-        self.complete_or_create(key, owner, ttl_ms, record, None)
+        self.complete_or_create(key, owner, ttl_ms, 0, record, None)
             .await
     }
 
     /// Like `complete`; with `fingerprint`, a key that holds no live record at all (the
     /// claim's lease ran out during a store outage and its record expired or was swept, and
     /// nobody claimed the key since) is recorded as completed with that fingerprint rather
-    /// than refused: the write did execute, and a retry must replay it.
+    /// than refused: the write did execute, and a retry must replay it. With `tombstone_ms`,
+    /// the record is kept that much longer after `ttl_ms` without its body (its tombstone).
     async fn complete_or_create(
         &self,
         key: &Digest,
         owner: &OwnerToken,
         ttl_ms: u64,
+        tombstone_ms: u64,
         record: Vec<u8>,
         fingerprint: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError>;
@@ -333,7 +335,8 @@ pub trait Storage: Send + Sync {
         limit: usize,
     ) -> Result<PrefixMatches, StorageError>;
 
-    /// Delete records past their lease/TTL; returns how many were removed.
+    /// Delete records past their lease/TTL, and turn completed records past their TTL into
+    /// their tombstones; returns how many were removed or turned.
     /// Backends whose engine expires keys itself return 0.
     async fn sweep_expired(&self) -> Result<u64, StorageError>;
 

@@ -280,3 +280,68 @@ fn a_configuration_brought_back_by_a_push_replays_what_the_newer_table_recorded(
     );
     assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
 }
+
+#[test]
+fn past_its_ttl_a_record_answers_as_its_tombstone_until_that_ends_too() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+            "ttl_seconds":10,"lease_seconds":5,"tombstone_seconds":100}]}"#,
+    );
+    let (mut first, _) = post(&host, &plugin, "k1", br#"{"amount":1}"#);
+    respond(&host, &mut first, 201, br#"{"order":1}"#);
+    let _ = host.take_effects();
+    // Within the TTL: the whole response.
+    host.advance_ms(9_000);
+    post(&host, &plugin, "k1", br#"{"amount":1}"#);
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.as_slice()), (201, &br#"{"order":1}"#[..]));
+    // Past it: the status and headers, the body omitted and said so; never an execution.
+    host.advance_ms(2_000);
+    let (_, verdict) = post(&host, &plugin, "k1", br#"{"amount":1}"#);
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 201);
+    assert!(body.is_empty());
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+    assert_eq!(
+        header(&headers, "idempotent-body-omitted"),
+        Some(&b"true"[..])
+    );
+    assert_eq!(
+        header(&headers, "content-type"),
+        Some(&b"application/json"[..])
+    );
+    assert_eq!(host.counter("orders", Outcome::ReplayedTombstone), 1);
+    // Another payload under the key is still refused.
+    post(&host, &plugin, "k1", br#"{"amount":2}"#);
+    assert_eq!(the_reply(&host.take_effects()).0, 422);
+    // Once the tombstone has ended too, the key is free.
+    host.advance_ms(100_000);
+    let (again, verdict) = post(&host, &plugin, "k1", br#"{"amount":1}"#);
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(is_executing(&again));
+    assert_eq!(host.counter("orders", Outcome::Executed), 2);
+}
+
+#[test]
+fn a_replay_says_the_key_is_remembered_through_its_tombstone() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+            "ttl_seconds":10,"lease_seconds":5,"tombstone_seconds":86400}]}"#,
+    );
+    let started = crate::host::Host::now_ms(&host);
+    let (mut first, _) = post(&host, &plugin, "k1", b"{}");
+    respond(&host, &mut first, 201, b"ok");
+    let _ = host.take_effects();
+    post(&host, &plugin, "k1", b"{}");
+    let (_, headers, _) = the_reply(&host.take_effects());
+    let want = idempotency_protocol::record::key_expires_value(started + 10_000 + 86_400_000);
+    assert_eq!(
+        header(&headers, "idempotency-key-expires"),
+        Some(want.as_bytes())
+    );
+}

@@ -312,6 +312,7 @@ fn encoding_round_trips() {
                 fingerprint: fp.clone(),
                 expires_at_ms: 1_700_000_000_123,
                 written_at_ms,
+                tombstone_until_ms: None,
                 body: body.clone(),
             };
             let bytes = encode(&rec);
@@ -321,6 +322,42 @@ fn encoding_round_trips() {
             assert_eq!(decode(&bytes).unwrap(), rec);
         }
     }
+}
+
+#[test]
+fn a_record_with_a_tombstone_is_format_3_and_its_tombstone_format_2() {
+    use idempotency_protocol::record::RecordedResponse;
+    let whole = RecordedResponse {
+        status: 201,
+        headers: vec![("content-type".into(), b"text/plain".to_vec())],
+        body: b"paid".to_vec(),
+        ..RecordedResponse::default()
+    };
+    let rec = StoredRecord {
+        fingerprint: digest(3),
+        expires_at_ms: 1_700_000_000_123,
+        written_at_ms: Some(1_700_000_000_001),
+        tombstone_until_ms: Some(1_800_000_000_000),
+        body: StoredBody::Completed {
+            record: whole.encode(),
+        },
+    };
+    let bytes = encode(&rec);
+    assert_eq!(bytes.first(), Some(&3));
+    assert_eq!(expires_at_ms(&bytes), Some(1_700_000_000_123));
+    assert_eq!(decode(&bytes).unwrap(), rec);
+    // Before its end a tombstone's time has not come; after it, the sweeper's rewrite.
+    assert_eq!(rec.clone().into_tombstone(1_800_000_000_000), None);
+    let tombstone = rec.into_tombstone(1_700_000_000_123).unwrap();
+    assert_eq!(tombstone.expires_at_ms, 1_800_000_000_000);
+    assert_eq!(tombstone.tombstone_until_ms, None);
+    let StoredBody::Completed { record } = &tombstone.body else {
+        panic!("a tombstone is a completed record");
+    };
+    assert_eq!(RecordedResponse::decode(record), Some(whole.without_body()));
+    let bytes = encode(&tombstone);
+    assert_eq!(bytes.first(), Some(&2));
+    assert_eq!(decode(&bytes).unwrap(), tombstone);
 }
 
 /// The bytes the release before this one wrote for a record (format 1, spelled out
@@ -447,6 +484,7 @@ fn populate(s: &EmbeddedStorage, n: usize, exp: impl Fn(usize) -> u64) {
                 fingerprint: digest(7),
                 expires_at_ms: exp(i),
                 written_at_ms: Some(START_MS),
+                tombstone_until_ms: None,
                 body: StoredBody::Completed {
                     record: b"HTTP/1.1 201 Created".to_vec(),
                 },
@@ -500,6 +538,7 @@ async fn a_file_from_before_the_index_is_indexed_once_at_open() {
                     fingerprint: digest(7),
                     expires_at_ms: START_MS + if i < 4 { 10 } else { 100_000 },
                     written_at_ms: None,
+                    tombstone_until_ms: None,
                     body: StoredBody::Completed { record: vec![] },
                 };
                 t.insert(digest(i).as_str(), encode(&rec).as_slice())

@@ -98,6 +98,12 @@ fn redis_key(key: &Digest) -> String {
     format!("idem:{{{}}}", key.as_str())
 }
 
+/// Where a record with a tombstone keeps its whole response until its TTL: beside the
+/// record, in the same hash slot (the braces), outside the prefix search's pattern.
+fn whole_key(key: &Digest) -> String {
+    format!("idem:{{{}}}:w", key.as_str())
+}
+
 fn backend(e: redis::RedisError) -> StorageError {
     StorageError::Backend(format!("redis: {e}"))
 }
@@ -416,6 +422,7 @@ impl RedisStorage {
         let reply: Value = self
             .record
             .key(redis_key(key))
+            .key(whole_key(key))
             .arg(op)
             .invoke_async(&mut conn)
             .await
@@ -465,19 +472,21 @@ impl RedisStorage {
     }
 }
 
-/// Reads what RECORD_LUA answers: nil (no record), `{'packed', value}`, or a hash record's
-/// fields followed by Redis's clock.
+/// Reads what RECORD_LUA answers: nil (no record), `{'packed', value, whole}` (`whole`: the
+/// whole response a `T` record keeps apart, or nil), or a hash record's fields followed by
+/// Redis's clock.
 fn parse_view(what: &str, reply: &Value, now_ms: u64) -> Result<Option<RecordView>, StorageError> {
     let items = match reply {
         Value::Nil => return Ok(None),
         Value::Array(items) => items,
         other => return Err(unexpected(what, other)),
     };
-    if let [tag, value] = items.as_slice() {
+    if let [tag, value, whole @ ..] = items.as_slice() {
         if as_bytes(tag) == Some(b"packed") {
+            let whole = whole.first().and_then(as_bytes);
             return as_bytes(value)
                 .and_then(packed::parse)
-                .map(|record| Some(record.view(now_ms)))
+                .map(|record| Some(record.view(now_ms, whole)))
                 .ok_or_else(|| unexpected(what, reply));
         }
     }
@@ -679,7 +688,7 @@ impl Storage for RedisStorage {
         Ok(if record.fingerprint != *fingerprint {
             ClaimOutcome::Mismatch
         } else {
-            match (record.state, record.owner) {
+            match (record.state, record.owner.clone()) {
                 (RecordState::InFlight, Some(holder)) if holder == *owner => {
                     ClaimOutcome::Claimed {
                         owner: holder,
@@ -689,6 +698,16 @@ impl Storage for RedisStorage {
                 (RecordState::InFlight, _) => ClaimOutcome::InFlight {
                     retry_after_ms: record.expires_at_ms.saturating_sub(now_ms).max(1),
                 },
+                (RecordState::Completed, _) if record.whole_apart => {
+                    let whole: Option<Vec<u8>> = redis::cmd("GET")
+                        .arg(whole_key(key))
+                        .query_async(&mut conn)
+                        .await
+                        .map_err(backend)?;
+                    ClaimOutcome::Completed {
+                        record: record.answered(whole.as_deref()),
+                    }
+                }
                 (RecordState::Completed, _) => ClaimOutcome::Completed {
                     record: record.record.to_vec(),
                 },
@@ -701,18 +720,27 @@ impl Storage for RedisStorage {
         key: &Digest,
         owner: &OwnerToken,
         ttl_ms: u64,
+        tombstone_ms: u64,
         record: Vec<u8>,
         fingerprint: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError> {
         let mut conn = self.conn.clone();
+        let tombstone = if tombstone_ms > 0 {
+            super::logic::tombstone_of(&record)
+        } else {
+            Vec::new()
+        };
         let reply: Value = self
             .complete
             .key(redis_key(key))
+            .key(whole_key(key))
             .arg(owner.as_str())
             .arg(ttl_ms)
             .arg(record)
             .arg(fingerprint.map_or("", Digest::as_str))
             .arg(self.clock.now_ms())
+            .arg(tombstone_ms)
+            .arg(tombstone)
             .invoke_async(&mut conn)
             .await
             .map_err(backend)?;

@@ -4,8 +4,10 @@
 //! i1\n<state>\n<fingerprint>\n<owner>\n<expires_at_ms>\n<written_at_ms>\n<record>
 //! ```
 //!
-//! `state` is `F` (in flight: `owner` is the claimant's token, `record` empty) or `C`
-//! (completed: `owner` empty). Hex digests, hex owners and decimal numbers hold no newline,
+//! `state` is `F` (in flight: `owner` is the claimant's token, `record` empty), `C`
+//! (completed: `owner` empty), or `T` (completed with a tombstone: `record` is the tombstone,
+//! the response without its body, and `expires_at_ms` the tombstone's end; the whole response
+//! is a string of its own at the key plus `:w` (`whole_key`), which Redis expires at the TTL). Hex digests, hex owners and decimal numbers hold no newline,
 //! so the header splits on the first five; the record is the rest, byte for byte.
 //!
 //! One string lets a claim be one native `SET key value NX PX lease GET` instead of a
@@ -18,6 +20,7 @@ use super::super::{Digest, OwnerToken, RecordState, RecordView};
 const MAGIC: &[u8] = b"i1\n";
 const IN_FLIGHT: &[u8] = b"F";
 const COMPLETED: &[u8] = b"C";
+const TOMBSTONED: &[u8] = b"T";
 
 /// A packed record, read.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,8 +30,10 @@ pub struct Packed<'a> {
     pub owner: Option<OwnerToken>,
     pub expires_at_ms: u64,
     pub written_at_ms: u64,
-    /// The recorded response; empty while in flight.
+    /// The recorded response; empty while in flight; the tombstone for state `T`.
     pub record: &'a [u8],
+    /// State `T`: the whole response is kept apart, until the TTL.
+    pub whole_apart: bool,
 }
 
 /// The value of a fresh claim by `owner`, made at `now_ms`, its lease ending at
@@ -67,9 +72,10 @@ pub fn parse(value: &[u8]) -> Option<Packed<'_>> {
     let [state, fingerprint, owner, expires_at_ms, written_at_ms] = fields;
     let text = |bytes: &[u8]| std::str::from_utf8(bytes).ok().map(str::to_owned);
     let number = |bytes: &[u8]| std::str::from_utf8(bytes).ok()?.parse::<u64>().ok();
-    let state = match state {
-        IN_FLIGHT => RecordState::InFlight,
-        COMPLETED => RecordState::Completed,
+    let (state, whole_apart) = match state {
+        IN_FLIGHT => (RecordState::InFlight, false),
+        COMPLETED => (RecordState::Completed, false),
+        TOMBSTONED => (RecordState::Completed, true),
         _ => return None,
     };
     let owner = match state {
@@ -83,18 +89,28 @@ pub fn parse(value: &[u8]) -> Option<Packed<'_>> {
         expires_at_ms: number(expires_at_ms)?,
         written_at_ms: number(written_at_ms)?,
         record: rest,
+        whole_apart,
     })
 }
 
 impl Packed<'_> {
-    /// What a lookup shows, read at `now_ms`.
-    pub fn view(&self, now_ms: u64) -> RecordView {
+    /// The response a reader gets: the whole one kept apart (`whole`, read from
+    /// `whole_key`) while it lasts, else the record's own bytes (a `T` record's tombstone).
+    pub fn answered(&self, whole: Option<&[u8]>) -> Vec<u8> {
+        match whole {
+            Some(whole) if self.whole_apart => whole.to_vec(),
+            _ => self.record.to_vec(),
+        }
+    }
+
+    /// What a lookup shows, read at `now_ms`; `whole` as for [`Self::answered`].
+    pub fn view(&self, now_ms: u64, whole: Option<&[u8]>) -> RecordView {
         RecordView {
             state: self.state,
             fingerprint: self.fingerprint.clone(),
             expires_at_ms: self.expires_at_ms,
             record: match self.state {
-                RecordState::Completed => Some(self.record.to_vec()),
+                RecordState::Completed => Some(self.answered(whole)),
                 RecordState::InFlight => None,
             },
             owner: self.owner.clone(),
@@ -136,7 +152,19 @@ mod tests {
         assert_eq!(read.state, RecordState::Completed);
         assert_eq!(read.owner, None);
         assert_eq!(read.record, body);
-        assert_eq!(read.view(10).record.as_deref(), Some(&body[..]));
+        assert_eq!(read.view(10, None).record.as_deref(), Some(&body[..]));
+        assert!(!read.whole_apart);
+    }
+
+    #[test]
+    fn a_tombstoned_record_answers_its_whole_response_while_that_lasts() {
+        let mut value = format!("i1\nT\n{}\n\n9\n8\n", "b".repeat(64)).into_bytes();
+        value.extend_from_slice(b"status only");
+        let read = parse(&value).unwrap();
+        assert_eq!(read.state, RecordState::Completed);
+        assert!(read.whole_apart);
+        assert_eq!(read.answered(Some(b"whole")), b"whole");
+        assert_eq!(read.answered(None), b"status only");
     }
 
     #[test]

@@ -67,8 +67,10 @@ if redis.call('SET', k, ARGV[4], 'NX', 'PX', ARGV[2]) then return {'fresh'} end
 return {'raced'}
 ";
 
-/// `decision::complete`. ARGV: owner, ttl_ms, record bytes, fingerprint (may be empty),
-/// now_ms. The caller's own in-flight claim → `Record`; a completed record whose stored
+/// `decision::complete`. KEYS: the record, where a record with a tombstone keeps its whole
+/// response. ARGV: owner, ttl_ms, record bytes, fingerprint (may be empty), now_ms,
+/// tombstone_ms, the tombstone's bytes. With a tombstone, the record (state `T`) holds the
+/// tombstone until its end and the whole response is a second string kept `ttl_ms`. The caller's own in-flight claim → `Record`; a completed record whose stored
 /// bytes equal ARGV[3] → a retried complete, `AlreadyRecorded`: confirm it and leave the
 /// record and its expiry as they are (Lua strings are 8-bit clean, so `==` compares the raw
 /// bytes); no record and a fingerprint → `RecordAfresh`; else `NotOwner`. Unlike the other
@@ -80,9 +82,15 @@ pub fn complete() -> String {
 }
 
 const COMPLETE_BODY: &str = r"
-local ttl, now = tonumber(ARGV[2]), tonumber(ARGV[5])
+local ttl, now, tomb = tonumber(ARGV[2]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local function record_as(fingerprint)
-  redis.call('SET', k, packed('C', fingerprint, '', ms(now + ttl), ms(now), ARGV[3]), 'PX', ttl)
+  if tomb > 0 then
+    redis.call('SET', k, packed('T', fingerprint, '', ms(now + ttl + tomb), ms(now), ARGV[7]),
+      'PX', ttl + tomb)
+    redis.call('SET', KEYS[2], ARGV[3], 'PX', ttl)
+  else
+    redis.call('SET', k, packed('C', fingerprint, '', ms(now + ttl), ms(now), ARGV[3]), 'PX', ttl)
+  end
   return 'completed'
 end
 if kind == 'hash' then
@@ -94,6 +102,10 @@ end
 if current then
   if current[1] == 'F' and current[3] == ARGV[1] then return record_as(current[2]) end
   if current[1] == 'C' and string.sub(value, current.record_at) == ARGV[3] then
+    return 'completed'
+  end
+  if current[1] == 'T' and (redis.call('GET', KEYS[2]) == ARGV[3]
+      or string.sub(value, current.record_at) == ARGV[7]) then
     return 'completed'
   end
   return 'not_owner'
@@ -201,8 +213,9 @@ local k = KEYS[1]
 local kind = redis.call('TYPE', k)['ok']
 if kind == 'string' then
   local v = redis.call('GET', k)
-  if ARGV[1] == 'purge' then redis.call('DEL', k) end
-  return {'packed', v}
+  local w = redis.call('GET', KEYS[2])
+  if ARGV[1] == 'purge' then redis.call('DEL', k, KEYS[2]) end
+  return {'packed', v, w}
 end
 local v = redis.call('HMGET', k, 'state', 'fingerprint', 'expires_at_ms', 'record',
   'owner', 'written_at_ms')
