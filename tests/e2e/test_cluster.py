@@ -190,6 +190,29 @@ def test_completed_record_survives_store_restart(procs, tmp_path, backend) -> No
     assert rule_counters(fresh, "orders")["replayed"] == 1
 
 
+def test_a_redis_restart_fails_no_protected_write(procs, tmp_path) -> None:
+    """Redis restarts (AOF on) under a running store: the store's pooled connection to the
+    old server is dead, yet the next protected writes execute (no 503), and the record made
+    before the restart still replays."""
+    cluster = start_cluster(procs, "redis", plugin=config(), envoys=1)
+    path, key = unique_path(), new_key()
+    first = post(cluster.a, path, key)
+    assert first.status_code == 201 and not is_replay(first)
+    wait_for_store_completions(cluster, 1)
+    assert cluster.redis is not None
+    for round in range(3):
+        cluster.redis.restart()
+        write_path = unique_path()
+        answer = post(cluster.a, write_path, new_key())
+        assert (answer.status_code, is_replay(answer)) == (201, False), (round, answer.content[:300])
+        assert cluster.upstream.executions(write_path) == 1
+    fresh = cluster.add_envoy("envoy-fresh", config())
+    retry = post(fresh, path, key)
+    assert (retry.status_code, is_replay(retry)) == (201, True), retry.content[:200]
+    counters = rule_counters(cluster.a, "orders")
+    assert counters["store_error"] == 0, counters
+
+
 # --------------------------------------------------------------------------
 # 4-7. store failures
 # --------------------------------------------------------------------------

@@ -1693,6 +1693,53 @@ async fn redis_records_an_earlier_store_wrote_as_hashes_are_decided_on_as_before
     ));
 }
 
+/// A Redis restart leaves the store's pooled connection to the old server dead; the first
+/// calls after it must still be answered (a claim, its completion, a replay), not fail with
+/// the dead connection's error.
+#[tokio::test]
+async fn the_first_calls_after_a_redis_restart_are_answered() {
+    let mut server = RedisServer::start();
+    let s = RedisStorage::connect(&server.url()).await.unwrap();
+    let (warm, fp) = (random_digest(), random_digest());
+    let owner = OwnerToken::generate().unwrap();
+    assert!(matches!(
+        s.claim(&warm, &fp, 60_000, &owner).await.unwrap(),
+        ClaimOutcome::Claimed { .. }
+    ));
+    for round in 0..3 {
+        server.restart();
+        let (k, owner) = (random_digest(), OwnerToken::generate().unwrap());
+        let claimed = s.claim(&k, &fp, 60_000, &owner).await;
+        assert!(
+            matches!(claimed, Ok(ClaimOutcome::Claimed { .. })),
+            "round {round}: {claimed:?}"
+        );
+        server.restart();
+        let completed = s.complete(&k, &owner, 60_000, b"done".to_vec()).await;
+        assert!(
+            matches!(completed, Ok(CompleteOutcome::NotOwner)),
+            "round {round}: the restart lost the claim, so the completion is refused: {completed:?}"
+        );
+        let again = OwnerToken::generate().unwrap();
+        assert!(matches!(
+            s.claim(&k, &fp, 60_000, &again).await.unwrap(),
+            ClaimOutcome::Claimed { .. }
+        ));
+        assert_eq!(
+            s.complete(&k, &again, 60_000, b"done".to_vec())
+                .await
+                .unwrap(),
+            CompleteOutcome::Completed
+        );
+        server.restart();
+        let replay = s.claim(&k, &fp, 60_000, &owner).await;
+        assert!(
+            matches!(replay, Ok(ClaimOutcome::Claimed { .. })),
+            "round {round}: Redis kept nothing across the restart (no persistence): {replay:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn redis_outage_is_a_backend_error_not_a_hang() {
     let server = RedisServer::start();

@@ -82,6 +82,49 @@ impl ConnectionLike for Connection {
     }
 }
 
+/// The connection for the operations whose second run answers exactly as the first would
+/// have, had it reached Redis: a claim (`SET NX` under the caller's owner: its own claim
+/// reads back as `claimed`), a completion (its own bytes read back as `completed`), a renewal
+/// (never shortens) and a lookup (a read). Such a call whose connection turned out to be
+/// dropped (Redis restarted, or failed over, since the connection was pooled) is sent once
+/// more on the connection that replaces it, so the restart does not fail a protected write.
+/// A release, a settlement or a purge is not: its second run would answer differently
+/// (`not_owner`, `not_found`, nothing), so its caller gets the error and retries as it does
+/// after any outage.
+#[derive(Clone)]
+struct Repeatable(Connection);
+
+impl ConnectionLike for Repeatable {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        Box::pin(async move {
+            match self.0.req_packed_command(cmd).await {
+                Err(e) if e.is_connection_dropped() => self.0.req_packed_command(cmd).await,
+                answer => answer,
+            }
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        Box::pin(async move {
+            match self.0.req_packed_commands(cmd, offset, count).await {
+                Err(e) if e.is_connection_dropped() => {
+                    self.0.req_packed_commands(cmd, offset, count).await
+                }
+                answer => answer,
+            }
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.0.get_db()
+    }
+}
+
 pub struct RedisStorage {
     conn: Connection,
     /// Stamps the instants a record shows (never when Redis expires it).
@@ -418,15 +461,16 @@ impl RedisStorage {
         key: &Digest,
         op: &'static str,
     ) -> Result<Option<RecordView>, StorageError> {
-        let mut conn = self.conn.clone();
-        let reply: Value = self
-            .record
-            .key(redis_key(key))
-            .key(whole_key(key))
-            .arg(op)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(backend)?;
+        let mut script = self.record.key(redis_key(key));
+        script.key(whole_key(key)).arg(op);
+        let reply: Value = if op == "lookup" {
+            script
+                .invoke_async(&mut Repeatable(self.conn.clone()))
+                .await
+        } else {
+            script.invoke_async(&mut self.conn.clone()).await
+        }
+        .map_err(backend)?;
         parse_view(op, &reply, self.clock.now_ms())
     }
 
@@ -657,7 +701,7 @@ impl Storage for RedisStorage {
             owner: owner.clone(),
             lease_expires_at_ms,
         };
-        let mut conn = self.conn.clone();
+        let mut conn = Repeatable(self.conn.clone());
         let answer: redis::RedisResult<Value> = redis::cmd("SET")
             .arg(redis_key(key))
             .arg(&value)
@@ -724,7 +768,7 @@ impl Storage for RedisStorage {
         record: Vec<u8>,
         fingerprint: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError> {
-        let mut conn = self.conn.clone();
+        let mut conn = Repeatable(self.conn.clone());
         let tombstone = if tombstone_ms > 0 {
             super::logic::tombstone_of(&record)
         } else {
@@ -807,7 +851,7 @@ impl Storage for RedisStorage {
         owner: &OwnerToken,
         lease_ms: u64,
     ) -> Result<RenewOutcome, StorageError> {
-        let mut conn = self.conn.clone();
+        let mut conn = Repeatable(self.conn.clone());
         let reply: Value = self
             .renew
             .key(redis_key(key))
