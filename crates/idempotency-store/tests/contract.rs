@@ -1760,3 +1760,103 @@ async fn redis_outage_is_a_backend_error_not_a_hang() {
         started.elapsed()
     );
 }
+
+/// Redis memory per completed record, whole and as its tombstone: `used_memory` over many
+/// records of a realistic response (6 headers, a 500-byte body). A measurement for
+/// docs/redis.md, not a check: `cargo test -p idempotency-store --release --test contract --
+/// --ignored --nocapture redis_memory_per_record`.
+#[tokio::test]
+#[ignore = "a measurement for the sizing docs; prints, asserts only that it ran"]
+async fn redis_memory_per_record() {
+    use idempotency_protocol::record::RecordedResponse;
+    const N: usize = 50_000;
+    let server = RedisServer::start();
+    let s = RedisStorage::connect(&server.url()).await.unwrap();
+    let client = ::redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let used = |info: String| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap()
+    };
+    let headers: Vec<(String, Vec<u8>)> = [
+        ("content-type", "application/json"),
+        ("date", "Thu, 03 Dec 2026 04:00:00 GMT"),
+        ("location", "/orders/1234567890"),
+        ("x-request-id", "9b2e4c1a-5d7f-4e3b-8a6c-1f0e2d3c4b5a"),
+        ("cache-control", "no-store"),
+        ("idempotency-key-expires", "Wed, 02 Jun 2027 04:00:00 GMT"),
+    ]
+    .iter()
+    .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+    .collect();
+    let response = RecordedResponse {
+        owner: 1,
+        status: 201,
+        headers,
+        body: vec![b'x'; 500],
+        ..RecordedResponse::default()
+    };
+    println!("layout | records | used_memory per record | value bytes");
+    for (name, ttl_ms, tombstone_ms) in [
+        ("whole, no tombstone", 600_000, 0),
+        ("whole, with a tombstone (both keys)", 600_000, 600_000),
+        ("tombstone alone (whole expired)", 1_500, 600_000),
+    ] {
+        let _: () = ::redis::cmd("FLUSHALL")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let before = used(
+            ::redis::cmd("INFO")
+                .arg("memory")
+                .query_async(&mut conn)
+                .await
+                .unwrap(),
+        );
+        let record = response.encode();
+        for _ in 0..N {
+            let (k, fp, owner) = (
+                random_digest(),
+                random_digest(),
+                OwnerToken::generate().unwrap(),
+            );
+            s.claim(&k, &fp, 60_000, &owner).await.unwrap();
+            s.complete_or_create(&k, &owner, ttl_ms, tombstone_ms, record.clone(), None)
+                .await
+                .unwrap();
+        }
+        if ttl_ms < 60_000 {
+            // Until Redis has expired every whole response.
+            tokio::time::sleep(Duration::from_millis(ttl_ms + 500)).await;
+            loop {
+                let keys: u64 = ::redis::cmd("DBSIZE").query_async(&mut conn).await.unwrap();
+                if keys <= N as u64 {
+                    break;
+                }
+                let _: Option<Vec<u8>> = ::redis::cmd("RANDOMKEY")
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        let after = used(
+            ::redis::cmd("INFO")
+                .arg("memory")
+                .query_async(&mut conn)
+                .await
+                .unwrap(),
+        );
+        let value_bytes = if tombstone_ms > 0 && ttl_ms < 60_000 {
+            response.without_body().encode().len()
+        } else {
+            record.len()
+        };
+        println!(
+            "{name} | {N} | {} | {value_bytes}",
+            after.saturating_sub(before) / N as u64
+        );
+    }
+}
