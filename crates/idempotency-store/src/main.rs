@@ -111,6 +111,13 @@ struct Serve {
     #[arg(long, value_name = "BYTES", default_value = "8GiB", value_parser = parse_bytes)]
     max_db_bytes: u64,
 
+    /// The embedded store saves its allocator state with every commit (redb's quick repair),
+    /// so that it opens sooner after a crash, for about a third fewer claims per second
+    /// (docs/operations.md, "Restarting the embedded store").
+    #[arg(long, value_name = "BOOL", default_value_t = false, num_args = 0..=1,
+          default_missing_value = "true", action = clap::ArgAction::Set)]
+    quick_repair: bool,
+
     /// Redis URL for --backend redis, e.g. redis://127.0.0.1:6379/. Several,
     /// comma-separated, are the seed nodes of a Redis (or Valkey) Cluster.
     #[arg(long)]
@@ -325,6 +332,7 @@ async fn open_storage(cli: &Serve) -> Result<(Arc<dyn Storage>, Option<BatchMetr
         BackendKind::Embedded => {
             let options = EmbeddedOptions {
                 max_file_bytes: (cli.max_db_bytes > 0).then_some(cli.max_db_bytes),
+                quick_repair: cli.quick_repair,
             };
             let storage = EmbeddedStorage::open_with(&cli.data_dir, Arc::new(SystemClock), options)
                 .map_err(|e| {

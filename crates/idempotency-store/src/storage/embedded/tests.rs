@@ -659,6 +659,7 @@ async fn sweeping_a_million_records_stalls_no_write_for_long() {
 fn open_bounded(dir: &Path, clock: Arc<ManualClock>, max: u64) -> Arc<EmbeddedStorage> {
     let options = EmbeddedOptions {
         max_file_bytes: Some(max),
+        ..EmbeddedOptions::default()
     };
     Arc::new(EmbeddedStorage::open_with(dir, clock, options).unwrap())
 }
