@@ -239,6 +239,12 @@ impl Config {
 }
 
 impl Rule {
+    /// Whether a response recorded at `recorded_at_ms` is, at `now_ms`, kept only as its
+    /// tombstone: past the TTL, within the tombstone period (the table keeps it until then).
+    pub fn only_tombstone_at(&self, recorded_at_ms: u64, now_ms: u64) -> bool {
+        self.tombstone_ms > 0 && now_ms >= recorded_at_ms.saturating_add(self.ttl_ms)
+    }
+
     /// This HTTP rule as it applies to the gRPC calls it matches: the same rule with gRPC's
     /// semantics (the status from the trailers, released by the default gRPC statuses, gRPC
     /// answers and replays). Err names what of the rule a gRPC call cannot honour (a key or

@@ -103,9 +103,8 @@ impl RequestJourney {
                     self.confirm_or_execute(host, rule, held)
                 }
                 Some(recorded)
-                    if rule.rule.tombstone_ms > 0
-                        && recorded.unknown.is_none()
-                        && now >= recorded_at_ms.saturating_add(rule.rule.ttl_ms) =>
+                    if recorded.unknown.is_none()
+                        && rule.rule.only_tombstone_at(recorded_at_ms, now) =>
                 {
                     // Past the TTL the record is only kept as its tombstone.
                     let tombstone = recorded.without_body();

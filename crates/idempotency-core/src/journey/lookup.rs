@@ -95,14 +95,19 @@ impl RequestJourney {
                 owner,
                 status,
                 expires_at_ms,
+                recorded_at_ms,
             }) => {
-                let response = self
+                let mut response = self
                     .plugin
                     .table
                     .load_response(host, slot, owner)
                     .ok()
                     .flatten()
                     .unwrap_or_else(|| RecordedResponse::status_only(status));
+                if response.unknown.is_none() && rule.rule.only_tombstone_at(recorded_at_ms, now) {
+                    // What a retry would get now: the tombstone.
+                    response = response.without_body();
+                }
                 Found::Completed {
                     response: Box::new(response),
                     expires_at_ms: Some(expires_at_ms),

@@ -322,6 +322,7 @@ pub enum Kept {
         owner: u64,
         status: u16,
         expires_at_ms: u64,
+        recorded_at_ms: u64,
     },
 }
 
@@ -805,6 +806,7 @@ impl Table {
                 owner: slot.owner,
                 status: slot.status,
                 expires_at_ms: slot.expires_at_ms,
+                recorded_at_ms: slot.recorded_at_ms,
             },
         })
     }

@@ -210,3 +210,29 @@ fn over_the_http_transport_the_store_is_asked_by_callout() {
         (Some("completed"), Some(202))
     );
 }
+
+#[test]
+fn past_the_ttl_a_lookup_shows_the_tombstone_a_retry_would_get() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+            "ttl_seconds":10,"lease_seconds":5,"tombstone_seconds":100,
+            "lookup":{"path":"/orders/idempotency","include_response":true}}]}"#,
+    );
+    let mut first = write_as(&host, &plugin, "k1", "alice");
+    respond(&host, &mut first, 201, br#"{"id":"o-1"}"#);
+    let (_, whole) = look_up(&host, &plugin, Some("k1"), "alice");
+    assert_eq!(whole["response"]["body"], r#"{"id":"o-1"}"#);
+    assert_eq!(whole["response"]["body_omitted"], false);
+    host.advance_ms(11_000);
+    let (status, tombstone) = look_up(&host, &plugin, Some("k1"), "alice");
+    assert_eq!(
+        (status, tombstone["state"].as_str()),
+        (200, Some("completed"))
+    );
+    assert_eq!(tombstone["status"], 201);
+    assert_eq!(tombstone["response"]["body"], "");
+    assert_eq!(tombstone["response"]["body_omitted"], true);
+    assert_eq!(host.counter("orders", Outcome::Executed), 1);
+}
