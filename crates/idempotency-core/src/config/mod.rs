@@ -16,6 +16,7 @@ use crate::table::layout::Layout;
 use idempotency_protocol::naming::rule::invalid;
 pub use idempotency_protocol::naming::rule::ConfigError;
 use idempotency_protocol::naming::source::FieldSource;
+use idempotency_protocol::record::RecordedResponse;
 use lookup_route::LookupRoute;
 pub use raw::default_replay_skip_headers;
 use raw::RawConfig;
@@ -239,10 +240,24 @@ impl Config {
 }
 
 impl Rule {
-    /// Whether a response recorded at `recorded_at_ms` is, at `now_ms`, kept only as its
+    /// How long `recorded` is kept as a tombstone after the TTL: a response is, for the
+    /// rule's `tombstone_ms`; an unknown outcome is not one (it is settled or expires).
+    pub fn tombstone_ms_for(&self, recorded: &RecordedResponse) -> u64 {
+        match recorded.unknown {
+            None => self.tombstone_ms,
+            Some(_) => 0,
+        }
+    }
+
+    /// Whether `recorded`, recorded at `recorded_at_ms`, is at `now_ms` kept only as its
     /// tombstone: past the TTL, within the tombstone period (the table keeps it until then).
-    pub fn only_tombstone_at(&self, recorded_at_ms: u64, now_ms: u64) -> bool {
-        self.tombstone_ms > 0 && now_ms >= recorded_at_ms.saturating_add(self.ttl_ms)
+    pub fn only_tombstone_at(
+        &self,
+        recorded: &RecordedResponse,
+        recorded_at_ms: u64,
+        now_ms: u64,
+    ) -> bool {
+        self.tombstone_ms_for(recorded) > 0 && now_ms >= recorded_at_ms.saturating_add(self.ttl_ms)
     }
 
     /// This HTTP rule as it applies to the gRPC calls it matches: the same rule with gRPC's

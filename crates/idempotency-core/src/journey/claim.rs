@@ -102,10 +102,7 @@ impl RequestJourney {
                     };
                     self.confirm_or_execute(host, rule, held)
                 }
-                Some(recorded)
-                    if recorded.unknown.is_none()
-                        && rule.rule.only_tombstone_at(recorded_at_ms, now) =>
-                {
+                Some(recorded) if rule.rule.only_tombstone_at(&recorded, recorded_at_ms, now) => {
                     // Past the TTL the record is only kept as its tombstone.
                     let tombstone = recorded.without_body();
                     self.replay(host, &rule, &tombstone, Outcome::ReplayedTombstone)

@@ -104,7 +104,7 @@ impl RequestJourney {
                     .ok()
                     .flatten()
                     .unwrap_or_else(|| RecordedResponse::status_only(status));
-                if response.unknown.is_none() && rule.rule.only_tombstone_at(recorded_at_ms, now) {
+                if rule.rule.only_tombstone_at(&response, recorded_at_ms, now) {
                     // What a retry would get now: the tombstone.
                     response = response.without_body();
                 }

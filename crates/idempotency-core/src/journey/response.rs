@@ -358,7 +358,7 @@ impl RequestJourney {
         let ttl_ms = rule
             .rule
             .ttl_ms
-            .saturating_add(tombstone_ms(&rule.rule, &response));
+            .saturating_add(rule.rule.tombstone_ms_for(&response));
         let completed = self.plugin.table.complete(
             host,
             &held,
@@ -421,7 +421,7 @@ impl RequestJourney {
             &held.fingerprint,
             &owner.token,
             ttl_ms,
-            tombstone_ms(&rule.rule, response),
+            rule.rule.tombstone_ms_for(response),
             response,
         );
         let deadline = host.now_ms().saturating_add(ttl_ms);
@@ -452,15 +452,6 @@ impl RequestJourney {
 /// trailers; any other status (a proxy in between answered) is recorded as HTTP.
 fn awaits_grpc_status(run: &Execution) -> bool {
     run.rule.rule.grpc.is_some() && run.capture.as_ref().is_some_and(|c| c.status() == 200)
-}
-
-/// How long `response` is kept as a tombstone after the rule's TTL: only a response is;
-/// an unknown outcome is not one.
-pub(super) fn tombstone_ms(rule: &crate::config::Rule, response: &RecordedResponse) -> u64 {
-    match response.unknown {
-        None => rule.tombstone_ms,
-        Some(_) => 0,
-    }
 }
 
 /// A body the local budget cannot keep: recorded without it, unless the store keeps it.

@@ -975,11 +975,7 @@ fn encode(rec: &StoredRecord) -> Vec<u8> {
     };
     let mut out = Vec::with_capacity(2 + 8 + 8 + 8 + Digest::HEX_LEN + tail.len());
     // A record whose time is unknown (read from version 1) keeps the format that says so.
-    let written = match (rec.written_at_ms, rec.tombstone_until_ms) {
-        (None, _) => None,
-        (Some(at), None) => Some((at, None)),
-        (Some(at), Some(until)) => Some((at, Some(until))),
-    };
+    let written = rec.written_at_ms.map(|at| (at, rec.tombstone_until_ms));
     out.push(match written {
         None => FORMAT_V1,
         Some((_, None)) => FORMAT_V2,
@@ -1026,14 +1022,13 @@ fn decode(bytes: &[u8]) -> Result<StoredRecord, StorageError> {
             let (written, rest) = rest
                 .split_first_chunk::<8>()
                 .ok_or_else(|| corrupt("truncated header"))?;
-            let (until, rest) = match version {
-                FORMAT_V3 => {
-                    let (until, rest) = rest
-                        .split_first_chunk::<8>()
-                        .ok_or_else(|| corrupt("truncated header"))?;
-                    (Some(u64::from_be_bytes(*until)), rest)
-                }
-                _ => (None, rest),
+            let (until, rest) = if version == FORMAT_V3 {
+                let (until, rest) = rest
+                    .split_first_chunk::<8>()
+                    .ok_or_else(|| corrupt("truncated header"))?;
+                (Some(u64::from_be_bytes(*until)), rest)
+            } else {
+                (None, rest)
             };
             (Some(u64::from_be_bytes(*written)), until, rest)
         }
