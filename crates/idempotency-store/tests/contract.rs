@@ -397,6 +397,41 @@ async fn a_tombstone_outlives_the_whole_record(h: &Harness) {
             record: whole.encode()
         }
     );
+    let view = h.s().lookup(&k).await.unwrap().unwrap();
+    assert_eq!(view.fingerprint, fp);
+    let written_at_ms = view.written_at_ms.unwrap();
+    assert_eq!(
+        view.expires_at_ms,
+        written_at_ms + 21 * short,
+        "kept to the tombstone's end"
+    );
+    let retried_complete = || {
+        h.s()
+            .complete_or_create(&k, &owner, short, 20 * short, whole.encode(), None)
+    };
+    assert_eq!(
+        retried_complete().await.unwrap(),
+        CompleteOutcome::Completed
+    );
+    let other_response = RecordedResponse {
+        status: 500,
+        ..whole.clone()
+    };
+    let stranger = OwnerToken::parse("5e").unwrap();
+    assert_eq!(
+        h.s()
+            .complete_or_create(
+                &k,
+                &stranger,
+                short,
+                20 * short,
+                other_response.encode(),
+                None
+            )
+            .await
+            .unwrap(),
+        CompleteOutcome::NotOwner
+    );
     h.pass(short).await;
     h.s().sweep_expired().await.unwrap();
     let tombstone = whole.without_body();
@@ -414,7 +449,15 @@ async fn a_tombstone_outlives_the_whole_record(h: &Harness) {
         );
         let view = h.s().lookup(&k).await.unwrap().unwrap();
         assert_eq!(view.record, Some(tombstone.encode()));
+        assert_eq!(view.fingerprint, fp);
+        assert_eq!(view.written_at_ms, Some(written_at_ms));
+        assert_eq!(view.expires_at_ms, written_at_ms + 21 * short);
     }
+    // A completion retried once the whole response has gone is still its own.
+    assert_eq!(
+        retried_complete().await.unwrap(),
+        CompleteOutcome::Completed
+    );
     h.pass(20 * short).await;
     h.s().sweep_expired().await.unwrap();
     assert_eq!(h.state(&k).await, None, "gone once its tombstone has ended");
@@ -1768,7 +1811,6 @@ async fn redis_outage_is_a_backend_error_not_a_hang() {
 #[tokio::test]
 #[ignore = "a measurement for the sizing docs; prints, asserts only that it ran"]
 async fn redis_memory_per_record() {
-    use idempotency_protocol::record::RecordedResponse;
     const N: usize = 50_000;
     let server = RedisServer::start();
     let s = RedisStorage::connect(&server.url()).await.unwrap();
@@ -1780,24 +1822,7 @@ async fn redis_memory_per_record() {
             .and_then(|v| v.trim().parse().ok())
             .unwrap()
     };
-    let headers: Vec<(String, Vec<u8>)> = [
-        ("content-type", "application/json"),
-        ("date", "Thu, 03 Dec 2026 04:00:00 GMT"),
-        ("location", "/orders/1234567890"),
-        ("x-request-id", "9b2e4c1a-5d7f-4e3b-8a6c-1f0e2d3c4b5a"),
-        ("cache-control", "no-store"),
-        ("idempotency-key-expires", "Wed, 02 Jun 2027 04:00:00 GMT"),
-    ]
-    .iter()
-    .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
-    .collect();
-    let response = RecordedResponse {
-        owner: 1,
-        status: 201,
-        headers,
-        body: vec![b'x'; 500],
-        ..RecordedResponse::default()
-    };
+    let response = common::typical_response::typical_response(500);
     println!("layout | records | used_memory per record | value bytes");
     for (name, ttl_ms, tombstone_ms) in [
         ("whole, no tombstone", 600_000, 0),

@@ -171,7 +171,16 @@ pub(crate) fn complete(
         record: &record,
         fingerprint,
     };
-    let decided = decision::complete(existing.map(StoredRecord::as_decided), &asked, now_ms);
+    let decided = match decision::complete(existing.map(StoredRecord::as_decided), &asked, now_ms) {
+        // The sweeper has turned this very completion into its tombstone: a retry of it is
+        // still answered as recorded, as on Redis, not as somebody else's.
+        CompleteDecision::NotOwner
+            if tombstone_ms > 0 && holds_tombstone_of(existing, &record, now_ms) =>
+        {
+            CompleteDecision::AlreadyRecorded
+        }
+        decided => decided,
+    };
     // The record keeps the claim's fingerprint; a fresh one takes the caller's.
     let recorded_under = match decided {
         CompleteDecision::Record => existing.map(|r| &r.fingerprint),
@@ -193,6 +202,19 @@ pub(crate) fn complete(
         ),
         // Both decisions above come with a fingerprint; refuse rather than guess one.
         None => Decision::Keep(CompleteOutcome::NotOwner),
+    }
+}
+
+/// Whether `existing` is a live completed record holding exactly `record`'s tombstone.
+fn holds_tombstone_of(existing: Option<&StoredRecord>, record: &[u8], now_ms: u64) -> bool {
+    match existing {
+        Some(
+            stored @ StoredRecord {
+                body: StoredBody::Completed { record: kept },
+                ..
+            },
+        ) => stored.is_live(now_ms) && *kept == tombstone_of(record),
+        _ => false,
     }
 }
 

@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 use idempotency_store::storage::Digest;
 
+pub mod typical_response;
+
 /// A throwaway `redis-server` on a free loopback port. Killed (by its own
 /// PID, via `Child::kill`) when dropped.
 pub struct RedisServer {

@@ -517,7 +517,7 @@ impl RedisStorage {
 }
 
 /// Reads what RECORD_LUA answers: nil (no record), `{'packed', value, whole}` (`whole`: the
-/// whole response a `T` record keeps apart, or nil), or a hash record's fields followed by
+/// whole response a record with a tombstone keeps apart, or nil), or a hash record's fields followed by
 /// Redis's clock.
 fn parse_view(what: &str, reply: &Value, now_ms: u64) -> Result<Option<RecordView>, StorageError> {
     let items = match reply {

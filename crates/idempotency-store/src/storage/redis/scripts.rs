@@ -16,7 +16,19 @@
 /// The packed layout in Lua: read it (None for anything else), and write it. Prepended to
 /// every script that reads or writes a packed record.
 const PACKED_LUA: &str = r"
+local function ms(n) return string.format('%d', n) end
 local function read_packed(v)
+  if string.sub(v, 1, 2) == 't1' then
+    if string.len(v) < 46 then return nil end
+    local function instant(at)
+      local n = 0
+      for i = at, at + 5 do n = n * 256 + string.byte(v, i) end
+      return ms(n)
+    end
+    local hex = string.gsub(string.sub(v, 3, 34), '.',
+      function(c) return string.format('%02x', string.byte(c)) end)
+    return {'T', hex, '', instant(35), instant(41), record_at = 47}
+  end
   if string.sub(v, 1, 3) ~= 'i1\n' then return nil end
   local f, pos = {}, 4
   for i = 1, 5 do
@@ -32,7 +44,16 @@ local function packed(state, fingerprint, owner, expires_at, written_at, record)
   return 'i1\n' .. state .. '\n' .. fingerprint .. '\n' .. owner .. '\n' .. expires_at ..
     '\n' .. written_at .. '\n' .. record
 end
-local function ms(n) return string.format('%d', n) end
+local function tombstoned(fingerprint, expires_at, written_at, tombstone)
+  local function instant(n)
+    local b = {}
+    for i = 6, 1, -1 do b[i] = string.char(n % 256); n = math.floor(n / 256) end
+    return table.concat(b)
+  end
+  local bytes = string.gsub(fingerprint, '..',
+    function(h) return string.char(tonumber(h, 16)) end)
+  return 't1' .. bytes .. instant(expires_at) .. instant(written_at) .. tombstone
+end
 local k = KEYS[1]
 local kind = redis.call('TYPE', k)['ok']
 local value, current = nil, nil
@@ -69,9 +90,11 @@ return {'raced'}
 
 /// `decision::complete`. KEYS: the record, where a record with a tombstone keeps its whole
 /// response. ARGV: owner, ttl_ms, record bytes, fingerprint (may be empty), now_ms,
-/// tombstone_ms, the tombstone's bytes. With a tombstone, the record (state `T`) holds the
-/// tombstone until its end and the whole response is a second string kept `ttl_ms`. The caller's own in-flight claim → `Record`; a completed record whose stored
-/// bytes equal ARGV[3] → a retried complete, `AlreadyRecorded`: confirm it and leave the
+/// tombstone_ms, the tombstone's bytes. With a tombstone, the record (the binary `t1`
+/// layout, read as state `T`) holds the tombstone until its end and the whole response is a
+/// second string kept `ttl_ms`. The caller's own in-flight claim → `Record`; a completed
+/// record whose stored bytes equal ARGV[3], or whose tombstone is ARGV[7] → a retried
+/// complete, `AlreadyRecorded`: confirm it and leave the
 /// record and its expiry as they are (Lua strings are 8-bit clean, so `==` compares the raw
 /// bytes); no record and a fingerprint → `RecordAfresh`; else `NotOwner`. Unlike the other
 /// backends, a lapsed lease is already gone here (Redis expired it), so its owner's late
@@ -85,8 +108,7 @@ const COMPLETE_BODY: &str = r"
 local ttl, now, tomb = tonumber(ARGV[2]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local function record_as(fingerprint)
   if tomb > 0 then
-    redis.call('SET', k, packed('T', fingerprint, '', ms(now + ttl + tomb), ms(now), ARGV[7]),
-      'PX', ttl + tomb)
+    redis.call('SET', k, tombstoned(fingerprint, now + ttl + tomb, now, ARGV[7]), 'PX', ttl + tomb)
     redis.call('SET', KEYS[2], ARGV[3], 'PX', ttl)
   else
     redis.call('SET', k, packed('C', fingerprint, '', ms(now + ttl), ms(now), ARGV[3]), 'PX', ttl)
