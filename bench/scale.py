@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 import subprocess
 import sys
 import tempfile
@@ -63,8 +64,11 @@ class Aging:
     records: int
     quiet: WrkResult
     during: WrkResult
-    # Embedded: records the sweeper turned or removed meanwhile; Redis: keys it expired.
-    aged_during: int
+    # Embedded: records the sweeper turned or removed from the instant on; Redis: keys it
+    # expired during the second run.
+    aged: int
+    # Embedded: from the instant until the sweeper had turned them all.
+    sweep_s: float | None
 
 
 @dataclasses.dataclass
@@ -73,6 +77,8 @@ class Restarts:
     clean_stop_s: float
     clean_start_s: float
     crash_start_s: float
+    # Embedded only: the same crash with `--quick-repair`.
+    quick_repair_crash_start_s: float | None
 
 
 @dataclasses.dataclass
@@ -119,10 +125,17 @@ def claims(store: harness.Store, seconds: float, lease_ms: int = MEASURE_LEASE_M
 
 
 def _swept_lines(store: harness.Store) -> list[int]:
+    return [n for _, n in _sweeps(store)]
+
+
+def _sweeps(store: harness.Store) -> list[tuple[float, int]]:
+    """Each sweep the store logged: when it ended (seconds since the epoch) and how many
+    records it removed or turned."""
     out = []
     for line in store.log_text().splitlines():
         if "swept expired records" in line and "removed=" in line:
-            out.append(int(line.split("removed=")[1].split()[0]))
+            at = dt.datetime.fromisoformat(line.split()[0].replace("Z", "+00:00")).timestamp()
+            out.append((at, int(line.split("removed=")[1].split()[0])))
     return out
 
 
@@ -212,29 +225,49 @@ def run_backend(tmp: Path, backend: str, sizes: list[int], mass: int, seconds: f
             records += batch.requests
             quiet = claims(store, seconds)
             time.sleep(max(0.0, expire_at_ms / 1000 - time.time()))
-            before = _expired_keys(redis) if redis else len(_swept_lines(store))
-            lines_before = _swept_lines(store) if not redis else []
+            expired_before = _expired_keys(redis) if redis else 0
+            sweeps_before = len(_sweeps(store))
             # Their claims outlast the run: what expires meanwhile is the batch.
             during = claims(store, 2 * seconds, lease_ms=600_000)
-            aged = (_expired_keys(redis) - before) if redis else sum(_swept_lines(store)[len(lines_before):])
-            aging = Aging(records, quiet, during, aged)
+            sweep_s = None
+            if redis:
+                aged = _expired_keys(redis) - expired_before
+            else:
+                # One sweep turns the whole batch, and logs once it is done.
+                settle(store, None, time.monotonic())
+                sweeps = _sweeps(store)[sweeps_before:]
+                aged = sum(n for _, n in sweeps)
+                sweep_s = max((at for at, _ in sweeps), default=expire_at_ms / 1000) - expire_at_ms / 1000
+            aging = Aging(records, quiet, during, aged, sweep_s)
             log(f"{backend}: {batch.requests:,} records aging at once: {quiet.rps:,.0f} -> {during.rps:,.0f} claims/s, "
-                f"p99 {quiet.p99_ms:.2f} -> {during.p99_ms:.2f} ms ({aged:,} aged meanwhile)")
+                f"p99 {quiet.p99_ms:.2f} -> {during.p99_ms:.2f} ms ({aged:,} aged, sweep {sweep_s} s)")
         started = time.monotonic()
         store.stop()
         clean_stop = time.monotonic() - started
         clean_start = timed_start(store)
-        # A crash while it writes: claims in flight when SIGKILL comes.
-        loader = subprocess.Popen([str(STREAM_LOAD), "--url", store.base_url, "--token", STORE_TOKEN, "--seconds", "30",
-                                   "--in-flight", str(WRK_CONNECTIONS), "--lease-ms", str(MEASURE_LEASE_MS)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=harness._preexec())
-        time.sleep(3)
-        store.process.kill()
-        loader.wait(timeout=60)
-        crash_start = timed_start(store)
-        restarts = Restarts(records, clean_stop, clean_start, crash_start)
-        log(f"{backend}: clean stop {clean_stop:.2f} s, start {clean_start:.2f} s; start after a crash {crash_start:.2f} s")
+        crash_start = crash_and_start(store)
+        quick = None
+        if redis is None:
+            # The same crash once the store has run with redb's quick repair.
+            store.stop()
+            store.process.argv.append("--quick-repair=true")
+            timed_start(store)
+            quick = crash_and_start(store)
+        restarts = Restarts(records, clean_stop, clean_start, crash_start, quick)
+        log(f"{backend}: clean stop {clean_stop:.2f} s, start {clean_start:.2f} s; start after a crash {crash_start:.2f} s"
+            f" (with quick repair: {quick} s)")
         return BackendRun(backend, steps, aging, restarts)
+
+
+def crash_and_start(store: harness.Store) -> float:
+    """SIGKILL while claims are being written, then the time its start takes."""
+    loader = subprocess.Popen([str(STREAM_LOAD), "--url", store.base_url, "--token", STORE_TOKEN, "--seconds", "30",
+                               "--in-flight", str(WRK_CONNECTIONS), "--lease-ms", str(MEASURE_LEASE_MS)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=harness._preexec())
+    time.sleep(3)
+    store.process.kill()
+    loader.wait(timeout=60)
+    return timed_start(store)
 
 
 def run_cluster(tmp: Path, count: int, single: BackendRun | None) -> ClusterRun:
@@ -337,11 +370,17 @@ def write_page(path: Path, chart: Path, runs: list[BackendRun], cluster: Cluster
                 f"{s.store_rss_bytes / 2**20:,.0f} MiB |")
         if run.aging:
             a = run.aging
-            what = ("records the sweeper turned into tombstones" if run.backend == "embedded"
-                    else "whole responses Redis expired")
             add("")
-            add(f"While a batch ages at one instant ({a.aged_during:,} {what} during the second run), at "
-                f"{a.records / MILLION:.1f} M records:")
+            if a.sweep_s is not None:
+                add(f"A batch ages at one instant, at {a.records / MILLION:.1f} M records: the sweeper turned "
+                    f"{a.aged:,} records into tombstones by {a.sweep_s:.0f} s after it (a sweep starts every "
+                    f"{SWEEP_INTERVAL_S} s here, 60 s by default, and works in chunks of at most 128 records "
+                    f"between the claims' commits). Claims before, and in the {a.during.seconds:.0f} s from "
+                    "that instant:")
+            else:
+                add(f"A batch ages at one instant, at {a.records / MILLION:.1f} M records: Redis expired {a.aged:,} "
+                    f"keys (whole responses) during the {a.during.seconds:.0f} s of the second run. Claims before, "
+                    "and while Redis expires them:")
             add("")
             add("| claims | claims/s | p50 ms | p99 ms |")
             add("| --- | ---: | ---: | ---: |")
@@ -350,11 +389,13 @@ def write_page(path: Path, chart: Path, runs: list[BackendRun], cluster: Cluster
         if run.restarts:
             r = run.restarts
             add("")
-            add(f"Restarts at {r.records / MILLION:.1f} M records, until `/healthz` answers: a clean stop took "
-                f"{r.clean_stop_s:.2f} s and the start after it {r.clean_start_s:.2f} s; after SIGKILL while "
-                f"claims were being written, the start took **{r.crash_start_s:.2f} s**"
-                + (" (redb repairs its file first)." if run.backend == "embedded"
-                   else " (the store holds nothing of its own on Redis)."))
+            add(f"Restarts at {r.records / MILLION:.1f} M records, timed until `/healthz` answers: a clean stop "
+                f"took {r.clean_stop_s:.2f} s and the start after it {r.clean_start_s:.2f} s; after SIGKILL while "
+                f"claims were being written, the start took **{r.crash_start_s:.1f} s**"
+                + (" (redb repairs its file first)" if run.backend == "embedded"
+                   else " (the store holds nothing of its own on Redis)")
+                + (f", and {r.quick_repair_crash_start_s:.1f} s for a store run with `--quick-repair`."
+                   if r.quick_repair_crash_start_s is not None else "."))
     if cluster:
         add("")
         add("## Redis Cluster")
