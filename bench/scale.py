@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import os
 import subprocess
 import sys
 import tempfile
@@ -140,21 +141,28 @@ def _sweeps(store: harness.Store) -> list[tuple[float, int]]:
 
 
 def settle(store: harness.Store, redis: harness.Redis | None, start: float) -> None:
-    """Once `start` has passed, until what was to age by then has aged: the sweeper's lines
-    stop (embedded), or Redis's key count stops falling fast."""
+    """Once `start` has passed, until what was to age by then has aged: a sweep has begun
+    since and the store has gone idle (embedded: a sweep logs only once it is done, so its
+    lines cannot tell one still running), or Redis's key count stops falling fast."""
     if redis is not None:
         settle_keys(lambda: redis.command("DBSIZE"), start)
         return
+    time.sleep(max(0.0, start + SWEEP_INTERVAL_S + 0.5 - time.monotonic()))
     deadline = time.monotonic() + 900
-    seen, quiet_since = len(_swept_lines(store)), time.monotonic()
+    used = _cpu_seconds(store.process.pid)
     while time.monotonic() < deadline:
-        time.sleep(1)
-        now_seen = len(_swept_lines(store))
-        if now_seen != seen:
-            seen, quiet_since = now_seen, time.monotonic()
-        if time.monotonic() > start + SWEEP_INTERVAL_S and time.monotonic() - quiet_since > SWEEP_INTERVAL_S + 1:
+        time.sleep(2)
+        now_used = _cpu_seconds(store.process.pid)
+        if now_used - used < 0.1:
             return
+        used = now_used
     raise BenchFailure("the sweeper did not catch up within 15 minutes")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time process `pid` has used, user and system (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def settle_keys(count, start: float) -> None:
@@ -234,7 +242,7 @@ def run_backend(tmp: Path, backend: str, sizes: list[int], mass: int, seconds: f
                 aged = _expired_keys(redis) - expired_before
             else:
                 # One sweep turns the whole batch, and logs once it is done.
-                settle(store, None, time.monotonic())
+                settle(store, None, expire_at_ms / 1000 - time.time() + time.monotonic())
                 sweeps = _sweeps(store)[sweeps_before:]
                 aged = sum(n for _, n in sweeps)
                 sweep_s = max((at for at, _ in sweeps), default=expire_at_ms / 1000) - expire_at_ms / 1000
