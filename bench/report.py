@@ -755,7 +755,8 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
         f"as redis-benchmark's SET NX (32 connections, 2 client threads) against the same redis-server: "
         f"over HTTP, `POST /v1/claim` from wrk on 32 keep-alive connections (bearer token, JSON); over "
         f"the stream, 32 calls in flight on one gRPC stream, each answer sending the next, as an Envoy "
-        f"worker's stream carries them. Every claim is checked as `claimed` on the store's `/metrics`.")
+        f"worker's stream carries them. Every claim is checked as `claimed` on the store's `/metrics`. "
+        f"The store filled to ten million records: [scale.md](scale.md) (`make bench-scale`).")
     add("")
     add("| backend | transport | claims/s | p50 ms | p99 ms | errors |")
     add("| --- | --- | ---: | ---: | ---: | ---: |")
