@@ -125,10 +125,6 @@ def claims(store: harness.Store, seconds: float, lease_ms: int = MEASURE_LEASE_M
                                 "--lease-ms", str(lease_ms)], seconds, "claims")
 
 
-def _swept_lines(store: harness.Store) -> list[int]:
-    return [n for _, n in _sweeps(store)]
-
-
 def _sweeps(store: harness.Store) -> list[tuple[float, int]]:
     """Each sweep the store logged: when it ended (seconds since the epoch) and how many
     records it removed or turned."""
