@@ -41,9 +41,9 @@ pub struct Packed<'a> {
     pub owner: Option<OwnerToken>,
     pub expires_at_ms: u64,
     pub written_at_ms: u64,
-    /// The recorded response; empty while in flight; the tombstone for state `T`.
+    /// The recorded response; empty while in flight; the tombstone for a `t1` record.
     pub record: &'a [u8],
-    /// State `T`: the whole response is kept apart, until the TTL.
+    /// A `t1` record: the whole response is kept apart, until the TTL.
     pub whole_apart: bool,
 }
 
@@ -126,7 +126,7 @@ fn parse_tombstoned(value: &[u8]) -> Option<Packed<'_>> {
 
 impl Packed<'_> {
     /// The response a reader gets: the whole one kept apart (`whole`, read from
-    /// `whole_key`) while it lasts, else the record's own bytes (a `T` record's tombstone).
+    /// `whole_key`) while it lasts, else the record's own bytes (a `t1` record's tombstone).
     pub fn answered(&self, whole: Option<&[u8]>) -> Vec<u8> {
         match whole {
             Some(whole) if self.whole_apart => whole.to_vec(),
