@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from measure import STREAM_LOAD, WRK_CONNECTIONS, BenchFailure, WrkResult, log, stream_load_result
+from measure import STREAM_LOAD, WRK_CONNECTIONS, BenchFailure, WrkResult, cpu_seconds, log, stream_load_result
 from report import machine
 from setups import REPO, STORE_TOKEN, harness
 
@@ -145,20 +144,14 @@ def settle(store: harness.Store, redis: harness.Redis | None, start: float) -> N
         return
     time.sleep(max(0.0, start + SWEEP_INTERVAL_S + 0.5 - time.monotonic()))
     deadline = time.monotonic() + 900
-    used = _cpu_seconds(store.process.pid)
+    used = cpu_seconds(store.process.pid)
     while time.monotonic() < deadline:
         time.sleep(2)
-        now_used = _cpu_seconds(store.process.pid)
+        now_used = cpu_seconds(store.process.pid)
         if now_used - used < 0.1:
             return
         used = now_used
     raise BenchFailure("the sweeper did not catch up within 15 minutes")
-
-
-def _cpu_seconds(pid: int) -> float:
-    """CPU time process `pid` has used, user and system (/proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def settle_keys(nodes: list[harness.Redis], start: float) -> None:
