@@ -42,6 +42,14 @@ impl HexDigest {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The digest's 32 bytes, for a store that keys records by bytes (half the text's size).
+    /// None only if the text were not what `parse` and `From` make (it always is).
+    pub fn to_bytes(&self) -> Option<Digest> {
+        let mut bytes = [0u8; 32];
+        hex::decode_to_slice(&self.0, &mut bytes).ok()?;
+        Some(bytes)
+    }
 }
 
 impl From<&Digest> for HexDigest {
@@ -66,6 +74,14 @@ mod tests {
         let mut high = low;
         high[1] = 0xa0;
         assert!(HexDigest::from(&low) < HexDigest::from(&high));
+    }
+
+    #[test]
+    fn bytes_round_trip_through_the_text() {
+        let bytes: Digest = std::array::from_fn(|i| (i as u8).wrapping_mul(37));
+        assert_eq!(HexDigest::from(&bytes).to_bytes(), Some(bytes));
+        let parsed = HexDigest::parse(&"Fe".repeat(32)).map(|h| h.to_bytes());
+        assert_eq!(parsed, Ok(Some([0xfe; 32])));
     }
 
     #[test]

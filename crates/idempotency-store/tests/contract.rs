@@ -452,6 +452,13 @@ async fn a_tombstone_outlives_the_whole_record(h: &Harness) {
         assert_eq!(view.fingerprint, fp);
         assert_eq!(view.written_at_ms, Some(written_at_ms));
         assert_eq!(view.expires_at_ms, written_at_ms + 21 * short);
+        let prefix = KeyPrefix::parse(&k.as_str()[..16]).unwrap();
+        let found = h.s().find_by_prefix(&prefix, 20).await.unwrap();
+        assert_eq!(
+            found.keys,
+            vec![k.clone()],
+            "an operator finds it by its prefix"
+        );
     }
     // A completion retried once the whole response has gone is still its own.
     assert_eq!(

@@ -11,6 +11,10 @@
 //! is visible. Lookups use their own read transactions on tokio's blocking
 //! pool; they see committed state only.
 //!
+//! Records past their TTL that keep a tombstone move to a table of their own (see
+//! [`tombstones`]); a key is in one table at most, and every write but the sweeper's goes to
+//! the record table.
+//!
 //! Every record also has an entry in an expiry index, `(expires_at_ms, key)`,
 //! written in the same transaction as the record itself. The sweeper walks
 //! that index from its oldest end and deletes in small chunks, one write
@@ -32,6 +36,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use redb::{Database, ReadableDatabase, ReadableTable, Table, TableDefinition, TableHandle};
 use tokio::sync::{mpsc, oneshot};
+use tombstones::TOMBSTONES;
 
 use super::logic::{self, Decision, StoredBody, StoredRecord};
 use super::{
@@ -76,27 +81,92 @@ const SWEEP_STEP: usize = 32;
 /// batch's writes so far have left it.
 struct Tables<'txn> {
     records: Table<'txn, &'static str, &'static [u8]>,
+    tombstones: Table<'txn, &'static [u8; 32], &'static [u8]>,
     expiry: Table<'txn, (u64, &'static str), ()>,
     room: Room,
 }
 
-/// What the file holds under a key before a write: its expiry (to move its index entry) and
-/// the length of its encoded record (to count what the write adds or frees).
+/// Which table holds a key's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Records,
+    Tombstones,
+}
+
+/// What the file holds under a key before a write: its expiry (to move its index entry), the
+/// length of its encoded record (to count what the write adds or frees) and its table.
 #[derive(Debug, Clone, Copy)]
 struct Held {
     expires_at_ms: u64,
     len: usize,
+    place: Place,
 }
 
-/// The bytes a record of `len` encoded bytes under `key` takes in the tables as the room
-/// counts them: key and record, and the expiry index entry (key and expiry).
-fn footprint(key: &str, len: usize) -> i64 {
+impl Held {
+    fn footprint(&self) -> i64 {
+        footprint(self.place, self.len)
+    }
+}
+
+/// The bytes a record of `len` encoded bytes takes in the tables as the room counts them:
+/// its key and record, and its expiry index entry (the key as text and the expiry).
+fn footprint(place: Place, len: usize) -> i64 {
+    let key = match place {
+        Place::Records => Digest::HEX_LEN,
+        Place::Tombstones => Digest::HEX_LEN / 2,
+    };
     let bytes = key
-        .len()
-        .saturating_mul(2)
+        .saturating_add(Digest::HEX_LEN)
         .saturating_add(len)
         .saturating_add(8);
     i64::try_from(bytes).unwrap_or(i64::MAX)
+}
+
+/// A record as read: None when there is none; its decoding's error when its bytes are corrupt.
+type Fetched = Result<Option<(StoredRecord, Held)>, StorageError>;
+
+/// The record under `key`, from whichever table holds it (`Err`: redb failed).
+fn fetch(
+    records: &impl ReadableTable<&'static str, &'static [u8]>,
+    tombstones: &impl ReadableTable<&'static [u8; 32], &'static [u8]>,
+    key: &Digest,
+) -> Result<Fetched, StorageError> {
+    if let Some(guard) = records
+        .get(key.as_str())
+        .map_err(|e| backend_err("get", e))?
+    {
+        let bytes = guard.value();
+        return Ok(decode(bytes).map(|rec| {
+            let held = Held {
+                expires_at_ms: rec.expires_at_ms,
+                len: bytes.len(),
+                place: Place::Records,
+            };
+            Some((rec, held))
+        }));
+    }
+    let key_bytes = key_bytes(key)?;
+    let Some(guard) = tombstones
+        .get(&key_bytes)
+        .map_err(|e| backend_err("get tombstone", e))?
+    else {
+        return Ok(Ok(None));
+    };
+    let bytes = guard.value();
+    Ok(tombstones::decode(bytes).map_err(corrupt).map(|rec| {
+        let held = Held {
+            expires_at_ms: rec.expires_at_ms,
+            len: bytes.len(),
+            place: Place::Tombstones,
+        };
+        Some((rec, held))
+    }))
+}
+
+/// A key as the tombstone table keys it.
+fn key_bytes(key: &Digest) -> Result<[u8; 32], StorageError> {
+    key.to_bytes()
+        .ok_or_else(|| StorageError::Backend(format!("record key {} is not hex", key.as_str())))
 }
 
 impl Tables<'_> {
@@ -105,51 +175,175 @@ impl Tables<'_> {
     #[cfg(test)]
     fn put(
         &mut self,
-        key: &str,
+        key: &Digest,
         old: Option<Held>,
         rec: &StoredRecord,
     ) -> Result<(), BatchFailure> {
         self.put_encoded(key, old, rec.expires_at_ms, &encode(rec))
     }
 
-    /// [`Self::put`] of a record already encoded.
+    /// [`Self::put`] of a record already encoded, into the record table.
     fn put_encoded(
         &mut self,
-        key: &str,
+        key: &Digest,
         old: Option<Held>,
         expires_at_ms: u64,
         bytes: &[u8],
     ) -> Result<(), BatchFailure> {
+        self.take_out_of(key, old, Place::Records)?;
         self.records
-            .insert(key, bytes)
+            .insert(key.as_str(), bytes)
             .map_err(|e| backend_err("insert", e))?;
-        let old_exp = old.map(|o| o.expires_at_ms);
-        if old_exp != Some(expires_at_ms) {
-            if let Some(old) = old_exp {
-                self.expiry
-                    .remove((old, key))
-                    .map_err(|e| backend_err("unindex", e))?;
-            }
-            self.expiry
-                .insert((expires_at_ms, key), ())
-                .map_err(|e| backend_err("index", e))?;
-        }
+        self.reindex(key, old, expires_at_ms)?;
         self.room
-            .wrote(footprint(key, bytes.len()) - old.map_or(0, |o| footprint(key, o.len)));
+            .wrote(footprint(Place::Records, bytes.len()) - old.map_or(0, |o| o.footprint()));
         Ok(())
     }
 
-    /// Deletes the record under `key` (`old`, if there is one) and its expiry index entry.
-    fn delete(&mut self, key: &str, old: Option<Held>) -> Result<(), BatchFailure> {
-        self.records
-            .remove(key)
-            .map_err(|e| backend_err("remove", e))?;
-        if let Some(old) = old {
-            self.expiry
-                .remove((old.expires_at_ms, key))
-                .map_err(|e| backend_err("unindex", e))?;
-            self.room.wrote(-footprint(key, old.len));
+    /// Replaces the whole record under `key` (`old`) with `tombstone`, in the tombstone table;
+    /// in the record table if it cannot be kept there (its written time is unknown).
+    fn put_tombstone(
+        &mut self,
+        key: &Digest,
+        old: Held,
+        tombstone: &StoredRecord,
+    ) -> Result<(), BatchFailure> {
+        let Some(bytes) = tombstones::encode(tombstone) else {
+            return self.put_encoded(key, Some(old), tombstone.expires_at_ms, &encode(tombstone));
+        };
+        self.take_out_of(key, Some(old), Place::Tombstones)?;
+        self.tombstones
+            .insert(&key_bytes(key)?, bytes.as_slice())
+            .map_err(|e| backend_err("insert tombstone", e))?;
+        self.reindex(key, Some(old), tombstone.expires_at_ms)?;
+        self.room
+            .wrote(footprint(Place::Tombstones, bytes.len()) - old.footprint());
+        Ok(())
+    }
+
+    /// Removes `old` from its table unless it is `staying` there (where the write replaces it).
+    fn take_out_of(
+        &mut self,
+        key: &Digest,
+        old: Option<Held>,
+        staying: Place,
+    ) -> Result<(), BatchFailure> {
+        match old {
+            Some(old) if old.place != staying => self.remove(key, old.place),
+            _ => Ok(()),
         }
+    }
+
+    /// Removes the record under `key` from the table `place`, leaving its index entry.
+    fn remove(&mut self, key: &Digest, place: Place) -> Result<(), BatchFailure> {
+        match place {
+            Place::Records => self
+                .records
+                .remove(key.as_str())
+                .map(drop)
+                .map_err(|e| backend_err("remove", e)),
+            Place::Tombstones => self
+                .tombstones
+                .remove(&key_bytes(key)?)
+                .map(drop)
+                .map_err(|e| backend_err("remove tombstone", e)),
+        }
+    }
+
+    /// Moves the expiry index entry of `key` from `old`'s expiry to `expires_at_ms`.
+    fn reindex(
+        &mut self,
+        key: &Digest,
+        old: Option<Held>,
+        expires_at_ms: u64,
+    ) -> Result<(), BatchFailure> {
+        let old_exp = old.map(|o| o.expires_at_ms);
+        if old_exp == Some(expires_at_ms) {
+            return Ok(());
+        }
+        if let Some(old) = old_exp {
+            self.expiry
+                .remove((old, key.as_str()))
+                .map_err(|e| backend_err("unindex", e))?;
+        }
+        self.expiry
+            .insert((expires_at_ms, key.as_str()), ())
+            .map_err(|e| backend_err("index", e))?;
+        Ok(())
+    }
+
+    /// The sweeper's work on an expired index entry `(exp, key)`, already removed from the
+    /// index: the record it describes is deleted, or turned into its tombstone. Only a record
+    /// this entry really describes goes; an undecodable one is kept (and reported by every
+    /// access to it) rather than silently destroyed by housekeeping. Answers whether it went.
+    fn sweep(&mut self, exp: u64, key: &str, now_ms: u64) -> Result<bool, BatchFailure> {
+        let Ok(key) = Digest::parse(key) else {
+            return Ok(false);
+        };
+        let whole = self
+            .records
+            .get(key.as_str())
+            .map_err(|e| backend_err("sweep get", e))?
+            .map(|guard| {
+                let bytes = guard.value();
+                // Only a record with a tombstone to turn into is decoded.
+                let tombstone = (bytes.first() == Some(&FORMAT_V3))
+                    .then(|| decode(bytes).ok())
+                    .flatten()
+                    .and_then(|rec| rec.into_tombstone(now_ms));
+                (expires_at_ms(bytes), bytes.len(), tombstone)
+            });
+        let (held, tombstone) = match whole {
+            Some((stored_exp, len, tombstone)) => {
+                let held = Held {
+                    expires_at_ms: exp,
+                    len,
+                    place: Place::Records,
+                };
+                (stored_exp.filter(|&e| e == exp).map(|_| held), tombstone)
+            }
+            None => {
+                let held = self
+                    .tombstones
+                    .get(&key_bytes(&key)?)
+                    .map_err(|e| backend_err("sweep get tombstone", e))?
+                    .and_then(|guard| {
+                        let bytes = guard.value();
+                        tombstones::expires_at_ms(bytes)
+                            .filter(|&e| e == exp)
+                            .map(|_| Held {
+                                expires_at_ms: exp,
+                                len: bytes.len(),
+                                place: Place::Tombstones,
+                            })
+                    });
+                (held, None)
+            }
+        };
+        let Some(held) = held else {
+            return Ok(false);
+        };
+        match tombstone {
+            // Its index entry is gone already: removing it again in the move is a no-op.
+            Some(rec) => self.put_tombstone(&key, held, &rec)?,
+            None => {
+                self.remove(&key, held.place)?;
+                self.room.wrote(-held.footprint());
+            }
+        }
+        Ok(true)
+    }
+
+    /// Deletes the record under `key` (`old`, if there is one) and its expiry index entry.
+    fn delete(&mut self, key: &Digest, old: Option<Held>) -> Result<(), BatchFailure> {
+        let Some(old) = old else {
+            return Ok(());
+        };
+        self.remove(key, old.place)?;
+        self.expiry
+            .remove((old.expires_at_ms, key.as_str()))
+            .map_err(|e| backend_err("unindex", e))?;
+        self.room.wrote(-old.footprint());
         Ok(())
     }
 }
@@ -313,7 +507,7 @@ trait Job: Send {
 /// A claim/complete/release/renew: read one record, let the pure decision function
 /// choose, write that choice.
 struct KeyedJob<T, F> {
-    key: String,
+    key: Digest,
     /// A new claim: refused when the file has no room for it (see [`Space`]).
     refusable: bool,
     decide: Option<F>,
@@ -330,26 +524,21 @@ where
         let Some(decide) = self.decide.take() else {
             return Ok(());
         };
-        let key = self.key.as_str();
-        let current = match tables.records.get(key).map_err(|e| backend_err("get", e))? {
-            Some(guard) => match decode(guard.value()) {
-                Ok(rec) => Some((rec, guard.value().len())),
-                Err(e) => {
-                    self.answer = Some(Err(e));
-                    return Ok(());
-                }
-            },
-            None => None,
+        let key = &self.key;
+        let current = match fetch(&tables.records, &tables.tombstones, key)? {
+            Ok(current) => current,
+            Err(e) => {
+                self.answer = Some(Err(e));
+                return Ok(());
+            }
         };
-        let old = current.as_ref().map(|(rec, len)| Held {
-            expires_at_ms: rec.expires_at_ms,
-            len: *len,
-        });
+        let old = current.as_ref().map(|(_, held)| *held);
         let out = match decide(current.as_ref().map(|(rec, _)| rec), now_ms) {
             Decision::Keep(out) => out,
             Decision::Put(rec, out) => {
                 let bytes = encode(&rec);
-                let growth = footprint(key, bytes.len()) - old.map_or(0, |o| footprint(key, o.len));
+                let growth =
+                    footprint(Place::Records, bytes.len()) - old.map_or(0, |o| o.footprint());
                 if self.refusable && !tables.room.admits(growth) {
                     self.answer = Some(Err(tables.room.refusal()));
                     return Ok(());
@@ -420,48 +609,8 @@ impl Job for SweepChunkJob {
                     .expiry
                     .remove((*exp, key.as_str()))
                     .map_err(|e| backend_err("sweep unindex", e))?;
-                let stored = tables
-                    .records
-                    .get(key.as_str())
-                    .map_err(|e| backend_err("sweep get", e))?
-                    .map(|guard| {
-                        let bytes = guard.value();
-                        // Only a record with a tombstone to turn into is decoded.
-                        let tombstone = (bytes.first() == Some(&FORMAT_V3))
-                            .then(|| decode(bytes).ok())
-                            .flatten()
-                            .and_then(|rec| rec.into_tombstone(now_ms));
-                        (expires_at_ms(bytes), bytes.len(), tombstone)
-                    });
-                // Only a record this entry really describes goes. An
-                // undecodable row is kept (and reported by every access to
-                // it) rather than silently destroyed by housekeeping.
-                if let Some((Some(stored_exp), len, tombstone)) = stored {
-                    if stored_exp == *exp {
-                        match tombstone {
-                            Some(rec) => {
-                                // Its index entry went above: no old entry to move.
-                                tables.put_encoded(
-                                    key,
-                                    Some(Held {
-                                        expires_at_ms: *exp,
-                                        len,
-                                    }),
-                                    rec.expires_at_ms,
-                                    &encode(&rec),
-                                )?;
-                            }
-                            None => {
-                                tables
-                                    .records
-                                    .remove(key.as_str())
-                                    .map_err(|e| backend_err("sweep remove", e))?;
-                                // The index entry went above.
-                                tables.room.wrote(-footprint(key, len));
-                            }
-                        }
-                        removed = removed.saturating_add(1);
-                    }
+                if tables.sweep(*exp, key, now_ms)? {
+                    removed = removed.saturating_add(1);
                 }
             }
             seen = seen.saturating_add(step.len());
@@ -572,13 +721,16 @@ fn open_tables(txn: &redb::WriteTransaction, room: Room) -> Result<Tables<'_>, B
         records: txn
             .open_table(RECORDS)
             .map_err(|e| backend_err("open table", e))?,
+        tombstones: txn
+            .open_table(TOMBSTONES)
+            .map_err(|e| backend_err("open tombstones", e))?,
         expiry: txn
             .open_table(EXPIRY)
             .map_err(|e| backend_err("open index", e))?,
     })
 }
 
-/// Creates both tables, so read transactions never meet a missing one, and
+/// Creates every table, so read transactions never meet a missing one, and
 /// indexes the records of a file written before the expiry index existed
 /// (once: afterwards the index is kept with every write).
 fn prepare(db: &Database) -> Result<(), StorageError> {
@@ -730,7 +882,7 @@ impl EmbeddedStorage {
     ) -> Result<T, StorageError> {
         let (reply, answer) = oneshot::channel();
         let job = KeyedJob {
-            key: key.as_str().to_owned(),
+            key: key.clone(),
             refusable,
             decide: Some(decide),
             answer: None,
@@ -759,6 +911,37 @@ impl Drop for EmbeddedStorage {
             }
         }
     }
+}
+
+/// The live records with `prefix` among `entries` (a table's keys, in order, from the lowest
+/// with the prefix), each a key (None if it is not one) and whether it is live: up to one more
+/// than `limit`, so a merge can tell whether it was truncated. Visits at most
+/// [`PREFIX_SEARCH_MAX_VISITS`] of them; `exhaustive` is false if that cut it short.
+fn live_matches(
+    entries: impl Iterator<Item = Result<(Option<Digest>, bool), StorageError>>,
+    prefix: &KeyPrefix,
+    limit: usize,
+) -> Result<PrefixMatches, StorageError> {
+    let mut found = PrefixMatches {
+        exhaustive: true,
+        ..PrefixMatches::default()
+    };
+    for (visited, entry) in entries.enumerate() {
+        let (Some(key), live) = entry? else {
+            continue;
+        };
+        if !prefix.matches(&key) {
+            break;
+        }
+        if visited >= PREFIX_SEARCH_MAX_VISITS {
+            found.exhaustive = false;
+            break;
+        }
+        if live && !found.offer(key, limit.saturating_add(1)) {
+            break;
+        }
+    }
+    Ok(found)
 }
 
 async fn run_blocking<T: Send + 'static>(
@@ -859,17 +1042,20 @@ impl Storage for EmbeddedStorage {
     async fn lookup(&self, key: &Digest) -> Result<Option<RecordView>, StorageError> {
         let db = Arc::clone(&self.db);
         let clock = Arc::clone(&self.clock);
-        let key = key.as_str().to_owned();
+        let key = key.clone();
         run_blocking(move || {
             let txn = db.begin_read().map_err(|e| backend_err("begin read", e))?;
-            let table = txn
+            let records = txn
                 .open_table(RECORDS)
                 .map_err(|e| backend_err("open table", e))?;
-            let current = match table.get(key.as_str()).map_err(|e| backend_err("get", e))? {
-                Some(guard) => Some(decode(guard.value())?),
-                None => None,
-            };
-            Ok(logic::view(current.as_ref(), clock.now_ms()))
+            let tombstones = txn
+                .open_table(TOMBSTONES)
+                .map_err(|e| backend_err("open tombstones", e))?;
+            let current = fetch(&records, &tombstones, &key)??;
+            Ok(logic::view(
+                current.as_ref().map(|(rec, _)| rec),
+                clock.now_ms(),
+            ))
         })
         .await
     }
@@ -895,29 +1081,40 @@ impl Storage for EmbeddedStorage {
                 return Ok(found);
             };
             let txn = db.begin_read().map_err(|e| backend_err("begin read", e))?;
-            let table = txn
+            let records = txn
                 .open_table(RECORDS)
                 .map_err(|e| backend_err("open table", e))?;
+            let tombstones = txn
+                .open_table(TOMBSTONES)
+                .map_err(|e| backend_err("open tombstones", e))?;
             let now = clock.now_ms();
-            // Keys are ordered as text: the matches are one run from the lowest of them.
-            let range = table
+            // Both tables order keys as their bytes (the hex text orders alike): the matches
+            // are one run from the lowest of them in each. An undecodable row is left to
+            // lookups, which report it.
+            let whole = records
                 .range::<&str>(lowest.as_str()..)
-                .map_err(|e| backend_err("prefix range", e))?;
-            for (visited, entry) in range.enumerate() {
-                let (key, value) = entry.map_err(|e| backend_err("prefix read", e))?;
-                let Ok(key) = Digest::parse(key.value()) else {
-                    continue;
-                };
-                if !prefix.matches(&key) {
-                    break;
-                }
-                if visited >= PREFIX_SEARCH_MAX_VISITS {
-                    found.exhaustive = false;
-                    break;
-                }
-                // An undecodable row is left to lookups, which report it.
-                let live = decode(value.value()).is_ok_and(|rec| rec.is_live(now));
-                if live && !found.offer(key, limit) {
+                .map_err(|e| backend_err("prefix range", e))?
+                .map(|entry| {
+                    let (key, value) = entry.map_err(|e| backend_err("prefix read", e))?;
+                    let live = decode(value.value()).is_ok_and(|rec| rec.is_live(now));
+                    Ok((Digest::parse(key.value()).ok(), live))
+                });
+            let whole = live_matches(whole, &prefix, limit)?;
+            let kept = tombstones
+                .range::<&[u8; 32]>(&key_bytes(&lowest)?..)
+                .map_err(|e| backend_err("prefix range", e))?
+                .map(|entry| {
+                    let (key, value) = entry.map_err(|e| backend_err("prefix read", e))?;
+                    let live = tombstones::decode(value.value()).is_ok_and(|r| r.is_live(now));
+                    Ok((Some(Digest::from(key.value())), live))
+                });
+            let kept = live_matches(kept, &prefix, limit)?;
+            found.exhaustive = whole.exhaustive && kept.exhaustive;
+            let mut keys = whole.keys;
+            keys.extend(kept.keys);
+            keys.sort_unstable();
+            for key in keys {
+                if !found.offer(key, limit) {
                     break;
                 }
             }
@@ -960,8 +1157,8 @@ impl Storage for EmbeddedStorage {
 // key's next write. An older release cannot read version 2: no downgrade past this one.
 // Version 3 is version 2 with, after written_at_ms, the end of the record's tombstone
 // (8 bytes, big endian): written only for a completed record that has one, until the
-// sweeper turns it into its tombstone (a version 2 record again). A release before
-// tombstones cannot read it.
+// sweeper turns it into its tombstone, which moves to the tombstone table (see
+// [`tombstones`]). A release before tombstones cannot read either.
 const FORMAT_V1: u8 = 1;
 const FORMAT_V2: u8 = 2;
 const FORMAT_V3: u8 = 3;
@@ -1062,6 +1259,8 @@ fn decode(bytes: &[u8]) -> Result<StoredRecord, StorageError> {
         body,
     })
 }
+
+mod tombstones;
 
 #[cfg(test)]
 mod tests;
