@@ -1007,8 +1007,8 @@ async fn a_purged_or_ended_tombstone_leaves_neither_table_nor_index() {
 
 /// redb shrinks a leaf's entries in place but frees a leaf only when deletions leave it
 /// under a third full: tombstones written over their whole records kept most of the pages
-/// the bodies took (667 bytes of file per tombstone here). In their own table, the bodies'
-/// pages go back to the file for new records (314 bytes).
+/// the bodies took (about 650 bytes of file per tombstone here). In their own table, the bodies'
+/// pages go back to the file for new records (about 310 bytes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_turned_into_tombstones_leave_hundreds_of_bytes_each_on_disk() {
     const RECORDS_PER_ROUND: usize = 3_000;
