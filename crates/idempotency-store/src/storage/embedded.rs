@@ -201,7 +201,8 @@ impl Tables<'_> {
     }
 
     /// Replaces the whole record under `key` (`old`) with `tombstone`, in the tombstone table;
-    /// in the record table if it cannot be kept there (its written time is unknown).
+    /// in the record table if it cannot be kept there (its written time unknown, which only a
+    /// format 1 record has, and the sweeper converts only format 3: kept for safety).
     fn put_tombstone(
         &mut self,
         key: &Digest,

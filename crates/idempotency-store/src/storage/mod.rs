@@ -217,8 +217,9 @@ pub struct PrefixMatches {
 pub const PREFIX_SEARCH_MAX_LIMIT: usize = idempotency_protocol::wire::search::MAX_LIMIT;
 
 /// Most stored records with the prefix (live or not yet swept) the memory and embedded
-/// backends look at in one search. Digests are uniform, so an 8-hex prefix matches one
-/// record in four billion: only a pile of expired records could ever reach this.
+/// backends look at in one search (the embedded one in each of its two tables). Digests are
+/// uniform, so an 8-hex prefix matches one record in four billion: only a pile of expired
+/// records could ever reach this.
 pub const PREFIX_SEARCH_MAX_VISITS: usize = 10_000;
 
 impl PrefixMatches {

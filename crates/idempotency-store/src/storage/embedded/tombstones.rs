@@ -25,8 +25,8 @@ pub(super) const TOMBSTONES: TableDefinition<&[u8; 32], &[u8]> =
 const FORMAT_V1: u8 = 1;
 
 /// The bytes of a tombstone, or None for a record that is not one this table keeps: an
-/// in-flight claim, or a record whose written time is unknown (from a file older than
-/// tombstones; it stays in the record table).
+/// in-flight claim, or a record whose written time is unknown (read from format 1, which
+/// never has a tombstone: the sweeper converts only format 3).
 pub(super) fn encode(rec: &StoredRecord) -> Option<Vec<u8>> {
     let StoredBody::Completed { record } = &rec.body else {
         return None;
