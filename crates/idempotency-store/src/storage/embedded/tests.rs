@@ -1013,22 +1013,20 @@ async fn a_purged_or_ended_tombstone_leaves_neither_table_nor_index() {
     assert_indexed(&s);
 }
 
-/// redb shrinks a leaf's entries in place but frees a leaf only when deletions leave it
-/// under a third full: tombstones written over their whole records kept most of the pages
-/// the bodies took (about 650 bytes of file per tombstone here). In their own table, the bodies'
-/// pages go back to the file for new records (about 310 bytes).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn records_turned_into_tombstones_leave_hundreds_of_bytes_each_on_disk() {
-    const RECORDS_PER_ROUND: usize = 3_000;
+/// Records of `record` in `rounds` rounds of `per_round`, keys spread as digests are, each
+/// round aging into tombstones (a 1 s TTL, a day's tombstone) before the next: the file's
+/// size after each round, and its growth after the first round (whose slack it used up)
+/// per tombstone added.
+async fn file_per_tombstone(record: Vec<u8>, per_round: usize, rounds: usize) -> (u64, Vec<u64>) {
     let dir = tempfile::tempdir().unwrap();
     let clock = Arc::new(ManualClock::new(START_MS));
     let s = Arc::new(EmbeddedStorage::open(dir.path(), clock.clone()).unwrap());
-    let record = response(2_000);
-    let fill = |round: usize| {
-        let tasks: Vec<_> = (0..RECORDS_PER_ROUND)
+    let mut sizes = Vec::new();
+    for round in 0..rounds {
+        let tasks: Vec<_> = (0..per_round)
             .map(|i| {
                 let (s, record) = (Arc::clone(&s), record.clone());
-                let k = scattered(round * RECORDS_PER_ROUND + i);
+                let k = scattered(round * per_round + i);
                 tokio::spawn(async move {
                     let (one, fp) = (owner(1), digest(7));
                     let made = s
@@ -1038,25 +1036,53 @@ async fn records_turned_into_tombstones_leave_hundreds_of_bytes_each_on_disk() {
                 })
             })
             .collect();
-        async move {
-            for t in tasks {
-                t.await.unwrap();
-            }
+        for t in tasks {
+            t.await.unwrap();
         }
-    };
-    let mut sizes = Vec::new();
-    for round in 0..5 {
-        fill(round).await;
         clock.advance_ms(1_000);
-        assert_eq!(s.sweep_expired().await.unwrap(), RECORDS_PER_ROUND as u64);
+        assert_eq!(s.sweep_expired().await.unwrap(), per_round as u64);
         sizes.push(s.batch_metrics().file_bytes());
     }
-    // From the end of the first round: the file's slack from its first growth is used up.
-    let (first, last) = (sizes[0], sizes[sizes.len() - 1]);
-    let per_tombstone = last.saturating_sub(first) / (4 * RECORDS_PER_ROUND as u64);
+    assert_indexed(&s);
+    let grown = sizes.last().unwrap().saturating_sub(sizes[0]);
+    let added = (rounds.saturating_sub(1) * per_round).max(1) as u64;
+    (grown / added, sizes)
+}
+
+/// redb shrinks a leaf's entries in place but frees a leaf only when deletions leave it
+/// under a third full: tombstones written over their whole records kept most of the pages
+/// the bodies took (about 650 bytes of file per tombstone here). In their own table, the
+/// bodies' pages go back to the file for new records (about 310 bytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_turned_into_tombstones_leave_hundreds_of_bytes_each_on_disk() {
+    let (per_tombstone, sizes) = file_per_tombstone(response(2_000), 3_000, 5).await;
     assert!(
         per_tombstone < 480,
         "{per_tombstone} bytes of file per tombstone of a 2 kB response ({sizes:?})"
     );
-    assert_indexed(&s);
+}
+
+/// What the file takes per tombstone, for docs/operations.md's formula: records with a
+/// 500-byte body and headers of several sizes (see [`file_per_tombstone`]).
+/// `cargo test -p idempotency-store --release --lib -- --ignored --nocapture disk_per_tombstone`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "writes a few hundred MB: run on purpose"]
+async fn disk_per_tombstone() {
+    println!("status and headers | tombstone row | file per tombstone | / (headers + 130)");
+    for header_bytes in [40, 250, 1_000] {
+        let response = idempotency_protocol::record::RecordedResponse {
+            owner: 1,
+            status: 201,
+            headers: vec![("x-h".into(), vec![b'v'; header_bytes])],
+            body: vec![b'x'; 500],
+            ..Default::default()
+        };
+        let recorded = response.without_body().encode().len();
+        let (per, _) = file_per_tombstone(response.encode(), 20_000, 10).await;
+        let row = 32 + 49 + recorded;
+        println!(
+            "{recorded:>18} | {row:>13} | {per:>18} | {:.2}",
+            per as f64 / (recorded + 130) as f64
+        );
+    }
 }
