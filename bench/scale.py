@@ -79,6 +79,8 @@ class Restarts:
     crash_start_s: float
     # Embedded only: the same crash with `--quick-repair`.
     quick_repair_crash_start_s: float | None
+    # Embedded only: the file on disk when the store was stopped.
+    file_bytes: int | None = None
 
 
 @dataclasses.dataclass
@@ -237,6 +239,7 @@ def run_backend(tmp: Path, backend: str, sizes: list[int], mass: int, seconds: f
             aging = Aging(records, quiet, during, aged, sweep_s)
             log(f"{backend}: {batch.requests:,} records aging at once: {quiet.rps:,.0f} -> {during.rps:,.0f} claims/s, "
                 f"p99 {quiet.p99_ms:.2f} -> {during.p99_ms:.2f} ms ({aged:,} aged, sweep {sweep_s} s)")
+        file_bytes = stored_bytes(store, None, 0) if redis is None else None
         started = time.monotonic()
         store.stop()
         clean_stop = time.monotonic() - started
@@ -249,9 +252,9 @@ def run_backend(tmp: Path, backend: str, sizes: list[int], mass: int, seconds: f
             store.process.argv.append("--quick-repair=true")
             timed_start(store)
             quick = crash_and_start(store)
-        restarts = Restarts(records, clean_stop, clean_start, crash_start, quick)
+        restarts = Restarts(records, clean_stop, clean_start, crash_start, quick, file_bytes)
         log(f"{backend}: clean stop {clean_stop:.2f} s, start {clean_start:.2f} s; start after a crash {crash_start:.2f} s"
-            f" (with quick repair: {quick} s)")
+            f" (with quick repair: {quick} s; file {file_bytes} B)")
         return BackendRun(backend, steps, aging, restarts)
 
 
@@ -391,7 +394,8 @@ def write_page(path: Path, chart: Path, runs: list[BackendRun], cluster: Cluster
         if run.restarts:
             r = run.restarts
             add("")
-            add(f"Restarts at {r.records / MILLION:.1f} M records, timed until `/healthz` answers: a clean stop "
+            held = f" (a file of {r.file_bytes / 2**30:.1f} GiB on disk)" if r.file_bytes else ""
+            add(f"Restarts at {r.records / MILLION:.1f} M records{held}, timed until `/healthz` answers: a clean stop "
                 f"took {r.clean_stop_s:.2f} s and the start after it {r.clean_start_s:.2f} s; after SIGKILL while "
                 f"claims were being written, the start took **{r.crash_start_s:.1f} s**"
                 + (" (redb repairs its file first)" if run.backend == "embedded"
