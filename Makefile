@@ -191,7 +191,7 @@ bench: build venv bench-tools
 	$(PYTHON) bench/run.py $(BENCH_ARGS)
 
 # The store filled to ten million records and more, on each backend (bench/scale.py, about
-# 40 minutes, ~15 GB of disk and ~10 GB of memory): writes docs/scale.md and docs/scale.png.
+# 25 minutes, ~12 GB of disk and ~10 GB of memory): writes docs/scale.md and docs/scale.png.
 # SCALE_ARGS passes options, e.g. SCALE_ARGS="--quick" for a six-minute smoke run.
 .PHONY: bench-scale
 bench-scale: build venv bench-tools
