@@ -42,7 +42,6 @@ use super::logic::{self, Decision, StoredBody, StoredRecord};
 use super::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
     ReleaseOutcome, RenewOutcome, Replacement, SettleOutcome, Storage, StorageError,
-    PREFIX_SEARCH_MAX_VISITS,
 };
 use crate::clock::Clock;
 use crate::metrics::BatchMetrics;
@@ -914,35 +913,21 @@ impl Drop for EmbeddedStorage {
     }
 }
 
-/// The live records with `prefix` among `entries` (a table's keys, in order, from the lowest
+/// The live records with `prefix` among `rows` (a table's keys, in order, from the lowest
 /// with the prefix), each a key (None if it is not one) and whether it is live: up to one more
-/// than `limit`, so a merge can tell whether it was truncated. Visits at most
-/// [`PREFIX_SEARCH_MAX_VISITS`] of them; `exhaustive` is false if that cut it short.
+/// than `limit`, so a merge can tell whether it was truncated.
 fn live_matches(
-    entries: impl Iterator<Item = Result<(Option<Digest>, bool), StorageError>>,
+    rows: impl Iterator<Item = Result<(Option<Digest>, bool), StorageError>>,
     prefix: &KeyPrefix,
     limit: usize,
 ) -> Result<PrefixMatches, StorageError> {
-    let mut found = PrefixMatches {
-        exhaustive: true,
-        ..PrefixMatches::default()
-    };
-    for (visited, entry) in entries.enumerate() {
-        let (Some(key), live) = entry? else {
-            continue;
-        };
-        if !prefix.matches(&key) {
-            break;
-        }
-        if visited >= PREFIX_SEARCH_MAX_VISITS {
-            found.exhaustive = false;
-            break;
-        }
-        if live && !found.offer(key, limit.saturating_add(1)) {
-            break;
-        }
-    }
-    Ok(found)
+    let candidates = rows
+        .filter_map(|row| match row {
+            Ok((key, live)) => key.map(|key| Ok((key, live))),
+            Err(e) => Some(Err(e)),
+        })
+        .take_while(|row| row.as_ref().map_or(true, |(key, _)| prefix.matches(key)));
+    PrefixMatches::of_candidates(candidates, limit.saturating_add(1))
 }
 
 async fn run_blocking<T: Send + 'static>(

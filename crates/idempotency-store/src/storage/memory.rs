@@ -10,7 +10,6 @@ use super::logic::{self, Decision, StoredRecord};
 use super::{
     ClaimOutcome, CompleteOutcome, Digest, KeyPrefix, OwnerToken, PrefixMatches, RecordView,
     ReleaseOutcome, RenewOutcome, Replacement, SettleOutcome, Storage, StorageError,
-    PREFIX_SEARCH_MAX_VISITS,
 };
 use crate::clock::Clock;
 
@@ -180,27 +179,18 @@ impl Storage for MemoryStorage {
     ) -> Result<PrefixMatches, StorageError> {
         let map = self.lock()?;
         let now = self.clock.now_ms();
-        let mut found = PrefixMatches {
-            exhaustive: true,
-            ..PrefixMatches::default()
-        };
         let Some(lowest) = prefix.lowest_key() else {
-            return Ok(found);
+            return Ok(PrefixMatches {
+                exhaustive: true,
+                ..PrefixMatches::default()
+            });
         };
         let candidates = map
             .by_key
             .range(lowest..)
-            .take_while(|(key, _)| prefix.matches(key));
-        for (visited, (key, rec)) in candidates.enumerate() {
-            if visited >= PREFIX_SEARCH_MAX_VISITS {
-                found.exhaustive = false;
-                break;
-            }
-            if rec.is_live(now) && !found.offer(key.clone(), limit) {
-                break;
-            }
-        }
-        Ok(found)
+            .take_while(|(key, _)| prefix.matches(key))
+            .map(|(key, rec)| Ok((key.clone(), rec.is_live(now))));
+        PrefixMatches::of_candidates(candidates, limit)
     }
 
     async fn sweep_expired(&self) -> Result<u64, StorageError> {

@@ -223,6 +223,30 @@ pub const PREFIX_SEARCH_MAX_LIMIT: usize = idempotency_protocol::wire::search::M
 pub const PREFIX_SEARCH_MAX_VISITS: usize = 10_000;
 
 impl PrefixMatches {
+    /// The live keys among `candidates` (the stored keys with the prefix, in key order, each
+    /// with whether its record is live), up to `limit`: looks at most at
+    /// [`PREFIX_SEARCH_MAX_VISITS`] of them, and is not `exhaustive` if that cut it short.
+    pub(crate) fn of_candidates(
+        candidates: impl Iterator<Item = Result<(Digest, bool), StorageError>>,
+        limit: usize,
+    ) -> Result<Self, StorageError> {
+        let mut found = Self {
+            exhaustive: true,
+            ..Self::default()
+        };
+        for (visited, candidate) in candidates.enumerate() {
+            if visited >= PREFIX_SEARCH_MAX_VISITS {
+                found.exhaustive = false;
+                break;
+            }
+            let (key, live) = candidate?;
+            if live && !found.offer(key, limit) {
+                break;
+            }
+        }
+        Ok(found)
+    }
+
     /// Adds `key` unless the limit is reached, in which case the search is truncated.
     /// Returns whether the search should go on.
     pub(crate) fn offer(&mut self, key: Digest, limit: usize) -> bool {
@@ -346,5 +370,43 @@ pub trait Storage: Send + Sync {
     /// do not wake it.
     fn shared_with_other_instances(&self) -> bool {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: usize) -> Digest {
+        Digest::parse(&format!("{n:064x}")).unwrap()
+    }
+
+    #[test]
+    fn a_prefix_search_answers_live_keys_up_to_its_limit_and_says_when_it_gave_up() {
+        let candidates =
+            |n: usize, live: fn(usize) -> bool| (0..n).map(move |i| Ok((key(i), live(i))));
+        let some = PrefixMatches::of_candidates(candidates(10, |i| i % 2 == 0), 3).unwrap();
+        assert_eq!(some.keys, vec![key(0), key(2), key(4)]);
+        assert!(some.truncated && some.exhaustive);
+        let all = PrefixMatches::of_candidates(candidates(10, |i| i % 2 == 0), 5).unwrap();
+        assert!(!all.truncated && all.exhaustive && all.keys.len() == 5);
+        // A pile of expired records: the search stops at its bound and says so.
+        let expired = PrefixMatches::of_candidates(
+            candidates(PREFIX_SEARCH_MAX_VISITS + 1, |i| {
+                i == PREFIX_SEARCH_MAX_VISITS
+            }),
+            20,
+        )
+        .unwrap();
+        assert!(expired.keys.is_empty() && !expired.exhaustive);
+        let failed = PrefixMatches::of_candidates(
+            [
+                Ok((key(1), true)),
+                Err(StorageError::Backend("read".into())),
+            ]
+            .into_iter(),
+            20,
+        );
+        assert!(failed.is_err());
     }
 }
