@@ -11,6 +11,7 @@ store), since a retry of an unknown outcome may land on any replica.
 
 from __future__ import annotations
 
+import collections
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -407,3 +408,51 @@ def test_make_runs_own_configuration_never_charges_a_payment_twice(procs) -> Non
         problem(cluster_post(envoy, path, key), 409, "outcome-unknown", rule="payments")
     assert cluster.upstream.executions(path) == 1
     assert rule_counter(cluster.a, "payments", "outcome_unknown") == 1
+
+
+def worker_connections(envoy: harness.Envoy) -> list[int]:
+    """Connections each Envoy worker accepted on the main listener, in worker order."""
+    stats = envoy.stats(r"^listener\.127\.0\.0\.1_\d+\.worker_\d+\.downstream_cx_total$")
+    listener = f"listener.127.0.0.1_{envoy.port}."
+    counts = {name: value for name, value in stats.items() if name.startswith(listener)}
+    return [counts[name] for name in sorted(counts)]
+
+
+def test_cluster_an_unknown_outcome_the_store_never_got_is_not_run_again_on_any_worker(
+    procs,
+) -> None:
+    """One worker records the unknown outcome of a client that hung up while the store was
+    down; the store's lease lapses before the store is back, so the store calls the key free
+    until that worker's queued completion lands. A burst of retries right then, spread over
+    both workers, is told, never run; and the record reaches the store (the other Envoy, with
+    no local copy, answers 409 too)."""
+    cluster = start_cluster(procs, envoys=0)
+    for name in ("envoy-a", "envoy-b"):
+        cluster.add_envoy(name, cluster_config(lease_seconds=2), mutate=add_routes)
+    a, b = cluster.a, cluster.b
+    for trial in range(3):
+        path, key = unique_path(PLAIN), new_key()
+        with raw_post(a, path, key, headers={"x-demo-delay-ms": "1500"}) as raw:
+            wait_done(cluster.upstream, path)
+            time.sleep(0.3)
+            cluster.store.stop()
+            time.sleep(0.2)
+            raw.abort()
+        harness.wait_until(lambda: rule_counter(a, EDGE_RULE, "outcome_unknown") == trial + 1,
+                           timeout=10, what="the hang-up recorded")
+        time.sleep(2.2)  # the store's 2 s lease, from before the store went down, has passed
+        before = worker_connections(a)
+        cluster.store.start()
+        with ThreadPoolExecutor(max_workers=40) as pool:
+            retries = list(pool.map(lambda _: cluster_post(a, path, key), range(40)))
+        spread = [now - then for now, then in zip(worker_connections(a), before)]
+        assert len(spread) == 2 and min(spread) > 0, f"retries per worker: {spread}"
+        statuses = collections.Counter(r.status_code for r in retries)
+        assert cluster.upstream.executions(path) == 1, statuses
+        assert set(statuses) == {409}, statuses
+        for retry in retries:
+            assert b"outcome-unknown" in retry.content or b"request-in-flight" in retry.content
+        harness.wait_until(
+            lambda: b"outcome-unknown" in cluster_post(b, path, key).content, timeout=10,
+            what="the other Envoy to find the unknown outcome in the store")
+        assert cluster.upstream.executions(path) == 1

@@ -19,8 +19,8 @@ use crate::rule_handle::RuleHandle;
 use crate::store::calls::{self, StoreAnswer, StoreOp};
 use crate::store::client::{self as store_client, read_claim, StoreClaim, StoreFailure};
 use crate::store::link::{ClaimWaiter, Waiter};
-use crate::table::{Claim, Held, OversizedBody, SlotRef};
-use idempotency_protocol::naming::{to_hex, Digest};
+use crate::table::{Claim, Held, OversizedBody, SlotRef, Unlanded};
+use idempotency_protocol::naming::Digest;
 use idempotency_protocol::record::RecordedResponse;
 
 impl RequestJourney {
@@ -92,12 +92,25 @@ impl RequestJourney {
                 owner: recorded_by,
                 status,
                 recorded_at_ms,
+                awaiting_store,
             }) => match self.load_recorded(host, &rule, slot, recorded_by) {
                 // Cluster mode: an unknown outcome here is only this proxy's copy, and the
-                // store may have settled it since (a resolution, an operator): ask the store.
+                // store may have settled it since (a resolution, an operator): ask the store,
+                // unless the store never got it, which its answer must not be taken for.
                 Some(recorded) if recorded.unknown.is_some() && rule.store.is_some() => {
+                    let unlanded = awaiting_store.then(|| {
+                        let recorded_by = Held {
+                            slot: Some(slot),
+                            ..Held::unheld(key, fingerprint, recorded_by)
+                        };
+                        Box::new(Unlanded {
+                            record: recorded,
+                            recorded_by,
+                        })
+                    });
                     let held = Held {
                         completed_status: Some(0),
+                        unlanded,
                         ..Held::unheld(key, fingerprint, owner)
                     };
                     self.confirm_or_execute(host, rule, held)
@@ -111,8 +124,19 @@ impl RequestJourney {
                 // Cluster mode: the local copy is gone (its page was reused), the store
                 // still has the whole response.
                 None if rule.store.is_some() => {
+                    let unlanded = awaiting_store.then(|| {
+                        let recorded_by = Held {
+                            slot: Some(slot),
+                            ..Held::unheld(key, fingerprint, recorded_by)
+                        };
+                        Box::new(Unlanded {
+                            record: RecordedResponse::status_only(status),
+                            recorded_by,
+                        })
+                    });
                     let held = Held {
                         completed_status: Some(status),
+                        unlanded,
                         ..Held::unheld(key, fingerprint, owner)
                     };
                     self.confirm_or_execute(host, rule, held)
@@ -235,11 +259,22 @@ impl RequestJourney {
                     token: owner,
                     confirmed: true,
                 };
+                if let Some(unlanded) = &held.unlanded {
+                    // The key is free in the store because this proxy's unknown outcome never
+                    // reached it (its completion waits out an outage on some worker, was
+                    // dropped, or was never sent): the write may have run, so it never runs
+                    // again. Told as before, and recorded in the store under this claim.
+                    let Unlanded {
+                        record,
+                        recorded_by,
+                    } = &**unlanded;
+                    self.submit_unlanded(host, &rule, recorded_by, &confirmed, record);
+                    return self.replay(host, &rule, record, Outcome::Replayed);
+                }
                 // An unknown outcome this proxy recorded, whose record the store took, and
                 // the key is free there now: settled as never run, purged, or expired. The
                 // store decides, as it does for every replica.
-                let freed_in_store = held.completed_status == Some(0)
-                    && !self.plugin.writes.completion_pending(&to_hex(&held.key));
+                let freed_in_store = held.completed_status == Some(0);
                 if let (Some(status), false) = (held.completed_status, freed_in_store) {
                     // This proxy recorded the write itself (only its body is gone here, or it
                     // is an unknown outcome), and its completion has not reached the store yet

@@ -17,7 +17,7 @@ use idempotency_protocol::stream::CallOp;
 use crate::plugin::resolutions::Resolution;
 use crate::store::client as store_client;
 use crate::store::writes::{LeanRecord, PendingWrite};
-use crate::table::{Completion, Held, OversizedBody, Settlement};
+use crate::table::{Completion, Held, OversizedBody, Settlement, StoreCopy};
 use crate::who_answered::{flag_names, Answerer, EnvoyReport};
 use idempotency_protocol::record::{
     key_expires_value, RecordedResponse, UnknownOutcome, KEY_EXPIRES_HEADER,
@@ -359,13 +359,20 @@ impl RequestJourney {
             .rule
             .ttl_ms
             .saturating_add(rule.rule.tombstone_ms_for(&response));
-        let completed = self.plugin.table.complete(
+        // Cluster mode: not in the store until its completion lands (or never, when the claim
+        // was never sent); every worker's retry must know that of an unknown outcome.
+        let store_copy = match rule.store {
+            Some(_) => StoreCopy::Awaited,
+            None => StoreCopy::NotAwaited,
+        };
+        let completed = self.plugin.table.complete_with_store_copy(
             host,
             &held,
             &response,
             host.now_ms(),
             ttl_ms,
             oversized(&rule),
+            store_copy,
         );
         let kept = completed.as_ref().ok().copied();
         match completed {
@@ -427,12 +434,33 @@ impl RequestJourney {
         let deadline = host.now_ms().saturating_add(ttl_ms);
         let mut write =
             PendingWrite::new(Rc::clone(rule), call, deadline).with_local_claim(held.clone());
+        if response.unknown.is_some() {
+            write = write.marking_in_store();
+        }
         if !response.body.is_empty() {
             let without_body = response.without_body();
             let lean: LeanRecord = Box::new(move || without_body.encode());
             write = write.with_lean_record(lean);
         }
         self.submit(host, write, owner.confirmed);
+    }
+
+    /// Sends on an unknown outcome `recorded_by` recorded here and the store never got, under
+    /// a retry's store claim, as this proxy first sent it (so a resolution's settle, which
+    /// names those bytes, still matches).
+    pub(super) fn submit_unlanded(
+        &self,
+        host: &impl Host,
+        rule: &Rc<RuleHandle>,
+        recorded_by: &Held,
+        owner: &StoreOwner,
+        record: &RecordedResponse,
+    ) {
+        let as_first_sent = RecordedResponse {
+            owner: 0,
+            ..record.clone()
+        };
+        self.submit_store_completion(host, rule, recorded_by, owner, &as_first_sent);
     }
 
     fn submit(&self, host: &impl Host, write: PendingWrite, confirmed: bool) {

@@ -31,6 +31,9 @@ pub struct PendingWrite {
     /// A completion: the local claim it completes, whose record is dropped should the store
     /// say another request's record superseded it.
     pub(super) local: Option<Held>,
+    /// A completion of an unknown outcome: its local record is marked as in the store once
+    /// the store takes it (until then no worker takes the store's "free" for a settlement).
+    pub(super) marks_in_store: bool,
 }
 
 impl PendingWrite {
@@ -43,6 +46,7 @@ impl PendingWrite {
             attempts: 0,
             deadline_ms,
             local: None,
+            marks_in_store: false,
         }
     }
 
@@ -66,6 +70,14 @@ impl PendingWrite {
     pub fn with_local_claim(self, held: Held) -> PendingWrite {
         PendingWrite {
             local: Some(held),
+            ..self
+        }
+    }
+
+    /// Marks the local claim's record as in the store once the store takes this completion.
+    pub fn marking_in_store(self) -> PendingWrite {
+        PendingWrite {
+            marks_in_store: true,
             ..self
         }
     }

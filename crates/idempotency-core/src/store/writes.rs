@@ -115,8 +115,6 @@ pub struct StoreWrites {
     /// renewing.
     lost_leases: RefCell<Vec<(String, String)>>,
     lost_log: RefCell<BurstLog>,
-    /// Keys (hex) with completions not yet taken by the store, and how many.
-    unlanded: RefCell<HashMap<String, u32>>,
 }
 
 impl Drop for StoreWrites {
@@ -150,7 +148,6 @@ impl StoreWrites {
             charged: Cell::new(0),
             lost_leases: RefCell::new(Vec::new()),
             lost_log: RefCell::new(BurstLog::new(10_000)),
-            unlanded: RefCell::new(HashMap::new()),
         }
     }
 
@@ -198,7 +195,6 @@ impl StoreWrites {
             .as_ref()
             .and_then(|s| links.find(s))
             .is_some_and(|link| link.handle().is_some());
-        self.track(&write);
         if context_id != 0 && open {
             self.send_on_stream(host, links, context_id, write);
         } else {
@@ -228,41 +224,12 @@ impl StoreWrites {
 
     /// Called from a request's context: queue the write and wake the root.
     pub fn submit(&self, host: &impl Host, write: PendingWrite) {
-        self.track(&write);
         self.enqueue(host, write);
     }
 
     fn enqueue(&self, host: &impl Host, write: PendingWrite) {
         self.fresh.borrow_mut().push_back(write);
         self.wake_root(host);
-    }
-
-    /// Whether a completion of `key` (hex) is still on its way to the store: submitted and
-    /// neither taken, refused nor given up yet. A claim that finds the store free while this
-    /// proxy's own record of the key has not landed must not take the store's word for it.
-    pub fn completion_pending(&self, key: &str) -> bool {
-        self.unlanded.borrow().contains_key(key)
-    }
-
-    fn track(&self, write: &PendingWrite) {
-        if let CallOp::Complete { key, .. } = &write.call {
-            let mut unlanded = self.unlanded.borrow_mut();
-            let count = unlanded.entry(key.clone()).or_insert(0);
-            *count = count.saturating_add(1);
-        }
-    }
-
-    /// `write` ended: taken, refused or given up.
-    fn untrack(&self, write: &PendingWrite) {
-        if let CallOp::Complete { key, .. } = &write.call {
-            let mut unlanded = self.unlanded.borrow_mut();
-            if let Some(count) = unlanded.get_mut(key) {
-                *count = count.saturating_sub(1);
-                if *count == 0 {
-                    unlanded.remove(key);
-                }
-            }
-        }
     }
 
     /// Wakes the root (`on_wake`) soon after the current callback; without a wake-up
@@ -458,16 +425,16 @@ impl StoreWrites {
     }
 
     fn settle(&self, host: &impl Host, table: &Table, write: PendingWrite, answer: WriteAnswer) {
-        let ends = match &answer {
-            WriteAnswer::Retry(_) => false,
-            WriteAnswer::Refused(_) => write.lean.is_none(),
-            _ => true,
-        };
-        if ends {
-            self.untrack(&write);
-        }
         match answer {
-            WriteAnswer::Done => self.store_answered(),
+            WriteAnswer::Done => {
+                self.store_answered();
+                if let (Some(held), true) = (&write.local, write.marks_in_store) {
+                    if let Err(e) = table.mark_in_store(host, held) {
+                        // Retries of the key keep answering 409 and sending it again.
+                        log::warn!("unknown outcome not marked as in the store: {e}");
+                    }
+                }
+            }
             WriteAnswer::Superseded => {
                 self.store_answered();
                 // The late first attempt of a key another request took over: docs/operations.md's
@@ -610,7 +577,6 @@ impl StoreWrites {
     }
 
     fn drop_write(&self, host: &impl Host, write: &PendingWrite, why: &str) {
-        self.untrack(write);
         write.rule.count(host, Outcome::StoreWriteDropped);
         if let Some(suppressed) = self.drops.borrow_mut().admit(host.now_ms()) {
             log::error!(

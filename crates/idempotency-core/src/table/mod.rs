@@ -38,6 +38,10 @@ const RECORDING_GRACE_MS: u64 = 5_000;
 /// A cas that no real entry carries yet: writing with it creates the key if absent and is
 /// refused if another worker created it first.
 const CREATE_IF_ABSENT_CAS: u32 = u32::MAX;
+/// The status an unknown outcome's slot is written with while its record has not reached the
+/// store (an unknown outcome has no status of its own, 0). No HTTP status is 1, and a reader
+/// of an earlier release still sees a completed slot and reads its record, as before.
+const UNKNOWN_AWAITING_STORE_STATUS: u16 = 1;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TableError {
@@ -88,6 +92,18 @@ pub struct Held {
     /// Unheld only: the local table knows the key completed with this status, but no
     /// longer has its body; what to replay if the store cannot be asked.
     pub completed_status: Option<u16>,
+    /// Unheld only (cluster mode): an unknown outcome this proxy recorded whose record has
+    /// not reached the store, so the store's "free" says nothing about it.
+    pub unlanded: Option<Box<Unlanded>>,
+}
+
+/// An unknown outcome recorded here whose completion has not reached the store: what the
+/// table holds of it, and where, so that a retry can send it on and see it marked landed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unlanded {
+    pub record: RecordedResponse,
+    /// The claim that recorded it (its slot and owner), as `mark_in_store` needs it.
+    pub recorded_by: Held,
 }
 
 impl Held {
@@ -101,6 +117,7 @@ impl Held {
             took_over: false,
             evicted: None,
             completed_status: None,
+            unlanded: None,
         }
     }
 }
@@ -126,6 +143,8 @@ pub enum Claim {
         status: u16,
         /// When it was recorded: past the rule's TTL, only its tombstone is answered.
         recorded_at_ms: u64,
+        /// An unknown outcome whose record has not reached the store yet (cluster mode).
+        awaiting_store: bool,
     },
     /// The key is live with a different payload.
     Mismatch,
@@ -164,6 +183,9 @@ struct Slot {
     /// When the response was recorded (completed slots): eviction takes the oldest.
     recorded_at_ms: u64,
     status: u16,
+    /// A completed unknown outcome whose record has not reached the store yet (cluster
+    /// mode); kept in the status bytes (`UNKNOWN_AWAITING_STORE_STATUS`).
+    awaiting_store: bool,
 }
 
 const FREE_SLOT: Slot = Slot {
@@ -174,6 +196,7 @@ const FREE_SLOT: Slot = Slot {
     expires_at_ms: 0,
     recorded_at_ms: 0,
     status: 0,
+    awaiting_store: false,
 };
 
 impl Slot {
@@ -217,6 +240,8 @@ enum HeldWrite {
     Forget,
     /// Settling an unknown outcome the holder recorded: the change checks that it still is.
     Settle,
+    /// Noting that the holder's record reached the store: the change checks that it is there.
+    MarkInStore,
 }
 
 impl HeldWrite {
@@ -238,7 +263,7 @@ impl HeldWrite {
                 current,
                 Some(decision::Record::InFlight { owner: holder, .. }) if holder == owner
             ),
-            HeldWrite::Forget | HeldWrite::Settle => current.is_some(),
+            HeldWrite::Forget | HeldWrite::Settle | HeldWrite::MarkInStore => current.is_some(),
         }
     }
 }
@@ -265,15 +290,32 @@ fn decode_slot(r: &mut Reader<'_>) -> Option<Slot> {
         2 => SlotState::Completed,
         _ => SlotState::Free,
     };
+    let key = r.array()?;
+    let fingerprint = r.array()?;
+    let owner = r.u64()?;
+    let expires_at_ms = r.u64()?;
+    let recorded_at_ms = r.u64()?;
+    let status = r.u16()?;
+    let awaiting_store = state == SlotState::Completed && status == UNKNOWN_AWAITING_STORE_STATUS;
     Some(Slot {
         state,
-        key: r.array()?,
-        fingerprint: r.array()?,
-        owner: r.u64()?,
-        expires_at_ms: r.u64()?,
-        recorded_at_ms: r.u64()?,
-        status: r.u16()?,
+        key,
+        fingerprint,
+        owner,
+        expires_at_ms,
+        recorded_at_ms,
+        status: if awaiting_store { 0 } else { status },
+        awaiting_store,
     })
+}
+
+/// A slot's status as its bytes hold it.
+fn stored_status(slot: &Slot) -> u16 {
+    if slot.state == SlotState::Completed && slot.status == 0 && slot.awaiting_store {
+        UNKNOWN_AWAITING_STORE_STATUS
+    } else {
+        slot.status
+    }
 }
 
 fn encode_bucket(slots: &[Slot; WAYS]) -> Vec<u8> {
@@ -285,7 +327,7 @@ fn encode_bucket(slots: &[Slot; WAYS]) -> Vec<u8> {
         out.extend_from_slice(&s.owner.to_be_bytes());
         out.extend_from_slice(&s.expires_at_ms.to_be_bytes());
         out.extend_from_slice(&s.recorded_at_ms.to_be_bytes());
-        out.extend_from_slice(&s.status.to_be_bytes());
+        out.extend_from_slice(&stored_status(s).to_be_bytes());
     }
     out
 }
@@ -305,6 +347,7 @@ fn answer(decided: ClaimDecision, slot: &Slot, at: SlotRef) -> Option<Claim> {
             owner: slot.owner,
             status: slot.status,
             recorded_at_ms: slot.recorded_at_ms,
+            awaiting_store: slot.awaiting_store,
         }),
         ClaimDecision::Mismatch => Some(Claim::Mismatch),
     }
@@ -346,6 +389,17 @@ pub enum OversizedBody {
     RecordWithoutIt,
     /// Free the slot: the store holds the whole response and answers the retries (cluster mode).
     LeaveToStore,
+}
+
+/// Whether the record `complete` writes has reached the store, which matters only for an
+/// unknown outcome: a retry asks the store about one (it may have been settled there since).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreCopy {
+    /// The store holds it, or there is no store.
+    NotAwaited,
+    /// Cluster mode: its completion is on its way, or was never sent. Every worker's retry
+    /// then takes the store's "free" for "not there yet" until `mark_in_store`.
+    Awaited,
 }
 
 /// The table's layout and key names.
@@ -729,6 +783,7 @@ impl Table {
                 expires_at_ms: now_ms.saturating_add(lease_ms),
                 recorded_at_ms: 0,
                 status: 0,
+                awaiting_store: false,
             };
             let bucket_key = self.bucket_key(bucket);
             if shared.set(&bucket_key, &encode_bucket(&slots), Some(cas))? == SetOutcome::Stored {
@@ -744,6 +799,7 @@ impl Table {
                     took_over,
                     evicted,
                     completed_status: None,
+                    unlanded: None,
                 }));
             }
         }
@@ -821,6 +877,24 @@ impl Table {
         ttl_ms: u64,
         oversized: OversizedBody,
     ) -> Result<Completion, TableError> {
+        let store_copy = StoreCopy::NotAwaited;
+        self.complete_with_store_copy(
+            shared, held, response, now_ms, ttl_ms, oversized, store_copy,
+        )
+    }
+
+    /// `complete`, saying whether the store has the record yet (see `StoreCopy`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn complete_with_store_copy(
+        &self,
+        shared: &impl SharedData,
+        held: &Held,
+        response: &RecordedResponse,
+        now_ms: u64,
+        ttl_ms: u64,
+        oversized: OversizedBody,
+        store_copy: StoreCopy,
+    ) -> Result<Completion, TableError> {
         let Some(at) = held.slot else {
             return Ok(Completion::NotHeld);
         };
@@ -860,6 +934,7 @@ impl Table {
             slot.expires_at_ms = now_ms.saturating_add(ttl_ms);
             slot.recorded_at_ms = now_ms;
             slot.status = response.status;
+            slot.awaiting_store = response.unknown.is_some() && store_copy == StoreCopy::Awaited;
             true
         })?;
         Ok(match flipped {
@@ -977,15 +1052,27 @@ impl Table {
         shared: &impl SharedData,
         held: &Held,
     ) -> Result<Completion, TableError> {
+        self.update_own_record(shared, held, HeldWrite::Forget, |slot| {
+            *slot = FREE_SLOT;
+            true
+        })
+    }
+
+    /// Changes the record `held` completed by `change`, if its slot (in this table) still
+    /// holds it; a slot replaced since is left alone.
+    fn update_own_record(
+        &self,
+        shared: &impl SharedData,
+        held: &Held,
+        write: HeldWrite,
+        mut change: impl FnMut(&mut Slot) -> bool,
+    ) -> Result<Completion, TableError> {
         let Some(at) = held.slot.filter(|s| s.generation == 0) else {
             return Ok(Completion::NotHeld);
         };
-        self.update_held(shared, held, at, HeldWrite::Forget, None, |slot| {
-            if slot.state != SlotState::Completed || slot.owner != held.owner {
-                return false; // already replaced: nothing of ours to drop
-            }
-            *slot = FREE_SLOT;
-            true
+        self.update_held(shared, held, at, write, None, |slot| {
+            let ours = slot.state == SlotState::Completed && slot.owner == held.owner;
+            ours && change(slot)
         })
         .map(|(completion, _)| completion)
     }
@@ -1010,6 +1097,7 @@ impl Table {
         };
         let ours = std::cell::Cell::new(false);
         let kept_until = std::cell::Cell::new(0u64);
+        let store_copy = std::cell::Cell::new(StoreCopy::NotAwaited);
         let (flipped, _) = self.update_held(shared, held, at, HeldWrite::Settle, None, |slot| {
             ours.set(still_unknown(slot));
             if !ours.get() {
@@ -1022,6 +1110,11 @@ impl Table {
                     // expired: a retry meanwhile gets 409, never an execution, and eviction
                     // leaves it alone. `complete` then records the response as for any claim.
                     kept_until.set(slot.expires_at_ms);
+                    if slot.awaiting_store {
+                        // A new unknown outcome in its place is no more in the store.
+                        store_copy.set(StoreCopy::Awaited);
+                    }
+                    slot.awaiting_store = false;
                     slot.state = SlotState::InFlight;
                     slot.expires_at_ms = slot
                         .expires_at_ms
@@ -1039,16 +1132,31 @@ impl Table {
                 let ttl_ms = ttl_ms
                     .unwrap_or_else(|| kept_until.get().saturating_sub(now_ms))
                     .max(1);
-                self.complete(
+                self.complete_with_store_copy(
                     shared,
                     held,
                     response,
                     now_ms,
                     ttl_ms,
                     OversizedBody::RecordWithoutIt,
+                    store_copy.get(),
                 )
             }
         }
+    }
+
+    /// Notes that the unknown outcome `held` recorded has reached the store (its completion
+    /// landed), if its slot still holds it: from then on the store's word on the key counts.
+    pub fn mark_in_store(
+        &self,
+        shared: &impl SharedData,
+        held: &Held,
+    ) -> Result<Completion, TableError> {
+        self.update_own_record(shared, held, HeldWrite::MarkInStore, |slot| {
+            let marked = slot.awaiting_store;
+            slot.awaiting_store = false;
+            marked
+        })
     }
 
     /// Changes a held claim's slot by CAS on its bucket, starting from `known` (a bucket and

@@ -61,6 +61,7 @@ fn first_claim_executes_then_duplicates_wait_then_replay() {
         owner,
         status,
         recorded_at_ms,
+        ..
     } = t.claim(&s, &k, &fp, 9, 3_000, 60_000, || {}).unwrap()
     else {
         panic!("expected completed");
@@ -734,4 +735,95 @@ fn corrupt_buckets_read_as_free() {
     slots[0].state = SlotState::Completed;
     slots[0].owner = 5;
     assert_eq!(decode_bucket(&encode_bucket(&slots)), slots);
+}
+
+/// What a claim of `k` finds about the store: whether its record is still awaited there.
+fn awaiting_store(t: &Table, s: &FakeShared, k: &Digest, fp: &Digest) -> bool {
+    match t.claim(s, k, fp, 99, 3_000, 60_000, || {}).unwrap() {
+        Claim::Completed {
+            awaiting_store,
+            status,
+            ..
+        } => {
+            assert_eq!(status, 0, "an unknown outcome reads as status 0");
+            awaiting_store
+        }
+        other => panic!("expected the record, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_unknown_outcome_says_it_is_not_in_the_store_until_marked_so() {
+    let s = FakeShared::default();
+    let t = table(&s, 64);
+    let (k, fp) = (digest(1), digest(2));
+    let h = held(t.claim(&s, &k, &fp, 7, 1_000, 60_000, || {}).unwrap());
+    let unknown = RecordedResponse::unknown_outcome(Default::default());
+    let awaited = StoreCopy::Awaited;
+    t.complete_with_store_copy(&s, &h, &unknown, 2_000, 10_000, RecordWithoutIt, awaited)
+        .unwrap();
+    assert!(awaiting_store(&t, &s, &k, &fp));
+    // Another claim's mark (a stranger, or the key recorded again since) changes nothing.
+    let stranger = Held {
+        owner: 8,
+        ..h.clone()
+    };
+    assert_eq!(
+        t.mark_in_store(&s, &stranger).unwrap(),
+        Completion::Recorded
+    );
+    assert!(awaiting_store(&t, &s, &k, &fp));
+    t.mark_in_store(&s, &h).unwrap();
+    assert!(!awaiting_store(&t, &s, &k, &fp));
+
+    // A response that is not an unknown outcome never carries the mark: the store's answer
+    // is asked only of unknown outcomes.
+    let (k2, fp2) = (digest(3), digest(4));
+    let h2 = held(t.claim(&s, &k2, &fp2, 9, 1_000, 60_000, || {}).unwrap());
+    t.complete_with_store_copy(
+        &s,
+        &h2,
+        &response(201),
+        2_000,
+        10_000,
+        RecordWithoutIt,
+        awaited,
+    )
+    .unwrap();
+    assert!(matches!(
+        t.claim(&s, &k2, &fp2, 10, 3_000, 60_000, || {}).unwrap(),
+        Claim::Completed {
+            status: 201,
+            awaiting_store: false,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn an_unknown_outcome_settled_into_another_keeps_waiting_for_the_store() {
+    let s = FakeShared::default();
+    let t = table(&s, 64);
+    let (k, fp) = (digest(1), digest(2));
+    let h = held(t.claim(&s, &k, &fp, 7, 1_000, 60_000, || {}).unwrap());
+    let unknown = RecordedResponse::unknown_outcome(Default::default());
+    t.complete_with_store_copy(
+        &s,
+        &h,
+        &unknown,
+        2_000,
+        10_000,
+        RecordWithoutIt,
+        StoreCopy::Awaited,
+    )
+    .unwrap();
+    let next = Settlement::Record {
+        response: &unknown,
+        ttl_ms: None,
+    };
+    assert_eq!(
+        t.settle_unknown(&s, &h, next, 2_500).unwrap(),
+        Completion::Recorded
+    );
+    assert!(awaiting_store(&t, &s, &k, &fp));
 }

@@ -482,3 +482,125 @@ fn an_unknown_outcome_is_recorded_in_the_store_so_no_replica_runs_it_again() {
     assert_eq!(status, 409);
     assert!(problem_type(&body).ends_with("outcome-unknown"));
 }
+
+/// The record a completion callout carries.
+fn completion_record(body: &serde_json::Value) -> (Vec<u8>, RecordedResponse) {
+    let record = BASE64.decode(body["record"].as_str().unwrap()).unwrap();
+    let decoded = RecordedResponse::decode(&record).unwrap();
+    (record, decoded)
+}
+
+/// The store takes the write callout `token` of `plugin`'s root.
+fn store_takes(host: &FakeHost, plugin: &Rc<Plugin>, token: u32, answer: &str) {
+    host.set_callout_answer(Some(200), answer.as_bytes());
+    assert!(plugin
+        .writes
+        .on_answer(host, &plugin.table, token, 1, answer.len()));
+}
+
+/// An unknown outcome recorded by one worker whose completion has not reached the store
+/// (an outage longer than the lease: the store's claim lapsed): a retry on another worker
+/// of the same Envoy finds the key free in the store and still never runs the write.
+#[test]
+fn an_unknown_outcome_not_yet_in_the_store_is_never_run_again_by_another_worker() {
+    let host = FakeHost::default();
+    let first_worker = plugin(&host, &cluster_config("fail_closed"));
+    let second_worker = plugin(&host, &cluster_config("fail_closed"));
+    let (mut request, token, claim) = claimed_at_store(&host, &first_worker, "k1");
+    let first = r#"{"outcome":"claimed","owner":"first"}"#;
+    answer(&host, &mut request, token, Some(200), first);
+    envoy_reports(&host, "response_timeout", 0x4, 1);
+    respond(&host, &mut request, 504, b"");
+    let _ = host.take_effects();
+    // The first worker's completion waits in its root (the store is down).
+
+    let (mut retry, token, _) = claimed_at_store(&host, &second_worker, "k1");
+    let lapsed = r#"{"outcome":"claimed","owner":"retry"}"#;
+    assert_eq!(
+        answer(&host, &mut retry, token, Some(200), lapsed),
+        Verdict::Pause
+    );
+    assert!(!is_executing(&retry), "the write ran a second time");
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 409);
+    assert!(problem_type(&body).ends_with("outcome-unknown"));
+    assert_eq!(host.counter("orders", Outcome::Executed), 1);
+
+    // The retry sends the record on under its own claim, as the first worker sends it.
+    second_worker.writes.on_wake(&host, &second_worker.links());
+    let sent_on = callouts(&host.take_effects());
+    let (sent_on_token, path, body) = sent_on.last().expect("the record sent on");
+    assert_eq!(path, "/v1/complete");
+    assert_eq!(
+        (&body["owner"], &body["key"]),
+        (&"retry".into(), &claim["key"])
+    );
+    let (sent_on_record, sent_on_decoded) = completion_record(body);
+    assert_eq!(sent_on_decoded.unknown.unwrap().details, "response_timeout");
+    first_worker.writes.on_wake(&host, &first_worker.links());
+    let firsts = callouts(&host.take_effects());
+    let (_, _, first_body) = firsts.last().expect("the first worker's completion");
+    assert_eq!(completion_record(first_body).0, sent_on_record);
+
+    // Until the store has taken it, every retry on either worker is told, never run.
+    for worker in [&first_worker, &second_worker] {
+        let (mut retry, token, _) = claimed_at_store(&host, worker, "k1");
+        answer(&host, &mut retry, token, Some(200), lapsed);
+        assert!(!is_executing(&retry), "the write ran a second time");
+        assert_eq!(the_reply(&host.take_effects()).0, 409);
+    }
+
+    // Once the store took it, the store's word counts again: settled there as never run
+    // (another replica's resolution, an operator), the next retry runs the write.
+    store_takes(
+        &host,
+        &second_worker,
+        *sent_on_token,
+        r#"{"outcome":"completed"}"#,
+    );
+    let (mut retry, token, _) = claimed_at_store(&host, &first_worker, "k1");
+    answer(&host, &mut retry, token, Some(200), lapsed);
+    assert!(
+        is_executing(&retry),
+        "a key the store freed stays unknown here"
+    );
+}
+
+/// `fail_open` during an outage runs the write with no store claim, so no completion is ever
+/// sent: its unknown outcome reaches the store only through the next retry, never run.
+#[test]
+fn an_unknown_outcome_whose_claim_never_reached_the_store_is_not_run_again() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, &cluster_config("fail_open"));
+    host.fail(HostCall::Callout);
+    let (mut request, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(
+        verdict,
+        Verdict::Continue,
+        "fail_open runs it on the local claim"
+    );
+    host.heal(HostCall::Callout);
+    envoy_reports(&host, "response_timeout", 0x4, 1);
+    respond(&host, &mut request, 504, b"");
+    plugin.writes.on_wake(&host, &plugin.links());
+    assert!(
+        callouts(&host.take_effects()).is_empty(),
+        "nothing to complete"
+    );
+
+    let (mut retry, token, _) = claimed_at_store(&host, &plugin, "k1");
+    let free = r#"{"outcome":"claimed","owner":"retry"}"#;
+    answer(&host, &mut retry, token, Some(200), free);
+    assert!(!is_executing(&retry), "the write ran a second time");
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 409);
+    assert!(problem_type(&body).ends_with("outcome-unknown"));
+    plugin.writes.on_wake(&host, &plugin.links());
+    let writes = callouts(&host.take_effects());
+    let (_, path, body) = writes.last().expect("the record sent on");
+    assert_eq!(
+        (path.as_str(), &body["owner"]),
+        ("/v1/complete", &"retry".into())
+    );
+    assert!(completion_record(body).1.unknown.is_some());
+}
