@@ -103,6 +103,8 @@ def detached(cfg: dict) -> dict:
     for rule in cfg["rules"]:
         if rule["name"] == RULE:
             rule["execution"] = "detached"
+            # Shorter than the records' life, as the filter requires.
+            rule["upstream_timeout_ms"] = min(15_000, rule.get("ttl_seconds", SETUP_TTL_S) * 1000 - 1000)
     return cfg
 
 

@@ -433,3 +433,24 @@ fn a_detached_rule_names_where_and_how_long_and_an_inline_one_refuses_those_sett
     let e = parse(r#","execution":"later""#).unwrap_err();
     assert_eq!(e.field, "(json)");
 }
+
+#[test]
+fn a_detached_write_may_not_outlast_its_record() {
+    let parse = |rule: &str| {
+        Config::parse(
+            format!(r#"{{"rules":[{{"name":"a","execution":"detached","ttl_seconds":10,"lease_seconds":5{rule}}}]}}"#)
+                .as_bytes(),
+        )
+    };
+    // The default timeout (15 s) outlasts a 10 s record, and so does one of exactly 10 s.
+    for rule in ["", r#","upstream_timeout_ms":10000"#] {
+        let e = parse(rule).unwrap_err();
+        assert_eq!(e.field, "rules[0].upstream_timeout_ms", "{rule}: {e}");
+        assert!(e.to_string().contains("ttl_seconds"), "{e}");
+    }
+    let c = parse(r#","upstream_timeout_ms":9999"#).unwrap();
+    assert_eq!(
+        c.rules[0].detached.as_ref().map(|d| d.timeout_ms),
+        Some(9999)
+    );
+}

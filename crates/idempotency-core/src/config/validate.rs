@@ -290,6 +290,7 @@ fn validate_rule(
         raw.upstream_cluster,
         raw.upstream_timeout_ms,
         store.as_ref(),
+        ttl_ms,
     )?;
     let resolve = match raw.resolve {
         None => None,
@@ -401,6 +402,7 @@ fn validate_execution(
     cluster: Option<String>,
     timeout_ms: Option<u64>,
     store: Option<&StoreConfig>,
+    ttl_ms: u64,
 ) -> Result<Option<DetachedUpstream>, ConfigError> {
     if mode == ExecutionMode::Inline {
         for (field, given) in [
@@ -436,6 +438,17 @@ fn validate_execution(
         return Err(invalid(
             at("upstream_timeout_ms"),
             format!("must be between 1 and {MAX_UPSTREAM_TIMEOUT_MS}"),
+        ));
+    }
+    if timeout_ms >= ttl_ms {
+        // The record would expire while the write may still run: a retry then runs it again.
+        return Err(invalid(
+            at("upstream_timeout_ms"),
+            format!(
+                "{timeout_ms} must be shorter than ttl_seconds ({} s): a write still running \
+                 when its record expires would run again on the next retry",
+                ttl_ms / 1000
+            ),
         ));
     }
     Ok(Some(DetachedUpstream {
