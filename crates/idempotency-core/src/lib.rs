@@ -4,14 +4,20 @@
 //!
 //! A request's journey is [`journey`]: one state type and one transition function. Each
 //! configuration is a [`plugin`] (rules resolved to handles, the table, store writes, the
-//! root's life). The decisions they call: [`rule_select`] picks the rule, [`key::source`]
-//! reads the key from headers, query or body fields ([`request_fields`]), [`key`] parses and
-//! scopes it, [`fingerprint`] hashes the payload, [`table`] claims the key in shared data
-//! (its layout within the byte budget, and the lineage of tables a capacity change replaced), [`capture`] collects the
-//! upstream response and [`record`] encodes it; [`grpc`] is what a gRPC rule adds (framing,
+//! root's life). The decisions they call: [`rule_select`] picks the rule,
+//! [`naming::source`] reads the key from headers, query or body fields ([`naming::fields`])
+//! and [`naming`] scopes it (both in the protocol crate, which the store shares),
+//! [`fingerprint`] hashes the payload, [`table`] claims the key in shared data (its layout
+//! within the byte budget, and the lineage of tables a capacity change replaced), [`capture`]
+//! collects the upstream response and [`record`] encodes it; [`grpc`] is what a gRPC rule adds (framing,
 //! statuses, its answers, the replay echo); in cluster mode [`store`] speaks to
 //! the shared store (what it sends and reads, and the stream it travels on). [`problem`] words every answer the filter gives itself, [`outcome`]
 //! names what the metrics count, [`burst_log`] keeps failures from flooding the log.
+//!
+//! [`naming`]: idempotency_protocol::naming
+//! [`naming::source`]: idempotency_protocol::naming::source
+//! [`naming::fields`]: idempotency_protocol::naming::fields
+//! [`record`]: idempotency_protocol::record
 //!
 //! What the filter and the store must agree on lives in the `idempotency-protocol` crate,
 //! which both depend on: the digest type, the store protocol's wire types, and the

@@ -5,7 +5,8 @@
 //! as for a write (rule, scope, key), so a caller only ever sees its own scope's records, and
 //! only for a key it already knows.
 //!
-//! [`settings`] is what a rule configures; this module turns what was found into the answer.
+//! [`LookupRoute`](crate::config::lookup_route::LookupRoute) is what a rule configures; this
+//! module turns what was found into the answer.
 
 use idempotency_protocol::stream::Reply;
 use idempotency_protocol::wire::{decode_record, RecordResponse, RecordState};
