@@ -3,7 +3,7 @@
 //! (`idempotency_core::fingerprint`).
 
 use arbitrary::{Result, Unstructured};
-use idempotency_core::fingerprint::{fingerprint, FingerprintMode};
+use idempotency_core::fingerprint::{fingerprint, FingerprintMode, Protocol};
 use idempotency_protocol::naming::fields::{query_value, FieldError, RequestBody};
 use idempotency_protocol::naming::source::FieldSource;
 use serde_json::Value;
@@ -148,7 +148,15 @@ fn form_and_query(body: &[u8], name: &str) {
 fn fields_fingerprint(fields: &[FieldSource], content_type: &str, body: &[u8]) -> Option<[u8; 32]> {
     let mode = FingerprintMode::Fields(fields.to_vec());
     let mut parsed = RequestBody::new(content_type, body);
-    fingerprint(&mode, "POST", "/orders?sig=1", &mut parsed, body).ok()
+    fingerprint(
+        &mode,
+        "POST",
+        "/orders?sig=1",
+        &mut parsed,
+        body,
+        Protocol::Http,
+    )
+    .ok()
 }
 
 fn json_fingerprints(u: &mut Unstructured<'_>) -> Result<()> {

@@ -26,6 +26,15 @@ impl FingerprintMode {
     }
 }
 
+/// What the request speaks. A record answers only the protocol that made it: a gRPC call's
+/// frames and trailers are no answer to an HTTP request, nor the other way round. The body
+/// modes tell them apart by the bytes (a call's body is framed); `None` needs it said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    Http,
+    Grpc,
+}
+
 /// SHA-256 over the method, the path with its query, and the body.
 pub fn request_fingerprint(method: &[u8], path_with_query: &[u8], body: &[u8]) -> Digest {
     let mut h = Sha256::new();
@@ -43,6 +52,7 @@ pub fn fingerprint(
     path_with_query: &str,
     body: &mut RequestBody<'_>,
     raw_body: &[u8],
+    protocol: Protocol,
 ) -> Result<Digest, SourceFailure> {
     match mode {
         FingerprintMode::Body => Ok(request_fingerprint(
@@ -52,7 +62,11 @@ pub fn fingerprint(
         )),
         FingerprintMode::None => {
             let mut h = Sha256::new();
+            // HTTP's stays what it was, so records made before still match.
             hash_field(&mut h, b"idempotency-filter/fingerprint/none/v1");
+            if protocol == Protocol::Grpc {
+                hash_field(&mut h, b"grpc");
+            }
             Ok(h.finalize().into())
         }
         FingerprintMode::Fields(fields) => {
@@ -138,7 +152,7 @@ mod tests {
         body: &[u8],
     ) -> Result<Digest, SourceFailure> {
         let mut parsed = RequestBody::new(ct, body);
-        fingerprint(mode, "POST", path, &mut parsed, body)
+        fingerprint(mode, "POST", path, &mut parsed, body, Protocol::Http)
     }
 
     #[test]

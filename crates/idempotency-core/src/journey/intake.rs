@@ -7,7 +7,7 @@ use std::rc::Rc;
 use super::detached::{self, DetachedIntake};
 use super::grpc::{call_shape, CallShape};
 use super::{access_log, pass, Journey, PendingRequest, RequestJourney, Step, Verdict};
-use crate::fingerprint::{fingerprint, FingerprintMode};
+use crate::fingerprint::{fingerprint, FingerprintMode, Protocol};
 use crate::host::{HeaderPairs, Host};
 use crate::outcome::Outcome;
 use crate::plugin::detached::ForwardedRequest;
@@ -326,6 +326,11 @@ impl RequestJourney {
             &pending.path,
             &mut parsed,
             body,
+            if rule.rule.grpc.is_some() {
+                Protocol::Grpc
+            } else {
+                Protocol::Http
+            },
         ) {
             Ok(f) => f,
             Err(failure) => return self.key_failed(host, &rule, &failure, FailedAt::Body),

@@ -896,3 +896,47 @@ fn an_echo_in_another_vm_with_the_filters_vm_id_leaves_its_table_alone() {
     let _echo = plugin(&host, r#"{"grpc_replay_echo":true}"#);
     assert_eq!(host.get(&tables_key).unwrap(), tables);
 }
+
+#[test]
+fn a_record_answers_only_the_protocol_that_made_it() {
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/shop.v1.Orders/"]},
+            "fingerprint":"none"}]}"#,
+    );
+    // The call's headers as an HTTP client would send them: same host, path and key.
+    let http = |key| {
+        let mut headers = grpc_headers(PLACE, Some(key));
+        headers.retain(|(name, _)| *name != "te");
+        for (name, value) in headers.iter_mut() {
+            if *name == "content-type" {
+                *value = "application/json";
+            }
+        }
+        headers
+    };
+
+    // A call's record is no answer to an HTTP request with its key: 422, never its frames.
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer(&host, &mut first, b"placed", &[("grpc-status", "0")]);
+    host.take_effects();
+    send(&host, &plugin, &http("k1"), b"{}");
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 422, "{}", String::from_utf8_lossy(&body));
+
+    // Nor is an HTTP record an answer to a call: refused as a reused key, not replayed.
+    let (mut first, _) = send(&host, &plugin, &http("k2"), b"{}");
+    respond(&host, &mut first, 201, b"{\"id\":1}");
+    host.take_effects();
+    let (_, verdict) = call(&host, &plugin, Some("k2"), b"order");
+    assert_eq!(verdict, Verdict::Pause);
+    let (_, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(
+        value(&headers, "grpc-status"),
+        Some("3"),
+        "INVALID_ARGUMENT: key reused"
+    );
+    assert_eq!(host.counter("orders", Outcome::Mismatch), 2);
+    assert_eq!(host.counter("orders", Outcome::Replayed), 0);
+}
