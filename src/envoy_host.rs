@@ -71,6 +71,10 @@ impl Host for EnvoyHost {
         host::get_header_pairs(MapType::HttpRequestHeaders).map_err(error)
     }
 
+    fn request_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        host::get_header(MapType::HttpRequestHeaders, name).map_err(error)
+    }
+
     fn request_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
         host::get_buffer(BufferType::HttpRequestBody, 0, size)
             .map(Option::unwrap_or_default)

@@ -65,6 +65,13 @@ extern "C" {
         return_map_data: *mut *mut u8,
         return_map_size: *mut usize,
     ) -> u32;
+    fn proxy_get_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> u32;
     fn proxy_remove_header_map_value(map_type: u32, key_data: *const u8, key_size: usize) -> u32;
     fn proxy_add_header_map_value(
         map_type: u32,
@@ -204,6 +211,20 @@ pub fn get_header_pairs(map: MapType) -> HostResult<Vec<(String, Vec<u8>)>> {
     Ok(unsafe { take_host_buffer(data, size) }
         .map(|bytes| deserialize_pairs(&bytes))
         .unwrap_or_default())
+}
+
+/// One header's value; None when the map has no such header (Envoy answers NotFound).
+pub fn get_header(map: MapType, name: &str) -> HostResult<Option<Vec<u8>>> {
+    let mut data: *mut u8 = null_mut();
+    let mut size: usize = 0;
+    let status = unsafe {
+        proxy_get_header_map_value(map as u32, name.as_ptr(), name.len(), &mut data, &mut size)
+    };
+    match status {
+        0 => Ok(unsafe { take_host_buffer(data, size) }),
+        1 => Ok(None),
+        other => Err(HostStatus(other)),
+    }
 }
 
 pub fn remove_header(map: MapType, name: &str) -> HostResult<()> {

@@ -234,6 +234,36 @@ pub unsafe extern "C" fn proxy_get_header_map_pairs(
     status
 }
 
+#[no_mangle]
+pub unsafe extern "C" fn proxy_get_header_map_value(
+    map: u32,
+    name: *const u8,
+    name_size: usize,
+    data: *mut *mut u8,
+    size: *mut usize,
+) -> u32 {
+    let status = enter("proxy_get_header_map_value");
+    if status != OK {
+        return status;
+    }
+    let name = text(name, name_size);
+    let found = with(|abi| {
+        abi.maps.get(&map).and_then(|pairs| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.clone())
+        })
+    });
+    match found {
+        Some(value) => {
+            give(value, data, size);
+            OK
+        }
+        None => NOT_FOUND,
+    }
+}
+
 unsafe fn header_edit(
     call: &'static str,
     map: u32,

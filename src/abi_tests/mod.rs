@@ -118,6 +118,32 @@ fn a_refused_header_map_is_an_error_naming_the_status() {
     }
 }
 
+#[test]
+fn one_request_header_is_read_from_the_request_map_and_an_absent_one_is_none() {
+    reset();
+    let values: Vec<(&str, &[u8])> = vec![(":method", b"GET"), ("x-bytes", b"\x01\xff")];
+    with(|abi| abi.maps.insert(REQUEST_HEADERS, pairs(&values)));
+    with(|abi| {
+        abi.maps
+            .insert(RESPONSE_HEADERS, pairs(&[(":path", b"/other")]))
+    });
+    assert_eq!(
+        EnvoyHost.request_header(":method").unwrap(),
+        Some(b"GET".to_vec())
+    );
+    assert_eq!(
+        EnvoyHost.request_header("x-bytes").unwrap(),
+        Some(b"\x01\xff".to_vec())
+    );
+    // NotFound is the host's way of saying the map has no such header, not an error.
+    assert_eq!(EnvoyHost.request_header(":path").unwrap(), None);
+    for (status, name) in REFUSALS.iter().filter(|(s, _)| *s != mock_abi::NOT_FOUND) {
+        refuse("proxy_get_header_map_value", *status);
+        let error = EnvoyHost.request_header(":method").expect_err("refused");
+        names(&error, *status, name);
+    }
+}
+
 type BodyRead = fn(&EnvoyHost, usize) -> Result<Vec<u8>, HostError>;
 
 const BODY_READS: [(u32, BodyRead); 4] = [

@@ -47,6 +47,9 @@ pub trait Host: SharedData {
     fn now_nanos(&self) -> u64;
 
     fn request_headers(&self) -> Result<HeaderPairs, HostError>;
+    /// One request header's value (None when absent): one small read where the whole map
+    /// copies every header.
+    fn request_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError>;
     /// The first `size` bytes of the buffered request body.
     fn request_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
     /// The request's trailers (request trailers callback, and while the request is held).

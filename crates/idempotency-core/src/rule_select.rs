@@ -106,6 +106,85 @@ fn host_without_port(authority: &str) -> &str {
     authority.split(':').next().unwrap_or(authority)
 }
 
+/// What a request must look like for any rule to have something to do with it, decided
+/// from the method and the path alone, so that most requests a rule never names (a mesh's
+/// reads, other routes) pass without the property reads selection makes (route metadata,
+/// route and virtual host names). Never rules out a request `select` (or a lookup route)
+/// would take.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Prefilter {
+    /// Upper-cased: every rule's methods, and GET and HEAD with a lookup route.
+    methods: Vec<String>,
+    /// None when the path cannot rule a request out: some rule matches any path. (A rule
+    /// named by route metadata applies whatever the path: the caller asks the metadata of
+    /// a request this rules out.)
+    paths: Option<Paths>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Paths {
+    prefixes: Vec<String>,
+    exact: Vec<String>,
+}
+
+impl Prefilter {
+    /// `lookup_paths`: the rules' lookup routes (matched exactly, GET and HEAD).
+    pub fn new<'a, R: AsRef<Rule>>(
+        rules: &[R],
+        lookup_paths: impl IntoIterator<Item = &'a str>,
+    ) -> Prefilter {
+        let mut methods: Vec<String> = Vec::new();
+        let mut paths = Some(Paths::default());
+        for rule in rules {
+            let matcher = &rule.as_ref().matcher;
+            for method in &matcher.methods {
+                if !methods.contains(method) {
+                    methods.push(method.clone());
+                }
+            }
+            if matcher.path_prefixes.is_empty() && matcher.paths.is_empty() {
+                paths = None;
+            }
+            if let Some(p) = paths.as_mut() {
+                p.prefixes.extend(matcher.path_prefixes.iter().cloned());
+                p.exact.extend(matcher.paths.iter().cloned());
+            }
+        }
+        let mut has_lookup = false;
+        for path in lookup_paths {
+            has_lookup = true;
+            if let Some(p) = paths.as_mut() {
+                p.exact.push(path.to_string());
+            }
+        }
+        if has_lookup {
+            for method in ["GET", "HEAD"] {
+                if !methods.iter().any(|m| m == method) {
+                    methods.push(method.to_string());
+                }
+            }
+        }
+        Prefilter { methods, paths }
+    }
+
+    /// False when no rule covers `method`: the request is none of the filter's business.
+    pub fn method_may_match(&self, method: &[u8]) -> bool {
+        self.methods
+            .iter()
+            .any(|m| m.as_bytes().eq_ignore_ascii_case(method))
+    }
+
+    /// False when no rule's paths (nor a lookup route) can match `path` (without query);
+    /// a rule named by route metadata may still apply.
+    pub fn path_may_match(&self, path: &[u8]) -> bool {
+        let Some(p) = &self.paths else {
+            return true;
+        };
+        p.prefixes.iter().any(|x| path.starts_with(x.as_bytes()))
+            || p.exact.iter().any(|x| path == x.as_bytes())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,6 +202,41 @@ mod tests {
             ]}"#,
         )
         .unwrap()
+    }
+
+    fn prefilter(rules: &str, lookups: &[&str]) -> Prefilter {
+        let config = Config::parse(format!(r#"{{"rules":[{rules}]}}"#).as_bytes()).unwrap();
+        Prefilter::new(&config.rules, lookups.iter().copied())
+    }
+
+    #[test]
+    fn the_prefilter_rules_out_only_what_no_rule_can_take() {
+        let p = prefilter(
+            r#"{"name":"a","match":{"path_prefixes":["/orders"],"methods":["put"]}},
+               {"name":"b","match":{"grpc_methods":["shop.v1.Pay/Charge"]}}"#,
+            &[],
+        );
+        assert!(p.method_may_match(b"PUT") && p.method_may_match(b"post"));
+        assert!(!p.method_may_match(b"GET") && !p.method_may_match(b"DELETE"));
+        assert!(p.path_may_match(b"/orders/7") && p.path_may_match(b"/shop.v1.Pay/Charge"));
+        assert!(!p.path_may_match(b"/shop.v1.Pay/Charge2") && !p.path_may_match(b"/search"));
+
+        // A lookup route lets GET and HEAD in, on its path only.
+        let p = prefilter(
+            r#"{"name":"a","match":{"path_prefixes":["/orders"]}}"#,
+            &["/k"],
+        );
+        assert!(p.method_may_match(b"GET") && p.method_may_match(b"HEAD"));
+        assert!(p.path_may_match(b"/k") && !p.path_may_match(b"/k/1"));
+
+        // A rule without paths matches any path (a route name, a host): the path decides
+        // nothing then.
+        let p = prefilter(
+            r#"{"name":"a","match":{"path_prefixes":["/orders"]}},
+               {"name":"b","match":{"route_names":["pay"]}}"#,
+            &[],
+        );
+        assert!(p.path_may_match(b"/anything"));
     }
 
     fn facts<'a>(method: &'a str, path: &'a str, authority: &'a str) -> RequestFacts<'a> {

@@ -296,6 +296,19 @@ impl Host for FakeHost {
         Ok(headers)
     }
 
+    fn request_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        self.check(HostCall::RequestHeaders)?;
+        let value = self
+            .request_headers
+            .borrow()
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone());
+        let read = value.as_ref().map_or(0, Vec::len);
+        self.census.count("request header", read, name.len());
+        Ok(value)
+    }
+
     fn request_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
         self.check(HostCall::RequestBody)?;
         let body = self.request_body.borrow();

@@ -30,6 +30,15 @@ enum FailedAt {
     Body,
 }
 
+/// The rule the route's metadata names, if the configuration looks for one.
+fn route_metadata_rule(host: &impl Host, config: &crate::config::Config) -> Option<String> {
+    let ns = config.route_metadata_namespace.as_deref()?;
+    property_string(
+        host,
+        &["xds", "route_metadata", "filter_metadata", ns, "rule"],
+    )
+}
+
 /// What a request costs Envoy beyond its body while it is held (headers, stream state).
 const REQUEST_OVERHEAD_BYTES: usize = 2048;
 
@@ -66,10 +75,25 @@ impl RequestJourney {
         };
         let method = text(":method");
         let path = text(":path");
-        if let Some(rule) = self.lookup_rule(method, path_without_query(path)) {
+        let config = &self.plugin.config;
+        // Most requests of a mesh (its reads, other routes) are no rule's business: told
+        // from the method and path before any property is read (each read is a crossing
+        // that costs about as much as the header map itself).
+        let prefilter = &self.plugin.prefilter;
+        if !prefilter.method_may_match(method.as_bytes()) {
+            // (Only when `on` could not tell it by `:method` alone: a lookup route, say.)
+            return pass();
+        }
+        let mut metadata_rule = None;
+        if !prefilter.path_may_match(path_without_query(path).as_bytes()) {
+            // Only a rule the route's metadata names may still apply, whatever the path.
+            metadata_rule = route_metadata_rule(host, config);
+            if metadata_rule.is_none() {
+                return pass();
+            }
+        } else if let Some(rule) = self.lookup_rule(method, path_without_query(path)) {
             return self.on_lookup(host, rule, &headers, path);
         }
-        let config = &self.plugin.config;
         let route_name = config
             .needs_route_name()
             .then(|| property_string(host, &["xds", "route_name"]))
@@ -78,12 +102,7 @@ impl RequestJourney {
             .needs_virtual_host()
             .then(|| property_string(host, &["xds", "virtual_host_name"]))
             .flatten();
-        let metadata_rule = config.route_metadata_namespace.as_deref().and_then(|ns| {
-            property_string(
-                host,
-                &["xds", "route_metadata", "filter_metadata", ns, "rule"],
-            )
-        });
+        let metadata_rule = metadata_rule.or_else(|| route_metadata_rule(host, config));
         let facts = RequestFacts {
             method,
             path: path_without_query(path),

@@ -19,6 +19,7 @@ use crate::burst_log::BurstLog;
 use crate::config::{Config, InFlightPolicy, StoreTransport};
 use crate::host::Host;
 use crate::rule_handle::RuleHandle;
+use crate::rule_select::Prefilter;
 use crate::store::link::StoreLink;
 use crate::store::writes::{Links, StoreWrites};
 use crate::table::{self, Table};
@@ -75,6 +76,8 @@ pub struct Plugin {
     pub resolutions: Resolutions,
     /// Some rule has a lookup route (`lookup`): GETs are looked at for it.
     pub has_lookup_routes: bool,
+    /// Which requests no rule can have anything to do with, by method and path.
+    pub prefilter: Prefilter,
 }
 
 impl Plugin {
@@ -117,6 +120,10 @@ impl Plugin {
             }
         }
         let has_lookup_routes = rules.iter().any(|r| r.rule.lookup_route.is_some());
+        let lookup_paths = rules
+            .iter()
+            .filter_map(|r| r.rule.lookup_route.as_ref().map(|l| l.path.as_str()));
+        let prefilter = Prefilter::new(&rules, lookup_paths);
         let owners = OwnerTokens::allocate(host, &format!("{NAMESPACE}/owner-vm-sequence"));
         let writes = StoreWrites::new(
             host,
@@ -143,6 +150,7 @@ impl Plugin {
             detached_log: RefCell::new(BurstLog::new(10_000)),
             resolutions: Resolutions::default(),
             has_lookup_routes,
+            prefilter,
         })
     }
 

@@ -342,6 +342,31 @@ fn new_key() -> Counted {
     counted("new key", &host)
 }
 
+/// A request no rule covers (a browser's read, a write on another route), with the
+/// census's dozen headers and no body: it arrives, is answered upstream, and ends.
+fn unprotected(path: &'static str, method: &str, target: &str) -> Counted {
+    let host = FakeHost::default();
+    let root = root(&host, SINGLE);
+    reset(&host);
+    set_request(&host, "k1", b"");
+    for (name, value) in host.request_headers.borrow_mut().iter_mut() {
+        match name.as_str() {
+            ":method" => *value = method.as_bytes().to_vec(),
+            ":path" => *value = target.as_bytes().to_vec(),
+            _ => {}
+        }
+    }
+    host.effective_context.set(2);
+    let journey = root.new_request(2).unwrap();
+    let headers = Event::RequestHeaders {
+        end_of_stream: true,
+    };
+    deliver(&host, &mut journey.borrow_mut(), headers);
+    assert!(matches!(journey.borrow().state(), Journey::Unprotected));
+    upstream_answers(&host, &journey, 2);
+    counted(path, &host)
+}
+
 /// A retry of a first request with its key (completed, or still in flight), answered by the
 /// filter with `status`.
 fn retry(path: &'static str, first_completes: bool, body: &[u8], status: u16) -> Counted {
@@ -471,7 +496,12 @@ type Allowed = (&'static str, u64, &'static str);
 
 /// What every protected request needs to be told apart and counted. (With
 /// `access_log_fields`, three `set_property` calls more: rule, key hash, outcome.)
-const REQUEST: [Allowed; 3] = [
+const REQUEST: [Allowed; 4] = [
+    (
+        "request header",
+        1,
+        ":method on its own first: a request no rule covers (a read) stops there",
+    ),
     (
         "request headers",
         1,
@@ -526,6 +556,22 @@ const REFUSED: [Allowed; 3] = [
 
 const BUDGETS: &[Budget] = &[
     Budget {
+        path: "unprotected GET",
+        calls: &[&[(
+            "request header",
+            1,
+            ":method alone: no rule covers it; no map, nothing on later callbacks",
+        )]],
+    },
+    Budget {
+        path: "unprotected POST",
+        calls: &[&[
+            ("request header", 1, ":method on its own first: a request no rule covers (a read) stops there"),
+            ("request headers", 1, "the map: no rule's path matches"),
+            ("properties", 1, "the route's metadata, which could name a rule whatever the path (route_metadata_namespace; null turns it off)"),
+        ]],
+    },
+    Budget {
         path: "new key",
         calls: &[&REQUEST, &EXECUTED, &[("clock", 2, "one per callback that decides: the claim, the completion")]],
     },
@@ -535,6 +581,7 @@ const BUDGETS: &[Budget] = &[
     Budget {
         path: "wait, then replay",
         calls: &[&ROUTE_METADATA, &[
+            ("request header", 1, ":method on its own first: a request no rule covers (a read) stops there"),
             ("request headers", 1, "as any request"),
             ("request body", 1, "as any request"),
             ("metrics", 2, "waited, replayed_after_wait"),
@@ -645,6 +692,8 @@ fn census_of_host_calls_per_path_within_budget() {
         cluster_replay(),
         grpc_new_call(),
         grpc_replay(),
+        unprotected("unprotected GET", "GET", "/catalog/items/42"),
+        unprotected("unprotected POST", "POST", "/search"),
     ];
     let printed = table(&paths);
     println!("census-begin\n{printed}census-end");
