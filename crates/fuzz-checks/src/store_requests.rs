@@ -3,6 +3,7 @@
 //! side, the store's generated code for its own).
 
 use arbitrary::{Result, Unstructured};
+use idempotency_protocol::record::{is_unknown_outcome, RecordedResponse, UnknownOutcome};
 use idempotency_protocol::stream::{decode_call, encode_call, Call, CallOp};
 use idempotency_protocol::wire::{
     decode_record, encode_record, ClaimBody, CompleteBody, ReleaseBody, RenewBody, MAX_LEASE_MS,
@@ -397,7 +398,7 @@ fn verdicts(op: &CallOp) -> (String, String) {
             ttl_ms,
         } => {
             let valid = Digest::parse(key).is_ok()
-                && !current.is_empty()
+                && is_unknown_outcome(current)
                 && if record.is_empty() {
                     *ttl_ms == 0
                 } else {
@@ -467,7 +468,16 @@ fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
         },
         4 => CallOp::Settle {
             key: digest_text(u)?,
-            current: u.arbitrary()?,
+            // What a filter sends (an unknown outcome), or anything.
+            current: if u.arbitrary()? {
+                let outcome = UnknownOutcome {
+                    details: u.arbitrary()?,
+                    ..UnknownOutcome::default()
+                };
+                RecordedResponse::unknown_outcome(outcome).encode()
+            } else {
+                u.arbitrary()?
+            },
             record: u.arbitrary()?,
             ttl_ms: if u.arbitrary()? {
                 0

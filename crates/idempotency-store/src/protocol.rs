@@ -213,6 +213,14 @@ pub fn validate_settle(
             "must hold the record to settle",
         ));
     }
+    if !idempotency_protocol::record::is_unknown_outcome(&current) {
+        // Refused before the store is read, so the answer tells nothing of what it holds.
+        return Err(BadRequest::field(
+            "current",
+            "is not the record of an unknown outcome: a settle replaces or removes only \
+             those, never a recorded response",
+        ));
+    }
     let replacement = if record.is_empty() {
         if ttl_ms != 0 {
             return Err(BadRequest::field(

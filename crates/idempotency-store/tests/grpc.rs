@@ -274,6 +274,80 @@ async fn one_stream_carries_every_operation_on_redis() {
     one_stream_carries_every_operation(Store::redis().await).await;
 }
 
+fn settle(key: &str, current: &[u8], record: &[u8]) -> Op {
+    Op::Settle(pb::Settle {
+        key: key.into(),
+        current: current.to_vec(),
+        record: record.to_vec(),
+        ttl_ms: 0,
+    })
+}
+
+/// The data-plane token can look a completed record up and name it byte for byte: a settle of
+/// it is refused by name and changes nothing, so the write is not run again. An unknown
+/// outcome is settled as before.
+async fn a_settle_frees_only_an_unknown_outcome(store: Store) {
+    use idempotency_protocol::record::{RecordedResponse, UnknownOutcome};
+    let mut s = Conversation::open(&store).await;
+    let fp = random_digest();
+    let charged = RecordedResponse {
+        status: 201,
+        body: br#"{"charge":1}"#.to_vec(),
+        ..RecordedResponse::default()
+    }
+    .encode();
+    let unknown = RecordedResponse::unknown_outcome(UnknownOutcome::default()).encode();
+    for (key, record) in [
+        (random_digest(), charged.clone()),
+        (random_digest(), unknown.clone()),
+    ] {
+        let key = key.as_str();
+        let Reply::Claimed(claimed) = s.call(claim(key, fp.as_str(), "")).await else {
+            panic!("a new key is claimed");
+        };
+        assert!(matches!(
+            s.call(complete(key, &claimed.owner, &record)).await,
+            Reply::Recorded(_)
+        ));
+        let Reply::Completed(looked_up) = s.call(Op::Lookup(pb::Lookup { key: key.into() })).await
+        else {
+            panic!("a completed key's lookup");
+        };
+        let settled = s.call(settle(key, &looked_up.record, b"")).await;
+        let retry = s.call(claim(key, fp.as_str(), "")).await;
+        if record == unknown {
+            assert!(matches!(settled, Reply::Released(_)), "{settled:?}");
+            assert!(matches!(retry, Reply::Claimed(_)), "freed: {retry:?}");
+        } else {
+            match settled {
+                Reply::Failure(f) => {
+                    assert_eq!(f.kind, pb::failure::Kind::BadRequest as i32);
+                    assert!(
+                        f.detail.contains("`current`") && f.detail.contains("unknown outcome"),
+                        "{}",
+                        f.detail
+                    );
+                }
+                other => panic!("a recorded response settled: {other:?}"),
+            }
+            assert!(
+                matches!(&retry, Reply::Completed(c) if c.record == charged),
+                "replayed, not run again: {retry:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_settle_frees_only_an_unknown_outcome_on_the_embedded_backend() {
+    a_settle_frees_only_an_unknown_outcome(Store::embedded().await).await;
+}
+
+#[tokio::test]
+async fn a_settle_frees_only_an_unknown_outcome_on_redis() {
+    a_settle_frees_only_an_unknown_outcome(Store::redis().await).await;
+}
+
 #[tokio::test]
 async fn many_calls_in_flight_are_each_answered_once_by_id_and_a_bad_one_fails_alone() {
     let store = Store::embedded().await;

@@ -815,7 +815,7 @@ impl Storage for RedisStorage {
         }
     }
 
-    async fn settle(
+    async fn settle_exactly(
         &self,
         key: &Digest,
         current: &[u8],
