@@ -282,11 +282,13 @@ fn to_pb(call: &Call) -> pb::Call {
             current,
             record,
             ttl_ms,
+            tombstone_ms,
         } => PbOp::Settle(pb::Settle {
             key: key.clone(),
             current: current.clone(),
             record: record.clone(),
             ttl_ms: *ttl_ms,
+            tombstone_ms: *tombstone_ms,
         }),
         CallOp::Renew { lease_ms, leases } => PbOp::Renew(pb::Renew {
             lease_ms: *lease_ms,
@@ -396,21 +398,19 @@ fn verdicts(op: &CallOp) -> (String, String) {
             current,
             record,
             ttl_ms,
+            tombstone_ms,
         } => {
             let valid = Digest::parse(key).is_ok()
                 && is_unknown_outcome(current)
                 && if record.is_empty() {
-                    *ttl_ms == 0
+                    *ttl_ms == 0 && *tombstone_ms == 0
                 } else {
-                    *ttl_ms == 0 || (MIN_TTL_MS..=MAX_TTL_MS).contains(ttl_ms)
+                    (*ttl_ms == 0 || (MIN_TTL_MS..=MAX_TTL_MS).contains(ttl_ms))
+                        && *tombstone_ms <= MAX_TTL_MS
                 };
-            (
-                format!(
-                    "{:?}",
-                    validate_settle(key, current.clone(), record.clone(), *ttl_ms).is_ok()
-                ),
-                format!("{valid:?}"),
-            )
+            let validated =
+                validate_settle(key, current.clone(), record.clone(), *ttl_ms, *tombstone_ms);
+            (format!("{:?}", validated.is_ok()), format!("{valid:?}"))
         }
         CallOp::Renew { lease_ms, leases } => {
             let body = renew_body(*lease_ms, leases);
@@ -480,6 +480,11 @@ fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
             },
             record: u.arbitrary()?,
             ttl_ms: if u.arbitrary()? {
+                0
+            } else {
+                time(u, MAX_TTL_MS)?
+            },
+            tombstone_ms: if u.arbitrary()? {
                 0
             } else {
                 time(u, MAX_TTL_MS)?

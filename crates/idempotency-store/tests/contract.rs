@@ -1043,6 +1043,7 @@ async fn an_unknown_outcome_is_settled_only_where_it_still_is(h: &Harness) {
     let replaced = |ttl_ms| Replacement {
         record: resolved.clone(),
         ttl_ms,
+        tombstone_ms: 0,
     };
 
     // Took effect, keeping the unknown outcome's expiry.
@@ -1147,6 +1148,7 @@ async fn a_recorded_response_is_never_settled(h: &Harness) {
     let rewritten = Replacement {
         record: unknown_outcome("rewritten"),
         ttl_ms: None,
+        tombstone_ms: 0,
     };
     for tombstone_ms in [0, LONG_TTL_MS] {
         let (k, fp) = (random_digest(), random_digest());
@@ -1172,6 +1174,66 @@ async fn a_recorded_response_is_never_settled(h: &Harness) {
                 record: paid.clone()
             },
             "a retry replays, never runs again"
+        );
+    }
+}
+
+/// An unknown outcome settled as taken effect, with a tombstone, is kept exactly as a
+/// completion with that tombstone: whole until its TTL (given, or the unknown outcome's), then
+/// without its body until the tombstone's end, so a late redelivery replays its status and
+/// never runs the write again.
+async fn a_settled_answer_keeps_its_tombstone(h: &Harness) {
+    let short = h.short_ms();
+    let charged = RecordedResponse {
+        status: 200,
+        headers: vec![("idempotent-resolved".into(), b"true".to_vec())],
+        body: br#"{"charge":1}"#.to_vec(),
+        ..RecordedResponse::default()
+    };
+    let unknown = unknown_outcome("upstream_response_timeout");
+    for ttl_ms in [Some(short), None] {
+        let (k, fp) = (random_digest(), random_digest());
+        let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+        h.complete(&k, &owner, short, &unknown).await;
+        let unknown_until = h.stored(&k).await.unwrap().expires_at_ms;
+        let took_effect = Replacement {
+            record: charged.encode(),
+            ttl_ms,
+            tombstone_ms: 20 * short,
+        };
+        assert_eq!(
+            h.s().settle(&k, &unknown, Some(took_effect)).await.unwrap(),
+            SettleOutcome::Replaced
+        );
+        let whole = h.stored(&k).await.unwrap();
+        assert_eq!(whole.record, Some(charged.encode()));
+        let ttl_end = match ttl_ms {
+            Some(ttl) => whole.written_at_ms.unwrap() + ttl,
+            None => unknown_until,
+        };
+        assert_eq!(
+            whole.expires_at_ms,
+            ttl_end + 20 * short,
+            "kept to the tombstone's end ({ttl_ms:?})"
+        );
+        h.pass(short).await;
+        h.s().sweep_expired().await.unwrap();
+        let tombstone = charged.without_body().encode();
+        assert_eq!(
+            h.claim(&k, &fp, LONG_LEASE_MS).await,
+            ClaimOutcome::Completed {
+                record: tombstone.clone()
+            },
+            "past its TTL a redelivery gets the tombstone ({ttl_ms:?})"
+        );
+        assert_eq!(
+            h.claim(&k, &random_digest(), LONG_LEASE_MS).await,
+            ClaimOutcome::Mismatch
+        );
+        let kept = h.stored(&k).await.unwrap();
+        assert_eq!(
+            (kept.record, kept.fingerprint, kept.expires_at_ms),
+            (Some(tombstone), fp, ttl_end + 20 * short)
         );
     }
 }
@@ -1210,6 +1272,7 @@ macro_rules! contract_suite {
                 a_batch_answers_the_indexes_of_the_leases_it_lost,
                 an_unknown_outcome_is_settled_only_where_it_still_is,
                 a_recorded_response_is_never_settled,
+                a_settled_answer_keeps_its_tombstone,
                 a_tombstone_outlives_the_whole_record,
             );
         }
@@ -1261,6 +1324,7 @@ async fn the_contract_holds_on_a_redis_cluster() {
     a_renew_never_shortens_a_lease(&h).await;
     an_unknown_outcome_is_settled_only_where_it_still_is(&h).await;
     a_recorded_response_is_never_settled(&h).await;
+    a_settled_answer_keeps_its_tombstone(&h).await;
     // Its keys live on every primary: one batch renews on all of them.
     a_batch_answers_the_indexes_of_the_leases_it_lost(&h).await;
     // Keys with one prefix live on every primary (the whole digest is the hash tag), so the
@@ -1685,6 +1749,7 @@ async fn redis_unknown_outcomes_an_earlier_store_wrote_as_hashes_are_settled() {
     let paid = Replacement {
         record: b"paid".to_vec(),
         ttl_ms: None,
+        tombstone_ms: 0,
     };
     assert_eq!(
         s.settle(&took, unknown_a.as_bytes(), Some(paid))

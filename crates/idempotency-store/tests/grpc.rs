@@ -274,12 +274,14 @@ async fn one_stream_carries_every_operation_on_redis() {
     one_stream_carries_every_operation(Store::redis().await).await;
 }
 
-fn settle(key: &str, current: &[u8], record: &[u8]) -> Op {
+/// A settle; `kept` = (ttl_ms, tombstone_ms) of the replacement.
+fn settle(key: &str, current: &[u8], record: &[u8], kept: (u64, u64)) -> Op {
     Op::Settle(pb::Settle {
         key: key.into(),
         current: current.to_vec(),
         record: record.to_vec(),
-        ttl_ms: 0,
+        ttl_ms: kept.0,
+        tombstone_ms: kept.1,
     })
 }
 
@@ -313,7 +315,7 @@ async fn a_settle_frees_only_an_unknown_outcome(store: Store) {
         else {
             panic!("a completed key's lookup");
         };
-        let settled = s.call(settle(key, &looked_up.record, b"")).await;
+        let settled = s.call(settle(key, &looked_up.record, b"", (0, 0))).await;
         let retry = s.call(claim(key, fp.as_str(), "")).await;
         if record == unknown {
             assert!(matches!(settled, Reply::Released(_)), "{settled:?}");
@@ -336,6 +338,45 @@ async fn a_settle_frees_only_an_unknown_outcome(store: Store) {
             );
         }
     }
+}
+
+/// A settle's `tombstone_ms` keeps its replacement past the TTL without its body, as a
+/// completion's does: a redelivery then replays the status and never runs again.
+async fn a_settle_keeps_the_tombstone_it_carries(store: Store) {
+    use idempotency_protocol::record::{RecordedResponse, UnknownOutcome};
+    let mut s = Conversation::open(&store).await;
+    let (key, fp) = (random_digest(), random_digest());
+    let (key, fp) = (key.as_str(), fp.as_str());
+    let unknown = RecordedResponse::unknown_outcome(UnknownOutcome::default()).encode();
+    let charged = RecordedResponse {
+        status: 200,
+        body: br#"{"charge":1}"#.to_vec(),
+        ..RecordedResponse::default()
+    };
+    let Reply::Claimed(claimed) = s.call(claim(key, fp, "")).await else {
+        panic!("a new key is claimed");
+    };
+    assert!(matches!(
+        s.call(complete(key, &claimed.owner, &unknown)).await,
+        Reply::Recorded(_)
+    ));
+    let took_effect = settle(key, &unknown, &charged.encode(), (100, TTL_MS));
+    assert!(matches!(s.call(took_effect).await, Reply::Recorded(_)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    match s.call(claim(key, fp, "")).await {
+        Reply::Completed(found) => assert_eq!(found.record, charged.without_body().encode()),
+        other => panic!("past its TTL, the tombstone: got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_settle_keeps_the_tombstone_it_carries_on_the_embedded_backend() {
+    a_settle_keeps_the_tombstone_it_carries(Store::embedded().await).await;
+}
+
+#[tokio::test]
+async fn a_settle_keeps_the_tombstone_it_carries_on_redis() {
+    a_settle_keeps_the_tombstone_it_carries(Store::redis().await).await;
 }
 
 #[tokio::test]

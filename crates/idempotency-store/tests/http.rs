@@ -327,6 +327,45 @@ async fn a_settle_of_a_recorded_response_is_refused_and_changes_nothing() {
     );
 }
 
+/// A settle's `tombstone_ms` keeps its replacement as a completion's does: whole for
+/// `ttl_ms`, then that much longer without its body. Freeing a key keeps nothing, so a
+/// tombstone there is refused.
+#[tokio::test]
+async fn a_settle_over_http_keeps_the_tombstone_it_carries() {
+    let b64 = idempotency_protocol::wire::encode_record;
+    let srv = TestServer::start().await;
+    let unknown = b64(&unknown_outcome("upstream_response_timeout"));
+    let claim = json!({"key": K, "fingerprint": FP, "lease_ms": 60000, "owner": "0a"});
+    assert_eq!(srv.post("/v1/claim", &claim).await.0, StatusCode::OK);
+    let complete = json!({"key": K, "owner": "0a", "ttl_ms": 60000, "record": unknown});
+    assert_eq!(srv.post("/v1/complete", &complete).await.0, StatusCode::OK);
+
+    let freeing = json!({"key": K, "current": unknown, "tombstone_ms": 5000});
+    let resp = srv
+        .client
+        .post(srv.url("/v1/settle"))
+        .bearer_auth(TOKEN)
+        .json(&freeing)
+        .send()
+        .await
+        .unwrap();
+    assert_bad_request(
+        resp,
+        "field `tombstone_ms`: must be 0 when the key is freed",
+    )
+    .await;
+
+    let took_effect = json!({"key": K, "current": unknown, "record": b64(b"paid"),
+        "ttl_ms": 1000, "tombstone_ms": 5000});
+    assert_eq!(
+        srv.post("/v1/settle", &took_effect).await,
+        (StatusCode::OK, json!({"outcome": "replaced"}))
+    );
+    let (_, rec) = srv.get(&format!("/v1/records/{K}")).await;
+    let kept_ms = rec["expires_at_ms"].as_u64().unwrap() - rec["written_at_ms"].as_u64().unwrap();
+    assert_eq!(kept_ms, 1000 + 5000, "its TTL, then its tombstone: {rec}");
+}
+
 #[tokio::test]
 async fn happy_path_claim_complete_replay_release() {
     let srv = TestServer::start().await;

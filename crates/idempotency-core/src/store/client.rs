@@ -127,6 +127,7 @@ pub fn settle_call(key: &Digest, current: Vec<u8>, record: Option<Vec<u8>>, ttl_
         current,
         record: record.unwrap_or_default(),
         ttl_ms,
+        tombstone_ms: 0,
     }
 }
 
@@ -178,11 +179,13 @@ pub fn http_body(call: &CallOp) -> Vec<u8> {
             current,
             record,
             ttl_ms,
+            tombstone_ms,
         } => serde_json::to_vec(&SettleBody {
             key: Some(key.clone()),
             current: encode_record(current),
             record: (!record.is_empty()).then(|| encode_record(record)),
             ttl_ms: (*ttl_ms != 0).then_some(*ttl_ms),
+            tombstone_ms: *tombstone_ms,
         }),
         // The stream alone carries these.
         CallOp::Wait { .. } | CallOp::Lookup { .. } => return Vec::new(),

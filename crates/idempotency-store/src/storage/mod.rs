@@ -107,6 +107,9 @@ pub enum SettleOutcome {
 pub struct Replacement {
     pub record: Vec<u8>,
     pub ttl_ms: Option<u64>,
+    /// After that, how long the replacement is kept without its body, exactly as a
+    /// completion with `tombstone_ms` is (0: not at all).
+    pub tombstone_ms: u64,
 }
 
 /// A claim a renew call keeps alive: its key and the owner it was claimed by.
