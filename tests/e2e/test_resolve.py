@@ -21,6 +21,7 @@ import harness
 from cluster import post as cluster_post
 from cluster import HOST, past_in_flight, start_cluster, wait_for_answer
 from helpers import (
+    BODY_OMITTED,
     crash_lines,
     envoy_yaml_plugin_config,
     is_replay,
@@ -52,6 +53,26 @@ def pay_rule(**resolve: Any) -> dict:
     settings = {"path": "/payments/by-key/{key}", "settle_seconds": SETTLE_SECONDS,
                 "backoff_seconds": 1, **resolve}
     return rule(RULE, prefixes=[SLOW], resolve=settings, lookup={"path": STATUS})
+
+
+# The pay rule with tombstones, kept short: the service's answer whole for TTL_SECONDS after
+# the resolution, then as its tombstone. A 1.5 s payment has finished by the settle time (1 s
+# after the route's 1 s timeout), well before the unknown outcome's own TTL ends.
+TTL_SECONDS = 3
+SHORT_PAYMENT_MS = 1500
+
+
+def pay_rule_keeping_tombstones() -> dict:
+    return {**pay_rule(settle_seconds=1), "ttl_seconds": TTL_SECONDS,
+            "lease_seconds": TTL_SECONDS, "tombstone_seconds": 300}
+
+
+def assert_tombstone_of(resp: client.Response, resolved: client.Response) -> None:
+    """``resp`` is the tombstone of ``resolved``: its status and marks, no body, a replay."""
+    assert resp.status_code == resolved.status_code, (resp.status_code, resp.content[:300])
+    assert is_replay(resp) and resp.headers.get(BODY_OMITTED) == "true", dict(resp.headers)
+    assert resp.headers["idempotent-resolved"] == "true"
+    assert resp.content == b""
 
 
 def timed_out(envoy: harness.Envoy, path: str, key: str, delay_ms: int = 2000,
@@ -122,6 +143,25 @@ def test_a_payment_that_went_through_is_replayed_once_the_service_says_so(edge) 
     assert upstream.executions(path) == 1
     assert rule_counter(envoy, RULE, "resolved_took_effect") == 1
     assert "unknown outcome resolved after 1 lookup(s) (the service answered 200)" in envoy.log_text()
+
+
+def test_a_payment_resolved_as_taken_effect_keeps_its_tombstone_past_the_ttl(procs) -> None:
+    """With ``tombstone_seconds``, the service's answer is kept as any completed response: a
+    late redelivery after the TTL gets its status (the tombstone), and the charge is never
+    made a second time."""
+    upstream = procs.upstream()
+    config = sample_single_proxy_config()
+    config["rules"].append(pay_rule_keeping_tombstones())
+    envoy = start_envoy(procs, upstream, config, name="envoy-tombstone", mutate=add_routes)
+    path, key = unique_path(SLOW), new_key()
+    timed_out(envoy, path, key, delay_ms=SHORT_PAYMENT_MS)
+    resolved = resolved_answer(envoy, path, key)
+    assert resolved.status_code == 200 and resolved.headers["idempotent-resolved"] == "true"
+    time.sleep(TTL_SECONDS + 0.5)
+    assert_tombstone_of(retry(envoy, path, key), resolved)
+    assert upstream.executions(path) == 1
+    assert rule_counter(envoy, RULE, "replayed_tombstone") == 1
+    assert not crash_lines(envoy.log_text())
 
 
 def test_a_payment_that_never_went_through_frees_its_key_and_the_retry_pays_once(edge) -> None:
@@ -263,6 +303,28 @@ def test_cluster_a_payment_that_never_ran_is_freed_for_every_replica(replicas) -
     replay, _ = wait_for_answer(lambda: cluster_post(b, path, key, headers=CALLER), timeout=5)
     assert replay.status_code == 201 and replay.content == again.content
     assert replicas.upstream.executions(path) == 2
+
+
+def test_cluster_a_payment_resolved_as_taken_effect_keeps_its_tombstone_past_the_ttl(procs) -> None:
+    """Cluster mode: A resolves the payment. Past the TTL, a late redelivery through B (which
+    never saw the key: it asks the store) and through A (its own copy) gets the tombstone; the
+    charge is made once."""
+    config = envoy_yaml_plugin_config()
+    config["rules"].append(pay_rule_keeping_tombstones())
+    cluster = start_cluster(procs, envoys=0)
+    for name in ("envoy-a", "envoy-b"):
+        cluster.add_envoy(name, config, mutate=add_routes)
+    a, b = cluster.a, cluster.b
+    path, key = unique_path(SLOW), new_key()
+    timed_out(a, path, key, delay_ms=SHORT_PAYMENT_MS)
+    resolved = resolved_answer(a, path, key)
+    assert resolved.status_code == 200 and resolved.headers["idempotent-resolved"] == "true"
+    time.sleep(TTL_SECONDS + 0.5)
+    for envoy in (b, a):
+        assert_tombstone_of(cluster_post(envoy, path, key, headers=CALLER), resolved)
+    assert cluster.upstream.executions(path) == 1
+    for envoy in cluster.envoys:
+        assert not crash_lines(envoy.log_text())
 
 
 def test_cluster_a_resolution_left_by_a_crashed_envoy_is_taken_on_by_the_other(procs) -> None:

@@ -3,6 +3,7 @@
 //! side, the store's generated code for its own).
 
 use arbitrary::{Result, Unstructured};
+use idempotency_protocol::record::{is_unknown_outcome, RecordedResponse, UnknownOutcome};
 use idempotency_protocol::stream::{decode_call, encode_call, Call, CallOp};
 use idempotency_protocol::wire::{
     decode_record, encode_record, ClaimBody, CompleteBody, ReleaseBody, RenewBody, MAX_LEASE_MS,
@@ -281,11 +282,13 @@ fn to_pb(call: &Call) -> pb::Call {
             current,
             record,
             ttl_ms,
+            tombstone_ms,
         } => PbOp::Settle(pb::Settle {
             key: key.clone(),
             current: current.clone(),
             record: record.clone(),
             ttl_ms: *ttl_ms,
+            tombstone_ms: *tombstone_ms,
         }),
         CallOp::Renew { lease_ms, leases } => PbOp::Renew(pb::Renew {
             lease_ms: *lease_ms,
@@ -395,21 +398,19 @@ fn verdicts(op: &CallOp) -> (String, String) {
             current,
             record,
             ttl_ms,
+            tombstone_ms,
         } => {
             let valid = Digest::parse(key).is_ok()
-                && !current.is_empty()
+                && is_unknown_outcome(current)
                 && if record.is_empty() {
-                    *ttl_ms == 0
+                    *ttl_ms == 0 && *tombstone_ms == 0
                 } else {
-                    *ttl_ms == 0 || (MIN_TTL_MS..=MAX_TTL_MS).contains(ttl_ms)
+                    (*ttl_ms == 0 || (MIN_TTL_MS..=MAX_TTL_MS).contains(ttl_ms))
+                        && *tombstone_ms <= MAX_TTL_MS
                 };
-            (
-                format!(
-                    "{:?}",
-                    validate_settle(key, current.clone(), record.clone(), *ttl_ms).is_ok()
-                ),
-                format!("{valid:?}"),
-            )
+            let validated =
+                validate_settle(key, current.clone(), record.clone(), *ttl_ms, *tombstone_ms);
+            (format!("{:?}", validated.is_ok()), format!("{valid:?}"))
         }
         CallOp::Renew { lease_ms, leases } => {
             let body = renew_body(*lease_ms, leases);
@@ -467,9 +468,23 @@ fn stream_built(u: &mut Unstructured<'_>) -> Result<()> {
         },
         4 => CallOp::Settle {
             key: digest_text(u)?,
-            current: u.arbitrary()?,
+            // What a filter sends (an unknown outcome), or anything.
+            current: if u.arbitrary()? {
+                let outcome = UnknownOutcome {
+                    details: u.arbitrary()?,
+                    ..UnknownOutcome::default()
+                };
+                RecordedResponse::unknown_outcome(outcome).encode()
+            } else {
+                u.arbitrary()?
+            },
             record: u.arbitrary()?,
             ttl_ms: if u.arbitrary()? {
+                0
+            } else {
+                time(u, MAX_TTL_MS)?
+            },
+            tombstone_ms: if u.arbitrary()? {
                 0
             } else {
                 time(u, MAX_TTL_MS)?

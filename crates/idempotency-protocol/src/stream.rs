@@ -58,6 +58,9 @@ pub enum CallOp {
         current: Vec<u8>,
         record: Vec<u8>,
         ttl_ms: u64,
+        /// After that, how long `record` is kept without its body, as a completion's
+        /// tombstone (0: not at all).
+        tombstone_ms: u64,
     },
     /// What the key holds, changing nothing (a caller asking about its own key): answered
     /// `Completed` with the record, `InFlight`, or `Released` when nothing live holds it.
@@ -319,15 +322,17 @@ pub fn encode_call_parts(id: u64, op: &CallOp) -> Vec<u8> {
             current,
             record,
             ttl_ms,
+            tombstone_ms,
         } => (
             field::SETTLE,
             build_sized(
-                key.len() + current.len() + record.len() + 4 * FIELD_HEAD_BYTES,
+                key.len() + current.len() + record.len() + 5 * FIELD_HEAD_BYTES,
                 |w| {
                     w.bytes(1, key.as_bytes());
                     w.bytes(2, current);
                     w.bytes(3, record);
                     w.uint(4, *ttl_ms);
+                    w.uint(5, *tombstone_ms);
                 },
             ),
         ),
@@ -626,14 +631,15 @@ pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
             CallOp::Renew { lease_ms, leases }
         }
         Some((field::SETTLE, body)) => {
-            let (mut key, mut current, mut record, mut ttl_ms) =
-                (String::new(), Vec::new(), Vec::new(), 0);
+            let (mut key, mut current, mut record, mut ttl_ms, mut tombstone_ms) =
+                (String::new(), Vec::new(), Vec::new(), 0, 0);
             each_field(body, |n, v| {
                 match n {
                     1 => key = text(want_len(v)?)?,
                     2 => current = want_len(v)?.to_vec(),
                     3 => record = want_len(v)?.to_vec(),
                     4 => ttl_ms = want_varint(v)?,
+                    5 => tombstone_ms = want_varint(v)?,
                     _ => {}
                 }
                 Ok(())
@@ -643,6 +649,7 @@ pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
                 current,
                 record,
                 ttl_ms,
+                tombstone_ms,
             }
         }
         Some((field::LOOKUP, body)) => {
@@ -804,6 +811,7 @@ mod tests {
                     current: b"IDR1 unknown".to_vec(),
                     record: b"IDR1 took effect".to_vec(),
                     ttl_ms: 86_400_000,
+                    tombstone_ms: 15_552_000_000,
                 },
             },
             Call {
@@ -817,6 +825,7 @@ mod tests {
                     current: vec![0; 3],
                     record: Vec::new(),
                     ttl_ms: 0,
+                    tombstone_ms: 0,
                 },
             },
         ]

@@ -137,7 +137,7 @@ pub struct ReleaseBody {
 /// `POST /v1/settle` (the filter) and `POST /v1/records/{key}/settle` (an operator, whose
 /// path names the key): only while the key's completed record holds exactly `current`, it
 /// becomes `record` (kept `ttl_ms` from now; absent or 0: as long as `current` would have
-/// been), or, without `record`, is removed.
+/// been; then `tombstone_ms` more without its body), or, without `record`, is removed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SettleBody {
@@ -150,6 +150,10 @@ pub struct SettleBody {
     pub record: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_ms: Option<u64>,
+    /// As a completion's: after the replacement's TTL, how long it is kept without its body
+    /// (absent or 0: not at all). Left out when 0, so a store older than it takes the call.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tombstone_ms: u64,
 }
 
 /// `POST /v1/lookup`: what `key` holds, changing nothing. Answered as
@@ -376,6 +380,24 @@ mod tests {
         let complete = json!({"key": "k", "owner": "o", "ttl_ms": 1, "record": ""});
         let parsed: CompleteBody = serde_json::from_value(complete).unwrap();
         assert_eq!(parsed.fingerprint, None);
+        let settle = SettleBody {
+            key: Some("k".into()),
+            current: "c".into(),
+            record: None,
+            ttl_ms: None,
+            tombstone_ms: 0,
+        };
+        let without_tombstone = json!({"key": "k", "current": "c"});
+        assert_eq!(serde_json::to_value(&settle).unwrap(), without_tombstone);
+        assert_eq!(
+            serde_json::from_value::<SettleBody>(without_tombstone).unwrap(),
+            settle
+        );
+        let kept = SettleBody {
+            tombstone_ms: 7,
+            ..settle
+        };
+        assert_eq!(serde_json::to_value(&kept).unwrap()["tombstone_ms"], 7);
     }
 
     #[test]

@@ -445,7 +445,7 @@ async fn answer(state: &AppState, call: pb::Call) -> pb::Answer {
             Err(bad) => refuse(state, bad),
         },
         Some(Op::Settle(c)) => {
-            match protocol::validate_settle(&c.key, c.current, c.record, c.ttl_ms) {
+            match protocol::validate_settle(&c.key, c.current, c.record, c.ttl_ms, c.tombstone_ms) {
                 Ok(req) => match ops::execute_on_own_task(state, req).await {
                     Ok(SettleOutcome::Replaced) => Reply::Recorded(pb::Empty {}),
                     Ok(SettleOutcome::Removed) => Reply::Released(pb::Empty {}),

@@ -194,17 +194,25 @@ pub fn parse_settle(
         Some(text) => base64("record", text)?,
         None => Vec::new(),
     };
-    let mut settle = validate_settle(key, current, record, raw.ttl_ms.unwrap_or(0))?;
+    let mut settle = validate_settle(
+        key,
+        current,
+        record,
+        raw.ttl_ms.unwrap_or(0),
+        raw.tombstone_ms,
+    )?;
     settle.by = by;
     Ok(settle)
 }
 
-/// `record` empty frees the key; `ttl_ms` 0 keeps the current record's expiry.
+/// `record` empty frees the key; `ttl_ms` 0 keeps the current record's expiry; `tombstone_ms`
+/// keeps the replacement that much longer without its body, as a completion's does.
 pub fn validate_settle(
     key: &str,
     current: Vec<u8>,
     record: Vec<u8>,
     ttl_ms: u64,
+    tombstone_ms: u64,
 ) -> Result<SettleRequest, BadRequest> {
     let key = parse_key(key)?;
     if current.is_empty() {
@@ -213,12 +221,19 @@ pub fn validate_settle(
             "must hold the record to settle",
         ));
     }
+    if !idempotency_protocol::record::is_unknown_outcome(&current) {
+        // Refused before the store is read, so the answer tells nothing of what it holds.
+        return Err(BadRequest::field(
+            "current",
+            "is not the record of an unknown outcome: a settle replaces or removes only \
+             those, never a recorded response",
+        ));
+    }
     let replacement = if record.is_empty() {
-        if ttl_ms != 0 {
-            return Err(BadRequest::field(
-                "ttl_ms",
-                "must be 0 when the key is freed",
-            ));
+        for (name, value) in [("ttl_ms", ttl_ms), ("tombstone_ms", tombstone_ms)] {
+            if value != 0 {
+                return Err(BadRequest::field(name, "must be 0 when the key is freed"));
+            }
         }
         None
     } else {
@@ -226,7 +241,11 @@ pub fn validate_settle(
             0 => None,
             ttl => Some(check_range("ttl_ms", ttl, MIN_TTL_MS, MAX_TTL_MS)?),
         };
-        Some(crate::storage::Replacement { record, ttl_ms })
+        Some(crate::storage::Replacement {
+            record,
+            ttl_ms,
+            tombstone_ms: check_range("tombstone_ms", tombstone_ms, 0, MAX_TTL_MS)?,
+        })
     };
     Ok(SettleRequest {
         key,

@@ -27,6 +27,7 @@ use idempotency_store::storage::{
 };
 
 use common::{random_digest, RedisCluster, RedisServer};
+use idempotency_protocol::record::{RecordedResponse, UnknownOutcome};
 
 const LONG_LEASE_MS: u64 = 60_000;
 const LONG_TTL_MS: u64 = 86_400_000;
@@ -373,7 +374,6 @@ async fn lease_expiry_allows_takeover(h: &Harness) {
 /// tombstone (status and headers, the body omitted and marked) until that ends: a retry
 /// replays, another payload is refused, and the sweeper's conversion changes neither.
 async fn a_tombstone_outlives_the_whole_record(h: &Harness) {
-    use idempotency_protocol::record::RecordedResponse;
     let (k, fp) = (random_digest(), random_digest());
     let short = h.short_ms();
     let whole = RecordedResponse {
@@ -1034,7 +1034,7 @@ async fn a_batch_answers_the_indexes_of_the_leases_it_lost(h: &Harness) {
 /// anything else (another record, an in-flight claim, nothing, a retry of a settle that
 /// landed) is left as it is.
 async fn an_unknown_outcome_is_settled_only_where_it_still_is(h: &Harness) {
-    let unknown = b"IDR1 unknown outcome".to_vec();
+    let unknown = unknown_outcome("upstream_response_timeout");
     let resolved = b"IDR1 200 paid".to_vec();
     let settle = |current: &[u8], replacement: Option<Replacement>, k: Digest| {
         let current = current.to_vec();
@@ -1043,6 +1043,7 @@ async fn an_unknown_outcome_is_settled_only_where_it_still_is(h: &Harness) {
     let replaced = |ttl_ms| Replacement {
         record: resolved.clone(),
         ttl_ms,
+        tombstone_ms: 0,
     };
 
     // Took effect, keeping the unknown outcome's expiry.
@@ -1051,7 +1052,12 @@ async fn an_unknown_outcome_is_settled_only_where_it_still_is(h: &Harness) {
     h.complete(&k, &owner, LONG_TTL_MS, &unknown).await;
     let before = h.stored(&k).await.unwrap();
     assert_eq!(
-        settle(b"IDR1 something else", Some(replaced(None)), k.clone()).await,
+        settle(
+            &unknown_outcome("another unknown outcome"),
+            Some(replaced(None)),
+            k.clone()
+        )
+        .await,
         SettleOutcome::NotFound
     );
     assert_eq!(
@@ -1118,6 +1124,120 @@ async fn an_unknown_outcome_is_settled_only_where_it_still_is(h: &Harness) {
     assert_eq!(h.state(&nothing).await, None);
 }
 
+/// The record of an unknown outcome as a filter writes it; `details` tells two apart.
+fn unknown_outcome(details: &str) -> Vec<u8> {
+    RecordedResponse::unknown_outcome(UnknownOutcome {
+        proxy_status: 504,
+        details: details.to_owned(),
+        attempts: 1,
+        ..UnknownOutcome::default()
+    })
+    .encode()
+}
+
+/// A settle replaces or removes only an unknown outcome. A recorded response, named byte for
+/// byte (anyone with the data-plane token can look it up), stays as it is, so its write never
+/// runs again and its retries replay what it answered; its tombstone likewise.
+async fn a_recorded_response_is_never_settled(h: &Harness) {
+    let paid = RecordedResponse {
+        status: 201,
+        body: br#"{"charge":1}"#.to_vec(),
+        ..RecordedResponse::default()
+    }
+    .encode();
+    let rewritten = Replacement {
+        record: unknown_outcome("rewritten"),
+        ttl_ms: None,
+        tombstone_ms: 0,
+    };
+    for tombstone_ms in [0, LONG_TTL_MS] {
+        let (k, fp) = (random_digest(), random_digest());
+        let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+        h.s()
+            .complete_or_create(&k, &owner, LONG_TTL_MS, tombstone_ms, paid.clone(), None)
+            .await
+            .unwrap();
+        let before = h.stored(&k).await.unwrap();
+        let looked_up = before.record.clone().unwrap();
+        assert_eq!(looked_up, paid);
+        for replacement in [None, Some(rewritten.clone())] {
+            assert_eq!(
+                h.s().settle(&k, &looked_up, replacement).await.unwrap(),
+                SettleOutcome::NotFound,
+                "tombstone_ms {tombstone_ms}"
+            );
+        }
+        assert_eq!(h.stored(&k).await, Some(before), "nothing changed");
+        assert_eq!(
+            h.claim(&k, &fp, LONG_LEASE_MS).await,
+            ClaimOutcome::Completed {
+                record: paid.clone()
+            },
+            "a retry replays, never runs again"
+        );
+    }
+}
+
+/// An unknown outcome settled as taken effect, with a tombstone, is kept exactly as a
+/// completion with that tombstone: whole until its TTL (given, or the unknown outcome's), then
+/// without its body until the tombstone's end, so a late redelivery replays its status and
+/// never runs the write again.
+async fn a_settled_answer_keeps_its_tombstone(h: &Harness) {
+    let short = h.short_ms();
+    let charged = RecordedResponse {
+        status: 200,
+        headers: vec![("idempotent-resolved".into(), b"true".to_vec())],
+        body: br#"{"charge":1}"#.to_vec(),
+        ..RecordedResponse::default()
+    };
+    let unknown = unknown_outcome("upstream_response_timeout");
+    for ttl_ms in [Some(short), None] {
+        let (k, fp) = (random_digest(), random_digest());
+        let owner = h.claim_owner(&k, &fp, LONG_LEASE_MS).await;
+        h.complete(&k, &owner, short, &unknown).await;
+        let unknown_until = h.stored(&k).await.unwrap().expires_at_ms;
+        let took_effect = Replacement {
+            record: charged.encode(),
+            ttl_ms,
+            tombstone_ms: 20 * short,
+        };
+        assert_eq!(
+            h.s().settle(&k, &unknown, Some(took_effect)).await.unwrap(),
+            SettleOutcome::Replaced
+        );
+        let whole = h.stored(&k).await.unwrap();
+        assert_eq!(whole.record, Some(charged.encode()));
+        let ttl_end = match ttl_ms {
+            Some(ttl) => whole.written_at_ms.unwrap() + ttl,
+            None => unknown_until,
+        };
+        assert_eq!(
+            whole.expires_at_ms,
+            ttl_end + 20 * short,
+            "kept to the tombstone's end ({ttl_ms:?})"
+        );
+        h.pass(short).await;
+        h.s().sweep_expired().await.unwrap();
+        let tombstone = charged.without_body().encode();
+        assert_eq!(
+            h.claim(&k, &fp, LONG_LEASE_MS).await,
+            ClaimOutcome::Completed {
+                record: tombstone.clone()
+            },
+            "past its TTL a redelivery gets the tombstone ({ttl_ms:?})"
+        );
+        assert_eq!(
+            h.claim(&k, &random_digest(), LONG_LEASE_MS).await,
+            ClaimOutcome::Mismatch
+        );
+        let kept = h.stored(&k).await.unwrap();
+        assert_eq!(
+            (kept.record, kept.fingerprint, kept.expires_at_ms),
+            (Some(tombstone), fp, ttl_end + 20 * short)
+        );
+    }
+}
+
 macro_rules! contract_suite {
     ($backend:ident, $harness:expr) => {
         mod $backend {
@@ -1151,6 +1271,8 @@ macro_rules! contract_suite {
                 a_renew_never_shortens_a_lease,
                 a_batch_answers_the_indexes_of_the_leases_it_lost,
                 an_unknown_outcome_is_settled_only_where_it_still_is,
+                a_recorded_response_is_never_settled,
+                a_settled_answer_keeps_its_tombstone,
                 a_tombstone_outlives_the_whole_record,
             );
         }
@@ -1201,6 +1323,8 @@ async fn the_contract_holds_on_a_redis_cluster() {
     a_renew_of_a_completed_or_absent_record_changes_nothing(&h).await;
     a_renew_never_shortens_a_lease(&h).await;
     an_unknown_outcome_is_settled_only_where_it_still_is(&h).await;
+    a_recorded_response_is_never_settled(&h).await;
+    a_settled_answer_keeps_its_tombstone(&h).await;
     // Its keys live on every primary: one batch renews on all of them.
     a_batch_answers_the_indexes_of_the_leases_it_lost(&h).await;
     // Keys with one prefix live on every primary (the whole digest is the hash tag), so the
@@ -1598,27 +1722,39 @@ async fn redis_unknown_outcomes_an_earlier_store_wrote_as_hashes_are_settled() {
     let client = ::redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     let fp = random_digest();
-    let hash = |record: &'static str| {
+    // Unknown outcomes whose every byte is ASCII, as the hash fields here are text.
+    let ascii_unknown = |details: &str| {
+        let outcome = UnknownOutcome {
+            details: details.to_owned(),
+            ..UnknownOutcome::default()
+        };
+        String::from_utf8(RecordedResponse::unknown_outcome(outcome).encode()).unwrap()
+    };
+    let (unknown_a, unknown_b) = (ascii_unknown("a"), ascii_unknown("b"));
+    fn hash<'a>(fp: &'a Digest, record: &'a str) -> [(&'a str, &'a str); 4] {
         [
             ("state", "completed"),
             ("fingerprint", fp.as_str()),
             ("record", record),
             ("expires_at_ms", "4102444800000"),
         ]
-    };
+    }
     let (took, never) = (random_digest(), random_digest());
-    legacy_hash(&mut conn, &took, &hash("unknown\x00a")).await;
-    legacy_hash(&mut conn, &never, &hash("unknown\x00b")).await;
+    legacy_hash(&mut conn, &took, &hash(&fp, &unknown_a)).await;
+    legacy_hash(&mut conn, &never, &hash(&fp, &unknown_b)).await;
     assert_eq!(
-        s.settle(&took, b"other", None).await.unwrap(),
+        s.settle(&took, unknown_b.as_bytes(), None).await.unwrap(),
         SettleOutcome::NotFound
     );
     let paid = Replacement {
         record: b"paid".to_vec(),
         ttl_ms: None,
+        tombstone_ms: 0,
     };
     assert_eq!(
-        s.settle(&took, b"unknown\x00a", Some(paid)).await.unwrap(),
+        s.settle(&took, unknown_a.as_bytes(), Some(paid))
+            .await
+            .unwrap(),
         SettleOutcome::Replaced
     );
     let view = s.lookup(&took).await.unwrap().unwrap();
@@ -1627,7 +1763,7 @@ async fn redis_unknown_outcomes_an_earlier_store_wrote_as_hashes_are_settled() {
         (Some(&b"paid"[..]), &fp)
     );
     assert_eq!(
-        s.settle(&never, b"unknown\x00b", None).await.unwrap(),
+        s.settle(&never, unknown_b.as_bytes(), None).await.unwrap(),
         SettleOutcome::Removed
     );
     assert!(s.lookup(&never).await.unwrap().is_none());

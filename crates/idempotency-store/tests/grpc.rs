@@ -274,6 +274,121 @@ async fn one_stream_carries_every_operation_on_redis() {
     one_stream_carries_every_operation(Store::redis().await).await;
 }
 
+/// A settle; `kept` = (ttl_ms, tombstone_ms) of the replacement.
+fn settle(key: &str, current: &[u8], record: &[u8], kept: (u64, u64)) -> Op {
+    Op::Settle(pb::Settle {
+        key: key.into(),
+        current: current.to_vec(),
+        record: record.to_vec(),
+        ttl_ms: kept.0,
+        tombstone_ms: kept.1,
+    })
+}
+
+/// The data-plane token can look a completed record up and name it byte for byte: a settle of
+/// it is refused by name and changes nothing, so the write is not run again. An unknown
+/// outcome is settled as before.
+async fn a_settle_frees_only_an_unknown_outcome(store: Store) {
+    use idempotency_protocol::record::{RecordedResponse, UnknownOutcome};
+    let mut s = Conversation::open(&store).await;
+    let fp = random_digest();
+    let charged = RecordedResponse {
+        status: 201,
+        body: br#"{"charge":1}"#.to_vec(),
+        ..RecordedResponse::default()
+    }
+    .encode();
+    let unknown = RecordedResponse::unknown_outcome(UnknownOutcome::default()).encode();
+    for (key, record) in [
+        (random_digest(), charged.clone()),
+        (random_digest(), unknown.clone()),
+    ] {
+        let key = key.as_str();
+        let Reply::Claimed(claimed) = s.call(claim(key, fp.as_str(), "")).await else {
+            panic!("a new key is claimed");
+        };
+        assert!(matches!(
+            s.call(complete(key, &claimed.owner, &record)).await,
+            Reply::Recorded(_)
+        ));
+        let Reply::Completed(looked_up) = s.call(Op::Lookup(pb::Lookup { key: key.into() })).await
+        else {
+            panic!("a completed key's lookup");
+        };
+        let settled = s.call(settle(key, &looked_up.record, b"", (0, 0))).await;
+        let retry = s.call(claim(key, fp.as_str(), "")).await;
+        if record == unknown {
+            assert!(matches!(settled, Reply::Released(_)), "{settled:?}");
+            assert!(matches!(retry, Reply::Claimed(_)), "freed: {retry:?}");
+        } else {
+            match settled {
+                Reply::Failure(f) => {
+                    assert_eq!(f.kind, pb::failure::Kind::BadRequest as i32);
+                    assert!(
+                        f.detail.contains("`current`") && f.detail.contains("unknown outcome"),
+                        "{}",
+                        f.detail
+                    );
+                }
+                other => panic!("a recorded response settled: {other:?}"),
+            }
+            assert!(
+                matches!(&retry, Reply::Completed(c) if c.record == charged),
+                "replayed, not run again: {retry:?}"
+            );
+        }
+    }
+}
+
+/// A settle's `tombstone_ms` keeps its replacement past the TTL without its body, as a
+/// completion's does: a redelivery then replays the status and never runs again.
+async fn a_settle_keeps_the_tombstone_it_carries(store: Store) {
+    use idempotency_protocol::record::{RecordedResponse, UnknownOutcome};
+    let mut s = Conversation::open(&store).await;
+    let (key, fp) = (random_digest(), random_digest());
+    let (key, fp) = (key.as_str(), fp.as_str());
+    let unknown = RecordedResponse::unknown_outcome(UnknownOutcome::default()).encode();
+    let charged = RecordedResponse {
+        status: 200,
+        body: br#"{"charge":1}"#.to_vec(),
+        ..RecordedResponse::default()
+    };
+    let Reply::Claimed(claimed) = s.call(claim(key, fp, "")).await else {
+        panic!("a new key is claimed");
+    };
+    assert!(matches!(
+        s.call(complete(key, &claimed.owner, &unknown)).await,
+        Reply::Recorded(_)
+    ));
+    let took_effect = settle(key, &unknown, &charged.encode(), (100, TTL_MS));
+    assert!(matches!(s.call(took_effect).await, Reply::Recorded(_)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    match s.call(claim(key, fp, "")).await {
+        Reply::Completed(found) => assert_eq!(found.record, charged.without_body().encode()),
+        other => panic!("past its TTL, the tombstone: got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_settle_keeps_the_tombstone_it_carries_on_the_embedded_backend() {
+    a_settle_keeps_the_tombstone_it_carries(Store::embedded().await).await;
+}
+
+#[tokio::test]
+async fn a_settle_keeps_the_tombstone_it_carries_on_redis() {
+    a_settle_keeps_the_tombstone_it_carries(Store::redis().await).await;
+}
+
+#[tokio::test]
+async fn a_settle_frees_only_an_unknown_outcome_on_the_embedded_backend() {
+    a_settle_frees_only_an_unknown_outcome(Store::embedded().await).await;
+}
+
+#[tokio::test]
+async fn a_settle_frees_only_an_unknown_outcome_on_redis() {
+    a_settle_frees_only_an_unknown_outcome(Store::redis().await).await;
+}
+
 #[tokio::test]
 async fn many_calls_in_flight_are_each_answered_once_by_id_and_a_bad_one_fails_alone() {
     let store = Store::embedded().await;

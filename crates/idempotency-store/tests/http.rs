@@ -180,22 +180,23 @@ async fn assert_bad_request(resp: reqwest::Response, mentions: &str) {
 async fn an_unknown_outcome_is_settled_by_the_filter_or_an_operator() {
     let b64 = idempotency_protocol::wire::encode_record;
     let srv = TestServer::start().await;
+    let unknown = b64(&unknown_outcome("upstream_response_timeout"));
     let record_unknown = |key: &'static str| {
-        let srv = &srv;
+        let (srv, unknown) = (&srv, unknown.clone());
         async move {
             let claim = json!({"key": key, "fingerprint": FP, "lease_ms": 60000, "owner": "0a"});
             assert_eq!(srv.post("/v1/claim", &claim).await.0, StatusCode::OK);
-            let complete =
-                json!({"key": key, "owner": "0a", "ttl_ms": 60000, "record": b64(b"unknown")});
+            let complete = json!({"key": key, "owner": "0a", "ttl_ms": 60000, "record": unknown});
             assert_eq!(srv.post("/v1/complete", &complete).await.0, StatusCode::OK);
         }
     };
     record_unknown(K).await;
-    let settle = json!({"key": K, "current": b64(b"other"), "record": b64(b"paid")});
+    let other = b64(&unknown_outcome("another one"));
+    let settle = json!({"key": K, "current": other, "record": b64(b"paid")});
     let (st, refused) = srv.post("/v1/settle", &settle).await;
     assert_eq!(st, StatusCode::CONFLICT);
     assert_eq!(refused["type"], "urn:idempotency-store:not-owner");
-    let settle = json!({"key": K, "current": b64(b"unknown"), "record": b64(b"paid")});
+    let settle = json!({"key": K, "current": unknown, "record": b64(b"paid")});
     assert_eq!(
         srv.post("/v1/settle", &settle).await,
         (StatusCode::OK, json!({"outcome": "replaced"}))
@@ -211,7 +212,7 @@ async fn an_unknown_outcome_is_settled_by_the_filter_or_an_operator() {
     // The operator's form: the key in the path, on the operator token only.
     const K2: &str = "dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd";
     record_unknown(K2).await;
-    let never_ran = json!({"current": b64(b"unknown")});
+    let never_ran = json!({"current": unknown});
     let resp = srv
         .client
         .post(srv.url(&format!("/v1/records/{K2}/settle")))
@@ -234,7 +235,7 @@ async fn an_unknown_outcome_is_settled_by_the_filter_or_an_operator() {
         srv.get(&format!("/v1/records/{K2}")).await.0,
         StatusCode::NOT_FOUND
     );
-    let keyed = json!({"key": K2, "current": b64(b"unknown")});
+    let keyed = json!({"key": K2, "current": unknown});
     let (st, bad) = srv.post(&format!("/v1/records/{K2}/settle"), &keyed).await;
     assert_eq!(st, StatusCode::BAD_REQUEST);
     assert!(bad["detail"].as_str().unwrap().contains("key"), "{bad}");
@@ -252,6 +253,117 @@ async fn an_unknown_outcome_is_settled_by_the_filter_or_an_operator() {
     assert_eq!(found["record"], b64(b"paid"));
     let (st, _) = srv.post("/v1/lookup", &json!({"key": K2})).await;
     assert_eq!(st, StatusCode::NOT_FOUND);
+}
+
+/// The record of an unknown outcome as a filter writes it; `details` tells two apart.
+fn unknown_outcome(details: &str) -> Vec<u8> {
+    use idempotency_protocol::record::{RecordedResponse, UnknownOutcome};
+    RecordedResponse::unknown_outcome(UnknownOutcome {
+        proxy_status: 504,
+        details: details.to_owned(),
+        ..UnknownOutcome::default()
+    })
+    .encode()
+}
+
+/// What the data-plane token can do with a completed record: look it up (`/v1/lookup`), and
+/// name it byte for byte in a settle. That settle is refused (400, naming `current`) and
+/// changes nothing: the retry replays, the write never runs twice. The operator's settle
+/// refuses it alike (an operator purges a record that is not an unknown outcome).
+#[tokio::test]
+async fn a_settle_of_a_recorded_response_is_refused_and_changes_nothing() {
+    use idempotency_protocol::record::RecordedResponse;
+    let b64 = idempotency_protocol::wire::encode_record;
+    let srv = TestServer::start().await;
+    let charged = RecordedResponse {
+        status: 201,
+        body: br#"{"charge":1}"#.to_vec(),
+        ..RecordedResponse::default()
+    }
+    .encode();
+    let claim = json!({"key": K, "fingerprint": FP, "lease_ms": 60000, "owner": "0a"});
+    assert_eq!(srv.post("/v1/claim", &claim).await.0, StatusCode::OK);
+    let complete = json!({"key": K, "owner": "0a", "ttl_ms": 60000, "record": b64(&charged)});
+    assert_eq!(srv.post("/v1/complete", &complete).await.0, StatusCode::OK);
+    let (st, found) = srv.post("/v1/lookup", &json!({"key": K})).await;
+    assert_eq!(st, StatusCode::OK);
+    let current = found["record"].clone();
+    assert_eq!(current, b64(&charged));
+
+    let filters = (
+        "/v1/settle".to_owned(),
+        json!({"key": K, "current": current}),
+    );
+    let operators = (
+        format!("/v1/records/{K}/settle"),
+        json!({"current": current}),
+    );
+    for (path, body) in [filters, operators] {
+        let resp = srv
+            .client
+            .post(srv.url(&path))
+            .bearer_auth(token_for(&path))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_bad_request(
+            resp,
+            "field `current`: is not the record of an unknown outcome",
+        )
+        .await;
+    }
+    assert_eq!(
+        srv.post(
+            "/v1/claim",
+            &json!({"key": K, "fingerprint": FP, "lease_ms": 60000})
+        )
+        .await,
+        (
+            StatusCode::OK,
+            json!({"outcome": "completed", "record": b64(&charged)})
+        ),
+        "the retry replays: the charge does not run again"
+    );
+}
+
+/// A settle's `tombstone_ms` keeps its replacement as a completion's does: whole for
+/// `ttl_ms`, then that much longer without its body. Freeing a key keeps nothing, so a
+/// tombstone there is refused.
+#[tokio::test]
+async fn a_settle_over_http_keeps_the_tombstone_it_carries() {
+    let b64 = idempotency_protocol::wire::encode_record;
+    let srv = TestServer::start().await;
+    let unknown = b64(&unknown_outcome("upstream_response_timeout"));
+    let claim = json!({"key": K, "fingerprint": FP, "lease_ms": 60000, "owner": "0a"});
+    assert_eq!(srv.post("/v1/claim", &claim).await.0, StatusCode::OK);
+    let complete = json!({"key": K, "owner": "0a", "ttl_ms": 60000, "record": unknown});
+    assert_eq!(srv.post("/v1/complete", &complete).await.0, StatusCode::OK);
+
+    let freeing = json!({"key": K, "current": unknown, "tombstone_ms": 5000});
+    let resp = srv
+        .client
+        .post(srv.url("/v1/settle"))
+        .bearer_auth(TOKEN)
+        .json(&freeing)
+        .send()
+        .await
+        .unwrap();
+    assert_bad_request(
+        resp,
+        "field `tombstone_ms`: must be 0 when the key is freed",
+    )
+    .await;
+
+    let took_effect = json!({"key": K, "current": unknown, "record": b64(b"paid"),
+        "ttl_ms": 1000, "tombstone_ms": 5000});
+    assert_eq!(
+        srv.post("/v1/settle", &took_effect).await,
+        (StatusCode::OK, json!({"outcome": "replaced"}))
+    );
+    let (_, rec) = srv.get(&format!("/v1/records/{K}")).await;
+    let kept_ms = rec["expires_at_ms"].as_u64().unwrap() - rec["written_at_ms"].as_u64().unwrap();
+    assert_eq!(kept_ms, 1000 + 5000, "its TTL, then its tombstone: {rec}");
 }
 
 #[tokio::test]
@@ -1043,7 +1155,7 @@ impl Storage for Broken {
     async fn release(&self, _: &Digest, _: &OwnerToken) -> Result<ReleaseOutcome, StorageError> {
         Err(StorageError::Backend("down".into()))
     }
-    async fn settle(
+    async fn settle_exactly(
         &self,
         _: &Digest,
         _: &[u8],
@@ -1165,14 +1277,14 @@ impl Storage for Gated {
         self.hold().await;
         self.inner.release(key, owner).await
     }
-    async fn settle(
+    async fn settle_exactly(
         &self,
         key: &Digest,
         current: &[u8],
         replacement: Option<Replacement>,
     ) -> Result<SettleOutcome, StorageError> {
         self.hold().await;
-        self.inner.settle(key, current, replacement).await
+        self.inner.settle_exactly(key, current, replacement).await
     }
     async fn renew(
         &self,

@@ -166,6 +166,48 @@ fn calls_the_filter_encodes_are_the_calls_the_store_reads() {
                 })),
             },
         ),
+        (
+            Call {
+                id: 16,
+                op: CallOp::Settle {
+                    key: HEX.into(),
+                    current: b"IDR1 unknown".to_vec(),
+                    record: b"IDR1 took effect".to_vec(),
+                    ttl_ms: 86_400_000,
+                    tombstone_ms: 15_552_000_000,
+                },
+            },
+            pb::Call {
+                id: 16,
+                op: Some(PbOp::Settle(pb::Settle {
+                    key: HEX.into(),
+                    current: b"IDR1 unknown".to_vec(),
+                    record: b"IDR1 took effect".to_vec(),
+                    ttl_ms: 86_400_000,
+                    tombstone_ms: 15_552_000_000,
+                })),
+            },
+        ),
+        (
+            Call {
+                id: 17,
+                op: CallOp::Settle {
+                    key: HEX.into(),
+                    current: b"IDR1 unknown".to_vec(),
+                    record: Vec::new(),
+                    ttl_ms: 0,
+                    tombstone_ms: 0,
+                },
+            },
+            pb::Call {
+                id: 17,
+                op: Some(PbOp::Settle(pb::Settle {
+                    key: HEX.into(),
+                    current: b"IDR1 unknown".to_vec(),
+                    ..pb::Settle::default()
+                })),
+            },
+        ),
     ];
     for (ours, theirs) in cases {
         let encoded = stream::encode_call(&ours);

@@ -261,6 +261,7 @@ impl RequestJourney {
                 let settlement = Settlement::Record {
                     response: &unresolved,
                     ttl_ms: None,
+                    tombstone_ms: 0,
                 };
                 if let Err(e) =
                     self.plugin

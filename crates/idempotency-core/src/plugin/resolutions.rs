@@ -244,8 +244,11 @@ impl Resolutions {
                         }
                     }
                 }
-                let now = host.now_ms();
-                capture.set_key_expiry(&key_expires_value(now.saturating_add(rule.ttl_ms)));
+                // Kept as the upstream's own answer would be: for the TTL, then (if the rule
+                // keeps them) as its tombstone, which the key's expiry counts in.
+                let tombstone_ms = rule.tombstone_ms;
+                let kept_ms = rule.ttl_ms.saturating_add(tombstone_ms);
+                capture.set_key_expiry(&key_expires_value(host.now_ms().saturating_add(kept_ms)));
                 let mut response = capture.finish();
                 response
                     .headers
@@ -256,6 +259,7 @@ impl Resolutions {
                 let settlement = Settlement::Record {
                     response: &response,
                     ttl_ms: Some(rule.ttl_ms),
+                    tombstone_ms,
                 };
                 self.settle(host, to, &resolution, settlement, status);
             }
@@ -282,13 +286,15 @@ impl Resolutions {
         if resolution.store_record.is_some() {
             // Cluster mode: the store's record settles the key for every replica, whatever
             // became of this proxy's local copy (evicted, say).
-            let (record, ttl_ms) = match settlement {
-                Settlement::Record { response, ttl_ms } => {
-                    (Some(response.encode()), ttl_ms.unwrap_or(0))
-                }
-                Settlement::Free => (None, 0),
+            let (record, ttl_ms, tombstone_ms) = match settlement {
+                Settlement::Record {
+                    response,
+                    ttl_ms,
+                    tombstone_ms,
+                } => (Some(response.encode()), ttl_ms.unwrap_or(0), tombstone_ms),
+                Settlement::Free => (None, 0, 0),
             };
-            self.settle_in_store(host, to, resolution, record, ttl_ms);
+            self.settle_in_store(host, to, resolution, record, (ttl_ms, tombstone_ms));
         }
         let (outcome, what) = match settlement {
             Settlement::Record { .. } => (
@@ -369,6 +375,7 @@ impl Resolutions {
         let settlement = Settlement::Record {
             response: &record,
             ttl_ms: None,
+            tombstone_ms: 0,
         };
         let kept = to
             .table
@@ -377,7 +384,7 @@ impl Resolutions {
             // Given up: every replica's retries lose their Retry-After too. (While lookups
             // are retried the store keeps the first due time; a retry past it is told the
             // backoff.)
-            self.settle_in_store(host, to, &resolution, Some(record.encode()), 0);
+            self.settle_in_store(host, to, &resolution, Some(record.encode()), (0, 0));
         }
         let local_gone = !matches!(kept, Ok(Completion::Recorded));
         if local_gone && resolution.store_record.is_none() {
@@ -413,20 +420,21 @@ impl Resolutions {
     }
 
     /// Hands the store its settle of `resolution`'s record, sent and retried from the root
-    /// like a completion, for as long as the record lives.
+    /// like a completion, for as long as the record lives: kept `ttl_ms` (0: as long as the
+    /// unknown outcome), then `tombstone_ms` as its tombstone.
     fn settle_in_store(
         &self,
         host: &impl Host,
         to: &Settlers<'_>,
         resolution: &Resolution,
         record: Option<Vec<u8>>,
-        ttl_ms: u64,
+        (ttl_ms, tombstone_ms): (u64, u64),
     ) {
         let Some(current) = resolution.store_record.clone() else {
             return;
         };
         let rule = &resolution.rule;
-        let call = settle_call(&resolution.held.key, current, record, ttl_ms);
+        let call = settle_call(&resolution.held.key, current, record, ttl_ms, tombstone_ms);
         let deadline = host.now_ms().saturating_add(rule.rule.ttl_ms);
         let write = PendingWrite::new(Rc::clone(rule), call, deadline).best_effort();
         to.writes

@@ -120,13 +120,21 @@ pub fn release_call(key: &Digest, owner: &str) -> CallOp {
 }
 
 /// Settles the unknown outcome `current` recorded for `key`: replaced by `record` (kept
-/// `ttl_ms` from now, 0: as long as `current` would have been), or freed (`record` None).
-pub fn settle_call(key: &Digest, current: Vec<u8>, record: Option<Vec<u8>>, ttl_ms: u64) -> CallOp {
+/// `ttl_ms` from now, 0: as long as `current` would have been; then `tombstone_ms` as its
+/// tombstone), or freed (`record` None).
+pub fn settle_call(
+    key: &Digest,
+    current: Vec<u8>,
+    record: Option<Vec<u8>>,
+    ttl_ms: u64,
+    tombstone_ms: u64,
+) -> CallOp {
     CallOp::Settle {
         key: to_hex(key),
         current,
         record: record.unwrap_or_default(),
         ttl_ms,
+        tombstone_ms,
     }
 }
 
@@ -178,11 +186,13 @@ pub fn http_body(call: &CallOp) -> Vec<u8> {
             current,
             record,
             ttl_ms,
+            tombstone_ms,
         } => serde_json::to_vec(&SettleBody {
             key: Some(key.clone()),
             current: encode_record(current),
             record: (!record.is_empty()).then(|| encode_record(record)),
             ttl_ms: (*ttl_ms != 0).then_some(*ttl_ms),
+            tombstone_ms: *tombstone_ms,
         }),
         // The stream alone carries these.
         CallOp::Wait { .. } | CallOp::Lookup { .. } => return Vec::new(),
@@ -426,6 +436,12 @@ mod tests {
         )))
         .unwrap();
         assert_eq!(v["tombstone_ms"], 7);
+        let settle = |tombstone_ms| {
+            let call = settle_call(&[0; 32], vec![1], Some(vec![2]), 5, tombstone_ms);
+            serde_json::from_slice::<serde_json::Value>(&http_body(&call)).unwrap()
+        };
+        assert!(settle(0).get("tombstone_ms").is_none(), "as a completion's");
+        assert_eq!(settle(9)["tombstone_ms"], 9);
     }
 
     #[test]

@@ -373,10 +373,12 @@ pub enum Kept {
 #[derive(Debug, Clone, Copy)]
 pub enum Settlement<'a> {
     /// Recorded in its place, kept `ttl_ms` from now (None: until the unknown outcome
-    /// would have expired).
+    /// would have expired), then `tombstone_ms` more for its tombstone, as a completed
+    /// response is kept (the rule answers only the tombstone past its TTL).
     Record {
         response: &'a RecordedResponse,
         ttl_ms: Option<u64>,
+        tombstone_ms: u64,
     },
     /// The key is freed.
     Free,
@@ -1128,7 +1130,11 @@ impl Table {
         }
         match settlement {
             Settlement::Free => Ok(Completion::Recorded),
-            Settlement::Record { response, ttl_ms } => {
+            Settlement::Record {
+                response,
+                ttl_ms,
+                tombstone_ms,
+            } => {
                 let ttl_ms = ttl_ms
                     .unwrap_or_else(|| kept_until.get().saturating_sub(now_ms))
                     .max(1);
@@ -1137,7 +1143,7 @@ impl Table {
                     held,
                     response,
                     now_ms,
-                    ttl_ms,
+                    ttl_ms.saturating_add(tombstone_ms),
                     OversizedBody::RecordWithoutIt,
                     store_copy.get(),
                 )

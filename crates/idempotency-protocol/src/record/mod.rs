@@ -111,6 +111,12 @@ impl RecordedResponse {
     }
 }
 
+/// Whether `bytes` are the record of a write whose outcome is unknown: the only record a
+/// settle may replace or remove (a recorded response is never overwritten or freed by one).
+pub fn is_unknown_outcome(bytes: &[u8]) -> bool {
+    RecordedResponse::decode(bytes).is_some_and(|record| record.unknown.is_some())
+}
+
 impl RecordedResponse {
     pub fn encode(&self) -> Vec<u8> {
         self.encode_as(self.owner)
@@ -317,6 +323,19 @@ mod tests {
             body_omitted: false,
             unknown: None,
         }
+    }
+
+    #[test]
+    fn only_an_unknown_outcome_is_one() {
+        let unknown = RecordedResponse::unknown_outcome(UnknownOutcome::default()).encode();
+        assert!(is_unknown_outcome(&unknown));
+        assert!(!is_unknown_outcome(&sample().encode()));
+        assert!(!is_unknown_outcome(
+            &RecordedResponse::status_only(504).encode()
+        ));
+        assert!(!is_unknown_outcome(b"IDR1 unknown"), "not a record at all");
+        let cut = unknown.get(..unknown.len() - 1).unwrap_or_default();
+        assert!(!is_unknown_outcome(cut));
     }
 
     #[test]

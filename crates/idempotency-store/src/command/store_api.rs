@@ -97,6 +97,7 @@ impl StoreApi {
             current: encode_record(current),
             record: record.map(encode_record),
             ttl_ms: None,
+            tombstone_ms: 0,
         };
         let rest = format!("/{}{}", key.as_str(), path::SETTLE);
         let answer: Option<OutcomeResponse> =

@@ -999,7 +999,7 @@ impl Storage for EmbeddedStorage {
             .await
     }
 
-    async fn settle(
+    async fn settle_exactly(
         &self,
         key: &Digest,
         current: &[u8],

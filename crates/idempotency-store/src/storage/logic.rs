@@ -280,16 +280,25 @@ pub(crate) fn settle(
     }
     match replacement {
         None => Decision::Delete(SettleOutcome::Removed),
-        Some(Replacement { record, ttl_ms }) => Decision::Put(
-            StoredRecord {
-                fingerprint: rec.fingerprint.clone(),
-                expires_at_ms: ttl_ms.map_or(rec.expires_at_ms, |ttl| now_ms.saturating_add(ttl)),
-                written_at_ms: Some(now_ms),
-                tombstone_until_ms: None,
-                body: StoredBody::Completed { record },
-            },
-            SettleOutcome::Replaced,
-        ),
+        Some(Replacement {
+            record,
+            ttl_ms,
+            tombstone_ms,
+        }) => {
+            let expires_at_ms = ttl_ms.map_or(rec.expires_at_ms, |ttl| now_ms.saturating_add(ttl));
+            Decision::Put(
+                StoredRecord {
+                    fingerprint: rec.fingerprint.clone(),
+                    expires_at_ms,
+                    written_at_ms: Some(now_ms),
+                    // As `complete` keeps one: from the TTL's end, for `tombstone_ms`.
+                    tombstone_until_ms: (tombstone_ms > 0)
+                        .then(|| expires_at_ms.saturating_add(tombstone_ms)),
+                    body: StoredBody::Completed { record },
+                },
+                SettleOutcome::Replaced,
+            )
+        }
     }
 }
 

@@ -143,7 +143,7 @@ impl Storage for MemoryStorage {
         self.apply(key, |cur, _| logic::release(cur, owner))
     }
 
-    async fn settle(
+    async fn settle_exactly(
         &self,
         key: &Digest,
         current: &[u8],

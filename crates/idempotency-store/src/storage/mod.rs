@@ -97,7 +97,7 @@ pub enum SettleOutcome {
     Replaced,
     /// The record was removed: the key is free.
     Removed,
-    /// The key holds no live completed record with exactly the bytes given: nothing changed.
+    /// The key holds no live unknown outcome with exactly the bytes given: nothing changed.
     NotFound,
 }
 
@@ -107,6 +107,9 @@ pub enum SettleOutcome {
 pub struct Replacement {
     pub record: Vec<u8>,
     pub ttl_ms: Option<u64>,
+    /// After that, how long the replacement is kept without its body, exactly as a
+    /// completion with `tombstone_ms` is (0: not at all).
+    pub tombstone_ms: u64,
 }
 
 /// A claim a renew call keeps alive: its key and the owner it was claimed by.
@@ -334,11 +337,31 @@ pub trait Storage: Send + Sync {
         lease_ms: u64,
     ) -> Result<RenewOutcome, StorageError>;
 
-    /// Settles an unknown outcome: only if the key's live completed record holds exactly
-    /// `current`, it becomes `replacement` (keeping its fingerprint), or with None is removed.
-    /// Comparing the bytes makes it safe to repeat: a settle whose answer was lost finds its
-    /// own result there and changes nothing.
+    /// Settles an unknown outcome: only if `current` is the record of one and the key's live
+    /// completed record holds exactly `current`, it becomes `replacement` (keeping its
+    /// fingerprint), or with None is removed. Comparing the bytes makes it safe to repeat: a
+    /// settle whose answer was lost finds its own result there and changes nothing.
+    ///
+    /// A recorded response is never settled, whoever names it (`NotFound`): freeing or
+    /// replacing it would let its write run again, or replay another answer than it gave.
     async fn settle(
+        &self,
+        key: &Digest,
+        current: &[u8],
+        replacement: Option<Replacement>,
+    ) -> Result<SettleOutcome, StorageError> {
+        // The backends settle only a record equal to `current`, so this decides for the
+        // stored record too.
+        if !idempotency_protocol::record::is_unknown_outcome(current) {
+            return Ok(SettleOutcome::NotFound);
+        }
+        self.settle_exactly(key, current, replacement).await
+    }
+
+    /// The backend's part of [`Storage::settle`] (call that instead: it first makes sure
+    /// `current` is an unknown outcome): only if the key's live completed record holds
+    /// exactly `current`, it becomes `replacement`, or with None is removed.
+    async fn settle_exactly(
         &self,
         key: &Digest,
         current: &[u8],

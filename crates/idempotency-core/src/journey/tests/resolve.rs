@@ -11,6 +11,7 @@ use super::*;
 use crate::outcome::Outcome;
 use crate::root::PluginRoot;
 use crate::who_answered::flag;
+use idempotency_protocol::record::key_expires_value;
 
 const RESOLVING: &str = r#"{"rules":[{"name":"pay","match":{"path_prefixes":["/payments"]},
     "resolve":{"cluster":"payments","path":"/payments/by-key/{key}","settle_seconds":5,
@@ -147,6 +148,50 @@ fn a_payment_that_took_effect_is_replayed_once_the_service_says_so() {
         );
     }
     assert!(tick(&host, &mut root).is_empty(), "asked once");
+}
+
+#[test]
+fn a_payment_resolved_as_taken_effect_keeps_its_tombstone_past_the_ttl() {
+    let host = FakeHost::default();
+    let keeps_tombstones = r#"{"rules":[{"name":"pay","match":{"path_prefixes":["/payments"]},
+        "ttl_seconds":60,"tombstone_seconds":300,
+        "resolve":{"cluster":"payments","path":"/payments/by-key/{key}","settle_seconds":5}}]}"#;
+    let mut root = configured_root(&host, keeps_tombstones, 1);
+    payment_timed_out(&host, &root, 7, "pay-6", "alice");
+    host.advance_ms(5_000);
+    let lookups = tick(&host, &mut root);
+    let resolved_at = crate::host::Host::now_ms(&host);
+    lookup_answers(
+        &host,
+        &mut root,
+        lookups[0].0,
+        Some(200),
+        br#"{"id":"pay_6"}"#,
+    );
+    let whole = retry(&host, &root, 8, "pay-6").expect("replayed, not executed");
+    assert_eq!(
+        (whole.0, whole.2.as_slice()),
+        (200, &br#"{"id":"pay_6"}"#[..])
+    );
+    let remembered = key_expires_value(resolved_at + 60_000 + 300_000);
+    assert_eq!(
+        header(&whole.1, "idempotency-key-expires"),
+        Some(remembered.as_bytes()),
+        "the key is remembered through its tombstone"
+    );
+    // A late redelivery past the TTL gets the tombstone: the status, never a second charge.
+    host.advance_ms(61_000);
+    let late = retry(&host, &root, 9, "pay-6").expect("the tombstone, not an execution");
+    assert_eq!((late.0, late.2.as_slice()), (200, &b""[..]));
+    assert_eq!(
+        header(&late.1, "idempotent-body-omitted"),
+        Some(&b"true"[..])
+    );
+    assert_eq!(header(&late.1, "idempotent-resolved"), Some(&b"true"[..]));
+    assert_eq!(host.counter("pay", Outcome::ReplayedTombstone), 1);
+    // Once the tombstone has ended, the key is free.
+    host.advance_ms(300_000);
+    assert_eq!(retry(&host, &root, 10, "pay-6"), None);
 }
 
 #[test]
@@ -336,10 +381,11 @@ mod cluster {
             .expect("the unknown outcome goes to the store")
     }
 
-    #[test]
-    fn the_store_is_settled_with_what_the_service_said() {
+    /// Under `config` (CLUSTER's rule, maybe with more fields), an unknown outcome resolved
+    /// as taken effect: the unknown outcome sent to the store, and the settle sent after it.
+    fn settled_as_taken_effect(config: &str) -> (Vec<u8>, CallOp) {
         let host = FakeHost::default();
-        let mut root = configured_root(&host, CLUSTER, 1);
+        let mut root = configured_root(&host, config, 1);
         let stream = stream_of(&host.take_effects());
         let (_, unknown) = timed_out_in_cluster(&host, &mut root, stream, "k1");
         let recorded = RecordedResponse::decode(&unknown).unwrap();
@@ -355,26 +401,54 @@ mod cluster {
         host.set_callout_answer(Some(200), br#"{"order":"o-1"}"#);
         root.on_callout_answer(&host, token, 1, 15);
         root.on_queue_ready(&host, 1);
+        assert_eq!(host.counter("orders", Outcome::ResolvedTookEffect), 1);
         let settle = calls(&host)
             .into_iter()
-            .find_map(|c| match c.op {
-                CallOp::Settle {
-                    current,
-                    record,
-                    ttl_ms,
-                    ..
-                } => Some((current, record, ttl_ms)),
-                _ => None,
-            })
+            .find_map(|c| matches!(c.op, CallOp::Settle { .. }).then_some(c.op))
             .expect("a settle on the stream");
-        assert_eq!(settle.0, unknown, "only the record it sent is replaced");
-        let resolved = RecordedResponse::decode(&settle.1).unwrap();
+        (unknown, settle)
+    }
+
+    #[test]
+    fn the_store_is_settled_with_what_the_service_said() {
+        let (unknown, settle) = settled_as_taken_effect(CLUSTER);
+        let CallOp::Settle {
+            current,
+            record,
+            ttl_ms,
+            tombstone_ms,
+            ..
+        } = settle
+        else {
+            panic!("not a settle");
+        };
+        assert_eq!(current, unknown, "only the record it sent is replaced");
+        let resolved = RecordedResponse::decode(&record).unwrap();
         assert_eq!(
             (resolved.status, resolved.body.as_slice()),
             (200, &br#"{"order":"o-1"}"#[..])
         );
-        assert_eq!(settle.2, 86_400_000);
-        assert_eq!(host.counter("orders", Outcome::ResolvedTookEffect), 1);
+        assert_eq!((ttl_ms, tombstone_ms), (86_400_000, 0));
+    }
+
+    #[test]
+    fn the_store_keeps_the_rules_tombstone_of_what_the_service_said() {
+        let keeps_tombstones = CLUSTER.replace(
+            r#""resolve":"#,
+            r#""ttl_seconds":60,"tombstone_seconds":300,"resolve":"#,
+        );
+        let (_, settle) = settled_as_taken_effect(&keeps_tombstones);
+        assert!(
+            matches!(
+                settle,
+                CallOp::Settle {
+                    ttl_ms: 60_000,
+                    tombstone_ms: 300_000,
+                    ..
+                }
+            ),
+            "kept as the service's answer would be, its tombstone included: {settle:?}"
+        );
     }
 
     /// A root with a stream, and an unknown outcome recorded for `key` (no `resolve`): the

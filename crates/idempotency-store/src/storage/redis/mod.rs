@@ -147,6 +147,15 @@ fn whole_key(key: &Digest) -> String {
     format!("idem:{{{}}}:w", key.as_str())
 }
 
+/// The tombstone a record with `tombstone_ms` keeps after its TTL; none without.
+fn tombstone_of_if(tombstone_ms: u64, record: &[u8]) -> Vec<u8> {
+    if tombstone_ms > 0 {
+        super::logic::tombstone_of(record)
+    } else {
+        Vec::new()
+    }
+}
+
 fn backend(e: redis::RedisError) -> StorageError {
     StorageError::Backend(format!("redis: {e}"))
 }
@@ -769,11 +778,7 @@ impl Storage for RedisStorage {
         fingerprint: Option<&Digest>,
     ) -> Result<CompleteOutcome, StorageError> {
         let mut conn = Repeatable(self.conn.clone());
-        let tombstone = if tombstone_ms > 0 {
-            super::logic::tombstone_of(&record)
-        } else {
-            Vec::new()
-        };
+        let tombstone = tombstone_of_if(tombstone_ms, &record);
         let reply: Value = self
             .complete
             .key(redis_key(key))
@@ -815,25 +820,33 @@ impl Storage for RedisStorage {
         }
     }
 
-    async fn settle(
+    async fn settle_exactly(
         &self,
         key: &Digest,
         current: &[u8],
         replacement: Option<Replacement>,
     ) -> Result<SettleOutcome, StorageError> {
         let mut conn = self.conn.clone();
-        let (record, ttl_ms, mode) = match &replacement {
-            Some(r) => (r.record.as_slice(), r.ttl_ms.unwrap_or(0), "replace"),
-            None => (&[][..], 0, "remove"),
+        let (record, ttl_ms, tombstone_ms, mode) = match &replacement {
+            Some(r) => (
+                r.record.as_slice(),
+                r.ttl_ms.unwrap_or(0),
+                r.tombstone_ms,
+                "replace",
+            ),
+            None => (&[][..], 0, 0, "remove"),
         };
         let reply: Value = self
             .settle
             .key(redis_key(key))
+            .key(whole_key(key))
             .arg(current)
             .arg(record)
             .arg(ttl_ms)
             .arg(self.clock.now_ms())
             .arg(mode)
+            .arg(tombstone_ms)
+            .arg(tombstone_of_if(tombstone_ms, record))
             .invoke_async(&mut conn)
             .await
             .map_err(backend)?;

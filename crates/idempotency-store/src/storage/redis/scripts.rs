@@ -62,6 +62,18 @@ if kind == 'string' then
   current = read_packed(value)
   if not current then return redis.error_reply('idempotency: unreadable record at ' .. k) end
 end
+-- A completed record, kept `ttl` ms (until `expires_at`). With `tomb`, it is kept that much
+-- longer as `tombstone` (the `t1` layout) and the whole response is KEYS[2], kept `ttl`.
+local function keep_completed(fingerprint, expires_at, written_at, ttl, tomb, record, tombstone)
+  if tomb > 0 then
+    redis.call('SET', k, tombstoned(fingerprint, expires_at + tomb, written_at, tombstone),
+      'PX', ttl + tomb)
+    redis.call('SET', KEYS[2], record, 'PX', ttl)
+  else
+    redis.call('SET', k, packed('C', fingerprint, '', ms(expires_at), ms(written_at), record),
+      'PX', ttl)
+  end
+end
 ";
 
 /// `decision::claim` for a record in the older layout (a hash), sent when `SET NX GET`
@@ -107,12 +119,7 @@ pub fn complete() -> String {
 const COMPLETE_BODY: &str = r"
 local ttl, now, tomb = tonumber(ARGV[2]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local function record_as(fingerprint)
-  if tomb > 0 then
-    redis.call('SET', k, tombstoned(fingerprint, now + ttl + tomb, now, ARGV[7]), 'PX', ttl + tomb)
-    redis.call('SET', KEYS[2], ARGV[3], 'PX', ttl)
-  else
-    redis.call('SET', k, packed('C', fingerprint, '', ms(now + ttl), ms(now), ARGV[3]), 'PX', ttl)
-  end
+  keep_completed(fingerprint, now + ttl, now, ttl, tomb, ARGV[3], ARGV[7])
   return 'completed'
 end
 if kind == 'hash' then
@@ -192,22 +199,24 @@ end
 return {'renewed', now + lease}
 ";
 
-/// `Storage::settle`. ARGV: the current record's bytes, the replacement's ('' with
-/// 'remove'), its ttl_ms ('0': keep the current expiry), now_ms, 'replace' or 'remove'. Only
-/// a completed record holding exactly ARGV[1] is settled; anything else is 'not_found'.
+/// `Storage::settle`. KEYS as for `complete`. ARGV: the current record's bytes, the
+/// replacement's ('' with 'remove'), its ttl_ms ('0': keep the current expiry), now_ms,
+/// 'replace' or 'remove', tombstone_ms, the replacement's tombstone. Only a completed record
+/// holding exactly ARGV[1] is settled; anything else is 'not_found'. The replacement is kept
+/// as `complete` keeps a record, its tombstone included.
 pub fn settle() -> String {
     format!("{PACKED_LUA}{SETTLE_BODY}")
 }
 
 const SETTLE_BODY: &str = r"
-local ttl, now = tonumber(ARGV[3]), tonumber(ARGV[4])
-local fingerprint, owner, expires_at
+local ttl, now, tomb = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6])
+local fingerprint, expires_at
 if kind == 'hash' then
   local cur = redis.call('HMGET', k, 'state', 'fingerprint', 'record')
   if cur[1] ~= 'completed' or cur[3] ~= ARGV[1] then return 'not_found' end
-  fingerprint, owner = cur[2], ''
+  fingerprint = cur[2]
 elseif current and current[1] == 'C' and string.sub(value, current.record_at) == ARGV[1] then
-  fingerprint, owner, expires_at = current[2], current[3], current[4]
+  fingerprint, expires_at = current[2], tonumber(current[4])
 else
   return 'not_found'
 end
@@ -219,11 +228,11 @@ if ttl == 0 then
   local left = redis.call('PTTL', k)
   if left < 1 then return 'not_found' end
   ttl = left
-  expires_at = expires_at or ms(now + left)
+  expires_at = expires_at or (now + left)
 else
-  expires_at = ms(now + ttl)
+  expires_at = now + ttl
 end
-redis.call('SET', k, packed('C', fingerprint, owner, expires_at, ms(now), ARGV[2]), 'PX', ttl)
+keep_completed(fingerprint, expires_at, now, ttl, tomb, ARGV[2], ARGV[7])
 return 'replaced'
 ";
 
