@@ -1,6 +1,7 @@
 //! The lookup's path, as a rule writes it: literal text with placeholders filled from the
 //! original request. `{key}` is the idempotency key (a rule with one key source), `{key.N}`
-//! the N-th source of a composite key (from 0), `{header.NAME}` a request header.
+//! the N-th source of a composite key (from 0), `{header.NAME}` a request header (one of the
+//! rule's scope headers: `settings` says why).
 //!
 //! A value in the query is percent-encoded whole. A value in the path is not encoded but
 //! refused unless it is made of RFC 3986's unreserved characters and forms no dot segment:

@@ -545,6 +545,55 @@ mod cluster {
     }
 
     #[test]
+    fn a_retry_cannot_choose_which_write_a_replica_taking_it_on_looks_up() {
+        // x-tenant names the write at the service but not the record here: a retry of the same
+        // key with another tenant would meet the record, take its resolution on, look up the
+        // other tenant's write, get 404 and free a key whose payment went through.
+        let host = FakeHost::default();
+        let steerable = CLUSTER.replace(
+            "/orders/by-key/{key}",
+            "/tenants/{header.x-tenant}/orders/by-key/{key}",
+        );
+        let refused = match crate::plugin::Plugin::configure(&host, steerable.as_bytes()) {
+            Ok(_) => panic!("a lookup a retry can steer was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            refused.contains("resolve.path")
+                && refused.contains("'x-tenant' is not one of the rule's scope_headers"),
+            "{refused}"
+        );
+        // In the scope, the tenant is part of the record's name: another tenant's retry is
+        // another record, and one that meets this record carries this record's tenant.
+        let scoped = steerable.replace(
+            r#""name":"orders","#,
+            r#""name":"orders","scope_headers":[":authority","x-tenant"],"#,
+        );
+        let mut root = configured_root(&host, &scoped, 1);
+        let stream = stream_of(&host.take_effects());
+        let mut claimed_keys = Vec::new();
+        for (context, tenant) in [(7, "acme"), (8, "globex"), (9, "acme")] {
+            let mut headers = post_headers("/orders", Some("k7"));
+            headers.push(("x-tenant", tenant));
+            let (_journey, verdict) =
+                request_in_context(&host, &root, context, &headers, br#"{"n":1}"#);
+            assert_eq!(verdict, Verdict::Pause, "it asks the store");
+            let claim = calls(&host).remove(0);
+            let CallOp::Claim { key, .. } = claim.op else {
+                panic!("not a claim: {claim:?}");
+            };
+            claimed_keys.push(key);
+            let busy = Reply::InFlight { retry_after_ms: 1 };
+            answer(&host, &mut root, stream, claim.id, busy);
+        }
+        assert_ne!(
+            claimed_keys[0], claimed_keys[1],
+            "another tenant, another record"
+        );
+        assert_eq!(claimed_keys[0], claimed_keys[2]);
+    }
+
+    #[test]
     fn another_replicas_unknown_outcome_is_not_kept_here() {
         let host = FakeHost::default();
         let mut root = configured_root(&host, CLUSTER, 1);
