@@ -253,6 +253,45 @@ def test_a_caller_asks_what_became_of_its_key_and_only_its_own(edge) -> None:
 
 
 # --------------------------------------------------------------------------
+# a key cannot steer the lookup
+# --------------------------------------------------------------------------
+
+
+def test_a_key_a_normaliser_would_rewrite_is_charged_at_most_once(procs) -> None:
+    """The service routes its lookups on a normalised path, as nginx or a web framework does:
+    ``/payments/by-key/..`` is ``/payments/``, and ``/payments/by-key/.`` is
+    ``/payments/by-key/``, where nothing is found. A client pays under the key ``..`` (then
+    ``.``), hangs up once the payment reached the service, waits the settle time and retries.
+    Had the filter asked that lookup, its 404 would have freed the key and the retry paid a
+    second time; it refuses such a key at the first request instead, before anything runs."""
+    upstream = procs.upstream(extra_args=["--normalize-paths"])
+    config = sample_single_proxy_config()
+    config["rules"].append(pay_rule())
+    envoy = start_envoy(procs, upstream, config, name="envoy-dot-keys", mutate=add_routes)
+    firsts: dict[str, client.Response | None] = {}
+    paths = {key: unique_path(SLOW) for key in ("..", ".")}
+    for key, path in paths.items():
+        try:
+            firsts[key] = cluster_post(envoy, path, key, timeout=0.5,
+                                       headers={**CALLER, "x-demo-delay-ms": "1500"})
+        except client.HTTPError:
+            firsts[key] = None  # hung up while the payment ran
+    time.sleep(SETTLE_SECONDS + 1.5)
+    for key, path in paths.items():
+        again = resolved_answer(envoy, path, key)
+        executions = upstream.executions(path)
+        assert executions <= 1, f"key {key!r} was charged {executions} times"
+        first = firsts[key]
+        assert first is not None, f"key {key!r}: the first request ran"
+        for answer in (first, again):
+            doc = problem(answer, 400, "unfit-for-lookup", rule=RULE)
+            assert f"would make '{key}' a segment of the lookup's path" in doc["detail"], doc
+            assert "header 'idempotency-key'" in doc["detail"], doc
+        assert executions == 0
+    assert rule_counter(envoy, RULE, "invalid_key") == 4
+
+
+# --------------------------------------------------------------------------
 # cluster mode: two Envoys, one store
 # --------------------------------------------------------------------------
 

@@ -36,6 +36,13 @@
 //! to the same caller, and `404` for a key it has not finished, has never seen, or that
 //! another caller wrote. `POST /__fail-lookups?n=N` makes the next N lookups answer `503`.
 //!
+//! **Normalised paths** (`Options::normalize_paths`, `--normalize-paths`): a `GET` or `HEAD`
+//! path is rewritten before it is routed, as nginx, Envoy's `normalize_path` with unescaped
+//! slashes, Istio's `DECODE_AND_MERGE_SLASHES` and many web frameworks do: percent-decoded
+//! (`%2F` and `%2e` included), `\` read as `/`, slashes merged, `.` and `..` segments
+//! removed. A path that is then not `<anything>/by-key/<one segment>` has no route (`404`,
+//! not counted): `/payments/by-key/..` is `/payments/`, and finds nothing.
+//!
 //! [`grpc_echo`] is another mode: an instant store for the benchmark's coordination floor.
 
 pub mod grpc_echo;
@@ -97,6 +104,8 @@ pub type ResponseBody = Full<Bytes>;
 pub struct Options {
     /// Answer every request with `200 ok` at once, counting nothing.
     pub fast: bool,
+    /// Normalise a `GET` or `HEAD` path before routing it (see "Normalised paths").
+    pub normalize_paths: bool,
 }
 
 /// Execution counters, per request path and in total, and the writes kept for lookups.
@@ -237,10 +246,32 @@ where
         drain(body).await;
         return control(&parts.method, path, parts.uri.query(), counters);
     }
+    let caller = parts.headers.get(AUTHORIZATION);
+    if (parts.method == Method::GET || parts.method == Method::HEAD) && options.normalize_paths {
+        drain(body).await;
+        let Some(normalized) = normalized_path(path) else {
+            return json(
+                StatusCode::BAD_REQUEST,
+                error_json("the path is not percent-encoded UTF-8"),
+            );
+        };
+        return match normalized.split_once("/by-key/") {
+            Some((_, key)) if !key.is_empty() && !key.contains('/') => {
+                lookup(key, caller, counters)
+            }
+            _ => json(StatusCode::NOT_FOUND, error_json("no route for this path")),
+        };
+    }
     if parts.method == Method::GET || parts.method == Method::HEAD {
         if let Some((_, key)) = path.split_once("/by-key/") {
             drain(body).await;
-            return lookup(key, parts.headers.get(AUTHORIZATION), counters);
+            let Some(key) = percent_decode(key) else {
+                return json(
+                    StatusCode::BAD_REQUEST,
+                    error_json("the key is not percent-encoded UTF-8"),
+                );
+            };
+            return lookup(&key, caller, counters);
         }
     }
 
@@ -362,7 +393,7 @@ fn build_answer(
     (resp, payload)
 }
 
-/// A lookup of the write kept under `key` (percent-encoded, as in a path), for `caller`.
+/// A lookup of the write kept under `key` (decoded), for `caller`.
 fn lookup(key: &str, caller: Option<&HeaderValue>, counters: &Counters) -> Response<ResponseBody> {
     if counters.fail_a_lookup() {
         return json(
@@ -370,12 +401,6 @@ fn lookup(key: &str, caller: Option<&HeaderValue>, counters: &Counters) -> Respo
             error_json("lookups are failing (/__fail-lookups)"),
         );
     }
-    let Some(key) = percent_decode(key) else {
-        return json(
-            StatusCode::BAD_REQUEST,
-            error_json("the key is not percent-encoded UTF-8"),
-        );
-    };
     let found = counters
         .ledger()
         .get(key.as_bytes())
@@ -751,8 +776,41 @@ pub fn query_param(query: &str, name: &str) -> Option<String> {
         .and_then(|(_, v)| percent_decode(v))
 }
 
+/// `path` as a normalising proxy or router passes it on (see "Normalised paths"): decoded,
+/// `\` as `/`, slashes merged, dot segments removed (RFC 3986, 5.2.4), a trailing slash kept.
+/// None when it does not decode to UTF-8.
+pub fn normalized_path(path: &str) -> Option<String> {
+    let decoded = percent_decode_path(path)?.replace('\\', "/");
+    let mut kept: Vec<&str> = Vec::new();
+    let mut ends_in_directory = false;
+    for segment in decoded.split('/') {
+        ends_in_directory = matches!(segment, "" | "." | "..");
+        match segment {
+            "" | "." => {}
+            ".." => {
+                kept.pop();
+            }
+            other => kept.push(other),
+        }
+    }
+    let mut out = format!("/{}", kept.join("/"));
+    if ends_in_directory && !kept.is_empty() {
+        out.push('/');
+    }
+    Some(out)
+}
+
+/// Decodes `%XX` escapes (a path's: `+` stays `+`); a malformed escape is kept as is.
+fn percent_decode_path(s: &str) -> Option<String> {
+    percent_decode_with(s, false)
+}
+
 /// Decodes `%XX` escapes and `+` (as space); a malformed escape is kept as is.
 pub fn percent_decode(s: &str) -> Option<String> {
+    percent_decode_with(s, true)
+}
+
+fn percent_decode_with(s: &str, plus_is_space: bool) -> Option<String> {
     fn hex(b: u8) -> Option<u8> {
         match b {
             b'0'..=b'9' => Some(b - b'0'),
@@ -779,7 +837,7 @@ pub fn percent_decode(s: &str) -> Option<String> {
                     i += 1;
                 }
             }
-            b'+' => {
+            b'+' if plus_is_space => {
                 out.push(b' ');
                 i += 1;
             }

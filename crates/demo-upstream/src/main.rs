@@ -1,4 +1,4 @@
-//! `demo-upstream [--listen ADDR] [--fast | --grpc-echo] [--threads N]`: the counting test
+//! `demo-upstream [--listen ADDR] [--fast | --grpc-echo] [--normalize-paths] [--threads N]`: the counting test
 //! upstream (see the library docs for what it answers), or the benchmark's instant store
 //! (`--grpc-echo`, see `demo_upstream::grpc_echo`).
 
@@ -10,12 +10,16 @@ use std::sync::Arc;
 use demo_upstream::grpc_echo::{serve_grpc_echo, EchoCounters};
 use demo_upstream::{serve, Counters, Options};
 
-const USAGE: &str = "usage: demo-upstream [--listen ADDR] [--fast | --grpc-echo] [--threads N]
+const USAGE: &str =
+    "usage: demo-upstream [--listen ADDR] [--fast | --grpc-echo] [--normalize-paths] [--threads N]
 
   --listen ADDR   address to listen on (default 127.0.0.1:8080; port 0 picks one)
   --fast          answer every request with `200 ok` at once, counting nothing
   --grpc-echo     be an instant store instead: answer every call on the store's gRPC
                   stream (idempotency.store.v1.Store/Coordinate, cleartext HTTP/2) at once
+  --normalize-paths
+                  route GET and HEAD on the path as a normalising proxy passes it on:
+                  decoded, slashes merged, `.` and `..` segments removed
   --threads N     runtime worker threads (default: one per core)";
 
 struct Args {
@@ -59,6 +63,7 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Option<Args>, St
                 parsed.threads = Some(n);
             }
             "--fast" => parsed.options.fast = true,
+            "--normalize-paths" => parsed.options.normalize_paths = true,
             "--grpc-echo" => parsed.grpc_echo = true,
             "-h" | "--help" => return Ok(None),
             other => return Err(format!("unknown argument {other:?}")),

@@ -243,7 +243,11 @@ async fn keeps_connections_alive() {
 
 #[tokio::test]
 async fn fast_mode_answers_ok_without_counting() {
-    let (addr, counters) = start(Options { fast: true }).await;
+    let (addr, counters) = start(Options {
+        fast: true,
+        ..Options::default()
+    })
+    .await;
     let mut sender = connect(addr).await;
     for _ in 0..3 {
         let a = send_on(
@@ -417,5 +421,55 @@ async fn a_finished_write_is_found_by_its_key_by_the_caller_that_made_it() {
     for expected in [503, 503, 200] {
         let answer = send(addr, "GET", lookup, &[alice[1]], b"").await;
         assert_eq!(answer.status.as_u16(), expected);
+    }
+}
+
+#[tokio::test]
+async fn a_normalising_router_finds_no_write_under_a_key_it_rewrote() {
+    let alice = ("authorization", "Bearer alice");
+    for normalize_paths in [false, true] {
+        let (addr, counters) = start(Options {
+            normalize_paths,
+            ..Options::default()
+        })
+        .await;
+        for key in ["..", ".", "a/b", "k1"] {
+            let written = send(
+                addr,
+                "POST",
+                "/payments",
+                &[("idempotency-key", key), alice],
+                b"{}",
+            )
+            .await;
+            assert_eq!(written.status, StatusCode::CREATED);
+        }
+        let found =
+            |path: &'static str| async move { send(addr, "GET", path, &[alice], b"").await.status };
+        assert_eq!(found("/payments/by-key/k1").await, StatusCode::OK);
+        let rewritten = if normalize_paths {
+            assert_eq!(found("/payments/./by-key//k1").await, StatusCode::OK);
+            // /payments/, /payments/by-key/, and two segments after by-key/: no route.
+            StatusCode::NOT_FOUND
+        } else {
+            StatusCode::OK
+        };
+        for path in [
+            "/payments/by-key/..",
+            "/payments/by-key/.",
+            "/payments/by-key/%2e%2E",
+            "/payments/by-key/a%2Fb",
+        ] {
+            assert_eq!(
+                found(path).await,
+                rewritten,
+                "{path}, normalize_paths: {normalize_paths}"
+            );
+        }
+        assert_eq!(
+            counters.total(),
+            4,
+            "lookups and unrouted reads are never counted"
+        );
     }
 }

@@ -54,6 +54,24 @@ impl Problem {
         }
     }
 
+    /// A rule that resolves unknown outcomes looks the write up at the service, should its
+    /// answer be lost, by a path built from the request; `what` (the key's source, or a
+    /// header) cannot go into that lookup, for `why`. Refused before the write runs: later,
+    /// a lookup that cannot name the write could only be misread.
+    pub fn unfit_for_lookup(what: &str, why: &str) -> Problem {
+        Problem {
+            status: 400,
+            kind: "unfit-for-lookup",
+            title: "The request could not be looked up at the service",
+            detail: format!(
+                "Should this endpoint lose a write's answer, it asks the service whether the \
+                 write took effect, by a lookup made of the request's values; the {what} {why}. \
+                 It was not executed: send it with another value (a UUID as the key, say)."
+            ),
+            retry_after_seconds: None,
+        }
+    }
+
     /// `header` is the scope header the request lacks. No `WWW-Authenticate` challenge: the
     /// filter does not know the scheme; the authentication in front of it does.
     pub fn missing_scope(header: &str) -> Problem {

@@ -481,8 +481,10 @@ impl RequestJourney {
 
     /// An unknown outcome whose resolution is overdue in the store (the proxy resolving it
     /// died or restarted, or its lookups keep failing): this proxy takes it on too, with the
-    /// lookup this retry carries (same key, same caller). Lookups are reads, and the store
-    /// settles only the exact record both proxies saw, so two proxies resolving one key
+    /// lookup this retry carries, which is the first attempt's: its path and host come only
+    /// from the key and the scope headers (`resolve::settings` refuses anything else), and the
+    /// record this retry met is named by a hash of exactly those. Lookups are reads, and the
+    /// store settles only the exact record both proxies saw, so two proxies resolving one key
     /// settle it once.
     fn adopt_resolution(
         &self,

@@ -12,7 +12,8 @@ use crate::host::{HeaderPairs, Host};
 use crate::outcome::Outcome;
 use crate::plugin::detached::ForwardedRequest;
 use crate::problem::Problem;
-use crate::resolve::lookup::{LookupParts, LookupRequest};
+use crate::resolve::lookup::{LookupParts, LookupRequest, NoLookup};
+use crate::resolve::template::LookupInput;
 use crate::rule_handle::RuleHandle;
 use crate::rule_select::{select, RequestFacts, Selection};
 use idempotency_protocol::naming::fields::path_without_query;
@@ -331,9 +332,23 @@ impl RequestJourney {
         if let (Some(resolve), Some(parts)) = (&rule.rule.resolve, &pending.lookup) {
             match LookupRequest::build(resolve, parts, &key_values) {
                 Ok(lookup) => *self.lookup.borrow_mut() = Some(lookup),
-                Err(why) => log::warn!(
-                    "rule {}: no lookup for this request ({why}); should its outcome be \
-                     unknown, it stays so",
+                Err(NoLookup::Unfit(unfit)) => {
+                    let what = match &unfit.input {
+                        LookupInput::KeySource(i) => match rule.rule.key_sources.get(*i) {
+                            Some(source) => {
+                                format!("idempotency key from the {}", source.describe())
+                            }
+                            None => "idempotency key".to_string(),
+                        },
+                        LookupInput::Header(name) => format!("header '{name}'"),
+                    };
+                    self.note(host, &rule, Outcome::InvalidKey);
+                    let problem = Problem::unfit_for_lookup(&what, &unfit.why);
+                    return self.answer_problem(host, &rule, &problem);
+                }
+                Err(NoLookup::NoCluster) => log::warn!(
+                    "rule {}: no lookup for this request (the route's cluster is unknown and \
+                     the rule names none); should its outcome be unknown, it stays so",
                     rule.rule.name
                 ),
             }

@@ -3,7 +3,7 @@
 //! claim until the resolution needs it.
 
 use super::settings::Resolve;
-use super::template::Values;
+use super::template::{LookupInput, Unfit, Values};
 
 /// What a lookup takes from the request's headers.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -40,6 +40,16 @@ impl LookupParts {
     }
 }
 
+/// Why a request has no lookup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NoLookup {
+    /// The request's own value cannot go into it: the request is refused before it runs.
+    Unfit(Unfit),
+    /// Its route gives no cluster to ask and the rule names none: the write runs, and an
+    /// unknown outcome of it stays unknown, as without `resolve`.
+    NoCluster,
+}
+
 /// A lookup ready to send as a callout.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LookupRequest {
@@ -51,21 +61,19 @@ pub struct LookupRequest {
 
 impl LookupRequest {
     /// The lookup for a request whose key's sources had `key_sources` values; Err says why
-    /// none can be built (the write is then left unknown, as without `resolve`).
+    /// none can be built.
     pub fn build(
         resolve: &Resolve,
         parts: &LookupParts,
         key_sources: &[Vec<u8>],
-    ) -> Result<LookupRequest, String> {
-        let path = resolve.path.render(&Values {
-            key_sources,
-            headers: &parts.headers,
-        })?;
-        let cluster = resolve
-            .cluster
-            .clone()
-            .or_else(|| parts.route_cluster.clone())
-            .ok_or("the route's cluster is unknown and the rule names none")?;
+    ) -> Result<LookupRequest, NoLookup> {
+        let path = resolve
+            .path
+            .render(&Values {
+                key_sources,
+                headers: &parts.headers,
+            })
+            .map_err(NoLookup::Unfit)?;
         let authority = resolve
             .authority
             .clone()
@@ -80,10 +88,19 @@ impl LookupRequest {
                 continue; // named by the path only
             }
             let Ok(text) = std::str::from_utf8(value) else {
-                return Err(format!("header '{name}' is not UTF-8"));
+                return Err(NoLookup::Unfit(Unfit {
+                    input: LookupInput::Header(name.clone()),
+                    why: "is not UTF-8, and a lookup carries header values as text".to_string(),
+                }));
             };
             headers.push((name.clone(), text.to_string()));
         }
+        // Last: a request that cannot make a lookup is refused whatever its route.
+        let cluster = resolve
+            .cluster
+            .clone()
+            .or_else(|| parts.route_cluster.clone())
+            .ok_or(NoLookup::NoCluster)?;
         Ok(LookupRequest {
             cluster,
             headers,
@@ -135,13 +152,13 @@ mod tests {
             ("cookie".to_string(), b"secret".to_vec()),
         ];
         let parts = LookupParts::read(&resolve, &headers, Some("payments".to_string()));
-        let lookup = LookupRequest::build(&resolve, &parts, &[b"k 1".to_vec()]).unwrap();
+        let lookup = LookupRequest::build(&resolve, &parts, &[b"k-1".to_vec()]).unwrap();
         assert_eq!(lookup.cluster, "payments");
         assert_eq!(
             lookup.headers,
             vec![
                 (":method".to_string(), "GET".to_string()),
-                (":path".to_string(), "/payments/by-key/k%201".to_string()),
+                (":path".to_string(), "/payments/by-key/k-1".to_string()),
                 (":authority".to_string(), "shop.example".to_string()),
                 ("authorization".to_string(), "Bearer alice".to_string()),
             ]
@@ -150,6 +167,9 @@ mod tests {
             route_cluster: None,
             ..parts
         };
-        assert!(LookupRequest::build(&resolve, &no_cluster, &[b"k".to_vec()]).is_err());
+        assert_eq!(
+            LookupRequest::build(&resolve, &no_cluster, &[b"k".to_vec()]),
+            Err(NoLookup::NoCluster)
+        );
     }
 }

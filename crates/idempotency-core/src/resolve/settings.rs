@@ -155,6 +155,33 @@ pub fn validate(raw: RawResolve, rule: &RuleFacts<'_>) -> Result<Resolve, (Strin
     }
     let path = PathTemplate::parse(&raw.path, rule.key_sources)
         .map_err(|why| ("path".to_string(), why))?;
+    // What names the write at the service must be what names its record here (the key and
+    // the scope headers, hashed whole into the storage key): then every request that meets
+    // the record, a retry through another replica taking the resolution on included, makes
+    // the same lookup as the first. A value outside them could differ on a retry and ask
+    // about another write, whose "not found" would free this one's key.
+    if let Some(name) = path
+        .headers()
+        .find(|h| !rule.scope_headers.iter().any(|s| s == h))
+    {
+        return err(
+            "path",
+            format!(
+                "{{header.{name}}}: '{name}' is not one of the rule's scope_headers, so a retry \
+                 of the same key may carry another value and look up another write; add it \
+                 to scope_headers (the key is then per {name} as well), or name the write \
+                 with {{key}}"
+            ),
+        );
+    }
+    if raw.authority.is_none() && !rule.scope_headers.iter().any(|s| s == ":authority") {
+        return err(
+            "authority",
+            "required when ':authority' is not one of the rule's scope_headers: the lookup's \
+             would otherwise be a retry's, which may name another host"
+                .to_string(),
+        );
+    }
     if let Some(cluster) = &raw.cluster {
         if cluster.is_empty() || cluster.bytes().any(|b| !b.is_ascii_graphic()) {
             return err(
@@ -279,10 +306,10 @@ mod tests {
 
     use super::*;
 
-    fn facts() -> RuleFacts<'static> {
+    fn facts(scope_headers: &[String]) -> RuleFacts<'_> {
         RuleFacts {
             key_sources: 1,
-            scope_headers: &[],
+            scope_headers,
             ttl_ms: 86_400_000,
             releases_unknown: false,
             is_grpc: false,
@@ -293,7 +320,8 @@ mod tests {
     fn parse(json: &str) -> Result<Resolve, (String, String)> {
         let raw: RawResolve =
             serde_json::from_str(json).map_err(|e| (String::new(), e.to_string()))?;
-        validate(raw, &facts())
+        let scope = vec![":authority".to_string()];
+        validate(raw, &facts(&scope))
     }
 
     #[test]
@@ -355,7 +383,7 @@ mod tests {
             serde_json::from_str(r#"{"path":"/p/{key}","settle_seconds":5}"#).unwrap();
         let releases = RuleFacts {
             releases_unknown: true,
-            ..facts()
+            ..facts(&[])
         };
         assert!(validate(raw, &releases)
             .unwrap_err()
@@ -369,14 +397,45 @@ mod tests {
             r#"{"path":"/p/{key}?t={header.x-tenant}","settle_seconds":5,"headers":["X-Request-Id"]}"#,
         )
         .unwrap();
-        let scope = vec![":authority".to_string(), "authorization".to_string()];
-        let rule = RuleFacts {
-            scope_headers: &scope,
-            ..facts()
-        };
+        let scope = vec![
+            ":authority".to_string(),
+            "authorization".to_string(),
+            "x-tenant".to_string(),
+        ];
         assert_eq!(
-            validate(raw, &rule).unwrap().forwarded_headers,
-            vec!["authorization", "x-request-id", "x-tenant"]
+            validate(raw, &facts(&scope)).unwrap().forwarded_headers,
+            vec!["authorization", "x-tenant", "x-request-id"]
         );
+    }
+
+    #[test]
+    fn only_the_key_and_its_scope_choose_which_write_is_looked_up() {
+        // A retry of the same key could carry another x-tenant; a replica taking the
+        // resolution on would then ask about another tenant's write.
+        let scope = vec![":authority".to_string(), "authorization".to_string()];
+        let raw: RawResolve =
+            serde_json::from_str(r#"{"path":"/t/{header.X-Tenant}/p/{key}","settle_seconds":5}"#)
+                .unwrap();
+        let (at, why) = validate(raw, &facts(&scope)).unwrap_err();
+        assert_eq!(at, "path");
+        assert!(
+            why.contains("'x-tenant' is not one of the rule's scope_headers"),
+            "{why}"
+        );
+        // Nor may the lookup's host be a retry's when the host is not part of the scope.
+        let by_subject = vec!["x-verified-subject".to_string()];
+        let raw: RawResolve =
+            serde_json::from_str(r#"{"path":"/p/{key}","settle_seconds":5}"#).unwrap();
+        let (at, why) = validate(raw, &facts(&by_subject)).unwrap_err();
+        assert_eq!(at, "authority");
+        assert!(
+            why.contains("':authority' is not one of the rule's scope_headers"),
+            "{why}"
+        );
+        let raw: RawResolve = serde_json::from_str(
+            r#"{"path":"/p/{key}","settle_seconds":5,"authority":"payments.internal"}"#,
+        )
+        .unwrap();
+        assert!(validate(raw, &facts(&by_subject)).is_ok());
     }
 }

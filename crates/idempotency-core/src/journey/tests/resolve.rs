@@ -277,6 +277,51 @@ fn without_resolve_an_unknown_outcome_keeps_its_permanent_answer() {
     assert_eq!((left.0, retry_after(&left)), (409, None));
 }
 
+#[test]
+fn a_key_the_lookup_cannot_name_is_refused_before_the_write_runs() {
+    // "/payments/by-key/.." reaches a service that removes dot segments as "/payments/":
+    // its 404 would free the key of a payment that went through, and the retry pay again.
+    let host = FakeHost::default();
+    let root = configured_root(&host, RESOLVING, 1);
+    for (context, key, why) in [
+        (7, "..", "would make '..' a segment of the lookup's path"),
+        (8, ".", "would make '.' a segment of the lookup's path"),
+        (9, "a/..", "holds '/'"),
+        (10, "a%2Fb", "holds '%'"),
+    ] {
+        let _ = host.take_effects();
+        let (_journey, verdict) = pay(&host, &root, context, key, "alice");
+        assert_ne!(verdict, Verdict::Continue, "key {key:?} went upstream");
+        let (status, _, body) = the_reply(&host.take_effects());
+        assert_eq!(status, 400, "key {key:?}");
+        assert!(
+            problem_type(&body).ends_with("unfit-for-lookup"),
+            "key {key:?}"
+        );
+        let detail = String::from_utf8_lossy(&body).into_owned();
+        assert!(
+            detail.contains("the idempotency key from the header 'idempotency-key'")
+                && detail.contains(why),
+            "key {key:?}: {detail}"
+        );
+    }
+    assert_eq!(host.counter("pay", Outcome::InvalidKey), 4);
+    assert_eq!(host.counter("pay", Outcome::Executed), 0);
+    // A dot inside a key is only a dot.
+    assert_eq!(retry(&host, &root, 11, "pay.2024-05.1"), None, "it runs");
+}
+
+#[test]
+fn a_key_in_the_lookups_query_may_hold_anything_a_key_may() {
+    let host = FakeHost::default();
+    let by_query = RESOLVING.replace("/payments/by-key/{key}", "/payments/lookup?key={key}");
+    let mut root = configured_root(&host, &by_query, 1);
+    payment_timed_out(&host, &root, 7, "..", "alice");
+    host.advance_ms(5_000);
+    let lookups = tick(&host, &mut root);
+    assert_eq!(lookups[0].2, "/payments/lookup?key=..");
+}
+
 mod cluster {
     //! Cluster mode: the store's record is settled for every replica, and a replica that did
     //! not record the unknown outcome keeps no copy of it, so its next retry asks the store.
@@ -571,6 +616,55 @@ mod cluster {
         );
         // Another retry meanwhile does not start a second resolution of the same key.
         assert_eq!(host.counter("orders", Outcome::ResolvedNeverRan), 1);
+    }
+
+    #[test]
+    fn a_retry_cannot_choose_which_write_a_replica_taking_it_on_looks_up() {
+        // x-tenant names the write at the service but not the record here: a retry of the same
+        // key with another tenant would meet the record, take its resolution on, look up the
+        // other tenant's write, get 404 and free a key whose payment went through.
+        let host = FakeHost::default();
+        let steerable = CLUSTER.replace(
+            "/orders/by-key/{key}",
+            "/tenants/{header.x-tenant}/orders/by-key/{key}",
+        );
+        let refused = match crate::plugin::Plugin::configure(&host, steerable.as_bytes()) {
+            Ok(_) => panic!("a lookup a retry can steer was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            refused.contains("resolve.path")
+                && refused.contains("'x-tenant' is not one of the rule's scope_headers"),
+            "{refused}"
+        );
+        // In the scope, the tenant is part of the record's name: another tenant's retry is
+        // another record, and one that meets this record carries this record's tenant.
+        let scoped = steerable.replace(
+            r#""name":"orders","#,
+            r#""name":"orders","scope_headers":[":authority","x-tenant"],"#,
+        );
+        let mut root = configured_root(&host, &scoped, 1);
+        let stream = stream_of(&host.take_effects());
+        let mut claimed_keys = Vec::new();
+        for (context, tenant) in [(7, "acme"), (8, "globex"), (9, "acme")] {
+            let mut headers = post_headers("/orders", Some("k7"));
+            headers.push(("x-tenant", tenant));
+            let (_journey, verdict) =
+                request_in_context(&host, &root, context, &headers, br#"{"n":1}"#);
+            assert_eq!(verdict, Verdict::Pause, "it asks the store");
+            let claim = calls(&host).remove(0);
+            let CallOp::Claim { key, .. } = claim.op else {
+                panic!("not a claim: {claim:?}");
+            };
+            claimed_keys.push(key);
+            let busy = Reply::InFlight { retry_after_ms: 1 };
+            answer(&host, &mut root, stream, claim.id, busy);
+        }
+        assert_ne!(
+            claimed_keys[0], claimed_keys[1],
+            "another tenant, another record"
+        );
+        assert_eq!(claimed_keys[0], claimed_keys[2]);
     }
 
     #[test]
