@@ -39,6 +39,8 @@ RULE = "pay"
 CALLER = {"authorization": "Bearer alice"}
 SETTLE_SECONDS = 3
 STATUS = "/pay-status"  # the rule's lookup route
+# Logged by the proxy the store lets take a resolution on.
+CLAIMED = "the store holds this proxy's claim on the unknown outcome's resolution"
 
 
 def add_routes(config: dict) -> None:
@@ -284,7 +286,7 @@ def test_cluster_a_resolution_left_by_a_crashed_envoy_is_taken_on_by_the_other(p
     assert time.monotonic() - started >= 2 + 1 + 5
     assert resolved.json()["execution"] == 1
     assert cluster.upstream.executions(path) == 1
-    assert "this proxy resolves it too" in b.log_text()
+    assert CLAIMED in b.log_text()
 
 
 # --------------------------------------------------------------------------
