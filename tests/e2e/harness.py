@@ -554,6 +554,13 @@ class Upstream:
         resp.raise_for_status()
         return int(resp.json()["executions"])
 
+    def lookups(self, path: str) -> int:
+        """How many lookups (``GET .../by-key/<key>``) of ``path`` were answered, failed ones
+        included."""
+        resp = client.get(self.url("/__count"), params={"path": path}, timeout=5)
+        resp.raise_for_status()
+        return int(resp.json()["lookups"])
+
     def total(self) -> int:
         resp = client.get(self.url("/__count"), timeout=5)
         resp.raise_for_status()

@@ -127,6 +127,14 @@ def rule_counter(envoy: harness.Envoy, rule_name: str, outcome: str) -> int:
     return rule_counters(envoy, rule_name).get(outcome, 0)
 
 
+def worker_connections(envoy: harness.Envoy) -> list[int]:
+    """Connections each Envoy worker accepted on the main listener, in worker order."""
+    stats = envoy.stats(r"^listener\.127\.0\.0\.1_\d+\.worker_\d+\.downstream_cx_total$")
+    listener = f"listener.127.0.0.1_{envoy.port}."
+    counts = {name: value for name, value in stats.items() if name.startswith(listener)}
+    return [counts[name] for name in sorted(counts)]
+
+
 # --------------------------------------------------------------------------
 # plugin configuration
 # --------------------------------------------------------------------------

@@ -11,7 +11,9 @@ then envoy/envoy.yaml's own payments sample as ``make run`` prints it.
 
 from __future__ import annotations
 
+import collections
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import pytest
@@ -33,6 +35,7 @@ from helpers import (
     sample_single_proxy_config,
     start_envoy,
     unique_path,
+    worker_connections,
 )
 
 SLOW = "/pay-slow"  # route timeout 1 s: Envoy gives up on a longer payment
@@ -40,6 +43,8 @@ RULE = "pay"
 CALLER = {"authorization": "Bearer alice"}
 SETTLE_SECONDS = 3
 STATUS = "/pay-status"  # the rule's lookup route
+# Logged by the proxy the store lets take a resolution on.
+CLAIMED = "the store holds this proxy's claim on the unknown outcome's resolution"
 
 
 def add_routes(config: dict) -> None:
@@ -385,7 +390,58 @@ def test_cluster_a_resolution_left_by_a_crashed_envoy_is_taken_on_by_the_other(p
     assert time.monotonic() - started >= 2 + 1 + 5
     assert resolved.json()["execution"] == 1
     assert cluster.upstream.executions(path) == 1
-    assert "this proxy resolves it too" in b.log_text()
+    assert CLAIMED in b.log_text()
+
+
+def test_cluster_overdue_retries_on_every_worker_make_one_resolution_at_a_time(procs) -> None:
+    """Envoy A records the unknown outcome and dies before its lookup. Once the resolution is
+    overdue, bursts of retries reach both workers of B and of C at once while the service
+    fails its first two lookups: one proxy takes the resolution on, and the service sees its
+    three lookups and no other (one resolver at a time: each failed lookup moves the store's
+    due time on, so nobody else takes it on meanwhile). Every retry meanwhile gets 409, then
+    every replica replays the payment, charged once."""
+    config = envoy_yaml_plugin_config()
+    config["rules"].append(pay_rule(settle_seconds=2, timeout_ms=1000))
+    cluster = start_cluster(procs, envoys=0)
+    for name in ("envoy-a", "envoy-b", "envoy-c"):
+        cluster.add_envoy(name, config, mutate=add_routes)
+    a, others = cluster.a, cluster.envoys[1:]
+    path, key = unique_path(SLOW), new_key()
+    started = timed_out(a, path, key)
+    a.process.kill()
+    client.post(cluster.upstream.url("/__fail-lookups"), params={"n": "2"},
+                timeout=5).raise_for_status()
+    # Overdue: A's 504 after 1 s, then the settle time, the lookup's timeout and 5 s.
+    time.sleep(max(0.0, started + 1 + 2 + 1 + 5 + 0.5 - time.monotonic()))
+    before = [worker_connections(envoy) for envoy in others]
+    statuses: collections.Counter[int] = collections.Counter()
+    resolved = None
+    deadline = time.monotonic() + 20
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        while resolved is None:
+            assert time.monotonic() < deadline, f"still unknown: {statuses}"
+            for resp in pool.map(lambda i: retry(others[i % 2], path, key), range(16)):
+                statuses[resp.status_code] += 1
+                if resp.status_code == 409:
+                    # Or told that a concurrent retry on the same worker holds the key.
+                    assert b"outcome-unknown" in resp.content or b"request-in-flight" in resp.content
+                else:
+                    assert resp.status_code == 200, resp.content[:200]
+                    assert resp.headers["idempotent-resolved"] == "true"
+                    resolved = resp
+            time.sleep(0.25)
+    for envoy, then in zip(others, before):
+        spread = [now - was for now, was in zip(worker_connections(envoy), then)]
+        assert len(spread) == 2 and min(spread) > 0, f"retries per worker: {spread}"
+    assert cluster.upstream.lookups(f"/payments/by-key/{key}") == 3, statuses
+    assert sum(CLAIMED in envoy.log_text() for envoy in others) == 1
+    for envoy in others:
+        again = retry(envoy, path, key)
+        assert again.status_code == 200 and again.content == resolved.content
+    assert resolved.json()["execution"] == 1
+    assert cluster.upstream.executions(path) == 1
+    for envoy in others:
+        assert not crash_lines(envoy.log_text())
 
 
 # --------------------------------------------------------------------------

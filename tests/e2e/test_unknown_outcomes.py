@@ -39,6 +39,7 @@ from helpers import (
     start_envoy,
     start_refusing_h2_server,
     unique_path,
+    worker_connections,
 )
 
 # The routes each test sends to: their timeouts and policies are what Envoy gives up by.
@@ -408,14 +409,6 @@ def test_make_runs_own_configuration_never_charges_a_payment_twice(procs) -> Non
         problem(cluster_post(envoy, path, key), 409, "outcome-unknown", rule="payments")
     assert cluster.upstream.executions(path) == 1
     assert rule_counter(cluster.a, "payments", "outcome_unknown") == 1
-
-
-def worker_connections(envoy: harness.Envoy) -> list[int]:
-    """Connections each Envoy worker accepted on the main listener, in worker order."""
-    stats = envoy.stats(r"^listener\.127\.0\.0\.1_\d+\.worker_\d+\.downstream_cx_total$")
-    listener = f"listener.127.0.0.1_{envoy.port}."
-    counts = {name: value for name, value in stats.items() if name.startswith(listener)}
-    return [counts[name] for name in sorted(counts)]
 
 
 def test_cluster_an_unknown_outcome_the_store_never_got_is_not_run_again_on_any_worker(

@@ -25,9 +25,9 @@
 //! counted once the request body has been read, before any delay, so a test
 //! can see a request that is still in flight.
 //!
-//! Endpoints that are never counted: `GET /healthz`, `GET /__count[?path=P]`,
-//! `POST /__reset`, `POST /__fail-lookups?n=N`, and lookups. In fast mode every request
-//! gets `200 ok` at once.
+//! Endpoints that are never counted as executions: `GET /healthz`, `GET /__count[?path=P]`,
+//! `POST /__reset`, `POST /__fail-lookups?n=N`, and lookups (`/__count?path=P` counts those
+//! of path P apart, as `lookups`). In fast mode every request gets `200 ok` at once.
 //!
 //! **Lookups**, as a payment service offers them: a write that carried an `Idempotency-Key`
 //! and succeeded (2xx, answered or not: `x-demo-reset` after the write counts) is kept by
@@ -117,6 +117,8 @@ pub struct Counters {
     ledger: Mutex<HashMap<Vec<u8>, Written>>,
     /// Lookups still to fail with 503 (`/__fail-lookups`).
     failing_lookups: AtomicU64,
+    /// Lookups answered, failed ones included, per request path.
+    lookups: Mutex<HashMap<String, u64>>,
 }
 
 /// A finished write, as a lookup answers it.
@@ -147,6 +149,15 @@ impl Counters {
         self.lock().get(path).copied().unwrap_or(0)
     }
 
+    /// Lookups of `path` so far.
+    pub fn lookups(&self, path: &str) -> u64 {
+        self.lookups_per_path().get(path).copied().unwrap_or(0)
+    }
+
+    fn lookups_per_path(&self) -> MutexGuard<'_, HashMap<String, u64>> {
+        self.lookups.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Executions of all paths so far.
     pub fn total(&self) -> u64 {
         self.total.load(Ordering::Relaxed)
@@ -159,6 +170,7 @@ impl Counters {
         self.total.store(0, Ordering::Relaxed);
         self.ledger().clear();
         self.failing_lookups.store(0, Ordering::Relaxed);
+        self.lookups_per_path().clear();
     }
 
     fn ledger(&self) -> MutexGuard<'_, HashMap<Vec<u8>, Written>> {
@@ -265,6 +277,10 @@ where
     if parts.method == Method::GET || parts.method == Method::HEAD {
         if let Some((_, key)) = path.split_once("/by-key/") {
             drain(body).await;
+            *counters
+                .lookups_per_path()
+                .entry(path.to_owned())
+                .or_insert(0) += 1;
             let Some(key) = percent_decode(key) else {
                 return json(
                     StatusCode::BAD_REQUEST,
@@ -729,7 +745,12 @@ fn control(
                 Some(p) => {
                     let mut out = String::from("{\"path\":");
                     push_json_string(&mut out, &p);
-                    let _ = write!(out, ",\"executions\":{}}}", counters.executions(&p));
+                    let _ = write!(
+                        out,
+                        ",\"executions\":{},\"lookups\":{}}}",
+                        counters.executions(&p),
+                        counters.lookups(&p)
+                    );
                     json(StatusCode::OK, out)
                 }
                 None => json(

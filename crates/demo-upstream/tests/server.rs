@@ -126,9 +126,15 @@ async fn counts_executions_per_path_and_describes_them() {
 
     let count = send(addr, "GET", "/__count?path=%2Forders%2F1", &[], b"").await;
     assert_eq!(count.status, StatusCode::OK);
-    assert_eq!(count.text(), "{\"path\":\"/orders/1\",\"executions\":2}");
+    assert_eq!(
+        count.text(),
+        "{\"path\":\"/orders/1\",\"executions\":2,\"lookups\":0}"
+    );
     let count = send(addr, "GET", "/__count?path=/orders/2", &[], b"").await;
-    assert_eq!(count.text(), "{\"path\":\"/orders/2\",\"executions\":1}");
+    assert_eq!(
+        count.text(),
+        "{\"path\":\"/orders/2\",\"executions\":1,\"lookups\":0}"
+    );
     let total = send(addr, "GET", "/__count", &[], b"").await;
     assert_eq!(total.text(), "{\"total\":3}");
 
@@ -209,7 +215,10 @@ async fn headers_choose_status_body_size_and_extra_headers() {
         assert_eq!(a.status, StatusCode::BAD_REQUEST, "{name}: {value}");
     }
     let count = send(addr, "GET", "/__count?path=/bad", &[], b"").await;
-    assert_eq!(count.text(), "{\"path\":\"/bad\",\"executions\":0}");
+    assert_eq!(
+        count.text(),
+        "{\"path\":\"/bad\",\"executions\":0,\"lookups\":0}"
+    );
 }
 
 #[tokio::test]
@@ -400,7 +409,7 @@ async fn a_finished_write_is_found_by_its_key_by_the_caller_that_made_it() {
     assert_eq!(found.status, StatusCode::OK);
     assert_eq!(found.body, written.body, "the write's own answer");
     assert_eq!(found.header("x-execution"), "1");
-    // Another caller, and a key never written, find nothing; lookups are never counted.
+    // Another caller, and a key never written, find nothing; lookups are never executions.
     let bob = send(addr, "GET", lookup, &[("authorization", "Bearer bob")], b"").await;
     assert_eq!(bob.status, StatusCode::NOT_FOUND);
     let none = send(addr, "GET", "/payments/by-key/other", &[alice[1]], b"").await;
@@ -422,6 +431,14 @@ async fn a_finished_write_is_found_by_its_key_by_the_caller_that_made_it() {
         let answer = send(addr, "GET", lookup, &[alice[1]], b"").await;
         assert_eq!(answer.status.as_u16(), expected);
     }
+    // Every lookup is counted by its path, apart from executions: failed, refused to
+    // another caller, or found.
+    assert_eq!(counters.lookups(lookup), 6);
+    let count = send(addr, "GET", "/__count?path=/payments/by-key/k2", &[], b"").await;
+    assert_eq!(
+        count.text(),
+        "{\"path\":\"/payments/by-key/k2\",\"executions\":0,\"lookups\":1}"
+    );
 }
 
 #[tokio::test]

@@ -184,6 +184,10 @@ impl PluginRoot {
             {
                 log::debug!("answer for unknown store call {token} ignored");
             }
+            // A resolution's settle may have been answered: it goes on from its answer.
+            plugin
+                .resolutions
+                .on_store_answers(host, &plugin.settlers());
         }
         self.finish_if_idle(host);
     }
@@ -194,6 +198,9 @@ impl PluginRoot {
             if plugin.writes.is_wake_queue(queue_id) {
                 self.open_streams(host, plugin);
                 plugin.writes.on_wake(host, &plugin.links());
+                plugin
+                    .resolutions
+                    .on_store_answers(host, &plugin.settlers());
                 self.send_detached(host, plugin);
             }
         }
@@ -272,6 +279,9 @@ impl PluginRoot {
             if let Some((waiter, reply)) = answered {
                 self.deliver(host, plugin, waiter, Ok(reply));
             }
+            plugin
+                .resolutions
+                .on_store_answers(host, &plugin.settlers());
         }
         self.finish_if_idle(host);
     }
@@ -287,6 +297,9 @@ impl PluginRoot {
             for waiter in failed {
                 self.deliver(host, plugin, waiter, Err(StoreFailure::NoAnswer));
             }
+            plugin
+                .resolutions
+                .on_store_answers(host, &plugin.settlers());
         }
         self.finish_if_idle(host);
     }

@@ -480,12 +480,11 @@ impl RequestJourney {
     }
 
     /// An unknown outcome whose resolution is overdue in the store (the proxy resolving it
-    /// died or restarted, or its lookups keep failing): this proxy takes it on too, with the
-    /// lookup this retry carries, which is the first attempt's: its path and host come only
-    /// from the key and the scope headers (`resolve::settings` refuses anything else), and the
-    /// record this retry met is named by a hash of exactly those. Lookups are reads, and the
-    /// store settles only the exact record both proxies saw, so two proxies resolving one key
-    /// settle it once.
+    /// died or restarted, or lost the store): this proxy takes it on, once the store lets it
+    /// (the resolution first claims the record, `plugin::resolutions`, so one proxy asks at a
+    /// time), with the lookup this retry carries, which is the first attempt's: its path and
+    /// host come only from the key and the scope headers (`resolve::settings` refuses anything
+    /// else), and the record this retry met is named by a hash of exactly those.
     fn adopt_resolution(
         &self,
         host: &impl Host,
@@ -518,7 +517,7 @@ impl RequestJourney {
         match resolutions.schedule(resolution) {
             Ok(()) => log::warn!(
                 "rule {}: an unknown outcome's resolution was due {} s ago and is not settled \
-                 in the store; this proxy resolves it too",
+                 in the store; this proxy claims it",
                 rule.rule.name,
                 now.saturating_sub(due_ms) / 1000
             ),

@@ -4,9 +4,20 @@
 //! settles the key in the table. A lookup that settles nothing is asked again after a backoff
 //! that doubles, up to the rule's `max_attempts`; then the key is left for an operator.
 //!
-//! A worker resolves the unknown outcomes it recorded itself, so no two workers ask about one
-//! key. They live in the root, like store writes: a configuration push keeps a retired root
-//! until its resolutions end.
+//! A worker resolves the unknown outcomes it recorded itself (and, in cluster mode, overdue
+//! ones the store let it take on), so no two workers ask about one key. They live in the
+//! root, like store writes: a configuration push keeps a retired root until its resolutions
+//! end.
+//!
+//! Cluster mode: the store's record is the lease on the resolution. Its due time says when
+//! another proxy may take the resolution on (`Resolve::adopt_after_ms` past it), so every
+//! lookup that settles nothing moves it on to the next lookup's time, and a lookup goes out
+//! only shortly after the due time the store took from this proxy; later (an outage, or a
+//! resolution taken on from another proxy), the resolution first claims it anew by moving
+//! the due time to now. Each move is a settle, which the store applies only while it holds
+//! exactly the record this proxy last had it take: `NotOwner` means another proxy holds the
+//! resolution (or an operator settled it), and this one stops asking. So one proxy at a time
+//! asks about a key, and what it settles, counts and keeps locally is what the store took.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -16,10 +27,10 @@ use crate::capture::ResponseCapture;
 use crate::host::{status_of, Callout, Host};
 use crate::outcome::Outcome;
 use crate::resolve::lookup::LookupRequest;
-use crate::resolve::settings::{Resolve, Verdict};
+use crate::resolve::settings::{Resolve, Verdict, ADOPT_SLACK_MS};
 use crate::rule_handle::RuleHandle;
 use crate::store::client::settle_call;
-use crate::store::writes::{Links, PendingWrite, StoreWrites};
+use crate::store::writes::{Links, PendingWrite, SettleAnswer, StoreWrites};
 use crate::table::{Completion, Held, Settlement, Table};
 use idempotency_protocol::naming::short_hash;
 use idempotency_protocol::record::{key_expires_value, RecordedResponse, UnknownOutcome};
@@ -34,6 +45,11 @@ const RESOLUTION_OVERHEAD_BYTES: usize = 512;
 /// Envoy answers every callout by its timeout; one unanswered this long after is a failed
 /// lookup, so that a lost answer cannot hold a resolution forever.
 const OVERDUE_GRACE_MS: u64 = 10_000;
+/// Cluster mode: how long past the due time the store holds a lookup may still go out
+/// without claiming the resolution anew. Other proxies take it on `timeout_ms` + 5 s past
+/// that due time, so a lookup sent within half the slack has its answer (or its timeout)
+/// before any of them may ask, ticks and the store's way included.
+const LEASE_SLACK_MS: u64 = ADOPT_SLACK_MS / 2;
 pub use idempotency_protocol::record::RESOLVED_HEADER;
 
 /// One unknown outcome being resolved.
@@ -44,9 +60,12 @@ pub struct Resolution {
     pub lookup: LookupRequest,
     /// What Envoy reported, kept in the record while the resolution lasts.
     pub unknown: UnknownOutcome,
-    /// Cluster mode: the unknown outcome's record as this proxy sent it to the store, which
-    /// the store settles only while it still holds exactly that.
+    /// Cluster mode: the unknown outcome's record as the store holds it, as far as this
+    /// resolution knows (as this proxy sent it, read it, or last had the store take it),
+    /// which the store settles only while it still holds exactly that.
     pub store_record: Option<Vec<u8>>,
+    /// Cluster mode: the due time `store_record` says, which the lease runs from.
+    store_due_ms: u64,
     /// When the service is next asked.
     pub due_ms: u64,
     /// Lookups made so far.
@@ -71,12 +90,14 @@ impl Resolution {
             .bytes()
             .saturating_add(store_record.as_ref().map_or(0, Vec::len))
             .saturating_add(RESOLUTION_OVERHEAD_BYTES);
+        let store_due_ms = unknown.resolution_due_ms.unwrap_or(due_ms);
         Resolution {
             rule,
             held,
             lookup,
             unknown,
             store_record,
+            store_due_ms,
             due_ms,
             attempts: 0,
             sent_ms: 0,
@@ -87,6 +108,61 @@ impl Resolution {
     fn settings(&self) -> Option<&Resolve> {
         self.rule.rule.resolve.as_ref()
     }
+
+    /// Whether a lookup may go out now: single-proxy mode, or the store's record still
+    /// keeps other proxies from asking until its answer is in.
+    fn holds_lease(&self, now: u64) -> bool {
+        self.store_record.is_none() || now < self.store_due_ms.saturating_add(LEASE_SLACK_MS)
+    }
+}
+
+/// How a lookup settled its key.
+enum Resolved {
+    TookEffect(RecordedResponse),
+    NeverRan,
+}
+
+impl Resolved {
+    /// The local table's settlement, a record kept `ttl_ms` from now, then `tombstone_ms` as
+    /// its tombstone.
+    fn settlement(&self, ttl_ms: u64, tombstone_ms: u64) -> Settlement<'_> {
+        match self {
+            Resolved::TookEffect(response) => Settlement::Record {
+                response,
+                ttl_ms: Some(ttl_ms),
+                tombstone_ms,
+            },
+            Resolved::NeverRan => Settlement::Free,
+        }
+    }
+
+    /// The counter and the log's words.
+    fn outcome(&self) -> (Outcome, &'static str) {
+        match self {
+            Resolved::TookEffect(_) => (
+                Outcome::ResolvedTookEffect,
+                "it took effect: retries replay the service's answer",
+            ),
+            Resolved::NeverRan => (
+                Outcome::ResolvedNeverRan,
+                "it never ran: the key is freed and the next retry executes",
+            ),
+        }
+    }
+}
+
+/// Cluster mode: the settle a resolution waits for the store to answer, and what follows.
+enum StoreStep {
+    /// The record moved on to `record`, due `due_ms` (the next lookup's time; now, to claim
+    /// the resolution; none: given up, left for an operator).
+    Move {
+        record: Vec<u8>,
+        due_ms: Option<u64>,
+        look_up_now: bool,
+    },
+    /// The key settled as the service said (answered `status`): counted, and the local
+    /// table follows, once the store took it.
+    Settle { resolved: Resolved, status: u16 },
 }
 
 /// Where a resolution settles its key: the local table, and in cluster mode the store.
@@ -100,6 +176,10 @@ pub struct Settlers<'a> {
 pub struct Resolutions {
     waiting: RefCell<Vec<Resolution>>,
     in_flight: RefCell<HashMap<u32, Resolution>>,
+    /// Cluster mode: waiting for the store's answer to a settle, by the id it is reported
+    /// under.
+    awaiting_store: RefCell<HashMap<u64, (Resolution, StoreStep)>>,
+    next_settle_id: Cell<u64>,
     bytes: Cell<usize>,
 }
 
@@ -121,11 +201,19 @@ impl Resolutions {
     pub fn resolving(&self, key: &idempotency_protocol::naming::Digest) -> bool {
         self.waiting.borrow().iter().any(|r| r.held.key == *key)
             || self.in_flight.borrow().values().any(|r| r.held.key == *key)
+            || self
+                .awaiting_store
+                .borrow()
+                .values()
+                .any(|(r, _)| r.held.key == *key)
     }
 
-    /// Resolutions waiting or asking: a retired configuration's root stays for them.
+    /// Resolutions waiting, asking, or waiting for the store: a retired configuration's root
+    /// stays for them.
     pub fn len(&self) -> usize {
-        self.waiting.borrow().len() + self.in_flight.borrow().len()
+        self.waiting.borrow().len()
+            + self.in_flight.borrow().len()
+            + self.awaiting_store.borrow().len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -135,6 +223,7 @@ impl Resolutions {
     /// From the root's tick: asks the service about every resolution that is due, and ends
     /// the lookups Envoy never answered as failed.
     pub fn on_tick(&self, host: &impl Host, to: &Settlers<'_>) {
+        self.on_store_answers(host, to);
         let now = host.now_ms();
         let overdue: Vec<Resolution> = {
             let mut in_flight = self.in_flight.borrow_mut();
@@ -163,33 +252,133 @@ impl Resolutions {
             *waiting = later;
             due
         };
-        for mut resolution in due {
-            let lookup = &resolution.lookup;
-            let headers: Vec<(&str, &str)> = lookup
-                .headers
-                .iter()
-                .map(|(n, v)| (n.as_str(), v.as_str()))
-                .collect();
-            let sent = host.dispatch_callout(&Callout {
-                cluster: &lookup.cluster,
-                headers,
-                body: &[],
-                trailers: Vec::new(),
-                timeout_ms: lookup.timeout_ms,
-            });
-            resolution.attempts = resolution.attempts.saturating_add(1);
-            match sent {
-                Ok(token) => {
-                    resolution.sent_ms = now;
-                    self.in_flight.borrow_mut().insert(token, resolution);
-                }
-                Err(e) => {
-                    let why = format!(
-                        "Envoy refused the lookup to cluster '{}': {}",
-                        resolution.lookup.cluster, e.0
+        for resolution in due {
+            if resolution.holds_lease(now) {
+                self.look_up(host, to, resolution);
+            } else {
+                // The store's due time is past (a resolution taken on from another proxy,
+                // or an answer from the store that came late): another proxy may be taking
+                // it on; claim it before asking.
+                self.move_in_store(host, to, resolution, Some(now), true);
+            }
+        }
+    }
+
+    /// Asks the service about `resolution`'s write.
+    fn look_up(&self, host: &impl Host, to: &Settlers<'_>, mut resolution: Resolution) {
+        let lookup = &resolution.lookup;
+        let headers: Vec<(&str, &str)> = lookup
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        let sent = host.dispatch_callout(&Callout {
+            cluster: &lookup.cluster,
+            headers,
+            body: &[],
+            trailers: Vec::new(),
+            timeout_ms: lookup.timeout_ms,
+        });
+        resolution.attempts = resolution.attempts.saturating_add(1);
+        match sent {
+            Ok(token) => {
+                resolution.sent_ms = host.now_ms();
+                self.in_flight.borrow_mut().insert(token, resolution);
+            }
+            Err(e) => {
+                let why = format!(
+                    "Envoy refused the lookup to cluster '{}': {}",
+                    resolution.lookup.cluster, e.0
+                );
+                self.unsettled(host, to, resolution, &why);
+            }
+        }
+    }
+
+    /// The store answered settles sent for resolutions (or gave them up): each goes on,
+    /// ends, or is counted as the answer says.
+    pub fn on_store_answers(&self, host: &impl Host, to: &Settlers<'_>) {
+        for (id, answer) in to.writes.take_settle_answers() {
+            let Some((resolution, step)) = self.awaiting_store.borrow_mut().remove(&id) else {
+                continue;
+            };
+            self.on_store_answer(host, to, resolution, step, answer);
+        }
+    }
+
+    fn on_store_answer(
+        &self,
+        host: &impl Host,
+        to: &Settlers<'_>,
+        mut resolution: Resolution,
+        step: StoreStep,
+        answer: SettleAnswer,
+    ) {
+        let rule = Rc::clone(&resolution.rule);
+        let name = &rule.rule.name;
+        let key = short_hash(&resolution.held.key);
+        match (answer, step) {
+            (
+                SettleAnswer::Applied,
+                StoreStep::Move {
+                    record,
+                    due_ms: Some(due_ms),
+                    look_up_now,
+                },
+            ) => {
+                resolution.store_record = Some(record);
+                resolution.store_due_ms = due_ms;
+                if look_up_now {
+                    log::info!(
+                        "rule {name}, key {key}: the store holds this proxy's claim on the \
+                         unknown outcome's resolution; asking the service"
                     );
-                    self.unsettled(host, to, resolution, &why);
+                    self.look_up(host, to, resolution);
+                } else {
+                    self.waiting.borrow_mut().push(resolution);
                 }
+            }
+            (SettleAnswer::Applied, StoreStep::Move { due_ms: None, .. }) => {
+                rule.count(host, Outcome::ResolutionGaveUp);
+                log::error!(
+                    "rule {name}, key {key}: {} lookup(s) of an unknown outcome settled nothing; \
+                     it stays unknown until its TTL or an operator settles it",
+                    resolution.attempts
+                );
+                self.finish(&resolution);
+            }
+            (SettleAnswer::Applied, StoreStep::Settle { resolved, status }) => {
+                self.finish(&resolution);
+                // Replays from here need not ask the store again.
+                let settlement = resolved.settlement(rule.rule.ttl_ms, rule.rule.tombstone_ms);
+                if let Err(e) =
+                    to.table
+                        .settle_unknown(host, &resolution.held, settlement, host.now_ms())
+                {
+                    log::warn!("rule {name}: a resolution settled in the store, not here: {e}");
+                }
+                let (outcome, what) = resolved.outcome();
+                rule.count(host, outcome);
+                log::info!(
+                    "rule {name}, key {key}: unknown outcome resolved after {} lookup(s) (the \
+                     service answered {status}): {what}; the store took it",
+                    resolution.attempts
+                );
+            }
+            (SettleAnswer::HoldsAnother, _) => {
+                log::info!(
+                    "rule {name}, key {key}: the store holds another record for this key (another \
+                     proxy took the resolution on, or an operator settled it); this proxy stops \
+                     asking"
+                );
+                self.finish(&resolution);
+            }
+            (SettleAnswer::Undelivered, _) => {
+                log::warn!(
+                    "rule {name}, key {key}: the store did not take this resolution's settle; it \
+                     is left to a retry once overdue (any replica takes it on), or an operator"
+                );
+                self.finish(&resolution);
             }
         }
     }
@@ -246,8 +435,7 @@ impl Resolutions {
                 }
                 // Kept as the upstream's own answer would be: for the TTL, then (if the rule
                 // keeps them) as its tombstone, which the key's expiry counts in.
-                let tombstone_ms = rule.tombstone_ms;
-                let kept_ms = rule.ttl_ms.saturating_add(tombstone_ms);
+                let kept_ms = rule.ttl_ms.saturating_add(rule.tombstone_ms);
                 capture.set_key_expiry(&key_expires_value(host.now_ms().saturating_add(kept_ms)));
                 let mut response = capture.finish();
                 response
@@ -256,14 +444,10 @@ impl Resolutions {
                 response
                     .headers
                     .push((RESOLVED_HEADER.to_string(), b"true".to_vec()));
-                let settlement = Settlement::Record {
-                    response: &response,
-                    ttl_ms: Some(rule.ttl_ms),
-                    tombstone_ms,
-                };
-                self.settle(host, to, &resolution, settlement, status);
+                let resolved = Resolved::TookEffect(response);
+                self.settle(host, to, resolution, resolved, status);
             }
-            Verdict::NeverRan => self.settle(host, to, &resolution, Settlement::Free, status),
+            Verdict::NeverRan => self.settle(host, to, resolution, Resolved::NeverRan, status),
             Verdict::Unsettled => {
                 let why = format!("the service answered the lookup with {status}");
                 self.unsettled(host, to, resolution, &why);
@@ -272,58 +456,49 @@ impl Resolutions {
         true
     }
 
-    /// The lookup said how the write ended: the key's record says so now.
+    /// The lookup said how the write ended: the key's record says so now (cluster mode: once
+    /// the store took it).
     fn settle(
         &self,
         host: &impl Host,
         to: &Settlers<'_>,
-        resolution: &Resolution,
-        settlement: Settlement<'_>,
+        mut resolution: Resolution,
+        resolved: Resolved,
         status: u16,
     ) {
-        self.finish(resolution);
-        let rule = &resolution.rule;
+        let rule = Rc::clone(&resolution.rule);
         if resolution.store_record.is_some() {
             // Cluster mode: the store's record settles the key for every replica, whatever
-            // became of this proxy's local copy (evicted, say).
-            let (record, ttl_ms, tombstone_ms) = match settlement {
-                Settlement::Record {
-                    response,
-                    ttl_ms,
-                    tombstone_ms,
-                } => (Some(response.encode()), ttl_ms.unwrap_or(0), tombstone_ms),
-                Settlement::Free => (None, 0, 0),
+            // became of this proxy's local copy (evicted, say). Counted, and kept here, only
+            // if the store still held this resolution's record.
+            let (record, ttl_ms, tombstone_ms) = match &resolved {
+                Resolved::TookEffect(response) => (
+                    Some(response.encode()),
+                    rule.rule.ttl_ms,
+                    rule.rule.tombstone_ms,
+                ),
+                Resolved::NeverRan => (None, 0, 0),
             };
-            self.settle_in_store(host, to, resolution, record, (ttl_ms, tombstone_ms));
+            // The answer is held until the store's comes: its bytes count.
+            let record_bytes = record.as_ref().map_or(0, Vec::len);
+            self.bytes
+                .set(self.bytes.get().saturating_add(record_bytes));
+            resolution.bytes = resolution.bytes.saturating_add(record_bytes);
+            let kept = (ttl_ms, tombstone_ms);
+            let id = self.settle_in_store(host, to, &resolution, record, kept);
+            let step = StoreStep::Settle { resolved, status };
+            self.awaiting_store
+                .borrow_mut()
+                .insert(id, (resolution, step));
+            return;
         }
-        let (outcome, what) = match settlement {
-            Settlement::Record { .. } => (
-                Outcome::ResolvedTookEffect,
-                "it took effect: retries replay the service's answer",
-            ),
-            Settlement::Free => (
-                Outcome::ResolvedNeverRan,
-                "it never ran: the key is freed and the next retry executes",
-            ),
-        };
+        self.finish(&resolution);
+        let settlement = resolved.settlement(rule.rule.ttl_ms, rule.rule.tombstone_ms);
+        let (outcome, what) = resolved.outcome();
         let key = short_hash(&resolution.held.key);
         let local = to
             .table
             .settle_unknown(host, &resolution.held, settlement, host.now_ms());
-        let settled = matches!(
-            local,
-            Ok(Completion::Recorded | Completion::RecordedWithoutBody)
-        );
-        if resolution.store_record.is_some() && !settled {
-            rule.count(host, outcome);
-            log::info!(
-                "rule {}, key {key}: unknown outcome resolved after {} lookup(s) (the service \
-                 answered {status}): {what}; sent to the store",
-                rule.rule.name,
-                resolution.attempts
-            );
-            return;
-        }
         match local {
             Ok(Completion::Recorded | Completion::RecordedWithoutBody) => {
                 rule.count(host, outcome);
@@ -380,14 +555,8 @@ impl Resolutions {
         let kept = to
             .table
             .settle_unknown(host, &resolution.held, settlement, now);
-        if next.is_none() && resolution.store_record.is_some() {
-            // Given up: every replica's retries lose their Retry-After too. (While lookups
-            // are retried the store keeps the first due time; a retry past it is told the
-            // backoff.)
-            self.settle_in_store(host, to, &resolution, Some(record.encode()), (0, 0));
-        }
-        let local_gone = !matches!(kept, Ok(Completion::Recorded));
-        if local_gone && resolution.store_record.is_none() {
+        let in_store = resolution.store_record.is_some();
+        if !in_store && !matches!(kept, Ok(Completion::Recorded)) {
             // Evicted, or settled by someone else: nothing left to resolve.
             log::info!(
                 "rule {name}: an unknown outcome's record changed while resolving it; dropped"
@@ -405,7 +574,24 @@ impl Resolutions {
                     due.saturating_sub(now) / 1000
                 );
                 resolution.due_ms = due;
-                self.waiting.borrow_mut().push(resolution);
+                if in_store {
+                    // The store's record says when the next lookup goes, so that no other
+                    // proxy takes the resolution on meanwhile, and every replica's retries
+                    // are told when.
+                    self.move_in_store(host, to, resolution, next, false);
+                } else {
+                    self.waiting.borrow_mut().push(resolution);
+                }
+            }
+            None if in_store => {
+                // Given up once the store takes it (every replica's retries lose their
+                // Retry-After too): counted then.
+                log::warn!(
+                    "rule {name}, key {key}: lookup {} of an unknown outcome settled nothing \
+                     ({why}); no attempt left",
+                    resolution.attempts
+                );
+                self.move_in_store(host, to, resolution, None, false);
             }
             None => {
                 rule.count(host, Outcome::ResolutionGaveUp);
@@ -419,9 +605,37 @@ impl Resolutions {
         }
     }
 
+    /// Cluster mode: moves the store's record of `resolution` on to be due `due_ms` (None:
+    /// given up); the resolution waits for the store's answer, then looks the write up at
+    /// once when `look_up_now` (a claim), or when it is due.
+    fn move_in_store(
+        &self,
+        host: &impl Host,
+        to: &Settlers<'_>,
+        resolution: Resolution,
+        due_ms: Option<u64>,
+        look_up_now: bool,
+    ) {
+        let unknown = UnknownOutcome {
+            resolution_due_ms: due_ms,
+            ..resolution.unknown.clone()
+        };
+        let record = RecordedResponse::unknown_outcome(unknown).encode();
+        let id = self.settle_in_store(host, to, &resolution, Some(record.clone()), (0, 0));
+        let step = StoreStep::Move {
+            record,
+            due_ms,
+            look_up_now,
+        };
+        self.awaiting_store
+            .borrow_mut()
+            .insert(id, (resolution, step));
+    }
+
     /// Hands the store its settle of `resolution`'s record, sent and retried from the root
     /// like a completion, for as long as the record lives: kept `ttl_ms` (0: as long as the
-    /// unknown outcome), then `tombstone_ms` as its tombstone.
+    /// unknown outcome), then `tombstone_ms` as its tombstone. Its answer comes back to
+    /// `on_store_answers` under the id returned.
     fn settle_in_store(
         &self,
         host: &impl Host,
@@ -429,16 +643,19 @@ impl Resolutions {
         resolution: &Resolution,
         record: Option<Vec<u8>>,
         (ttl_ms, tombstone_ms): (u64, u64),
-    ) {
-        let Some(current) = resolution.store_record.clone() else {
-            return;
-        };
+    ) -> u64 {
+        let id = self.next_settle_id.get();
+        self.next_settle_id.set(id.wrapping_add(1));
+        let current = resolution.store_record.clone().unwrap_or_default();
         let rule = &resolution.rule;
         let call = settle_call(&resolution.held.key, current, record, ttl_ms, tombstone_ms);
         let deadline = host.now_ms().saturating_add(rule.rule.ttl_ms);
-        let write = PendingWrite::new(Rc::clone(rule), call, deadline).best_effort();
+        let write = PendingWrite::new(Rc::clone(rule), call, deadline)
+            .best_effort()
+            .reporting_to(id);
         to.writes
             .submit_from(host, &to.links, to.links.root_context, write);
+        id
     }
 
     fn finish(&self, resolution: &Resolution) {

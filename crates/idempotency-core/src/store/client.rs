@@ -251,11 +251,8 @@ pub fn read_write_reply(kind: WriteKind, reply: &Reply) -> WriteAnswer {
             WriteAnswer::Done
         }
         (WriteKind::Renew, Reply::Renewed { lost }) => renewed(lost.clone()),
-        // Settled now, or the record is something else by now (settled by an earlier attempt
-        // whose answer was lost, by an operator, or expired): nothing is left to do.
-        (WriteKind::Settle, Reply::Recorded | Reply::Released | Reply::NotOwner) => {
-            WriteAnswer::Done
-        }
+        (WriteKind::Settle, Reply::Recorded | Reply::Released) => WriteAnswer::Done,
+        (WriteKind::Settle, Reply::NotOwner) => WriteAnswer::NotSettled,
         // Nothing left to release (released before, expired, or taken over): the goal holds.
         (WriteKind::Release, Reply::NotOwner) => WriteAnswer::Done,
         (WriteKind::Complete, Reply::NotOwner) => WriteAnswer::Superseded,
@@ -322,6 +319,10 @@ pub enum WriteAnswer {
     /// passed and another request took the key over (on another replica, or during an outage
     /// under fail_open); the store keeps that request's record.
     Superseded,
+    /// A settle the store did not apply: the key holds another record by now (settled by an
+    /// earlier attempt whose answer was lost, moved on by another proxy resolving it, settled
+    /// by an operator, or expired). Nothing changed.
+    NotSettled,
     /// The store refused for good (a request it will never take).
     Refused(String),
     Retry(String),
@@ -349,9 +350,8 @@ fn renewed(lost: Vec<u32>) -> WriteAnswer {
 
 pub fn read_write_answer(kind: WriteKind, status: Option<u16>, body: &[u8]) -> WriteAnswer {
     match status {
-        // Settled, or the record is something else by now: nothing is left to do (see
-        // `read_write_reply`).
-        Some(200 | 409) if kind == WriteKind::Settle => WriteAnswer::Done,
+        Some(200) if kind == WriteKind::Settle => WriteAnswer::Done,
+        Some(409) if kind == WriteKind::Settle => WriteAnswer::NotSettled,
         // Nothing left to release (released before, expired, or taken over): the goal holds.
         Some(409) if kind == WriteKind::Release => WriteAnswer::Done,
         Some(200) if kind == WriteKind::Renew => {
@@ -555,6 +555,19 @@ mod tests {
             read_write_answer(Complete, Some(200), b"junk"),
             WriteAnswer::Retry(_)
         ));
+        // A settle's sender learns whether the store applied it.
+        use WriteKind::Settle;
+        let replaced = br#"{"outcome":"replaced"}"#;
+        assert_eq!(read_write_answer(Settle, Some(200), replaced), done);
+        assert_eq!(
+            read_write_answer(Settle, Some(409), b""),
+            WriteAnswer::NotSettled
+        );
+        assert_eq!(read_write_reply(Settle, &Reply::Released), done);
+        assert_eq!(
+            read_write_reply(Settle, &Reply::NotOwner),
+            WriteAnswer::NotSettled
+        );
     }
 
     #[test]

@@ -34,6 +34,9 @@ pub struct PendingWrite {
     /// A completion of an unknown outcome: its local record is marked as in the store once
     /// the store takes it (until then no worker takes the store's "free" for a settlement).
     pub(super) marks_in_store: bool,
+    /// A settle whose answer its sender waits for: reported under this id
+    /// (`StoreWrites::take_settle_answers`).
+    pub(super) reports_to: Option<u64>,
 }
 
 impl PendingWrite {
@@ -47,6 +50,7 @@ impl PendingWrite {
             deadline_ms,
             local: None,
             marks_in_store: false,
+            reports_to: None,
         }
     }
 
@@ -78,6 +82,14 @@ impl PendingWrite {
     pub fn marking_in_store(self) -> PendingWrite {
         PendingWrite {
             marks_in_store: true,
+            ..self
+        }
+    }
+
+    /// Reports the store's final answer to this settle under `id`.
+    pub fn reporting_to(self, id: u64) -> PendingWrite {
+        PendingWrite {
+            reports_to: Some(id),
             ..self
         }
     }

@@ -70,6 +70,18 @@ mod write_bytes_in_vm {
     }
 }
 
+/// What the store made of a settle whose sender waits for the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettleAnswer {
+    /// Replaced or removed: the store held exactly the record the settle named.
+    Applied,
+    /// The store holds another record by now; nothing changed.
+    HoldsAnother,
+    /// No answer will come: refused, or given up (its deadline, the byte budget). It may
+    /// have been applied by an attempt whose answer was lost.
+    Undelivered,
+}
+
 /// A write waiting for its next attempt, ordered by when it is due (then by arrival).
 struct Waiting {
     not_before_ms: u64,
@@ -115,6 +127,8 @@ pub struct StoreWrites {
     /// renewing.
     lost_leases: RefCell<Vec<(String, String)>>,
     lost_log: RefCell<BurstLog>,
+    /// The final answers of settles sent `reporting_to` an id, for their senders to take.
+    settle_answers: RefCell<Vec<(u64, SettleAnswer)>>,
 }
 
 impl Drop for StoreWrites {
@@ -148,12 +162,24 @@ impl StoreWrites {
             charged: Cell::new(0),
             lost_leases: RefCell::new(Vec::new()),
             lost_log: RefCell::new(BurstLog::new(10_000)),
+            settle_answers: RefCell::new(Vec::new()),
         }
     }
 
     /// The leases the store reported lost since the last call.
     pub fn take_lost_leases(&self) -> Vec<(String, String)> {
         std::mem::take(&mut *self.lost_leases.borrow_mut())
+    }
+
+    /// The answers to settles sent `reporting_to` an id since the last call.
+    pub fn take_settle_answers(&self) -> Vec<(u64, SettleAnswer)> {
+        std::mem::take(&mut *self.settle_answers.borrow_mut())
+    }
+
+    fn report(&self, write: &PendingWrite, answer: SettleAnswer) {
+        if let Some(id) = write.reports_to {
+            self.settle_answers.borrow_mut().push((id, answer));
+        }
     }
 
     /// Writes not yet taken by the store: submitted, waiting for a retry, or awaiting an
@@ -428,6 +454,7 @@ impl StoreWrites {
         match answer {
             WriteAnswer::Done => {
                 self.store_answered();
+                self.report(&write, SettleAnswer::Applied);
                 if let (Some(held), true) = (&write.local, write.marks_in_store) {
                     if let Err(e) = table.mark_in_store(host, held) {
                         // Retries of the key keep answering 409 and sending it again.
@@ -464,7 +491,12 @@ impl StoreWrites {
                 self.fresh.borrow_mut().push_back(write);
                 self.wake_root(host);
             }
+            WriteAnswer::NotSettled => {
+                self.store_answered();
+                self.report(&write, SettleAnswer::HoldsAnother);
+            }
             WriteAnswer::Refused(why) => {
+                self.report(&write, SettleAnswer::Undelivered);
                 if !write.best_effort {
                     write.rule.count(host, Outcome::StoreError);
                 }
@@ -577,6 +609,7 @@ impl StoreWrites {
     }
 
     fn drop_write(&self, host: &impl Host, write: &PendingWrite, why: &str) {
+        self.report(write, SettleAnswer::Undelivered);
         write.rule.count(host, Outcome::StoreWriteDropped);
         if let Some(suppressed) = self.drops.borrow_mut().admit(host.now_ms()) {
             log::error!(

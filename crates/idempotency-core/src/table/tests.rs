@@ -820,6 +820,7 @@ fn an_unknown_outcome_settled_into_another_keeps_waiting_for_the_store() {
     let next = Settlement::Record {
         response: &unknown,
         ttl_ms: None,
+        tombstone_ms: 0,
     };
     assert_eq!(
         t.settle_unknown(&s, &h, next, 2_500).unwrap(),

@@ -370,7 +370,7 @@ mod cluster {
         root.on_grpc_message(host, stream, size);
     }
 
-    fn stream_of(effects: &[Effect]) -> u32 {
+    pub(super) fn stream_of(effects: &[Effect]) -> u32 {
         effects
             .iter()
             .find_map(|e| match e {
@@ -427,12 +427,14 @@ mod cluster {
     }
 
     /// Under `config` (CLUSTER's rule, maybe with more fields), an unknown outcome resolved
-    /// as taken effect: the unknown outcome sent to the store, and the settle sent after it.
-    fn settled_as_taken_effect(config: &str) -> (Vec<u8>, CallOp) {
+    /// as taken effect: the root, its stream, the unknown outcome sent to the store, and the
+    /// settle sent after it with its call id (not answered yet).
+    fn settled_as_taken_effect(config: &str) -> (FakeHost, PluginRoot, u32, Vec<u8>, CallOp, u64) {
         let host = FakeHost::default();
         let mut root = configured_root(&host, config, 1);
         let stream = stream_of(&host.take_effects());
-        let (_, unknown) = timed_out_in_cluster(&host, &mut root, stream, "k1");
+        let (complete, unknown) = timed_out_in_cluster(&host, &mut root, stream, "k1");
+        answer(&host, &mut root, stream, complete, Reply::Recorded);
         let recorded = RecordedResponse::decode(&unknown).unwrap();
         assert!(
             recorded.unknown.unwrap().resolution_due_ms.is_some(),
@@ -446,17 +448,16 @@ mod cluster {
         host.set_callout_answer(Some(200), br#"{"order":"o-1"}"#);
         root.on_callout_answer(&host, token, 1, 15);
         root.on_queue_ready(&host, 1);
-        assert_eq!(host.counter("orders", Outcome::ResolvedTookEffect), 1);
-        let settle = calls(&host)
+        let (settle, id) = calls(&host)
             .into_iter()
-            .find_map(|c| matches!(c.op, CallOp::Settle { .. }).then_some(c.op))
+            .find_map(|c| matches!(c.op, CallOp::Settle { .. }).then_some((c.op, c.id)))
             .expect("a settle on the stream");
-        (unknown, settle)
+        (host, root, stream, unknown, settle, id)
     }
 
     #[test]
     fn the_store_is_settled_with_what_the_service_said() {
-        let (unknown, settle) = settled_as_taken_effect(CLUSTER);
+        let (host, mut root, stream, unknown, settle, id) = settled_as_taken_effect(CLUSTER);
         let CallOp::Settle {
             current,
             record,
@@ -474,6 +475,13 @@ mod cluster {
             (200, &br#"{"order":"o-1"}"#[..])
         );
         assert_eq!((ttl_ms, tombstone_ms), (86_400_000, 0));
+        assert_eq!(host.counter("orders", Outcome::ResolvedTookEffect), 0);
+        answer(&host, &mut root, stream, id, Reply::Recorded);
+        assert_eq!(
+            host.counter("orders", Outcome::ResolvedTookEffect),
+            1,
+            "counted once the store took it"
+        );
     }
 
     #[test]
@@ -482,7 +490,7 @@ mod cluster {
             r#""resolve":"#,
             r#""ttl_seconds":60,"tombstone_seconds":300,"resolve":"#,
         );
-        let (_, settle) = settled_as_taken_effect(&keeps_tombstones);
+        let (_, _, _, _, settle, _) = settled_as_taken_effect(&keeps_tombstones);
         assert!(
             matches!(
                 settle,
@@ -594,27 +602,35 @@ mod cluster {
         met_in_the_store(&host, &mut root, "k5", 8_000);
         host.effective_context.set(1);
         root.on_tick(&host);
+        // It first claims the resolution: the store's record, due now, if the store still
+        // holds the one the retry met.
+        let settles = |host: &FakeHost| {
+            calls(host)
+                .into_iter()
+                .find_map(|c| match c.op {
+                    CallOp::Settle {
+                        current, record, ..
+                    } => Some((c.id, current, record)),
+                    _ => None,
+                })
+                .expect("a settle on the stream")
+        };
+        let (id, current, claimed) = settles(&host);
+        assert_eq!(current, pending, "claimed from the record the retry met");
+        answer(&host, &mut root, 1, id, Reply::Recorded);
         let sent = lookups(&host);
         assert_eq!(sent.len(), 1, "one resolution per key");
         let token = sent[0];
         host.set_callout_answer(Some(404), b"");
         root.on_callout_answer(&host, token, 1, 0);
         root.on_queue_ready(&host, 1);
-        let settle = calls(&host)
-            .into_iter()
-            .find_map(|c| match c.op {
-                CallOp::Settle {
-                    current, record, ..
-                } => Some((current, record)),
-                _ => None,
-            })
-            .expect("a settle on the stream");
+        let (id, current, record) = settles(&host);
         assert_eq!(
-            settle,
-            (pending, Vec::new()),
-            "the store's own record, freed"
+            (current, record),
+            (claimed, Vec::new()),
+            "the record it claimed, freed"
         );
-        // Another retry meanwhile does not start a second resolution of the same key.
+        answer(&host, &mut root, 1, id, Reply::Released);
         assert_eq!(host.counter("orders", Outcome::ResolvedNeverRan), 1);
     }
 
@@ -693,6 +709,642 @@ mod cluster {
             let (status, headers, _) = the_reply(&host.take_effects());
             assert_eq!(status, 409);
             assert_eq!(header(&headers, "retry-after"), Some(&b"3"[..]));
+        }
+    }
+}
+
+mod adoption {
+    //! Cluster mode with more than one proxy able to resolve a key: the store's record is the
+    //! lease on its resolution, so one proxy at a time asks the service, the proxy resolving
+    //! it keeps it while it lives, and only what the store took is kept and counted. Each
+    //! `Replica` is an Envoy (its own host: shared table, clock, counters) with one or more
+    //! workers (a root each, with its stream); `Store` answers their calls as every backend
+    //! does.
+
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use std::cell::{Cell, RefCell};
+    use std::collections::{HashMap, VecDeque};
+
+    use idempotency_protocol::record::RecordedResponse;
+    use idempotency_protocol::stream::{
+        decode_call, encode_answer, Answer, Call, CallOp, FailureKind, Reply as StoreReply,
+    };
+
+    use super::super::*;
+    use crate::fake_host::Effect;
+    use crate::outcome::Outcome;
+    use crate::root::PluginRoot;
+    use crate::who_answered::flag;
+
+    /// Settle time 5 s, lookups time out after 2 s: another proxy may take an unresolved key
+    /// on 7 s past its due time. Backoff 2 s, doubling.
+    fn config(max_attempts: u32) -> String {
+        format!(
+            r#"{{"store":{{"cluster":"store","timeout_ms":250}},
+            "rules":[{{"name":"orders","match":{{"path_prefixes":["/orders"]}},
+            "resolve":{{"cluster":"orders","path":"/orders/by-key/{{key}}","settle_seconds":5,
+            "max_attempts":{max_attempts}}}}}]}}"#
+        )
+    }
+
+    enum Kept {
+        InFlight,
+        Completed(Vec<u8>),
+    }
+
+    /// One key's record as every backend keeps it (`crates/idempotency-store/tests/contract.rs`):
+    /// a claim takes a free key, a completion records, and a settle replaces or removes the
+    /// record only while it holds exactly the settle's `current`.
+    #[derive(Default)]
+    struct Store {
+        records: RefCell<HashMap<String, Kept>>,
+    }
+
+    impl Store {
+        fn answer(&self, op: &CallOp) -> StoreReply {
+            let mut records = self.records.borrow_mut();
+            match op {
+                CallOp::Claim { key, owner, .. } => match records.get(key) {
+                    Some(Kept::Completed(record)) => StoreReply::Completed {
+                        record: record.clone(),
+                    },
+                    Some(Kept::InFlight) => StoreReply::InFlight {
+                        retry_after_ms: 1_000,
+                    },
+                    None => {
+                        records.insert(key.clone(), Kept::InFlight);
+                        StoreReply::Claimed {
+                            owner: owner.clone(),
+                            lease_expires_at_ms: 1,
+                        }
+                    }
+                },
+                CallOp::Complete { key, record, .. } => {
+                    records.insert(key.clone(), Kept::Completed(record.clone()));
+                    StoreReply::Recorded
+                }
+                CallOp::Settle {
+                    key,
+                    current,
+                    record,
+                    ..
+                } => match records.get(key) {
+                    Some(Kept::Completed(held)) if held == current => {
+                        if record.is_empty() {
+                            records.remove(key);
+                            StoreReply::Released
+                        } else {
+                            records.insert(key.clone(), Kept::Completed(record.clone()));
+                            StoreReply::Recorded
+                        }
+                    }
+                    _ => StoreReply::NotOwner,
+                },
+                CallOp::Release { key, .. } => {
+                    records.remove(key);
+                    StoreReply::Released
+                }
+                CallOp::Renew { .. } => StoreReply::Renewed { lost: Vec::new() },
+                CallOp::Wait { .. } | CallOp::Lookup { .. } => StoreReply::Failure {
+                    kind: FailureKind::BadRequest,
+                    detail: "not part of these tests".into(),
+                },
+            }
+        }
+
+        /// The record of the only key, decoded.
+        fn record(&self) -> Option<RecordedResponse> {
+            self.records.borrow().values().find_map(|kept| match kept {
+                Kept::Completed(record) => RecordedResponse::decode(record),
+                Kept::InFlight => None,
+            })
+        }
+
+        /// When the store says the only key's resolution is due.
+        fn due_ms(&self) -> Option<u64> {
+            self.record()
+                .and_then(|r| r.unknown)
+                .and_then(|u| u.resolution_due_ms)
+        }
+
+        /// An operator frees every key (`record resolve` as never run).
+        fn operator_frees(&self) {
+            self.records.borrow_mut().clear();
+        }
+    }
+
+    struct Worker {
+        root: RefCell<PluginRoot>,
+        root_id: u32,
+        /// Its stream to the store (a new one once it gave the last up).
+        stream: Cell<u32>,
+    }
+
+    /// What a replica did: the lookups each worker sent (worker, callout token) and the
+    /// local replies.
+    #[derive(Default)]
+    struct Seen {
+        lookups: Vec<(usize, u32)>,
+        replies: Vec<Reply>,
+    }
+
+    impl Seen {
+        fn reply(&self) -> &Reply {
+            assert_eq!(self.replies.len(), 1, "one reply expected");
+            &self.replies[0]
+        }
+    }
+
+    /// A call to the store: the worker and stream it came from.
+    type Sent = (usize, u32, Call);
+
+    /// One Envoy.
+    struct Replica {
+        host: FakeHost,
+        workers: Vec<Worker>,
+        /// Cut off from the store: calls wait in `unsent` until `reconnect`.
+        cut_off: Cell<bool>,
+        unsent: RefCell<Vec<Sent>>,
+        journeys: RefCell<Vec<Rc<std::cell::RefCell<RequestJourney>>>>,
+        next_context: Cell<u32>,
+    }
+
+    impl Replica {
+        fn new(config: &str, workers: u32) -> Replica {
+            let host = FakeHost::default();
+            let workers = (1..=workers)
+                .map(|root_id| {
+                    let root = configured_root(&host, config, root_id);
+                    let stream = super::cluster::stream_of(&host.take_effects());
+                    Worker {
+                        root: RefCell::new(root),
+                        root_id,
+                        stream: Cell::new(stream),
+                    }
+                })
+                .collect();
+            Replica {
+                host,
+                workers,
+                cut_off: Cell::new(false),
+                unsent: RefCell::default(),
+                journeys: RefCell::default(),
+                next_context: Cell::new(100),
+            }
+        }
+
+        /// Takes the host's effects as `worker`'s: calls to the store are queued for it (or
+        /// held while cut off), lookups and replies are noted.
+        fn collect(&self, worker: usize, seen: &mut Seen, calls: &mut VecDeque<Sent>) {
+            for effect in self.host.take_effects() {
+                match effect {
+                    Effect::StreamOpened { stream, .. } => self.workers[worker].stream.set(stream),
+                    Effect::StreamMessage {
+                        stream, message, ..
+                    } => {
+                        let to = self
+                            .workers
+                            .iter()
+                            .position(|w| w.stream.get() == stream)
+                            .expect("a worker's stream");
+                        let call = decode_call(&message).unwrap();
+                        if self.cut_off.get() {
+                            self.unsent.borrow_mut().push((to, stream, call));
+                        } else {
+                            calls.push_back((to, stream, call));
+                        }
+                    }
+                    Effect::Callout { token, cluster, .. } if cluster == "orders" => {
+                        seen.lookups.push((worker, token))
+                    }
+                    Effect::LocalReply {
+                        status,
+                        headers,
+                        body,
+                    } => seen.replies.push((status, headers, body)),
+                    _ => {}
+                }
+            }
+        }
+
+        /// Lets `worker`'s effects (and what the store's answers set off) run their course.
+        fn pump(&self, store: &Store, worker: usize) -> Seen {
+            let mut seen = Seen::default();
+            let mut calls = VecDeque::new();
+            self.collect(worker, &mut seen, &mut calls);
+            loop {
+                for (index, w) in self.workers.iter().enumerate() {
+                    self.host.effective_context.set(w.root_id);
+                    w.root.borrow().on_queue_ready(&self.host, w.root_id);
+                    self.collect(index, &mut seen, &mut calls);
+                }
+                let Some(sent) = calls.pop_front() else {
+                    return seen;
+                };
+                let to = sent.0;
+                self.answer(store, sent);
+                self.collect(to, &mut seen, &mut calls);
+            }
+        }
+
+        /// The store answers a call on the stream it came on.
+        fn answer(&self, store: &Store, (to, stream, call): Sent) {
+            let w = &self.workers[to];
+            let reply = store.answer(&call.op);
+            let message = encode_answer(&Answer { id: call.id, reply });
+            let size = message.len();
+            *self.host.grpc_message.borrow_mut() = message;
+            self.host.effective_context.set(w.root_id);
+            w.root
+                .borrow_mut()
+                .on_grpc_message(&self.host, stream, size);
+        }
+
+        fn tick(&self, store: &Store, worker: usize) -> Seen {
+            let w = &self.workers[worker];
+            self.host.effective_context.set(w.root_id);
+            w.root.borrow_mut().on_tick(&self.host);
+            self.pump(store, worker)
+        }
+
+        /// Every worker's tick; the lookups they sent.
+        fn tick_all(&self, store: &Store) -> Vec<(usize, u32)> {
+            (0..self.workers.len())
+                .flat_map(|w| self.tick(store, w).lookups)
+                .collect()
+        }
+
+        /// A POST of `key` through `worker`, as far as it goes without the upstream.
+        fn post(&self, store: &Store, worker: usize, key: &str) -> Seen {
+            let context = self.next_context.get();
+            self.next_context.set(context + 1);
+            let root = self.workers[worker].root.borrow();
+            let (journey, _) = post_in_context(&self.host, &root, context, key);
+            drop(root);
+            self.journeys.borrow_mut().push(journey);
+            self.pump(store, worker)
+        }
+
+        /// The first attempt of `key`: the store gives it the key, and Envoy's route times
+        /// out after the write reached the service: an unknown outcome, in the store.
+        fn timed_out(&self, store: &Store, worker: usize, key: &str) {
+            let seen = self.post(store, worker, key);
+            assert!(seen.replies.is_empty(), "the first attempt goes upstream");
+            let journey = self.journeys.borrow().last().cloned().unwrap();
+            self.host.effective_context.set(self.next_context.get() - 1);
+            envoy_reports(
+                &self.host,
+                "response_timeout",
+                flag::UPSTREAM_REQUEST_TIMEOUT,
+                1,
+            );
+            respond(&self.host, &mut journey.borrow_mut(), 504, b"");
+            self.pump(store, worker);
+            assert!(
+                store.due_ms().is_some(),
+                "the unknown outcome is in the store"
+            );
+        }
+
+        /// The service answers the lookup `token` of `worker` with `status` and `body`.
+        fn lookup_answers(
+            &self,
+            store: &Store,
+            (worker, token): (usize, u32),
+            status: u16,
+            body: &[u8],
+        ) -> Seen {
+            let w = &self.workers[worker];
+            self.host.set_callout_answer(Some(status), body);
+            self.host.effective_context.set(w.root_id);
+            w.root
+                .borrow_mut()
+                .on_callout_answer(&self.host, token, 1, body.len());
+            self.pump(store, worker)
+        }
+
+        /// The calls held while cut off reach the store now.
+        fn reconnect(&self, store: &Store) {
+            self.cut_off.set(false);
+            let unsent = std::mem::take(&mut *self.unsent.borrow_mut());
+            for sent in unsent {
+                let to = sent.0;
+                self.answer(store, sent);
+                self.pump(store, to);
+            }
+        }
+
+        fn count(&self, outcome: Outcome) -> u64 {
+            self.host.counter("orders", outcome)
+        }
+    }
+
+    fn advance(replicas: &[&Replica], ms: u64) {
+        for replica in replicas {
+            replica.host.advance_ms(ms);
+        }
+    }
+
+    fn retry_after(reply: &Reply) -> Option<u64> {
+        header(&reply.1, "retry-after").map(|v| String::from_utf8_lossy(v).parse().unwrap())
+    }
+
+    /// The proxy that recorded the unknown outcome is gone; overdue retries reach both
+    /// workers of two other replicas at once: one of them takes the resolution on, and the
+    /// service sees one lookup at a time until the key settles.
+    #[test]
+    fn overdue_retries_on_every_worker_of_every_replica_make_one_resolution_at_a_time() {
+        let store = Store::default();
+        let first = Replica::new(&config(8), 1);
+        first.timed_out(&store, 0, "k1");
+        drop(first); // the Envoy that recorded it dies
+        let replicas = [Replica::new(&config(8), 2), Replica::new(&config(8), 2)];
+        let all: Vec<&Replica> = replicas.iter().collect();
+        advance(&all, 5_000 + 7_000 + 1_000);
+
+        let mut asking: Vec<(usize, usize, u32)> = Vec::new(); // replica, worker, token
+        let mut lookups = 0;
+        let mut resolvers = Vec::new();
+        for second in 0..20 {
+            for (r, replica) in replicas.iter().enumerate() {
+                for worker in 0..2 {
+                    let seen = replica.post(&store, worker, "k1");
+                    let (status, _, body) = seen.reply();
+                    if asking.is_empty() && lookups == 3 {
+                        continue; // resolved: the replay is checked below
+                    }
+                    assert_eq!(*status, 409, "second {second}");
+                    assert!(problem_type(body).ends_with("outcome-unknown"));
+                }
+                for (worker, token) in replica.tick_all(&store) {
+                    asking.push((r, worker, token));
+                    lookups += 1;
+                    resolvers.push((r, worker));
+                }
+            }
+            assert!(asking.len() <= 1, "lookups at once: {asking:?}");
+            if let Some((r, worker, token)) = asking.pop() {
+                // The service fails twice, then knows the order.
+                let (status, body) = if lookups < 3 {
+                    (503, &b""[..])
+                } else {
+                    (200, &br#"{"order":"o-1"}"#[..])
+                };
+                replicas[r].lookup_answers(&store, (worker, token), status, body);
+            }
+            advance(&all, 1_000);
+        }
+        assert_eq!(lookups, 3, "one resolver's three lookups: {resolvers:?}");
+        resolvers.dedup();
+        assert_eq!(resolvers.len(), 1, "one resolver: {resolvers:?}");
+        let resolved: u64 = replicas
+            .iter()
+            .map(|r| r.count(Outcome::ResolvedTookEffect))
+            .sum();
+        assert_eq!(resolved, 1);
+        for replica in &replicas {
+            for worker in 0..2 {
+                let seen = replica.post(&store, worker, "k1");
+                let (status, headers, body) = seen.reply();
+                assert_eq!(
+                    (*status, body.as_slice()),
+                    (200, &br#"{"order":"o-1"}"#[..])
+                );
+                assert_eq!(header(headers, "idempotent-resolved"), Some(&b"true"[..]));
+            }
+        }
+    }
+
+    /// While the proxy that recorded the unknown outcome keeps asking (the service fails),
+    /// the store's record says when it asks next, so retries through another replica are
+    /// told so, and that replica never takes the resolution on.
+    #[test]
+    fn the_first_proxys_failing_lookups_keep_the_resolution_its_own() {
+        let store = Store::default();
+        let first = Replica::new(&config(8), 1);
+        let other = Replica::new(&config(8), 2);
+        let both = [&first, &other];
+        first.timed_out(&store, 0, "k2");
+        let due = store.due_ms().unwrap();
+        advance(&both, 5_000);
+        let mut first_lookups = 0;
+        // Lookups at due, due + 2 s, + 6 s, + 14 s, + 30 s: each fails.
+        for _ in 0..40 {
+            for lookup in first.tick_all(&store) {
+                first_lookups += 1;
+                first.lookup_answers(&store, lookup, 503, b"");
+            }
+            for worker in 0..2 {
+                let seen = other.post(&store, worker, "k2");
+                let reply = seen.reply();
+                assert_eq!(reply.0, 409);
+                // Told when the next lookup goes (or, once it is due, the first backoff).
+                let next = store.due_ms().unwrap();
+                let now = other.host.clock_ms.get();
+                let expected = if next > now {
+                    (next - now).div_ceil(1000)
+                } else {
+                    2
+                };
+                assert_eq!(retry_after(reply), Some(expected));
+            }
+            assert!(
+                other.tick_all(&store).is_empty(),
+                "another replica asked while the first proxy still resolves it"
+            );
+            advance(&both, 1_000);
+        }
+        assert_eq!(first_lookups, 5);
+        assert_eq!(store.due_ms(), Some(due + 30_000 + 32_000));
+        assert_eq!(first.count(Outcome::ResolutionRetried), 5);
+    }
+
+    /// The first proxy loses the store while it resolves (its settles cannot land), so
+    /// another replica takes the resolution on; the first proxy's lookups stop, and when
+    /// its store link comes back its late give-up changes nothing: the other replica's
+    /// later success is what every retry gets.
+    #[test]
+    fn an_adopters_later_success_is_kept_when_the_first_proxy_returns() {
+        let store = Store::default();
+        let first = Replica::new(&config(2), 1);
+        let other = Replica::new(&config(2), 1);
+        let both = [&first, &other];
+        first.timed_out(&store, 0, "k3");
+        advance(&both, 5_000);
+        let lookup = first.tick_all(&store)[0];
+        first.cut_off.set(true);
+        first.lookup_answers(&store, lookup, 503, b"");
+        // The first proxy goes on failing without the store (it gives up, before the fix).
+        let mut first_lookups = 1;
+        for _ in 0..8 {
+            advance(&both, 1_000);
+            for lookup in first.tick_all(&store) {
+                first_lookups += 1;
+                first.lookup_answers(&store, lookup, 503, b"");
+            }
+        }
+        // 13 s past the due time: overdue; the other replica's retry takes it on.
+        assert_eq!(other.post(&store, 0, "k3").reply().0, 409);
+        let taken = other.tick_all(&store);
+        assert_eq!(taken.len(), 1, "the other replica asks");
+        first.reconnect(&store);
+        for _ in 0..5 {
+            advance(&both, 1_000);
+            for lookup in first.tick_all(&store) {
+                first_lookups += 1;
+                first.lookup_answers(&store, lookup, 503, b"");
+            }
+        }
+        other.lookup_answers(&store, taken[0], 200, br#"{"order":"o-3"}"#);
+        for replica in both {
+            let seen = replica.post(&store, 0, "k3");
+            let (status, headers, body) = seen.reply();
+            assert_eq!(
+                (*status, body.as_slice()),
+                (200, &br#"{"order":"o-3"}"#[..]),
+                "the later success was lost"
+            );
+            assert_eq!(header(headers, "idempotent-resolved"), Some(&b"true"[..]));
+        }
+        assert_eq!(other.count(Outcome::ResolvedTookEffect), 1);
+        assert_eq!(first.count(Outcome::ResolvedTookEffect), 0);
+        assert_eq!(first.count(Outcome::ResolutionGaveUp), 0);
+        assert_eq!(
+            first_lookups, 1,
+            "the first proxy asked again without the store"
+        );
+    }
+
+    /// A lookup's answer counts, and is kept here, only once the store took it: settled
+    /// meanwhile by an operator (as never run), the key is the operator's.
+    #[test]
+    fn a_resolution_counts_only_what_the_store_took() {
+        let store = Store::default();
+        let first = Replica::new(&config(8), 1);
+        first.timed_out(&store, 0, "k4");
+        advance(&[&first], 5_000);
+        let lookup = first.tick_all(&store)[0];
+        first.cut_off.set(true);
+        first.lookup_answers(&store, lookup, 200, br#"{"order":"o-4"}"#);
+        assert_eq!(
+            first.count(Outcome::ResolvedTookEffect),
+            0,
+            "counted before the store answered"
+        );
+        store.operator_frees();
+        first.reconnect(&store);
+        // A settle answered not_owner is asked again a few times (its record may not have
+        // reached the store yet).
+        for _ in 0..5 {
+            advance(&[&first], 1_000);
+            first.tick_all(&store);
+        }
+        assert_eq!(first.count(Outcome::ResolvedTookEffect), 0);
+        assert_eq!(first.count(Outcome::ResolvedNeverRan), 0);
+        let seen = first.post(&store, 0, "k4");
+        assert!(
+            seen.replies.is_empty(),
+            "the store freed the key, so the retry runs: {:?}",
+            seen.replies
+        );
+    }
+
+    /// The HTTP transport: the store's answers to a resolution's settles come back from
+    /// callouts. A `409` (an operator settled the key meanwhile) counts nothing and keeps
+    /// nothing here; a `200` counts, and this proxy's next retry replays without asking.
+    #[test]
+    fn over_http_a_resolution_counts_only_what_the_store_took() {
+        let config = r#"{"store":{"cluster":"store","transport":"http"},
+            "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+            "resolve":{"cluster":"orders","path":"/orders/by-key/{key}","settle_seconds":5}}]}"#;
+        for (answer, counted) in [(409, 0), (200, 1)] {
+            let host = FakeHost::default();
+            let mut root = configured_root(&host, config, 1);
+            // (token, cluster, path) of each callout
+            let callouts = |host: &FakeHost| -> Vec<(u32, String, String)> {
+                host.take_effects()
+                    .into_iter()
+                    .filter_map(|e| match e {
+                        Effect::Callout {
+                            token,
+                            cluster,
+                            path,
+                            ..
+                        } => Some((token, cluster, path)),
+                        _ => None,
+                    })
+                    .collect()
+            };
+            let store_answers = |root: &mut PluginRoot, token, status, body: &str| {
+                host.set_callout_answer(Some(status), body.as_bytes());
+                host.effective_context.set(1);
+                root.on_callout_answer(&host, token, 1, body.len());
+            };
+            let _ = host.take_effects();
+            let (journey, _) = post_in_context(&host, &root, 7, "k5");
+            let (claim, _, path) = callouts(&host).remove(0);
+            assert_eq!(path, "/v1/claim");
+            let claimed = r#"{"outcome":"claimed","owner":"first"}"#;
+            host.set_callout_answer(Some(200), claimed.as_bytes());
+            let mut first = journey.borrow_mut();
+            first.on(
+                &host,
+                Event::CalloutAnswer {
+                    token: claim,
+                    num_headers: 1,
+                    body_size: claimed.len(),
+                },
+            );
+            envoy_reports(&host, "response_timeout", flag::UPSTREAM_REQUEST_TIMEOUT, 1);
+            respond(&host, &mut first, 504, b"");
+            drop(first);
+            host.effective_context.set(1);
+            root.on_queue_ready(&host, 1);
+            let (complete, _, path) = callouts(&host).remove(0);
+            assert_eq!(path, "/v1/complete");
+            store_answers(&mut root, complete, 200, r#"{"outcome":"completed"}"#);
+
+            host.advance_ms(5_000);
+            host.effective_context.set(1);
+            root.on_tick(&host);
+            let (lookup, cluster, _) = callouts(&host).remove(0);
+            assert_eq!(cluster, "orders");
+            let body = r#"{"order":"o-5"}"#;
+            store_answers(&mut root, lookup, 200, body);
+            root.on_queue_ready(&host, 1);
+            let mut settles = 0;
+            for _ in 0..10 {
+                for (token, _, path) in callouts(&host) {
+                    assert_eq!(path, "/v1/settle");
+                    assert_eq!(host.counter("orders", Outcome::ResolvedTookEffect), 0);
+                    settles += 1;
+                    let said = if answer == 200 {
+                        r#"{"outcome":"replaced"}"#
+                    } else {
+                        r#"{"type":"not-owner"}"#
+                    };
+                    store_answers(&mut root, token, answer, said);
+                }
+                host.advance_ms(1_000);
+                host.effective_context.set(1);
+                root.on_tick(&host);
+            }
+            assert!(settles >= 1);
+            assert_eq!(
+                host.counter("orders", Outcome::ResolvedTookEffect),
+                counted,
+                "store answered {answer}"
+            );
+            let (_, verdict) = post_in_context(&host, &root, 8, "k5");
+            let effects = host.take_effects();
+            if counted == 1 {
+                assert_eq!(the_reply(&effects).2, body.as_bytes(), "replayed here");
+            } else {
+                assert_eq!(verdict, Verdict::Pause, "the store is asked, not this copy");
+                assert!(replies(&effects).is_empty(), "{effects:?}");
+            }
         }
     }
 }
