@@ -99,6 +99,20 @@ def on_dashboard(family: str, metrics: set[str]) -> bool:
     return any(family + suffix in metrics for suffix in ("", *SAMPLE_SUFFIXES))
 
 
+def test_panels_have_unique_ids_and_do_not_overlap() -> None:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), f"panel ids must be unique: {sorted(ids)}"
+    cells: dict[tuple[int, int], str] = {}
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, f"{panel['title']} is off the 24-column grid"
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = panel["title"]
+
+
 def test_every_metric_the_filter_and_the_store_export_is_on_the_dashboard_or_left_off(procs) -> None:
     """The metrics come from the real exporters, read before any traffic: the filter defines
     every counter of every rule (one per outcome) and its gauge when it loads its
@@ -133,8 +147,6 @@ def test_every_metric_the_filter_and_the_store_export_is_on_the_dashboard_or_lef
 
 def test_every_dashboard_query_names_a_metric_and_labels_the_code_exports(procs) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
-    ids = [p["id"] for p in dashboard["panels"]]
-    assert len(ids) == len(set(ids)), "panel ids must be unique"
 
     # envoy.yaml itself (cluster mode, embedded store): its stats_tags make the rule a label.
     cluster = start_cluster(procs, envoys=1)
