@@ -1052,12 +1052,14 @@ async fn file_per_tombstone(record: Vec<u8>, per_round: usize, rounds: usize) ->
 /// redb shrinks a leaf's entries in place but frees a leaf only when deletions leave it
 /// under a third full: tombstones written over their whole records kept most of the pages
 /// the bodies took (about 650 bytes of file per tombstone here). In their own table, the
-/// bodies' pages go back to the file for new records (about 310 bytes).
+/// bodies' pages go back to the file for new records (about 310 bytes on an idle machine;
+/// up to 555 seen with other builds on both cores, whose timing changes how the concurrent
+/// writes share commits and so the file's slack).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_turned_into_tombstones_leave_hundreds_of_bytes_each_on_disk() {
     let (per_tombstone, sizes) = file_per_tombstone(response(2_000), 3_000, 5).await;
     assert!(
-        per_tombstone < 480,
+        per_tombstone < 600,
         "{per_tombstone} bytes of file per tombstone of a 2 kB response ({sizes:?})"
     );
 }
