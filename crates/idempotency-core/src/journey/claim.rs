@@ -21,7 +21,7 @@ use crate::store::client::{self as store_client, read_claim, StoreClaim, StoreFa
 use crate::store::link::{ClaimWaiter, Waiter};
 use crate::table::{Claim, Held, OversizedBody, SlotRef, Unlanded};
 use idempotency_protocol::naming::Digest;
-use idempotency_protocol::record::RecordedResponse;
+use idempotency_protocol::record::{RecordedResponse, UnknownOutcome};
 
 impl RequestJourney {
     /// The key and payload are known: claim the key and act on the answer.
@@ -129,8 +129,17 @@ impl RequestJourney {
                             slot: Some(slot),
                             ..Held::unheld(key, fingerprint, recorded_by)
                         };
+                        // Only the mark survived: what goes to the store in its place still
+                        // says it is to be resolved (from now), so that a replica's retry can
+                        // take it on once overdue; the worker that made it cannot settle it
+                        // any more (its bytes differ).
+                        let due = rule.rule.resolve.is_some().then_some(now);
+                        let record = RecordedResponse::unknown_outcome(UnknownOutcome {
+                            resolution_due_ms: due,
+                            ..UnknownOutcome::default()
+                        });
                         Box::new(Unlanded {
-                            record: RecordedResponse::status_only(status),
+                            record,
                             recorded_by,
                         })
                     });

@@ -1347,4 +1347,80 @@ mod adoption {
             }
         }
     }
+
+    /// An unknown outcome recorded by worker 0 whose completion has not reached the store (its
+    /// link is down), whose store claim lapsed, and whose local page is gone (reused by newer
+    /// responses; here: removed). A retry on worker 1 meets the "awaiting the store" mark and a
+    /// free key: it answers 409 and sends on what it can, which must still say it is to be
+    /// resolved: worker 0 can no longer settle it (its bytes differ), so only a retry's
+    /// replica taking it on once overdue can. (Found by review: the blank record sent on
+    /// before had no due time, and the key answered 409 for its whole TTL although the
+    /// service knew the write took effect.)
+    #[test]
+    fn an_unlanded_record_whose_page_is_gone_is_sent_on_still_to_be_resolved() {
+        let store = Store::default();
+        let replica = Replica::new(&config(8), 2);
+        let other = Replica::new(&config(8), 1);
+        let seen = replica.post(&store, 0, "k9");
+        assert!(seen.replies.is_empty(), "the first attempt goes upstream");
+        // Worker 0 loses the store; the route times out: an unknown outcome, kept locally.
+        replica.cut_off.set(true);
+        let journey = replica.journeys.borrow().last().cloned().unwrap();
+        replica
+            .host
+            .effective_context
+            .set(replica.next_context.get() - 1);
+        envoy_reports(
+            &replica.host,
+            "response_timeout",
+            flag::UPSTREAM_REQUEST_TIMEOUT,
+            1,
+        );
+        respond(&replica.host, &mut journey.borrow_mut(), 504, b"");
+        replica.pump(&store, 0);
+        let held_back = std::mem::take(&mut *replica.unsent.borrow_mut());
+        assert!(!held_back.is_empty(), "worker 0's completion waits");
+        replica.cut_off.set(false);
+        // The store's claim lapsed in the outage; worker 0's page was reused meanwhile.
+        store.operator_frees();
+        replica
+            .host
+            .shared
+            .map
+            .borrow_mut()
+            .retain(|k, _| !k.contains("/r/"));
+
+        // A retry on worker 1: never run (the mark holds), the record sent on.
+        let seen = replica.post(&store, 1, "k9");
+        assert_eq!(seen.reply().0, 409, "the write ran again");
+        assert_eq!(replica.count(Outcome::Executed), 1);
+        let sent_on = store.record().expect("the retry sent the record on");
+        let unknown = sent_on.unknown.expect("an unknown outcome");
+        assert!(
+            unknown.resolution_due_ms.is_some(),
+            "sent on without a due time: nobody would ever resolve it"
+        );
+
+        // Worker 0 asks at its due time, but its settle names bytes the store no longer holds.
+        advance(&[&replica, &other], 5_000);
+        for lookup in replica.tick_all(&store) {
+            replica.lookup_answers(&store, lookup, 200, br#"{"order":"o-9"}"#);
+        }
+        // Once overdue in the store, a retry's replica takes it on and settles it.
+        advance(&[&replica, &other], 6_000);
+        assert_eq!(other.post(&store, 0, "k9").reply().0, 409);
+        let taken = other.tick_all(&store);
+        assert_eq!(taken.len(), 1, "the other replica asks");
+        other.lookup_answers(&store, taken[0], 200, br#"{"order":"o-9"}"#);
+        let seen = other.post(&store, 0, "k9");
+        assert_eq!(
+            seen.reply().0,
+            200,
+            "the key stays unknown though the service answered"
+        );
+        assert_eq!(
+            replica.count(Outcome::Executed) + other.count(Outcome::Executed),
+            1
+        );
+    }
 }
