@@ -216,7 +216,7 @@ pub async fn serve_with(
 }
 
 /// [`serve_with`], counting its connections in `observed` (the data-plane listener's
-/// [`Metrics::connections`]).
+/// [`metrics::Metrics::connections`]).
 pub async fn serve_observed(
     listener: TcpListener,
     app: Router,
