@@ -465,6 +465,9 @@ def test_the_make_run_payment_sample_resolves(procs) -> None:
         time.sleep(0.1)
         retry = cluster_post(envoy, "/payments", key)
     assert_being_resolved_as(retry, "payments")
+    pending = client.request("GET", envoy.url("/payments/idempotency-status"), body=None, timeout=5,
+                             headers={"Host": HOST, "idempotency-key": key}).json()
+    assert pending["state"] == "unknown" and "expires" not in pending, pending
     time.sleep(6)
     paid = cluster_post(envoy, "/payments", key)
     assert paid.status_code == 200, paid.content[:300]  # what the lookup answered
@@ -472,6 +475,8 @@ def test_the_make_run_payment_sample_resolves(procs) -> None:
     asked = client.request("GET", envoy.url("/payments/idempotency-status"), body=None, timeout=5,
                            headers={"Host": HOST, "idempotency-key": key})
     assert asked.status_code == 200 and asked.json()["state"] == "completed", asked.text
+    # As docs/configuration.md shows for every completed record, from the store as locally.
+    assert asked.json()["expires"] == paid.headers["idempotency-key-expires"], asked.text
     assert cluster.upstream.executions("/payments") == 1
 
 

@@ -13,7 +13,7 @@ use idempotency_protocol::wire::{decode_record, RecordResponse, RecordState};
 use serde_json::{json, Map, Value};
 
 use crate::store::client::{read_claim_reply, StoreClaim, StoreFailure};
-use idempotency_protocol::record::{key_expires_value, RecordedResponse};
+use idempotency_protocol::record::{key_expires_value, RecordedResponse, KEY_EXPIRES_HEADER};
 
 /// What the filter holds for a key, locally or in the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,6 +91,24 @@ pub fn answer(found: &Found, include_response: bool, now_ms: u64) -> (u16, Vec<u
     (status, serde_json::to_vec(&body).unwrap_or_default())
 }
 
+/// Until when a completed record is kept: from the table when it knows (single-proxy mode),
+/// else as the record says (the `idempotency-key-expires` it recorded: the store's answer
+/// carries only the record). An unknown outcome's answer says when to ask again instead,
+/// in both modes alike.
+fn expires_of(response: &RecordedResponse, expires_at_ms: Option<u64>) -> Option<String> {
+    if response.unknown.is_some() {
+        return None;
+    }
+    if let Some(at) = expires_at_ms {
+        return Some(key_expires_value(at));
+    }
+    response
+        .headers
+        .iter()
+        .find(|(name, _)| name == KEY_EXPIRES_HEADER)
+        .and_then(|(_, value)| String::from_utf8(value.clone()).ok())
+}
+
 fn completed(
     response: &RecordedResponse,
     expires_at_ms: Option<u64>,
@@ -117,8 +135,8 @@ fn completed(
             body.insert("status".into(), json!(response.status));
         }
     }
-    if let Some(at) = expires_at_ms {
-        body.insert("expires".into(), json!(key_expires_value(at)));
+    if let Some(expires) = expires_of(response, expires_at_ms) {
+        body.insert("expires".into(), json!(expires));
     }
     if include_response && response.unknown.is_none() {
         let headers: Vec<Value> = response
@@ -198,6 +216,33 @@ mod tests {
         assert_eq!(
             parsed(&pending, true).1,
             json!({"state": "unknown", "resolution": "pending", "retry_after_seconds": 4})
+        );
+    }
+
+    /// The store answers a lookup with the record alone: a completed record's `expires` is
+    /// the one it recorded; an unknown outcome's answer has none, whatever the mode.
+    #[test]
+    fn every_completed_record_says_until_when_and_no_unknown_outcome_does() {
+        let expires = "Tue, 14 Nov 2023 23:13:20 GMT";
+        let from_store = Found::Completed {
+            response: Box::new(RecordedResponse {
+                status: 200,
+                headers: vec![(KEY_EXPIRES_HEADER.into(), expires.as_bytes().to_vec())],
+                ..RecordedResponse::default()
+            }),
+            expires_at_ms: None,
+        };
+        assert_eq!(
+            parsed(&from_store, false).1,
+            json!({"state": "completed", "status": 200, "expires": expires})
+        );
+        let local_unknown = Found::Completed {
+            response: Box::new(RecordedResponse::unknown_outcome(UnknownOutcome::default())),
+            expires_at_ms: Some(1_700_003_600_000),
+        };
+        assert_eq!(
+            parsed(&local_unknown, false).1,
+            json!({"state": "unknown", "resolution": "none"})
         );
     }
 }
