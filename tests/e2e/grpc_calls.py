@@ -97,6 +97,16 @@ def route_timeout(seconds: float) -> Any:
     return mutate
 
 
+def upstream_never_learns_the_deadline(config: dict) -> None:
+    """``mutate``: the service route drops ``grpc-timeout`` on its way upstream, so a client's
+    deadline passing is the client cancelling the call, never the service's own gRPC library
+    answering DEADLINE_EXCEEDED at the same instant (an answer of the service's, which the
+    filter records and replays): which of the two came first was a race."""
+    for route in harness._walk_dicts(config):
+        if route.get("route", {}).get("cluster") == SERVICE_CLUSTER:
+            route.setdefault("request_headers_to_remove", []).append("grpc-timeout")
+
+
 def grpc_envoy(procs: harness.ProcessGroup, server: GrpcServer, plugin: dict | None = None, *,
                name: str = "envoy-grpc", mutate: Any = None) -> harness.Envoy:
     """An Envoy from envoy-grpc.yaml in front of ``server``, registered, not started."""
