@@ -98,16 +98,8 @@ impl RequestJourney {
                 // store may have settled it since (a resolution, an operator): ask the store,
                 // unless the store never got it, which its answer must not be taken for.
                 Some(recorded) if recorded.unknown.is_some() && rule.store.is_some() => {
-                    let unlanded = awaiting_store.then(|| {
-                        let recorded_by = Held {
-                            slot: Some(slot),
-                            ..Held::unheld(key, fingerprint, recorded_by)
-                        };
-                        Box::new(Unlanded {
-                            record: recorded,
-                            recorded_by,
-                        })
-                    });
+                    let unlanded = awaiting_store
+                        .then(|| Unlanded::new(recorded, key, fingerprint, slot, recorded_by));
                     let held = Held {
                         completed_status: Some(0),
                         unlanded,
@@ -125,10 +117,6 @@ impl RequestJourney {
                 // still has the whole response.
                 None if rule.store.is_some() => {
                     let unlanded = awaiting_store.then(|| {
-                        let recorded_by = Held {
-                            slot: Some(slot),
-                            ..Held::unheld(key, fingerprint, recorded_by)
-                        };
                         // Only the mark survived: what goes to the store in its place still
                         // says it is to be resolved (from now), so that a replica's retry can
                         // take it on once overdue; the worker that made it cannot settle it
@@ -138,10 +126,7 @@ impl RequestJourney {
                             resolution_due_ms: due,
                             ..UnknownOutcome::default()
                         });
-                        Box::new(Unlanded {
-                            record,
-                            recorded_by,
-                        })
+                        Unlanded::new(record, key, fingerprint, slot, recorded_by)
                     });
                     let held = Held {
                         completed_status: Some(status),

@@ -122,6 +122,26 @@ impl Held {
     }
 }
 
+impl Unlanded {
+    /// `record` of `key`, kept in `slot` by the claim `recorded_by`.
+    pub fn new(
+        record: RecordedResponse,
+        key: Digest,
+        fingerprint: Digest,
+        slot: SlotRef,
+        recorded_by: u64,
+    ) -> Box<Unlanded> {
+        let recorded_by = Held {
+            slot: Some(slot),
+            ..Held::unheld(key, fingerprint, recorded_by)
+        };
+        Box::new(Unlanded {
+            record,
+            recorded_by,
+        })
+    }
+}
+
 /// A completed record a new claim displaced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Evicted {
