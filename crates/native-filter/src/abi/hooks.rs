@@ -1,0 +1,581 @@
+//! The event hooks Envoy calls (`envoy_dynamic_module_on_*`), exported from the .so, and the
+//! Rust interface they dispatch to.
+//!
+//! Every hook catches panics (the .so is built with `panic = "unwind"`, profile `native`):
+//! nothing unwinds into Envoy. A panic in a filter's method is logged, the filter's
+//! `on_panic` is called, the hook answers Continue, and the filter is *poisoned*: its later
+//! hooks are answered Continue without calling it (it is still dropped at destroy).
+//!
+//! Envoy 1.40 resolves these hooks when a filter config loads and refuses the config if one is
+//! missing: config new/destroy, filter new/destroy, request and response
+//! headers/body/trailers, stream complete, http callout done, the five http stream hooks,
+//! scheduled, and the two downstream watermark hooks. Per-route config new/destroy are
+//! resolved only for a per-route config; they are exported and refuse it (unsupported).
+
+#![allow(unsafe_code)]
+// The hooks are Envoy's entry points: the pointers they take are valid by the ABI's contract,
+// not the caller's choice, so they are safe `extern "C"` functions that dereference them.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::ffi::c_char;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use super::ffi::{self, EnvoyBuffer, EnvoyHttpHeader};
+use super::{
+    copy_envoy, enter_hook, headers_from_envoy, leave_hook, log, BodyStatus, CalloutResult,
+    ConfigHandle, Filter, HeadersStatus, LogLevel, TrailersStatus,
+};
+
+/// One per filter config: makes the per-request filters. Shared by every worker.
+pub trait FilterFactory: Send + Sync + 'static {
+    /// Called on the request's worker when its stream starts. None: this request is not
+    /// filtered (every hook answers Continue); the stream goes on.
+    fn new_filter(&self, filter: &Filter) -> Option<Box<dyn HttpFilter>>;
+}
+
+/// One per request, called on its worker only. `f` is valid during the call only.
+#[allow(unused_variables)]
+pub trait HttpFilter {
+    fn on_request_headers(&mut self, f: &Filter, end_of_stream: bool) -> HeadersStatus {
+        HeadersStatus::Continue
+    }
+    fn on_request_body(&mut self, f: &Filter, end_of_stream: bool) -> BodyStatus {
+        BodyStatus::Continue
+    }
+    fn on_request_trailers(&mut self, f: &Filter) -> TrailersStatus {
+        TrailersStatus::Continue
+    }
+    fn on_response_headers(&mut self, f: &Filter, end_of_stream: bool) -> HeadersStatus {
+        HeadersStatus::Continue
+    }
+    fn on_response_body(&mut self, f: &Filter, end_of_stream: bool) -> BodyStatus {
+        BodyStatus::Continue
+    }
+    fn on_response_trailers(&mut self, f: &Filter) -> TrailersStatus {
+        TrailersStatus::Continue
+    }
+    /// The stream is done (before the access log is written: set filter state here).
+    fn on_stream_complete(&mut self, f: &Filter) {}
+    /// An event committed on a [`super::Scheduler`] of this request.
+    fn on_scheduled(&mut self, f: &Filter, event_id: u64) {}
+    /// The answer to [`Filter::http_callout`]. Headers and body are copies.
+    fn on_http_callout_done(
+        &mut self,
+        f: &Filter,
+        callout_id: u64,
+        result: CalloutResult,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+    ) {
+    }
+    /// Just before the filter is dropped. No `Filter`: Envoy passes none at destroy.
+    fn on_destroy(&mut self) {}
+    /// A panic was caught in one of the methods above; called once, then the filter gets no
+    /// more hooks but `on_destroy`. Resume what it holds (e.g. `f.continue_decoding()`).
+    fn on_panic(&mut self, f: &Filter) {}
+}
+
+/// Builds the factory for one filter config: the filter's `filter_name`, its `filter_config`
+/// bytes (a StringValue's or BytesValue's bytes; a Struct's JSON) and the config's handle
+/// (define metrics here: Envoy refuses definitions after). Err refuses the config, with the
+/// message in Envoy's log.
+pub type FactoryBuilder =
+    fn(name: &str, config: &[u8], handle: ConfigHandle) -> Result<Box<dyn FilterFactory>, String>;
+
+/// What the config-new hook builds factories with: the crate's `FACTORY_BUILDER` (lib.rs).
+fn factory_builder() -> FactoryBuilder {
+    crate::FACTORY_BUILDER
+}
+
+/// The module's object for a filter config.
+struct ConfigObject {
+    factory: Box<dyn FilterFactory>,
+}
+
+/// The module's object for a request.
+pub(crate) struct FilterObject {
+    filter: RefCell<Option<Box<dyn HttpFilter>>>,
+    poisoned: Cell<bool>,
+}
+
+fn panic_text(payload: &(dyn Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(not a string)")
+}
+
+/// Runs `body` with nothing unwinding out of it; a panic is logged and gives `fallback`.
+fn barrier<R>(hook: &'static str, fallback: R, body: impl FnOnce() -> R) -> R {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(answer) => answer,
+        Err(payload) => {
+            // The logging itself must not unwind either.
+            let _ = catch_unwind(AssertUnwindSafe(|| {
+                log(
+                    LogLevel::Error,
+                    &format!(
+                        "idempotency_native: panic in {hook}: {}",
+                        panic_text(&*payload)
+                    ),
+                );
+            }));
+            fallback
+        }
+    }
+}
+
+/// Calls one method of a request's filter: skipped (fallback) if the request has no filter,
+/// is poisoned, or its filter is already in a hook further up this stack (Envoy re-entered
+/// it); a panic poisons it. Calls the filter deferred on itself run after it returns.
+fn dispatch<R: Copy>(
+    hook: &'static str,
+    envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    module_ptr: ffi::HttpFilterModulePtr,
+    fallback: R,
+    method: impl FnOnce(&mut dyn HttpFilter, &Filter) -> R,
+) -> R {
+    barrier(hook, fallback, || {
+        if module_ptr.is_null() || envoy_ptr.is_null() {
+            return fallback;
+        }
+        // SAFETY: module_ptr is a FilterObject this module made in filter_new and frees only
+        // in filter_destroy, which Envoy calls after every other hook of the request.
+        let object = unsafe { &*module_ptr.cast::<FilterObject>() };
+        if object.poisoned.get() {
+            return fallback;
+        }
+        // SAFETY: Envoy's pointer for this hook.
+        let f = unsafe { Filter::from_raw(envoy_ptr) };
+        let Ok(mut slot) = object.filter.try_borrow_mut() else {
+            log(
+                LogLevel::Warn,
+                &format!(
+                    "idempotency_native: {hook} re-entered a filter already in a hook; skipped"
+                ),
+            );
+            return fallback;
+        };
+        let Some(filter) = slot.as_mut() else {
+            return fallback;
+        };
+        enter_hook(envoy_ptr);
+        let answer = match catch_unwind(AssertUnwindSafe(|| method(filter.as_mut(), &f))) {
+            Ok(answer) => answer,
+            Err(payload) => {
+                object.poisoned.set(true);
+                log(
+                    LogLevel::Error,
+                    &format!(
+                        "idempotency_native: panic in {hook}: {}; the request's filter is off",
+                        panic_text(&*payload)
+                    ),
+                );
+                if catch_unwind(AssertUnwindSafe(|| filter.on_panic(&f))).is_err() {
+                    log(LogLevel::Error, "idempotency_native: panic in on_panic");
+                }
+                fallback
+            }
+        };
+        drop(slot);
+        for call in leave_hook() {
+            f.run(call);
+        }
+        answer
+    })
+}
+
+// ------------------------------------------------------------------------------------------
+// Program and config
+// ------------------------------------------------------------------------------------------
+
+static ABI_VERSION_C: &[u8] = b"v0.1.0\0";
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
+    barrier("program_init", std::ptr::null(), || {
+        super::install_logger();
+        debug_assert_eq!(
+            ABI_VERSION_C.strip_suffix(b"\0"),
+            Some(super::ABI_VERSION.as_bytes())
+        );
+        ABI_VERSION_C.as_ptr().cast::<c_char>()
+    })
+}
+
+/// The config-new hook's work, with the builder given (tests pass their own).
+pub(crate) fn new_config(
+    builder: FactoryBuilder,
+    envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
+    name: &[u8],
+    config: &[u8],
+) -> ffi::HttpFilterConfigModulePtr {
+    barrier("http_filter_config_new", std::ptr::null(), || {
+        let name = String::from_utf8_lossy(name);
+        // SAFETY: Envoy's config pointer, valid until config destroy.
+        let handle = unsafe { ConfigHandle::from_raw(envoy_ptr) };
+        match builder(&name, config, handle) {
+            Ok(factory) => Box::into_raw(Box::new(ConfigObject { factory }))
+                .cast_const()
+                .cast(),
+            Err(message) => {
+                log(
+                    LogLevel::Error,
+                    &format!("idempotency_native: filter config {name:?} refused: {message}"),
+                );
+                std::ptr::null()
+            }
+        }
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
+    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
+    name: EnvoyBuffer,
+    config: EnvoyBuffer,
+) -> ffi::HttpFilterConfigModulePtr {
+    barrier("http_filter_config_new", std::ptr::null(), || {
+        // SAFETY: Envoy's buffers, valid during this hook; copied.
+        let (name, config) = unsafe {
+            (
+                copy_envoy(name.ptr, name.length),
+                copy_envoy(config.ptr, config.length),
+            )
+        };
+        new_config(factory_builder(), filter_config_envoy_ptr, &name, &config)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(
+    filter_config_ptr: ffi::HttpFilterConfigModulePtr,
+) {
+    barrier("http_filter_config_destroy", (), || {
+        if !filter_config_ptr.is_null() {
+            // SAFETY: made by Box::into_raw in new_config; Envoy destroys it once.
+            drop(unsafe { Box::from_raw(filter_config_ptr.cast_mut().cast::<ConfigObject>()) });
+        }
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new(
+    _name: EnvoyBuffer,
+    _config: EnvoyBuffer,
+) -> ffi::HttpFilterPerRouteConfigModulePtr {
+    barrier("http_filter_per_route_config_new", std::ptr::null(), || {
+        log(
+            LogLevel::Error,
+            "idempotency_native: per-route config (DynamicModuleFilterPerRoute) is not supported",
+        );
+        std::ptr::null()
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_destroy(
+    _filter_config_ptr: ffi::HttpFilterPerRouteConfigModulePtr,
+) {
+    // Never made (per_route_config_new refuses), so nothing to free.
+}
+
+// ------------------------------------------------------------------------------------------
+// Filter lifecycle
+// ------------------------------------------------------------------------------------------
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
+    filter_config_ptr: ffi::HttpFilterConfigModulePtr,
+    filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+) -> ffi::HttpFilterModulePtr {
+    barrier("http_filter_new", std::ptr::null(), || {
+        // Never null: Envoy may close the stream for a null filter. A request the factory
+        // skips (or whose creation panicked) gets an object with no filter.
+        let filter = if filter_config_ptr.is_null() {
+            None
+        } else {
+            // SAFETY: made in new_config, alive until config destroy, which Envoy calls after
+            // every filter of the config is gone.
+            let config = unsafe { &*filter_config_ptr.cast::<ConfigObject>() };
+            // SAFETY: Envoy's pointer for this hook.
+            let f = unsafe { Filter::from_raw(filter_envoy_ptr) };
+            barrier("new_filter", None, || config.factory.new_filter(&f))
+        };
+        let object = FilterObject {
+            filter: RefCell::new(filter),
+            poisoned: Cell::new(false),
+        };
+        Box::into_raw(Box::new(object)).cast_const().cast()
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(
+    filter_module_ptr: ffi::HttpFilterModulePtr,
+) {
+    barrier("http_filter_destroy", (), || {
+        if filter_module_ptr.is_null() {
+            return;
+        }
+        let raw = filter_module_ptr.cast_mut().cast::<FilterObject>();
+        // SAFETY: made by Box::into_raw in filter_new; Envoy destroys it once, after its
+        // other hooks have returned (1.40 defers destruction out of hooks).
+        let in_use = unsafe { (*raw).filter.try_borrow_mut().is_err() };
+        if in_use {
+            // Freeing it now would free memory a hook up this stack is using: leak instead.
+            log(
+                LogLevel::Error,
+                "idempotency_native: filter destroyed inside its own hook; leaked",
+            );
+            return;
+        }
+        // SAFETY: as above, and no borrow is live.
+        let object = unsafe { Box::from_raw(raw) };
+        if let Some(mut filter) = object.filter.into_inner() {
+            barrier("on_destroy", (), || filter.on_destroy());
+            barrier("drop filter", (), move || drop(filter));
+        }
+    })
+}
+
+// ------------------------------------------------------------------------------------------
+// Stream events
+// ------------------------------------------------------------------------------------------
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
+    filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    filter_module_ptr: ffi::HttpFilterModulePtr,
+    end_of_stream: bool,
+) -> ffi::HeadersStatus {
+    dispatch(
+        "request_headers",
+        filter_envoy_ptr,
+        filter_module_ptr,
+        HeadersStatus::Continue,
+        |filter, f| filter.on_request_headers(f, end_of_stream),
+    )
+    .raw()
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
+    filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    filter_module_ptr: ffi::HttpFilterModulePtr,
+    end_of_stream: bool,
+) -> ffi::BodyStatus {
+    dispatch(
+        "request_body",
+        filter_envoy_ptr,
+        filter_module_ptr,
+        BodyStatus::Continue,
+        |filter, f| filter.on_request_body(f, end_of_stream),
+    )
+    .raw()
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
+    filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    filter_module_ptr: ffi::HttpFilterModulePtr,
+) -> ffi::TrailersStatus {
+    dispatch(
+        "request_trailers",
+        filter_envoy_ptr,
+        filter_module_ptr,
+        TrailersStatus::Continue,
+        |filter, f| filter.on_request_trailers(f),
+    )
+    .raw()
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
+    filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    filter_module_ptr: ffi::HttpFilterModulePtr,
+    end_of_stream: bool,
+) -> ffi::HeadersStatus {
+    dispatch(
+        "response_headers",
+        filter_envoy_ptr,
+        filter_module_ptr,
+        HeadersStatus::Continue,
+        |filter, f| filter.on_response_headers(f, end_of_stream),
+    )
+    .raw()
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
+    filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    filter_module_ptr: ffi::HttpFilterModulePtr,
+    end_of_stream: bool,
+) -> ffi::BodyStatus {
+    dispatch(
+        "response_body",
+        filter_envoy_ptr,
+        filter_module_ptr,
+        BodyStatus::Continue,
+        |filter, f| filter.on_response_body(f, end_of_stream),
+    )
+    .raw()
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
+    filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    filter_module_ptr: ffi::HttpFilterModulePtr,
+) -> ffi::TrailersStatus {
+    dispatch(
+        "response_trailers",
+        filter_envoy_ptr,
+        filter_module_ptr,
+        TrailersStatus::Continue,
+        |filter, f| filter.on_response_trailers(f),
+    )
+    .raw()
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
+    filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    filter_module_ptr: ffi::HttpFilterModulePtr,
+) {
+    dispatch(
+        "stream_complete",
+        filter_envoy_ptr,
+        filter_module_ptr,
+        (),
+        |filter, f| filter.on_stream_complete(f),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
+    filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    filter_module_ptr: ffi::HttpFilterModulePtr,
+    event_id: u64,
+) {
+    dispatch(
+        "scheduled",
+        filter_envoy_ptr,
+        filter_module_ptr,
+        (),
+        |filter, f| filter.on_scheduled(f, event_id),
+    )
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
+    filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    filter_module_ptr: ffi::HttpFilterModulePtr,
+    callout_id: u64,
+    result: ffi::HttpCalloutResult,
+    headers: *mut EnvoyHttpHeader,
+    headers_size: usize,
+    body_chunks: *mut EnvoyBuffer,
+    body_chunks_size: usize,
+) {
+    dispatch(
+        "http_callout_done",
+        filter_envoy_ptr,
+        filter_module_ptr,
+        (),
+        |filter, f| {
+            // Copied before the filter runs: Envoy's buffers live until this hook returns.
+            let headers = if headers.is_null() || headers_size == 0 {
+                Vec::new()
+            } else {
+                // SAFETY: Envoy's array of `headers_size` entries, valid for this hook.
+                headers_from_envoy(unsafe { std::slice::from_raw_parts(headers, headers_size) })
+            };
+            let mut body = Vec::new();
+            if !body_chunks.is_null() && body_chunks_size > 0 {
+                // SAFETY: Envoy's array of `body_chunks_size` slices, valid for this hook.
+                let chunks = unsafe { std::slice::from_raw_parts(body_chunks, body_chunks_size) };
+                for chunk in chunks {
+                    // SAFETY: each slice is Envoy's, valid for this hook.
+                    body.extend_from_slice(&unsafe { copy_envoy(chunk.ptr, chunk.length) });
+                }
+            }
+            filter.on_http_callout_done(
+                f,
+                callout_id,
+                CalloutResult::from_raw(result),
+                headers,
+                body,
+            );
+        },
+    )
+}
+
+// ------------------------------------------------------------------------------------------
+// Hooks Envoy requires but the filter does not use: they do nothing.
+// ------------------------------------------------------------------------------------------
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(
+    _filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    _filter_module_ptr: ffi::HttpFilterModulePtr,
+    _stream_id: u64,
+    _headers: *mut EnvoyHttpHeader,
+    _headers_size: usize,
+    _end_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data(
+    _filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    _filter_module_ptr: ffi::HttpFilterModulePtr,
+    _stream_id: u64,
+    _data: *const EnvoyBuffer,
+    _data_count: usize,
+    _end_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers(
+    _filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    _filter_module_ptr: ffi::HttpFilterModulePtr,
+    _stream_id: u64,
+    _trailers: *mut EnvoyHttpHeader,
+    _trailers_size: usize,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complete(
+    _filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    _filter_module_ptr: ffi::HttpFilterModulePtr,
+    _stream_id: u64,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
+    _filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    _filter_module_ptr: ffi::HttpFilterModulePtr,
+    _stream_id: u64,
+    _reason: ffi::HttpStreamResetReason,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(
+    _filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    _filter_module_ptr: ffi::HttpFilterModulePtr,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
+    _filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
+    _filter_module_ptr: ffi::HttpFilterModulePtr,
+) {
+}
