@@ -100,6 +100,15 @@ pub(crate) struct FilterObject {
     poisoned: Cell<bool>,
 }
 
+impl FilterObject {
+    pub(crate) fn new(filter: Option<Box<dyn HttpFilter>>) -> Self {
+        FilterObject {
+            filter: RefCell::new(filter),
+            poisoned: Cell::new(false),
+        }
+    }
+}
+
 fn panic_text(payload: &(dyn Any + Send)) -> &str {
     payload
         .downcast_ref::<&str>()
@@ -305,11 +314,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
             let f = unsafe { Filter::from_raw(filter_envoy_ptr) };
             barrier("new_filter", None, || config.factory.new_filter(&f))
         };
-        let object = FilterObject {
-            filter: RefCell::new(filter),
-            poisoned: Cell::new(false),
-        };
-        Box::into_raw(Box::new(object)).cast_const().cast()
+        Box::into_raw(Box::new(FilterObject::new(filter)))
+            .cast_const()
+            .cast()
     })
 }
 
