@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -910,6 +911,80 @@ class EnvoyStartError(RuntimeError):
     pass
 
 
+# Which build of the filter every Envoy here runs: "wasm" (the default) or "native" (the
+# dynamic module, libidempotency_native.so). `make e2e-native` sets it; the configurations
+# stay the Wasm ones the tests write, and `to_native` turns each into the native filter's.
+FILTER_BUILD = os.environ.get("IDEMPOTENCY_BUILD", "wasm")
+NATIVE_MODULE_NAME = "idempotency_native"
+# Envoy prefixes a dynamic module's metrics so; the Wasm build's are `wasmcustom.`.
+NATIVE_METRICS_PREFIX = "dynamicmodulescustom."
+WASM_METRICS_PREFIX = "wasmcustom."
+
+
+def native_module_dir() -> Path:
+    """``$IDEMPOTENCY_NATIVE_DIR`` or where `make native` writes the module."""
+    return Path(os.environ.get("IDEMPOTENCY_NATIVE_DIR") or REPO_ROOT / "target" / "native").resolve()
+
+
+class NotOnThisBuild(Exception):
+    """The configuration asks for what the native build does not have yet."""
+
+
+def native_unsupported(plugin: Any) -> str | None:
+    """What of a filter configuration the native build refuses at load (as
+    crates/native-filter/src/configuration.rs does), or None."""
+    if not isinstance(plugin, dict):
+        return None
+    if plugin.get("grpc_replay_echo"):
+        return "the gRPC replay echo"
+    if plugin.get("route_metadata_namespace"):
+        return "route_metadata_namespace"
+    if plugin.get("store"):
+        return "cluster mode"
+    for rule in plugin.get("rules") or []:
+        if not isinstance(rule, dict):
+            continue
+        if rule.get("store"):
+            return "cluster mode"
+        if rule.get("execution") == "detached":
+            return "detached writes"
+        if rule.get("resolve"):
+            return "resolve"
+        if rule.get("grpc") is not None:
+            return "gRPC rules"
+    return None
+
+
+def to_native(config: dict) -> int:
+    """Turns each Wasm http filter of this project into the native filter with the same
+    JSON configuration; raises NotOnThisBuild for a configuration the native build refuses.
+    Returns how many filters were turned."""
+    turned = 0
+    for http_filter in _http_filters(config):
+        typed = http_filter.get("typed_config") or {}
+        if not str(typed.get("@type", "")).endswith("envoy.extensions.filters.http.wasm.v3.Wasm"):
+            continue
+        plugin_value = ((typed.get("config") or {}).get("configuration") or {}).get("value", "")
+        try:
+            plugin = json.loads(plugin_value)
+        except ValueError:
+            plugin = plugin_value  # invalid JSON: the module's own refusal is the test
+        unsupported = native_unsupported(plugin)
+        if unsupported is not None:
+            raise NotOnThisBuild(unsupported)
+        http_filter["typed_config"] = {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+            "dynamic_module_config": {"name": NATIVE_MODULE_NAME, "do_not_close": True},
+            "filter_name": http_filter.get("name", IDEMPOTENCY_FILTER_NAME),
+            "filter_config": {
+                "@type": "type.googleapis.com/google.protobuf.StringValue",
+                "value": plugin_value,
+            },
+        }
+        turned += 1
+    return turned
+
+
 def _socket_address(holder: dict, what: str) -> dict:
     try:
         return holder["address"]["socket_address"]
@@ -1066,6 +1141,13 @@ class Envoy:
             result = mutate(config)
             if result is not None:
                 config = result
+        if FILTER_BUILD == "native":
+            try:
+                to_native(config)
+            except NotOnThisBuild as what:
+                import pytest  # only tests build Envoys; the bench never sets the native build
+
+                pytest.skip(f"not in the native build yet: {what}")
         return config
 
     def write_config(self) -> Path:
@@ -1101,7 +1183,10 @@ class Envoy:
         self.write_config()
         if self.process is not None and self.process.alive():
             raise RuntimeError(f"{self.name} is already running")
-        self.process = ManagedProcess(self.argv(), name=self.name, log_dir=self.tmpdir)
+        env = None
+        if FILTER_BUILD == "native":
+            env = dict(os.environ, ENVOY_DYNAMIC_MODULES_SEARCH_PATH=str(native_module_dir()))
+        self.process = ManagedProcess(self.argv(), name=self.name, log_dir=self.tmpdir, env=env)
         return self.process.start()
 
     def start(self, timeout: float = 30.0) -> "Envoy":
@@ -1167,15 +1252,20 @@ class Envoy:
     def stats(self, filter: str | None = None) -> dict[str, int]:
         """Counters and gauges by name (histograms left out); ``filter`` is Envoy's regex."""
         params = {"format": "json"}
+        native = FILTER_BUILD == "native"
         if filter:
-            params["filter"] = filter
+            # The tests name the Wasm build's metrics; the native build's differ in prefix.
+            params["filter"] = filter.replace(r"wasmcustom\.", re.escape(NATIVE_METRICS_PREFIX)) if native else filter
         resp = client.get(self.admin_url("/stats"), params=params, timeout=5)
         resp.raise_for_status()
         out: dict[str, int] = {}
         for entry in resp.json().get("stats", []):
             # Text readouts (e.g. an xDS version) are not numbers: left out too.
             if "name" in entry and isinstance(entry.get("value"), (int, float)):
-                out[entry["name"]] = int(entry["value"])
+                name = entry["name"]
+                if native and name.startswith(NATIVE_METRICS_PREFIX):
+                    name = WASM_METRICS_PREFIX + name[len(NATIVE_METRICS_PREFIX):]
+                out[name] = int(entry["value"])
         return out
 
     def stat(self, name: str, default: int = 0) -> int:

@@ -1,27 +1,37 @@
 //! The idempotency filter as an Envoy dynamic module: `libidempotency_native.so`, built with
 //! `cargo build --profile native -p native-filter` (the profile unwinds, so the hooks can
-//! catch panics). `abi` binds Envoy's dynamic modules ABI; this file picks the filter.
+//! catch panics). The same core as the Wasm build, over a second host; see
+//! docs/how-it-works.md, "The native build: who runs where".
+//!
+//! `abi/` binds Envoy's dynamic modules ABI; `configuration.rs` is a filter configuration as
+//! Envoy creates it, `root.rs` a worker's root for it, `filter.rs` each request,
+//! `host.rs` core's `Host` over the ABI, `worker.rs` what each worker thread holds,
+//! `shared_data.rs` and `queues.rs` what proxy-wasm shared between workers, `metrics.rs` the
+//! configuration's counters, `ticker.rs` the thread that gives roots their ticks.
 
 pub mod abi;
+mod configuration;
+mod filter;
+mod host;
+mod metrics;
+mod queues;
+mod root;
+mod shared_data;
+mod ticker;
+mod worker;
 
-use abi::{ConfigHandle, Filter, FilterFactory, HttpFilter};
+use abi::{ConfigHandle, FilterFactory};
 
 /// What each filter config is built with (called by the config-new hook).
-pub(crate) static FACTORY_BUILDER: abi::FactoryBuilder = pass_through;
+pub(crate) static FACTORY_BUILDER: abi::FactoryBuilder = load_configuration;
 
-/// For now: a filter that lets every request through untouched.
-fn pass_through(
+/// The filter's JSON configuration, the same as the Wasm module's; refused with the field
+/// named when it is wrong or asks for what the native build does not have yet.
+fn load_configuration(
     _name: &str,
-    _config: &[u8],
-    _handle: ConfigHandle,
+    config: &[u8],
+    handle: ConfigHandle,
 ) -> Result<Box<dyn FilterFactory>, String> {
-    Ok(Box::new(PassThrough))
-}
-
-struct PassThrough;
-
-impl FilterFactory for PassThrough {
-    fn new_filter(&self, _filter: &Filter) -> Option<Box<dyn HttpFilter>> {
-        None
-    }
+    configuration::Configuration::load(config, handle)
+        .map(|c| Box::new(c) as Box<dyn FilterFactory>)
 }

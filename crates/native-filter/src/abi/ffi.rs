@@ -140,12 +140,14 @@ pub const ATTRIBUTE_REQUEST_METHOD: AttributeId = 4;
 pub const ATTRIBUTE_REQUEST_ID: AttributeId = 9;
 pub const ATTRIBUTE_RESPONSE_CODE: AttributeId = 15;
 pub const ATTRIBUTE_RESPONSE_CODE_DETAILS: AttributeId = 16;
+pub const ATTRIBUTE_RESPONSE_FLAGS: AttributeId = 17;
 pub const ATTRIBUTE_SOURCE_ADDRESS: AttributeId = 24;
 pub const ATTRIBUTE_SOURCE_PORT: AttributeId = 25;
 pub const ATTRIBUTE_CONNECTION_ID: AttributeId = 28;
 pub const ATTRIBUTE_UPSTREAM_REQUEST_ATTEMPT_COUNT: AttributeId = 53;
 pub const ATTRIBUTE_XDS_CLUSTER_NAME: AttributeId = 57;
 pub const ATTRIBUTE_XDS_ROUTE_NAME: AttributeId = 61;
+pub const ATTRIBUTE_XDS_VIRTUAL_HOST_NAME: AttributeId = 63;
 
 /// `envoy_dynamic_module_type_on_http_filter_request_headers_status` and
 /// `..._response_headers_status` (same values).

@@ -181,6 +181,8 @@ pub enum AttributeId {
     ResponseCode,
     /// `response.code_details`
     ResponseCodeDetails,
+    /// `response.flags` (int: Envoy's response flags as a bit set)
+    ResponseFlags,
     /// `source.address` (Envoy 1.40: "ip:port")
     SourceAddress,
     /// `source.port` (int)
@@ -193,6 +195,8 @@ pub enum AttributeId {
     XdsClusterName,
     /// `xds.route_name`
     XdsRouteName,
+    /// `xds.virtual_host_name`
+    XdsVirtualHostName,
 }
 
 impl AttributeId {
@@ -205,6 +209,7 @@ impl AttributeId {
             AttributeId::RequestId => ffi::ATTRIBUTE_REQUEST_ID,
             AttributeId::ResponseCode => ffi::ATTRIBUTE_RESPONSE_CODE,
             AttributeId::ResponseCodeDetails => ffi::ATTRIBUTE_RESPONSE_CODE_DETAILS,
+            AttributeId::ResponseFlags => ffi::ATTRIBUTE_RESPONSE_FLAGS,
             AttributeId::SourceAddress => ffi::ATTRIBUTE_SOURCE_ADDRESS,
             AttributeId::SourcePort => ffi::ATTRIBUTE_SOURCE_PORT,
             AttributeId::ConnectionId => ffi::ATTRIBUTE_CONNECTION_ID,
@@ -213,6 +218,7 @@ impl AttributeId {
             }
             AttributeId::XdsClusterName => ffi::ATTRIBUTE_XDS_CLUSTER_NAME,
             AttributeId::XdsRouteName => ffi::ATTRIBUTE_XDS_ROUTE_NAME,
+            AttributeId::XdsVirtualHostName => ffi::ATTRIBUTE_XDS_VIRTUAL_HOST_NAME,
         }
     }
 }
@@ -609,6 +615,35 @@ impl Filter {
             }
         }
         Ok(body)
+    }
+
+    /// The size of [`Filter::request_body`] without copying it: what a body hook reports.
+    pub fn request_body_size(&self) -> usize {
+        // SAFETY: plain queries.
+        unsafe {
+            let buffered = ffi::envoy_dynamic_module_callback_http_get_body_size(
+                self.ptr,
+                ffi::BODY_TYPE_BUFFERED_REQUEST_BODY,
+            );
+            if ffi::envoy_dynamic_module_callback_http_received_buffered_request_body(self.ptr) {
+                return buffered;
+            }
+            buffered.saturating_add(ffi::envoy_dynamic_module_callback_http_get_body_size(
+                self.ptr,
+                ffi::BODY_TYPE_RECEIVED_REQUEST_BODY,
+            ))
+        }
+    }
+
+    /// The size of [`Filter::response_body_chunk`] without copying it.
+    pub fn response_body_chunk_size(&self) -> usize {
+        // SAFETY: plain query.
+        unsafe {
+            ffi::envoy_dynamic_module_callback_http_get_body_size(
+                self.ptr,
+                ffi::BODY_TYPE_RECEIVED_RESPONSE_BODY,
+            )
+        }
     }
 
     /// The chunk of the running response-body hook (empty outside it).

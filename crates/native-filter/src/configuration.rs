@@ -1,0 +1,143 @@
+//! A filter configuration as Envoy creates it on the main thread: checked whole before Envoy
+//! takes it (so a bad one is refused at load, naming the field), its metrics defined, then
+//! shared read-only by every worker, each of which builds its own root from it.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use idempotency_core::config::Config;
+use idempotency_core::root::PluginRoot;
+
+use crate::abi::ConfigHandle;
+use crate::host::NativeHost;
+use crate::metrics::Metrics;
+
+/// What every worker shares of one configuration.
+pub struct Shared {
+    /// Never reused in the process's life: the workers find their root by it.
+    pub id: u64,
+    pub configuration: Vec<u8>,
+    pub metrics: Metrics,
+    /// Envoy let go of the configuration (a push replaced it).
+    pub retired: AtomicBool,
+}
+
+/// Bumped whenever a configuration retires, so a worker looks for roots to drop only then.
+pub static RETIREMENTS: AtomicU64 = AtomicU64::new(0);
+
+impl Drop for Configuration {
+    fn drop(&mut self) {
+        self.shared.retired.store(true, Ordering::Release);
+        RETIREMENTS.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+pub struct Configuration {
+    pub shared: Arc<Shared>,
+}
+
+impl Configuration {
+    /// Err names what is wrong; Envoy then refuses the filter.
+    pub fn load(bytes: &[u8], handle: ConfigHandle) -> Result<Configuration, String> {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        let config = Config::parse(bytes).map_err(|e| e.to_string())?;
+        not_native_yet(&config)?;
+        let shared = Arc::new(Shared {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            configuration: bytes.to_vec(),
+            metrics: Metrics::new(handle),
+            retired: AtomicBool::new(false),
+        });
+        // Built once here, as a Wasm filter's configuration is checked in a VM of its own:
+        // every metric a worker's root will define is defined now, while Envoy allows it.
+        let tick_ms = std::cell::Cell::new(0);
+        let host = NativeHost {
+            configuration: &shared.configuration,
+            metrics: &shared.metrics,
+            tick_ms: &tick_ms,
+        };
+        let mut trial = PluginRoot::new(0);
+        let accepted = trial.on_configure(&host);
+        shared.metrics.freeze();
+        if !accepted {
+            return Err("the configuration was refused (the log line before says why)".into());
+        }
+        Ok(Configuration { shared })
+    }
+}
+
+/// The features that need what the native build does not have yet (the store stream,
+/// callouts, the gRPC replay echo) are refused at load, naming the field, rather than
+/// behaving differently from the Wasm build.
+fn not_native_yet(config: &Config) -> Result<(), String> {
+    let refuse = |field: String, what: &str| {
+        Err(format!(
+            "{field}: {what} is not in the native build yet; use the Wasm module \
+             (idempotency_filter.wasm) for this configuration"
+        ))
+    };
+    if config.route_metadata_namespace.is_some() {
+        return refuse(
+            "route_metadata_namespace".into(),
+            "naming a route's rule in its metadata",
+        );
+    }
+    if config.grpc_replay_echo {
+        return refuse("grpc_replay_echo".into(), "the gRPC replay echo");
+    }
+    for (i, rule) in config.rules.iter().enumerate() {
+        if rule.store.is_some() {
+            return refuse(
+                format!("rules[{i}].store (or the top-level store)"),
+                "cluster mode",
+            );
+        }
+        if rule.detached.is_some() {
+            return refuse(format!("rules[{i}].execution"), "a detached write");
+        }
+        if rule.resolve.is_some() {
+            return refuse(format!("rules[{i}].resolve"), "resolving unknown outcomes");
+        }
+        if rule.grpc.is_some() {
+            return refuse(format!("rules[{i}].grpc"), "a gRPC rule");
+        }
+    }
+    Ok(())
+}
+
+thread_local! {
+    /// This worker's roots, one per configuration.
+    static ROOTS: crate::worker::Roots<crate::root::WorkerRoot> = crate::worker::Roots::default();
+    /// The retirements this worker has already swept for.
+    static RETIREMENTS_SEEN: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+impl crate::abi::FilterFactory for Configuration {
+    fn new_filter(&self, filter: &crate::abi::Filter) -> Option<Box<dyn crate::abi::HttpFilter>> {
+        sweep_retired_roots();
+        let shared = &self.shared;
+        let root = ROOTS.with(|roots| {
+            roots.get_or_insert_with(shared.id, || {
+                crate::root::WorkerRoot::configure(Arc::clone(shared))
+            })
+        });
+        // The worker's upkeep runs at its requests when due (see docs/how-it-works.md).
+        root.tick_if_due();
+        let context_id = crate::worker::new_context_id();
+        let journey = root.new_request(context_id)?;
+        crate::worker::register(context_id, filter.handle());
+        Some(Box::new(crate::filter::NativeFilter::new(
+            root, journey, context_id,
+        )))
+    }
+}
+
+/// Drops this worker's roots of configurations Envoy let go of (their live requests keep
+/// theirs until they end).
+fn sweep_retired_roots() {
+    let now = RETIREMENTS.load(Ordering::Acquire);
+    if RETIREMENTS_SEEN.with(|seen| seen.replace(now)) == now {
+        return;
+    }
+    ROOTS.with(|roots| roots.retain(|root| !root.shared.retired.load(Ordering::Acquire)));
+}

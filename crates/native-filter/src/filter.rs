@@ -1,0 +1,212 @@
+//! Each request's filter: Envoy's hooks become events of core's journey, its verdicts
+//! Envoy's statuses. A request the journey holds after the request has fully arrived (a
+//! duplicate waiting in wait mode) asks the ticker for its root's tick, which then runs on
+//! this worker inside this request's scheduled event.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_core::journey::{Event, RequestJourney, Verdict};
+use idempotency_core::problem::Problem;
+
+use crate::abi::{BodyStatus, Filter, HeadersStatus, HttpFilter, Scheduler, TrailersStatus};
+use crate::root::WorkerRoot;
+use crate::ticker::{Ticker, Ticket, Wake};
+use crate::worker;
+
+/// The scheduled event that means "the root's tick may be due".
+const TICK_EVENT: u64 = 1;
+
+struct SchedulerWake(Scheduler);
+
+impl Wake for SchedulerWake {
+    fn wake(&self) {
+        self.0.commit(TICK_EVENT);
+    }
+}
+
+pub struct NativeFilter {
+    root: Rc<WorkerRoot>,
+    journey: Rc<RefCell<RequestJourney>>,
+    context_id: u32,
+    /// While the request is held: its entry in the ticker's timetable.
+    ticking: Option<Ticket>,
+    /// A hook of this request panicked: the journey's state is not trusted any more.
+    failed: bool,
+    /// The response has begun: too late for the filter to answer instead.
+    responding: bool,
+}
+
+impl NativeFilter {
+    pub fn new(
+        root: Rc<WorkerRoot>,
+        journey: Rc<RefCell<RequestJourney>>,
+        context_id: u32,
+    ) -> NativeFilter {
+        NativeFilter {
+            root,
+            journey,
+            context_id,
+            ticking: None,
+            failed: false,
+            responding: false,
+        }
+    }
+
+    fn feed(&mut self, filter: &Filter, event: Event) -> Verdict {
+        if self.failed {
+            return Verdict::Continue;
+        }
+        worker::act_on(filter.handle());
+        let host = self.root.host();
+        // Envoy runs one hook of a request at a time, and the root never holds a journey
+        // across hooks, so the journey is free here.
+        match self.journey.try_borrow_mut() {
+            Ok(mut journey) => journey.on(&host, event),
+            Err(_) => {
+                log::error!("request journey busy; the event is let through");
+                Verdict::Continue
+            }
+        }
+    }
+
+    /// The request is held with nothing more to arrive from the client: only the root can
+    /// let it go, so its tick must come even if no other request reaches this worker.
+    fn hold(&mut self, filter: &Filter) {
+        if self.ticking.is_some() {
+            return;
+        }
+        let period = self.root.tick_period_ms().max(1);
+        let Some(scheduler) = filter.new_scheduler() else {
+            log::error!("no scheduler for a held request; it waits for the next request");
+            return;
+        };
+        let ticket = Ticker::process().every(
+            Duration::from_millis(u64::from(period)),
+            Arc::new(SchedulerWake(scheduler)),
+        );
+        self.ticking = Some(ticket);
+    }
+
+    fn stop_ticking(&mut self) {
+        if let Some(ticket) = self.ticking.take() {
+            Ticker::process().cancel(ticket);
+        }
+    }
+
+    fn held_after(&mut self, filter: &Filter, verdict: Verdict, complete: bool) -> Verdict {
+        if complete && verdict == Verdict::Pause {
+            self.hold(filter);
+        }
+        verdict
+    }
+}
+
+fn headers_status(verdict: Verdict) -> HeadersStatus {
+    match verdict {
+        Verdict::Continue => HeadersStatus::Continue,
+        Verdict::Pause => HeadersStatus::StopIteration,
+    }
+}
+
+fn body_status(verdict: Verdict) -> BodyStatus {
+    match verdict {
+        Verdict::Continue => BodyStatus::Continue,
+        Verdict::Pause => BodyStatus::StopIterationAndBuffer,
+    }
+}
+
+fn trailers_status(verdict: Verdict) -> TrailersStatus {
+    match verdict {
+        Verdict::Continue => TrailersStatus::Continue,
+        Verdict::Pause => TrailersStatus::StopIteration,
+    }
+}
+
+impl HttpFilter for NativeFilter {
+    fn on_request_headers(&mut self, filter: &Filter, end_of_stream: bool) -> HeadersStatus {
+        let verdict = self.feed(filter, Event::RequestHeaders { end_of_stream });
+        headers_status(self.held_after(filter, verdict, end_of_stream))
+    }
+
+    fn on_request_body(&mut self, filter: &Filter, end_of_stream: bool) -> BodyStatus {
+        let size = filter.request_body_size();
+        let verdict = self.feed(
+            filter,
+            Event::RequestBody {
+                size,
+                end_of_stream,
+            },
+        );
+        body_status(self.held_after(filter, verdict, end_of_stream))
+    }
+
+    fn on_request_trailers(&mut self, filter: &Filter) -> TrailersStatus {
+        let verdict = self.feed(filter, Event::RequestTrailers);
+        trailers_status(self.held_after(filter, verdict, true))
+    }
+
+    fn on_response_headers(&mut self, filter: &Filter, end_of_stream: bool) -> HeadersStatus {
+        // Whatever held the request is over: a response is on its way.
+        self.stop_ticking();
+        self.responding = true;
+        headers_status(self.feed(filter, Event::ResponseHeaders { end_of_stream }))
+    }
+
+    fn on_response_body(&mut self, filter: &Filter, end_of_stream: bool) -> BodyStatus {
+        let size = filter.response_body_chunk_size();
+        body_status(self.feed(
+            filter,
+            Event::ResponseBody {
+                size,
+                end_of_stream,
+            },
+        ))
+    }
+
+    fn on_response_trailers(&mut self, filter: &Filter) -> TrailersStatus {
+        trailers_status(self.feed(filter, Event::ResponseTrailers))
+    }
+
+    fn on_stream_complete(&mut self, filter: &Filter) {
+        self.stop_ticking();
+        self.feed(filter, Event::StreamEnd);
+    }
+
+    fn on_scheduled(&mut self, filter: &Filter, _event_id: u64) {
+        self.root.tick_if_due();
+        worker::act_on(filter.handle());
+    }
+
+    fn on_destroy(&mut self) {
+        self.stop_ticking();
+        worker::forget(self.context_id);
+    }
+
+    /// A hook of this request panicked: its journey may be half-way through a step, so it
+    /// is not fed again. Before the response began, the request is answered 503 instead of
+    /// going on (a key it claimed stays claimed until its lease ends: a retry meets 409,
+    /// never a second run); after, the response goes on as it is, unrecorded.
+    fn on_panic(&mut self, filter: &Filter) {
+        self.failed = true;
+        self.stop_ticking();
+        if self.responding {
+            return;
+        }
+        let problem = Problem::unavailable("the idempotency filter failed on this request");
+        let headers = problem.headers();
+        let headers: Vec<(&str, &[u8])> = headers
+            .iter()
+            .map(|(name, value)| (*name, value.as_bytes()))
+            .collect();
+        filter.send_response(problem.status, &headers, &problem.body(""));
+    }
+}
+
+impl Drop for NativeFilter {
+    fn drop(&mut self) {
+        self.stop_ticking();
+    }
+}

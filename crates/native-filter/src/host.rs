@@ -1,0 +1,282 @@
+//! Envoy as core's `Host`, over the dynamic module ABI: each call maps onto the request host
+//! calls act on now (`worker::effective`), the process's shared data, or the configuration's
+//! metrics. What the native build does not offer yet (callouts, store streams) answers a
+//! `HostError`; the configuration refuses the features that need them before any request
+//! can ask (`configuration::not_native_yet`).
+
+use std::cell::Cell;
+
+use idempotency_core::host::{Callout, HeaderPairs, Host, HostError, SetOutcome, SharedData};
+
+use crate::abi::{AttributeId, Filter, HeaderMap};
+use crate::metrics::Metrics;
+use crate::queues;
+use crate::shared_data::SharedMap;
+use crate::worker;
+
+/// The host as one root sees it: its configuration's bytes and metrics, and where its asked-for
+/// tick period goes.
+pub struct NativeHost<'a> {
+    pub configuration: &'a [u8],
+    pub metrics: &'a Metrics,
+    pub tick_ms: &'a Cell<u32>,
+}
+
+fn no_request() -> HostError {
+    HostError("no request is being handled".into())
+}
+
+fn not_native(what: &str) -> HostError {
+    HostError(format!("{what} is not in the native build yet"))
+}
+
+impl NativeHost<'_> {
+    fn filter(&self) -> Result<Filter, HostError> {
+        // SAFETY: the effective request is live (a request leaves the registry, and stops
+        // being effective, in its destroy hook) and on this worker (the registry is
+        // thread-local).
+        worker::effective()
+            .map(|handle| unsafe { handle.filter() })
+            .ok_or_else(no_request)
+    }
+}
+
+impl SharedData for NativeHost<'_> {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        Ok(SharedMap::process().get(key))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError> {
+        Ok(SharedMap::process().set(key, value, cas))
+    }
+}
+
+/// Envoy hands integer properties to Wasm as 8 little-endian bytes; core reads them so.
+fn as_property(n: u64) -> Vec<u8> {
+    i64::try_from(n).unwrap_or(i64::MAX).to_le_bytes().to_vec()
+}
+
+impl Host for NativeHost<'_> {
+    fn now_ms(&self) -> u64 {
+        self.now_nanos() / 1_000_000
+    }
+
+    fn now_nanos(&self) -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            .unwrap_or(0)
+    }
+
+    fn request_headers(&self) -> Result<HeaderPairs, HostError> {
+        Ok(self.filter()?.headers(HeaderMap::RequestHeaders))
+    }
+
+    fn request_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        Ok(self.filter()?.header(HeaderMap::RequestHeaders, name))
+    }
+
+    fn request_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        let mut body = self.filter()?.request_body().map_err(abi_error)?;
+        body.truncate(size);
+        Ok(body)
+    }
+
+    fn request_trailers(&self) -> Result<HeaderPairs, HostError> {
+        Ok(self.filter()?.headers(HeaderMap::RequestTrailers))
+    }
+
+    fn replace_request_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        self.filter()?
+            .set_header(HeaderMap::RequestHeaders, name, value)
+            .map_err(abi_error)
+    }
+
+    fn remove_request_header(&self, name: &str) -> Result<(), HostError> {
+        self.filter()?
+            .remove_header(HeaderMap::RequestHeaders, name)
+            .map_err(abi_error)
+    }
+
+    fn set_request_body(&self, body: &[u8]) -> Result<(), HostError> {
+        self.filter()?.replace_request_body(body).map_err(abi_error)
+    }
+
+    fn response_headers(&self) -> Result<HeaderPairs, HostError> {
+        Ok(self.filter()?.headers(HeaderMap::ResponseHeaders))
+    }
+
+    fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        let mut chunk = self.filter()?.response_body_chunk().map_err(abi_error)?;
+        chunk.truncate(size);
+        Ok(chunk)
+    }
+
+    fn replace_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        self.filter()?
+            .set_header(HeaderMap::ResponseHeaders, name, value)
+            .map_err(abi_error)
+    }
+
+    fn remove_response_header(&self, name: &str) -> Result<(), HostError> {
+        self.filter()?
+            .remove_header(HeaderMap::ResponseHeaders, name)
+            .map_err(abi_error)
+    }
+
+    fn add_response_header(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        self.filter()?
+            .add_header(HeaderMap::ResponseHeaders, name, value)
+            .map_err(abi_error)
+    }
+
+    fn response_trailers(&self) -> Result<HeaderPairs, HostError> {
+        Ok(self.filter()?.headers(HeaderMap::ResponseTrailers))
+    }
+
+    fn add_response_trailer(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        self.filter()?
+            .add_header(HeaderMap::ResponseTrailers, name, value)
+            .map_err(abi_error)
+    }
+
+    fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
+        let filter = self.filter()?;
+        let string = |id| Ok(filter.attribute_string(id));
+        let int = |id| Ok(filter.attribute_int(id).map(as_property));
+        match path {
+            ["xds", "route_name"] => string(AttributeId::XdsRouteName),
+            ["xds", "virtual_host_name"] => string(AttributeId::XdsVirtualHostName),
+            ["xds", "cluster_name"] => string(AttributeId::XdsClusterName),
+            ["response", "code_details"] => string(AttributeId::ResponseCodeDetails),
+            ["response", "flags"] => int(AttributeId::ResponseFlags),
+            ["upstream", "request_attempt_count"] => int(AttributeId::UpstreamRequestAttemptCount),
+            _ => Err(HostError(format!(
+                "property {} is not mapped in the native build",
+                path.join(".")
+            ))),
+        }
+    }
+
+    fn send_local_reply(
+        &self,
+        status: u16,
+        headers: &[(&str, &[u8])],
+        body: &[u8],
+    ) -> Result<(), HostError> {
+        self.filter()?.send_response(status, headers, body);
+        Ok(())
+    }
+
+    fn resume_request(&self) -> Result<(), HostError> {
+        self.filter()?.continue_decoding();
+        Ok(())
+    }
+
+    fn dispatch_callout(&self, _callout: &Callout<'_>) -> Result<u32, HostError> {
+        Err(not_native("an HTTP callout"))
+    }
+
+    fn callout_response_headers(&self) -> Result<HeaderPairs, HostError> {
+        Err(not_native("an HTTP callout"))
+    }
+
+    fn callout_response_body(&self, _size: usize) -> Result<Vec<u8>, HostError> {
+        Err(not_native("an HTTP callout"))
+    }
+
+    fn open_grpc_stream(
+        &self,
+        _cluster: &str,
+        _service: &str,
+        _method: &str,
+        _metadata: &[(&str, &[u8])],
+    ) -> Result<u32, HostError> {
+        Err(not_native("the store stream"))
+    }
+
+    fn send_grpc_message(&self, _stream: u32, _message: &[u8]) -> Result<(), HostError> {
+        Err(not_native("the store stream"))
+    }
+
+    fn close_grpc_stream(&self, _stream: u32, _reset: bool) -> Result<(), HostError> {
+        Err(not_native("the store stream"))
+    }
+
+    fn grpc_initial_metadata(&self) -> Result<HeaderPairs, HostError> {
+        Err(not_native("the store stream"))
+    }
+
+    fn grpc_message(&self, _size: usize) -> Result<Vec<u8>, HostError> {
+        Err(not_native("the store stream"))
+    }
+
+    fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
+        if worker::is_root_context(context_id) {
+            worker::act_on_none();
+            return Ok(());
+        }
+        if worker::act_on_context(context_id) {
+            Ok(())
+        } else {
+            Err(HostError(format!("request {context_id} is gone")))
+        }
+    }
+
+    fn define_counter(&self, name: &str) -> Result<u32, HostError> {
+        self.metrics.counter(name).map_err(HostError)
+    }
+
+    fn increment_counter(&self, id: u32) {
+        self.metrics.increment(id);
+    }
+
+    fn publish(&self, name: &str, value: &[u8]) {
+        // The access log reads `wasm.<name>` on both builds, so one log format serves both.
+        let Ok(filter) = self.filter() else { return };
+        if let Err(e) = filter.set_filter_state(&format!("wasm.{name}"), value) {
+            log::debug!("{name} not published for the access log: {}", e);
+        }
+    }
+
+    fn define_gauge(&self, name: &str) -> Result<u32, HostError> {
+        self.metrics.gauge(name).map_err(HostError)
+    }
+
+    fn set_gauge(&self, id: u32, value: u64) {
+        self.metrics.set_gauge(id, value);
+    }
+
+    fn register_queue(&self, name: &str) -> Result<u32, HostError> {
+        Ok(queues::register(name))
+    }
+
+    fn enqueue(&self, queue: u32, value: &[u8]) -> Result<(), HostError> {
+        if queues::enqueue(queue, value) {
+            Ok(())
+        } else {
+            Err(HostError(format!("no queue {queue}")))
+        }
+    }
+
+    fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, HostError> {
+        Ok(queues::dequeue(queue))
+    }
+
+    fn plugin_configuration(&self) -> Result<Vec<u8>, HostError> {
+        Ok(self.configuration.to_vec())
+    }
+
+    fn set_tick_period_ms(&self, period_ms: u32) -> Result<(), HostError> {
+        self.tick_ms.set(period_ms);
+        Ok(())
+    }
+
+    fn done(&self) -> Result<(), HostError> {
+        Ok(())
+    }
+}
+
+fn abi_error(e: crate::abi::AbiError) -> HostError {
+    HostError(e.to_string())
+}

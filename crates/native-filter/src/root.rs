@@ -1,0 +1,91 @@
+//! A worker's root for one configuration: core's `PluginRoot`, as a Wasm VM's root context
+//! holds it, built by the first request the worker sees under that configuration, and the
+//! time of its next tick (see docs/how-it-works.md, "The native build").
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::sync::Arc;
+
+use idempotency_core::journey::RequestJourney;
+use idempotency_core::root::PluginRoot;
+
+use crate::configuration::Shared;
+use crate::host::NativeHost;
+use crate::worker;
+
+pub struct WorkerRoot {
+    pub shared: Arc<Shared>,
+    root: RefCell<PluginRoot>,
+    configured: bool,
+    /// What core asked for with `set_tick_period_ms`.
+    tick_ms: Cell<u32>,
+    next_tick_ms: Cell<u64>,
+}
+
+impl WorkerRoot {
+    /// Configures core's root for this worker; the configuration was checked on the main
+    /// thread already, so a refusal here is only logged (the worker's requests then pass, as
+    /// under an unconfigured Wasm root).
+    pub fn configure(shared: Arc<Shared>) -> WorkerRoot {
+        let context_id = worker::new_root_context_id();
+        let mut root = PluginRoot::new(context_id);
+        let tick_ms = Cell::new(0);
+        let configured = {
+            let host = NativeHost {
+                configuration: &shared.configuration,
+                metrics: &shared.metrics,
+                tick_ms: &tick_ms,
+            };
+            worker::act_on_none();
+            root.on_configure(&host)
+        };
+        if !configured {
+            log::error!("this worker's root refused a configuration the module had accepted");
+        }
+        WorkerRoot {
+            shared,
+            root: RefCell::new(root),
+            configured,
+            tick_ms,
+            next_tick_ms: Cell::new(0),
+        }
+    }
+
+    pub fn host(&self) -> NativeHost<'_> {
+        NativeHost {
+            configuration: &self.shared.configuration,
+            metrics: &self.shared.metrics,
+            tick_ms: &self.tick_ms,
+        }
+    }
+
+    pub fn new_request(&self, context_id: u32) -> Option<Rc<RefCell<RequestJourney>>> {
+        if !self.configured {
+            return None;
+        }
+        self.root.try_borrow().ok()?.new_request(context_id)
+    }
+
+    /// How often this root wants its tick.
+    pub fn tick_period_ms(&self) -> u32 {
+        self.tick_ms.get()
+    }
+
+    /// Runs the root's tick if it is due. Host calls act on no request afterwards: the caller
+    /// points them back at its own request if it goes on.
+    pub fn tick_if_due(&self) {
+        let host = self.host();
+        let now = idempotency_core::host::Host::now_ms(&host);
+        if now < self.next_tick_ms.get() || self.tick_ms.get() == 0 {
+            return;
+        }
+        self.next_tick_ms
+            .set(now.saturating_add(u64::from(self.tick_ms.get())));
+        // A tick inside a tick (a request the tick resumes cannot start another) is skipped.
+        if let Ok(mut root) = self.root.try_borrow_mut() {
+            worker::act_on_none();
+            root.on_tick(&host);
+            worker::act_on_none();
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! Time for the workers' roots: proxy-wasm ticked each root; a dynamic module has no
+//! per-worker timer, so one module thread keeps a timetable and, when an entry is due,
+//! wakes it (commits its request's scheduler: the event runs on that request's own worker).
+//!
+//! An entry is removed under the timetable's lock, and the lock is held while waking, so once
+//! `cancel` returns the ticker never touches that entry's scheduler again: its request may go.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+/// What the ticker wakes: a request's scheduler.
+pub trait Wake: Send + Sync {
+    fn wake(&self);
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Ticket(u64);
+
+struct Entry {
+    wake: Arc<dyn Wake>,
+    due: Instant,
+    period: Duration,
+}
+
+#[derive(Default)]
+struct Timetable {
+    entries: HashMap<Ticket, Entry>,
+    next_ticket: u64,
+}
+
+#[derive(Default)]
+pub struct Ticker {
+    timetable: Mutex<Timetable>,
+    changed: Condvar,
+}
+
+impl Ticker {
+    /// The process's ticker, its thread started on first use.
+    pub fn process() -> &'static Arc<Ticker> {
+        static TICKER: OnceLock<Arc<Ticker>> = OnceLock::new();
+        TICKER.get_or_init(|| {
+            let ticker = Arc::new(Ticker::default());
+            let runs = Arc::clone(&ticker);
+            let started = std::thread::Builder::new()
+                .name("idempotency-ticker".into())
+                .spawn(move || runs.run());
+            if let Err(e) = started {
+                // Held requests then wait for their own deadline only through the next
+                // request on their worker; logged, never fatal.
+                log::error!("ticker thread not started: {e}");
+            }
+            ticker
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Timetable> {
+        // A timetable is whole between statements: usable after a panic elsewhere.
+        self.timetable
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Wakes `wake` every `period`, the first time one period from now, until cancelled.
+    pub fn every(&self, period: Duration, wake: Arc<dyn Wake>) -> Ticket {
+        let mut table = self.lock();
+        table.next_ticket += 1;
+        let ticket = Ticket(table.next_ticket);
+        table.entries.insert(
+            ticket,
+            Entry {
+                wake,
+                due: Instant::now() + period,
+                period,
+            },
+        );
+        drop(table);
+        self.changed.notify_one();
+        ticket
+    }
+
+    /// After this returns the entry is never woken again.
+    pub fn cancel(&self, ticket: Ticket) {
+        self.lock().entries.remove(&ticket);
+    }
+
+    /// Wakes what is due now, then says how long until the next entry is (None: nothing).
+    fn wake_due(&self, table: &mut Timetable, now: Instant) -> Option<Duration> {
+        let mut next: Option<Instant> = None;
+        for entry in table.entries.values_mut() {
+            if entry.due <= now {
+                entry.wake.wake();
+                entry.due = now + entry.period;
+            }
+            next = Some(next.map_or(entry.due, |n| n.min(entry.due)));
+        }
+        next.map(|at| at.saturating_duration_since(now))
+    }
+
+    fn run(&self) {
+        let mut table = self.lock();
+        loop {
+            let wait = self.wake_due(&mut table, Instant::now());
+            // Nothing to wake: sleep until an entry comes (bounded, so a lost notify costs
+            // a second at most).
+            let wait = wait.unwrap_or(Duration::from_secs(1));
+            table = match self.changed.wait_timeout(table, wait) {
+                Ok((table, _)) => table,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[derive(Default)]
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(&self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn an_entry_is_woken_each_period_and_never_after_its_cancel() {
+        let ticker = Arc::new(Ticker::default());
+        let runs = Arc::clone(&ticker);
+        std::thread::spawn(move || runs.run());
+        let count = Arc::new(Count::default());
+        let ticket = ticker.every(Duration::from_millis(5), count.clone());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while count.0.load(Ordering::SeqCst) < 3 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(count.0.load(Ordering::SeqCst) >= 3);
+        ticker.cancel(ticket);
+        let after_cancel = count.0.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(count.0.load(Ordering::SeqCst), after_cancel);
+    }
+}
