@@ -149,6 +149,19 @@ pub const ATTRIBUTE_XDS_CLUSTER_NAME: AttributeId = 57;
 pub const ATTRIBUTE_XDS_ROUTE_NAME: AttributeId = 61;
 pub const ATTRIBUTE_XDS_VIRTUAL_HOST_NAME: AttributeId = 63;
 
+/// `envoy_dynamic_module_type_metadata_source`: where `get_metadata_*` look.
+pub type MetadataSource = u32;
+/// The stream's dynamic metadata.
+pub const METADATA_SOURCE_DYNAMIC: MetadataSource = 0;
+/// The matched route's `metadata`.
+pub const METADATA_SOURCE_ROUTE: MetadataSource = 1;
+/// The upstream cluster's `metadata`.
+pub const METADATA_SOURCE_CLUSTER: MetadataSource = 2;
+/// The upstream host's (LbEndpoint) `metadata`.
+pub const METADATA_SOURCE_HOST: MetadataSource = 3;
+/// The upstream host's locality (LocalityLbEndpoints) `metadata`.
+pub const METADATA_SOURCE_HOST_LOCALITY: MetadataSource = 4;
+
 /// `envoy_dynamic_module_type_on_http_filter_request_headers_status` and
 /// `..._response_headers_status` (same values).
 pub type HeadersStatus = u32;
@@ -274,6 +287,19 @@ extern "C" {
         filter_envoy_ptr: HttpFilterEnvoyPtr,
         attribute_id: AttributeId,
         result: *mut u64,
+    ) -> bool;
+
+    // Metadata. `result` is written only when true is returned: false for metadata not
+    // available (no route, no upstream host yet), an absent namespace or key, or a value that
+    // is not a string. The bytes are Envoy's, valid until the hook returns (or a metadata
+    // setter is called). Six register arguments, `result` on the stack (SysV: each buffer
+    // takes two registers).
+    pub fn envoy_dynamic_module_callback_http_get_metadata_string(
+        filter_envoy_ptr: HttpFilterEnvoyPtr,
+        metadata_source: MetadataSource,
+        ns: ModuleBuffer,
+        key: ModuleBuffer,
+        result: *mut EnvoyBuffer,
     ) -> bool;
 
     // Metrics, defined on the filter config.

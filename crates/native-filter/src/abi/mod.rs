@@ -9,9 +9,9 @@
 //!   [`FilterFactory`] / [`HttpFilter`] built by the crate's `FACTORY_BUILDER` (lib.rs).
 //!
 //! Memory, as the header has it: every byte slice Envoy lends (headers, bodies, attributes,
-//! config bytes) is valid only until the current hook returns or a setter is called, so the
-//! layer copies it out before returning. Every buffer the module passes in is only read during
-//! the call (Envoy copies what it keeps).
+//! metadata, config bytes) is valid only until the current hook returns or a setter is called,
+//! so the layer copies it out before returning. Every buffer the module passes in is only read
+//! during the call (Envoy copies what it keeps).
 
 #![allow(unsafe_code)]
 
@@ -219,6 +219,33 @@ impl AttributeId {
             AttributeId::XdsClusterName => ffi::ATTRIBUTE_XDS_CLUSTER_NAME,
             AttributeId::XdsRouteName => ffi::ATTRIBUTE_XDS_ROUTE_NAME,
             AttributeId::XdsVirtualHostName => ffi::ATTRIBUTE_XDS_VIRTUAL_HOST_NAME,
+        }
+    }
+}
+
+/// Where [`Filter::metadata_string`] looks: the `filter_metadata` of one of these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetadataSource {
+    /// The stream's dynamic metadata (set by filters during the request).
+    Dynamic,
+    /// The matched route's `metadata` (None before routing or with no route).
+    Route,
+    /// The upstream cluster's `metadata`.
+    Cluster,
+    /// The chosen upstream host's (LbEndpoint) `metadata` (only once a host is chosen).
+    Host,
+    /// The chosen upstream host's locality (LocalityLbEndpoints) `metadata`.
+    HostLocality,
+}
+
+impl MetadataSource {
+    fn raw(self) -> ffi::MetadataSource {
+        match self {
+            MetadataSource::Dynamic => ffi::METADATA_SOURCE_DYNAMIC,
+            MetadataSource::Route => ffi::METADATA_SOURCE_ROUTE,
+            MetadataSource::Cluster => ffi::METADATA_SOURCE_CLUSTER,
+            MetadataSource::Host => ffi::METADATA_SOURCE_HOST,
+            MetadataSource::HostLocality => ffi::METADATA_SOURCE_HOST_LOCALITY,
         }
     }
 }
@@ -785,6 +812,43 @@ impl Filter {
         };
         // SAFETY: Envoy's value, valid for this hook.
         ok.then(|| unsafe { copy_envoy(value.ptr, value.length) })
+    }
+
+    /// The string at `filter_metadata.<namespace>.<key>` of `source`'s metadata, e.g. a
+    /// route's `metadata: {filter_metadata: {idempotency: {rule: payments}}}` gives
+    /// `metadata_string(Route, "idempotency", "rule") == Some(b"payments")`.
+    ///
+    /// None when Envoy has no such metadata now (no route, no upstream host yet), the
+    /// namespace or key is absent, or the value is not a string (a number, bool, list or
+    /// struct: Envoy also logs an error then). An empty string is `Some(vec![])`.
+    pub fn metadata_string(
+        &self,
+        source: MetadataSource,
+        namespace: &str,
+        key: &str,
+    ) -> Option<Vec<u8>> {
+        let mut value = empty_envoy_buffer();
+        // SAFETY: both buffers are read during the call; `value` is written by Envoy.
+        let ok = unsafe {
+            ffi::envoy_dynamic_module_callback_http_get_metadata_string(
+                self.ptr,
+                source.raw(),
+                module_buffer(namespace.as_bytes()),
+                module_buffer(key.as_bytes()),
+                &mut value,
+            )
+        };
+        if !ok {
+            None
+        } else if value.length == 0 {
+            Some(Vec::new())
+        } else if value.ptr.is_null() {
+            // "Found" with bytes that cannot be read: nothing to trust.
+            None
+        } else {
+            // SAFETY: Envoy's string, valid for this hook; copied before it returns.
+            Some(unsafe { copy_envoy(value.ptr, value.length) })
+        }
     }
 
     /// An integer attribute, or None if Envoy has none now.

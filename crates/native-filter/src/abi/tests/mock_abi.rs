@@ -39,6 +39,8 @@ pub struct Abi {
     pub body_size_lie: Option<usize>,
     pub attr_strings: HashMap<u32, Vec<u8>>,
     pub attr_ints: HashMap<u32, u64>,
+    /// Metadata by (`MetadataSource`, namespace), then key.
+    pub metadata: HashMap<(u32, String), HashMap<String, MetadataValue>>,
     pub filter_state: HashMap<Vec<u8>, Vec<u8>>,
     /// send_response arguments: filter, status, headers, body.
     pub responses: Vec<Reply>,
@@ -56,6 +58,14 @@ pub struct Abi {
     /// does when it resumes a stream.
     pub on_continue: Option<fn(ffi::HttpFilterEnvoyPtr)>,
     pub worker_index: u32,
+}
+
+/// A metadata value as the mock keeps it (a protobuf Value, in short).
+#[derive(Clone, Debug)]
+pub enum MetadataValue {
+    String(Vec<u8>),
+    /// A number, bool, list or struct: Envoy answers false for these.
+    NotAString,
 }
 
 thread_local! {
@@ -382,6 +392,34 @@ pub unsafe extern "C" fn envoy_dynamic_module_callback_http_filter_get_attribute
             true
         }
         None => false,
+    }
+}
+
+/// As Envoy: false for an absent namespace or key and for a value that is not a string;
+/// `result` written only on success.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_callback_http_get_metadata_string(
+    _filter: ffi::HttpFilterEnvoyPtr,
+    metadata_source: u32,
+    ns: ModuleBuffer,
+    key: ModuleBuffer,
+    result: *mut EnvoyBuffer,
+) -> bool {
+    if refused("get_metadata_string") {
+        return false;
+    }
+    let (ns, key) = (text(ns), text(key));
+    let found = with(|abi| {
+        abi.metadata
+            .get(&(metadata_source, ns))
+            .and_then(|fields| fields.get(&key).cloned())
+    });
+    match found {
+        Some(MetadataValue::String(v)) => {
+            *result = lend(&v);
+            true
+        }
+        Some(MetadataValue::NotAString) | None => false,
     }
 }
 

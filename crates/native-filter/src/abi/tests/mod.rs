@@ -245,6 +245,58 @@ fn attributes_are_some_when_envoy_has_them() {
 }
 
 #[test]
+fn route_metadata_string_is_some_only_for_a_present_string() {
+    use mock_abi::MetadataValue;
+    reset();
+    with(|abi| {
+        let fields = abi
+            .metadata
+            .entry((ffi::METADATA_SOURCE_ROUTE, "idempotency".to_owned()))
+            .or_default();
+        fields.insert(
+            "rule".to_owned(),
+            MetadataValue::String(b"payments".to_vec()),
+        );
+        fields.insert("ttl".to_owned(), MetadataValue::NotAString);
+        fields.insert("empty".to_owned(), MetadataValue::String(Vec::new()));
+    });
+    let f = filter(1);
+    // Present.
+    assert_eq!(
+        f.metadata_string(MetadataSource::Route, "idempotency", "rule"),
+        Some(b"payments".to_vec())
+    );
+    assert_eq!(
+        f.metadata_string(MetadataSource::Route, "idempotency", "empty"),
+        Some(Vec::new())
+    );
+    // Absent namespace, absent key, not a string.
+    assert_eq!(
+        f.metadata_string(MetadataSource::Route, "other", "rule"),
+        None
+    );
+    assert_eq!(
+        f.metadata_string(MetadataSource::Route, "idempotency", "nope"),
+        None
+    );
+    assert_eq!(
+        f.metadata_string(MetadataSource::Route, "idempotency", "ttl"),
+        None
+    );
+    // Another source's metadata is not the route's.
+    assert_eq!(
+        f.metadata_string(MetadataSource::Dynamic, "idempotency", "rule"),
+        None
+    );
+    // Envoy answering false (no route) is None.
+    with(|abi| abi.refuse.insert("get_metadata_string"));
+    assert_eq!(
+        f.metadata_string(MetadataSource::Route, "idempotency", "rule"),
+        None
+    );
+}
+
+#[test]
 fn filter_state_is_set_or_refused() {
     reset();
     let f = filter(1);
