@@ -916,9 +916,21 @@ class EnvoyStartError(RuntimeError):
 # stay the Wasm ones the tests write, and `to_native` turns each into the native filter's.
 FILTER_BUILD = os.environ.get("IDEMPOTENCY_BUILD", "wasm")
 NATIVE_MODULE_NAME = "idempotency_native"
-# Envoy prefixes a dynamic module's metrics so; the Wasm build's are `wasmcustom.`.
+# Envoy names a dynamic module's metrics `dynamicmodulescustom.<name>` (and Prometheus
+# `envoy_dynamicmodulescustom_<name>`), the Wasm build's `wasmcustom.<name>` (Prometheus
+# `<name>`: Envoy strips its own Wasm namespace). The tests name the Wasm build's; `stats`
+# reads the native build's under those names.
 NATIVE_METRICS_PREFIX = "dynamicmodulescustom."
 WASM_METRICS_PREFIX = "wasmcustom."
+# The Prometheus prefix of the filter's metrics on this build.
+PROMETHEUS_PREFIX = {"wasm": "", "native": "envoy_dynamicmodulescustom_"}[FILTER_BUILD]
+
+
+# What Envoy logs when the filter refuses its configuration at load, on each build.
+CONFIG_REFUSED_LOG = {
+    "wasm": "Unable to create Wasm plugin idempotency",
+    "native": 'filter config "idempotency" refused',
+}[FILTER_BUILD]
 
 
 def native_module_dir() -> Path:
@@ -937,8 +949,6 @@ def native_unsupported(plugin: Any) -> str | None:
         return None
     if plugin.get("grpc_replay_echo"):
         return "the gRPC replay echo"
-    if plugin.get("route_metadata_namespace"):
-        return "route_metadata_namespace"
     if plugin.get("store"):
         return "cluster mode"
     for rule in plugin.get("rules") or []:
@@ -1254,7 +1264,6 @@ class Envoy:
         params = {"format": "json"}
         native = FILTER_BUILD == "native"
         if filter:
-            # The tests name the Wasm build's metrics; the native build's differ in prefix.
             params["filter"] = filter.replace(r"wasmcustom\.", re.escape(NATIVE_METRICS_PREFIX)) if native else filter
         resp = client.get(self.admin_url("/stats"), params=params, timeout=5)
         resp.raise_for_status()

@@ -656,14 +656,15 @@ def test_replay_header_names_and_skipped_headers_are_configurable(tuned_envoy, s
     ],
 )
 def test_an_invalid_plugin_config_stops_envoy_and_names_the_field(procs, upstream, config, logged) -> None:
-    """A static listener whose Wasm filter's on_configure returns false is not created:
-    Envoy logs the module's reason, then `Unable to create Wasm plugin idempotency`, and
-    exits with status 1 before it is ready."""
+    """A static listener whose filter refuses its configuration is not created: Envoy logs
+    the module's reason (the Wasm build's `on_configure` returns false: `Unable to create Wasm
+    plugin idempotency`; the native build's config hook refuses it), and exits with status 1
+    before it is ready."""
     envoy = procs.add(harness.Envoy(harness.default_envoy_config(), procs.tmpdir, **envoy_options(upstream, config)))
     code, log = envoy.start_expecting_failure(timeout=30)
     assert code == 1, log[-2000:]
     assert f"invalid plugin configuration: {logged}" in log
-    assert "Unable to create Wasm plugin idempotency" in log
+    assert harness.CONFIG_REFUSED_LOG in log
     assert "starting main dispatch loop" not in log
     assert not crash_lines(log), crash_lines(log)
 
@@ -722,12 +723,13 @@ def test_outcome_counters_in_stats_and_prometheus(envoy_with) -> None:
     for rule_name, counts in expected.items():
         assert rule_counters(envoy, rule_name) == counts
 
-    # stats_tags in envoy.yaml turn the rule into a label.
+    # stats_tags in envoy.yaml turn the rule into a label (on either build's names).
     text = envoy.admin("/stats/prometheus").text
-    assert "# TYPE idempotency_rule_executed counter" in text
+    prefix = harness.PROMETHEUS_PREFIX
+    assert f"# TYPE {prefix}idempotency_rule_executed counter" in text
     for rule_name, counts in expected.items():
         for outcome, value in counts.items():
-            line = f'idempotency_rule_{outcome}{{idempotency_rule="{rule_name}"}} {value}'
+            line = f'{prefix}idempotency_rule_{outcome}{{idempotency_rule="{rule_name}"}} {value}'
             assert line in text.splitlines(), line
 
 
@@ -745,6 +747,6 @@ def test_zz_no_envoy_log_shows_a_panic_or_trap() -> None:
     found = []
     for proc in envoys:
         found += [f"{proc.log_path}: {line}" for line in crash_lines(proc.log_text())]
-        assert "starting main dispatch loop" in proc.log_text() or "Unable to create Wasm plugin" in proc.log_text()
+        assert "starting main dispatch loop" in proc.log_text() or harness.CONFIG_REFUSED_LOG in proc.log_text()
     assert not found, "\n".join(found)
     print(f"checked {len(envoys)} Envoy logs")

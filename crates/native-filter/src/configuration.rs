@@ -76,12 +76,6 @@ fn not_native_yet(config: &Config) -> Result<(), String> {
              (idempotency_filter.wasm) for this configuration"
         ))
     };
-    if config.route_metadata_namespace.is_some() {
-        return refuse(
-            "route_metadata_namespace".into(),
-            "naming a route's rule in its metadata",
-        );
-    }
     if config.grpc_replay_echo {
         return refuse("grpc_replay_echo".into(), "the gRPC replay echo");
     }

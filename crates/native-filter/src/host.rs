@@ -8,7 +8,7 @@ use std::cell::Cell;
 
 use idempotency_core::host::{Callout, HeaderPairs, Host, HostError, SetOutcome, SharedData};
 
-use crate::abi::{AttributeId, Filter, HeaderMap};
+use crate::abi::{AttributeId, Filter, HeaderMap, MetadataSource};
 use crate::metrics::Metrics;
 use crate::queues;
 use crate::shared_data::SharedMap;
@@ -148,6 +148,9 @@ impl Host for NativeHost<'_> {
             ["xds", "route_name"] => string(AttributeId::XdsRouteName),
             ["xds", "virtual_host_name"] => string(AttributeId::XdsVirtualHostName),
             ["xds", "cluster_name"] => string(AttributeId::XdsClusterName),
+            ["xds", "route_metadata", "filter_metadata", namespace, key] => {
+                Ok(filter.metadata_string(MetadataSource::Route, namespace, key))
+            }
             ["response", "code_details"] => string(AttributeId::ResponseCodeDetails),
             ["response", "flags"] => int(AttributeId::ResponseFlags),
             ["upstream", "request_attempt_count"] => int(AttributeId::UpstreamRequestAttemptCount),

@@ -59,8 +59,8 @@ impl Metrics {
             .handle
             .define_counter(name)
             .map_err(|e| e.to_string())?;
-        let id = u32::try_from(defined.counters.len()).map_err(|e| e.to_string())?;
         defined.counters.push(counter);
+        let id = metric_id(defined.counters.len())?;
         defined.counter_ids.insert(name.to_string(), id);
         Ok(id)
     }
@@ -76,8 +76,8 @@ impl Metrics {
             return Ok(*id);
         }
         let gauge = self.handle.define_gauge(name).map_err(|e| e.to_string())?;
-        let id = u32::try_from(defined.gauges.len()).map_err(|e| e.to_string())?;
         defined.gauges.push(gauge);
+        let id = metric_id(defined.gauges.len())?;
         defined.gauge_ids.insert(name.to_string(), id);
         Ok(id)
     }
@@ -85,8 +85,8 @@ impl Metrics {
     /// A lost increment is not worth failing a request over (as in core's `Host`).
     pub fn increment(&self, id: u32) {
         let counter = match self.frozen.get() {
-            Some(frozen) => frozen.counters.get(id as usize).copied(),
-            None => self.defining().counters.get(id as usize).copied(),
+            Some(frozen) => slot(&frozen.counters, id),
+            None => slot(&self.defining().counters, id),
         };
         if let Some(counter) = counter {
             if let Err(e) = self.handle.increment_counter(counter, 1) {
@@ -97,8 +97,8 @@ impl Metrics {
 
     pub fn set_gauge(&self, id: u32, value: u64) {
         let gauge = match self.frozen.get() {
-            Some(frozen) => frozen.gauges.get(id as usize).copied(),
-            None => self.defining().gauges.get(id as usize).copied(),
+            Some(frozen) => slot(&frozen.gauges, id),
+            None => slot(&self.defining().gauges, id),
         };
         if let Some(gauge) = gauge {
             if let Err(e) = self.handle.set_gauge(gauge, value) {
@@ -106,4 +106,13 @@ impl Metrics {
             }
         }
     }
+}
+
+/// Ids start at 1, as proxy-wasm's do: core reads 0 as "not defined" and counts nothing.
+fn metric_id(count: usize) -> Result<u32, String> {
+    u32::try_from(count).map_err(|e| e.to_string())
+}
+
+fn slot<T: Copy>(defined: &[T], id: u32) -> Option<T> {
+    defined.get((id as usize).checked_sub(1)?).copied()
 }
