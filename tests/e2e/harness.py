@@ -938,6 +938,14 @@ def native_module_dir() -> Path:
     return Path(os.environ.get("IDEMPOTENCY_NATIVE_DIR") or REPO_ROOT / "target" / "native").resolve()
 
 
+def envoy_environment() -> dict[str, str]:
+    """Envoy's environment: on the native build, where it finds the module."""
+    env = dict(os.environ)
+    if FILTER_BUILD == "native":
+        env["ENVOY_DYNAMIC_MODULES_SEARCH_PATH"] = str(native_module_dir())
+    return env
+
+
 class NotOnThisBuild(Exception):
     """The configuration asks for what the native build does not have yet."""
 
@@ -963,6 +971,19 @@ def native_unsupported(plugin: Any) -> str | None:
         if rule.get("grpc") is not None:
             return "gRPC rules"
     return None
+
+
+def for_this_build(config: dict) -> dict:
+    """On the native build, `to_native`, skipping the test when its configuration is one the
+    native build refuses; on the Wasm build, the configuration as it is."""
+    if FILTER_BUILD == "native":
+        try:
+            to_native(config)
+        except NotOnThisBuild as what:
+            import pytest  # only tests build Envoys; the bench never sets the native build
+
+            pytest.skip(f"not in the native build yet: {what}")
+    return config
 
 
 def to_native(config: dict) -> int:
@@ -1151,13 +1172,7 @@ class Envoy:
             result = mutate(config)
             if result is not None:
                 config = result
-        if FILTER_BUILD == "native":
-            try:
-                to_native(config)
-            except NotOnThisBuild as what:
-                import pytest  # only tests build Envoys; the bench never sets the native build
-
-                pytest.skip(f"not in the native build yet: {what}")
+        for_this_build(config)
         return config
 
     def write_config(self) -> Path:
@@ -1193,10 +1208,7 @@ class Envoy:
         self.write_config()
         if self.process is not None and self.process.alive():
             raise RuntimeError(f"{self.name} is already running")
-        env = None
-        if FILTER_BUILD == "native":
-            env = dict(os.environ, ENVOY_DYNAMIC_MODULES_SEARCH_PATH=str(native_module_dir()))
-        self.process = ManagedProcess(self.argv(), name=self.name, log_dir=self.tmpdir, env=env)
+        self.process = ManagedProcess(self.argv(), name=self.name, log_dir=self.tmpdir, env=envoy_environment())
         return self.process.start()
 
     def start(self, timeout: float = 30.0) -> "Envoy":
@@ -1297,6 +1309,7 @@ class Envoy:
                 stderr=subprocess.STDOUT,
                 timeout=timeout,
                 preexec_fn=_preexec(),
+                env=envoy_environment(),
             )
         except subprocess.TimeoutExpired as err:  # run() has killed the child
             out = err.output.decode(errors="replace") if err.output else ""

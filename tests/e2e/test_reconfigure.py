@@ -74,7 +74,8 @@ class PushableEnvoy:
                                  **envoy_kwargs)
 
     def _write_listener(self) -> None:
-        listener = dict(self.listener, **{"@type": LISTENER_TYPE})
+        listener = dict(copy.deepcopy(self.listener), **{"@type": LISTENER_TYPE})
+        harness.for_this_build({"static_resources": {"listeners": [listener]}})
         staged = self.lds_dir / f".listeners.{self.version}.yaml"
         staged.write_text(yaml.safe_dump({"resources": [listener]}, sort_keys=False))
         os.replace(staged, self.lds_path)  # Envoy reloads on the move into the directory

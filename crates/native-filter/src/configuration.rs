@@ -40,6 +40,14 @@ impl Configuration {
     /// Err names what is wrong; Envoy then refuses the filter.
     pub fn load(bytes: &[u8], handle: ConfigHandle) -> Result<Configuration, String> {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        // Which build is running, once per process, so a log shows what a rollout loaded.
+        static LOADED: std::sync::Once = std::sync::Once::new();
+        LOADED.call_once(|| {
+            log::info!(
+                "idempotency-filter {} loaded (native build)",
+                env!("CARGO_PKG_VERSION")
+            );
+        });
         let config = Config::parse(bytes).map_err(|e| e.to_string())?;
         not_native_yet(&config)?;
         let shared = Arc::new(Shared {

@@ -1,14 +1,15 @@
 //! Each request's filter: Envoy's hooks become events of core's journey, its verdicts
-//! Envoy's statuses. A request the journey holds after the request has fully arrived (a
-//! duplicate waiting in wait mode) asks the ticker for its root's tick, which then runs on
-//! this worker inside this request's scheduled event.
+//! Envoy's statuses. While its journey is in a state only the root's tick moves on (a
+//! duplicate held in wait mode, a write running upstream whose lease the root renews), the
+//! request asks the ticker for its root's tick, which then runs on this worker inside this
+//! request's scheduled event.
 
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::journey::{Event, RequestJourney, Verdict};
+use idempotency_core::journey::{Event, Journey, RequestJourney, Verdict};
 use idempotency_core::problem::Problem;
 
 use crate::abi::{BodyStatus, Filter, HeadersStatus, HttpFilter, Scheduler, TrailersStatus};
@@ -63,24 +64,44 @@ impl NativeFilter {
         let host = self.root.host();
         // Envoy runs one hook of a request at a time, and the root never holds a journey
         // across hooks, so the journey is free here.
-        match self.journey.try_borrow_mut() {
+        let verdict = match self.journey.try_borrow_mut() {
             Ok(mut journey) => journey.on(&host, event),
             Err(_) => {
                 log::error!("request journey busy; the event is let through");
-                Verdict::Continue
+                return Verdict::Continue;
             }
+        };
+        self.follow(filter);
+        verdict
+    }
+
+    /// Ticks while the journey needs the root's: a held duplicate's wait ends on a tick,
+    /// and a running write's lease is renewed on one (without it another worker could take
+    /// the key over while the write still runs).
+    fn follow(&mut self, filter: &Filter) {
+        let needs_ticks = match self.journey.try_borrow() {
+            Ok(journey) => matches!(
+                journey.state(),
+                Journey::Waiting(_) | Journey::Executing(_) | Journey::AwaitingStore(_)
+            ),
+            Err(_) => return,
+        };
+        if needs_ticks {
+            self.tick(filter);
+        } else {
+            self.stop_ticking();
         }
     }
 
-    /// The request is held with nothing more to arrive from the client: only the root can
-    /// let it go, so its tick must come even if no other request reaches this worker.
-    fn hold(&mut self, filter: &Filter) {
+    /// Only the root moves this request on now, so its tick must come even if no other
+    /// request reaches this worker.
+    fn tick(&mut self, filter: &Filter) {
         if self.ticking.is_some() {
             return;
         }
         let period = self.root.tick_period_ms().max(1);
         let Some(scheduler) = filter.new_scheduler() else {
-            log::error!("no scheduler for a held request; it waits for the next request");
+            log::error!("no scheduler for a request that needs ticks; it waits for the next request");
             return;
         };
         let ticket = Ticker::process().every(
@@ -94,13 +115,6 @@ impl NativeFilter {
         if let Some(ticket) = self.ticking.take() {
             Ticker::process().cancel(ticket);
         }
-    }
-
-    fn held_after(&mut self, filter: &Filter, verdict: Verdict, complete: bool) -> Verdict {
-        if complete && verdict == Verdict::Pause {
-            self.hold(filter);
-        }
-        verdict
     }
 }
 
@@ -128,7 +142,7 @@ fn trailers_status(verdict: Verdict) -> TrailersStatus {
 impl HttpFilter for NativeFilter {
     fn on_request_headers(&mut self, filter: &Filter, end_of_stream: bool) -> HeadersStatus {
         let verdict = self.feed(filter, Event::RequestHeaders { end_of_stream });
-        headers_status(self.held_after(filter, verdict, end_of_stream))
+        headers_status(verdict)
     }
 
     fn on_request_body(&mut self, filter: &Filter, end_of_stream: bool) -> BodyStatus {
@@ -140,17 +154,15 @@ impl HttpFilter for NativeFilter {
                 end_of_stream,
             },
         );
-        body_status(self.held_after(filter, verdict, end_of_stream))
+        body_status(verdict)
     }
 
     fn on_request_trailers(&mut self, filter: &Filter) -> TrailersStatus {
         let verdict = self.feed(filter, Event::RequestTrailers);
-        trailers_status(self.held_after(filter, verdict, true))
+        trailers_status(verdict)
     }
 
     fn on_response_headers(&mut self, filter: &Filter, end_of_stream: bool) -> HeadersStatus {
-        // Whatever held the request is over: a response is on its way.
-        self.stop_ticking();
         self.responding = true;
         headers_status(self.feed(filter, Event::ResponseHeaders { end_of_stream }))
     }
@@ -171,13 +183,14 @@ impl HttpFilter for NativeFilter {
     }
 
     fn on_stream_complete(&mut self, filter: &Filter) {
-        self.stop_ticking();
         self.feed(filter, Event::StreamEnd);
+        self.stop_ticking();
     }
 
     fn on_scheduled(&mut self, filter: &Filter, _event_id: u64) {
         self.root.tick_if_due();
-        worker::act_on(filter.handle());
+        // The tick may have moved this request on (its wait ended).
+        self.follow(filter);
     }
 
     fn on_destroy(&mut self) {
