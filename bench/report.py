@@ -317,7 +317,7 @@ def unprotected_targets(by: dict[str, SetupResult]) -> list[tuple[str, bool | No
             targets.append((f"({key}) unprotected `{method} {path}` ≥ {target:g}× ({base}), "
                             + ("Envoy without the filter" if not y.setup.wasm else "the no-op Wasm filter"),
                             x.wrk.rps >= target * y.wrk.rps,
-                            f"{x.wrk.rps / y.wrk.rps:.2f}× ({x.wrk.rps:,.0f} vs {y.wrk.rps:,.0f} req/s; "
+                            f"{x.wrk.rps / y.wrk.rps:.3f}× ({x.wrk.rps:,.0f} vs {y.wrk.rps:,.0f} req/s; "
                             f"{x.cpu_us_per_request:.1f} vs {y.cpu_us_per_request:.1f} µs/req)"))
     return targets
 
@@ -332,8 +332,8 @@ def add_unprotected_section(add, by: dict[str, SetupResult], durations: "Duratio
     add("In a mesh the filter sits in front of every request of a workload, and most are reads or "
         "writes no rule names. Each setup below sends one such request, again and again, to a "
         "`direct_response` route (Envoy answers 201 itself: the filter's cost and Envoy's, nothing "
-        f"behind them), one Envoy worker, with {len(BROWSER_HEADERS) + 1} browser-like headers "
-        "(`Host` and those of `BROWSER_HEADERS` in bench/setups.py) and no body "
+        f"behind them), one Envoy worker, with `Host` and {len(BROWSER_HEADERS)} browser-like headers "
+        "(`BROWSER_HEADERS` in bench/setups.py) and no body "
         f"(`bench/wrk/unprotected.lua`). Each setup ran {rounds} "
         f"round{'s' if rounds > 1 else ''} of {durations.warmup:.0f} s warm-up and {durations.setup:.0f} s "
         "measured, the order reversed every other round so that a drift of the machine's speed "
@@ -388,7 +388,7 @@ def add_unprotected_section(add, by: dict[str, SetupResult], durations: "Duratio
         add("")
     add("(w) against (p) is what the filter costs a route Envoy keeps it off: the per-route lookup "
         "of its `FilterConfig` and nothing in the module. Choose it for routes that never carry a "
-        "protected write (docs/configuration.md, \"Enabling the filter per route\").")
+        "protected write ([Enabling the filter per route](configuration.md#enabling-the-filter-per-route)).")
     add("")
 
 
@@ -928,7 +928,8 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     add("Load, per setup (`bench/wrk/post.lua`: `POST /orders`, `content-type: application/json`, "
         f"body `{BODY}`, `Idempotency-Key` `<nonce>-<thread>-<n>`, or one fixed key for (d); "
         "`bench/wrk/post_rate.lua` sends the same at a fixed rate, its last argument the requests/s "
-        "of each thread):")
+        "of each thread; `bench/wrk/unprotected.lua` sends (p) to (w)'s one request, its headers as "
+        "arguments):")
     add("")
     add("```sh")
     seen = set()

@@ -50,7 +50,7 @@ STAT_PREFIX = f"wasmcustom.idempotency.rule.{RULE}."
 
 # The unprotected requests of the issue's measurement (issue 46), also those of
 # bench/instructions.py: a browser's read and a bodiless write on a route no rule covers, each
-# with these headers (and Host: 12 in all).
+# with these headers and Host.
 BROWSER_HEADERS = {
     "user-agent": "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 Chrome/120 Safari/537.36",
     "accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8",
