@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Callable
 
 from setups import (  # first: it puts tests/e2e on sys.path
@@ -529,18 +530,15 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
 
 def merge_rounds(rounds: list[SetupResult]) -> SetupResult:
     """One setup measured in several rounds, as one result: requests and counters added up,
-    throughput, latencies and CPU per request the rounds' mean."""
+    throughput, latencies and CPU per request the rounds' median (a round another process
+    stalled moves it least)."""
     first = rounds[0]
     n = len(rounds)
-
-    def mean(values: list[float]) -> float:
-        return sum(values) / len(values)
-
     ws = [r.wrk for r in rounds]
     w = WrkResult(requests=sum(x.requests for x in ws), seconds=sum(x.seconds for x in ws),
-                  rps=mean([x.rps for x in ws]), p50_ms=mean([x.p50_ms for x in ws]),
-                  p75_ms=mean([x.p75_ms for x in ws]), p90_ms=mean([x.p90_ms for x in ws]),
-                  p99_ms=mean([x.p99_ms for x in ws]), non2xx=sum(x.non2xx for x in ws),
+                  rps=median(x.rps for x in ws), p50_ms=median(x.p50_ms for x in ws),
+                  p75_ms=median(x.p75_ms for x in ws), p90_ms=median(x.p90_ms for x in ws),
+                  p99_ms=median(x.p99_ms for x in ws), non2xx=sum(x.non2xx for x in ws),
                   socket_errors=sum(x.socket_errors for x in ws), output="\n".join(x.output for x in ws))
     stats: dict[str, int] = {}
     for r in rounds:
@@ -549,7 +547,7 @@ def merge_rounds(rounds: list[SetupResult]) -> SetupResult:
     checks = first.checks if n == 1 else [f"{n} rounds; round 1: " + "; ".join(first.checks)] + [
         f"round {i}: " + "; ".join(r.checks) for i, r in enumerate(rounds[1:], start=2) if r.checks != first.checks]
     return SetupResult(first.setup, w, max(r.rss_kib for r in rounds), first.rss_start_kib,
-                       mean([r.cpu_us_per_request for r in rounds]), stats, checks, first.command,
+                       median(r.cpu_us_per_request for r in rounds), stats, checks, first.command,
                        round_rps=[x.rps for x in ws], round_cpu_us=[r.cpu_us_per_request for r in rounds])
 
 

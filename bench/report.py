@@ -337,7 +337,7 @@ def add_unprotected_section(add, by: dict[str, SetupResult], durations: "Duratio
         f"(`bench/wrk/unprotected.lua`). Each setup ran {rounds} "
         f"round{'s' if rounds > 1 else ''} of {durations.warmup:.0f} s warm-up and {durations.setup:.0f} s "
         "measured, the order reversed every other round so that a drift of the machine's speed "
-        "weighs on each alike; figures are the rounds' means. Without a body, the no-op filter (which "
+        "weighs on each alike; figures are the rounds' medians. Without a body, the no-op filter (which "
         "does not wait for one) and this filter (which lets such a request on at its headers) see the "
         "same request: with a body on a `direct_response` route, a filter that lets the request on at "
         "its headers gets the answer before the body has arrived, and Envoy closes the connection.")

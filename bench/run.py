@@ -31,7 +31,7 @@ envoy/envoy.yaml and driven by the same wrk command:
 
 and requests no rule covers, on the `direct_response` route, without a body, with 12
 browser-like headers (bench/wrk/unprotected.lua), measured in --unprotected-rounds rounds
-(2), the order reversed every other round, each setup's rounds averaged:
+(3), the order reversed every other round, each setup's figures the rounds' median:
 
   p   `GET /catalog/items/42`, Envoy without the filter
   q   the same GET, the no-op Wasm filter
@@ -130,7 +130,7 @@ def main() -> int:
     p.add_argument("--only", default="",
                    help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q,r,s,t,u,v,w,instructions,memory,"
                         "store,cluster,peer,grpc,sweep (development; writes no page)")
-    p.add_argument("--unprotected-rounds", type=int, default=2,
+    p.add_argument("--unprotected-rounds", type=int, default=3,
                    help="rounds of the unprotected setups (p to w), in alternating order")
     p.add_argument("--peer-rounds", type=int, default=2,
                    help="rounds of the peer comparison (bench/peer.py; skipped without the peer's binary)")
@@ -280,7 +280,7 @@ def run_unprotected(chosen: list, tmp: Path, upstream: harness.Upstream, duratio
                     redis: harness.Redis, rounds: int) -> list[SetupResult]:
     """The unprotected setups, whose ratios to each other are a few percent: in rounds, the
     order reversed every other round (so a drift of the machine's speed weighs on each alike),
-    each setup's rounds kept as their mean."""
+    each setup's rounds kept as their median."""
     measured: dict[str, list[SetupResult]] = {s.key: [] for s in chosen}
     for n in range(1, max(1, rounds) + 1):
         for s in chosen if n % 2 else reversed(chosen):
