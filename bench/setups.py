@@ -214,11 +214,13 @@ def filter_on_write_routes_only(config: dict) -> None:
 
 
 def per_route_direct_response(config: dict) -> None:
+    """filter_on_write_routes_only on the `direct_response` routes the other unprotected setups use."""
     filter_on_write_routes_only(config)
     direct_response(config)
 
 
 def with_witness(cfg: dict) -> dict:
+    """``cfg`` with WITNESS_RULE after its rules."""
     cfg = copy.deepcopy(cfg)
     cfg["rules"].append({"name": WITNESS_RULE,
                          "match": {"methods": ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]},
