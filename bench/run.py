@@ -29,8 +29,8 @@ envoy/envoy.yaml and driven by the same wrk command:
       context instead of through Envoy's router
   j   e with `execution: "detached"`
 
-and requests no rule covers, on the `direct_response` route, without a body, with 12
-browser-like headers (bench/wrk/unprotected.lua), measured in --unprotected-rounds rounds
+and requests no rule covers, on the `direct_response` route, without a body, with Host and
+10 browser-like headers (bench/wrk/unprotected.lua), measured in --unprotected-rounds rounds
 (3), the order reversed every other round, each setup's figures the rounds' median:
 
   p   `GET /catalog/items/42`, Envoy without the filter
