@@ -35,22 +35,11 @@ import client  # noqa: E402
 import harness  # noqa: E402
 from helpers import envoy_options  # noqa: E402
 
-BROWSER_HEADERS = {
-    "user-agent": "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 Chrome/120 Safari/537.36",
-    "accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8",
-    "accept-language": "en-US,en;q=0.9",
-    "accept-encoding": "gzip, deflate, br",
-    "cookie": "session=abc123def456; theme=dark; consent=yes",
-    "referer": "https://shop.example/catalog",
-    "x-request-id": "4f1c2b7e-9a8d-4c3b-b2a1-0e9f8d7c6b5a",
-    "x-forwarded-proto": "https",
-    "cache-control": "no-cache",
-    "sec-fetch-mode": "navigate",
-}
+BROWSER_HEADERS = setups.BROWSER_HEADERS  # the same requests `make bench` sends as (p) to (w)
 # name: (method, path, extra headers, body)
 REQUESTS = {
-    "GET": ("GET", "/catalog/items/42", {}, None),
-    "POST": ("POST", "/search", {}, None),
+    "GET": (*setups.UNPROTECTED_GET, {}, None),
+    "POST": (*setups.UNPROTECTED_POST, {}, None),
     "replay": ("POST", "/orders", {"idempotency-key": "bench-replay-1", "content-type": "application/json"},
                setups.BODY.encode()),
 }
@@ -59,10 +48,7 @@ REQUESTS = {
 def plugin(without_lookup: bool) -> dict:
     cfg = setups.plugin_config(capacity=65_536, ttl_s=setups.REPLAY_TTL_S, lease_s=setups.SETUP_LEASE_S,
                                store=False)
-    if without_lookup:
-        for rule in cfg["rules"]:
-            rule.pop("lookup", None)
-    return cfg
+    return setups.without_lookup_routes(cfg) if without_lookup else cfg
 
 
 def instructions_per_request(tmp: Path, wasm: Path, config: dict, request: str, n: int, warmup: int) -> int:

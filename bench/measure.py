@@ -15,10 +15,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Callable
 
 from setups import (  # first: it puts tests/e2e on sys.path
     BODY,
+    BROWSER_HEADERS,
     FILTER_WASM,
     MEMORY_LEASE_S,
     MEMORY_TTL_S,
@@ -27,6 +29,7 @@ from setups import (  # first: it puts tests/e2e on sys.path
     STAT_PREFIX,
     STORE_CLUSTER,
     STORE_TOKEN,
+    WITNESS_RULE,
     WRK_DIR,
     Setup,
     harness,
@@ -268,6 +271,9 @@ class SetupResult:
     split: cpu_profile.CpuSplit | None = None
     # Cluster mode: the store's CPU per request during the measured run, and its Redis's.
     coordination_cpu_us: float | None = None
+    # Measured in rounds (merge_rounds): each round's req/s and Envoy CPU µs per request.
+    round_rps: list[float] = field(default_factory=list)
+    round_cpu_us: list[float] = field(default_factory=list)
 
 
 # Envoy's startup advice about the overload manager: not about what is measured.
@@ -288,6 +294,52 @@ def outcome(stats: dict[str, int], name: str) -> int:
     return stats.get(STAT_PREFIX + name, 0)
 
 
+def unprotected_args(method: str, path: str) -> list[str]:
+    """bench/wrk/unprotected.lua's arguments: the request line, then each header."""
+    return [method, path, *(f"{name}: {value}" for name, value in BROWSER_HEADERS.items())]
+
+
+def check_unprotected(s: Setup, stats: dict[str, int]) -> list[str]:
+    """Requests no rule covers: none reached an upstream (the route answers itself) and the
+    filter counted none under any rule. It has no count for a request no rule takes (its
+    counters are per rule), so a count here means it took one; with the witness rule of the
+    per-route setup, which every request the module sees meets, no count means the module
+    never saw one."""
+    upstream = stats.get("cluster.demo_upstream.upstream_rq_total", 0)
+    notes = [f"upstream requests {upstream}"]
+    if upstream > 0:
+        raise BenchFailure(f"setup ({s.key}): {upstream} upstream requests behind a direct_response route")
+    if not s.is_filter:
+        return notes
+    counted = {name.removeprefix("wasmcustom.idempotency.rule."): value for name, value in stats.items()
+               if name.startswith("wasmcustom.idempotency.rule.") and value}
+    if counted:
+        raise BenchFailure(f"setup ({s.key}): the filter counted {counted} for requests no rule should take "
+                           + ("(the module saw requests on a route that does not enable it)"
+                              if s.filter_disabled_on_route else "(not the unprotected path)"))
+    if s.filter_disabled_on_route:
+        notes.append(f"no rule counted any, not even `{WITNESS_RULE}` (any method, any path, key optional), "
+                     "which every request the module sees meets: the module never saw them")
+    else:
+        notes.append("no rule counted any: none was claimed, each passed through untouched")
+    return notes
+
+
+def probe_protected_write(s: Setup, envoy: harness.Envoy) -> str:
+    """After the measured run, one protected write on the same Envoy: the filter must record it,
+    so the module was loaded and in the chain, and the run's silence in its counters is its
+    own verdict, not an absent filter's."""
+    before = outcome(filter_stats(envoy), "executed")
+    key = f"probe-{s.key}-{int(time.time() * 1000)}"
+    answer = client.post(envoy.url("/orders"), body=BODY, timeout=5,
+                         headers={"Idempotency-Key": key, "Content-Type": "application/json"})
+    executed = outcome(filter_stats(envoy), "executed") - before
+    if not 200 <= answer.status_code < 300 or executed != 1:
+        raise BenchFailure(f"setup ({s.key}): a protected write after the run got {answer.status_code} and "
+                           f"{executed} executions: the filter was not live on this Envoy")
+    return "a protected `POST /orders` sent after the run was executed: the filter was live on its write route"
+
+
 def check_setup(s: Setup, w: WrkResult, stats: dict[str, int], coordination: dict[str, int]) -> list[str]:
     """What the counters say happened; raises BenchFailure when the run measured the wrong thing.
     ``coordination``: what the store counted during the run (`claim`, `complete`), or the
@@ -301,6 +353,8 @@ def check_setup(s: Setup, w: WrkResult, stats: dict[str, int], coordination: dic
     codes = {c: stats.get(f"http.ingress.downstream_rq_{c}", 0) for c in ("4xx", "5xx")}
     if any(codes.values()):
         notes.append("Envoy answered " + ", ".join(f"{v} {c}" for c, v in codes.items() if v))
+    if s.unprotected:
+        return notes + check_unprotected(s, stats)
     upstream = stats.get("cluster.demo_upstream.upstream_rq_total", 0)
     streams = stats.get(f"cluster.{STORE_CLUSTER}.upstream_rq_total", 0)
     if s.direct:
@@ -424,18 +478,21 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
         url = envoy.url("/")
         nonce = f"{s.key}{int(time.time() * 1000)}"
         primed: dict[str, str] = {}
-        if s.replay:
+        script = WRK_DIR / "post.lua"
+        if s.unprotected:
+            script = WRK_DIR / "unprotected.lua"
+            args = warmup_args = unprotected_args(*s.unprotected)
+        elif s.replay:
             key = f"replay-{nonce}"
             primed = prime_replay(envoy, key)
-            args = ["fixed", key, BODY]
+            args = warmup_args = ["fixed", key, BODY]
         else:
-            args = ["unique", nonce, BODY]
+            args, warmup_args = ["unique", nonce, BODY], ["unique", "w" + nonce, BODY]
         if durations.warmup > 0:
-            run_wrk(wrk_argv(url, durations.warmup, WRK_DIR / "post.lua",
-                             args if s.replay else ["unique", "w" + nonce, BODY]), durations.warmup)
+            run_wrk(wrk_argv(url, durations.warmup, script, warmup_args), durations.warmup)
         envoy.admin("/reset_counters", "POST").raise_for_status()
         before = coordination_counts(s, store, echo)
-        argv = wrk_argv(url, durations.setup, WRK_DIR / "post.lua", args)
+        argv = wrk_argv(url, durations.setup, script, args)
         # What cluster mode costs beside Envoy: the store and, on Redis, Redis (shared by the
         # run's setups, but only the one running loads it).
         others = [store.process.pid] if store else []
@@ -448,6 +505,8 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
         rss = rss_kib(pid)
         stats = filter_stats(envoy)
         checks = check_setup(s, w, stats, since(before, coordination_counts(s, store, echo)))
+        if s.unprotected and s.is_filter:
+            checks.append(probe_protected_write(s, envoy))
         if primed.get("__409s__", "0") != "0":
             checks.append(f"while priming, {primed['__409s__']} immediate retries got 409 before the replay")
         warnings = [ln for ln in envoy.log_text().splitlines()
@@ -467,6 +526,29 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
             rate = run_rate(s, envoy, durations, lambda: coordination_counts(s, store, echo))
     return SetupResult(s, w, rss, rss_start, 1e6 * cpu / max(1, w.requests), stats, checks, command, rate, split,
                        None if coordination is None else 1e6 * coordination / max(1, w.requests))
+
+
+def merge_rounds(rounds: list[SetupResult]) -> SetupResult:
+    """One setup measured in several rounds, as one result: requests and counters added up,
+    throughput, latencies and CPU per request the rounds' median (a round another process
+    stalled moves it least)."""
+    first = rounds[0]
+    n = len(rounds)
+    ws = [r.wrk for r in rounds]
+    w = WrkResult(requests=sum(x.requests for x in ws), seconds=sum(x.seconds for x in ws),
+                  rps=median(x.rps for x in ws), p50_ms=median(x.p50_ms for x in ws),
+                  p75_ms=median(x.p75_ms for x in ws), p90_ms=median(x.p90_ms for x in ws),
+                  p99_ms=median(x.p99_ms for x in ws), non2xx=sum(x.non2xx for x in ws),
+                  socket_errors=sum(x.socket_errors for x in ws), output="\n".join(x.output for x in ws))
+    stats: dict[str, int] = {}
+    for r in rounds:
+        for name, value in r.stats.items():
+            stats[name] = stats.get(name, 0) + value
+    checks = first.checks if n == 1 else [f"{n} rounds; round 1: " + "; ".join(first.checks)] + [
+        f"round {i}: " + "; ".join(r.checks) for i, r in enumerate(rounds[1:], start=2) if r.checks != first.checks]
+    return SetupResult(first.setup, w, max(r.rss_kib for r in rounds), first.rss_start_kib,
+                       median(r.cpu_us_per_request for r in rounds), stats, checks, first.command,
+                       round_rps=[x.rps for x in ws], round_cpu_us=[r.cpu_us_per_request for r in rounds])
 
 
 # The setups whose CPU is split by `perf` into the module, its host calls and Envoy's own work:

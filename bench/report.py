@@ -30,6 +30,9 @@ import sweep
 import peer
 from setups import (
     BODY,
+    BROWSER_HEADERS,
+    UNPROTECTED_GET,
+    UNPROTECTED_POST,
     MEMORY_LEASE_S,
     MEMORY_TTL_S,
     REPLAY_TTL_S,
@@ -91,6 +94,9 @@ def verdict(ok: bool | None) -> str:
 
 def write_chart(results: list[SetupResult], path: Path) -> None:
     import matplotlib
+
+    # The chart is of protected writes; the unprotected requests have their own table.
+    results = [r for r in results if not r.setup.unprotected]
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -286,6 +292,106 @@ def add_rate_section(add, rated: list[SetupResult], rate_a, durations: "Duration
     add("")
 
 
+# The rows of "What unprotected requests pay": (request, no filter, no-op filter, rows of this
+# filter), each row (setup, what it is held to: the no-op's key or the no filter's, the ratio).
+UNPROTECTED_ROWS = (
+    (UNPROTECTED_GET, "p", "q", (("r", "q", 0.95), ("s", "q", 0.95), ("w", "p", 0.98))),
+    (UNPROTECTED_POST, "t", "u", (("v", "u", 0.95),)),
+)
+UNPROTECTED_KEYS = tuple(k for _, bare, noop, rows in UNPROTECTED_ROWS for k in (bare, noop, *(r[0] for r in rows)))
+# The census's columns for the same requests (crates/idempotency-core/src/journey/tests/census.rs).
+UNPROTECTED_CENSUS = {UNPROTECTED_GET: "unprotected GET", UNPROTECTED_POST: "unprotected POST"}
+
+
+def unprotected_targets(by: dict[str, SetupResult]) -> list[tuple[str, bool | None, str]]:
+    """Each filter row's throughput against what it is held to; raises when a row is missing,
+    so that no page goes out without them."""
+    missing = [k for k in UNPROTECTED_KEYS if k not in by]
+    if missing:
+        raise RuntimeError(f"the unprotected rows lack setups {', '.join(missing)}: run them (bench/run.py "
+                           "without --only) before writing the page")
+    targets = []
+    for (method, path), _bare, _noop, rows in UNPROTECTED_ROWS:
+        for key, base, target in rows:
+            x, y = by[key], by[base]
+            targets.append((f"({key}) unprotected `{method} {path}` ≥ {target:g}× ({base}), "
+                            + ("Envoy without the filter" if not y.setup.wasm else "the no-op Wasm filter"),
+                            x.wrk.rps >= target * y.wrk.rps,
+                            f"{x.wrk.rps / y.wrk.rps:.3f}× ({x.wrk.rps:,.0f} vs {y.wrk.rps:,.0f} req/s; "
+                            f"{x.cpu_us_per_request:.1f} vs {y.cpu_us_per_request:.1f} µs/req)"))
+    return targets
+
+
+def add_unprotected_section(add, by: dict[str, SetupResult], durations: "Durations",
+                            calls: dict[str, int] | None) -> None:
+    """The table of requests no rule covers; ``calls``: the census's host calls per path (None:
+    not counted, in a partial run)."""
+    add("## What unprotected requests pay")
+    add("")
+    rounds = max(len(by[k].round_rps) for k in UNPROTECTED_KEYS) or 1
+    add("In a mesh the filter sits in front of every request of a workload, and most are reads or "
+        "writes no rule names. Each setup below sends one such request, again and again, to a "
+        "`direct_response` route (Envoy answers 201 itself: the filter's cost and Envoy's, nothing "
+        f"behind them), one Envoy worker, with `Host` and {len(BROWSER_HEADERS)} browser-like headers "
+        "(`BROWSER_HEADERS` in bench/setups.py) and no body "
+        f"(`bench/wrk/unprotected.lua`). Each setup ran {rounds} "
+        f"round{'s' if rounds > 1 else ''} of {durations.warmup:.0f} s warm-up and {durations.setup:.0f} s "
+        "measured, the order reversed every other round so that a drift of the machine's speed "
+        "weighs on each alike; figures are the rounds' medians. Without a body, the no-op filter (which "
+        "does not wait for one) and this filter (which lets such a request on at its headers) see the "
+        "same request: with a body on a `direct_response` route, a filter that lets the request on at "
+        "its headers gets the answer before the body has arrived, and Envoy closes the connection.")
+    add("")
+    add("This filter runs envoy/envoy.yaml's rules (single-proxy): `payments`, named by route metadata, "
+        "with a lookup route (`GET /payments/idempotency-status`), and `orders` (`POST` under `/orders`); "
+        "neither covers these paths. A lookup route makes a `GET` possibly the filter's business, so "
+        "with envoy.yaml's rules a read is told apart by its method, its path and the route's metadata, "
+        "as a `POST` is; (s) removes the lookup route, and then no rule covers `GET` at all. (w) keeps "
+        "the filter out of the measured route's chain: `disabled: true` in the HCM, turned on with a "
+        "`FilterConfig` for the `/orders` writes and the payments route only, as "
+        "[envoy/envoy-per-route.yaml](../envoy/envoy-per-route.yaml) does; its plugin configuration adds "
+        "a witness rule (any method, any path, key optional) that every request the module sees would "
+        "meet, and it counted none.")
+    add("")
+    add("| request | setup | req/s | × no filter | × no-op | Envoy CPU µs/req | per round: req/s (µs/req) | target | |")
+    add("| --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- |")
+    for (method, path), bare, noop, rows in UNPROTECTED_ROWS:
+        held = {key: (base, target) for key, base, target in rows}
+        for key in (bare, noop, *held):
+            r = by[key]
+            w = r.wrk
+            per_round = ", ".join(f"{x:,.0f} ({c:.1f})" for x, c in zip(r.round_rps, r.round_cpu_us)) or "–"
+            target, met = "–", ""
+            if key in held:
+                base, ratio_needed = held[key]
+                target = f"≥ {ratio_needed:g}× ({base})"
+                met = verdict(w.rps >= ratio_needed * by[base].wrk.rps)
+            what = r.setup.title.split(", ", 1)[1]
+            add(f"| `{method} {path}` | ({key}) {what} | {w.rps:,.0f} | {ratio(w.rps, by[bare].wrk.rps)} "
+                f"| {ratio(w.rps, by[noop].wrk.rps)} | {r.cpu_us_per_request:.1f} | {per_round} | {target} | {met} |")
+    add("")
+    if calls is not None:
+        missing = [c for c in UNPROTECTED_CENSUS.values() if c not in calls]
+        if missing:
+            raise RuntimeError(f"the census table lacks the columns {missing} (journey/tests/census.rs)")
+        get, post = calls[UNPROTECTED_CENSUS[UNPROTECTED_GET]], calls[UNPROTECTED_CENSUS[UNPROTECTED_POST]]
+        add(f"What the filter does for them, counted by the census below: where no rule covers `GET`, "
+            f"a read costs {get} host call{'s' if get != 1 else ''} (its `:method`), and its later "
+            f"callbacks return at once; a `POST` no rule's path matches costs {post} (`:method`, the "
+            "header map, the route's metadata, which could name a rule whatever the path). A `GET` "
+            "under envoy.yaml's rules takes the `POST`'s path, for the lookup route. The no-op filter "
+            "makes no host call: what both pay is Envoy creating the filter's context and calling "
+            "into the module for each callback. So a filter that must learn a request's method has "
+            "one host call over the no-op at the least, and a target missed by a few percent on "
+            "(s) is that floor; `make bench-instructions` counts the same requests in instructions "
+            "under callgrind, where this machine's timings cannot blur them.")
+        add("")
+    add("(w) against (p) is what the filter costs a route Envoy keeps it off: the per-route lookup "
+        "of its `FilterConfig` and nothing in the module. Choose it for routes that never carry a "
+        "protected write ([Enabling the filter per route](configuration.md#enabling-the-filter-per-route)).")
+    add("")
+
+
 def census() -> tuple[str, list[str]]:
     """The census test's table and its budgets (crates/idempotency-core/src/journey/tests/
     census.rs), as it prints them: what crosses the ABI on each path, counted, not timed."""
@@ -339,7 +445,9 @@ def add_census_section(add, table: str, budgets: list[str]) -> None:
         "metadata and the body as one framed message, answered with a 400-byte message and "
         "`grpc-status: 0` trailers; a gRPC replay is the filter's side of the hop to the replay echo "
         "(the echo listener's own module reads the hop and answers it: a request's headers and body, "
-        "and a local reply, more).")
+        "and a local reply, more). The unprotected columns are the requests of \"What unprotected "
+        f"requests pay\" (`{' '.join(UNPROTECTED_GET)}` and `{' '.join(UNPROTECTED_POST)}`, the same headers, no body) "
+        "under the census's one rule, which covers `POST` under `/orders` and no `GET`.")
     add("")
     add(table)
     add("")
@@ -579,6 +687,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                         f"{mem.max_bytes / 2**20:.0f} + {mem.working_overhead_bytes / 2**20:.0f} = "
                         f"{mem.budget_kib / 1024:.1f} MiB"))
 
+    targets.extend(unprotected_targets(by))
     targets.extend(sweep_targets)
     targets.extend(grpc_targets)
     targets.extend(peer_targets)
@@ -617,7 +726,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     add("")
     add("| setup | req/s | ×(a) | ×(b) | p50 ms | ×(a) | ×(b) | p99 ms | ×(a) | ×(b) | non-2xx | Envoy CPU µs/req | Envoy cores busy | RSS MiB start → after |")
     add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in results:
+    for r in (r for r in results if not r.setup.unprotected):  # their own table, below
         w = r.wrk
         add(f"| ({r.setup.key}) {r.setup.title} | {w.rps:,.0f} | {ratio(w.rps, a.rps)} | {ratio(w.rps, b.rps)} "
             f"| {w.p50_ms:.2f} | {ratio(w.p50_ms, a.p50_ms)} | {ratio(w.p50_ms, b.p50_ms)} "
@@ -708,7 +817,8 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
         add(f"- The HTTP transport (h) costs {cpu['h'] - cpu['e']:+.0f} µs of Envoy CPU per request more than "
             "the stream (e) on the same store: each claim and completion is an Envoy async HTTP/2 request "
             "with its own headers, JSON body and answer read back into the module.")
-    calls = census_calls(census()[0])
+    census_table, budgets = census()
+    calls = census_calls(census_table)
     for key, floor, census_path in (("l", "n", "new key"), ("m", "o", "replay")):
         if key in cpu and floor in cpu:
             add(f"- ({key}) spends {cpu[key] - cpu[floor]:+.0f} µs of Envoy CPU per request over the job floor "
@@ -735,12 +845,12 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     rated = [r for r in results if r.rate]
     if rated and rate_a:
         add_rate_section(add, rated, rate_a, durations)
+    add_unprotected_section(add, by, durations, calls)
     L.extend(sweep_lines)
     L.extend(grpc_lines)
     L.extend(peer_lines)
-    census_table, budgets = census()
     add_census_section(add, census_table, budgets)
-    add_cpu_section(add, results, instructions, census_calls(census_table))
+    add_cpu_section(add, results, instructions, calls)
     add("## Memory: a million keys through the default byte budget")
     add("")
     if mem:
@@ -818,7 +928,8 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     add("Load, per setup (`bench/wrk/post.lua`: `POST /orders`, `content-type: application/json`, "
         f"body `{BODY}`, `Idempotency-Key` `<nonce>-<thread>-<n>`, or one fixed key for (d); "
         "`bench/wrk/post_rate.lua` sends the same at a fixed rate, its last argument the requests/s "
-        "of each thread):")
+        "of each thread; `bench/wrk/unprotected.lua` sends (p) to (w)'s one request, its headers as "
+        "arguments):")
     add("")
     add("```sh")
     seen = set()

@@ -29,6 +29,27 @@ envoy/envoy.yaml and driven by the same wrk command:
       context instead of through Envoy's router
   j   e with `execution: "detached"`
 
+and requests no rule covers, on the `direct_response` route, without a body, with Host and
+10 browser-like headers (bench/wrk/unprotected.lua), measured in --unprotected-rounds rounds
+(3), the order reversed every other round, each setup's figures the rounds' median:
+
+  p   `GET /catalog/items/42`, Envoy without the filter
+  q   the same GET, the no-op Wasm filter
+  r   the same GET, this filter with envoy.yaml's rules (its lookup route makes GET a
+      method a rule may cover)
+  s   the same GET, this filter with envoy.yaml's rules less the lookup route (no rule covers
+      GET: the filter reads `:method` alone)
+  t   `POST /search`, no body, Envoy without the filter
+  u   the same POST, the no-op Wasm filter
+  v   the same POST, this filter with envoy.yaml's rules
+  w   the GET of (p) with this filter disabled on its route (`disabled: true` in the HCM, on
+      again for the write routes with a FilterConfig, as envoy/envoy-per-route.yaml does); a
+      witness rule that every request the module sees would meet proves it saw none
+
+The page holds (r), (s) and (v) to 0.95x of the no-op filter's throughput, (w) to 0.98x of
+Envoy without the filter; the filter's rows must count nothing under any rule, and a
+protected write sent after each run must be executed (the filter was live).
+
 a, b, c, e, f and g are then measured again, in the same Envoy, at a fixed moderate rate
 (--rate, 1,000 requests/s: on a 2-core machine shared with the load generator, the upstream
 and the store, about a third of what (c) sustains; bench/wrk/post_rate.lua), for the
@@ -66,6 +87,7 @@ from pathlib import Path
 
 from measure import (
     measure_disk_commit,
+    merge_rounds,
     BenchFailure,
     Durations,
     SetupResult,
@@ -83,7 +105,8 @@ import grpc_rows
 import sweep
 from sweep import run_sweep
 from grpc_rows import run_grpc_rows
-from report import machine, write_chart, write_page
+from report import (UNPROTECTED_KEYS, add_unprotected_section, machine, unprotected_targets, write_chart,
+                    write_page)
 from setups import FILTER_WASM, FLOOR_WASM, NOOP_WASM, PRODUCT, REPO, harness, setups
 
 
@@ -105,8 +128,10 @@ def main() -> int:
     p.add_argument("--profile-seconds", type=float, default=6,
                    help="seconds of perf sampling per profiled setup, after its measured run (0: none)")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,n,o,instructions,memory,store,cluster,peer,grpc,sweep "
-                        "(development; writes no page)")
+                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q,r,s,t,u,v,w,instructions,memory,"
+                        "store,cluster,peer,grpc,sweep (development; writes no page)")
+    p.add_argument("--unprotected-rounds", type=int, default=3,
+                   help="rounds of the unprotected setups (p to w), in alternating order")
     p.add_argument("--peer-rounds", type=int, default=2,
                    help="rounds of the peer comparison (bench/peer.py; skipped without the peer's binary)")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary directory of logs and configs")
@@ -170,7 +195,7 @@ def main() -> int:
         with harness.ProcessGroup(tmp) as group:
             upstream = group.add(harness.start_upstream(tmp, fast=True, name="upstream"))
             redis = group.add(harness.start_redis(tmp, name="redis"))
-            for s in wanted:
+            for s in [s for s in wanted if not s.unprotected]:
                 r = run_setup(s, tmp / s.key, upstream, durations, redis)
                 results.append(r)
                 if not envoy_cmd:
@@ -179,6 +204,8 @@ def main() -> int:
                                       name="envoy").argv(),
                         {str(harness.envoy_binary()): ".venv/bin/envoy", str(tmp / s.key / "envoy.yaml"): "bench.yaml"})
                     envoy_cmd = re.sub(r"--base-id \d+ ", "", envoy_cmd)
+            results.extend(run_unprotected([s for s in wanted if s.unprotected], tmp, upstream, durations, redis,
+                                           args.unprotected_rounds))
             if args.memory_keys > 0 and (not only or "memory" in only):
                 mem = run_memory(tmp / "memory", args.memory_keys, args.memory_max_seconds)
             if not only or "store" in only:
@@ -210,6 +237,13 @@ def main() -> int:
             lines = []
             peer.report(lines.append, peer_cmp)
             print("\n".join(lines))
+        by_key = {r.setup.key: r for r in results}
+        if all(k in by_key for k in UNPROTECTED_KEYS):
+            lines = []
+            add_unprotected_section(lines.append, by_key, durations, None)
+            print("\n".join(lines))
+            for name, ok, detail in unprotected_targets(by_key):
+                log(f"  {'met   ' if ok else 'MISSED'} {name}: {detail}")
         log(f"done in {elapsed:.0f}s (partial run, no page written)")
         return 0
     measured = dict(info=info, durations=durations, results=results, mem=mem, stores=stores, rb=rb,
@@ -240,6 +274,24 @@ def write_results_page(out: Path, measured: dict) -> None:
     log(f"wrote {out} and {chart}")
     for name, ok, detail in targets:
         log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
+
+
+def run_unprotected(chosen: list, tmp: Path, upstream: harness.Upstream, durations: Durations,
+                    redis: harness.Redis, rounds: int) -> list[SetupResult]:
+    """The unprotected setups, whose ratios to each other are a few percent: in rounds, the
+    order reversed every other round (so a drift of the machine's speed weighs on each alike),
+    each setup's rounds kept as their median."""
+    measured: dict[str, list[SetupResult]] = {s.key: [] for s in chosen}
+    for n in range(1, max(1, rounds) + 1):
+        for s in chosen if n % 2 else reversed(chosen):
+            measured[s.key].append(run_setup(s, tmp / f"{s.key}-{n}", upstream, durations, redis))
+    merged = [merge_rounds(measured[s.key]) for s in chosen]
+    for r in merged:
+        if len(r.round_rps) > 1:
+            log(f"({r.setup.key}) over {len(r.round_rps)} rounds: {r.wrk.rps:.0f} req/s "
+                f"({', '.join(f'{x:.0f}' for x in r.round_rps)}), {r.cpu_us_per_request:.1f} µs/req "
+                f"({', '.join(f'{x:.1f}' for x in r.round_cpu_us)})")
+    return merged
 
 
 def run_peer_comparison(tmp: Path, upstream: harness.Upstream, redis: harness.Redis, durations: Durations,

@@ -48,6 +48,28 @@ SETUP_LEASE_S = 5
 REPLAY_TTL_S = 600
 STAT_PREFIX = f"wasmcustom.idempotency.rule.{RULE}."
 
+# The unprotected requests of the issue's measurement (issue 46), also those of
+# bench/instructions.py: a browser's read and a bodiless write on a route no rule covers, each
+# with these headers and Host.
+BROWSER_HEADERS = {
+    "user-agent": "Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 Chrome/120 Safari/537.36",
+    "accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8",
+    "accept-language": "en-US,en;q=0.9",
+    "accept-encoding": "gzip, deflate, br",
+    "cookie": "session=abc123def456; theme=dark; consent=yes",
+    "referer": "https://shop.example/catalog",
+    "x-request-id": "4f1c2b7e-9a8d-4c3b-b2a1-0e9f8d7c6b5a",
+    "x-forwarded-proto": "https",
+    "cache-control": "no-cache",
+    "sec-fetch-mode": "navigate",
+}
+UNPROTECTED_GET = ("GET", "/catalog/items/42")
+UNPROTECTED_POST = ("POST", "/search")
+# A rule the per-route setup adds after the product's: any method, any path, the key
+# optional. Any request the module saw would leave a count under it (as in
+# tests/e2e/test_per_route.py), so its counters say the measured route never entered the module.
+WITNESS_RULE = "witness"
+
 
 def budget_for(capacity: int) -> int:
     """A ``local_table.max_bytes`` that lets ``capacity`` slots keep small responses inline."""
@@ -165,6 +187,56 @@ def direct_response(config: dict) -> None:
                         route["direct_response"] = {"status": 201, "body": {"inline_string": DIRECT_BODY}}
 
 
+def filter_on_write_routes_only(config: dict) -> None:
+    """The filter off in the chain (`disabled: true`) and on again only for the writes to
+    /orders and the payments route (a FilterConfig each, as envoy/envoy-per-route.yaml has it):
+    every other route's requests never reach the module."""
+    enabled = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for net in chain["filters"]:
+                tc = net.get("typed_config") or {}
+                for f in tc.get("http_filters", []):
+                    if f.get("name") == harness.IDEMPOTENCY_FILTER_NAME:
+                        f["disabled"] = True
+                for vhost in (tc.get("route_config") or {}).get("virtual_hosts", []):
+                    routes = vhost["routes"]
+                    default = next(r for r in routes if r["match"] == {"prefix": "/"})
+                    writes = {"name": "orders-writes",
+                              "match": {"prefix": "/orders",
+                                        "headers": [{"name": ":method",
+                                                     "string_match": {"safe_regex": {"regex": "POST|PATCH"}}}]},
+                              "route": copy.deepcopy(default["route"])}
+                    routes.insert(routes.index(default), writes)
+                    for route in routes:
+                        if route is not default:
+                            route["typed_per_filter_config"] = {harness.IDEMPOTENCY_FILTER_NAME: copy.deepcopy(enabled)}
+
+
+def per_route_direct_response(config: dict) -> None:
+    """filter_on_write_routes_only on the `direct_response` routes the other unprotected setups use."""
+    filter_on_write_routes_only(config)
+    direct_response(config)
+
+
+def with_witness(cfg: dict) -> dict:
+    """``cfg`` with WITNESS_RULE after its rules."""
+    cfg = copy.deepcopy(cfg)
+    cfg["rules"].append({"name": WITNESS_RULE,
+                         "match": {"methods": ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]},
+                         "key": {"required": False}})
+    return cfg
+
+
+def without_lookup_routes(cfg: dict) -> dict:
+    """``cfg`` with no rule's lookup route: then no rule covers GET, and the filter tells a
+    read apart by `:method` alone."""
+    cfg = copy.deepcopy(cfg)
+    for rule in cfg["rules"]:
+        rule.pop("lookup", None)
+    return cfg
+
+
 def without_wasm_filter(config: dict) -> None:
     for listener in config["static_resources"]["listeners"]:
         for chain in listener["filter_chains"]:
@@ -190,6 +262,11 @@ class Setup:
     rate: bool = False
     # Routes answer themselves (`direct_response`): no upstream request is expected.
     direct: bool = False
+    # (method, path) of a request no rule covers, sent by bench/wrk/unprotected.lua with
+    # BROWSER_HEADERS and no body, instead of post.lua's protected writes.
+    unprotected: tuple[str, str] | None = None
+    # The filter is off in the measured route's chain (filter_on_write_routes_only).
+    filter_disabled_on_route: bool = False
 
     @property
     def is_filter(self) -> bool:
@@ -216,6 +293,40 @@ def setups() -> list[Setup]:
     cluster_http = plugin_config(capacity=SETUP_CAPACITY, ttl_s=SETUP_TTL_S, lease_s=SETUP_LEASE_S, store=True,
                                  transport="http")
     replays = plugin_config(capacity=SETUP_CAPACITY, ttl_s=REPLAY_TTL_S, lease_s=SETUP_LEASE_S, store=False)
+    return [*protected_setups(single, cluster, cluster_http, replays), *unprotected_setups(single)]
+
+
+def unprotected_setups(single: dict) -> list[Setup]:
+    """Requests no rule covers, all on the `direct_response` route (the filter's cost and
+    Envoy's, nothing behind them) and without a body (so the no-op filter, which does not wait
+    for one, and this filter, which lets them on at their headers, see the same request)."""
+    def row(key: str, request: tuple[str, str], what: str, short: str, **kw: Any) -> Setup:
+        mutate = kw.pop("mutate", direct_response)
+        return Setup(key, f"unprotected `{request[0]} {request[1]}`, {what}", mutate=mutate, direct=True,
+                     unprotected=request, short=short, **kw)
+
+    def without_filter(config: dict) -> None:
+        without_wasm_filter(config)
+        direct_response(config)
+
+    return [
+        row("p", UNPROTECTED_GET, "Envoy, no Wasm filter", "GET\nno filter", mutate=without_filter),
+        row("q", UNPROTECTED_GET, "no-op Wasm filter", "GET\nno-op Wasm", wasm=NOOP_WASM, plugin={}),
+        row("r", UNPROTECTED_GET, "this filter, envoy.yaml's rules (a lookup route: GET is covered)",
+            "GET\nenvoy.yaml rules", wasm=FILTER_WASM, plugin=single),
+        row("s", UNPROTECTED_GET, "this filter, envoy.yaml's rules without the lookup route (no rule covers GET)",
+            "GET\nno lookup route", wasm=FILTER_WASM, plugin=without_lookup_routes(single)),
+        row("t", UNPROTECTED_POST, "Envoy, no Wasm filter", "POST\nno filter", mutate=without_filter),
+        row("u", UNPROTECTED_POST, "no-op Wasm filter", "POST\nno-op Wasm", wasm=NOOP_WASM, plugin={}),
+        row("v", UNPROTECTED_POST, "this filter, envoy.yaml's rules", "POST\nenvoy.yaml rules",
+            wasm=FILTER_WASM, plugin=single),
+        row("w", UNPROTECTED_GET, "this filter disabled on its route (`disabled: true`, on for the write routes)",
+            "GET\nfilter off on route", wasm=FILTER_WASM, plugin=with_witness(single),
+            mutate=per_route_direct_response, filter_disabled_on_route=True),
+    ]
+
+
+def protected_setups(single: dict, cluster: dict, cluster_http: dict, replays: dict) -> list[Setup]:
     return [
         Setup("a", "Envoy, no Wasm filter", mutate=without_wasm_filter, short="no filter", rate=True),
         Setup("b0", "no-op Wasm filter", wasm=NOOP_WASM, plugin={}, short="no-op Wasm"),
