@@ -2,13 +2,22 @@
 # Starts the demo on loopback: the idempotency store (embedded backend), a demo upstream and
 # Envoy with the filter (envoy/envoy.yaml). `--replicas 2` starts a second Envoy sharing the
 # same store (envoy/envoy-replica-2.yaml), as replicas behind a load balancer would.
-# Ctrl-C stops everything it started.
+# `--native` starts the filter's native build instead (envoy/envoy-native.yaml: single-proxy
+# mode, no store). Ctrl-C stops everything it started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 replicas=1
-if [[ "${1:-}" == "--replicas" ]]; then replicas="${2:-1}"; fi
+native=false
+while (( $# )); do
+    case $1 in
+        --replicas) replicas="${2:-1}"; shift 2 ;;
+        --native) native=true; shift ;;
+        *) echo "usage: $0 [--replicas 1|2] [--native]" >&2; exit 2 ;;
+    esac
+done
 if (( replicas < 1 || replicas > 2 )); then echo "--replicas is 1 or 2" >&2; exit 2; fi
+if $native && (( replicas != 1 )); then echo "--native runs one Envoy (single-proxy mode)" >&2; exit 2; fi
 
 run_dir=.run
 mkdir -p "$run_dir"
@@ -31,6 +40,14 @@ pids+=($!)
 target/release/demo-upstream --listen 127.0.0.1:8080 > "$run_dir/upstream.log" 2>&1 &
 pids+=($!)
 
+if $native; then
+    ENVOY_DYNAMIC_MODULES_SEARCH_PATH="$PWD/target/native" .venv/bin/envoy -c envoy/envoy-native.yaml \
+        --concurrency 2 --disable-hot-restart --log-level warn \
+        --component-log-level dynamic_modules:info --file-flush-interval-msec 500 \
+        > "$run_dir/envoy-1.log" 2>&1 &
+    pids+=($!)
+    replicas=0
+fi
 for i in $(seq 1 "$replicas"); do
     # Replica 2 is envoy/envoy-replica-2.yaml: the same config on ports 10001 and 9902.
     config=envoy/envoy.yaml
@@ -47,6 +64,26 @@ for _ in $(seq 1 100); do
     sleep 0.1
 done
 
+if $native; then
+    cat <<'TRY'
+Envoy with the idempotency filter's native build is listening on http://127.0.0.1:10000
+(admin :9901), single-proxy mode. Logs are in .run/. Try:
+
+  # executes once, then the retry is a replay ("idempotent-replayed: true")
+  curl -si -X POST localhost:10000/orders -H 'Idempotency-Key: order-42' -d '{"sku":"book"}'
+  curl -si -X POST localhost:10000/orders -H 'Idempotency-Key: order-42' -d '{"sku":"book"}'
+  # same key, different payload: 422; no key: 400
+  curl -si -X POST localhost:10000/orders -H 'Idempotency-Key: order-42' -d '{"sku":"pen"}'
+  curl -si -X POST localhost:10000/orders -d '{"sku":"book"}'
+  # how many times did the upstream really execute /orders?
+  curl -s 'localhost:8080/__count?path=/orders'
+  curl -s localhost:9901/stats/prometheus | grep idempotency_rule
+
+Ctrl-C stops everything.
+TRY
+    wait
+    exit 0
+fi
 cat <<'TRY'
 Envoy with the idempotency filter is listening on http://127.0.0.1:10000 (admin :9901).
 Logs are in .run/. Try:
