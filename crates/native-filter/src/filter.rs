@@ -101,7 +101,9 @@ impl NativeFilter {
         }
         let period = self.root.tick_period_ms().max(1);
         let Some(scheduler) = filter.new_scheduler() else {
-            log::error!("no scheduler for a request that needs ticks; it waits for the next request");
+            log::error!(
+                "no scheduler for a request that needs ticks; it waits for the next request"
+            );
             return;
         };
         let ticket = Ticker::process().every(

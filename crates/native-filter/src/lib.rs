@@ -17,6 +17,9 @@ mod metrics;
 mod queues;
 mod root;
 mod shared_data;
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+mod tests;
 mod ticker;
 mod worker;
 

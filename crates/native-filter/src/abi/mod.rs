@@ -18,7 +18,7 @@
 pub mod ffi;
 pub mod hooks;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::cell::RefCell;
 use std::ffi::c_char;

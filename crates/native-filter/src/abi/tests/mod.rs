@@ -1,7 +1,7 @@
 //! The bindings over a mocked Envoy (`mock_abi`): status handling, header and body access,
 //! and the hooks' panic barrier and re-entry handling.
 
-mod mock_abi;
+pub(crate) mod mock_abi;
 
 use std::cell::RefCell;
 use std::ffi::c_void;
