@@ -27,6 +27,8 @@ struct Entry {
 struct Timetable {
     entries: HashMap<Ticket, Entry>,
     next_ticket: u64,
+    /// When the ticker thread wakes next on its own (None: it waits for an entry).
+    next_wake: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -66,16 +68,14 @@ impl Ticker {
         let mut table = self.lock();
         table.next_ticket += 1;
         let ticket = Ticket(table.next_ticket);
-        table.entries.insert(
-            ticket,
-            Entry {
-                wake,
-                due: Instant::now() + period,
-                period,
-            },
-        );
+        let due = Instant::now() + period;
+        table.entries.insert(ticket, Entry { wake, due, period });
+        // Waking the thread costs a context switch: only when it would sleep past this entry.
+        let sooner = table.next_wake.is_none_or(|wake| due < wake);
         drop(table);
-        self.changed.notify_one();
+        if sooner {
+            self.changed.notify_one();
+        }
         ticket
     }
 
@@ -100,10 +100,12 @@ impl Ticker {
     fn run(&self) {
         let mut table = self.lock();
         loop {
-            let wait = self.wake_due(&mut table, Instant::now());
+            let now = Instant::now();
+            let wait = self.wake_due(&mut table, now);
             // Nothing to wake: sleep until an entry comes (bounded, so a lost notify costs
             // a second at most).
             let wait = wait.unwrap_or(Duration::from_secs(1));
+            table.next_wake = Some(now + wait);
             table = match self.changed.wait_timeout(table, wait) {
                 Ok((table, _)) => table,
                 Err(poisoned) => poisoned.into_inner().0,
