@@ -167,7 +167,20 @@ impl Host for NativeHost<'_> {
         headers: &[(&str, &[u8])],
         body: &[u8],
     ) -> Result<(), HostError> {
-        self.filter()?.send_response(status, headers, body);
+        let filter = self.filter()?;
+        match reply_in_parts(status, headers, body) {
+            None => filter.send_response(status, headers, body),
+            Some(head) => {
+                let head: Vec<(&str, &[u8])> = head
+                    .iter()
+                    .map(|(n, v)| (n.as_str(), v.as_slice()))
+                    .collect();
+                filter.send_response_headers(&head, body.is_empty());
+                if !body.is_empty() {
+                    filter.send_response_data(body, true);
+                }
+            }
+        }
         Ok(())
     }
 
@@ -280,6 +293,94 @@ impl Host for NativeHost<'_> {
     }
 }
 
+/// The headers to send a filter's answer with in parts (`send_response_headers`, then the
+/// body), or None when Envoy's local reply (`send_response`) carries it unchanged.
+///
+/// Envoy's local reply (`Http::Utility::prepareLocalReply`, after the module's headers are
+/// added) removes content-type and content-length from a reply without a body, and adds
+/// `content-type: text/plain` to a body without a content-type. The Wasm build's reply passes
+/// back through its own filter, which restores a replay's content-type; a dynamic module's own
+/// local reply never reaches its encoder hooks (Envoy skips them once it sent one), so the
+/// native build sends such a reply as given instead: the status, every header, and the body's
+/// length, as Envoy's local reply would set it. Problems (a body and a content-type) and most
+/// replays still go as Envoy's local reply, reported as `dynamic_module` in
+/// `response.code_details` (a reply in parts gets empty details from Envoy 1.40).
+fn reply_in_parts(
+    status: u16,
+    headers: &[(&str, &[u8])],
+    body: &[u8],
+) -> Option<Vec<(String, Vec<u8>)>> {
+    let named = |name: &str| headers.iter().any(|(n, _)| n.eq_ignore_ascii_case(name));
+    if !body.is_empty() && named("content-type") {
+        return None;
+    }
+    let mut head = vec![(":status".to_owned(), status.to_string().into_bytes())];
+    head.extend(
+        headers
+            .iter()
+            .filter(|(n, _)| !n.eq_ignore_ascii_case(":status"))
+            .filter(|(n, _)| !n.eq_ignore_ascii_case("content-length"))
+            .map(|(n, v)| ((*n).to_owned(), v.to_vec())),
+    );
+    if !body.is_empty() {
+        head.push((
+            "content-length".to_owned(),
+            body.len().to_string().into_bytes(),
+        ));
+    }
+    Some(head)
+}
+
 fn abi_error(e: crate::abi::AbiError) -> HostError {
     HostError(e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reply_in_parts;
+
+    fn owned(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+        list.iter()
+            .map(|(n, v)| ((*n).to_owned(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn a_body_with_a_content_type_goes_as_envoys_local_reply() {
+        let problem: [(&str, &[u8]); 1] = [("content-type", b"application/problem+json")];
+        assert_eq!(reply_in_parts(409, &problem, b"{}"), None);
+    }
+
+    #[test]
+    fn a_reply_without_a_body_keeps_its_content_type_in_parts() {
+        let replay: [(&str, &[u8]); 4] = [
+            ("content-type", b"text/plain"),
+            ("x-m", b"1"),
+            ("x-m", b"2"),
+            ("idempotent-replayed", b"true"),
+        ];
+        assert_eq!(
+            reply_in_parts(201, &replay, b""),
+            Some(owned(&[
+                (":status", "201"),
+                ("content-type", "text/plain"),
+                ("x-m", "1"),
+                ("x-m", "2"),
+                ("idempotent-replayed", "true"),
+            ]))
+        );
+    }
+
+    #[test]
+    fn a_body_without_a_content_type_gets_none_added_and_its_length_in_parts() {
+        let replay: [(&str, &[u8]); 2] = [("Content-Length", b"99"), ("x-a", b"b")];
+        assert_eq!(
+            reply_in_parts(200, &replay, b"hello"),
+            Some(owned(&[
+                (":status", "200"),
+                ("x-a", "b"),
+                ("content-length", "5")
+            ]))
+        );
+    }
 }

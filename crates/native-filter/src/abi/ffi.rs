@@ -238,6 +238,27 @@ extern "C" {
         body: ModuleBuffer,
         details: ModuleBuffer,
     );
+    // A response in parts (headers, data, trailers), which Envoy sends as given: no
+    // `sendLocalReply` rewriting (that drops content-type from a reply without a body). In the
+    // 1.40 binary each returns at once if the filter is destroyed, and each sets the filter's
+    // local-reply flag, so the filter's own encoder hooks are skipped as for `send_response`.
+    // `headers_vector` must hold `:status`. Envoy 1.40 reports empty response code details.
+    pub fn envoy_dynamic_module_callback_http_send_response_headers(
+        filter_envoy_ptr: HttpFilterEnvoyPtr,
+        headers_vector: *mut ModuleHttpHeader,
+        headers_vector_size: usize,
+        end_stream: bool,
+    );
+    pub fn envoy_dynamic_module_callback_http_send_response_data(
+        filter_envoy_ptr: HttpFilterEnvoyPtr,
+        data: ModuleBuffer,
+        end_stream: bool,
+    );
+    pub fn envoy_dynamic_module_callback_http_send_response_trailers(
+        filter_envoy_ptr: HttpFilterEnvoyPtr,
+        trailers_vector: *mut ModuleHttpHeader,
+        trailers_vector_size: usize,
+    );
 
     // Bodies.
     pub fn envoy_dynamic_module_callback_http_get_body_size(

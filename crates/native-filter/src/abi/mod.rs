@@ -325,6 +325,31 @@ pub(crate) enum Deferred {
         headers: Vec<(String, Vec<u8>)>,
         body: Vec<u8>,
     },
+    SendResponseHeaders {
+        headers: Vec<(String, Vec<u8>)>,
+        end_stream: bool,
+    },
+    SendResponseData {
+        data: Vec<u8>,
+        end_stream: bool,
+    },
+    SendResponseTrailers {
+        trailers: Vec<(String, Vec<u8>)>,
+    },
+}
+
+fn owned_headers(headers: &[(&str, &[u8])]) -> Vec<(String, Vec<u8>)> {
+    headers
+        .iter()
+        .map(|(n, v)| ((*n).to_owned(), v.to_vec()))
+        .collect()
+}
+
+fn borrowed_headers(headers: &[(String, Vec<u8>)]) -> Vec<(&str, &[u8])> {
+    headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_slice()))
+        .collect()
 }
 
 struct HookFrame {
@@ -734,12 +759,41 @@ impl Filter {
     pub fn send_response(&self, status: u16, headers: &[(&str, &[u8])], body: &[u8]) {
         let call = Deferred::SendResponse {
             status: u32::from(status),
-            headers: headers
-                .iter()
-                .map(|(n, v)| ((*n).to_owned(), v.to_vec()))
-                .collect(),
+            headers: owned_headers(headers),
             body: body.to_vec(),
         };
+        self.run_or_defer(call);
+    }
+
+    /// Starts a response downstream with exactly these headers (`:status` among them; Envoy
+    /// adds only what its codec and connection manager add to any response: `date`, `server`,
+    /// and `content-length: 0` for an HTTP/1 response ended here). Unlike [`Filter::send_response`]
+    /// nothing is dropped or added by Envoy's local reply rules. `end_stream`: no body follows.
+    /// Deferred like `send_response` from this filter's own hook; calls made in one hook are
+    /// made in the order given.
+    pub fn send_response_headers(&self, headers: &[(&str, &[u8])], end_stream: bool) {
+        self.run_or_defer(Deferred::SendResponseHeaders {
+            headers: owned_headers(headers),
+            end_stream,
+        });
+    }
+
+    /// Body bytes of a response started with [`Filter::send_response_headers`].
+    pub fn send_response_data(&self, data: &[u8], end_stream: bool) {
+        self.run_or_defer(Deferred::SendResponseData {
+            data: data.to_vec(),
+            end_stream,
+        });
+    }
+
+    /// Trailers ending a response started with [`Filter::send_response_headers`].
+    pub fn send_response_trailers(&self, trailers: &[(&str, &[u8])]) {
+        self.run_or_defer(Deferred::SendResponseTrailers {
+            trailers: owned_headers(trailers),
+        });
+    }
+
+    fn run_or_defer(&self, call: Deferred) {
         if let Some(call) = defer_if_in_own_hook(self.ptr, call) {
             self.run(call);
         }
@@ -748,17 +802,13 @@ impl Filter {
     /// Resumes the request the filter stopped. From this filter's own hook it is made when the
     /// hook's method returns.
     pub fn continue_decoding(&self) {
-        if let Some(call) = defer_if_in_own_hook(self.ptr, Deferred::ContinueDecoding) {
-            self.run(call);
-        }
+        self.run_or_defer(Deferred::ContinueDecoding);
     }
 
     /// Resumes the response the filter stopped. From this filter's own hook it is made when
     /// the hook's method returns.
     pub fn continue_encoding(&self) {
-        if let Some(call) = defer_if_in_own_hook(self.ptr, Deferred::ContinueEncoding) {
-            self.run(call);
-        }
+        self.run_or_defer(Deferred::ContinueEncoding);
     }
 
     /// Makes a call now.
@@ -776,10 +826,7 @@ impl Filter {
                 headers,
                 body,
             } => {
-                let borrowed: Vec<(&str, &[u8])> = headers
-                    .iter()
-                    .map(|(n, v)| (n.as_str(), v.as_slice()))
-                    .collect();
+                let borrowed = borrowed_headers(&headers);
                 let mut raw = module_headers(&borrowed);
                 // SAFETY: headers and body are read during the call; an empty `details`.
                 unsafe {
@@ -793,6 +840,42 @@ impl Filter {
                             ptr: std::ptr::null(),
                             length: 0,
                         },
+                    )
+                }
+            }
+            Deferred::SendResponseHeaders {
+                headers,
+                end_stream,
+            } => {
+                let borrowed = borrowed_headers(&headers);
+                let mut raw = module_headers(&borrowed);
+                // SAFETY: Envoy copies the headers during the call.
+                unsafe {
+                    ffi::envoy_dynamic_module_callback_http_send_response_headers(
+                        self.ptr,
+                        raw.as_mut_ptr(),
+                        raw.len(),
+                        end_stream,
+                    )
+                }
+            }
+            // SAFETY: Envoy copies the data during the call.
+            Deferred::SendResponseData { data, end_stream } => unsafe {
+                ffi::envoy_dynamic_module_callback_http_send_response_data(
+                    self.ptr,
+                    module_buffer(&data),
+                    end_stream,
+                )
+            },
+            Deferred::SendResponseTrailers { trailers } => {
+                let borrowed = borrowed_headers(&trailers);
+                let mut raw = module_headers(&borrowed);
+                // SAFETY: Envoy copies the trailers during the call.
+                unsafe {
+                    ffi::envoy_dynamic_module_callback_http_send_response_trailers(
+                        self.ptr,
+                        raw.as_mut_ptr(),
+                        raw.len(),
                     )
                 }
             }

@@ -19,6 +19,13 @@ use crate::abi::ffi::{self, EnvoyBuffer, EnvoyHttpHeader, ModuleBuffer, ModuleHt
 pub type Pairs = Vec<(String, Vec<u8>)>;
 /// send_response arguments: filter, status, headers, body.
 pub type Reply = (usize, u32, Pairs, Vec<u8>);
+/// A response sent in parts, by filter, in call order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Part {
+    Headers(usize, Pairs, bool),
+    Data(usize, Vec<u8>, bool),
+    Trailers(usize, Pairs),
+}
 /// http_callout arguments: cluster, headers, body, timeout ms.
 pub type Callout = (String, Pairs, Vec<u8>, u64);
 
@@ -44,6 +51,8 @@ pub struct Abi {
     pub filter_state: HashMap<Vec<u8>, Vec<u8>>,
     /// send_response arguments: filter, status, headers, body.
     pub responses: Vec<Reply>,
+    /// send_response_headers / _data / _trailers, in order.
+    pub parts: Vec<Part>,
     /// The metrics result metric calls answer.
     pub metrics_result: u32,
     /// Metric calls: (call, id, value).
@@ -271,6 +280,46 @@ pub unsafe extern "C" fn envoy_dynamic_module_callback_http_send_response(
         abi.responses
             .push((filter as usize, status_code, headers, body))
     });
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_callback_http_send_response_headers(
+    filter: ffi::HttpFilterEnvoyPtr,
+    headers: *mut ModuleHttpHeader,
+    headers_size: usize,
+    end_stream: bool,
+) {
+    refused("send_response_headers");
+    let headers = module_headers(headers, headers_size);
+    with(|abi| {
+        abi.parts
+            .push(Part::Headers(filter as usize, headers, end_stream))
+    });
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_callback_http_send_response_data(
+    filter: ffi::HttpFilterEnvoyPtr,
+    data: ModuleBuffer,
+    end_stream: bool,
+) {
+    refused("send_response_data");
+    let data = bytes(data.ptr, data.length);
+    with(|abi| {
+        abi.parts
+            .push(Part::Data(filter as usize, data, end_stream))
+    });
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_callback_http_send_response_trailers(
+    filter: ffi::HttpFilterEnvoyPtr,
+    trailers: *mut ModuleHttpHeader,
+    trailers_size: usize,
+) {
+    refused("send_response_trailers");
+    let trailers = module_headers(trailers, trailers_size);
+    with(|abi| abi.parts.push(Part::Trailers(filter as usize, trailers)));
 }
 
 #[no_mangle]

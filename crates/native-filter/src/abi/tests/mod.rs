@@ -421,6 +421,54 @@ fn send_response_outside_a_hook_is_made_at_once() {
     });
 }
 
+fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+    list.iter()
+        .map(|(n, v)| ((*n).to_owned(), v.as_bytes().to_vec()))
+        .collect()
+}
+
+#[test]
+fn a_response_in_parts_outside_a_hook_is_sent_at_once_in_order() {
+    use mock_abi::Part;
+    reset();
+    let f = filter(7);
+    f.send_response_headers(
+        &[
+            (":status", b"201"),
+            ("content-type", b"text/plain"),
+            ("x-m", b"1"),
+            ("x-m", b"2"),
+        ],
+        false,
+    );
+    f.send_response_data(b"made", false);
+    f.send_response_trailers(&[("x-t", b"done")]);
+    filter(8).send_response_headers(&[(":status", b"204")], true);
+    filter(8).send_response_data(b"", true);
+    with(|abi| {
+        assert_eq!(
+            abi.parts,
+            vec![
+                Part::Headers(
+                    7,
+                    pairs(&[
+                        (":status", "201"),
+                        ("content-type", "text/plain"),
+                        ("x-m", "1"),
+                        ("x-m", "2")
+                    ]),
+                    false
+                ),
+                Part::Data(7, b"made".to_vec(), false),
+                Part::Trailers(7, pairs(&[("x-t", "done")])),
+                Part::Headers(8, pairs(&[(":status", "204")]), true),
+                Part::Data(8, Vec::new(), true),
+            ]
+        );
+        assert!(abi.responses.is_empty());
+    });
+}
+
 // ------------------------------------------------------------------------------------------
 // Hooks
 // ------------------------------------------------------------------------------------------
@@ -448,6 +496,15 @@ impl HttpFilter for Scripted {
             Some(b"reply") => {
                 f.send_response(400, &[], b"no");
                 event("replied");
+                HeadersStatus::StopIteration
+            }
+            Some(b"parts") => {
+                f.send_response_headers(
+                    &[(":status", b"201"), ("content-type", b"text/plain")],
+                    false,
+                );
+                f.send_response_data(b"ok", true);
+                event(format!("sent {} parts", with(|abi| abi.parts.len())));
                 HeadersStatus::StopIteration
             }
             _ => {
@@ -622,6 +679,28 @@ fn own_continue_and_reply_are_made_after_the_method_returns() {
     );
     assert_eq!(events(), vec!["replied"]);
     with(|abi| assert_eq!(abi.responses.len(), 1));
+
+    // A response in parts from the filter's own hook: none of it while the method runs, all
+    // of it, in order, before the hook returns to Envoy.
+    set_request_headers(&[("x-act", "parts")]);
+    assert_eq!(
+        envoy_dynamic_module_on_http_filter_request_headers(fake(14), module, false),
+        ffi::HEADERS_STOP_ITERATION
+    );
+    assert_eq!(events(), vec!["sent 0 parts"]);
+    with(|abi| {
+        assert_eq!(
+            abi.parts,
+            vec![
+                mock_abi::Part::Headers(
+                    14,
+                    pairs(&[(":status", "201"), ("content-type", "text/plain")]),
+                    false
+                ),
+                mock_abi::Part::Data(14, b"ok".to_vec(), true),
+            ]
+        )
+    });
     envoy_dynamic_module_on_http_filter_destroy(module);
     envoy_dynamic_module_on_http_filter_config_destroy(config);
 }
