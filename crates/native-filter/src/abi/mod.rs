@@ -732,6 +732,8 @@ impl Filter {
     /// Sends a local reply (status, headers, body) downstream. From this filter's own hook it
     /// is made when the hook's method returns (see ABI-NOTES.md, re-entry).
     pub fn send_response(&self, status: u16, headers: &[(&str, &[u8])], body: &[u8]) {
+        #[cfg(test)]
+        tests::mock_abi::maybe_panic("send_response");
         let call = Deferred::SendResponse {
             status: u32::from(status),
             headers: headers
