@@ -474,6 +474,8 @@ impl Filter {
     /// All entries of `which`, in Envoy's order (pseudo headers first), names as Envoy has
     /// them (lower case). Empty if the map is not available.
     pub fn headers(&self, which: HeaderMap) -> Vec<(String, Vec<u8>)> {
+        #[cfg(test)]
+        tests::mock_abi::maybe_panic("get_headers");
         // SAFETY: plain query.
         let size = unsafe {
             ffi::envoy_dynamic_module_callback_http_get_headers_size(self.ptr, which.raw())
