@@ -10,6 +10,9 @@
 //! configuration's counters, `ticker.rs` the thread that gives roots their ticks.
 
 pub mod abi;
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+mod attack_tests;
 mod configuration;
 mod filter;
 mod host;

@@ -84,8 +84,25 @@ impl WorkerRoot {
         // A tick inside a tick (a request the tick resumes cannot start another) is skipped.
         if let Ok(mut root) = self.root.try_borrow_mut() {
             worker::act_on_none();
-            root.on_tick(&host);
+            // The tick is the root's work, not the carrying request's: it runs inside whatever
+            // hook happens to carry it (a new request's `new_filter`, a held or running
+            // request's scheduled event). A panic in it must not be charged to that request:
+            // the factory's barrier would let a new request pass unprotected (a retry of a
+            // recorded write runs again), and a poisoned running write would be answered 503
+            // and dropped without a stream end (no unknown outcome recorded: its retry takes
+            // the key over once the lease lapses). Caught here, logged, and the hook goes on.
+            let ticked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                root.on_tick(&host);
+            }));
             worker::act_on_none();
+            if let Err(payload) = ticked {
+                let what = payload
+                    .downcast_ref::<&str>()
+                    .copied()
+                    .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+                    .unwrap_or("(not a string)");
+                log::error!("panic in the root's tick: {what}; the tick is cut short");
+            }
         }
     }
 }

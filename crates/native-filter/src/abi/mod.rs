@@ -499,6 +499,8 @@ impl Filter {
     /// All entries of `which`, in Envoy's order (pseudo headers first), names as Envoy has
     /// them (lower case). Empty if the map is not available.
     pub fn headers(&self, which: HeaderMap) -> Vec<(String, Vec<u8>)> {
+        #[cfg(test)]
+        tests::mock_abi::maybe_panic("get_headers");
         // SAFETY: plain query.
         let size = unsafe {
             ffi::envoy_dynamic_module_callback_http_get_headers_size(self.ptr, which.raw())
@@ -757,6 +759,8 @@ impl Filter {
     /// Sends a local reply (status, headers, body) downstream. From this filter's own hook it
     /// is made when the hook's method returns (see ABI-NOTES.md, re-entry).
     pub fn send_response(&self, status: u16, headers: &[(&str, &[u8])], body: &[u8]) {
+        #[cfg(test)]
+        tests::mock_abi::maybe_panic("send_response");
         let call = Deferred::SendResponse {
             status: u32::from(status),
             headers: owned_headers(headers),

@@ -34,6 +34,8 @@ pub type Callout = (String, Pairs, Vec<u8>, u64);
 pub struct Abi {
     /// Calls that answer "no" (false / an error status / null), by short name.
     pub refuse: HashSet<&'static str>,
+    /// Calls that panic (as a bug in the module's code under them would), by short name.
+    pub panic_on: HashSet<&'static str>,
     /// Every call, by short name, in order.
     pub calls: Vec<String>,
     /// Header maps by `HttpHeaderType`.
@@ -101,6 +103,14 @@ fn refused(name: &'static str) -> bool {
         abi.calls.push(name.to_owned());
         abi.refuse.contains(name)
     })
+}
+
+/// Called by the bindings' Rust side (test builds only) before a call reaches Envoy: panics
+/// once if the test asked, as a bug in the module's code there would. (A panic cannot
+/// unwind out of the mock's `extern "C"` functions themselves: that aborts.)
+pub fn maybe_panic(name: &'static str) {
+    let panic = with(|abi| abi.panic_on.remove(name));
+    assert!(!panic, "mock: {name} panics (as asked, once)");
 }
 
 unsafe fn bytes(ptr: *const c_char, len: usize) -> Vec<u8> {

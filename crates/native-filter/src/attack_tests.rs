@@ -1,0 +1,248 @@
+//! Whole requests through the exported hooks over the mocked ABI, with the real core and
+//! configuration: what happens to a write, and to its retry, when something goes wrong in
+//! the native host (a panic in a hook, ...). Each test's doc says what it proves.
+
+use std::ffi::c_void;
+
+use crate::abi::ffi;
+use crate::abi::hooks::{self, *};
+use crate::abi::tests::mock_abi::{reset, with};
+
+const REQ: u32 = ffi::HEADER_TYPE_REQUEST_HEADER;
+const RESP: u32 = ffi::HEADER_TYPE_RESPONSE_HEADER;
+
+fn fake(n: usize) -> *mut c_void {
+    n as *mut c_void
+}
+
+/// A configuration with one rule on POST /orders: fingerprint none (claimed at the request
+/// headers), a one-second lease.
+fn config() -> ffi::HttpFilterConfigModulePtr {
+    load(
+        br#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "fingerprint":"none","lease_seconds":1,"ttl_seconds":60}]}"#,
+    )
+}
+
+/// The same rule holding duplicates (`on_in_flight: wait`) for 100 ms.
+fn wait_config() -> ffi::HttpFilterConfigModulePtr {
+    load(
+        br#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "fingerprint":"none","lease_seconds":1,"ttl_seconds":60,
+        "on_in_flight":"wait","wait_ms":100}]}"#,
+    )
+}
+
+fn load(json: &[u8]) -> ffi::HttpFilterConfigModulePtr {
+    let config = hooks::new_config(crate::FACTORY_BUILDER, fake(9), b"idem", json);
+    assert!(
+        !config.is_null(),
+        "config refused: {:?}",
+        with(|a| a.logs.clone())
+    );
+    config
+}
+
+fn request_headers(key: &str) {
+    let pairs = [
+        (":method", "POST"),
+        (":path", "/orders"),
+        (":authority", "shop"),
+        ("idempotency-key", key),
+    ];
+    with(|abi| {
+        abi.maps.insert(
+            REQ,
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))
+                .collect(),
+        );
+        abi.maps.insert(
+            RESP,
+            vec![
+                (":status".to_owned(), b"201".to_vec()),
+                ("content-type".to_owned(), b"text/plain".to_vec()),
+            ],
+        );
+        abi.bodies.insert(
+            ffi::BODY_TYPE_RECEIVED_RESPONSE_BODY,
+            vec![b"created".to_vec()],
+        );
+    });
+}
+
+/// A new request's filter on Envoy's pointer `ptr`; its request headers (no body): the
+/// headers status Envoy gets.
+fn start(
+    config: ffi::HttpFilterConfigModulePtr,
+    ptr: usize,
+    key: &str,
+) -> (ffi::HttpFilterModulePtr, u32) {
+    request_headers(key);
+    let module = envoy_dynamic_module_on_http_filter_new(config, fake(ptr));
+    assert!(!module.is_null());
+    let status = envoy_dynamic_module_on_http_filter_request_headers(fake(ptr), module, true);
+    (module, status)
+}
+
+fn respond(ptr: usize, module: ffi::HttpFilterModulePtr) {
+    envoy_dynamic_module_on_http_filter_response_headers(fake(ptr), module, false);
+    envoy_dynamic_module_on_http_filter_response_body(fake(ptr), module, true);
+}
+
+fn end(ptr: usize, module: ffi::HttpFilterModulePtr) {
+    envoy_dynamic_module_on_http_filter_stream_complete(fake(ptr), module);
+    envoy_dynamic_module_on_http_filter_destroy(module);
+}
+
+fn replies_to(ptr: usize) -> Vec<u32> {
+    with(|abi| {
+        abi.responses
+            .iter()
+            .filter(|r| r.0 == ptr)
+            .map(|r| r.1)
+            .collect()
+    })
+}
+
+#[test]
+fn baseline_a_recorded_write_is_replayed_to_its_retry() {
+    reset();
+    let config = config();
+    let (first, status) = start(config, 101, "attack-baseline");
+    assert_eq!(
+        status,
+        ffi::HEADERS_CONTINUE,
+        "the first request goes upstream"
+    );
+    respond(101, first);
+    end(101, first);
+    let (retry, status) = start(config, 102, "attack-baseline");
+    assert_eq!(
+        status,
+        ffi::HEADERS_STOP_ITERATION,
+        "the retry is answered by the filter"
+    );
+    assert_eq!(
+        replies_to(102),
+        vec![201],
+        "the retry gets the recorded 201"
+    );
+    end(102, retry);
+}
+
+fn sleep_ms(ms: u64) {
+    std::thread::sleep(std::time::Duration::from_millis(ms));
+}
+
+/// PROVES (fails before the fix): a panic in the root's tick run from `new_filter` (here: a
+/// held duplicate's replay, whose local reply panics) makes the factory give the new request
+/// no filter, so that request passes **unprotected**: a retry of a write already recorded
+/// goes upstream and the write runs twice. (The Wasm build fails closed: a trapped VM
+/// answers, it never lets a protected write through.)
+#[test]
+fn a_panic_in_the_tick_run_by_new_filter_must_not_let_a_retry_through_unprotected() {
+    reset();
+    let config = wait_config();
+    let (first, status) = start(config, 201, "attack-newfilter-tick");
+    assert_eq!(status, ffi::HEADERS_CONTINUE);
+    let (held, status) = start(config, 202, "attack-newfilter-tick");
+    assert_eq!(status, ffi::HEADERS_STOP_ITERATION, "the duplicate is held");
+    respond(201, first);
+    end(201, first);
+    // The root's tick is due by now; the next request's new_filter runs it, and the held
+    // duplicate's replay panics under it.
+    sleep_ms(300);
+    with(|abi| abi.panic_on.insert("send_response"));
+    let (retry, status) = start(config, 203, "attack-newfilter-tick");
+    assert_ne!(
+        status,
+        ffi::HEADERS_CONTINUE,
+        "a retry of a recorded write went upstream: the write runs twice"
+    );
+    end(203, retry);
+    end(202, held);
+}
+
+/// PROVES (fails before the fix): a panic in the root's tick is charged to whichever request
+/// carried the tick (its scheduled event): here a write running upstream. Its filter is
+/// poisoned, its client answered 503 while the write still runs, its journey dropped
+/// without a stream end, so no unknown outcome is recorded: once the lease lapses, the
+/// retry takes the key over and the write runs a second time.
+#[test]
+fn a_panic_in_a_tick_carried_by_a_running_write_must_not_free_its_key() {
+    reset();
+    let config = wait_config();
+    let (running, status) = start(config, 301, "attack-carried-tick");
+    assert_eq!(status, ffi::HEADERS_CONTINUE, "the write goes upstream");
+    let (held, status) = start(config, 302, "attack-carried-tick");
+    assert_eq!(status, ffi::HEADERS_STOP_ITERATION, "the duplicate is held");
+    // The held duplicate's wait (100 ms) is over: the tick answers it 409, and that local
+    // reply panics. The tick runs in the running write's scheduled event.
+    sleep_ms(300);
+    with(|abi| abi.panic_on.insert("send_response"));
+    envoy_dynamic_module_on_http_filter_scheduled(fake(301), running, 1);
+    let answered_503 = replies_to(301).contains(&503);
+    // Its response comes, or its client leaves: either way the key must not be free.
+    respond(301, running);
+    end(301, running);
+    end(302, held);
+    sleep_ms(1_200); // past the lease
+    let (retry, status) = start(config, 303, "attack-carried-tick");
+    assert_ne!(
+        status,
+        ffi::HEADERS_CONTINUE,
+        "the retry went upstream: the write runs a second time"
+    );
+    end(303, retry);
+    assert!(
+        !answered_503,
+        "the running write's client was answered 503 while its write ran upstream"
+    );
+}
+
+/// PROVES (fails; NOT fixed): a panic in a running write's own hook, inside its journey's
+/// step (here: reading the response headers), abandons the claim. The step had taken the
+/// journey's state out (`mem::replace` with `Finished`), so the filter's `on_panic` has no
+/// claim to settle, no stream end is delivered (the filter is poisoned), no unknown outcome
+/// is recorded, and the lease is left in the root's book (renewed by other requests' ticks
+/// until `ttl_seconds`, then let lapse). Once it lapses the retry takes the key over and the
+/// write, which did run upstream, runs again (here after ttl 2 s + lease 1 s; by default
+/// after a day: the key is blocked with 409s that long, then runs again). `NativeFilter::on_panic`'s promise ("a retry
+/// meets 409, never a second run") holds only until the lease ends. The Wasm build has the
+/// same hole for a trapped VM (the lease only bounds how long a dead proxy blocks a key),
+/// but the native build claims to survive panics.
+#[test]
+fn a_panic_in_a_running_writes_own_response_hook_must_not_free_its_key() {
+    reset();
+    let config = load(
+        br#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "fingerprint":"none","lease_seconds":1,"ttl_seconds":2}]}"#,
+    );
+    let (running, status) = start(config, 401, "attack-own-hook");
+    assert_eq!(status, ffi::HEADERS_CONTINUE, "the write goes upstream");
+    with(|abi| abi.panic_on.insert("get_headers"));
+    respond(401, running);
+    assert!(
+        with(|abi| abi
+            .logs
+            .iter()
+            .any(|(_, l)| l.contains("panic in response_headers"))),
+        "the panic was injected"
+    );
+    end(401, running);
+    sleep_ms(1_200); // past the lease: a retry's new_filter ticks the root, which renews
+                     // the abandoned lease (still in its book), so this retry gets 409
+    let (early, status) = start(config, 402, "attack-own-hook");
+    assert_eq!(status, ffi::HEADERS_STOP_ITERATION);
+    end(402, early);
+    sleep_ms(2_300); // past ttl_seconds + lease: the lease is let lapse
+    let (retry, status) = start(config, 403, "attack-own-hook");
+    assert_ne!(
+        status,
+        ffi::HEADERS_CONTINUE,
+        "the retry went upstream: the write runs a second time"
+    );
+    end(403, retry);
+}
