@@ -202,23 +202,20 @@ fn a_panic_in_a_tick_carried_by_a_running_write_must_not_free_its_key() {
     );
 }
 
-/// PROVES (fails; NOT fixed): a panic in a running write's own hook, inside its journey's
-/// step (here: reading the response headers), abandons the claim. The step had taken the
-/// journey's state out (`mem::replace` with `Finished`), so the filter's `on_panic` has no
-/// claim to settle, no stream end is delivered (the filter is poisoned), no unknown outcome
-/// is recorded, and the lease is left in the root's book (renewed by other requests' ticks
-/// until `ttl_seconds`, then let lapse). Once it lapses the retry takes the key over and the
-/// write, which did run upstream, runs again (here after ttl 2 s + lease 1 s; by default
-/// after a day: the key is blocked with 409s that long, then runs again). `NativeFilter::on_panic`'s promise ("a retry
-/// meets 409, never a second run") holds only until the lease ends. The Wasm build has the
-/// same hole for a trapped VM (the lease only bounds how long a dead proxy blocks a key),
-/// but the native build claims to survive panics.
+/// PROVED (fixed): a panic in a running write's own hook, inside its journey's step (here:
+/// reading the response headers), abandoned the claim. The step takes the journey's state
+/// out (`mem::replace` with `Finished`), so `on_panic` had no claim to settle: no unknown
+/// outcome was recorded and the lease stayed in the root's book, renewed until
+/// `ttl_seconds`, then let lapse, after which the retry took the key over and the write,
+/// which did run upstream, ran again. Now core keeps a running write's claim beside its
+/// state (`RequestJourney::after_fault`): the write is an unknown outcome at once, and a
+/// retry is told so (409 outcome-unknown), not "still in flight".
 #[test]
-fn a_panic_in_a_running_writes_own_response_hook_must_not_free_its_key() {
+fn a_panic_in_a_running_writes_own_response_hook_keeps_it_as_an_unknown_outcome() {
     reset();
     let config = load(
         br#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
-        "fingerprint":"none","lease_seconds":1,"ttl_seconds":2}]}"#,
+        "fingerprint":"none","lease_seconds":1,"ttl_seconds":30}]}"#,
     );
     let (running, status) = start(config, 401, "attack-own-hook");
     assert_eq!(status, ffi::HEADERS_CONTINUE, "the write goes upstream");
@@ -232,17 +229,24 @@ fn a_panic_in_a_running_writes_own_response_hook_must_not_free_its_key() {
         "the panic was injected"
     );
     end(401, running);
-    sleep_ms(1_200); // past the lease: a retry's new_filter ticks the root, which renews
-                     // the abandoned lease (still in its book), so this retry gets 409
-    let (early, status) = start(config, 402, "attack-own-hook");
-    assert_eq!(status, ffi::HEADERS_STOP_ITERATION);
-    end(402, early);
-    sleep_ms(2_300); // past ttl_seconds + lease: the lease is let lapse
-    let (retry, status) = start(config, 403, "attack-own-hook");
+    sleep_ms(1_200); // past the lease
+    let (retry, status) = start(config, 402, "attack-own-hook");
     assert_ne!(
         status,
         ffi::HEADERS_CONTINUE,
         "the retry went upstream: the write runs a second time"
     );
-    end(403, retry);
+    let problem = with(|abi| {
+        abi.responses
+            .iter()
+            .rev()
+            .find(|r| r.0 == 402)
+            .map(|r| String::from_utf8_lossy(&r.3).into_owned())
+    })
+    .unwrap_or_default();
+    assert!(
+        problem.contains("outcome-unknown"),
+        "the retry must be told the outcome is unknown: {problem}"
+    );
+    end(402, retry);
 }

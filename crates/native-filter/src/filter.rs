@@ -201,12 +201,19 @@ impl HttpFilter for NativeFilter {
     }
 
     /// A hook of this request panicked: its journey may be half-way through a step, so it
-    /// is not fed again. Before the response began, the request is answered 503 instead of
-    /// going on (a key it claimed stays claimed until its lease ends: a retry meets 409,
-    /// never a second run); after, the response goes on as it is, unrecorded.
+    /// is not fed again. A write it was running upstream may have run: core records it as an
+    /// unknown outcome (a retry is never run again). Before the response began, the request
+    /// is answered 503 instead of going on; after, the response goes on as it is.
     fn on_panic(&mut self, filter: &Filter) {
         self.failed = true;
         self.stop_ticking();
+        worker::act_on(filter.handle());
+        let host = self.root.host();
+        // The panic unwound through the hook, which gave the journey back.
+        match self.journey.try_borrow_mut() {
+            Ok(mut journey) => journey.after_fault(&host),
+            Err(_) => log::error!("a faulted request's journey is busy; its claim is not settled"),
+        }
         if self.responding {
             return;
         }

@@ -5,6 +5,7 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use idempotency_core::journey::RequestJourney;
 use idempotency_core::root::PluginRoot;
@@ -19,7 +20,8 @@ pub struct WorkerRoot {
     configured: bool,
     /// What core asked for with `set_tick_period_ms`.
     tick_ms: Cell<u32>,
-    next_tick_ms: Cell<u64>,
+    /// Monotonic, as proxy-wasm's tick timer is: a wall clock stepped back would stall ticks.
+    next_tick: Cell<Option<Instant>>,
 }
 
 impl WorkerRoot {
@@ -47,7 +49,7 @@ impl WorkerRoot {
             root: RefCell::new(root),
             configured,
             tick_ms,
-            next_tick_ms: Cell::new(0),
+            next_tick: Cell::new(None),
         }
     }
 
@@ -75,12 +77,13 @@ impl WorkerRoot {
     /// points them back at its own request if it goes on.
     pub fn tick_if_due(&self) {
         let host = self.host();
-        let now = idempotency_core::host::Host::now_ms(&host);
-        if now < self.next_tick_ms.get() || self.tick_ms.get() == 0 {
+        let now = Instant::now();
+        if self.tick_ms.get() == 0 || self.next_tick.get().is_some_and(|due| now < due) {
             return;
         }
-        self.next_tick_ms
-            .set(now.saturating_add(u64::from(self.tick_ms.get())));
+        self.next_tick.set(Some(
+            now + Duration::from_millis(u64::from(self.tick_ms.get())),
+        ));
         // A tick inside a tick (a request the tick resumes cannot start another) is skipped.
         if let Ok(mut root) = self.root.try_borrow_mut() {
             worker::act_on_none();

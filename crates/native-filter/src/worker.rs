@@ -34,11 +34,15 @@ pub fn is_root_context(context_id: u32) -> bool {
 }
 
 pub fn new_context_id() -> u32 {
-    NEXT_CONTEXT_ID.with(|next| {
+    NEXT_CONTEXT_ID.with(|next| loop {
         let id = next.get();
-        // Zero is never an id (the Wasm ABI's "none").
+        // Zero is never an id (the Wasm ABI's "none"). After a wrap (weeks of a busy worker)
+        // an id still in use, a root's or a live request's, is skipped, as Envoy's are.
         next.set(id.checked_add(1).unwrap_or(1));
-        id
+        let in_use = is_root_context(id) || LIVE.with(|live| live.borrow().contains_key(&id));
+        if id != 0 && !in_use {
+            return id;
+        }
     })
 }
 

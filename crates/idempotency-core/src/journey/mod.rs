@@ -223,6 +223,18 @@ pub struct RequestJourney {
     /// A rule with `resolve`: the lookup for this request's write, should its outcome be
     /// unknown.
     lookup: RefCell<Option<LookupRequest>>,
+    /// The claim of a write running upstream, kept beside the state: a step takes the state
+    /// out while it runs, and a fault in it (a panic the native build catches) would take
+    /// the claim with it. See `after_fault`.
+    running: Option<RunningClaim>,
+}
+
+/// What `after_fault` needs of a running write to record it as an unknown outcome.
+struct RunningClaim {
+    rule: Rc<RuleHandle>,
+    held: Held,
+    store_owner: Option<StoreOwner>,
+    started_ms: u64,
 }
 
 impl RequestJourney {
@@ -238,6 +250,7 @@ impl RequestJourney {
             detached_intake: RefCell::new(None),
             context_gone: std::cell::Cell::new(false),
             lookup: RefCell::new(None),
+            running: None,
         }
     }
 
@@ -258,6 +271,7 @@ impl RequestJourney {
             detached_intake: RefCell::new(None),
             context_gone: std::cell::Cell::new(false),
             lookup: RefCell::new(None),
+            running: None,
         }));
         journeys.register(context_id, &journey);
         journey
@@ -332,8 +346,55 @@ impl RequestJourney {
             // Recorded, released or given up: the root stops renewing its lease.
             self.plugin.leases.end(owner);
         }
+        self.keep_running_claim(&next);
         self.journey = next;
         verdict
+    }
+
+    /// Copies a running write's claim when it starts running (or its store claim changes),
+    /// drops it when the write is no longer running.
+    fn keep_running_claim(&mut self, next: &Journey) {
+        match next {
+            Journey::Executing(run) => {
+                let current = self.running.as_ref().is_some_and(|kept| {
+                    kept.held == run.held
+                        && kept.store_owner.as_ref().map(|o| (&o.token, o.confirmed))
+                            == run.store_owner.as_ref().map(|o| (&o.token, o.confirmed))
+                });
+                if !current {
+                    self.running = Some(RunningClaim {
+                        rule: Rc::clone(&run.rule),
+                        held: run.held.clone(),
+                        store_owner: run.store_owner.clone(),
+                        started_ms: run.started_ms,
+                    });
+                }
+            }
+            _ => self.running = None,
+        }
+    }
+
+    /// The host caught a fault (a panic) in one of this request's steps: its state may be
+    /// lost half-way. A write that was running upstream may have run, so it is recorded as
+    /// an unknown outcome, never run again by a retry (its rule's `on_unknown_outcome`
+    /// decides, as for a client that left), and its lease is no longer renewed. The journey
+    /// takes no more events. (A Wasm build has no such path: a trap ends its VM.)
+    pub fn after_fault(&mut self, host: &impl Host) {
+        self.journey = Journey::Finished;
+        let Some(claim) = self.running.take() else {
+            return;
+        };
+        let owner = claim.held.owner;
+        let run = Execution {
+            rule: claim.rule,
+            held: claim.held,
+            store_owner: claim.store_owner,
+            capture: None,
+            started_ms: claim.started_ms,
+        };
+        let report = crate::who_answered::EnvoyReport::read(host, 0);
+        let _finished = self.unknown_outcome(host, run, &report);
+        self.plugin.leases.end(owner);
     }
 
     fn step(&self, host: &impl Host, journey: Journey, event: Event) -> Step {

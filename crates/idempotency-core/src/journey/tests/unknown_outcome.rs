@@ -418,3 +418,29 @@ fn renewals(effects: &[Effect]) -> Vec<(u32, serde_json::Value)> {
         })
         .collect()
 }
+
+#[test]
+fn a_running_write_whose_step_faulted_is_an_unknown_outcome_never_run_again() {
+    // The native build catches a panic in a step, which may have taken the state with it:
+    // the write may have run, so it must be kept as an unknown outcome, not freed.
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut first, _) = post(&host, &plugin, "k1", b"{}");
+    assert!(is_executing(&first));
+    first.after_fault(&host);
+    assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 1);
+    assert!(matches!(first.state(), Journey::Finished));
+    assert!(is_unknown(&retry(&host, &plugin)));
+    host.advance_ms(3_600_000);
+    assert!(is_unknown(&retry(&host, &plugin)));
+}
+
+#[test]
+fn a_request_whose_step_faulted_before_it_ran_leaves_no_outcome() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut refused, _) = post(&host, &plugin, "", b"{}");
+    refused.after_fault(&host);
+    assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 0);
+    assert_eq!(retry(&host, &plugin), None, "the key is free");
+}
