@@ -10,20 +10,8 @@ use idempotency_core::root::PluginRoot;
 
 use crate::abi::ConfigHandle;
 use crate::host::NativeHost;
+use crate::loaded::{Shared, RETIREMENTS};
 use crate::metrics::Metrics;
-
-/// What every worker shares of one configuration.
-pub struct Shared {
-    /// Never reused in the process's life: the workers find their root by it.
-    pub id: u64,
-    pub configuration: Vec<u8>,
-    pub metrics: Metrics,
-    /// Envoy let go of the configuration (a push replaced it).
-    pub retired: AtomicBool,
-}
-
-/// Bumped whenever a configuration retires, so a worker looks for roots to drop only then.
-pub static RETIREMENTS: AtomicU64 = AtomicU64::new(0);
 
 impl Drop for Configuration {
     fn drop(&mut self) {

@@ -4,7 +4,7 @@
 //! docs/how-it-works.md, "The native build: who runs where".
 //!
 //! `abi/` binds Envoy's dynamic modules ABI; `configuration.rs` is a filter configuration as
-//! Envoy creates it, `root.rs` a worker's root for it, `filter.rs` each request,
+//! Envoy creates it (`loaded.rs` what the workers share of it), `root.rs` a worker's root for it, `filter.rs` each request,
 //! `host.rs` core's `Host` over the ABI, `worker.rs` what each worker thread holds,
 //! `shared_data.rs` and `queues.rs` what proxy-wasm shared between workers, `metrics.rs` the
 //! configuration's counters, `ticker.rs` the thread that gives roots their ticks.
@@ -16,6 +16,7 @@ mod attack_tests;
 mod configuration;
 mod filter;
 mod host;
+mod loaded;
 mod metrics;
 mod queues;
 mod root;

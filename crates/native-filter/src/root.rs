@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use idempotency_core::journey::RequestJourney;
 use idempotency_core::root::PluginRoot;
 
-use crate::configuration::Shared;
 use crate::host::NativeHost;
+use crate::loaded::Shared;
 use crate::worker;
 
 pub struct WorkerRoot {

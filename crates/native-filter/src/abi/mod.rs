@@ -4,7 +4,7 @@
 //! - [`Filter`]: one request's Envoy filter, valid during that request's hooks on its worker.
 //! - [`ConfigHandle`]: the filter config's Envoy object (metrics), usable from any thread.
 //! - [`Scheduler`]: posts an event to a request's worker from any thread.
-//! - [`log`]: Envoy's log (and a `log` crate logger over it, installed at program init).
+//! - [`fn@log`]: Envoy's log (and a `log` crate logger over it, installed at program init).
 //! - `hooks`: the exported `envoy_dynamic_module_on_*` functions, which dispatch to the
 //!   [`FilterFactory`] / [`HttpFilter`] built by the crate's `FACTORY_BUILDER` (lib.rs).
 //!
