@@ -561,7 +561,8 @@ def merge_rounds(rounds: list[SetupResult]) -> SetupResult:
 
 
 # The setups whose CPU is split by `perf` into the module, its host calls and Envoy's own work:
-# the floors and the filter's single-proxy paths, with and without an upstream.
+# the floors and the filter's single-proxy paths, with and without an upstream. Wasm rows only:
+# the split tells the module by V8's JIT code, which the native build does not have.
 PROFILED = ("b", "c", "d", "k", "l", "m", "n", "o")
 
 

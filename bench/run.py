@@ -21,7 +21,9 @@ envoy/envoy.yaml and driven by the same wrk command:
   h   e over the filter's older store transport (`store.transport: "http"`, one HTTP/2
       callout per claim and per completion), for before/after in one run
   k   b with every route a `direct_response` (no upstream)
-  ad  a on that route: Envoy without any filter answering the POST itself
+  ad  a on that route, with Envoy's buffer filter in the filter's place: without a filter
+      that waits for the body, Envoy answers the POST at its headers and closes the
+      connection (a reconnect per request, which the connection check fails)
   l   c on that route: the filter's own cost for a new key, nothing behind it
   m   d on that route: a replay
   ln  l on the native build, held to 0.65x (ad)
@@ -73,13 +75,14 @@ budget (`--only memory-native --memory-keys 100000` runs the native one alone, s
 
 Each native row runs right after its Wasm row, and the native build's Envoy gets
 ENVOY_DYNAMIC_MODULES_SEARCH_PATH=target/native (harness.Envoy's `build`); its counters,
-`dynamicmodulescustom.*`, are read under the Wasm build's names, so every check below
-holds for both builds.
+`dynamicmodulescustom.*`, are read under the Wasm build's names, so the checks below
+hold for both builds.
 
 Everything listens on 127.0.0.1; every process is started and stopped by PID
 through tests/e2e/harness.py; every wait and every load run is bounded.
-Exits non-zero (and writes no page) if a setup answers mostly errors or the
-filter's counters show it did not do what the setup claims to measure.
+Exits non-zero (and writes no page) if a setup answers mostly errors, Envoy closed its
+connections (the run measured reconnects), or the filter's counters show it did not do
+what the setup claims to measure.
 
 This file is the entry point; bench/setups.py holds the configurations, bench/measure.py
 the load and the measurements, bench/report.py the page and the chart.
