@@ -203,7 +203,8 @@ noop-wasm:
 bench-tools: noop-wasm
 	cargo build --release -p idempotency-store --example stream_load
 
-bench: build venv bench-tools
+# native: the dynamic module, for the native build's rows beside the Wasm ones.
+bench: build native venv bench-tools
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 	$(PYTHON) bench/run.py $(BENCH_ARGS)
 

@@ -107,9 +107,12 @@ def write_chart(results: list[SetupResult], path: Path) -> None:
     p99 = [r.wrk.p99_ms for r in results]
     palette = {"a": "#7f7f7f", "b0": "#bcbcbc", "b": "#9e9e9e", "c": "#1f77b4", "d": "#2ca02c", "e": "#ff7f0e",
                "f": "#d62728", "g": "#c7c7c7", "h": "#ffbb78", "i": "#aec7e8", "j": "#ffd8b1",
-               "k": "#dddddd", "l": "#6baed6", "m": "#74c476", "n": "#bdbdbd", "o": "#969696"}
+               "k": "#dddddd", "l": "#6baed6", "m": "#74c476", "n": "#bdbdbd", "o": "#969696",
+               # The native build: darker shades of its Wasm rows' colours.
+               "cn": "#08306b", "dn": "#00441b", "ad": "#7f7f7f", "ln": "#2171b5", "mn": "#238b45"}
     colors = [palette.get(r.setup.key, "#17becf") for r in results]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8.5), sharex=True)
+    # About half an inch a bar, so that the labels of a full run's rows stay apart.
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(11, 0.55 * len(results)), 8.5), sharex=True)
     fig.patch.set_facecolor("white")
     bars = ax1.bar(range(len(results)), rps, color=colors)
     ax1.bar_label(bars, labels=[f"{v:,.0f}" for v in rps], fontsize=9)
@@ -568,6 +571,124 @@ def add_cpu_section(add, results: list[SetupResult], instructions: "Instructions
     add("")
 
 
+def memory_targets(mem: MemoryResult | None) -> list[tuple[str, bool | None, str]]:
+    """The memory run's targets (none when it did not run), named by build for the native one."""
+    if mem is None:
+        return []
+    run = "memory run" if mem.build == "wasm" else f"memory run, {mem.build} build"
+    refused = outcome(mem.stats, "table_full")
+    return [
+        (f"{run}: no key refused (`table_full`)", refused == 0, f"{refused:,} of {mem.wrk.requests:,}"),
+        (f"{run}: peak RSS ≤ warmed-up baseline + `local_table.max_bytes` + working overhead",
+         mem.rss_peak_kib <= mem.budget_kib,
+         f"peak {mem.rss_peak_kib / 1024:.1f} MiB vs {mem.rss_warm_kib / 1024:.1f} + "
+         f"{mem.max_bytes / 2**20:.0f} + {mem.working_overhead_bytes / 2**20:.0f} = "
+         f"{mem.budget_kib / 1024:.1f} MiB"),
+    ]
+
+
+# The native build's rows (issue 47): (native row, its Wasm row, Envoy without a filter on the
+# same route, what the native row is held to as a ratio of that Envoy's throughput, what it is).
+NATIVE_ROWS = (
+    ("cn", "c", "a", 0.85, "new keys, proxied route"),
+    ("dn", "d", "a", 1.3, "replays, proxied route"),
+    ("ln", "l", "ad", 0.65, "new keys, `direct_response` route"),
+    ("mn", "m", "ad", 0.8, "replays, `direct_response` route"),
+)
+
+
+def native_targets(by: dict[str, SetupResult]) -> list[tuple[str, bool | None, str]]:
+    """Each native row measured, against Envoy without a filter on its route, the Wasm row's
+    ratio beside it."""
+    targets = []
+    for native, wasm, bare, target, what in NATIVE_ROWS:
+        if native not in by or bare not in by:
+            continue
+        x, y = by[native], by[bare]
+        beside = (f"; Wasm ({wasm}) {by[wasm].wrk.rps / y.wrk.rps:.2f}× ({by[wasm].cpu_us_per_request:.0f} µs/req)"
+                  if wasm in by else "")
+        without = "Envoy without a filter" if bare == "a" else "Envoy without this filter (its buffer filter)"
+        targets.append((f"({native}) native {what} ≥ {target:g}× ({bare}), {without}",
+                        x.wrk.rps >= target * y.wrk.rps,
+                        f"{x.wrk.rps / y.wrk.rps:.2f}× ({x.wrk.rps:,.0f} vs {y.wrk.rps:,.0f} req/s; "
+                        f"{x.cpu_us_per_request:.0f} vs {y.cpu_us_per_request:.0f} µs/req){beside}"))
+    return targets
+
+
+def add_native_section(add, by: dict[str, SetupResult], mem: MemoryResult | None,
+                       mem_native: MemoryResult | None) -> None:
+    """The native build's rows beside the Wasm ones, and its memory run beside the Wasm one's."""
+    rows = [row for row in NATIVE_ROWS if row[0] in by and row[2] in by]
+    if not rows and mem_native is None:
+        return
+    add("## The native build")
+    add("")
+    add("The same filter built as an Envoy dynamic module ([crates/native-filter](../crates/native-filter/src/lib.rs), "
+        "`make native`: `target/native/libidempotency_native.so`), in-process and called through Envoy's C ABI "
+        "instead of across the Wasm sandbox. Each native setup is its Wasm setup's Envoy with the Wasm http "
+        "filter replaced by `envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter` (module "
+        "`idempotency_native`, found through `ENVOY_DYNAMIC_MODULES_SEARCH_PATH=target/native`) and the same "
+        "JSON configuration (`to_native` in tests/e2e/harness.py), measured right after it in the same run. "
+        "Single-proxy mode only: the native build refuses cluster mode, detached writes, `resolve` and gRPC "
+        "rules at load for now, so its configuration drops the payments rule's `resolve` (the measured "
+        "requests are the orders rule's, which has none). (ad) is Envoy without this filter on the `direct_response` route (with "
+        "Envoy's buffer filter, so that it answers once the body is in, as the filter does), what (ln) and "
+        "(mn) are held to as (cn) and (dn) are to (a).")
+    add("")
+    if rows:
+        add("| requests | Envoy without this filter | Wasm | × no filter | native | × no filter | target | |")
+        add("| --- | --- | --- | ---: | --- | ---: | --- | --- |")
+
+        def figures(r: SetupResult) -> str:
+            return f"({r.setup.key}) {r.wrk.rps:,.0f} req/s, {r.cpu_us_per_request:.0f} µs/req"
+
+        for native, wasm, bare, target, what in rows:
+            x, y = by[native], by[bare]
+            w = by.get(wasm)
+            add(f"| {what} | {figures(y)} | {figures(w) if w else '–'} | "
+                f"{ratio(w.wrk.rps, y.wrk.rps) if w else '–'} | {figures(x)} | {ratio(x.wrk.rps, y.wrk.rps)} | "
+                f"≥ {target:g}× ({bare}) | {verdict(x.wrk.rps >= target * y.wrk.rps)} |")
+        add("")
+        add("µs/req is Envoy's CPU time per request (user and system, all its threads) during the measured "
+            "run; with the module in-process, the native rows' difference to Envoy without a filter is "
+            "the filter's own work and Envoy's for its callbacks, with no sandbox to cross.")
+        add("")
+    if mem_native is not None:
+        add("The memory run (below) on the native build too, the same keys, table and response mix:")
+        add("")
+        runs = [m for m in (mem, mem_native) if m is not None]
+        add("| build | requests | writes/s | refused (`table_full`) | evicted | retention at the end | "
+            "RSS baseline → peak MiB | peak − baseline | budget MiB | |")
+        add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        for m in runs:
+            add(f"| {m.build} | {m.wrk.requests:,} | {m.write_rate:,.0f} | {outcome(m.stats, 'table_full'):,} | "
+                f"{outcome(m.stats, 'evicted'):,} | {m.retention_ms / 1000:.2f} s | "
+                f"{m.rss_warm_kib / 1024:.1f} → {m.rss_peak_kib / 1024:.1f} | "
+                f"{m.growth_bytes / 2**20:.1f} MiB | {m.budget_kib / 1024:.1f} | "
+                f"{verdict(outcome(m.stats, 'table_full') == 0 and m.rss_peak_kib <= m.budget_kib)} |")
+        add("")
+        values, entries = mem_native.values
+        beside = f" (the Wasm build's: {mem.per_entry_overhead:,.0f})" if mem else ""
+        add(f"On the native build the table is the module's own map (sharded, compare-and-swap: "
+            f"crates/native-filter/src/shared_data.rs), allocated through Envoy's allocator, so admin "
+            f"`/memory` counts it as it counts the Wasm build's shared data: Envoy's allocated heap grew "
+            f"{mem_native.heap_growth_bytes / 2**20:.1f} MiB at its peak and kept "
+            f"{mem_native.table_heap_bytes / 2**20:.1f} MiB after the run, for {values / 2**20:.1f} MiB of "
+            f"values in {entries:,} entries: {mem_native.per_entry_overhead:,.0f} bytes per entry beyond "
+            f"its value{beside}, against the {ENTRY_OVERHEAD_BYTES} the layout counts. Each build's budget "
+            f"counts from its own warmed-up baseline, and the native build's has no Wasm VM in it.")
+        add("")
+        # Whether memory stops growing once every slot and page has been written, as it must.
+        shown = mem_native.samples[::max(1, len(mem_native.samples) // 12)]
+        if shown and shown[-1] is not mem_native.samples[-1]:
+            shown.append(mem_native.samples[-1])
+        if len(shown) > 2:
+            add("During the native run (s: RSS MiB, Envoy heap allocated MiB, evicted so far): "
+                + "; ".join(f"{x.t:.0f}: {x.rss_kib / 1024:.1f}, {x.allocated / 2**20:.1f}, {x.evicted:,}"
+                            for x in shown))
+            add("")
+
+
 def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durations",
                results: list[SetupResult], mem: MemoryResult | None, stores: list[StoreResult],
                rb: RedisBench | None, scale: ClusterScale | None, wasm_size: int, noop_size: int,
@@ -576,7 +697,8 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                peer_cmp: "peer.PeerComparison | None" = None,
                disk: "DiskCommit | None" = None,
                grpc_results: "list[grpc_rows.GrpcRow] | None" = None,
-               sweep_result: "sweep.SweepResult | None" = None) -> list[tuple[str, bool | None, str]]:
+               sweep_result: "sweep.SweepResult | None" = None,
+               mem_native: MemoryResult | None = None) -> list[tuple[str, bool | None, str]]:
     by = {r.setup.key: r for r in results}
     sweep_lines: list[str] = []
     sweep_targets = sweep.report(sweep_lines.append, sweep_result)
@@ -677,16 +799,9 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                         f"{scale.redis_benchmark.rps:,.0f} SET NX/s"))
     targets.append(("Wasm module ≤ 1 MiB", wasm_size <= WASM_SIZE_TARGET,
                     f"{wasm_size / 1024:.0f} KiB ({wasm_size:,} bytes)"))
-    if mem:
-        refused = outcome(mem.stats, "table_full")
-        targets.append(("memory run: no key refused (`table_full`)", refused == 0,
-                        f"{refused:,} of {mem.wrk.requests:,}"))
-        targets.append(("memory run: peak RSS ≤ warmed-up baseline + `local_table.max_bytes` + working overhead",
-                        mem.rss_peak_kib <= mem.budget_kib,
-                        f"peak {mem.rss_peak_kib / 1024:.1f} MiB vs {mem.rss_warm_kib / 1024:.1f} + "
-                        f"{mem.max_bytes / 2**20:.0f} + {mem.working_overhead_bytes / 2**20:.0f} = "
-                        f"{mem.budget_kib / 1024:.1f} MiB"))
-
+    targets.extend(memory_targets(mem))
+    targets.extend(memory_targets(mem_native))
+    targets.extend(native_targets(by))
     targets.extend(unprotected_targets(by))
     targets.extend(sweep_targets)
     targets.extend(grpc_targets)
@@ -781,6 +896,13 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
             "per key, forever), no leases, no expiry, no access-log fields, no who-answered check and no "
             "cluster mode: those are what (l) and (m) may spend beyond it, and the targets hold them "
             "within 0.85× of it.")
+    if any(native in by for native, *_ in NATIVE_ROWS):
+        add("")
+        add("(cn), (dn), (ln) and (mn) are (c), (d), (l) and (m) on the native build, each measured right "
+            "after its Wasm row; (ad) is Envoy without this filter on the `direct_response` route, with "
+            "Envoy's own buffer filter so that it answers once the body is in, as (l) and (m) do (without "
+            "it Envoy answers the POST at its headers and closes the connection: a reconnection per "
+            "request). [The native build](#the-native-build) holds them to Envoy without a filter.")
     add("")
     add("### Reading the numbers")
     add("")
@@ -845,6 +967,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     rated = [r for r in results if r.rate]
     if rated and rate_a:
         add_rate_section(add, rated, rate_a, durations)
+    add_native_section(add, by, mem, mem_native)
     add_unprotected_section(add, by, durations, calls)
     L.extend(sweep_lines)
     L.extend(grpc_lines)
@@ -855,6 +978,9 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     add("")
     if mem:
         add_memory_section(add, mem)
+        if mem_native:
+            add("The same run on the native build: [The native build](#the-native-build).")
+            add("")
     else:
         add("Not run.")
         add("")
@@ -916,7 +1042,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     add("## Commands")
     add("")
     add("```sh")
-    add("make bench        # builds the filter, the no-op filter, upstream and store; runs bench/run.py")
+    add("make bench        # builds the filter (Wasm and native), the no-op filter, upstream and store; runs bench/run.py")
     add("```")
     add("")
     add("Envoy, per setup (config written from envoy/envoy.yaml by `bench/run.py`):")

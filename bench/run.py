@@ -10,6 +10,9 @@ envoy/envoy.yaml and driven by the same wrk command:
   b   the no-op filter holding each request until its body has arrived
   c   this filter, single-proxy mode, every request a new key
   d   this filter, single-proxy mode, every request a retry of one recorded key (replay)
+  cn  c on the native build (the dynamic module, `make native`: the config's Wasm filter
+      turned into a DynamicModuleFilter with the same JSON configuration), held to 0.85x (a)
+  dn  d on the native build, held to 1.3x (a)
   e   this filter, cluster mode, store on its embedded database
   f   this filter, cluster mode, store on Redis
   g   the coordination floor: the no-op filter of b, which then sends one message per
@@ -18,8 +21,13 @@ envoy/envoy.yaml and driven by the same wrk command:
   h   e over the filter's older store transport (`store.transport: "http"`, one HTTP/2
       callout per claim and per completion), for before/after in one run
   k   b with every route a `direct_response` (no upstream)
+  ad  a on that route, with Envoy's buffer filter in the filter's place: without a filter
+      that waits for the body, Envoy answers the POST at its headers and closes the
+      connection (a reconnect per request, which the connection check fails)
   l   c on that route: the filter's own cost for a new key, nothing behind it
   m   d on that route: a replay
+  ln  l on the native build, held to 0.65x (ad)
+  mn  m on the native build, held to 0.8x (ad)
   n   the job floor (crates/job-floor-filter) on that route, every request a new key: a
       filter doing each step the job needs (one header read, the body, two SHA-256, the
       clock, a counter, a shared-data lookup and compare-and-swap claim, the response read
@@ -62,11 +70,19 @@ refused keys, peak RSS against the budget and the retention achieved), the store
 its own (claims/s per backend next to redis-benchmark SET NX), and writes
 docs/benchmarks.md and docs/benchmarks.png. The memory run starts its own counting
 demo upstream (the fast one answers every request `200 ok`, whatever size is asked).
+The memory run is made on each build, the native one after the Wasm one, held to the same
+budget (`--only memory-native --memory-keys 100000` runs the native one alone, smaller).
+
+Each native row runs right after its Wasm row, and the native build's Envoy gets
+ENVOY_DYNAMIC_MODULES_SEARCH_PATH=target/native (harness.Envoy's `build`); its counters,
+`dynamicmodulescustom.*`, are read under the Wasm build's names, so the checks below
+hold for both builds.
 
 Everything listens on 127.0.0.1; every process is started and stopped by PID
 through tests/e2e/harness.py; every wait and every load run is bounded.
-Exits non-zero (and writes no page) if a setup answers mostly errors or the
-filter's counters show it did not do what the setup claims to measure.
+Exits non-zero (and writes no page) if a setup answers mostly errors, Envoy closed its
+connections (the run measured reconnects), or the filter's counters show it did not do
+what the setup claims to measure.
 
 This file is the entry point; bench/setups.py holds the configurations, bench/measure.py
 the load and the measurements, bench/report.py the page and the chart.
@@ -105,9 +121,9 @@ import grpc_rows
 import sweep
 from sweep import run_sweep
 from grpc_rows import run_grpc_rows
-from report import (UNPROTECTED_KEYS, add_unprotected_section, machine, unprotected_targets, write_chart,
-                    write_page)
-from setups import FILTER_WASM, FLOOR_WASM, NOOP_WASM, PRODUCT, REPO, harness, setups
+from report import (UNPROTECTED_KEYS, add_native_section, add_unprotected_section, machine, memory_targets,
+                    native_targets, unprotected_targets, write_chart, write_page)
+from setups import FILTER_WASM, FLOOR_WASM, NATIVE_MODULE, NOOP_WASM, PRODUCT, REPO, harness, setups
 
 
 # Where a full run keeps its measurements before it writes the page.
@@ -128,8 +144,8 @@ def main() -> int:
     p.add_argument("--profile-seconds", type=float, default=6,
                    help="seconds of perf sampling per profiled setup, after its measured run (0: none)")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of a,b0,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q,r,s,t,u,v,w,instructions,memory,"
-                        "store,cluster,peer,grpc,sweep (development; writes no page)")
+                   help="comma-separated subset of a,b0,b,c,d,cn,dn,e,f,g,h,i,j,k,ad,l,m,ln,mn,n,o,p,q,r,s,t,u,v,w,"
+                        "instructions,memory,memory-native,store,cluster,peer,grpc,sweep (development; writes no page)")
     p.add_argument("--unprotected-rounds", type=int, default=3,
                    help="rounds of the unprotected setups (p to w), in alternating order")
     p.add_argument("--peer-rounds", type=int, default=2,
@@ -155,7 +171,7 @@ def main() -> int:
     # The harness would take a newer debug build if there is one; a benchmark wants release.
     os.environ.setdefault("DEMO_UPSTREAM_BIN", str(REPO / "target" / "release" / "demo-upstream"))
     os.environ.setdefault("IDEMPOTENCY_STORE_BIN", str(REPO / "target" / "release" / "idempotency-store"))
-    for needed in (FILTER_WASM, NOOP_WASM, FLOOR_WASM, Path(os.environ["DEMO_UPSTREAM_BIN"]),
+    for needed in (FILTER_WASM, NOOP_WASM, FLOOR_WASM, NATIVE_MODULE, Path(os.environ["DEMO_UPSTREAM_BIN"]),
                    Path(os.environ["IDEMPOTENCY_STORE_BIN"])):
         if not needed.is_file():
             raise SystemExit(f"{needed} missing: run `make bench` (it builds it)")
@@ -180,7 +196,7 @@ def main() -> int:
             ", ".join(f"{p} {n:,}" for p, n in instructions.per_path.items()) if instructions
             else "not counted (valgrind not found)"))
     results: list[SetupResult] = []
-    mem = None
+    mem = mem_native = None
     stores: list[StoreResult] = []
     rb = None
     scale = None
@@ -208,6 +224,9 @@ def main() -> int:
                                            args.unprotected_rounds))
             if args.memory_keys > 0 and (not only or "memory" in only):
                 mem = run_memory(tmp / "memory", args.memory_keys, args.memory_max_seconds)
+            if args.memory_keys > 0 and (not only or "memory-native" in only):
+                mem_native = run_memory(tmp / "memory-native", args.memory_keys, args.memory_max_seconds,
+                                        build="native")
             if not only or "store" in only:
                 stores, rb = run_store_alone(tmp / "store", redis, args.store_duration, durations.store_warmup,
                                              args.redis_requests)
@@ -244,9 +263,17 @@ def main() -> int:
             print("\n".join(lines))
             for name, ok, detail in unprotected_targets(by_key):
                 log(f"  {'met   ' if ok else 'MISSED'} {name}: {detail}")
+        native_lines: list[str] = []
+        add_native_section(native_lines.append, by_key, mem, mem_native)
+        if native_lines:
+            print("\n".join(native_lines))
+        # Whichever targets this subset has what they need for.
+        for name, ok, detail in [*native_targets(by_key), *memory_targets(mem), *memory_targets(mem_native)]:
+            log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
         log(f"done in {elapsed:.0f}s (partial run, no page written)")
         return 0
-    measured = dict(info=info, durations=durations, results=results, mem=mem, stores=stores, rb=rb,
+    measured = dict(info=info, durations=durations, results=results, mem=mem, mem_native=mem_native,
+                    stores=stores, rb=rb,
                     scale=scale, wasm_size=FILTER_WASM.stat().st_size, noop_size=NOOP_WASM.stat().st_size,
                     elapsed=elapsed, envoy_cmd=envoy_cmd, instructions=instructions, peer_cmp=peer_cmp,
                     disk=disk, grpc_results=grpc_results, sweep_result=sweep_result)
@@ -270,7 +297,8 @@ def write_results_page(out: Path, measured: dict) -> None:
                          measured["mem"], measured["stores"], measured["rb"], measured["scale"],
                          measured["wasm_size"], measured["noop_size"], measured["elapsed"],
                          measured["envoy_cmd"], measured["instructions"], measured["peer_cmp"],
-                         measured["disk"], measured["grpc_results"], measured["sweep_result"])
+                         measured["disk"], measured["grpc_results"], measured["sweep_result"],
+                         measured.get("mem_native"))
     log(f"wrote {out} and {chart}")
     for name, ok, detail in targets:
         log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
@@ -325,7 +353,8 @@ def abba(baseline: Path, candidate: Path, only: str, durations: Durations) -> in
         if not module.is_file():
             raise SystemExit(f"{module} missing")
     keys = set(only.split(",")) - {""}
-    chosen = [s for s in setups() if s.key in keys and s.is_filter]
+    # Wasm modules only: A and B are two builds of the module.
+    chosen = [s for s in setups() if s.key in keys and s.is_filter and s.build == "wasm"]
     tmp = Path(tempfile.mkdtemp(prefix="idempotency-abba-"))
     log(f"logs and configs in {tmp}")
     rows: list[tuple[str, str, float, float]] = []

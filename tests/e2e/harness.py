@@ -911,10 +911,12 @@ class EnvoyStartError(RuntimeError):
     pass
 
 
-# Which build of the filter every Envoy here runs: "wasm" (the default) or "native" (the
-# dynamic module, libidempotency_native.so). `make e2e-native` sets it; the configurations
-# stay the Wasm ones the tests write, and `to_native` turns each into the native filter's.
+# Which build of the filter an Envoy here runs unless it is given one (`Envoy(..., build=)`):
+# "wasm" (the default) or "native" (the dynamic module, libidempotency_native.so).
+# `make e2e-native` sets it; the configurations stay the Wasm ones the tests write, and
+# `to_native` turns each into the native filter's.
 FILTER_BUILD = os.environ.get("IDEMPOTENCY_BUILD", "wasm")
+FILTER_BUILDS = ("wasm", "native")
 NATIVE_MODULE_NAME = "idempotency_native"
 # Envoy names a dynamic module's metrics `dynamicmodulescustom.<name>` (and Prometheus
 # `envoy_dynamicmodulescustom_<name>`), the Wasm build's `wasmcustom.<name>` (Prometheus
@@ -938,10 +940,10 @@ def native_module_dir() -> Path:
     return Path(os.environ.get("IDEMPOTENCY_NATIVE_DIR") or REPO_ROOT / "target" / "native").resolve()
 
 
-def envoy_environment() -> dict[str, str]:
+def envoy_environment(build: str = FILTER_BUILD) -> dict[str, str]:
     """Envoy's environment: on the native build, where it finds the module."""
     env = dict(os.environ)
-    if FILTER_BUILD == "native":
+    if build == "native":
         env["ENVOY_DYNAMIC_MODULES_SEARCH_PATH"] = str(native_module_dir())
     return env
 
@@ -980,7 +982,7 @@ def for_this_build(config: dict) -> dict:
         try:
             to_native(config)
         except NotOnThisBuild as what:
-            import pytest  # only tests build Envoys; the bench never sets the native build
+            import pytest  # the suite's build: only tests rely on it (the bench names each Envoy's)
 
             pytest.skip(f"not in the native build yet: {what}")
     return config
@@ -1109,6 +1111,10 @@ class Envoy:
     ``plugin_config``: dict/list (JSON-encoded) or str for the ``idempotency`` filter.
     ``wasm_path``: absolute path for every ``vm_config.code.local.filename``.
     ``mutate``: callable(config) run last; may edit in place or return a new dict.
+    ``build``: the filter's build this Envoy runs, "wasm" or "native" (the config is written
+    as the Wasm one and turned by `to_native`; a configuration the native build refuses
+    raises NotOnThisBuild). Unset: the suite's FILTER_BUILD, where such a configuration skips
+    the test instead.
     """
 
     def __init__(
@@ -1126,7 +1132,13 @@ class Envoy:
         concurrency: int = 2,
         log_level: str = "info",
         extra_args: Sequence[str] = (),
+        build: str | None = None,
     ) -> None:
+        if build is not None and build not in FILTER_BUILDS:
+            raise ValueError(f"build {build!r}: one of {', '.join(FILTER_BUILDS)}")
+        # Named by the caller, a build is that Envoy's whatever the suite runs.
+        self.build_named = build is not None
+        self.build = build or FILTER_BUILD
         if isinstance(config, Mapping):
             base = copy.deepcopy(dict(config))
         else:
@@ -1172,7 +1184,11 @@ class Envoy:
             result = mutate(config)
             if result is not None:
                 config = result
-        for_this_build(config)
+        if self.build_named:
+            if self.build == "native":
+                to_native(config)
+        else:
+            for_this_build(config)
         return config
 
     def write_config(self) -> Path:
@@ -1208,7 +1224,8 @@ class Envoy:
         self.write_config()
         if self.process is not None and self.process.alive():
             raise RuntimeError(f"{self.name} is already running")
-        self.process = ManagedProcess(self.argv(), name=self.name, log_dir=self.tmpdir, env=envoy_environment())
+        self.process = ManagedProcess(self.argv(), name=self.name, log_dir=self.tmpdir,
+                                      env=envoy_environment(self.build))
         return self.process.start()
 
     def start(self, timeout: float = 30.0) -> "Envoy":
@@ -1274,7 +1291,8 @@ class Envoy:
     def stats(self, filter: str | None = None) -> dict[str, int]:
         """Counters and gauges by name (histograms left out); ``filter`` is Envoy's regex."""
         params = {"format": "json"}
-        native = FILTER_BUILD == "native"
+        # Named as the Wasm build's whatever this Envoy runs, so callers read either alike.
+        native = self.build == "native"
         if filter:
             params["filter"] = filter.replace(r"wasmcustom\.", re.escape(NATIVE_METRICS_PREFIX)) if native else filter
         resp = client.get(self.admin_url("/stats"), params=params, timeout=5)
@@ -1298,7 +1316,8 @@ class Envoy:
     # -- validation --------------------------------------------------------
 
     @staticmethod
-    def validate(config_path: str | os.PathLike[str], timeout: float = 60.0) -> tuple[bool, str]:
+    def validate(config_path: str | os.PathLike[str], timeout: float = 60.0,
+                 build: str = FILTER_BUILD) -> tuple[bool, str]:
         """``envoy --mode validate -c config_path``: (ok, combined output)."""
         try:
             result = subprocess.run(
@@ -1309,7 +1328,7 @@ class Envoy:
                 stderr=subprocess.STDOUT,
                 timeout=timeout,
                 preexec_fn=_preexec(),
-                env=envoy_environment(),
+                env=envoy_environment(build),
             )
         except subprocess.TimeoutExpired as err:  # run() has killed the child
             out = err.output.decode(errors="replace") if err.output else ""
@@ -1318,7 +1337,7 @@ class Envoy:
 
     def validate_config(self, timeout: float = 60.0) -> tuple[bool, str]:
         """Writes this instance's config and validates it."""
-        return Envoy.validate(self.write_config(), timeout)
+        return Envoy.validate(self.write_config(), timeout, self.build)
 
 
 def default_envoy_config() -> Path:

@@ -152,6 +152,41 @@ def test_envoy_config_rewrites(tmp_path) -> None:
         harness.Envoy(harness.router_config(), tmp_path, plugin_config={})
 
 
+def test_envoy_build_is_per_instance(tmp_path) -> None:
+    """An Envoy given a build runs it whatever the suite's (the bench measures both in one
+    run): its config, its environment and the names its stats are read under."""
+    def wasm_filter(plugin: dict):
+        def add(config: dict) -> None:
+            chain = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            chain["http_filters"].insert(0, {"name": "idempotency", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {"configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                             "value": json.dumps(plugin)},
+                           "vm_config": {"runtime": "envoy.wasm.runtime.v8",
+                                         "code": {"local": {"filename": "x.wasm"}}}}}})
+        return add
+
+    def filter_type(envoy: harness.Envoy) -> str:
+        return next(f for f in harness._http_filters(envoy.config) if f["name"] == "idempotency")["typed_config"]["@type"]
+
+    ports = {"demo_upstream": 4242}
+    for build, suffix in (("wasm", "wasm.v3.Wasm"), ("native", "dynamic_modules.v3.DynamicModuleFilter")):
+        envoy = harness.Envoy(harness.router_config(), tmp_path, cluster_ports=ports,
+                              mutate=wasm_filter({"rules": []}), build=build, name=f"envoy-{build}")
+        assert envoy.build == build
+        assert filter_type(envoy).endswith(suffix)
+    native_dir = str(harness.native_module_dir())
+    assert harness.envoy_environment("native")["ENVOY_DYNAMIC_MODULES_SEARCH_PATH"] == native_dir
+    assert harness.envoy_environment("wasm").get("ENVOY_DYNAMIC_MODULES_SEARCH_PATH") == \
+        harness.os.environ.get("ENVOY_DYNAMIC_MODULES_SEARCH_PATH")
+    # Named, the native build refuses what it lacks instead of skipping the test.
+    with pytest.raises(harness.NotOnThisBuild):
+        harness.Envoy(harness.router_config(), tmp_path, cluster_ports=ports,
+                      mutate=wasm_filter({"store": {"cluster": "store"}, "rules": []}), build="native")
+    with pytest.raises(ValueError):
+        harness.Envoy(harness.router_config(), tmp_path, cluster_ports=ports, build="wasm32")
+
+
 def test_redis_start_restart_stop(tmp_path, procs: harness.ProcessGroup) -> None:
     redis = procs.redis(appendonly=True)
     assert redis.command("SET", "k", "v") is True  # redis-py's reply to OK
