@@ -132,7 +132,7 @@ unit:
 	cargo test --workspace
 
 unit-wasm:
-	@command -v wasm-bindgen-test-runner >/dev/null || { echo "wasm-bindgen-test-runner missing: cargo install wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION)"; exit 1; }
+	@command -v wasm-bindgen-test-runner >/dev/null || { echo "wasm-bindgen-test-runner missing: cargo install wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION) --no-default-features --bin wasm-bindgen-test-runner (scripts/install-deps.sh does)"; exit 1; }
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
 		cargo test --target $(WASM_TARGET) -p idempotency-core -p idempotency-protocol
 
