@@ -65,7 +65,8 @@ binaries:
 	cargo build --release -p demo-upstream -p idempotency-store
 
 # The table_geometry example lets tests read the table's layout from the code; a debug build,
-# which `make unit` (cargo test) has made already.
+# as the tests' `cargo run -p idempotency-core` wants it (not `make unit`'s: the workspace's
+# features unify there, so this one compiles core and its dependencies again, about 20 s).
 table-geometry:
 	cargo build -p idempotency-core --example table_geometry
 
