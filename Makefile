@@ -70,7 +70,8 @@ native:
 	cargo build --profile native -p native-filter
 
 # The table_geometry example lets tests read the table's layout from the code; a debug build,
-# which `make unit` (cargo test) has made already.
+# as the tests' `cargo run -p idempotency-core` wants it (not `make unit`'s: the workspace's
+# features unify there, so this one compiles core and its dependencies again, about 20 s).
 table-geometry:
 	cargo build -p idempotency-core --example table_geometry
 
@@ -138,7 +139,7 @@ unit:
 	cargo test --workspace
 
 unit-wasm:
-	@command -v wasm-bindgen-test-runner >/dev/null || { echo "wasm-bindgen-test-runner missing: cargo install wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION)"; exit 1; }
+	@command -v wasm-bindgen-test-runner >/dev/null || { echo "wasm-bindgen-test-runner missing: cargo install wasm-bindgen-cli --version $(WASM_BINDGEN_VERSION) --no-default-features --bin wasm-bindgen-test-runner (scripts/install-deps.sh does)"; exit 1; }
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
 		cargo test --target $(WASM_TARGET) -p idempotency-core -p idempotency-protocol
 
