@@ -8,12 +8,46 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use crate::abi::{ConfigHandle, CounterId, GaugeId};
 
+/// One kind of metric as defined so far: ids by name, Envoy's handles by id.
+struct Book<T> {
+    ids: HashMap<String, u32>,
+    handles: Vec<T>,
+}
+
+impl<T> Default for Book<T> {
+    fn default() -> Self {
+        Book {
+            ids: HashMap::new(),
+            handles: Vec::new(),
+        }
+    }
+}
+
+impl<T: Copy> Book<T> {
+    /// The metric's id; `define` asks Envoy for it the first time.
+    fn id(
+        &mut self,
+        name: &str,
+        define: impl FnOnce() -> Result<T, crate::abi::AbiError>,
+    ) -> Result<u32, String> {
+        if let Some(id) = self.ids.get(name) {
+            return Ok(*id);
+        }
+        self.handles.push(define().map_err(|e| e.to_string())?);
+        let id = metric_id(self.handles.len())?;
+        self.ids.insert(name.to_string(), id);
+        Ok(id)
+    }
+
+    fn handle(&self, id: u32) -> Option<T> {
+        self.handles.get((id as usize).checked_sub(1)?).copied()
+    }
+}
+
 #[derive(Default)]
 struct Defined {
-    counter_ids: HashMap<String, u32>,
-    counters: Vec<CounterId>,
-    gauge_ids: HashMap<String, u32>,
-    gauges: Vec<GaugeId>,
+    counters: Book<CounterId>,
+    gauges: Book<GaugeId>,
 }
 
 pub struct Metrics {
@@ -47,46 +81,31 @@ impl Metrics {
 
     pub fn counter(&self, name: &str) -> Result<u32, String> {
         if let Some(frozen) = self.frozen.get() {
-            return frozen.counter_ids.get(name).copied().ok_or_else(|| {
+            return frozen.counters.ids.get(name).copied().ok_or_else(|| {
                 format!("counter {name} was not defined when the configuration loaded")
             });
         }
-        let mut defined = self.defining();
-        if let Some(id) = defined.counter_ids.get(name) {
-            return Ok(*id);
-        }
-        let counter = self
-            .handle
-            .define_counter(name)
-            .map_err(|e| e.to_string())?;
-        defined.counters.push(counter);
-        let id = metric_id(defined.counters.len())?;
-        defined.counter_ids.insert(name.to_string(), id);
-        Ok(id)
+        self.defining()
+            .counters
+            .id(name, || self.handle.define_counter(name))
     }
 
     pub fn gauge(&self, name: &str) -> Result<u32, String> {
         if let Some(frozen) = self.frozen.get() {
-            return frozen.gauge_ids.get(name).copied().ok_or_else(|| {
+            return frozen.gauges.ids.get(name).copied().ok_or_else(|| {
                 format!("gauge {name} was not defined when the configuration loaded")
             });
         }
-        let mut defined = self.defining();
-        if let Some(id) = defined.gauge_ids.get(name) {
-            return Ok(*id);
-        }
-        let gauge = self.handle.define_gauge(name).map_err(|e| e.to_string())?;
-        defined.gauges.push(gauge);
-        let id = metric_id(defined.gauges.len())?;
-        defined.gauge_ids.insert(name.to_string(), id);
-        Ok(id)
+        self.defining()
+            .gauges
+            .id(name, || self.handle.define_gauge(name))
     }
 
     /// A lost increment is not worth failing a request over (as in core's `Host`).
     pub fn increment(&self, id: u32) {
         let counter = match self.frozen.get() {
-            Some(frozen) => slot(&frozen.counters, id),
-            None => slot(&self.defining().counters, id),
+            Some(frozen) => frozen.counters.handle(id),
+            None => self.defining().counters.handle(id),
         };
         if let Some(counter) = counter {
             if let Err(e) = self.handle.increment_counter(counter, 1) {
@@ -97,8 +116,8 @@ impl Metrics {
 
     pub fn set_gauge(&self, id: u32, value: u64) {
         let gauge = match self.frozen.get() {
-            Some(frozen) => slot(&frozen.gauges, id),
-            None => slot(&self.defining().gauges, id),
+            Some(frozen) => frozen.gauges.handle(id),
+            None => self.defining().gauges.handle(id),
         };
         if let Some(gauge) = gauge {
             if let Err(e) = self.handle.set_gauge(gauge, value) {
@@ -111,8 +130,4 @@ impl Metrics {
 /// Ids start at 1, as proxy-wasm's do: core reads 0 as "not defined" and counts nothing.
 fn metric_id(count: usize) -> Result<u32, String> {
     u32::try_from(count).map_err(|e| e.to_string())
-}
-
-fn slot<T: Copy>(defined: &[T], id: u32) -> Option<T> {
-    defined.get((id as usize).checked_sub(1)?).copied()
 }
