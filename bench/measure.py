@@ -278,7 +278,7 @@ class SetupResult:
 
 
 # Envoy's startup advice about the overload manager, and its warning about the ABI version
-# the native build declares (crates/native-filter/ABI-NOTES.md): not about what is measured.
+# the native build declares (crates/dynamic-module-abi/ABI-NOTES.md): not about what is measured.
 IGNORED_LOG = ("no configured limit to the number of allowed active downstream connections",
                "Dynamic module ABI version v0.1.0 is deprecated")
 

@@ -6,7 +6,7 @@ use std::ffi::c_void;
 
 use crate::abi::ffi;
 use crate::abi::hooks::{self, *};
-use crate::abi::tests::mock_abi::{reset, with};
+use crate::abi::mock_abi::{reset, with};
 
 const REQ: u32 = ffi::HEADER_TYPE_REQUEST_HEADER;
 const RESP: u32 = ffi::HEADER_TYPE_RESPONSE_HEADER;

@@ -3,13 +3,14 @@
 //! catch panics). The same core as the Wasm build, over a second host; see
 //! docs/how-it-works.md, "The native build: who runs where".
 //!
-//! `abi/` binds Envoy's dynamic modules ABI; `configuration.rs` is a filter configuration as
+//! `abi` is crates/dynamic-module-abi, the bindings to Envoy's dynamic modules ABI (and the
+//! exported hooks); `configuration.rs` is a filter configuration as
 //! Envoy creates it (`loaded.rs` what the workers share of it), `root.rs` a worker's root for it, `filter.rs` each request,
 //! `host.rs` core's `Host` over the ABI, `worker.rs` what each worker thread holds,
 //! `shared_data.rs` and `queues.rs` what proxy-wasm shared between workers, `metrics.rs` the
 //! configuration's counters, `ticker.rs` the thread that gives roots their ticks.
 
-pub mod abi;
+pub(crate) use dynamic_module_abi as abi;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod attack_tests;
@@ -31,6 +32,11 @@ use abi::{ConfigHandle, FilterFactory};
 
 /// What each filter config is built with (called by the config-new hook).
 pub(crate) static FACTORY_BUILDER: abi::FactoryBuilder = load_configuration;
+
+abi::dynamic_module!(abi::Module {
+    name: "idempotency_native",
+    factory_builder: FACTORY_BUILDER,
+});
 
 /// The filter's JSON configuration, the same as the Wasm module's; refused with the field
 /// named when it is wrong or asks for what the native build does not have yet.

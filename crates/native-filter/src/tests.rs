@@ -1,10 +1,10 @@
-//! The host layer over a mocked Envoy (`abi::tests::mock_abi`): what core's calls reach, in
+//! The host layer over a mocked Envoy (`abi::mock_abi`): what core's calls reach, in
 //! the form core reads, and what they answer when there is no request to act on.
 
 use idempotency_core::host::{Host, SetOutcome, SharedData};
 
 use crate::abi::ffi;
-use crate::abi::tests::mock_abi::{reset, with, MetadataValue};
+use crate::abi::mock_abi::{reset, with, MetadataValue};
 use crate::abi::{ConfigHandle, Filter};
 use crate::host::NativeHost;
 use crate::metrics::Metrics;

@@ -21,7 +21,7 @@
 //!   `#[repr(C)]` reproduces.
 //! - `*_envoy_ptr` point at Envoy objects (Envoy owns them); `*_module_ptr` at the module's.
 //!
-//! Nothing else belongs in this file: the safe layer is `abi/mod.rs`.
+//! Nothing else belongs in this file: the safe layer is `lib.rs`.
 
 #![allow(dead_code)]
 

@@ -6,7 +6,8 @@
 //! - [`Scheduler`]: posts an event to a request's worker from any thread.
 //! - [`fn@log`]: Envoy's log (and a `log` crate logger over it, installed at program init).
 //! - `hooks`: the exported `envoy_dynamic_module_on_*` functions, which dispatch to the
-//!   [`FilterFactory`] / [`HttpFilter`] built by the crate's `FACTORY_BUILDER` (lib.rs).
+//!   [`FilterFactory`] / [`HttpFilter`] built by the [`Module`] the .so registers with
+//!   [`dynamic_module!`] (which defines the program-init hook).
 //!
 //! Memory, as the header has it: every byte slice Envoy lends (headers, bodies, attributes,
 //! metadata, config bytes) is valid only until the current hook returns or a setter is called,
@@ -17,15 +18,19 @@
 
 pub mod ffi;
 pub mod hooks;
+// Envoy's callbacks, mocked: for this crate's tests and, with the `mock` feature, for tests of
+// the modules built on it (never in a module loaded by Envoy: it would shadow Envoy's).
+#[cfg(any(test, feature = "mock"))]
+pub mod mock_abi;
 #[cfg(test)]
-pub(crate) mod tests;
+mod tests;
 
 use std::cell::RefCell;
 use std::ffi::c_char;
 use std::fmt;
 use std::time::Duration;
 
-pub use hooks::{FactoryBuilder, FilterFactory, HttpFilter};
+pub use hooks::{FactoryBuilder, FilterFactory, HttpFilter, Module};
 
 /// The ABI version the module reports from `envoy_dynamic_module_on_program_init`: that of
 /// the header the bindings follow (see `ffi`). Envoy 1.40 (`v0.2.0`) only logs a warning for
@@ -433,7 +438,7 @@ impl Filter {
     /// # Safety
     /// `ptr` must be the `filter_envoy_ptr` Envoy passed to the running hook (or a live
     /// filter's pointer on its own worker).
-    pub(crate) unsafe fn from_raw(ptr: ffi::HttpFilterEnvoyPtr) -> Filter {
+    pub unsafe fn from_raw(ptr: ffi::HttpFilterEnvoyPtr) -> Filter {
         Filter { ptr }
     }
 
@@ -499,8 +504,8 @@ impl Filter {
     /// All entries of `which`, in Envoy's order (pseudo headers first), names as Envoy has
     /// them (lower case). Empty if the map is not available.
     pub fn headers(&self, which: HeaderMap) -> Vec<(String, Vec<u8>)> {
-        #[cfg(test)]
-        tests::mock_abi::maybe_panic("get_headers");
+        #[cfg(any(test, feature = "mock"))]
+        mock_abi::maybe_panic("get_headers");
         // SAFETY: plain query.
         let size = unsafe {
             ffi::envoy_dynamic_module_callback_http_get_headers_size(self.ptr, which.raw())
@@ -759,8 +764,8 @@ impl Filter {
     /// Sends a local reply (status, headers, body) downstream. From this filter's own hook it
     /// is made when the hook's method returns (see ABI-NOTES.md, re-entry).
     pub fn send_response(&self, status: u16, headers: &[(&str, &[u8])], body: &[u8]) {
-        #[cfg(test)]
-        tests::mock_abi::maybe_panic("send_response");
+        #[cfg(any(test, feature = "mock"))]
+        mock_abi::maybe_panic("send_response");
         let call = Deferred::SendResponse {
             status: u32::from(status),
             headers: owned_headers(headers),
@@ -1113,7 +1118,7 @@ unsafe impl Sync for ConfigHandle {}
 impl ConfigHandle {
     /// # Safety
     /// `ptr` must be the `filter_config_envoy_ptr` Envoy passed to the config-new hook.
-    pub(crate) unsafe fn from_raw(ptr: ffi::HttpFilterConfigEnvoyPtr) -> ConfigHandle {
+    pub unsafe fn from_raw(ptr: ffi::HttpFilterConfigEnvoyPtr) -> ConfigHandle {
         ConfigHandle { ptr }
     }
 

@@ -13,7 +13,7 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::c_char;
 use std::sync::Mutex;
 
-use crate::abi::ffi::{self, EnvoyBuffer, EnvoyHttpHeader, ModuleBuffer, ModuleHttpHeader};
+use crate::ffi::{self, EnvoyBuffer, EnvoyHttpHeader, ModuleBuffer, ModuleHttpHeader};
 
 /// Headers as the mock keeps them.
 pub type Pairs = Vec<(String, Vec<u8>)>;
@@ -105,7 +105,7 @@ fn refused(name: &'static str) -> bool {
     })
 }
 
-/// Called by the bindings' Rust side (test builds only) before a call reaches Envoy: panics
+/// Called by the bindings' Rust side (mocked builds only) before a call reaches Envoy: panics
 /// once if the test asked, as a bug in the module's code there would. (A panic cannot
 /// unwind out of the mock's `extern "C"` functions themselves: that aborts.)
 pub fn maybe_panic(name: &'static str) {

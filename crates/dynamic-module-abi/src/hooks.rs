@@ -1,6 +1,10 @@
 //! The event hooks Envoy calls (`envoy_dynamic_module_on_*`), exported from the .so, and the
 //! Rust interface they dispatch to.
 //!
+//! A module built on these bindings (a cdylib depending on this crate) exports them all: the
+//! `#[no_mangle]` functions here are kept in the .so, and [`crate::dynamic_module!`] adds the
+//! program-init hook, which registers the module's [`Module`].
+//!
 //! Every hook catches panics (the .so is built with `panic = "unwind"`, profile `native`):
 //! nothing unwinds into Envoy. A panic in a filter's method is logged, the filter's
 //! `on_panic` is called, the hook answers Continue, and the filter is *poisoned*: its later
@@ -21,6 +25,7 @@ use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::OnceLock;
 
 use super::ffi::{self, EnvoyBuffer, EnvoyHttpHeader};
 use super::{
@@ -84,9 +89,36 @@ pub trait HttpFilter {
 pub type FactoryBuilder =
     fn(name: &str, config: &[u8], handle: ConfigHandle) -> Result<Box<dyn FilterFactory>, String>;
 
-/// What the config-new hook builds factories with: the crate's `FACTORY_BUILDER` (lib.rs).
-fn factory_builder() -> FactoryBuilder {
-    crate::FACTORY_BUILDER
+/// What a .so registers at program init: its name (prefixing what the hooks log) and what
+/// its filter configs are built with.
+#[derive(Clone, Copy)]
+pub struct Module {
+    pub name: &'static str,
+    pub factory_builder: FactoryBuilder,
+}
+
+/// The module registered by program init (the first registration stays).
+static MODULE: OnceLock<Module> = OnceLock::new();
+
+/// The registered module's name, for log lines.
+fn module_name() -> &'static str {
+    MODULE.get().map_or("dynamic module", |module| module.name)
+}
+
+/// Defines the program-init hook (`envoy_dynamic_module_on_program_init`) of the .so that
+/// invokes it once, at its crate root: it registers the [`Module`] the other hooks dispatch to.
+///
+/// ```ignore
+/// dynamic_module_abi::dynamic_module!(Module { name: "my_module", factory_builder: build });
+/// ```
+#[macro_export]
+macro_rules! dynamic_module {
+    ($module:expr) => {
+        #[no_mangle]
+        pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const ::std::ffi::c_char {
+            $crate::hooks::program_init($module)
+        }
+    };
 }
 
 /// The module's object for a filter config.
@@ -127,7 +159,8 @@ fn barrier<R>(hook: &'static str, fallback: R, body: impl FnOnce() -> R) -> R {
                 log(
                     LogLevel::Error,
                     &format!(
-                        "idempotency_native: panic in {hook}: {}",
+                        "{}: panic in {hook}: {}",
+                        module_name(),
                         panic_text(&*payload)
                     ),
                 );
@@ -163,7 +196,8 @@ fn dispatch<R: Copy>(
             log(
                 LogLevel::Warn,
                 &format!(
-                    "idempotency_native: {hook} re-entered a filter already in a hook; skipped"
+                    "{}: {hook} re-entered a filter already in a hook; skipped",
+                    module_name()
                 ),
             );
             return fallback;
@@ -179,12 +213,16 @@ fn dispatch<R: Copy>(
                 log(
                     LogLevel::Error,
                     &format!(
-                        "idempotency_native: panic in {hook}: {}; the request's filter is off",
+                        "{}: panic in {hook}: {}; the request's filter is off",
+                        module_name(),
                         panic_text(&*payload)
                     ),
                 );
                 if catch_unwind(AssertUnwindSafe(|| filter.on_panic(&f))).is_err() {
-                    log(LogLevel::Error, "idempotency_native: panic in on_panic");
+                    log(
+                        LogLevel::Error,
+                        &format!("{}: panic in on_panic", module_name()),
+                    );
                 }
                 fallback
             }
@@ -203,9 +241,13 @@ fn dispatch<R: Copy>(
 
 static ABI_VERSION_C: &[u8] = b"v0.1.0\0";
 
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
+/// The program-init hook's work (see [`crate::dynamic_module!`]): registers `module`,
+/// installs the logger, and answers the ABI version (null, which makes Envoy refuse the
+/// module, only if that panicked).
+pub fn program_init(module: Module) -> *const c_char {
     barrier("program_init", std::ptr::null(), || {
+        // A second call (Envoy makes one per load) keeps the first registration.
+        let _ = MODULE.set(module);
         super::install_logger();
         debug_assert_eq!(
             ABI_VERSION_C.strip_suffix(b"\0"),
@@ -216,7 +258,7 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
 }
 
 /// The config-new hook's work, with the builder given (tests pass their own).
-pub(crate) fn new_config(
+pub fn new_config(
     builder: FactoryBuilder,
     envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
     name: &[u8],
@@ -233,7 +275,10 @@ pub(crate) fn new_config(
             Err(message) => {
                 log(
                     LogLevel::Error,
-                    &format!("idempotency_native: filter config {name:?} refused: {message}"),
+                    &format!(
+                        "{}: filter config {name:?} refused: {message}",
+                        module_name()
+                    ),
                 );
                 std::ptr::null()
             }
@@ -255,7 +300,19 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
                 copy_envoy(config.ptr, config.length),
             )
         };
-        new_config(factory_builder(), filter_config_envoy_ptr, &name, &config)
+        let Some(module) = MODULE.get() else {
+            log(
+                LogLevel::Error,
+                "dynamic module: no module registered at program init; filter config refused",
+            );
+            return std::ptr::null();
+        };
+        new_config(
+            module.factory_builder,
+            filter_config_envoy_ptr,
+            &name,
+            &config,
+        )
     })
 }
 
@@ -279,7 +336,10 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new(
     barrier("http_filter_per_route_config_new", std::ptr::null(), || {
         log(
             LogLevel::Error,
-            "idempotency_native: per-route config (DynamicModuleFilterPerRoute) is not supported",
+            &format!(
+                "{}: per-route config (DynamicModuleFilterPerRoute) is not supported",
+                module_name()
+            ),
         );
         std::ptr::null()
     })
@@ -336,7 +396,10 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(
             // Freeing it now would free memory a hook up this stack is using: leak instead.
             log(
                 LogLevel::Error,
-                "idempotency_native: filter destroyed inside its own hook; leaked",
+                &format!(
+                    "{}: filter destroyed inside its own hook; leaked",
+                    module_name()
+                ),
             );
             return;
         }

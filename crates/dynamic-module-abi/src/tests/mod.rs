@@ -1,8 +1,6 @@
 //! The bindings over a mocked Envoy (`mock_abi`): status handling, header and body access,
 //! and the hooks' panic barrier and re-entry handling.
 
-pub(crate) mod mock_abi;
-
 use std::cell::RefCell;
 use std::ffi::c_void;
 use std::time::Duration;
@@ -10,7 +8,7 @@ use std::time::Duration;
 use super::ffi;
 use super::hooks::{self, *};
 use super::*;
-use mock_abi::{reset, with};
+use crate::mock_abi::{self, reset, with};
 
 const REQ: u32 = ffi::HEADER_TYPE_REQUEST_HEADER;
 
@@ -833,10 +831,43 @@ fn null_pointers_from_envoy_are_answered_continue() {
     assert!(!envoy_dynamic_module_on_http_filter_new(std::ptr::null(), fake(1)).is_null());
 }
 
+// The program-init hook, as a module defines it.
+crate::dynamic_module!(Module {
+    name: "scripted_module",
+    factory_builder: builder,
+});
+
+fn envoy_buffer(bytes: &[u8]) -> ffi::EnvoyBuffer {
+    ffi::EnvoyBuffer {
+        ptr: bytes.as_ptr().cast(),
+        length: bytes.len(),
+    }
+}
+
 #[test]
-fn program_init_reports_the_abi_version() {
+fn program_init_registers_the_module_and_reports_the_abi_version() {
+    reset();
     let version = envoy_dynamic_module_on_program_init();
     // SAFETY: a static NUL-terminated string.
     let version = unsafe { std::ffi::CStr::from_ptr(version) };
     assert_eq!(version.to_str().unwrap(), ABI_VERSION);
+    // The config-new hook builds with the registered builder and logs under its name.
+    let refused = envoy_dynamic_module_on_http_filter_config_new(
+        fake(9),
+        envoy_buffer(b"idem"),
+        envoy_buffer(b"bad"),
+    );
+    assert!(refused.is_null());
+    with(|abi| {
+        assert!(abi.logs[0]
+            .1
+            .starts_with("scripted_module: filter config \"idem\" refused: bad config"))
+    });
+    let config = envoy_dynamic_module_on_http_filter_config_new(
+        fake(9),
+        envoy_buffer(b"idem"),
+        envoy_buffer(b"ok"),
+    );
+    assert!(!config.is_null());
+    envoy_dynamic_module_on_http_filter_config_destroy(config);
 }
