@@ -251,6 +251,12 @@ def test_a_required_scope_is_unauthenticated_and_streaming_calls_pass(procs, ser
     assert rule_counter(envoy, "orders", "grpc_streaming") == 2
 
 
+WASM_ONLY = pytest.mark.skipif(harness.FILTER_BUILD == "native",
+                               reason="the Wasm build's replay echo: the native build sends no hop")
+NATIVE_ONLY = pytest.mark.skipif(harness.FILTER_BUILD != "native", reason="the native build's own replay")
+
+
+@WASM_ONLY
 def test_a_hop_without_the_echo_route_executes_nothing(procs, server) -> None:
     """A configuration that lost the route to the echo: the replay is UNAVAILABLE, the service
     never sees the hop, and the first call's record is still there."""
@@ -278,6 +284,7 @@ def test_a_hop_without_the_echo_route_executes_nothing(procs, server) -> None:
     assert len(unrouted) == 1 and "/idempotency.filter.v1.Replay/" in unrouted[0], unrouted
 
 
+@WASM_ONLY
 def test_an_echo_sharing_the_filters_vm_id_is_refused_at_start(procs, server) -> None:
     """The echo's vm_config given the filter's vm_id: both would run in one VM and share its
     table. Envoy refuses the configuration, and the log says what to change."""
@@ -301,6 +308,43 @@ def test_the_minimal_configuration_in_the_docs_protects_and_replays(procs, serve
     config = yaml.safe_load(section.split("```yaml", 1)[1].split("```", 1)[0])
     envoy = procs.add(harness.Envoy(config, procs.tmpdir, cluster_ports={"orders": server.port},
                                     wasm_path=wasm_path(), name="envoy-docs")).start()
+    key = new_key()
+    first, retry = call(envoy, key), call(envoy, key)
+    assert first.code == retry.code == grpc.StatusCode.OK
+    assert retry.message == first.message == b"placed:order:1"
+    assert retry.initial[REPLAYED] == "true" and retry.trailing["x-trailer"] == "done-1"
+    assert server.executions(key) == 1
+    assert crash_lines(envoy.process.log_text()) == []
+
+
+@NATIVE_ONLY
+def test_native_a_configuration_that_keeps_the_echo_loads_says_so_once_and_replays_without_it(
+        procs, server) -> None:
+    """envoy-grpc.yaml whole, the echo included, on the native build: the same JSON loads for
+    both filters, the log says once that the native filter does not use the echo, and the
+    replay (message, metadata, trailers) never reaches the echo's listener."""
+    envoy = start_envoy(procs, server, keep_echo=True)
+    key = new_key()
+    first, retry = call(envoy, key), call(envoy, key)
+    assert recorded_copy(retry) == recorded_copy(first)
+    assert retry.initial[REPLAYED] == "true" and retry.trailing["x-trailer"] == "done-1"
+    assert server.executions(key) == 1
+    echo_requests = envoy.stats(r"^http\.idempotency_replay_echo\.downstream_rq_total$")
+    assert echo_requests == {"http.idempotency_replay_echo.downstream_rq_total": 0}, echo_requests
+    said = [line for line in envoy.log_text().splitlines()
+            if "grpc_replay_echo: the native build's filter replays gRPC answers itself" in line]
+    assert len(said) == 1, said
+
+
+@NATIVE_ONLY
+def test_the_native_configuration_in_the_docs_protects_and_replays(procs, server) -> None:
+    """docs/grpc.md's native configuration, as written there (ports swapped): no echo, no
+    internal listener; a call runs once and its retry gets its message and trailers back."""
+    text = (harness.REPO_ROOT / "docs" / "grpc.md").read_text()
+    section = text.split("## The native build's Envoy configuration", 1)[1]
+    config = yaml.safe_load(section.split("```yaml", 1)[1].split("```", 1)[0])
+    envoy = procs.add(harness.Envoy(config, procs.tmpdir, cluster_ports={"orders": server.port},
+                                    name="envoy-docs-native", build="native")).start()
     key = new_key()
     first, retry = call(envoy, key), call(envoy, key)
     assert first.code == retry.code == grpc.StatusCode.OK
