@@ -300,14 +300,16 @@ def test_an_echo_sharing_the_filters_vm_id_is_refused_at_start(procs, server) ->
     assert not crash_lines(log), crash_lines(log)
 
 
-def test_the_minimal_configuration_in_the_docs_protects_and_replays(procs, server) -> None:
-    """docs/grpc.md's Envoy configuration, as written there (ports and module path swapped):
-    a call runs once and its retry is replayed with its message, through the echo."""
+def docs_configuration(heading: str) -> dict:
+    """The first YAML block under ``heading`` in docs/grpc.md."""
     text = (harness.REPO_ROOT / "docs" / "grpc.md").read_text()
-    section = text.split("## The Envoy configuration", 1)[1]
-    config = yaml.safe_load(section.split("```yaml", 1)[1].split("```", 1)[0])
-    envoy = procs.add(harness.Envoy(config, procs.tmpdir, cluster_ports={"orders": server.port},
-                                    wasm_path=wasm_path(), name="envoy-docs")).start()
+    section = text.split(f"## {heading}", 1)[1]
+    return yaml.safe_load(section.split("```yaml", 1)[1].split("```", 1)[0])
+
+
+def the_docs_configuration_protects_and_replays(envoy: harness.Envoy, server) -> None:
+    """A call runs once and its retry gets its message, metadata and trailers back."""
+    envoy.start()
     key = new_key()
     first, retry = call(envoy, key), call(envoy, key)
     assert first.code == retry.code == grpc.StatusCode.OK
@@ -315,6 +317,15 @@ def test_the_minimal_configuration_in_the_docs_protects_and_replays(procs, serve
     assert retry.initial[REPLAYED] == "true" and retry.trailing["x-trailer"] == "done-1"
     assert server.executions(key) == 1
     assert crash_lines(envoy.process.log_text()) == []
+
+
+def test_the_minimal_configuration_in_the_docs_protects_and_replays(procs, server) -> None:
+    """docs/grpc.md's Envoy configuration, as written there (ports and module path swapped):
+    the retry is replayed with its message, through the echo."""
+    config = docs_configuration("The Envoy configuration")
+    the_docs_configuration_protects_and_replays(procs.add(harness.Envoy(
+        config, procs.tmpdir, cluster_ports={"orders": server.port}, wasm_path=wasm_path(),
+        name="envoy-docs")), server)
 
 
 @NATIVE_ONLY
@@ -339,19 +350,11 @@ def test_native_a_configuration_that_keeps_the_echo_loads_says_so_once_and_repla
 @NATIVE_ONLY
 def test_the_native_configuration_in_the_docs_protects_and_replays(procs, server) -> None:
     """docs/grpc.md's native configuration, as written there (ports swapped): no echo, no
-    internal listener; a call runs once and its retry gets its message and trailers back."""
-    text = (harness.REPO_ROOT / "docs" / "grpc.md").read_text()
-    section = text.split("## The native build's Envoy configuration", 1)[1]
-    config = yaml.safe_load(section.split("```yaml", 1)[1].split("```", 1)[0])
-    envoy = procs.add(harness.Envoy(config, procs.tmpdir, cluster_ports={"orders": server.port},
-                                    name="envoy-docs-native", build="native")).start()
-    key = new_key()
-    first, retry = call(envoy, key), call(envoy, key)
-    assert first.code == retry.code == grpc.StatusCode.OK
-    assert retry.message == first.message == b"placed:order:1"
-    assert retry.initial[REPLAYED] == "true" and retry.trailing["x-trailer"] == "done-1"
-    assert server.executions(key) == 1
-    assert crash_lines(envoy.process.log_text()) == []
+    internal listener, and the retry still gets its message and trailers back."""
+    config = docs_configuration("The native build's Envoy configuration")
+    the_docs_configuration_protects_and_replays(procs.add(harness.Envoy(
+        config, procs.tmpdir, cluster_ports={"orders": server.port}, name="envoy-docs-native",
+        build="native")), server)
 
 
 # --------------------------------------------------------------------------
