@@ -305,3 +305,105 @@ fn the_echo_configuration_loads_beside_the_filters_and_answers_hops() {
         envoy_dynamic_module_on_http_filter_config_destroy(config);
     }
 }
+
+/// A client that goes away at each step of its first call: before the call went upstream
+/// nothing is claimed; once it went upstream (before any answer, or after the message but
+/// before the status) its outcome is unknown and the retry is FAILED_PRECONDITION, never run
+/// again. A replay whose client leaves loses nothing: the next retry is replayed too.
+#[test]
+fn a_client_that_resets_at_each_step_never_gets_its_write_run_twice() {
+    reset();
+    let config = loaded(ORDERS);
+
+    // Gone while its message was still arriving: nothing claimed, the next call runs.
+    let module = envoy_dynamic_module_on_http_filter_new(config, fake(541));
+    with(|abi| {
+        abi.maps.insert(
+            REQ,
+            pairs(&[
+                (":method", "POST"),
+                (":path", PLACE),
+                ("content-type", "application/grpc"),
+                ("idempotency-key", "native-grpc-reset-early"),
+            ]),
+        )
+    });
+    envoy_dynamic_module_on_http_filter_request_headers(fake(541), module, false);
+    end(541, module);
+    let (next, status) = call(
+        config,
+        542,
+        Some("native-grpc-reset-early"),
+        &frame(b"order"),
+    );
+    assert_eq!(status, ffi::BODY_CONTINUE, "nothing held the key");
+    end(542, next);
+
+    // Gone after the call went upstream, before any answer.
+    let (running, status) = call(config, 543, Some("native-grpc-reset-running"), &frame(b"o"));
+    assert_eq!(status, ffi::BODY_CONTINUE);
+    end(543, running);
+    let (retry, status) = call(config, 544, Some("native-grpc-reset-running"), &frame(b"o"));
+    assert_eq!(status, ffi::BODY_STOP_ITERATION_AND_BUFFER, "not run again");
+    assert_eq!(value(&trailers_only_to(544), "grpc-status"), Some("9"));
+    end(544, retry);
+
+    // Gone after the message, before the status.
+    let (running, _) = call(config, 545, Some("native-grpc-reset-midway"), &frame(b"o"));
+    with(|abi| {
+        abi.maps.insert(
+            RESP,
+            pairs(&[(":status", "200"), ("content-type", "application/grpc")]),
+        );
+        abi.bodies.insert(
+            ffi::BODY_TYPE_RECEIVED_RESPONSE_BODY,
+            vec![frame(b"placed")],
+        );
+    });
+    envoy_dynamic_module_on_http_filter_response_headers(fake(545), running, false);
+    envoy_dynamic_module_on_http_filter_response_body(fake(545), running, false);
+    end(545, running);
+    let (retry, status) = call(config, 546, Some("native-grpc-reset-midway"), &frame(b"o"));
+    assert_eq!(status, ffi::BODY_STOP_ITERATION_AND_BUFFER, "not run again");
+    assert_eq!(value(&trailers_only_to(546), "grpc-status"), Some("9"));
+    end(546, retry);
+
+    // A replay whose client left: the record is still there for the next retry.
+    let (first, _) = call(config, 547, Some("native-grpc-reset-replay"), &frame(b"o"));
+    answer(547, first, &frame(b"placed"), &[("grpc-status", "0")]);
+    end(547, first);
+    let (replay, _) = call(config, 548, Some("native-grpc-reset-replay"), &frame(b"o"));
+    envoy_dynamic_module_on_http_filter_destroy(replay);
+    let (again, status) = call(config, 549, Some("native-grpc-reset-replay"), &frame(b"o"));
+    assert_eq!(status, ffi::BODY_STOP_ITERATION_AND_BUFFER);
+    assert!(
+        matches!(parts_to(549).as_slice(), [Part::Headers(..), Part::Data(_, data, false), Part::Trailers(..)] if data == &frame(b"placed"))
+    );
+    end(549, again);
+}
+
+/// Trailers far larger than any a client accepts still go out as recorded, in one call (the
+/// module adds no limit of its own; Envoy's codec and the client's apply, as on the first
+/// call): the replay is the first call's answer, whatever happens to it on the way.
+#[test]
+fn huge_recorded_trailers_are_replayed_as_recorded() {
+    reset();
+    let config = loaded(ORDERS);
+    let big = "t".repeat(256 * 1024);
+    let (first, _) = call(config, 551, Some("native-grpc-huge-trailers"), &frame(b"o"));
+    answer(
+        551,
+        first,
+        &frame(b"placed"),
+        &[("grpc-status", "0"), ("x-big", &big)],
+    );
+    end(551, first);
+    let (retry, _) = call(config, 552, Some("native-grpc-huge-trailers"), &frame(b"o"));
+    match parts_to(552).as_slice() {
+        [Part::Headers(..), Part::Data(..), Part::Trailers(_, trailers)] => {
+            assert_eq!(value(trailers, "x-big").map(str::len), Some(big.len()));
+        }
+        other => panic!("expected the whole replay, got {} parts", other.len()),
+    }
+    end(552, retry);
+}
