@@ -171,7 +171,7 @@ e2e-oldest:
 
 # The same e2e suite on the native build (Envoy ENVOY_NEWEST only: the module is built for
 # it). A test whose configuration the native build refuses (cluster mode, detached writes,
-# resolve, gRPC rules) is skipped, with the reason (tests/e2e/harness.py, `to_native`).
+# resolve) is skipped, with the reason (tests/e2e/harness.py, `to_native`).
 e2e-native: native
 	$(MAKE) e2e IDEMPOTENCY_BUILD=native
 

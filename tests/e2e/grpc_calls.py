@@ -107,23 +107,45 @@ def upstream_never_learns_the_deadline(config: dict) -> None:
             route.setdefault("request_headers_to_remove", []).append("grpc-timeout")
 
 
+ECHO = "idempotency_replay_echo"
+
+
+def without_replay_echo(config: dict) -> None:
+    """``mutate``: the echo's internal listener, its cluster and the route to it gone, as the
+    native build's configuration has them (it sends no hops)."""
+    resources = config.get("static_resources", {})
+    resources["listeners"] = [lst for lst in resources.get("listeners", []) if lst.get("name") != ECHO]
+    resources["clusters"] = [c for c in resources.get("clusters", []) if c.get("name") != ECHO]
+    for vhost in harness._walk_dicts(config):
+        routes = vhost.get("routes")
+        if isinstance(routes, list):
+            vhost["routes"] = [r for r in routes if r.get("route", {}).get("cluster") != ECHO]
+
+
 def grpc_envoy(procs: harness.ProcessGroup, server: GrpcServer, plugin: dict | None = None, *,
-               name: str = "envoy-grpc", mutate: Any = None) -> harness.Envoy:
-    """An Envoy from envoy-grpc.yaml in front of ``server``, registered, not started."""
+               name: str = "envoy-grpc", mutate: Any = None, keep_echo: bool = False) -> harness.Envoy:
+    """An Envoy from envoy-grpc.yaml in front of ``server``, registered, not started. On the
+    native build without the replay echo (``keep_echo`` keeps it): a replay there must not need it."""
+    def build_config(config: dict) -> dict:
+        if harness.FILTER_BUILD == "native" and not keep_echo:
+            without_replay_echo(config)
+        if mutate is not None:
+            config = mutate(config) or config
+        return config
     return procs.add(harness.Envoy(
         GRPC_ENVOY_YAML,
         procs.tmpdir,
         cluster_ports={SERVICE_CLUSTER: server.port},
         plugin_config=plugin if plugin is not None else yaml_plugin_config(),
         wasm_path=wasm_path(),
-        mutate=mutate,
+        mutate=build_config,
         name=name,
     ))
 
 
 def start_envoy(procs: harness.ProcessGroup, server: GrpcServer, plugin: dict | None = None, *,
-                name: str = "envoy-grpc", mutate: Any = None) -> harness.Envoy:
-    return grpc_envoy(procs, server, plugin, name=name, mutate=mutate).start()
+                name: str = "envoy-grpc", mutate: Any = None, keep_echo: bool = False) -> harness.Envoy:
+    return grpc_envoy(procs, server, plugin, name=name, mutate=mutate, keep_echo=keep_echo).start()
 
 
 @dataclass

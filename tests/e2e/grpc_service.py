@@ -7,6 +7,7 @@ serves every test:
 - ``x-test-sleep-ms``: sleep this long after counting the execution, before answering;
 - ``x-test-status``: answer with this status code (a number) instead of OK, with trailing
   metadata and ``grpc-status-details-bin``;
+- ``x-test-trailer-bytes``: add a trailer ``x-big`` of this many bytes;
 - ``x-test-unavailable-first``: the first call with this key answers UNAVAILABLE without
   executing (a transient failure); later ones execute.
 
@@ -61,7 +62,9 @@ def place_order(request: bytes, context: grpc.ServicerContext) -> bytes:
             ("grpc-status-details-bin", b"\x08\x09\x12\x04nope" + bytes([n])),
         ))
         context.abort(code, f"refused on execution {n}")
-    context.set_trailing_metadata((("x-trailer", f"done-{n}"), ("x-bin-bin", bytes([0, 1, 2, n]))))
+    big = int(str(md.get("x-test-trailer-bytes", "0")))
+    context.set_trailing_metadata((("x-trailer", f"done-{n}"), ("x-bin-bin", bytes([0, 1, 2, n])))
+                                  + ((("x-big", "b" * big),) if big else ()))
     return b"placed:" + request + b":" + str(n).encode()
 
 

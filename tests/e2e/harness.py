@@ -957,8 +957,6 @@ def native_unsupported(plugin: Any) -> str | None:
     crates/native-filter/src/configuration.rs does), or None."""
     if not isinstance(plugin, dict):
         return None
-    if plugin.get("grpc_replay_echo"):
-        return "the gRPC replay echo"
     if plugin.get("store"):
         return "cluster mode"
     for rule in plugin.get("rules") or []:
@@ -970,8 +968,6 @@ def native_unsupported(plugin: Any) -> str | None:
             return "detached writes"
         if rule.get("resolve"):
             return "resolve"
-        if rule.get("grpc") is not None:
-            return "gRPC rules"
     return None
 
 

@@ -495,7 +495,7 @@ def test_the_grpc_replay_echo_patches_replay_a_grpc_write(procs) -> None:
                                             "route": {"cluster": grpc_calls.SERVICE_CLUSTER}}]
 
     server = grpc_calls.start_server(procs)
-    envoy = grpc_calls.start_envoy(procs, server, {"rules": [rule]}, mutate=gateway_like)
+    envoy = grpc_calls.start_envoy(procs, server, {"rules": [rule]}, mutate=gateway_like, keep_echo=True)
     key = grpc_calls.new_key()
     caller = [("x-verified-subject", "user-1")]
     first = grpc_calls.call(envoy, key, metadata=caller)

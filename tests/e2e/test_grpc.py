@@ -32,6 +32,7 @@ from grpc_calls import (
 from helpers import crash_lines, rule_counter, rule_counters, start_refusing_h2_server, wasm_path
 
 REPLAYED = "idempotent-replayed"
+PLACE_ORDER = "/shop.v1.Orders/PlaceOrder"
 PROBLEM = "idempotency-problem-type"
 
 
@@ -251,6 +252,12 @@ def test_a_required_scope_is_unauthenticated_and_streaming_calls_pass(procs, ser
     assert rule_counter(envoy, "orders", "grpc_streaming") == 2
 
 
+WASM_ONLY = pytest.mark.skipif(harness.FILTER_BUILD == "native",
+                               reason="the Wasm build's replay echo: the native build sends no hop")
+NATIVE_ONLY = pytest.mark.skipif(harness.FILTER_BUILD != "native", reason="the native build's own replay")
+
+
+@WASM_ONLY
 def test_a_hop_without_the_echo_route_executes_nothing(procs, server) -> None:
     """A configuration that lost the route to the echo: the replay is UNAVAILABLE, the service
     never sees the hop, and the first call's record is still there."""
@@ -278,6 +285,7 @@ def test_a_hop_without_the_echo_route_executes_nothing(procs, server) -> None:
     assert len(unrouted) == 1 and "/idempotency.filter.v1.Replay/" in unrouted[0], unrouted
 
 
+@WASM_ONLY
 def test_an_echo_sharing_the_filters_vm_id_is_refused_at_start(procs, server) -> None:
     """The echo's vm_config given the filter's vm_id: both would run in one VM and share its
     table. Envoy refuses the configuration, and the log says what to change."""
@@ -293,14 +301,16 @@ def test_an_echo_sharing_the_filters_vm_id_is_refused_at_start(procs, server) ->
     assert not crash_lines(log), crash_lines(log)
 
 
-def test_the_minimal_configuration_in_the_docs_protects_and_replays(procs, server) -> None:
-    """docs/grpc.md's Envoy configuration, as written there (ports and module path swapped):
-    a call runs once and its retry is replayed with its message, through the echo."""
+def docs_configuration(heading: str) -> dict:
+    """The first YAML block under ``heading`` in docs/grpc.md."""
     text = (harness.REPO_ROOT / "docs" / "grpc.md").read_text()
-    section = text.split("## The Envoy configuration", 1)[1]
-    config = yaml.safe_load(section.split("```yaml", 1)[1].split("```", 1)[0])
-    envoy = procs.add(harness.Envoy(config, procs.tmpdir, cluster_ports={"orders": server.port},
-                                    wasm_path=wasm_path(), name="envoy-docs")).start()
+    section = text.split(f"## {heading}", 1)[1]
+    return yaml.safe_load(section.split("```yaml", 1)[1].split("```", 1)[0])
+
+
+def the_docs_configuration_protects_and_replays(envoy: harness.Envoy, server) -> None:
+    """A call runs once and its retry gets its message, metadata and trailers back."""
+    envoy.start()
     key = new_key()
     first, retry = call(envoy, key), call(envoy, key)
     assert first.code == retry.code == grpc.StatusCode.OK
@@ -308,6 +318,107 @@ def test_the_minimal_configuration_in_the_docs_protects_and_replays(procs, serve
     assert retry.initial[REPLAYED] == "true" and retry.trailing["x-trailer"] == "done-1"
     assert server.executions(key) == 1
     assert crash_lines(envoy.process.log_text()) == []
+
+
+def test_the_minimal_configuration_in_the_docs_protects_and_replays(procs, server) -> None:
+    """docs/grpc.md's Envoy configuration, as written there (ports and module path swapped):
+    the retry is replayed with its message, through the echo."""
+    config = docs_configuration("The Envoy configuration")
+    the_docs_configuration_protects_and_replays(procs.add(harness.Envoy(
+        config, procs.tmpdir, cluster_ports={"orders": server.port}, wasm_path=wasm_path(),
+        name="envoy-docs")), server)
+
+
+@NATIVE_ONLY
+def test_native_a_configuration_that_keeps_the_echo_loads_says_so_once_and_replays_without_it(
+        procs, server) -> None:
+    """envoy-grpc.yaml whole, the echo included, on the native build: the same JSON loads for
+    both filters, the log says once that the native filter does not use the echo, and the
+    replay (message, metadata, trailers) never reaches the echo's listener."""
+    envoy = start_envoy(procs, server, keep_echo=True)
+    key = new_key()
+    first, retry = call(envoy, key), call(envoy, key)
+    assert recorded_copy(retry) == recorded_copy(first)
+    assert retry.initial[REPLAYED] == "true" and retry.trailing["x-trailer"] == "done-1"
+    assert server.executions(key) == 1
+    echo_requests = envoy.stats(r"^http\.idempotency_replay_echo\.downstream_rq_total$")
+    assert echo_requests == {"http.idempotency_replay_echo.downstream_rq_total": 0}, echo_requests
+    said = [line for line in envoy.log_text().splitlines()
+            if "grpc_replay_echo: the native build's filter replays gRPC answers itself" in line]
+    assert len(said) == 1, said
+
+
+@NATIVE_ONLY
+def test_the_native_configuration_in_the_docs_protects_and_replays(procs, server) -> None:
+    """docs/grpc.md's native configuration, as written there (ports swapped): no echo, no
+    internal listener, and the retry still gets its message and trailers back."""
+    config = docs_configuration("The native build's Envoy configuration")
+    the_docs_configuration_protects_and_replays(procs.add(harness.Envoy(
+        config, procs.tmpdir, cluster_ports={"orders": server.port}, name="envoy-docs-native",
+        build="native")), server)
+
+
+# --------------------------------------------------------------------------
+# a hostile client (both builds)
+# --------------------------------------------------------------------------
+
+
+def test_large_trailers_are_replayed_whole_and_too_large_ones_never_run_twice(edge, server) -> None:
+    """6 KiB of trailing metadata (within grpcio's 8 KiB) comes back whole on the replay;
+    trailers over Envoy's header limit (60 KiB) end the first call's stream without a status:
+    its outcome is unknown, and the retry is FAILED_PRECONDITION, not run again."""
+    key = new_key()
+    md = [("x-test-trailer-bytes", str(6 * 1024))]
+    first, retry = call(edge, key, metadata=md), call(edge, key, metadata=md)
+    assert first.code == retry.code == grpc.StatusCode.OK
+    assert retry.trailing["x-big"] == first.trailing["x-big"] == "b" * 6 * 1024
+    assert retry.initial[REPLAYED] == "true" and server.executions(key) == 1
+
+    key = new_key()
+    md = [("x-test-trailer-bytes", str(100 * 1024))]
+    assert call(edge, key, metadata=md).code != grpc.StatusCode.OK
+    retry = call(edge, key, metadata=md)
+    assert retry.code == grpc.StatusCode.FAILED_PRECONDITION and problem_of(retry) == "outcome-unknown"
+    assert server.executions(key) == 1
+
+
+def test_a_server_streaming_call_is_replayed_with_every_message(procs, server) -> None:
+    """Track answers three messages to one request (it looks unary to the filter): the retry
+    gets the three back, marked, with the status."""
+    envoy = start_envoy(procs, server, plugin_config(match={"grpc_services": ["shop.v1.Orders"]}))
+    key = new_key()
+    with channel(envoy) as ch:
+        track = ch.unary_stream("/shop.v1.Orders/Track")
+        first = list(track(b"order-1", metadata=[("idempotency-key", key)], timeout=10))
+        replay = track(b"order-1", metadata=[("idempotency-key", key)], timeout=10)
+        again = list(replay)
+        assert dict(replay.initial_metadata())[REPLAYED] == "true"
+        assert replay.code() == grpc.StatusCode.OK
+    assert first == again == [b"update-0", b"update-1", b"update-2"]
+    assert rule_counter(envoy, "orders", "replayed") == 1
+
+
+@pytest.mark.xfail(strict=True, reason="open: a stream passes unprotected, and grpcio runs a unary "
+                   "method on the first of several messages (both builds; see the docstring)")
+def test_a_stream_sent_to_a_unary_method_under_a_recorded_key_does_not_run_it_again(edge, server) -> None:
+    """FINDING (both builds, unchanged here): a client that sends two messages to the unary
+    method under a recorded key. The filter cannot tell a method's kind from its path, so a
+    call with a second message is let through unprotected (counted as grpc_streaming), and
+    grpcio's server runs the unary handler on the first message without refusing the second:
+    the write runs again. Only a client that breaks the protocol on purpose does this (a gRPC
+    library sends one message to a unary method); refusing several messages on a rule that
+    names the method (`grpc_methods`) would close it, at the price of such rules no longer
+    letting a streaming method they name pass."""
+    key = new_key()
+    assert call(edge, key).code == grpc.StatusCode.OK
+    with channel(edge) as ch:
+        placed = ch.stream_unary(PLACE_ORDER)
+        try:
+            placed(iter([b"order", b"order"]), metadata=[("idempotency-key", key)], timeout=10)
+        except grpc.RpcError:
+            pass
+    assert rule_counter(edge, "orders", "grpc_streaming") == 1
+    assert server.executions(key) == 1
 
 
 # --------------------------------------------------------------------------

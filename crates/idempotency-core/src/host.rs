@@ -82,6 +82,27 @@ pub trait Host: SharedData {
         headers: &[(&str, &[u8])],
         body: &[u8],
     ) -> Result<(), HostError>;
+    /// Whether [`Host::send_reply_with_trailers`] works. Envoy turns a gRPC call's local reply
+    /// into a trailers-only one, so a proxy-wasm host cannot send a recorded message with its
+    /// trailers, and a replay takes the echo hop (`crate::grpc`); a host that sends a reply's
+    /// headers, body and trailers itself (a dynamic module) replays it directly.
+    fn sends_replies_with_trailers(&self) -> bool {
+        false
+    }
+    /// Answers the request from the filter with exactly these headers (no `:status` among
+    /// them), body and trailers, none changed by Envoy's local reply rules. Only called when
+    /// [`Host::sends_replies_with_trailers`] says so.
+    fn send_reply_with_trailers(
+        &self,
+        _status: u16,
+        _headers: &[(&str, &[u8])],
+        _body: &[u8],
+        _trailers: &[(&str, &[u8])],
+    ) -> Result<(), HostError> {
+        Err(HostError(
+            "this host cannot send a reply with trailers".into(),
+        ))
+    }
     /// Lets a paused request go on upstream.
     fn resume_request(&self) -> Result<(), HostError>;
 

@@ -22,6 +22,8 @@ impl Drop for Configuration {
 
 pub struct Configuration {
     pub shared: Arc<Shared>,
+    /// `grpc_replay_echo`: its requests get the echo, with no root (see `echo_filter`).
+    replay_echo: bool,
 }
 
 impl Configuration {
@@ -44,6 +46,14 @@ impl Configuration {
             metrics: Metrics::new(handle),
             retired: AtomicBool::new(false),
         });
+        if config.grpc_replay_echo {
+            crate::echo_filter::announce();
+            shared.metrics.freeze();
+            return Ok(Configuration {
+                shared,
+                replay_echo: true,
+            });
+        }
         // Built once here, as a Wasm filter's configuration is checked in a VM of its own:
         // every metric a worker's root will define is defined now, while Envoy allows it.
         let tick_ms = std::cell::Cell::new(0);
@@ -58,13 +68,16 @@ impl Configuration {
         if !accepted {
             return Err("the configuration was refused (the log line before says why)".into());
         }
-        Ok(Configuration { shared })
+        Ok(Configuration {
+            shared,
+            replay_echo: false,
+        })
     }
 }
 
 /// The features that need what the native build does not have yet (the store stream,
-/// callouts, the gRPC replay echo) are refused at load, naming the field, rather than
-/// behaving differently from the Wasm build.
+/// callouts) are refused at load, naming the field, rather than behaving differently from
+/// the Wasm build.
 fn not_native_yet(config: &Config) -> Result<(), String> {
     let refuse = |field: String, what: &str| {
         Err(format!(
@@ -72,9 +85,6 @@ fn not_native_yet(config: &Config) -> Result<(), String> {
              (idempotency_filter.wasm) for this configuration"
         ))
     };
-    if config.grpc_replay_echo {
-        return refuse("grpc_replay_echo".into(), "the gRPC replay echo");
-    }
     for (i, rule) in config.rules.iter().enumerate() {
         if rule.store.is_some() {
             return refuse(
@@ -87,9 +97,6 @@ fn not_native_yet(config: &Config) -> Result<(), String> {
         }
         if rule.resolve.is_some() {
             return refuse(format!("rules[{i}].resolve"), "resolving unknown outcomes");
-        }
-        if rule.grpc.is_some() {
-            return refuse(format!("rules[{i}].grpc"), "a gRPC rule");
         }
     }
     Ok(())
@@ -104,6 +111,10 @@ thread_local! {
 
 impl crate::abi::FilterFactory for Configuration {
     fn new_filter(&self, filter: &crate::abi::Filter) -> Option<Box<dyn crate::abi::HttpFilter>> {
+        if self.replay_echo {
+            let echo = crate::echo_filter::EchoFilter::new(Arc::clone(&self.shared), filter);
+            return Some(Box::new(echo));
+        }
         sweep_retired_roots();
         let shared = &self.shared;
         let root = ROOTS.with(|roots| {

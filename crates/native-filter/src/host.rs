@@ -184,6 +184,36 @@ impl Host for NativeHost<'_> {
         Ok(())
     }
 
+    /// The ABI sends a reply's headers, body and trailers itself, so a gRPC replay needs no
+    /// echo hop here.
+    fn sends_replies_with_trailers(&self) -> bool {
+        true
+    }
+
+    fn send_reply_with_trailers(
+        &self,
+        status: u16,
+        headers: &[(&str, &[u8])],
+        body: &[u8],
+        trailers: &[(&str, &[u8])],
+    ) -> Result<(), HostError> {
+        let filter = self.filter()?;
+        let head = reply_head(status, headers);
+        let head: Vec<(&str, &[u8])> = head
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()))
+            .collect();
+        let ends_at_head = body.is_empty() && trailers.is_empty();
+        filter.send_response_headers(&head, ends_at_head);
+        if !body.is_empty() {
+            filter.send_response_data(body, trailers.is_empty());
+        }
+        if !trailers.is_empty() {
+            filter.send_response_trailers(trailers);
+        }
+        Ok(())
+    }
+
     fn resume_request(&self) -> Result<(), HostError> {
         self.filter()?.continue_decoding();
         Ok(())
@@ -314,6 +344,20 @@ fn reply_in_parts(
     if !body.is_empty() && named("content-type") {
         return None;
     }
+    let mut head = reply_head(status, headers);
+    if !body.is_empty() {
+        head.push((
+            "content-length".to_owned(),
+            body.len().to_string().into_bytes(),
+        ));
+    }
+    Some(head)
+}
+
+/// A reply's headers as sent in parts: `:status` first, then the headers as given but for any
+/// `:status` or `content-length` of theirs (a reply with trailers has no length: it would end
+/// an HTTP/1 response before them).
+fn reply_head(status: u16, headers: &[(&str, &[u8])]) -> Vec<(String, Vec<u8>)> {
     let mut head = vec![(":status".to_owned(), status.to_string().into_bytes())];
     head.extend(
         headers
@@ -322,13 +366,7 @@ fn reply_in_parts(
             .filter(|(n, _)| !n.eq_ignore_ascii_case("content-length"))
             .map(|(n, v)| ((*n).to_owned(), v.to_vec())),
     );
-    if !body.is_empty() {
-        head.push((
-            "content-length".to_owned(),
-            body.len().to_string().into_bytes(),
-        ));
-    }
-    Some(head)
+    head
 }
 
 fn abi_error(e: crate::abi::AbiError) -> HostError {

@@ -6,7 +6,8 @@
 //! `abi` is crates/dynamic-module-abi, the bindings to Envoy's dynamic modules ABI (and the
 //! exported hooks); `configuration.rs` is a filter configuration as
 //! Envoy creates it (`loaded.rs` what the workers share of it), `root.rs` a worker's root for it, `filter.rs` each request,
-//! `host.rs` core's `Host` over the ABI, `worker.rs` what each worker thread holds,
+//! `host.rs` core's `Host` over the ABI, `echo_filter.rs` the
+//! gRPC replay echo's configuration, `worker.rs` what each worker thread holds,
 //! `shared_data.rs` and `queues.rs` what proxy-wasm shared between workers, `metrics.rs` the
 //! configuration's counters, `ticker.rs` the thread that gives roots their ticks.
 
@@ -15,7 +16,11 @@ pub(crate) use dynamic_module_abi as abi;
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod attack_tests;
 mod configuration;
+mod echo_filter;
 mod filter;
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+mod grpc_tests;
 mod host;
 mod loaded;
 mod metrics;

@@ -23,6 +23,13 @@ pub(crate) enum Effect {
         headers: HeaderPairs,
         body: Vec<u8>,
     },
+    /// A reply sent whole by a host that sends trailers (`sends_trailers`).
+    ReplyWithTrailers {
+        status: u16,
+        headers: HeaderPairs,
+        body: Vec<u8>,
+        trailers: HeaderPairs,
+    },
     Callout {
         token: u32,
         cluster: String,
@@ -68,6 +75,8 @@ pub(crate) enum HostCall {
     ResponseHeaders,
     ResponseBody,
     LocalReply,
+    /// Only the reply with trailers (a local reply without them still goes).
+    ReplyWithTrailers,
     Resume,
     Callout,
     SharedData,
@@ -94,6 +103,8 @@ pub(crate) struct FakeHost {
     pub callout_answer: RefCell<(HeaderPairs, Vec<u8>)>,
     pub configuration: RefCell<Vec<u8>>,
     pub tick_period_ms: Cell<Option<u32>>,
+    /// Plays a host that sends a reply's trailers itself (the native build); off, the Wasm one.
+    pub sends_trailers: Cell<bool>,
     failing: RefCell<HashSet<HostCall>>,
     effects: RefCell<Vec<Effect>>,
     counters: RefCell<Vec<(String, u64)>>,
@@ -132,6 +143,7 @@ impl Default for FakeHost {
             callout_answer: RefCell::default(),
             configuration: RefCell::default(),
             tick_period_ms: Cell::new(None),
+            sends_trailers: Cell::new(false),
             failing: RefCell::default(),
             effects: RefCell::default(),
             counters: RefCell::default(),
@@ -438,6 +450,38 @@ impl Host for FakeHost {
                 .map(|(n, v)| (n.to_string(), v.to_vec()))
                 .collect(),
             body: body.to_vec(),
+        });
+        Ok(())
+    }
+
+    fn sends_replies_with_trailers(&self) -> bool {
+        self.sends_trailers.get()
+    }
+
+    fn send_reply_with_trailers(
+        &self,
+        status: u16,
+        headers: &[(&str, &[u8])],
+        body: &[u8],
+        trailers: &[(&str, &[u8])],
+    ) -> Result<(), HostError> {
+        self.check(HostCall::LocalReply)?;
+        self.check(HostCall::ReplyWithTrailers)?;
+        if !self.sends_trailers.get() {
+            return Err(HostError(
+                "this host cannot send a reply with trailers".into(),
+            ));
+        }
+        let owned = |list: &[(&str, &[u8])]| -> HeaderPairs {
+            list.iter()
+                .map(|(n, v)| (n.to_string(), v.to_vec()))
+                .collect()
+        };
+        self.record(Effect::ReplyWithTrailers {
+            status,
+            headers: owned(headers),
+            body: body.to_vec(),
+            trailers: owned(trailers),
         });
         Ok(())
     }

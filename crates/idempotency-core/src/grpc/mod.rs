@@ -10,7 +10,9 @@
 //! the recorded message as its body: a route for that path leads to an internal listener
 //! whose filter (in `grpc_replay_echo` mode) answers with the body it received, and this
 //! filter restores the recorded metadata and adds the recorded trailers as the answer passes
-//! back. No service implements that path, so a hop that goes astray executes nothing.
+//! back. No service implements that path, so a hop that goes astray executes nothing. A host
+//! that sends a reply's headers, body and trailers itself (`Host::sends_replies_with_trailers`,
+//! the native build) needs no hop: the filter sends the recorded response there.
 
 pub mod answer;
 pub mod frame;

@@ -1,7 +1,7 @@
 //! A gRPC rule's own steps: streaming calls let through, the release decided by the
 //! `grpc-status` of the trailers (or of a trailers-only response), the filter's answers as
-//! trailers-only statuses, and the replay, sent itself when the record has no message, or
-//! through the echo hop when it has one (see `crate::grpc`).
+//! trailers-only statuses, and the replay, sent itself when the record has no message or the
+//! host can send trailers, or through the echo hop otherwise (see `crate::grpc`).
 
 use std::rc::Rc;
 
@@ -208,6 +208,9 @@ impl RequestJourney {
             pairs.push(marker);
             return send_local(host, &rule.rule.name, 200, &pairs, b"");
         }
+        if host.sends_replies_with_trailers() {
+            return self.replay_grpc_with_trailers(host, rule, recorded);
+        }
         // A message: the hop, which brings it back as the echo's answer.
         // The client's content-length (if it sent one) would not be the new body's.
         let rewritten = host
@@ -228,6 +231,36 @@ impl RequestJourney {
             trailers: recorded.trailers.clone(),
         };
         (Journey::ReplayHop(Box::new(hop)), Verdict::Continue)
+    }
+
+    /// A recorded message and its trailers, sent by a host that can (no hop): the initial
+    /// metadata as recorded and marked, the message, then the trailers.
+    fn replay_grpc_with_trailers(
+        &self,
+        host: &impl Host,
+        rule: &Rc<RuleHandle>,
+        recorded: &RecordedResponse,
+    ) -> Step {
+        let mut headers: Vec<(&str, &[u8])> = recorded
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()))
+            .collect();
+        headers.push((rule.rule.replay_header.as_str(), b"true"));
+        let trailers: Vec<(&str, &[u8])> = recorded
+            .trailers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()))
+            .collect();
+        match host.send_reply_with_trailers(200, &headers, &recorded.body, &trailers) {
+            Ok(()) => (Journey::AnsweredLocally, Verdict::Pause),
+            Err(e) => {
+                log::error!("rule {}: replay not sent: {}", rule.rule.name, e.0);
+                let problem =
+                    Problem::unavailable("the proxy could not replay the recorded response");
+                self.answer_grpc_problem(host, rule, &problem)
+            }
+        }
     }
 
     /// The echo's answer to a hop: the recorded metadata goes back on it. An answer without

@@ -10,7 +10,7 @@
 pub mod access_log;
 mod claim;
 mod detached;
-mod echo;
+pub mod echo;
 mod grpc;
 mod intake;
 mod lookup;

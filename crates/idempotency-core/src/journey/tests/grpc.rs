@@ -6,7 +6,9 @@
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
 use super::*;
+use crate::fake_host::HostCall;
 use crate::grpc::{ECHO_MARKER, HOP_CONTENT_TYPE, REPLAY_PATH};
+use crate::host::HeaderPairs;
 use crate::host::SharedData as _;
 use crate::outcome::Outcome;
 
@@ -712,30 +714,23 @@ fn a_stream_longer_than_max_request_bytes_passes_as_a_stream() {
     assert_eq!(host.counter("orders", Outcome::GrpcStreaming), 1);
 }
 
+/// Duplicates are held while the first call runs.
+const ORDERS_WAITING: &str = r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]},
+    "on_in_flight":"wait","wait_ms":2000}]}"#;
+
 #[test]
 fn a_held_duplicate_is_replayed_through_the_hop_and_resumed_by_the_root() {
     let host = FakeHost::default();
-    let config = r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]},
-        "on_in_flight":"wait","wait_ms":2000}]}"#;
-    let mut root = configured_root(&host, config, 1);
+    let mut root = configured_root(&host, ORDERS_WAITING, 1);
+    let order = frame(b"order");
     let arrive = |context: u32| {
-        host.effective_context.set(context);
-        host.set_request(&grpc_headers(PLACE, Some("k1")), &frame(b"order"));
-        let journey = root.new_request(context).unwrap();
-        journey.borrow_mut().on(
+        request_in_context(
             &host,
-            Event::RequestHeaders {
-                end_of_stream: false,
-            },
-        );
-        let verdict = journey.borrow_mut().on(
-            &host,
-            Event::RequestBody {
-                size: 10,
-                end_of_stream: true,
-            },
-        );
-        (journey, verdict)
+            &root,
+            context,
+            &grpc_headers(PLACE, Some("k1")),
+            &order,
+        )
     };
     let (first, _) = arrive(7);
     let (held, verdict) = arrive(8);
@@ -939,4 +934,154 @@ fn a_record_answers_only_the_protocol_that_made_it() {
     );
     assert_eq!(host.counter("orders", Outcome::Mismatch), 2);
     assert_eq!(host.counter("orders", Outcome::Replayed), 0);
+}
+
+// --------------------------------------------------------------------------
+// a host that sends trailers itself (the native build): no hop
+// --------------------------------------------------------------------------
+
+/// The replies a host that sends trailers made: (status, headers, body, trailers).
+fn replies_with_trailers(effects: &[Effect]) -> Vec<(u16, HeaderPairs, Vec<u8>, HeaderPairs)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::ReplyWithTrailers {
+                status,
+                headers,
+                body,
+                trailers,
+            } => Some((*status, headers.clone(), body.clone(), trailers.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn trailers_host() -> FakeHost {
+    let host = FakeHost::default();
+    host.sends_trailers.set(true);
+    host
+}
+
+#[test]
+fn a_host_that_sends_trailers_replays_the_message_itself_without_a_hop() {
+    let host = trailers_host();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer(
+        &host,
+        &mut first,
+        b"placed",
+        &[("grpc-status", "0"), ("x-trailer", "t")],
+    );
+    host.take_effects();
+    host.request_header_edits.borrow_mut().clear();
+
+    let (retry, verdict) = call(&host, &plugin, Some("k1"), b"order");
+    // Answered here: the retry goes nowhere, not even to an echo.
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(matches!(retry.state(), Journey::AnsweredLocally));
+    assert!(host
+        .request_header_edits
+        .borrow()
+        .iter()
+        .all(|(n, _)| n != ":path" && n != "content-type"));
+    let effects = host.take_effects();
+    assert!(
+        !effects
+            .iter()
+            .any(|e| matches!(e, Effect::RequestBodySet(_) | Effect::Resume)),
+        "{effects:?}"
+    );
+    let sent = replies_with_trailers(&effects);
+    assert_eq!(sent.len(), 1, "{effects:?}");
+    let (status, headers, body, trailers) = &sent[0];
+    assert_eq!(
+        (*status, body.as_slice()),
+        (200, frame(b"placed").as_slice())
+    );
+    assert_eq!(value(headers, "content-type"), Some("application/grpc"));
+    assert_eq!(value(headers, "x-order-id"), Some("o-1"));
+    assert_eq!(value(headers, "idempotent-replayed"), Some("true"));
+    assert_eq!(value(trailers, "grpc-status"), Some("0"));
+    assert_eq!(value(trailers, "x-trailer"), Some("t"));
+    assert_eq!(host.counter("orders", Outcome::Replayed), 1);
+    assert_eq!(host.counter("orders", Outcome::ReplayEchoUnrouted), 0);
+}
+
+#[test]
+fn a_host_that_sends_trailers_still_replays_a_call_without_a_message_trailers_only() {
+    let host = trailers_host();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer_trailers_only(&host, &mut first, "5");
+    host.take_effects();
+    let (_, verdict) = call(&host, &plugin, Some("k1"), b"order");
+    assert_eq!(verdict, Verdict::Pause);
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.len()), (200, 0));
+    assert_eq!(value(&headers, "grpc-status"), Some("5"));
+    assert_eq!(value(&headers, "idempotent-replayed"), Some("true"));
+}
+
+#[test]
+fn a_replay_the_host_refuses_to_send_is_unavailable_and_runs_nothing() {
+    let host = trailers_host();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer(&host, &mut first, b"placed", &[("grpc-status", "0")]);
+    host.take_effects();
+    host.fail(HostCall::ReplyWithTrailers);
+    let (retry, verdict) = call(&host, &plugin, Some("k1"), b"order");
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(matches!(retry.state(), Journey::AnsweredLocally));
+    let effects = host.take_effects();
+    assert!(!effects.contains(&Effect::Resume), "{effects:?}");
+    let (status, headers, _) = the_reply(&effects);
+    assert_eq!(status, 200);
+    assert_eq!(value(&headers, "grpc-status"), Some("14"));
+
+    // Refused whole (the UNAVAILABLE too): held rather than let on, so the write does not
+    // run again (Envoy's own timeouts end it).
+    host.fail(HostCall::LocalReply);
+    let (retry, verdict) = call(&host, &plugin, Some("k1"), b"order");
+    host.heal(HostCall::LocalReply);
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(matches!(retry.state(), Journey::AnsweredLocally));
+    assert!(!host.take_effects().contains(&Effect::Resume));
+    assert_eq!(host.counter("orders", Outcome::Executed), 1);
+}
+
+#[test]
+fn a_held_duplicate_is_replayed_by_a_host_that_sends_trailers_and_not_resumed() {
+    let host = trailers_host();
+    let mut root = configured_root(&host, ORDERS_WAITING, 1);
+    let order = frame(b"order");
+    let arrive = |context: u32| {
+        request_in_context(
+            &host,
+            &root,
+            context,
+            &grpc_headers(PLACE, Some("k1")),
+            &order,
+        )
+    };
+    let (first, _) = arrive(7);
+    let (held, verdict) = arrive(8);
+    assert_eq!(verdict, Verdict::Pause);
+    host.effective_context.set(7);
+    answer(
+        &host,
+        &mut first.borrow_mut(),
+        b"placed",
+        &[("grpc-status", "0")],
+    );
+    host.take_effects();
+    host.effective_context.set(1);
+    root.on_tick(&host);
+    let effects = host.take_effects();
+    // Answered whole; resuming it would send the duplicate upstream.
+    assert_eq!(replies_with_trailers(&effects).len(), 1, "{effects:?}");
+    assert!(!effects.contains(&Effect::Resume), "{effects:?}");
+    assert!(matches!(held.borrow().state(), Journey::AnsweredLocally));
+    assert_eq!(host.counter("orders", Outcome::ReplayedAfterWait), 1);
 }
