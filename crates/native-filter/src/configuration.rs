@@ -82,6 +82,11 @@ fn not_native_yet(config: &Config) -> Result<(), String> {
         return refuse("grpc_replay_echo".into(), "the gRPC replay echo");
     }
     for (i, rule) in config.rules.iter().enumerate() {
+        // The store stream itself works (docs/how-it-works.md, "The store stream"), but a
+        // worker with no live request cannot run its root: a completion or release failed by
+        // a store outage waits for that worker's next request, and a write whose completion
+        // waits past its lease could run again through another proxy where the Wasm build's
+        // root would have landed it. Refused until a root can be woken without a request.
         if rule.store.is_some() {
             return refuse(
                 format!("rules[{i}].store (or the top-level store)"),
