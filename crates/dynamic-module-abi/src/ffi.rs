@@ -80,6 +80,9 @@ pub type HttpFilterModulePtr = *const c_void;
 /// `envoy_dynamic_module_type_http_filter_scheduler_module_ptr`: allocated by Envoy, deleted
 /// by the module (scheduler_delete).
 pub type HttpFilterSchedulerModulePtr = *mut c_void;
+/// `envoy_dynamic_module_type_http_filter_config_scheduler_module_ptr`: allocated by Envoy,
+/// deleted by the module (config_scheduler_delete).
+pub type HttpFilterConfigSchedulerModulePtr = *mut c_void;
 
 /// `envoy_dynamic_module_type_http_header_type`.
 pub type HttpHeaderType = u32;
@@ -119,8 +122,8 @@ pub const CALLOUT_RESULT_SUCCESS: HttpCalloutResult = 0;
 pub const CALLOUT_RESULT_RESET: HttpCalloutResult = 1;
 pub const CALLOUT_RESULT_EXCEED_RESPONSE_BUFFER_LIMIT: HttpCalloutResult = 2;
 
-/// `envoy_dynamic_module_type_http_stream_reset_reason` (streamed callouts; only received by
-/// the stub hooks).
+/// `envoy_dynamic_module_type_http_stream_reset_reason` (streamed callouts: Envoy 1.40 always
+/// passes LocalReset, 2, whatever the cause).
 pub type HttpStreamResetReason = u32;
 
 /// `envoy_dynamic_module_type_metrics_result`.
@@ -400,4 +403,39 @@ extern "C" {
         body: ModuleBuffer,
         timeout_milliseconds: u64,
     ) -> HttpCalloutInitResult;
+
+    // Config-level scheduler: commit from any thread, the event runs on the main thread.
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(
+        filter_config_envoy_ptr: HttpFilterConfigEnvoyPtr,
+    ) -> HttpFilterConfigSchedulerModulePtr;
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+        scheduler_module_ptr: HttpFilterConfigSchedulerModulePtr,
+        event_id: u64,
+    );
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(
+        scheduler_module_ptr: HttpFilterConfigSchedulerModulePtr,
+    );
+
+    // Config-level HTTP streams (main thread only: Envoy keeps them in unsynchronised maps of
+    // the config). Their events come to the optional `on_http_filter_config_http_stream_*`.
+    pub fn envoy_dynamic_module_callback_http_filter_config_start_http_stream(
+        filter_config_envoy_ptr: HttpFilterConfigEnvoyPtr,
+        stream_id_out: *mut u64,
+        cluster_name: ModuleBuffer,
+        headers: *mut ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        end_stream: bool,
+        timeout_milliseconds: u64,
+    ) -> HttpCalloutInitResult;
+    pub fn envoy_dynamic_module_callback_http_filter_config_stream_send_data(
+        filter_config_envoy_ptr: HttpFilterConfigEnvoyPtr,
+        stream_id: u64,
+        data: ModuleBuffer,
+        end_stream: bool,
+    ) -> bool;
+    pub fn envoy_dynamic_module_callback_http_filter_config_reset_http_stream(
+        filter_config_envoy_ptr: HttpFilterConfigEnvoyPtr,
+        stream_id: u64,
+    );
 }

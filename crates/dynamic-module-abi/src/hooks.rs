@@ -30,7 +30,8 @@ use std::sync::OnceLock;
 use super::ffi::{self, EnvoyBuffer, EnvoyHttpHeader};
 use super::{
     copy_envoy, enter_hook, headers_from_envoy, leave_hook, log, BodyStatus, CalloutResult,
-    ConfigHandle, Filter, HeadersStatus, LogLevel, TrailersStatus,
+    ConfigHandle, ConfigStreamEvent, Filter, HeadersStatus, LogLevel, MainThreadConfig,
+    TrailersStatus,
 };
 
 /// One per filter config: makes the per-request filters. Shared by every worker.
@@ -38,6 +39,19 @@ pub trait FilterFactory: Send + Sync + 'static {
     /// Called on the request's worker when its stream starts. None: this request is not
     /// filtered (every hook answers Continue); the stream goes on.
     fn new_filter(&self, filter: &Filter) -> Option<Box<dyn HttpFilter>>;
+    /// An event committed on a [`super::ConfigScheduler`] of this config (main thread).
+    #[allow(unused_variables)]
+    fn on_config_scheduled(&self, config: &MainThreadConfig, event_id: u64) {}
+    /// An event of a stream this config started with
+    /// [`MainThreadConfig::start_http_stream`] (main thread).
+    #[allow(unused_variables)]
+    fn on_config_stream_event(
+        &self,
+        config: &MainThreadConfig,
+        stream_id: u64,
+        event: ConfigStreamEvent,
+    ) {
+    }
 }
 
 /// One per request, called on its worker only. `f` is valid during the call only.
@@ -581,6 +595,177 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
             );
         },
     )
+}
+
+// ------------------------------------------------------------------------------------------
+// The config's own events (optional hooks; main thread)
+// ------------------------------------------------------------------------------------------
+
+/// Calls the factory of the config `module_ptr`, on the main thread.
+fn with_config(
+    hook: &'static str,
+    envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
+    module_ptr: ffi::HttpFilterConfigModulePtr,
+    body: impl FnOnce(&dyn FilterFactory, &MainThreadConfig),
+) {
+    barrier(hook, (), || {
+        if module_ptr.is_null() || envoy_ptr.is_null() {
+            return;
+        }
+        // SAFETY: made in new_config, freed only in config destroy, after which Envoy calls
+        // none of the config's hooks (its scheduler and streams die with it).
+        let config = unsafe { &*module_ptr.cast::<ConfigObject>() };
+        // SAFETY: Envoy's config pointer for this hook, which runs on the main thread.
+        let main = unsafe { MainThreadConfig::from_raw(envoy_ptr) };
+        body(config.factory.as_ref(), &main);
+    })
+}
+
+/// The config-level hooks' work, for tests that hold a config pointer.
+pub fn config_stream_event(
+    envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
+    module_ptr: ffi::HttpFilterConfigModulePtr,
+    stream_id: u64,
+    event: ConfigStreamEvent,
+) {
+    with_config(
+        "config_http_stream",
+        envoy_ptr,
+        module_ptr,
+        |factory, main| {
+            factory.on_config_stream_event(main, stream_id, event);
+        },
+    );
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
+    filter_config_module_ptr: ffi::HttpFilterConfigModulePtr,
+    event_id: u64,
+) {
+    with_config(
+        "config_scheduled",
+        filter_config_envoy_ptr,
+        filter_config_module_ptr,
+        |factory, main| factory.on_config_scheduled(main, event_id),
+    );
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_headers(
+    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
+    filter_config_module_ptr: ffi::HttpFilterConfigModulePtr,
+    stream_id: u64,
+    headers: *mut EnvoyHttpHeader,
+    headers_size: usize,
+    end_stream: bool,
+) {
+    barrier("config_http_stream_headers", (), || {
+        let headers = if headers.is_null() || headers_size == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: Envoy's array of `headers_size` entries, valid during this hook.
+            headers_from_envoy(unsafe { std::slice::from_raw_parts(headers, headers_size) })
+        };
+        let event = ConfigStreamEvent::Headers {
+            headers,
+            end_stream,
+        };
+        config_stream_event(
+            filter_config_envoy_ptr,
+            filter_config_module_ptr,
+            stream_id,
+            event,
+        );
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_data(
+    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
+    filter_config_module_ptr: ffi::HttpFilterConfigModulePtr,
+    stream_id: u64,
+    data: *const EnvoyBuffer,
+    data_count: usize,
+    end_stream: bool,
+) {
+    barrier("config_http_stream_data", (), || {
+        let chunks = if data.is_null() || data_count == 0 {
+            &[][..]
+        } else {
+            // SAFETY: Envoy's array of `data_count` buffers, valid during this hook.
+            unsafe { std::slice::from_raw_parts(data, data_count) }
+        };
+        let mut bytes = Vec::new();
+        for chunk in chunks {
+            // SAFETY: each buffer Envoy lends is valid during this hook.
+            bytes.extend(unsafe { copy_envoy(chunk.ptr, chunk.length) });
+        }
+        let event = ConfigStreamEvent::Data {
+            data: bytes,
+            end_stream,
+        };
+        config_stream_event(
+            filter_config_envoy_ptr,
+            filter_config_module_ptr,
+            stream_id,
+            event,
+        );
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_trailers(
+    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
+    filter_config_module_ptr: ffi::HttpFilterConfigModulePtr,
+    stream_id: u64,
+    trailers: *mut EnvoyHttpHeader,
+    trailers_size: usize,
+) {
+    barrier("config_http_stream_trailers", (), || {
+        let trailers = if trailers.is_null() || trailers_size == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: Envoy's array of `trailers_size` entries, valid during this hook.
+            headers_from_envoy(unsafe { std::slice::from_raw_parts(trailers, trailers_size) })
+        };
+        config_stream_event(
+            filter_config_envoy_ptr,
+            filter_config_module_ptr,
+            stream_id,
+            ConfigStreamEvent::Trailers(trailers),
+        );
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_complete(
+    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
+    filter_config_module_ptr: ffi::HttpFilterConfigModulePtr,
+    stream_id: u64,
+) {
+    config_stream_event(
+        filter_config_envoy_ptr,
+        filter_config_module_ptr,
+        stream_id,
+        ConfigStreamEvent::Complete,
+    );
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_reset(
+    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
+    filter_config_module_ptr: ffi::HttpFilterConfigModulePtr,
+    stream_id: u64,
+    _reason: ffi::HttpStreamResetReason,
+) {
+    config_stream_event(
+        filter_config_envoy_ptr,
+        filter_config_module_ptr,
+        stream_id,
+        ConfigStreamEvent::Reset,
+    );
 }
 
 // ------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@
 //! - [`Filter`]: one request's Envoy filter, valid during that request's hooks on its worker.
 //! - [`ConfigHandle`]: the filter config's Envoy object (metrics), usable from any thread.
 //! - [`Scheduler`]: posts an event to a request's worker from any thread.
+//! - [`ConfigScheduler`], [`MainThreadConfig`]: the config's own events and streams, on the
+//!   main thread.
 //! - [`fn@log`]: Envoy's log (and a `log` crate logger over it, installed at program init).
 //! - `hooks`: the exported `envoy_dynamic_module_on_*` functions, which dispatch to the
 //!   [`FilterFactory`] / [`HttpFilter`] built by the [`Module`] the .so registers with
@@ -1184,6 +1186,146 @@ impl ConfigHandle {
         };
         metrics("http_filter_config_set_gauge", result)
     }
+
+    /// A scheduler whose events run the config's `on_config_scheduled` on the main thread.
+    /// None if Envoy made none.
+    pub fn new_scheduler(&self) -> Option<ConfigScheduler> {
+        // SAFETY: the config pointer is Envoy's, live until config destroy.
+        let ptr = unsafe {
+            ffi::envoy_dynamic_module_callback_http_filter_config_scheduler_new(self.ptr)
+        };
+        (!ptr.is_null()).then_some(ConfigScheduler { ptr })
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Config scheduler and the config's own streams (main thread)
+// ------------------------------------------------------------------------------------------
+
+/// Posts events to the config's `on_config_scheduled`, which Envoy runs on the main thread.
+/// Deleted on drop. Once the config is gone a commit is a no-op in Envoy (it holds the config
+/// weakly); never commit after the drop: keep it behind a lock that the drop also takes.
+#[derive(Debug)]
+pub struct ConfigScheduler {
+    ptr: ffi::HttpFilterConfigSchedulerModulePtr,
+}
+
+// SAFETY: Envoy's config scheduler commit locks a weak pointer and posts to the main
+// dispatcher, from any thread. Delete is one call, made once (Drop).
+unsafe impl Send for ConfigScheduler {}
+// SAFETY: as above; commit takes no module-side state.
+unsafe impl Sync for ConfigScheduler {}
+
+impl ConfigScheduler {
+    pub fn commit(&self, event_id: u64) {
+        // SAFETY: the scheduler is live until Drop.
+        unsafe {
+            ffi::envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+                self.ptr, event_id,
+            )
+        }
+    }
+}
+
+impl Drop for ConfigScheduler {
+    fn drop(&mut self) {
+        // SAFETY: created by config_scheduler_new, deleted once.
+        unsafe { ffi::envoy_dynamic_module_callback_http_filter_config_scheduler_delete(self.ptr) }
+    }
+}
+
+/// The config as the main thread's config hooks get it: what may only be done there. Envoy
+/// keeps the config's streams in maps no lock guards, so they are started, fed and reset on
+/// the main thread only; this type is neither Send nor Sync, and only those hooks make one.
+#[derive(Debug)]
+pub struct MainThreadConfig {
+    ptr: ffi::HttpFilterConfigEnvoyPtr,
+    /// Not Send, not Sync.
+    _main_thread_only: std::marker::PhantomData<*const ()>,
+}
+
+impl MainThreadConfig {
+    /// # Safety
+    /// `ptr` must be the live config's Envoy pointer, and the caller on the main thread
+    /// inside one of Envoy's config hooks.
+    pub unsafe fn from_raw(ptr: ffi::HttpFilterConfigEnvoyPtr) -> MainThreadConfig {
+        MainThreadConfig {
+            ptr,
+            _main_thread_only: std::marker::PhantomData,
+        }
+    }
+
+    /// Starts a long-lived HTTP stream to `cluster` (headers must include `:method`, `:path`
+    /// and `:authority`), not ended: its events come to the config's stream hooks with the id
+    /// returned. It lives until it ends, is reset, or the config is destroyed (then without
+    /// an event). `timeout` zero: none.
+    pub fn start_http_stream(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &[u8])],
+        timeout: Duration,
+    ) -> Result<u64, AbiError> {
+        let mut raw = module_headers(headers);
+        let mut id: u64 = 0;
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        // SAFETY: everything passed is read during the call; `id` is written by Envoy.
+        let result = unsafe {
+            ffi::envoy_dynamic_module_callback_http_filter_config_start_http_stream(
+                self.ptr,
+                &mut id,
+                module_buffer(cluster.as_bytes()),
+                raw.as_mut_ptr(),
+                raw.len(),
+                module_buffer(&[]),
+                false,
+                timeout_ms,
+            )
+        };
+        if result == ffi::CALLOUT_INIT_SUCCESS {
+            Ok(id)
+        } else {
+            Err(AbiError::CalloutNotStarted(result))
+        }
+    }
+
+    /// Sends `data` on stream `id` (Envoy copies it). False: no such stream any more.
+    pub fn send_stream_data(&self, id: u64, data: &[u8], end_stream: bool) -> bool {
+        // SAFETY: the data is read during the call.
+        unsafe {
+            ffi::envoy_dynamic_module_callback_http_filter_config_stream_send_data(
+                self.ptr,
+                id,
+                module_buffer(data),
+                end_stream,
+            )
+        }
+    }
+
+    /// Resets stream `id`; Envoy delivers no event for it afterwards.
+    pub fn reset_stream(&self, id: u64) {
+        // SAFETY: an unknown id is ignored by Envoy.
+        unsafe {
+            ffi::envoy_dynamic_module_callback_http_filter_config_reset_http_stream(self.ptr, id)
+        }
+    }
+}
+
+/// An event of one of the config's own streams, as its hooks deliver it (copied).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigStreamEvent {
+    Headers {
+        headers: Vec<(String, Vec<u8>)>,
+        end_stream: bool,
+    },
+    Data {
+        data: Vec<u8>,
+        end_stream: bool,
+    },
+    Trailers(Vec<(String, Vec<u8>)>),
+    /// Both directions ended.
+    Complete,
+    /// Reset (Envoy 1.40 always reports the reason as LocalReset).
+    Reset,
 }
 
 // ------------------------------------------------------------------------------------------

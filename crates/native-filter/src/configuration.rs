@@ -8,13 +8,17 @@ use std::sync::Arc;
 use idempotency_core::config::Config;
 use idempotency_core::root::PluginRoot;
 
-use crate::abi::ConfigHandle;
+use crate::abi::{ConfigHandle, ConfigStreamEvent, MainThreadConfig};
+use crate::courier::Courier;
 use crate::host::NativeHost;
 use crate::loaded::{Shared, RETIREMENTS};
 use crate::metrics::Metrics;
 
 impl Drop for Configuration {
+    /// Envoy destroys the configuration on the main thread once none of its requests is left,
+    /// and resets its streams without an event: the roots learn it from the courier.
     fn drop(&mut self) {
+        self.shared.courier.retire();
         self.shared.retired.store(true, Ordering::Release);
         RETIREMENTS.fetch_add(1, Ordering::AcqRel);
     }
@@ -44,6 +48,7 @@ impl Configuration {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             configuration: bytes.to_vec(),
             metrics: Metrics::new(handle),
+            courier: Arc::new(Courier::new(handle.new_scheduler())),
             retired: AtomicBool::new(false),
         });
         if config.grpc_replay_echo {
@@ -61,6 +66,7 @@ impl Configuration {
             configuration: &shared.configuration,
             metrics: &shared.metrics,
             tick_ms: &tick_ms,
+            streams: None,
         };
         let mut trial = PluginRoot::new(0);
         let accepted = trial.on_configure(&host);
@@ -75,9 +81,9 @@ impl Configuration {
     }
 }
 
-/// The features that need what the native build does not have yet (the store stream,
-/// callouts) are refused at load, naming the field, rather than behaving differently from
-/// the Wasm build.
+/// The features that need what the native build does not have yet (HTTP callouts: the
+/// store's HTTP transport, detached writes, resolution) are refused at
+/// load, naming the field, rather than behaving differently from the Wasm build.
 fn not_native_yet(config: &Config) -> Result<(), String> {
     let refuse = |field: String, what: &str| {
         Err(format!(
@@ -86,6 +92,11 @@ fn not_native_yet(config: &Config) -> Result<(), String> {
         ))
     };
     for (i, rule) in config.rules.iter().enumerate() {
+        // The store stream itself works (docs/how-it-works.md, "The store stream"), but a
+        // worker with no live request cannot run its root: a completion or release failed by
+        // a store outage waits for that worker's next request, and a write whose completion
+        // waits past its lease could run again through another proxy where the Wasm build's
+        // root would have landed it. Refused until a root can be woken without a request.
         if rule.store.is_some() {
             return refuse(
                 format!("rules[{i}].store (or the top-level store)"),
@@ -122,7 +133,9 @@ impl crate::abi::FilterFactory for Configuration {
                 crate::root::WorkerRoot::configure(Arc::clone(shared))
             })
         });
-        // The worker's upkeep runs at its requests when due (see docs/how-it-works.md).
+        // The worker's upkeep runs at its requests when due, and what the store said while
+        // no request of this worker could be woken is taken now (see docs/how-it-works.md).
+        root.drain_inbox();
         root.tick_if_due();
         let context_id = crate::worker::new_context_id();
         let journey = root.new_request(context_id)?;
@@ -130,6 +143,19 @@ impl crate::abi::FilterFactory for Configuration {
         Some(Box::new(crate::filter::NativeFilter::new(
             root, journey, context_id,
         )))
+    }
+
+    fn on_config_scheduled(&self, config: &MainThreadConfig, _event_id: u64) {
+        self.shared.courier.run(config);
+    }
+
+    fn on_config_stream_event(
+        &self,
+        _config: &MainThreadConfig,
+        stream_id: u64,
+        event: ConfigStreamEvent,
+    ) {
+        self.shared.courier.on_stream_event(stream_id, event);
     }
 }
 

@@ -58,6 +58,7 @@ impl EchoFilter {
             configuration: &self.shared.configuration,
             metrics: &self.shared.metrics,
             tick_ms: &tick_ms,
+            streams: None,
         };
         echo::on(&host, event)
     }

@@ -2,7 +2,7 @@
 //! Envoy's statuses. While its journey is in a state only the root's tick moves on (a
 //! duplicate held in wait mode, a write running upstream whose lease the root renews), the
 //! request asks the ticker for its root's tick, which then runs on this worker inside this
-//! request's scheduled event.
+//! request's scheduled event; the main thread wakes it the same way when the store answers.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -13,6 +13,7 @@ use idempotency_core::journey::{Event, Journey, RequestJourney, Verdict};
 use idempotency_core::problem::Problem;
 
 use crate::abi::{BodyStatus, Filter, HeadersStatus, HttpFilter, Scheduler, TrailersStatus};
+use crate::inbox::WakerId;
 use crate::root::WorkerRoot;
 use crate::ticker::{Ticker, Ticket, Wake};
 use crate::worker;
@@ -32,8 +33,9 @@ pub struct NativeFilter {
     root: Rc<WorkerRoot>,
     journey: Rc<RefCell<RequestJourney>>,
     context_id: u32,
-    /// While the request is held: its entry in the ticker's timetable.
-    ticking: Option<Ticket>,
+    /// While the request is held: its entry in the ticker's timetable, and in its root's
+    /// inbox (the main thread wakes it there when the store answers).
+    ticking: Option<(Ticket, WakerId)>,
     /// A hook of this request panicked: the journey's state is not trusted any more.
     failed: bool,
     /// The response has begun: too late for the filter to answer instead.
@@ -106,16 +108,20 @@ impl NativeFilter {
             );
             return;
         };
+        let wake: Arc<SchedulerWake> = Arc::new(SchedulerWake(scheduler));
         let ticket = Ticker::process().every(
             Duration::from_millis(u64::from(period)),
-            Arc::new(SchedulerWake(scheduler)),
+            Arc::clone(&wake) as Arc<dyn Wake>,
         );
-        self.ticking = Some(ticket);
+        let waker = self.root.inbox().add_waker(wake);
+        self.ticking = Some((ticket, waker));
     }
 
+    /// After this neither the ticker nor the main thread commits this request's scheduler.
     fn stop_ticking(&mut self) {
-        if let Some(ticket) = self.ticking.take() {
+        if let Some((ticket, waker)) = self.ticking.take() {
             Ticker::process().cancel(ticket);
+            self.root.inbox().remove_waker(waker);
         }
     }
 }
@@ -190,6 +196,9 @@ impl HttpFilter for NativeFilter {
     }
 
     fn on_scheduled(&mut self, filter: &Filter, _event_id: u64) {
+        // A wake-up from the ticker or from the main thread (a store answer): either way the
+        // root takes what the store said, then its tick if due.
+        self.root.drain_inbox();
         self.root.tick_if_due();
         // The tick may have moved this request on (its wait ended).
         self.follow(filter);

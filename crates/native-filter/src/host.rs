@@ -1,8 +1,9 @@
 //! Envoy as core's `Host`, over the dynamic module ABI: each call maps onto the request host
 //! calls act on now (`worker::effective`), the process's shared data, or the configuration's
-//! metrics. What the native build does not offer yet (callouts, store streams) answers a
-//! `HostError`; the configuration refuses the features that need them before any request
-//! can ask (`configuration::not_native_yet`).
+//! metrics, and the root's store streams (`root_streams.rs`, carried by the main thread's
+//! courier). What the native build does not offer yet (HTTP callouts) answers a `HostError`;
+//! the configuration refuses the features that need them before any request can ask
+//! (`configuration::not_native_yet`).
 
 use std::cell::Cell;
 
@@ -11,6 +12,7 @@ use idempotency_core::host::{Callout, HeaderPairs, Host, HostError, SetOutcome, 
 use crate::abi::{AttributeId, Filter, HeaderMap, MetadataSource};
 use crate::metrics::Metrics;
 use crate::queues;
+use crate::root_streams::RootStreams;
 use crate::shared_data::SharedMap;
 use crate::worker;
 
@@ -20,6 +22,8 @@ pub struct NativeHost<'a> {
     pub configuration: &'a [u8],
     pub metrics: &'a Metrics,
     pub tick_ms: &'a Cell<u32>,
+    /// The root's store streams; None for the configuration's trial root on the main thread.
+    pub streams: Option<&'a RootStreams>,
 }
 
 fn no_request() -> HostError {
@@ -31,6 +35,11 @@ fn not_native(what: &str) -> HostError {
 }
 
 impl NativeHost<'_> {
+    fn streams(&self) -> Result<&RootStreams, HostError> {
+        self.streams
+            .ok_or_else(|| HostError("store streams are opened by a worker's root only".into()))
+    }
+
     fn filter(&self) -> Result<Filter, HostError> {
         // SAFETY: the effective request is live (a request leaves the registry, and stops
         // being effective, in its destroy hook) and on this worker (the registry is
@@ -233,28 +242,28 @@ impl Host for NativeHost<'_> {
 
     fn open_grpc_stream(
         &self,
-        _cluster: &str,
-        _service: &str,
-        _method: &str,
-        _metadata: &[(&str, &[u8])],
+        cluster: &str,
+        service: &str,
+        method: &str,
+        metadata: &[(&str, &[u8])],
     ) -> Result<u32, HostError> {
-        Err(not_native("the store stream"))
+        self.streams()?.open(cluster, service, method, metadata)
     }
 
-    fn send_grpc_message(&self, _stream: u32, _message: &[u8]) -> Result<(), HostError> {
-        Err(not_native("the store stream"))
+    fn send_grpc_message(&self, stream: u32, message: &[u8]) -> Result<(), HostError> {
+        self.streams()?.send(stream, message)
     }
 
-    fn close_grpc_stream(&self, _stream: u32, _reset: bool) -> Result<(), HostError> {
-        Err(not_native("the store stream"))
+    fn close_grpc_stream(&self, stream: u32, reset: bool) -> Result<(), HostError> {
+        self.streams()?.close(stream, reset)
     }
 
     fn grpc_initial_metadata(&self) -> Result<HeaderPairs, HostError> {
-        Err(not_native("the store stream"))
+        self.streams()?.initial_metadata()
     }
 
-    fn grpc_message(&self, _size: usize) -> Result<Vec<u8>, HostError> {
-        Err(not_native("the store stream"))
+    fn grpc_message(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        self.streams()?.message(size)
     }
 
     fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {

@@ -9,23 +9,28 @@
 //! `host.rs` core's `Host` over the ABI, `echo_filter.rs` the
 //! gRPC replay echo's configuration, `worker.rs` what each worker thread holds,
 //! `shared_data.rs` and `queues.rs` what proxy-wasm shared between workers, `metrics.rs` the
-//! configuration's counters, `ticker.rs` the thread that gives roots their ticks.
+//! configuration's counters, `ticker.rs` the thread that gives roots their ticks,
+//! `courier.rs` the main thread's carrier of the roots' store streams, `inbox.rs` where their
+//! events wait for a root's worker, `root_streams.rs` those streams as core's host sees them.
 
 pub(crate) use dynamic_module_abi as abi;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod attack_tests;
 mod configuration;
+mod courier;
 mod echo_filter;
 mod filter;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod grpc_tests;
 mod host;
+mod inbox;
 mod loaded;
 mod metrics;
 mod queues;
 mod root;
+mod root_streams;
 mod shared_data;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]

@@ -3,6 +3,9 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64};
 
+use std::sync::Arc;
+
+use crate::courier::Courier;
 use crate::metrics::Metrics;
 
 /// What every worker shares of one configuration.
@@ -11,6 +14,8 @@ pub struct Shared {
     pub id: u64,
     pub configuration: Vec<u8>,
     pub metrics: Metrics,
+    /// Carries the workers' store streams on the main thread.
+    pub courier: Arc<Courier>,
     /// Envoy let go of the configuration (a push replaced it).
     pub retired: AtomicBool,
 }

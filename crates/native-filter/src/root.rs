@@ -1,6 +1,7 @@
 //! A worker's root for one configuration: core's `PluginRoot`, as a Wasm VM's root context
-//! holds it, built by the first request the worker sees under that configuration, and the
-//! time of its next tick (see docs/how-it-works.md, "The native build").
+//! holds it, built by the first request the worker sees under that configuration, the time
+//! of its next tick, and its store streams' inbox (see docs/how-it-works.md, "The native
+//! build").
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -11,7 +12,9 @@ use idempotency_core::journey::RequestJourney;
 use idempotency_core::root::PluginRoot;
 
 use crate::host::NativeHost;
+use crate::inbox::StreamEvent;
 use crate::loaded::Shared;
+use crate::root_streams::RootStreams;
 use crate::worker;
 
 pub struct WorkerRoot {
@@ -22,6 +25,7 @@ pub struct WorkerRoot {
     tick_ms: Cell<u32>,
     /// Monotonic, as proxy-wasm's tick timer is: a wall clock stepped back would stall ticks.
     next_tick: Cell<Option<Instant>>,
+    streams: RootStreams,
 }
 
 impl WorkerRoot {
@@ -32,11 +36,13 @@ impl WorkerRoot {
         let context_id = worker::new_root_context_id();
         let mut root = PluginRoot::new(context_id);
         let tick_ms = Cell::new(0);
+        let streams = RootStreams::new(Arc::clone(&shared.courier));
         let configured = {
             let host = NativeHost {
                 configuration: &shared.configuration,
                 metrics: &shared.metrics,
                 tick_ms: &tick_ms,
+                streams: Some(&streams),
             };
             worker::act_on_none();
             root.on_configure(&host)
@@ -50,6 +56,7 @@ impl WorkerRoot {
             configured,
             tick_ms,
             next_tick: Cell::new(None),
+            streams,
         }
     }
 
@@ -58,7 +65,13 @@ impl WorkerRoot {
             configuration: &self.shared.configuration,
             metrics: &self.shared.metrics,
             tick_ms: &self.tick_ms,
+            streams: Some(&self.streams),
         }
+    }
+
+    /// Where the main thread leaves this root's store stream events.
+    pub fn inbox(&self) -> &Arc<crate::inbox::Inbox> {
+        &self.streams.inbox
     }
 
     pub fn new_request(&self, context_id: u32) -> Option<Rc<RefCell<RequestJourney>>> {
@@ -87,25 +100,58 @@ impl WorkerRoot {
         // A tick inside a tick (a request the tick resumes cannot start another) is skipped.
         if let Ok(mut root) = self.root.try_borrow_mut() {
             worker::act_on_none();
-            // The tick is the root's work, not the carrying request's: it runs inside whatever
-            // hook happens to carry it (a new request's `new_filter`, a held or running
-            // request's scheduled event). A panic in it must not be charged to that request:
-            // the factory's barrier would let a new request pass unprotected (a retry of a
-            // recorded write runs again), and a poisoned running write would be answered 503
-            // and dropped without a stream end (no unknown outcome recorded: its retry takes
-            // the key over once the lease lapses). Caught here, logged, and the hook goes on.
-            let ticked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                root.on_tick(&host);
-            }));
+            // The tick is the root's work, not the carrying request's (see `run_caught`).
+            run_caught("the root's tick", || root.on_tick(&host));
             worker::act_on_none();
-            if let Err(payload) = ticked {
-                let what = payload
-                    .downcast_ref::<&str>()
-                    .copied()
-                    .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
-                    .unwrap_or("(not a string)");
-                log::error!("panic in the root's tick: {what}; the tick is cut short");
-            }
         }
+    }
+
+    /// Hands core what the store streams said since the last time, in order, as proxy-wasm
+    /// calls the root context for each. Host calls act on no request afterwards.
+    pub fn drain_inbox(&self) {
+        if self.streams.inbox.is_empty() {
+            return;
+        }
+        // A root already busy further up this stack (a request it resumed came back here)
+        // takes the events at its next wake-up instead.
+        let Ok(mut root) = self.root.try_borrow_mut() else {
+            return;
+        };
+        let host = self.host();
+        let events = self.streams.inbox.take_all();
+        for event in events {
+            worker::act_on_none();
+            self.streams.delivering(event, |event| {
+                run_caught("a store stream event", || match event {
+                    StreamEvent::InitialMetadata { token, .. } => {
+                        root.on_grpc_initial_metadata(&host, *token);
+                    }
+                    StreamEvent::Message { token, message } => {
+                        root.on_grpc_message(&host, *token, message.len());
+                    }
+                    StreamEvent::Closed { token, status } => {
+                        root.on_grpc_close(&host, *token, *status);
+                    }
+                });
+            });
+        }
+        worker::act_on_none();
+    }
+}
+
+/// Runs root work (a tick, a store event) inside whatever hook carries it. A panic in it must
+/// not be charged to that request: the factory's barrier would let a new request pass
+/// unprotected (a retry of a recorded write runs again), and a poisoned running write would
+/// be answered 503 and dropped without a stream end (no unknown outcome recorded: its retry
+/// takes the key over once the lease lapses). Caught here, logged, and the hook goes on.
+fn run_caught(what: &str, work: impl FnOnce()) {
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
+    if let Err(payload) = ran {
+        let text = payload
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("(not a string)");
+        log::error!("panic in {what}: {text}; it is cut short");
     }
 }

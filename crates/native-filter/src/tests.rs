@@ -27,6 +27,7 @@ fn with_host<T>(f: impl FnOnce(&NativeHost<'_>) -> T) -> T {
         configuration: b"{}",
         metrics: &metrics,
         tick_ms: &tick,
+        streams: None,
     };
     f(&host)
 }

@@ -114,19 +114,25 @@ impl Ticker {
     }
 }
 
+/// A wake that counts, for tests of what wakes requests.
+#[cfg(test)]
+#[derive(Default)]
+pub struct CountWakes(pub std::sync::atomic::AtomicUsize);
+
+#[cfg(test)]
+impl Wake for CountWakes {
+    fn wake(&self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::Ordering;
 
-    #[derive(Default)]
-    struct Count(AtomicUsize);
-    impl Wake for Count {
-        fn wake(&self) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
+    use crate::ticker::CountWakes as Count;
 
     #[test]
     fn an_entry_is_woken_each_period_and_never_after_its_cancel() {

@@ -1,0 +1,773 @@
+//! The main thread's courier for one loaded configuration: the store streams of every
+//! worker's root, carried as the configuration's own HTTP streams (docs/how-it-works.md, "The
+//! native build: the store stream").
+//!
+//! Envoy 1.40 lets only a live request own a stream on a worker, and resets it when the
+//! request ends; a configuration's streams outlive requests but may be touched from the main
+//! thread only. So a worker's root queues what it would ask of proxy-wasm (open, send, close)
+//! here and commits the configuration's scheduler; on the main thread the courier makes the
+//! calls, frames and unframes gRPC, and leaves what the store says in the root's inbox.
+//!
+//! Lifetimes: the courier outlives the configuration (roots hold it); `retire`, from the
+//! configuration's drop, deletes the scheduler under the outbox lock (no commit after) and
+//! closes every stream in its root's inbox (Envoy resets them without an event).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use idempotency_core::grpc::frame::{frame_len, PREFIX_BYTES};
+
+use crate::abi::{ConfigScheduler, ConfigStreamEvent, MainThreadConfig};
+use crate::inbox::{Inbox, StreamEvent};
+
+/// gRPC statuses the courier reports itself.
+pub const GRPC_UNKNOWN: u32 = 2;
+/// What Envoy's gRPC client reports for a reset stream (and so the Wasm build sees).
+pub const GRPC_INTERNAL: u32 = 13;
+pub const GRPC_UNAVAILABLE: u32 = 14;
+
+/// The scheduled event that means "the outbox has work".
+const OUTBOX_EVENT: u64 = 1;
+
+/// Where a root's store stream goes, as link.rs names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamTarget {
+    pub cluster: String,
+    pub authority: String,
+    /// `/<service>/<method>`.
+    pub path: String,
+    pub metadata: Vec<(String, Vec<u8>)>,
+}
+
+/// What a worker's root asks of the main thread.
+enum Operation {
+    Open {
+        token: u32,
+        inbox: Arc<Inbox>,
+        target: StreamTarget,
+    },
+    /// A whole gRPC frame.
+    Send {
+        token: u32,
+        frame: Vec<u8>,
+    },
+    Close {
+        token: u32,
+        reset: bool,
+    },
+    /// The store ended its side (or broke the framing): end ours too, or reset, so Envoy
+    /// frees the stream. Made on the next run, never inside Envoy's callback for it.
+    Finish {
+        stream_id: u64,
+        reset: bool,
+    },
+}
+
+/// The configuration's stream calls, on the main thread (a trait so the courier's rules are
+/// tested without Envoy).
+pub trait StreamCalls {
+    fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String>;
+    fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool;
+    fn reset(&self, stream_id: u64);
+}
+
+impl StreamCalls for MainThreadConfig {
+    fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String> {
+        // No timeout: the stream lives as long as the store keeps it (its calls have theirs).
+        self.start_http_stream(cluster, headers, Duration::ZERO)
+            .map_err(|e| e.to_string())
+    }
+    fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool {
+        self.send_stream_data(stream_id, data, end_stream)
+    }
+    fn reset(&self, stream_id: u64) {
+        self.reset_stream(stream_id);
+    }
+}
+
+struct Outbox {
+    /// None once the configuration is gone (or Envoy made none).
+    scheduler: Option<ConfigScheduler>,
+    operations: VecDeque<Operation>,
+    /// A commit is on its way: later operations ride on it.
+    armed: bool,
+    retired: bool,
+}
+
+/// One open stream, on the main thread.
+struct Route {
+    token: u32,
+    inbox: Arc<Inbox>,
+    /// Bytes of a message not whole yet.
+    partial: Vec<u8>,
+}
+
+#[derive(Default)]
+struct Streams {
+    by_stream: HashMap<u64, Route>,
+    by_token: HashMap<u32, u64>,
+}
+
+pub struct Courier {
+    outbox: Mutex<Outbox>,
+    /// Touched on the main thread only; a lock because the courier is shared.
+    streams: Mutex<Streams>,
+    next_token: AtomicU32,
+}
+
+fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Whole between statements: usable after a panic elsewhere.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A message as gRPC frames it: uncompressed, 4-byte big-endian length, the bytes.
+pub fn grpc_frame(message: &[u8]) -> Vec<u8> {
+    let mut frame = Vec::with_capacity(message.len() + PREFIX_BYTES);
+    frame.push(0);
+    frame.extend_from_slice(
+        &u32::try_from(message.len())
+            .unwrap_or(u32::MAX)
+            .to_be_bytes(),
+    );
+    frame.extend_from_slice(message);
+    frame
+}
+
+/// The gRPC status a stream's trailers (or trailers-only headers) carry; without one, what
+/// the HTTP status maps to (gRPC's HTTP-to-status table), else UNKNOWN.
+fn status_of(headers: &[(String, Vec<u8>)]) -> u32 {
+    let value = |name: &str| {
+        headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+            .map(str::trim)
+    };
+    if let Some(status) = value("grpc-status").and_then(|s| s.parse().ok()) {
+        return status;
+    }
+    match value(":status") {
+        Some("400") => GRPC_INTERNAL,
+        Some("401") => 16,
+        Some("403") => 7,
+        Some("404") => 12,
+        Some("429" | "502" | "503" | "504") => GRPC_UNAVAILABLE,
+        _ => GRPC_UNKNOWN,
+    }
+}
+
+impl Courier {
+    pub fn new(scheduler: Option<ConfigScheduler>) -> Courier {
+        if scheduler.is_none() {
+            log::error!("no configuration scheduler: store streams cannot be opened");
+        }
+        Courier {
+            outbox: Mutex::new(Outbox {
+                scheduler,
+                operations: VecDeque::new(),
+                armed: false,
+                retired: false,
+            }),
+            streams: Mutex::new(Streams::default()),
+            next_token: AtomicU32::new(1),
+        }
+    }
+
+    /// Queues `operation` and wakes the main thread (once per batch). Err when the
+    /// configuration is gone.
+    fn submit(&self, operation: Operation) -> Result<(), String> {
+        let mut outbox = relock(&self.outbox);
+        let Some(scheduler) = outbox.scheduler.as_ref().filter(|_| !outbox.retired) else {
+            return Err("the configuration is gone (a push replaced it)".into());
+        };
+        // Committed under the lock: `retire` deletes the scheduler under it.
+        if !outbox.armed {
+            scheduler.commit(OUTBOX_EVENT);
+        }
+        outbox.armed = true;
+        outbox.operations.push_back(operation);
+        Ok(())
+    }
+
+    /// From a worker's root: a stream for `inbox`'s root; its events go there. The token
+    /// names it in sends and closes.
+    pub fn open(&self, inbox: &Arc<Inbox>, target: StreamTarget) -> Result<u32, String> {
+        let token = loop {
+            // Zero is proxy-wasm's "none"; a wrap after 4 billion opens skips it.
+            let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+            if token != 0 {
+                break token;
+            }
+        };
+        self.submit(Operation::Open {
+            token,
+            inbox: Arc::clone(inbox),
+            target,
+        })?;
+        Ok(token)
+    }
+
+    /// From a worker's root: one message, sent after everything queued before it.
+    pub fn send(&self, token: u32, message: &[u8]) -> Result<(), String> {
+        self.submit(Operation::Send {
+            token,
+            frame: grpc_frame(message),
+        })
+    }
+
+    /// From a worker's root: no event comes for the stream afterwards (as proxy-wasm's
+    /// close and cancel).
+    pub fn close(&self, token: u32, reset: bool) -> Result<(), String> {
+        self.submit(Operation::Close { token, reset })
+    }
+
+    /// On the main thread (the scheduled hook): makes every queued call, in order.
+    pub fn run(&self, calls: &impl StreamCalls) {
+        let operations: Vec<Operation> = {
+            let mut outbox = relock(&self.outbox);
+            outbox.armed = false;
+            outbox.operations.drain(..).collect()
+        };
+        for operation in operations {
+            match operation {
+                Operation::Open {
+                    token,
+                    inbox,
+                    target,
+                } => self.start(calls, token, inbox, &target),
+                Operation::Send { token, frame } => self.send_frame(calls, token, &frame),
+                Operation::Close { token, reset } => {
+                    let route = self.unroute_token(token);
+                    // A close ends our side (the store then ends its own); a reset, or a
+                    // stream that cannot be ended, goes at once.
+                    if let Some(stream_id) = route {
+                        if reset || !calls.send(stream_id, &[], true) {
+                            calls.reset(stream_id);
+                        }
+                    }
+                }
+                Operation::Finish { stream_id, reset } => {
+                    // False: Envoy freed it already.
+                    if reset || !calls.send(stream_id, &[], true) {
+                        calls.reset(stream_id);
+                    }
+                }
+            }
+        }
+    }
+
+    fn start(
+        &self,
+        calls: &impl StreamCalls,
+        token: u32,
+        inbox: Arc<Inbox>,
+        target: &StreamTarget,
+    ) {
+        let mut headers: Vec<(&str, &[u8])> = vec![
+            (":method", b"POST"),
+            (":path", target.path.as_bytes()),
+            (":authority", target.authority.as_bytes()),
+            (":scheme", b"http"),
+            ("content-type", b"application/grpc"),
+            ("te", b"trailers"),
+        ];
+        headers.extend(
+            target
+                .metadata
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.as_slice())),
+        );
+        match calls.start(&target.cluster, &headers) {
+            Ok(stream_id) => {
+                let mut streams = relock(&self.streams);
+                streams.by_token.insert(token, stream_id);
+                streams.by_stream.insert(
+                    stream_id,
+                    Route {
+                        token,
+                        inbox,
+                        partial: Vec::new(),
+                    },
+                );
+            }
+            Err(why) => {
+                log::warn!(
+                    "store stream to cluster {} not started: {why}",
+                    target.cluster
+                );
+                inbox.deliver(StreamEvent::Closed {
+                    token,
+                    status: GRPC_UNAVAILABLE,
+                });
+            }
+        }
+    }
+
+    fn send_frame(&self, calls: &impl StreamCalls, token: u32, frame: &[u8]) {
+        let stream_id = relock(&self.streams).by_token.get(&token).copied();
+        // No route: the stream closed (its root has the Closed event, or will) and the calls
+        // on it fail by core's rules.
+        let Some(stream_id) = stream_id else { return };
+        if !calls.send(stream_id, frame, false) {
+            self.close_in_inbox(stream_id, GRPC_UNAVAILABLE);
+        }
+    }
+
+    fn unroute_token(&self, token: u32) -> Option<u64> {
+        let mut streams = relock(&self.streams);
+        let stream_id = streams.by_token.remove(&token)?;
+        streams.by_stream.remove(&stream_id);
+        Some(stream_id)
+    }
+
+    /// Ends the route of `stream_id` and tells its root the stream closed with `status`.
+    fn close_in_inbox(&self, stream_id: u64, status: u32) {
+        let route = {
+            let mut streams = relock(&self.streams);
+            let route = streams.by_stream.remove(&stream_id);
+            if let Some(route) = &route {
+                streams.by_token.remove(&route.token);
+            }
+            route
+        };
+        if let Some(route) = route {
+            route.inbox.deliver(StreamEvent::Closed {
+                token: route.token,
+                status,
+            });
+        }
+    }
+
+    /// On the main thread (the stream hooks): what the store said on `stream_id`.
+    pub fn on_stream_event(&self, stream_id: u64, event: ConfigStreamEvent) {
+        match event {
+            ConfigStreamEvent::Headers {
+                headers,
+                end_stream: true,
+            } => {
+                // Trailers-only: the store refused the stream (or Envoy answered for it).
+                self.close_in_inbox(stream_id, status_of(&headers));
+            }
+            ConfigStreamEvent::Headers { headers, .. } => {
+                let ok = headers.iter().any(|(n, v)| n == ":status" && v == b"200");
+                if ok {
+                    self.to_root(stream_id, |token| StreamEvent::InitialMetadata {
+                        token,
+                        headers,
+                    });
+                } else {
+                    self.close_in_inbox(stream_id, status_of(&headers));
+                    self.finish(stream_id, true);
+                }
+            }
+            ConfigStreamEvent::Data { data, end_stream } => {
+                self.on_data(stream_id, &data);
+                if end_stream {
+                    // A gRPC answer ends with trailers; a body that ends is a broken one.
+                    self.close_in_inbox(stream_id, GRPC_INTERNAL);
+                }
+            }
+            ConfigStreamEvent::Trailers(trailers) => {
+                self.close_in_inbox(stream_id, status_of(&trailers));
+                self.finish(stream_id, false);
+            }
+            // Complete after trailers finds no route; a stream completed without them
+            // ended without a status.
+            ConfigStreamEvent::Complete => self.close_in_inbox(stream_id, GRPC_UNKNOWN),
+            ConfigStreamEvent::Reset => self.close_in_inbox(stream_id, GRPC_INTERNAL),
+        }
+    }
+
+    fn to_root(&self, stream_id: u64, event: impl FnOnce(u32) -> StreamEvent) {
+        let routed = relock(&self.streams)
+            .by_stream
+            .get(&stream_id)
+            .map(|route| (route.token, Arc::clone(&route.inbox)));
+        if let Some((token, inbox)) = routed {
+            inbox.deliver(event(token));
+        }
+    }
+
+    /// Appends `data` to the stream's partial message and hands the root every whole one.
+    fn on_data(&self, stream_id: u64, data: &[u8]) {
+        let mut messages = Vec::new();
+        let mut malformed = false;
+        let routed = {
+            let mut streams = relock(&self.streams);
+            let Some(route) = streams.by_stream.get_mut(&stream_id) else {
+                return;
+            };
+            route.partial.extend_from_slice(data);
+            // Bounded: each pass takes a whole frame off the front or stops.
+            loop {
+                match frame_len(&route.partial) {
+                    None => break,
+                    Some(Err(())) => {
+                        malformed = true;
+                        break;
+                    }
+                    Some(Ok(len)) if route.partial.len() < len => break,
+                    Some(Ok(len)) => {
+                        let rest = route.partial.split_off(len);
+                        let frame = std::mem::replace(&mut route.partial, rest);
+                        // The courier never asks for compression: a compressed message is
+                        // one it cannot read.
+                        if frame.first() == Some(&1) {
+                            malformed = true;
+                            break;
+                        }
+                        messages.push(frame.get(PREFIX_BYTES..).unwrap_or_default().to_vec());
+                    }
+                }
+            }
+            (route.token, Arc::clone(&route.inbox))
+        };
+        let (token, inbox) = routed;
+        for message in messages {
+            inbox.deliver(StreamEvent::Message { token, message });
+        }
+        if malformed {
+            log::warn!("store stream sent a frame that is not a plain gRPC message; reset");
+            self.close_in_inbox(stream_id, GRPC_INTERNAL);
+            self.finish(stream_id, true);
+        }
+    }
+
+    /// Ends our side of a stream the store ended, on the next run: not inside Envoy's own
+    /// callback for that stream. Nothing to do once the configuration is gone.
+    fn finish(&self, stream_id: u64, reset: bool) {
+        let _ = self.submit(Operation::Finish { stream_id, reset });
+    }
+
+    /// On the main thread, from the configuration's drop: no commit after this returns;
+    /// every stream's root learns it closed (Envoy resets them without an event), and so does
+    /// every root whose open was still queued.
+    pub fn retire(&self) {
+        let queued = {
+            let mut outbox = relock(&self.outbox);
+            outbox.retired = true;
+            outbox.scheduler = None;
+            outbox.armed = false;
+            std::mem::take(&mut outbox.operations)
+        };
+        for operation in queued {
+            if let Operation::Open { token, inbox, .. } = operation {
+                inbox.deliver(StreamEvent::Closed {
+                    token,
+                    status: GRPC_UNAVAILABLE,
+                });
+            }
+        }
+        let routes: Vec<Route> = {
+            let mut streams = relock(&self.streams);
+            streams.by_token.clear();
+            streams.by_stream.drain().map(|(_, route)| route).collect()
+        };
+        for route in routes {
+            route.inbox.deliver(StreamEvent::Closed {
+                token: route.token,
+                status: GRPC_UNAVAILABLE,
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+    use crate::abi::ConfigHandle;
+    use std::cell::RefCell;
+
+    type Pairs = Vec<(String, Vec<u8>)>;
+
+    /// Envoy's side of the configuration's streams, scripted.
+    #[derive(Default)]
+    struct FakeEnvoy {
+        started: RefCell<Vec<(String, Pairs)>>,
+        sent: RefCell<Vec<(u64, Vec<u8>, bool)>>,
+        resets: RefCell<Vec<u64>>,
+        refuse_start: bool,
+        refuse_send: bool,
+    }
+
+    impl StreamCalls for FakeEnvoy {
+        fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String> {
+            if self.refuse_start {
+                return Err("cluster not found".into());
+            }
+            let headers = headers
+                .iter()
+                .map(|(n, v)| ((*n).to_owned(), v.to_vec()))
+                .collect();
+            self.started
+                .borrow_mut()
+                .push((cluster.to_owned(), headers));
+            Ok(100 + self.started.borrow().len() as u64)
+        }
+        fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool {
+            self.sent
+                .borrow_mut()
+                .push((stream_id, data.to_vec(), end_stream));
+            !self.refuse_send
+        }
+        fn reset(&self, stream_id: u64) {
+            self.resets.borrow_mut().push(stream_id);
+        }
+    }
+
+    fn courier() -> Courier {
+        // SAFETY: the mocked ABI never dereferences it.
+        let handle = unsafe { ConfigHandle::from_raw(0xc0 as *mut std::ffi::c_void) };
+        Courier::new(handle.new_scheduler())
+    }
+
+    fn target() -> StreamTarget {
+        StreamTarget {
+            cluster: "store".into(),
+            authority: "idempotency-store".into(),
+            path: "/idempotency.store.v1.Store/Coordinate".into(),
+            metadata: vec![("authorization".into(), b"Bearer t".to_vec())],
+        }
+    }
+
+    fn header(name: &str, value: &str) -> (String, Vec<u8>) {
+        (name.to_owned(), value.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn a_stream_opens_as_grpc_sends_frames_and_reassembles_answers() {
+        let (courier, envoy, inbox) = (courier(), FakeEnvoy::default(), Arc::new(Inbox::default()));
+        let token = courier.open(&inbox, target()).unwrap();
+        courier.send(token, b"claim").unwrap();
+        courier.run(&envoy);
+        let (cluster, headers) = envoy.started.borrow()[0].clone();
+        assert_eq!(cluster, "store");
+        for wanted in [
+            header(":method", "POST"),
+            header(":path", "/idempotency.store.v1.Store/Coordinate"),
+            header(":authority", "idempotency-store"),
+            header("content-type", "application/grpc"),
+            header("te", "trailers"),
+            header("authorization", "Bearer t"),
+        ] {
+            assert!(headers.contains(&wanted), "{wanted:?} in {headers:?}");
+        }
+        assert_eq!(
+            *envoy.sent.borrow(),
+            vec![(101, grpc_frame(b"claim"), false)]
+        );
+
+        courier.on_stream_event(
+            101,
+            ConfigStreamEvent::Headers {
+                headers: vec![header(":status", "200"), header("x-a", "1")],
+                end_stream: false,
+            },
+        );
+        // Two answers cut across three chunks.
+        let mut bytes = grpc_frame(b"first");
+        bytes.extend(grpc_frame(b"second"));
+        let (a, rest) = bytes.split_at(3);
+        let (b, c) = rest.split_at(9);
+        for chunk in [a, b, c] {
+            courier.on_stream_event(
+                101,
+                ConfigStreamEvent::Data {
+                    data: chunk.to_vec(),
+                    end_stream: false,
+                },
+            );
+        }
+        courier.on_stream_event(
+            101,
+            ConfigStreamEvent::Trailers(vec![header("grpc-status", "0")]),
+        );
+        courier.on_stream_event(101, ConfigStreamEvent::Complete);
+        assert_eq!(
+            inbox.take_all(),
+            vec![
+                StreamEvent::InitialMetadata {
+                    token,
+                    headers: vec![header(":status", "200"), header("x-a", "1")]
+                },
+                StreamEvent::Message {
+                    token,
+                    message: b"first".to_vec()
+                },
+                StreamEvent::Message {
+                    token,
+                    message: b"second".to_vec()
+                },
+                StreamEvent::Closed { token, status: 0 },
+            ],
+            "complete after the trailers adds nothing"
+        );
+        // Our side is ended on the next run, outside Envoy's callback.
+        courier.run(&envoy);
+        assert_eq!(envoy.sent.borrow().last(), Some(&(101, Vec::new(), true)));
+        // A send after the close goes nowhere: the root has the Closed event.
+        courier.send(token, b"late").unwrap();
+        courier.run(&envoy);
+        assert_eq!(envoy.sent.borrow().len(), 2);
+    }
+
+    #[test]
+    fn a_stream_that_cannot_start_or_take_a_message_is_closed_in_its_root() {
+        let courier = courier();
+        let inbox = Arc::new(Inbox::default());
+        let refusing = FakeEnvoy {
+            refuse_start: true,
+            ..FakeEnvoy::default()
+        };
+        let token = courier.open(&inbox, target()).unwrap();
+        courier.send(token, b"claim").unwrap();
+        courier.run(&refusing);
+        assert_eq!(
+            inbox.take_all(),
+            vec![StreamEvent::Closed {
+                token,
+                status: GRPC_UNAVAILABLE
+            }]
+        );
+        assert!(refusing.sent.borrow().is_empty());
+
+        let full = FakeEnvoy {
+            refuse_send: true,
+            ..FakeEnvoy::default()
+        };
+        let token = courier.open(&inbox, target()).unwrap();
+        courier.send(token, b"claim").unwrap();
+        courier.run(&full);
+        assert_eq!(
+            inbox.take_all(),
+            vec![StreamEvent::Closed {
+                token,
+                status: GRPC_UNAVAILABLE
+            }]
+        );
+    }
+
+    #[test]
+    fn refusals_resets_and_broken_frames_close_with_a_status() {
+        let (courier, envoy, inbox) = (courier(), FakeEnvoy::default(), Arc::new(Inbox::default()));
+        let open = |n: usize| {
+            let token = courier.open(&inbox, target()).unwrap();
+            courier.run(&envoy);
+            (token, 100 + n as u64)
+        };
+        let (t1, s1) = open(1);
+        courier.on_stream_event(
+            s1,
+            ConfigStreamEvent::Headers {
+                headers: vec![header(":status", "200"), header("grpc-status", "16")],
+                end_stream: true,
+            },
+        );
+        let (t2, s2) = open(2);
+        courier.on_stream_event(
+            s2,
+            ConfigStreamEvent::Headers {
+                headers: vec![header(":status", "503")],
+                end_stream: false,
+            },
+        );
+        let (t3, s3) = open(3);
+        courier.on_stream_event(s3, ConfigStreamEvent::Reset);
+        let (t4, s4) = open(4);
+        let mut compressed = grpc_frame(b"zip");
+        compressed[0] = 1;
+        courier.on_stream_event(
+            s4,
+            ConfigStreamEvent::Data {
+                data: compressed,
+                end_stream: false,
+            },
+        );
+        let (t5, s5) = open(5);
+        courier.on_stream_event(s5, ConfigStreamEvent::Complete);
+        assert_eq!(
+            inbox.take_all(),
+            vec![
+                StreamEvent::Closed {
+                    token: t1,
+                    status: 16
+                },
+                StreamEvent::Closed {
+                    token: t2,
+                    status: GRPC_UNAVAILABLE
+                },
+                StreamEvent::Closed {
+                    token: t3,
+                    status: GRPC_INTERNAL
+                },
+                StreamEvent::Closed {
+                    token: t4,
+                    status: GRPC_INTERNAL
+                },
+                StreamEvent::Closed {
+                    token: t5,
+                    status: GRPC_UNKNOWN
+                },
+            ]
+        );
+        courier.run(&envoy);
+        assert_eq!(
+            *envoy.resets.borrow(),
+            vec![s2, s4],
+            "what the store broke is reset"
+        );
+    }
+
+    #[test]
+    fn a_local_close_or_reset_delivers_nothing_to_the_root() {
+        let (courier, envoy, inbox) = (courier(), FakeEnvoy::default(), Arc::new(Inbox::default()));
+        let a = courier.open(&inbox, target()).unwrap();
+        let b = courier.open(&inbox, target()).unwrap();
+        courier.run(&envoy);
+        courier.close(a, false).unwrap();
+        courier.close(b, true).unwrap();
+        courier.run(&envoy);
+        assert_eq!(envoy.sent.borrow().last(), Some(&(101, Vec::new(), true)));
+        assert_eq!(*envoy.resets.borrow(), vec![102]);
+        courier.on_stream_event(
+            101,
+            ConfigStreamEvent::Trailers(vec![header("grpc-status", "0")]),
+        );
+        assert!(inbox.take_all().is_empty());
+    }
+
+    #[test]
+    fn a_retired_configuration_closes_every_stream_and_takes_no_more() {
+        let (courier, envoy) = (courier(), FakeEnvoy::default());
+        let (worker_a, worker_b) = (Arc::new(Inbox::default()), Arc::new(Inbox::default()));
+        let open_a = courier.open(&worker_a, target()).unwrap();
+        courier.run(&envoy);
+        // Worker B's open is still queued when Envoy destroys the configuration.
+        let queued_b = courier.open(&worker_b, target()).unwrap();
+        courier.retire();
+        assert_eq!(
+            worker_a.take_all(),
+            vec![StreamEvent::Closed {
+                token: open_a,
+                status: GRPC_UNAVAILABLE
+            }]
+        );
+        assert_eq!(
+            worker_b.take_all(),
+            vec![StreamEvent::Closed {
+                token: queued_b,
+                status: GRPC_UNAVAILABLE
+            }]
+        );
+        assert!(courier.open(&worker_a, target()).is_err());
+        assert!(courier.send(open_a, b"x").is_err());
+        // Events Envoy might still have in flight find no route.
+        courier.on_stream_event(101, ConfigStreamEvent::Reset);
+        assert!(worker_a.take_all().is_empty());
+    }
+}
