@@ -1,6 +1,6 @@
 //! gRPC rules: unary calls recorded with their trailers and replayed (through the echo hop
-//! when they carry a message), released by status, streaming calls let through, and the
-//! filter's own answers as trailers-only statuses.
+//! when they carry a message), released by status, keyless streaming calls let through
+//! (keyed ones: grpc_stream.rs), and the filter's own answers as trailers-only statuses.
 
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -12,18 +12,18 @@ use crate::host::HeaderPairs;
 use crate::host::SharedData as _;
 use crate::outcome::Outcome;
 
-const ORDERS_GRPC: &str =
+pub(super) const ORDERS_GRPC: &str =
     r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]}}]}"#;
-const PLACE: &str = "/shop.v1.Orders/PlaceOrder";
+pub(super) const PLACE: &str = "/shop.v1.Orders/PlaceOrder";
 
-fn frame(message: &[u8]) -> Vec<u8> {
+pub(super) fn frame(message: &[u8]) -> Vec<u8> {
     let mut out = vec![0];
     out.extend_from_slice(&(message.len() as u32).to_be_bytes());
     out.extend_from_slice(message);
     out
 }
 
-fn grpc_headers<'a>(path: &'a str, key: Option<&'a str>) -> Vec<(&'a str, &'a str)> {
+pub(super) fn grpc_headers<'a>(path: &'a str, key: Option<&'a str>) -> Vec<(&'a str, &'a str)> {
     let mut headers = vec![
         (":method", "POST"),
         (":path", path),
@@ -37,7 +37,7 @@ fn grpc_headers<'a>(path: &'a str, key: Option<&'a str>) -> Vec<(&'a str, &'a st
     headers
 }
 
-fn call(
+pub(super) fn call(
     host: &FakeHost,
     plugin: &Rc<Plugin>,
     key: Option<&str>,
@@ -75,7 +75,7 @@ fn upstream_sends(
 }
 
 /// The upstream answers with headers, one message and trailers.
-fn answer(
+pub(super) fn answer(
     host: &FakeHost,
     request: &mut RequestJourney,
     message: &[u8],
@@ -117,7 +117,7 @@ fn answer_trailers_only(host: &FakeHost, request: &mut RequestJourney, status: &
     request.on(host, Event::StreamEnd);
 }
 
-fn value<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a str> {
+pub(super) fn value<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a str> {
     header(headers, name).and_then(|v| std::str::from_utf8(v).ok())
 }
 
@@ -391,8 +391,8 @@ fn streaming_calls_pass_unprotected_and_are_counted() {
     let plugin = plugin(&host, ORDERS_GRPC);
     let mut two = frame(b"a");
     two.extend_from_slice(&frame(b"b"));
-    // Two messages in one chunk, still open: let go at once.
-    host.set_request(&grpc_headers("/shop.v1.Orders/Upload", Some("k1")), &two);
+    // Two messages in one chunk, still open, no key: let go at once.
+    host.set_request(&grpc_headers("/shop.v1.Orders/Upload", None), &two);
     let mut upload = RequestJourney::new(Rc::clone(&plugin));
     assert_eq!(
         upload.on(
@@ -414,7 +414,7 @@ fn streaming_calls_pass_unprotected_and_are_counted() {
         Verdict::Continue
     );
     assert!(matches!(upload.state(), Journey::Unprotected));
-    // No message at all.
+    // No message at all, nothing a method could run on: passes even with a key.
     let (empty, verdict) = send(
         &host,
         &plugin,
@@ -694,7 +694,7 @@ fn a_stream_longer_than_max_request_bytes_passes_as_a_stream() {
     let plugin = plugin(&host, config);
     let mut stream = frame(b"0123456789");
     stream.extend_from_slice(&frame(b"0123456789"));
-    host.set_request(&grpc_headers("/shop.v1.Orders/Upload", Some("k1")), &stream);
+    host.set_request(&grpc_headers("/shop.v1.Orders/Upload", None), &stream);
     let mut upload = RequestJourney::new(Rc::clone(&plugin));
     upload.on(
         &host,
