@@ -464,6 +464,18 @@ def test_a_key_with_an_empty_first_message_or_with_no_message_never_runs_a_recor
     assert rule_counter(edge, "orders", "grpc_streaming") == 1
 
 
+def test_a_keyed_call_too_large_to_read_is_refused_under_an_optional_key(procs, server) -> None:
+    """An optional key lets a call without one pass, but a call that sends the key asked for
+    protection: over max_request_bytes it is refused, not run again under its recorded key."""
+    envoy = start_envoy(procs, server, plugin_config(key={"required": False}, max_request_bytes=64))
+    key = new_key()
+    assert call(envoy, key).code == grpc.StatusCode.OK
+    large = call(envoy, key, b"x" * 256)
+    assert large.code == grpc.StatusCode.RESOURCE_EXHAUSTED and problem_of(large) == "body-too-large"
+    assert server.executions(key) == 1
+    assert call(envoy, None, b"x" * 256).code == grpc.StatusCode.OK
+
+
 def held_open(first: bytes, release: threading.Event):
     """A request stream that sends `first`, then waits for `release` before it ends."""
     yield first

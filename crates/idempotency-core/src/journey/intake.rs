@@ -234,7 +234,9 @@ impl RequestJourney {
         let limit = pending.rule.rule.max_request_bytes;
         if size > limit {
             let rule = &pending.rule;
-            if rule.rule.key_required {
+            // A call that sent its key's metadata asked for protection, optional key or
+            // not: run unprotected, it would run a recorded call again.
+            if rule.rule.key_required || pending.key_metadata.is_some() {
                 self.note(host, rule, Outcome::InvalidKey);
                 return self.answer_problem(host, rule, &Problem::request_too_large(limit));
             }

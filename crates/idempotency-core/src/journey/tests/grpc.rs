@@ -1085,3 +1085,31 @@ fn a_held_duplicate_is_replayed_by_a_host_that_sends_trailers_and_not_resumed() 
     assert!(matches!(held.borrow().state(), Journey::AnsweredLocally));
     assert_eq!(host.counter("orders", Outcome::ReplayedAfterWait), 1);
 }
+
+#[test]
+fn a_keyed_call_over_max_request_bytes_is_refused_even_when_the_key_is_optional() {
+    let host = FakeHost::default();
+    let config = r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]},
+        "key":{"required":false},"max_request_bytes":16}]}"#;
+    let plugin = plugin(&host, config);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer(&host, &mut first, b"placed", &[("grpc-status", "0")]);
+    host.take_effects();
+    // Its key says the client wants it protected: too large to read, it is refused rather
+    // than run unprotected (which would run the recorded call again).
+    let (large, verdict) = call(&host, &plugin, Some("k1"), &[b'x'; 64]);
+    assert_eq!(verdict, Verdict::Pause);
+    let (_, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(
+        value(&headers, "grpc-status"),
+        Some("8"),
+        "RESOURCE_EXHAUSTED"
+    );
+    assert!(matches!(large.state(), Journey::AnsweredLocally));
+    // Without the key it passes, as an optional key lets it.
+    let (keyless, verdict) = call(&host, &plugin, None, &[b'x'; 64]);
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(matches!(keyless.state(), Journey::Unprotected));
+    assert_eq!(host.counter("orders", Outcome::PassedThrough), 1);
+    assert_eq!(host.counter("orders", Outcome::Executed), 1);
+}
