@@ -12,7 +12,9 @@ serves every test:
   executing (a transient failure); later ones execute.
 
 ``/shop.v1.Orders/PlaceOrder`` is the unary write; ``/shop.v1.Orders/Track`` streams
-three answers to one request; ``/shop.v1.Orders/Upload`` takes a stream of messages.
+three answers to one request; ``/shop.v1.Orders/Upload`` takes a stream of messages;
+``/shop.v1.Orders/Chat`` (bidirectional) answers each message as it comes, each one counted as
+an execution of the call's key.
 ``/test.v1.Control/Executions`` (called directly, not through Envoy) answers how many
 times each idempotency key was executed, as JSON.
 
@@ -78,6 +80,15 @@ def upload(request_iterator, context: grpc.ServicerContext) -> bytes:
     return b"uploaded:%d" % total
 
 
+def chat(request_iterator, context: grpc.ServicerContext):
+    key = str(_metadata(context).get("idempotency-key", ""))
+    for message in request_iterator:
+        with _lock:
+            _attempts[key] = _attempts.get(key, 0) + 1
+            _executions[key] = _executions.get(key, 0) + 1
+        yield b"heard:" + message
+
+
 def executions(request: bytes, context: grpc.ServicerContext) -> bytes:
     with _lock:
         return json.dumps({"executions": _executions, "attempts": _attempts}).encode()
@@ -93,6 +104,7 @@ def main() -> None:
             "PlaceOrder": grpc.unary_unary_rpc_method_handler(place_order),
             "Track": grpc.unary_stream_rpc_method_handler(track),
             "Upload": grpc.stream_unary_rpc_method_handler(upload),
+            "Chat": grpc.stream_stream_rpc_method_handler(chat),
         }),
         grpc.method_handlers_generic_handler("test.v1.Control", {
             "Executions": grpc.unary_unary_rpc_method_handler(executions),

@@ -244,9 +244,8 @@ def test_a_required_scope_is_unauthenticated_and_streaming_calls_pass(procs, ser
     assert anonymous.code == grpc.StatusCode.UNAUTHENTICATED and problem_of(anonymous) == "missing-scope"
     with channel(envoy) as ch:
         upload = ch.stream_unary("/shop.v1.Orders/Upload")
-        reply = upload(iter([b"aa", b"bbb", b"c"]), timeout=10,
-                       metadata=[("idempotency-key", new_key()), ("authorization", "Bearer a")])
-        # Without key or caller too: only a unary call is refused for its metadata.
+        reply = upload(iter([b"aa", b"bbb", b"c"]), timeout=10, metadata=[("authorization", "Bearer a")])
+        # Without a caller too: only a unary call is refused for its metadata.
         bare = upload(iter([b"dd", b"e"]), timeout=10)
     assert (reply, bare) == (b"uploaded:6", b"uploaded:3")
     assert rule_counter(envoy, "orders", "grpc_streaming") == 2
@@ -398,27 +397,129 @@ def test_a_server_streaming_call_is_replayed_with_every_message(procs, server) -
     assert rule_counter(envoy, "orders", "replayed") == 1
 
 
-@pytest.mark.xfail(strict=True, reason="open: a stream passes unprotected, and grpcio runs a unary "
-                   "method on the first of several messages (both builds; see the docstring)")
-def test_a_stream_sent_to_a_unary_method_under_a_recorded_key_does_not_run_it_again(edge, server) -> None:
-    """FINDING (both builds, unchanged here): a client that sends two messages to the unary
-    method under a recorded key. The filter cannot tell a method's kind from its path, so a
-    call with a second message is let through unprotected (counted as grpc_streaming), and
-    grpcio's server runs the unary handler on the first message without refusing the second:
-    the write runs again. Only a client that breaks the protocol on purpose does this (a gRPC
-    library sends one message to a unary method); refusing several messages on a rule that
-    names the method (`grpc_methods`) would close it, at the price of such rules no longer
-    letting a streaming method they name pass."""
+KEY_ON_STREAM = "grpc-key-on-stream"
+STREAMS_TOO = {"grpc_services": ["shop.v1.Orders"]}
+
+
+def refusal(call_it) -> grpc.RpcError:
+    """The error `call_it` raises: the call must fail."""
+    with pytest.raises(grpc.RpcError) as raised:
+        call_it()
+    return raised.value
+
+
+def assert_refused_as_a_keyed_stream(error: grpc.RpcError) -> None:
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+    assert "several request messages" in error.details(), error.details()
+    assert "Send the key on unary and server-streaming calls only" in error.details()
+    assert dict(error.trailing_metadata())[PROBLEM].endswith(":" + KEY_ON_STREAM)
+
+
+def test_a_stream_sent_to_a_unary_method_under_a_recorded_key_is_refused_not_run_again(edge, server) -> None:
+    """Two messages to the unary method under a recorded key (a hostile client: gRPC libraries
+    send one). grpcio's server would run the method on the first, so the filter refuses the
+    call with INVALID_ARGUMENT before any of it reaches the service; the record stays, and the
+    retry of the unary call is still replayed. With a key not yet used, nothing runs either."""
     key = new_key()
     assert call(edge, key).code == grpc.StatusCode.OK
     with channel(edge) as ch:
         placed = ch.stream_unary(PLACE_ORDER)
-        try:
-            placed(iter([b"order", b"order"]), metadata=[("idempotency-key", key)], timeout=10)
-        except grpc.RpcError:
-            pass
-    assert rule_counter(edge, "orders", "grpc_streaming") == 1
+        error = refusal(lambda: placed(iter([b"order", b"order"]), metadata=[("idempotency-key", key)], timeout=10))
+        fresh = new_key()
+        unused = refusal(lambda: placed(iter([b"order", b"order"]), metadata=[("idempotency-key", fresh)], timeout=10))
+    assert_refused_as_a_keyed_stream(error)
+    assert_refused_as_a_keyed_stream(unused)
+    assert (server.attempts(key), server.executions(key), server.attempts(fresh)) == (1, 1, 0)
+    retry = call(edge, key)
+    assert retry.code == grpc.StatusCode.OK and retry.initial[REPLAYED] == "true"
     assert server.executions(key) == 1
+    counters = rule_counters(edge, "orders")
+    assert (counters["grpc_stream_with_key"], counters["grpc_streaming"], counters["executed"]) == (2, 0, 1)
+
+
+def test_a_client_stream_streams_through_without_a_key_and_is_refused_with_one(procs, server) -> None:
+    envoy = start_envoy(procs, server, plugin_config(match=STREAMS_TOO))
+    with channel(envoy) as ch:
+        upload = ch.stream_unary("/shop.v1.Orders/Upload")
+        assert upload(iter([b"aa", b"bbb", b"c"]), timeout=10) == b"uploaded:6"
+        error = refusal(lambda: upload(iter([b"aa", b"bbb"]), metadata=[("idempotency-key", new_key())], timeout=10))
+    assert_refused_as_a_keyed_stream(error)
+    counters = rule_counters(envoy, "orders")
+    assert (counters["grpc_streaming"], counters["grpc_stream_with_key"]) == (1, 1)
+
+
+def test_a_key_with_an_empty_first_message_or_with_no_message_never_runs_a_recorded_call_again(edge, server) -> None:
+    """Attacks on the count of messages: an empty first message then a second is two (refused);
+    no message at all passes as a stream, and grpcio's server runs no unary method without its
+    one message."""
+    key = new_key()
+    assert call(edge, key).code == grpc.StatusCode.OK
+    md = [("idempotency-key", key)]
+    with channel(edge) as ch:
+        placed = ch.stream_unary(PLACE_ORDER)
+        assert_refused_as_a_keyed_stream(refusal(lambda: placed(iter([b"", b"order"]), metadata=md, timeout=10)))
+        nothing = refusal(lambda: placed(iter([]), metadata=md, timeout=10))
+    assert nothing.code() != grpc.StatusCode.OK
+    assert (server.attempts(key), server.executions(key)) == (1, 1)
+    assert rule_counter(edge, "orders", "grpc_streaming") == 1
+
+
+def test_a_keyed_call_too_large_to_read_is_refused_under_an_optional_key(procs, server) -> None:
+    """An optional key lets a call without one pass, but a call that sends the key asked for
+    protection: over max_request_bytes it is refused, not run again under its recorded key."""
+    envoy = start_envoy(procs, server, plugin_config(key={"required": False}, max_request_bytes=64))
+    key = new_key()
+    assert call(envoy, key).code == grpc.StatusCode.OK
+    large = call(envoy, key, b"x" * 256)
+    assert large.code == grpc.StatusCode.RESOURCE_EXHAUSTED and problem_of(large) == "body-too-large"
+    assert server.executions(key) == 1
+    assert call(envoy, None, b"x" * 256).code == grpc.StatusCode.OK
+
+
+def held_open(first: bytes, release: threading.Event):
+    """A request stream that sends `first`, then waits for `release` before it ends."""
+    yield first
+    release.wait(timeout=30)
+
+
+def test_a_keyed_call_cancelled_after_its_first_message_claims_nothing(edge, server) -> None:
+    """The client resets after one message (its side still open): held by the filter, so none
+    of it reached the service and the key was never claimed; the unary call then runs once."""
+    key = new_key()
+    release = threading.Event()
+    with channel(edge) as ch:
+        pending = ch.stream_unary(PLACE_ORDER).future(held_open(b"order", release),
+                                                      metadata=[("idempotency-key", key)], timeout=10)
+        time.sleep(0.5)
+        assert not pending.done()
+        pending.cancel()
+        release.set()
+    assert server.attempts(key) == 0
+    first = call(edge, key)
+    assert first.code == grpc.StatusCode.OK and REPLAYED not in first.initial
+    assert server.executions(key) == 1
+
+
+def test_a_keyed_bidirectional_call_waiting_for_an_answer_is_held_and_runs_nothing(procs, server) -> None:
+    """A bidirectional call with a key that waits for an answer before its second message: it
+    looks unary so far, so it is held until its deadline; nothing of it ran. Without a key and
+    under an optional key it talks at once."""
+    envoy = start_envoy(procs, server, plugin_config(match=STREAMS_TOO, key={"required": False}))
+    key = new_key()
+    release = threading.Event()
+    with channel(envoy) as ch:
+        chat = ch.stream_stream("/shop.v1.Orders/Chat")
+        answers = chat(held_open(b"hello", release), metadata=[("idempotency-key", key)], timeout=2)
+        error = refusal(lambda: next(answers))
+        release.set()
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+        talking = threading.Event()
+        answers = chat(held_open(b"hello", talking), timeout=10)
+        assert next(answers) == b"heard:hello"
+        talking.set()
+        assert list(answers) == []
+    assert server.attempts(key) == 0
+    assert rule_counter(envoy, "orders", "passed_through") == 1
 
 
 # --------------------------------------------------------------------------

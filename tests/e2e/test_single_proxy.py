@@ -679,8 +679,8 @@ OUTCOMES = [
     "passed_through", "table_full", "evicted", "body_omitted", "taken_over", "not_recorded", "table_error",
     "store_error", "store_fail_open", "store_write_dropped", "waited", "replayed_after_wait", "wait_timed_out",
     "wait_released", "outcome_unknown", "outcome_unknown_answered", "resent", "lease_lost",
-    "detached", "completed_after_client_left", "grpc_streaming", "grpc_on_http_rule", "replay_echo_unrouted",
-    "resolved_took_effect", "resolved_never_ran", "resolution_retried", "resolution_gave_up",
+    "detached", "completed_after_client_left", "grpc_streaming", "grpc_stream_with_key", "grpc_on_http_rule",
+    "replay_echo_unrouted", "resolved_took_effect", "resolved_never_ran", "resolution_retried", "resolution_gave_up",
     "looked_up",
 ]
 

@@ -75,6 +75,10 @@ pub enum Outcome {
     /// A gRPC call on a protected path that is not unary (no request message, or several):
     /// let through unprotected.
     GrpcStreaming,
+    /// A gRPC call with its rule's key metadata that sent a second request message: refused
+    /// with `INVALID_ARGUMENT` before any of it went upstream. Let through, a unary method
+    /// would run on its first message, again under a recorded key.
+    GrpcStreamWithKey,
     /// A gRPC call (or a gRPC-Web one) matched by an HTTP rule that a gRPC call cannot honour
     /// (its key or fingerprint read from the body or the query, or a detached execution): let
     /// through unprotected.
@@ -98,7 +102,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 37] = [
+    pub const ALL: [Outcome; 38] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::ReplayedTombstone,
@@ -129,6 +133,7 @@ impl Outcome {
         Outcome::Detached,
         Outcome::CompletedAfterClientLeft,
         Outcome::GrpcStreaming,
+        Outcome::GrpcStreamWithKey,
         Outcome::GrpcOnHttpRule,
         Outcome::ReplayEchoUnrouted,
         Outcome::ResolvedTookEffect,
@@ -170,6 +175,7 @@ impl Outcome {
             Outcome::Detached => "detached",
             Outcome::CompletedAfterClientLeft => "completed_after_client_left",
             Outcome::GrpcStreaming => "grpc_streaming",
+            Outcome::GrpcStreamWithKey => "grpc_stream_with_key",
             Outcome::GrpcOnHttpRule => "grpc_on_http_rule",
             Outcome::ReplayEchoUnrouted => "replay_echo_unrouted",
             Outcome::ResolvedTookEffect => "resolved_took_effect",

@@ -227,6 +227,24 @@ impl Problem {
         }
     }
 
+    /// A gRPC call that sent its key's `metadata` and a second request message: the filter
+    /// protects calls with one request message only, and a unary method would run on the
+    /// first of several (grpcio does), again under a recorded key.
+    pub fn key_on_stream(metadata: &str) -> Problem {
+        Problem {
+            status: 400,
+            kind: "grpc-key-on-stream",
+            title: "Idempotency key on a call with several request messages",
+            detail: format!(
+                "Only calls with one request message (unary and server-streaming) are \
+                 protected, and this call sent the '{metadata}' metadata and a second \
+                 message, so none of it was sent to the service. Send the key on unary \
+                 and server-streaming calls only."
+            ),
+            retry_after_seconds: None,
+        }
+    }
+
     /// The first call with this key completed, and its response is not kept (larger than the
     /// rule records, or its copy in the local table reused): it is not run again, and there
     /// is no message to replay.

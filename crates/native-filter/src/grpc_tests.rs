@@ -46,14 +46,8 @@ fn frame(message: &[u8]) -> Vec<u8> {
     out
 }
 
-/// A unary call's headers (with `key` if given) and its one message, as Envoy delivers them:
-/// headers, then the body ending the stream. The statuses Envoy gets back.
-fn call(
-    config: ffi::HttpFilterConfigModulePtr,
-    ptr: usize,
-    key: Option<&str>,
-    body: &[u8],
-) -> (ffi::HttpFilterModulePtr, u32) {
+/// The headers of a call to the unary method, with `key` if given.
+fn call_headers(key: Option<&str>) -> Pairs {
     let mut headers = vec![
         (":method", "POST"),
         (":path", PLACE),
@@ -64,8 +58,19 @@ fn call(
     if let Some(key) = key {
         headers.push(("idempotency-key", key));
     }
+    pairs(&headers)
+}
+
+/// A unary call's headers (with `key` if given) and its one message, as Envoy delivers them:
+/// headers, then the body ending the stream. The statuses Envoy gets back.
+fn call(
+    config: ffi::HttpFilterConfigModulePtr,
+    ptr: usize,
+    key: Option<&str>,
+    body: &[u8],
+) -> (ffi::HttpFilterModulePtr, u32) {
     with(|abi| {
-        abi.maps.insert(REQ, pairs(&headers));
+        abi.maps.insert(REQ, call_headers(key));
         abi.bodies.clear();
         abi.bodies
             .insert(ffi::BODY_TYPE_RECEIVED_REQUEST_BODY, vec![body.to_vec()]);
@@ -406,4 +411,59 @@ fn huge_recorded_trailers_are_replayed_as_recorded() {
         other => panic!("expected the whole replay, got {} parts", other.len()),
     }
     end(552, retry);
+}
+
+/// Headers with `key` (if given), then two messages in one chunk that does not end the call,
+/// on the unary method: the body's status Envoy gets back.
+fn two_messages(
+    config: ffi::HttpFilterConfigModulePtr,
+    ptr: usize,
+    key: Option<&str>,
+) -> (ffi::HttpFilterModulePtr, u32) {
+    let mut body = frame(b"order");
+    body.extend_from_slice(&frame(b"order"));
+    with(|abi| {
+        abi.maps.insert(REQ, call_headers(key));
+        abi.bodies.clear();
+        abi.bodies
+            .insert(ffi::BODY_TYPE_RECEIVED_REQUEST_BODY, vec![body]);
+    });
+    let module = envoy_dynamic_module_on_http_filter_new(config, fake(ptr));
+    assert!(!module.is_null());
+    envoy_dynamic_module_on_http_filter_request_headers(fake(ptr), module, false);
+    let status = envoy_dynamic_module_on_http_filter_request_body(fake(ptr), module, false);
+    (module, status)
+}
+
+#[test]
+fn a_second_message_under_a_key_is_refused_as_the_wasm_build_refuses_it() {
+    reset();
+    let config = loaded(ORDERS);
+    let (first, _) = call(config, 561, Some("native-grpc-stream"), &frame(b"order"));
+    answer(561, first, b"placed", &[("grpc-status", "0")]);
+    end(561, first);
+
+    // Held (nothing goes upstream) and answered trailers-only with INVALID_ARGUMENT.
+    let (keyed, status) = two_messages(config, 562, Some("native-grpc-stream"));
+    assert_eq!(status, ffi::BODY_STOP_ITERATION_AND_BUFFER);
+    let refused = trailers_only_to(562);
+    assert_eq!(value(&refused, ":status"), Some("200"));
+    assert_eq!(value(&refused, "grpc-status"), Some("3"));
+    assert!(value(&refused, "idempotency-problem-type")
+        .is_some_and(|t| t.ends_with(":grpc-key-on-stream")));
+    assert!(value(&refused, "grpc-message").is_some_and(|m| m.contains("several request messages")));
+    end(562, keyed);
+
+    // Without a key the call streams through, untouched.
+    let (keyless, status) = two_messages(config, 563, None);
+    assert_eq!(status, ffi::BODY_CONTINUE);
+    assert!(parts_to(563).is_empty());
+    end(563, keyless);
+
+    // The record is as it was: the unary retry is replayed.
+    let (retry, _) = call(config, 564, Some("native-grpc-stream"), &frame(b"order"));
+    assert!(parts_to(564).iter().any(
+        |p| matches!(p, Part::Headers(_, h, _) if value(h, "idempotent-replayed") == Some("true"))
+    ));
+    end(564, retry);
 }

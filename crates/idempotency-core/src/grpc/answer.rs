@@ -18,8 +18,8 @@ pub const PROBLEM_TYPE_METADATA: &str = "idempotency-problem-type";
 /// - A first attempt whose outcome is unknown, or whose response was too large to record,
 ///   is `FAILED_PRECONDITION`: no retry under this key will change it; the caller checks
 ///   whether the write took effect.
-/// - A key reused with another message, or a missing or malformed key, is
-///   `INVALID_ARGUMENT`: the call itself is wrong.
+/// - A key reused with another message, a missing or malformed key, or a key on a call with
+///   several request messages is `INVALID_ARGUMENT`: the call itself is wrong.
 /// - No trust in the caller's identity is `UNAUTHENTICATED`; a message too large to buffer is
 ///   `RESOURCE_EXHAUSTED`, as gRPC's own size limits are.
 /// - Anything the filter could not do (store unreachable, table full, a first attempt that
@@ -32,7 +32,8 @@ pub fn code_of(problem: &Problem) -> u32 {
         | "invalid-key"
         | "key-reused"
         | "header-not-forwardable"
-        | "grpc-malformed" => status::INVALID_ARGUMENT,
+        | "grpc-malformed"
+        | "grpc-key-on-stream" => status::INVALID_ARGUMENT,
         "missing-scope" => status::UNAUTHENTICATED,
         "body-too-large" => status::RESOURCE_EXHAUSTED,
         _ => status::UNAVAILABLE,

@@ -1,4 +1,4 @@
-//! A gRPC rule's own steps: streaming calls let through, the release decided by the
+//! A gRPC rule's own steps: streaming calls let through (refused when they carry a key), the release decided by the
 //! `grpc-status` of the trailers (or of a trailers-only response), the filter's answers as
 //! trailers-only statuses, and the replay, sent itself when the record has no message or the
 //! host can send trailers, or through the echo hop otherwise (see `crate::grpc`).
@@ -13,6 +13,7 @@ use crate::outcome::Outcome;
 use crate::problem::Problem;
 use crate::rule_handle::RuleHandle;
 use crate::who_answered::{Answerer, EnvoyReport};
+use idempotency_protocol::naming::source::FieldSource;
 use idempotency_protocol::record::RecordedResponse;
 
 /// A replay on its way through the echo hop: what the echo's answer is turned back into.
@@ -24,10 +25,12 @@ pub struct ReplayHop {
 
 /// What a gRPC request body holds for the rule.
 pub(super) enum CallShape {
-    /// One message: a unary call, protected.
+    /// One message: a unary (or server-streaming) call, protected.
     Unary,
-    /// No message or several: a streaming call, let through unprotected.
-    Streaming,
+    /// No message: nothing a method could run on; let through as a stream.
+    NoMessage,
+    /// A client-streaming or bidirectional call (or a hostile client's unary one).
+    SeveralMessages,
     /// Not gRPC framing.
     Malformed,
 }
@@ -35,10 +38,23 @@ pub(super) enum CallShape {
 /// The shape of a whole request body.
 pub(super) fn call_shape(body: &[u8]) -> CallShape {
     match framing(body) {
+        Framing::Messages(0) => CallShape::NoMessage,
         Framing::Messages(1) => CallShape::Unary,
-        Framing::Messages(_) => CallShape::Streaming,
+        Framing::Messages(_) => CallShape::SeveralMessages,
         Framing::Partial | Framing::Malformed => CallShape::Malformed,
     }
+}
+
+/// The first of `sources` (a gRPC rule's: metadata only) that the call sent, valid or not:
+/// a client that sends it asks for protection.
+pub(super) fn sent_key_metadata<'h>(
+    sources: &[FieldSource],
+    find: impl Fn(&str) -> Option<&'h [u8]>,
+) -> Option<String> {
+    sources.iter().find_map(|source| match source {
+        FieldSource::Header(name) if find(name).is_some() => Some(name.clone()),
+        _ => None,
+    })
 }
 
 impl RequestJourney {
@@ -80,15 +96,36 @@ impl RequestJourney {
         None
     }
 
-    /// A streaming call on a protected path: counted, and let through.
+    /// A call that sent a second request message: a stream, which the filter does not
+    /// protect. Without key metadata it is counted and let through. With it, it is refused
+    /// before anything went upstream: grpcio runs a unary method on the first of several
+    /// messages, so letting it through would run a recorded key's write again.
+    pub(super) fn on_several_messages(
+        &self,
+        host: &impl Host,
+        rule: &RuleHandle,
+        key_metadata: Option<&str>,
+    ) -> Step {
+        let Some(metadata) = key_metadata else {
+            return self.pass_streaming(host, rule);
+        };
+        log::debug!(
+            "rule {}: a call with '{metadata}' sent a second request message; refused",
+            rule.rule.name
+        );
+        self.note(host, rule, Outcome::GrpcStreamWithKey);
+        self.answer_grpc_problem(host, rule, &Problem::key_on_stream(metadata))
+    }
+
+    /// A call with no request message: counted as a stream, and let through.
     pub(super) fn pass_streaming(&self, host: &impl Host, rule: &RuleHandle) -> Step {
         self.note(host, rule, Outcome::GrpcStreaming);
         pass()
     }
 
     /// While the body is still arriving: more bytes than its first message holds means a
-    /// second message, so a client-streaming call, which is let go at once rather than held
-    /// until the client ends its side (a bidirectional call would wait for an answer first).
+    /// second message, decided at once rather than held until the client ends its side (a
+    /// bidirectional call would wait for an answer first).
     pub(super) fn is_streaming_so_far(&self, host: &impl Host, size: usize) -> bool {
         if size <= grpc::frame::PREFIX_BYTES {
             return false;

@@ -5,7 +5,7 @@
 use std::rc::Rc;
 
 use super::detached::{self, DetachedIntake};
-use super::grpc::{call_shape, CallShape};
+use super::grpc::{call_shape, sent_key_metadata, CallShape};
 use super::{access_log, pass, Journey, PendingRequest, RequestJourney, Step, Verdict};
 use crate::fingerprint::{fingerprint, FingerprintMode, Protocol};
 use crate::host::{HeaderPairs, Host};
@@ -130,6 +130,9 @@ impl RequestJourney {
             return pass();
         };
         let is_grpc = rule.rule.grpc.is_some();
+        let key_metadata = is_grpc
+            .then(|| sent_key_metadata(&rule.rule.key_sources, find))
+            .flatten();
         // A gRPC call's refusal waits for its body: a streaming call passes whatever its
         // metadata, and only the body tells it from a unary one.
         let mut deferred = None;
@@ -195,6 +198,7 @@ impl RequestJourney {
             key_parts,
             scope,
             deferred,
+            key_metadata,
             lookup,
         };
         if end_of_stream || !wants_body {
@@ -225,12 +229,14 @@ impl RequestJourney {
             && self.is_streaming_so_far(host, size)
         {
             // Before the size check: a stream's messages add up, a unary call's is one.
-            return self.pass_streaming(host, &pending.rule);
+            return self.on_several_messages(host, &pending.rule, pending.key_metadata.as_deref());
         }
         let limit = pending.rule.rule.max_request_bytes;
         if size > limit {
             let rule = &pending.rule;
-            if rule.rule.key_required {
+            // A call that sent its key's metadata asked for protection, optional key or
+            // not: run unprotected, it would run a recorded call again.
+            if rule.rule.key_required || pending.key_metadata.is_some() {
                 self.note(host, rule, Outcome::InvalidKey);
                 return self.answer_problem(host, rule, &Problem::request_too_large(limit));
             }
@@ -303,7 +309,11 @@ impl RequestJourney {
                         return self.answer_problem(host, &rule, &problem);
                     }
                 }
-                CallShape::Streaming => return self.pass_streaming(host, &rule),
+                CallShape::NoMessage => return self.pass_streaming(host, &rule),
+                CallShape::SeveralMessages => {
+                    let key_metadata = pending.key_metadata.as_deref();
+                    return self.on_several_messages(host, &rule, key_metadata);
+                }
                 CallShape::Malformed => {
                     self.note(host, &rule, Outcome::InvalidKey);
                     return self.answer_problem(host, &rule, &Problem::malformed_grpc());

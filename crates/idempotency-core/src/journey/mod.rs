@@ -142,6 +142,10 @@ pub struct PendingRequest {
     pub scope: Vec<Option<Vec<u8>>>,
     /// A gRPC call's refusal found in its metadata, answered once its body shows it unary.
     pub deferred: Option<(Outcome, Problem)>,
+    /// The first of a gRPC rule's key metadata the call sent, if any: such a call is refused,
+    /// never let through unprotected, should it send a second message or more than the rule
+    /// buffers.
+    pub key_metadata: Option<String>,
     /// A rule with `resolve`: what its lookup takes from the request headers.
     pub lookup: Option<Box<LookupParts>>,
 }

@@ -1,6 +1,6 @@
 //! gRPC rules: unary calls recorded with their trailers and replayed (through the echo hop
-//! when they carry a message), released by status, streaming calls let through, and the
-//! filter's own answers as trailers-only statuses.
+//! when they carry a message), released by status, keyless streaming calls let through
+//! (keyed ones: grpc_stream.rs), and the filter's own answers as trailers-only statuses.
 
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -12,18 +12,18 @@ use crate::host::HeaderPairs;
 use crate::host::SharedData as _;
 use crate::outcome::Outcome;
 
-const ORDERS_GRPC: &str =
+pub(super) const ORDERS_GRPC: &str =
     r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]}}]}"#;
-const PLACE: &str = "/shop.v1.Orders/PlaceOrder";
+pub(super) const PLACE: &str = "/shop.v1.Orders/PlaceOrder";
 
-fn frame(message: &[u8]) -> Vec<u8> {
+pub(super) fn frame(message: &[u8]) -> Vec<u8> {
     let mut out = vec![0];
     out.extend_from_slice(&(message.len() as u32).to_be_bytes());
     out.extend_from_slice(message);
     out
 }
 
-fn grpc_headers<'a>(path: &'a str, key: Option<&'a str>) -> Vec<(&'a str, &'a str)> {
+pub(super) fn grpc_headers<'a>(path: &'a str, key: Option<&'a str>) -> Vec<(&'a str, &'a str)> {
     let mut headers = vec![
         (":method", "POST"),
         (":path", path),
@@ -37,7 +37,7 @@ fn grpc_headers<'a>(path: &'a str, key: Option<&'a str>) -> Vec<(&'a str, &'a st
     headers
 }
 
-fn call(
+pub(super) fn call(
     host: &FakeHost,
     plugin: &Rc<Plugin>,
     key: Option<&str>,
@@ -75,7 +75,7 @@ fn upstream_sends(
 }
 
 /// The upstream answers with headers, one message and trailers.
-fn answer(
+pub(super) fn answer(
     host: &FakeHost,
     request: &mut RequestJourney,
     message: &[u8],
@@ -117,7 +117,7 @@ fn answer_trailers_only(host: &FakeHost, request: &mut RequestJourney, status: &
     request.on(host, Event::StreamEnd);
 }
 
-fn value<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a str> {
+pub(super) fn value<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a str> {
     header(headers, name).and_then(|v| std::str::from_utf8(v).ok())
 }
 
@@ -391,8 +391,8 @@ fn streaming_calls_pass_unprotected_and_are_counted() {
     let plugin = plugin(&host, ORDERS_GRPC);
     let mut two = frame(b"a");
     two.extend_from_slice(&frame(b"b"));
-    // Two messages in one chunk, still open: let go at once.
-    host.set_request(&grpc_headers("/shop.v1.Orders/Upload", Some("k1")), &two);
+    // Two messages in one chunk, still open, no key: let go at once.
+    host.set_request(&grpc_headers("/shop.v1.Orders/Upload", None), &two);
     let mut upload = RequestJourney::new(Rc::clone(&plugin));
     assert_eq!(
         upload.on(
@@ -414,7 +414,7 @@ fn streaming_calls_pass_unprotected_and_are_counted() {
         Verdict::Continue
     );
     assert!(matches!(upload.state(), Journey::Unprotected));
-    // No message at all.
+    // No message at all, nothing a method could run on: passes even with a key.
     let (empty, verdict) = send(
         &host,
         &plugin,
@@ -694,7 +694,7 @@ fn a_stream_longer_than_max_request_bytes_passes_as_a_stream() {
     let plugin = plugin(&host, config);
     let mut stream = frame(b"0123456789");
     stream.extend_from_slice(&frame(b"0123456789"));
-    host.set_request(&grpc_headers("/shop.v1.Orders/Upload", Some("k1")), &stream);
+    host.set_request(&grpc_headers("/shop.v1.Orders/Upload", None), &stream);
     let mut upload = RequestJourney::new(Rc::clone(&plugin));
     upload.on(
         &host,
@@ -1084,4 +1084,32 @@ fn a_held_duplicate_is_replayed_by_a_host_that_sends_trailers_and_not_resumed() 
     assert!(!effects.contains(&Effect::Resume), "{effects:?}");
     assert!(matches!(held.borrow().state(), Journey::AnsweredLocally));
     assert_eq!(host.counter("orders", Outcome::ReplayedAfterWait), 1);
+}
+
+#[test]
+fn a_keyed_call_over_max_request_bytes_is_refused_even_when_the_key_is_optional() {
+    let host = FakeHost::default();
+    let config = r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]},
+        "key":{"required":false},"max_request_bytes":16}]}"#;
+    let plugin = plugin(&host, config);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    answer(&host, &mut first, b"placed", &[("grpc-status", "0")]);
+    host.take_effects();
+    // Its key says the client wants it protected: too large to read, it is refused rather
+    // than run unprotected (which would run the recorded call again).
+    let (large, verdict) = call(&host, &plugin, Some("k1"), &[b'x'; 64]);
+    assert_eq!(verdict, Verdict::Pause);
+    let (_, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(
+        value(&headers, "grpc-status"),
+        Some("8"),
+        "RESOURCE_EXHAUSTED"
+    );
+    assert!(matches!(large.state(), Journey::AnsweredLocally));
+    // Without the key it passes, as an optional key lets it.
+    let (keyless, verdict) = call(&host, &plugin, None, &[b'x'; 64]);
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(matches!(keyless.state(), Journey::Unprotected));
+    assert_eq!(host.counter("orders", Outcome::PassedThrough), 1);
+    assert_eq!(host.counter("orders", Outcome::Executed), 1);
 }

@@ -7,6 +7,7 @@ mod census;
 mod cluster;
 mod detached;
 mod grpc;
+mod grpc_stream;
 mod intake;
 mod local_claim;
 mod lookup;
