@@ -20,6 +20,7 @@ def rules() -> list[dict]:
     return [
         helpers.rule("required-json", prefixes=["/rj"], key={"sources": [{"json": "/order/id"}]}, max_request_bytes=256),
         helpers.rule("optional-json", prefixes=["/oj"], key={"required": False, "sources": [{"json": "/id"}]}, max_request_bytes=256),
+        helpers.rule("optional-header", prefixes=["/oh"], key={"required": False}, max_request_bytes=64),
         helpers.rule("header-no-body", prefixes=["/hn"], key={"header": "x-delivery"}, fingerprint="none", max_request_bytes=64),
         helpers.rule("composite", prefixes=["/co"], key={"sources": [{"header": "x-tenant"}, {"query": "ref"}, {"json": "/n"}]}),
         helpers.rule("by-vhost", match={"virtual_hosts": ["partners"]}),
@@ -90,6 +91,23 @@ def test_optional_body_keys_pass_through_when_absent_or_unreadable(sources_envoy
     # Whole-body fingerprint (the default): whitespace is a different payload.
     helpers.problem(again, 422, "key-reused", rule="optional-json")
     assert not helpers.is_replay(first)
+
+
+def test_a_sent_optional_key_with_a_body_over_the_limit_is_refused_not_run_twice(sources_envoy) -> None:
+    """An optional key sent in its header asks for protection: a body over max_request_bytes
+    (64) cannot be fingerprinted, so the request is refused, not let through unprotected
+    where it and each retry would run the write again. Without the key it passes."""
+    envoy, upstream = sources_envoy
+    path = helpers.unique_path("oh")
+    body = b'{"amount":1,"pad":"' + b"p" * 100 + b'"}'
+    key = str(uuid.uuid4())
+    for _ in range(2):
+        resp = helpers.post(envoy, path, body=body, headers={**JSON, "idempotency-key": key})
+        assert "64 bytes" in helpers.problem(resp, 400, "body-too-large", rule="optional-header")["detail"]
+    assert upstream.executions(path) == 0
+    resp = helpers.post(envoy, path, body=body, headers=JSON)
+    assert resp.status_code == 201 and not helpers.is_replay(resp)
+    assert upstream.executions(path) == 1
 
 
 def test_a_rule_that_needs_no_body_never_buffers_it(sources_envoy) -> None:

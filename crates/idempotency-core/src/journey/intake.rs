@@ -234,9 +234,13 @@ impl RequestJourney {
         let limit = pending.rule.rule.max_request_bytes;
         if size > limit {
             let rule = &pending.rule;
-            // A call that sent its key's metadata asked for protection, optional key or
-            // not: run unprotected, it would run a recorded call again.
-            if rule.rule.key_required || pending.key_metadata.is_some() {
+            // A request that sent its key (a gRPC call's metadata, or the header and query
+            // parts, all here or it would have passed at its headers) asked for protection,
+            // optional key or not: let through, it and each retry of it would run unprotected.
+            // Only a key that may be in the body, unread, leaves an optional rule nothing to go on.
+            let sent_a_key =
+                pending.key_metadata.is_some() || pending.key_parts.iter().any(Option::is_some);
+            if rule.rule.key_required || sent_a_key {
                 self.note(host, rule, Outcome::InvalidKey);
                 return self.answer_problem(host, rule, &Problem::request_too_large(limit));
             }

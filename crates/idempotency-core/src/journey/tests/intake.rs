@@ -219,6 +219,32 @@ fn a_body_over_the_limit_is_refused_when_the_key_is_required() {
 }
 
 #[test]
+fn a_body_over_the_limit_is_refused_when_an_optional_key_was_sent_in_a_header() {
+    // Let through, the request and every retry of it would run unprotected although the
+    // client sent its key: each would run the write again.
+    let host = FakeHost::default();
+    let plugin = plugin(
+        &host,
+        r#"{"rules":[{"name":"opt","match":{"path_prefixes":["/opt"]},"max_request_bytes":16,
+            "key":{"required":false}}]}"#,
+    );
+    let big = br#"{"id":"a","pad":"xxxxxxxxxxxxxxxxxxxxxxx"}"#;
+    for _attempt in 0..2 {
+        let (request, verdict) = send(&host, &plugin, &post_headers("/opt", Some("k-big")), big);
+        assert_eq!(verdict, Verdict::Pause);
+        assert!(!is_executing(&request));
+        let (status, _, body) = the_reply(&host.take_effects());
+        assert_eq!(status, 400);
+        assert!(problem_type(&body).ends_with("body-too-large"));
+    }
+    assert_eq!(host.counter("opt", Outcome::PassedThrough), 0);
+    // Without a key, the optional rule lets the same body through, as before.
+    let (request, verdict) = send(&host, &plugin, &post_headers("/opt", None), big);
+    assert_eq!(verdict, Verdict::Continue);
+    assert!(matches!(request.state(), Journey::Unprotected));
+}
+
+#[test]
 fn a_malformed_body_key_passes_when_optional_and_is_refused_when_required() {
     let host = FakeHost::default();
     let plugin = plugin(
