@@ -672,8 +672,8 @@ def add_native_section(add, by: dict[str, SetupResult], mem: MemoryResult | None
             "replayed as a local reply; on the response one read of its headers and one of its whole body, "
             "recorded. No rules, key validation, leases, expiry, eviction or memory bound. Each floor row "
             "runs right after its native row, in the same Envoy configuration with the module swapped: a "
-            "native filter that does the job cannot be cheaper than it, so a target the floor misses is out "
-            "of reach of the design, not of this filter.")
+            "native filter that does the job does at least this much, so a target the floor misses is out "
+            "of reach of any such filter, not of this one alone.")
         add("")
     if rows:
         add("| requests | Envoy without this filter | Wasm | × no filter | native | × no filter | "
