@@ -198,6 +198,12 @@ test: deps deps-test-images
 noop-wasm:
 	cargo build --release --target $(WASM_TARGET) -p noop-filter -p job-floor-filter
 
+# The native job floor (crates/native-job-floor), beside the native build in target/native:
+# only `make bench` builds it.
+.PHONY: native-floor
+native-floor:
+	cargo build --profile native -p native-job-floor
+
 # BENCH_ARGS passes options to bench/run.py, e.g. a short look at a few setups without writing
 # the page: make bench BENCH_ARGS="--only a,c,g --duration 5 --warmup 2 --rate-duration 5"
 .PHONY: bench-tools
@@ -205,7 +211,7 @@ bench-tools: noop-wasm
 	cargo build --release -p idempotency-store --example stream_load
 
 # native: the dynamic module, for the native build's rows beside the Wasm ones.
-bench: build native venv bench-tools
+bench: build native native-floor venv bench-tools
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r bench/requirements.txt
 	$(PYTHON) bench/run.py $(BENCH_ARGS)
 

@@ -109,7 +109,9 @@ def write_chart(results: list[SetupResult], path: Path) -> None:
                "f": "#d62728", "g": "#c7c7c7", "h": "#ffbb78", "i": "#aec7e8", "j": "#ffd8b1",
                "k": "#dddddd", "l": "#6baed6", "m": "#74c476", "n": "#bdbdbd", "o": "#969696",
                # The native build: darker shades of its Wasm rows' colours.
-               "cn": "#08306b", "dn": "#00441b", "ad": "#7f7f7f", "ln": "#2171b5", "mn": "#238b45"}
+               "cn": "#08306b", "dn": "#00441b", "ad": "#7f7f7f", "ln": "#2171b5", "mn": "#238b45",
+               # The native job floor: the Wasm floor's greys, darker.
+               "cnf": "#737373", "dnf": "#525252", "lnf": "#737373", "mnf": "#525252"}
     colors = [palette.get(r.setup.key, "#17becf") for r in results]
     # About half an inch a bar, so that the labels of a full run's rows stay apart.
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(11, 0.55 * len(results)), 8.5), sharex=True)
@@ -588,20 +590,39 @@ def memory_targets(mem: MemoryResult | None) -> list[tuple[str, bool | None, str
 
 
 # The native build's rows (issue 47): (native row, its Wasm row, Envoy without a filter on the
-# same route, what the native row is held to as a ratio of that Envoy's throughput, what it is).
+# same route, what the native row is held to as a ratio of that Envoy's throughput, what it is,
+# the native job floor's row on the same route and requests).
 NATIVE_ROWS = (
-    ("cn", "c", "a", 0.85, "new keys, proxied route"),
-    ("dn", "d", "a", 1.3, "replays, proxied route"),
-    ("ln", "l", "ad", 0.65, "new keys, `direct_response` route"),
-    ("mn", "m", "ad", 0.8, "replays, `direct_response` route"),
+    ("cn", "c", "a", 0.85, "new keys, proxied route", "cnf"),
+    ("dn", "d", "a", 1.3, "replays, proxied route", "dnf"),
+    ("ln", "l", "ad", 0.65, "new keys, `direct_response` route", "lnf"),
+    ("mn", "m", "ad", 0.8, "replays, `direct_response` route", "mnf"),
 )
+
+
+def native_floor_note(by: dict[str, SetupResult], native: str, bare: str, target: float, floor: str) -> str:
+    """What the native job floor says of a native row's target: how near any filter doing the
+    job can come to it, in throughput and, steadier on a shared machine, by Envoy's CPU per
+    request (where that CPU bounds throughput, no filter doing the job passes (bare)'s CPU over
+    the floor's), and how far the row is from that floor."""
+    if floor not in by:
+        return ""
+    x, y, f = by[native], by[bare], by[floor]
+    reach = f.wrk.rps / y.wrk.rps
+    cpu_bound = y.cpu_us_per_request / f.cpu_us_per_request if f.cpu_us_per_request > 0 else 0.0
+    verdict_of_floor = (f", so where Envoy's CPU bounds throughput {target:g}× is out of reach of any filter "
+                        "that does the job" if cpu_bound < target else "")
+    return (f"; the native job floor ({floor}) reaches {reach:.2f}× ({bare}) ({f.wrk.rps:,.0f} req/s), and by "
+            f"Envoy's CPU per request ({f.cpu_us_per_request:.0f} vs {y.cpu_us_per_request:.0f} µs) "
+            f"{cpu_bound:.2f}×{verdict_of_floor}; ({native}) is {x.wrk.rps / f.wrk.rps:.2f}× the floor, "
+            f"{x.cpu_us_per_request - f.cpu_us_per_request:+.0f} µs/req over it")
 
 
 def native_targets(by: dict[str, SetupResult]) -> list[tuple[str, bool | None, str]]:
     """Each native row measured, against Envoy without a filter on its route, the Wasm row's
     ratio beside it."""
     targets = []
-    for native, wasm, bare, target, what in NATIVE_ROWS:
+    for native, wasm, bare, target, what, floor in NATIVE_ROWS:
         if native not in by or bare not in by:
             continue
         x, y = by[native], by[bare]
@@ -611,12 +632,13 @@ def native_targets(by: dict[str, SetupResult]) -> list[tuple[str, bool | None, s
         targets.append((f"({native}) native {what} ≥ {target:g}× ({bare}), {without}",
                         x.wrk.rps >= target * y.wrk.rps,
                         f"{x.wrk.rps / y.wrk.rps:.2f}× ({x.wrk.rps:,.0f} vs {y.wrk.rps:,.0f} req/s; "
-                        f"{x.cpu_us_per_request:.0f} vs {y.cpu_us_per_request:.0f} µs/req){beside}"))
+                        f"{x.cpu_us_per_request:.0f} vs {y.cpu_us_per_request:.0f} µs/req){beside}"
+                        f"{native_floor_note(by, native, bare, target, floor)}"))
     return targets
 
 
 def add_native_section(add, by: dict[str, SetupResult], mem: MemoryResult | None,
-                       mem_native: MemoryResult | None) -> None:
+                       mem_native: MemoryResult | None, native_run: dict | None = None) -> None:
     """The native build's rows beside the Wasm ones, and its memory run beside the Wasm one's."""
     rows = [row for row in NATIVE_ROWS if row[0] in by and row[2] in by]
     if not rows and mem_native is None:
@@ -635,23 +657,45 @@ def add_native_section(add, by: dict[str, SetupResult], mem: MemoryResult | None
         "Envoy's buffer filter, so that it answers once the body is in, as the filter does), what (ln) and "
         "(mn) are held to as (cn) and (dn) are to (a).")
     add("")
+    if native_run:
+        add(f"The rows below, and the native targets above, come from a run of their own ({native_run['date']}: "
+            f"`{native_run['command']}`): the setups in {native_run['rounds']} rounds, the order reversed every "
+            "other round, each setup's figures the rounds' median, with (a) and (ad) measured again beside "
+            "them; the rest of the page is the full run's.")
+        add("")
+    if any(row[5] in by for row in rows):
+        add("The native job floor ([crates/native-job-floor](../crates/native-job-floor/src/lib.rs), a benchmark "
+            "tool, not a product: `libidempotency_native_job_floor.so` beside the filter's) is the Wasm job "
+            "floor's steps as a dynamic module over the same bindings: one read of the request headers, the "
+            "whole body, SHA-256 of method, path, scope and key and of the body, one clock read, one counter, "
+            "a lookup in a map every worker shares with the claim in the same step, the recorded response "
+            "replayed as a local reply; on the response one read of its headers and one of its whole body, "
+            "recorded. No rules, key validation, leases, expiry, eviction or memory bound. Each floor row "
+            "runs right after its native row, in the same Envoy configuration with the module swapped: a "
+            "native filter that does the job does at least this much, so a target the floor misses is out "
+            "of reach of any such filter, not of this one alone.")
+        add("")
     if rows:
-        add("| requests | Envoy without this filter | Wasm | × no filter | native | × no filter | target | |")
-        add("| --- | --- | --- | ---: | --- | ---: | --- | --- |")
+        add("| requests | Envoy without this filter | Wasm | × no filter | native | × no filter | "
+            "native job floor | × no filter | native × floor | target | |")
+        add("| --- | --- | --- | ---: | --- | ---: | --- | ---: | ---: | --- | --- |")
 
         def figures(r: SetupResult) -> str:
             return f"({r.setup.key}) {r.wrk.rps:,.0f} req/s, {r.cpu_us_per_request:.0f} µs/req"
 
-        for native, wasm, bare, target, what in rows:
+        for native, wasm, bare, target, what, floor in rows:
             x, y = by[native], by[bare]
-            w = by.get(wasm)
+            w, f = by.get(wasm), by.get(floor)
             add(f"| {what} | {figures(y)} | {figures(w) if w else '–'} | "
                 f"{ratio(w.wrk.rps, y.wrk.rps) if w else '–'} | {figures(x)} | {ratio(x.wrk.rps, y.wrk.rps)} | "
+                f"{figures(f) if f else '–'} | {ratio(f.wrk.rps, y.wrk.rps) if f else '–'} | "
+                f"{ratio(x.wrk.rps, f.wrk.rps) if f else '–'} | "
                 f"≥ {target:g}× ({bare}) | {verdict(x.wrk.rps >= target * y.wrk.rps)} |")
         add("")
         add("µs/req is Envoy's CPU time per request (user and system, all its threads) during the measured "
             "run; with the module in-process, the native rows' difference to Envoy without a filter is "
-            "the filter's own work and Envoy's for its callbacks, with no sandbox to cross.")
+            "the filter's own work and Envoy's for its callbacks, with no sandbox to cross, and their "
+            "difference to the floor's what the filter does beyond the job's steps.")
         add("")
     if mem_native is not None:
         add("The memory run (below) on the native build too, the same keys, table and response mix:")
@@ -698,8 +742,11 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                disk: "DiskCommit | None" = None,
                grpc_results: "list[grpc_rows.GrpcRow] | None" = None,
                sweep_result: "sweep.SweepResult | None" = None,
-               mem_native: MemoryResult | None = None) -> list[tuple[str, bool | None, str]]:
+               mem_native: MemoryResult | None = None,
+               native_run: dict | None = None) -> list[tuple[str, bool | None, str]]:
     by = {r.setup.key: r for r in results}
+    # The native section's rows from a run of their own (bench/run.py --native-into), if any.
+    by_native = {r.setup.key: r for r in native_run["results"]} if native_run else by
     sweep_lines: list[str] = []
     sweep_targets = sweep.report(sweep_lines.append, sweep_result)
     grpc_lines: list[str] = []
@@ -801,7 +848,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                     f"{wasm_size / 1024:.0f} KiB ({wasm_size:,} bytes)"))
     targets.extend(memory_targets(mem))
     targets.extend(memory_targets(mem_native))
-    targets.extend(native_targets(by))
+    targets.extend(native_targets(by_native))
     targets.extend(unprotected_targets(by))
     targets.extend(sweep_targets)
     targets.extend(grpc_targets)
@@ -967,7 +1014,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     rated = [r for r in results if r.rate]
     if rated and rate_a:
         add_rate_section(add, rated, rate_a, durations)
-    add_native_section(add, by, mem, mem_native)
+    add_native_section(add, by_native, mem, mem_native, native_run)
     add_unprotected_section(add, by, durations, calls)
     L.extend(sweep_lines)
     L.extend(grpc_lines)

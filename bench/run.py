@@ -13,6 +13,9 @@ envoy/envoy.yaml and driven by the same wrk command:
   cn  c on the native build (the dynamic module, `make native`: the config's Wasm filter
       turned into a DynamicModuleFilter with the same JSON configuration), held to 0.85x (a)
   dn  d on the native build, held to 1.3x (a)
+  cnf, dnf  the native job floor (crates/native-job-floor: the job floor's steps as a dynamic
+      module, over the native build's bindings) on cn's and dn's route, new keys and replays:
+      what a native filter cannot go below; each right after its native row
   e   this filter, cluster mode, store on its embedded database
   f   this filter, cluster mode, store on Redis
   g   the coordination floor: the no-op filter of b, which then sends one message per
@@ -28,6 +31,7 @@ envoy/envoy.yaml and driven by the same wrk command:
   m   d on that route: a replay
   ln  l on the native build, held to 0.65x (ad)
   mn  m on the native build, held to 0.8x (ad)
+  lnf, mnf  the native job floor on that route, beside ln and mn
   n   the job floor (crates/job-floor-filter) on that route, every request a new key: a
       filter doing each step the job needs (one header read, the body, two SHA-256, the
       clock, a counter, a shared-data lookup and compare-and-swap claim, the response read
@@ -123,7 +127,7 @@ from sweep import run_sweep
 from grpc_rows import run_grpc_rows
 from report import (UNPROTECTED_KEYS, add_native_section, add_unprotected_section, machine, memory_targets,
                     native_targets, unprotected_targets, write_chart, write_page)
-from setups import FILTER_WASM, FLOOR_WASM, NATIVE_MODULE, NOOP_WASM, PRODUCT, REPO, harness, setups
+from setups import FILTER_WASM, FLOOR_WASM, NATIVE_FLOOR, NATIVE_MODULE, NOOP_WASM, PRODUCT, REPO, harness, setups
 
 
 # Where a full run keeps its measurements before it writes the page.
@@ -144,12 +148,18 @@ def main() -> int:
     p.add_argument("--profile-seconds", type=float, default=6,
                    help="seconds of perf sampling per profiled setup, after its measured run (0: none)")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of a,b0,b,c,d,cn,dn,e,f,g,h,i,j,k,ad,l,m,ln,mn,n,o,p,q,r,s,t,u,v,w,"
+                   help="comma-separated subset of a,b0,b,c,d,cn,cnf,dn,dnf,e,f,g,h,i,j,k,ad,l,m,ln,lnf,mn,mnf,n,o,p,q,r,s,t,u,v,w,"
                         "instructions,memory,memory-native,store,cluster,peer,grpc,sweep (development; writes no page)")
     p.add_argument("--unprotected-rounds", type=int, default=3,
                    help="rounds of the unprotected setups (p to w), in alternating order")
     p.add_argument("--peer-rounds", type=int, default=2,
                    help="rounds of the peer comparison (bench/peer.py; skipped without the peer's binary)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --only: the protected setups in this many rounds, the order reversed every "
+                        "other round, each setup's figures the rounds' median (no fixed-rate runs)")
+    p.add_argument("--native-into", metavar="PICKLE", default="",
+                   help="with --only: this run's native-section rows (a, cn, cnf, dn, dnf, ad, ln, lnf, mn, mnf) "
+                        "replace those of the full run kept in PICKLE, and the page is rewritten from it")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary directory of logs and configs")
     p.add_argument("--abba", metavar="BASELINE_WASM", default="",
                    help="instead: each setup of --only (default c,l,m) with this module (A) and the built "
@@ -171,7 +181,7 @@ def main() -> int:
     # The harness would take a newer debug build if there is one; a benchmark wants release.
     os.environ.setdefault("DEMO_UPSTREAM_BIN", str(REPO / "target" / "release" / "demo-upstream"))
     os.environ.setdefault("IDEMPOTENCY_STORE_BIN", str(REPO / "target" / "release" / "idempotency-store"))
-    for needed in (FILTER_WASM, NOOP_WASM, FLOOR_WASM, NATIVE_MODULE, Path(os.environ["DEMO_UPSTREAM_BIN"]),
+    for needed in (FILTER_WASM, NOOP_WASM, FLOOR_WASM, NATIVE_MODULE, NATIVE_FLOOR, Path(os.environ["DEMO_UPSTREAM_BIN"]),
                    Path(os.environ["IDEMPOTENCY_STORE_BIN"])):
         if not needed.is_file():
             raise SystemExit(f"{needed} missing: run `make bench` (it builds it)")
@@ -211,7 +221,11 @@ def main() -> int:
         with harness.ProcessGroup(tmp) as group:
             upstream = group.add(harness.start_upstream(tmp, fast=True, name="upstream"))
             redis = group.add(harness.start_redis(tmp, name="redis"))
-            for s in [s for s in wanted if not s.unprotected]:
+            protected = [s for s in wanted if not s.unprotected]
+            if only and args.rounds > 1:
+                results.extend(run_in_rounds(protected, tmp, upstream, durations, redis, args.rounds))
+                protected = []
+            for s in protected:
                 r = run_setup(s, tmp / s.key, upstream, durations, redis)
                 results.append(r)
                 if not envoy_cmd:
@@ -220,8 +234,8 @@ def main() -> int:
                                       name="envoy").argv(),
                         {str(harness.envoy_binary()): ".venv/bin/envoy", str(tmp / s.key / "envoy.yaml"): "bench.yaml"})
                     envoy_cmd = re.sub(r"--base-id \d+ ", "", envoy_cmd)
-            results.extend(run_unprotected([s for s in wanted if s.unprotected], tmp, upstream, durations, redis,
-                                           args.unprotected_rounds))
+            results.extend(run_in_rounds([s for s in wanted if s.unprotected], tmp, upstream, durations, redis,
+                                         args.unprotected_rounds))
             if args.memory_keys > 0 and (not only or "memory" in only):
                 mem = run_memory(tmp / "memory", args.memory_keys, args.memory_max_seconds)
             if args.memory_keys > 0 and (not only or "memory-native" in only):
@@ -270,6 +284,10 @@ def main() -> int:
         # Whichever targets this subset has what they need for.
         for name, ok, detail in [*native_targets(by_key), *memory_targets(mem), *memory_targets(mem_native)]:
             log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
+        if args.native_into:
+            keep_native_rows(Path(args.native_into), results, info, args)
+            write_results_page(Path(args.out), pickle.loads(Path(args.native_into).read_bytes()))
+            return 0
         log(f"done in {elapsed:.0f}s (partial run, no page written)")
         return 0
     measured = dict(info=info, durations=durations, results=results, mem=mem, mem_native=mem_native,
@@ -298,17 +316,29 @@ def write_results_page(out: Path, measured: dict) -> None:
                          measured["wasm_size"], measured["noop_size"], measured["elapsed"],
                          measured["envoy_cmd"], measured["instructions"], measured["peer_cmp"],
                          measured["disk"], measured["grpc_results"], measured["sweep_result"],
-                         measured.get("mem_native"))
+                         measured.get("mem_native"), measured.get("native_run"))
     log(f"wrote {out} and {chart}")
     for name, ok, detail in targets:
         log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
 
 
-def run_unprotected(chosen: list, tmp: Path, upstream: harness.Upstream, durations: Durations,
-                    redis: harness.Redis, rounds: int) -> list[SetupResult]:
-    """The unprotected setups, whose ratios to each other are a few percent: in rounds, the
-    order reversed every other round (so a drift of the machine's speed weighs on each alike),
-    each setup's rounds kept as their median."""
+def keep_native_rows(kept: Path, results: list[SetupResult], info: dict, args: argparse.Namespace) -> None:
+    """The native section's rows of this partial run, with the run's (a) and (ad), into the full
+    run's measurements ``kept``: the page's native section and targets then come from them, the
+    rest of the page from the full run."""
+    measured = pickle.loads(kept.read_bytes())
+    measured["native_run"] = dict(results=results, date=info.get("date", ""), rounds=args.rounds,
+                                  command=f"bench/run.py --only {args.only} --rounds {args.rounds}")
+    kept.write_bytes(pickle.dumps(measured))
+    log(f"the native section's measurements kept in {kept}")
+
+
+def run_in_rounds(chosen: list, tmp: Path, upstream: harness.Upstream, durations: Durations,
+                  redis: harness.Redis, rounds: int) -> list[SetupResult]:
+    """Setups whose ratios to each other matter more than the machine's drift (the unprotected
+    ones, a few percent apart; the native section's with --rounds): in rounds, the order
+    reversed every other round (so a drift of the machine's speed weighs on each alike), each
+    setup's rounds kept as their median."""
     measured: dict[str, list[SetupResult]] = {s.key: [] for s in chosen}
     for n in range(1, max(1, rounds) + 1):
         for s in chosen if n % 2 else reversed(chosen):

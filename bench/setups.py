@@ -30,6 +30,10 @@ PRODUCT_CONFIG = REPO / "envoy" / "envoy.yaml"
 # The native build (`make native`): the same filter as an Envoy dynamic module, which Envoy
 # finds by name in the directory harness.envoy_environment points it at.
 NATIVE_MODULE = harness.native_module_dir() / f"lib{harness.NATIVE_MODULE_NAME}.so"
+# The native job floor (crates/native-job-floor, `make native-floor`): the Wasm job floor's
+# steps as a dynamic module, over the native build's bindings; beside it in target/native.
+NATIVE_FLOOR_NAME = "idempotency_native_job_floor"
+NATIVE_FLOOR = harness.native_module_dir() / f"lib{NATIVE_FLOOR_NAME}.so"
 
 BODY = '{"sku":"book","qty":1}'
 # What a direct_response route answers: about the size of the demo upstream's answer.
@@ -141,6 +145,17 @@ def for_native(cfg: dict) -> dict:
     for rule in cfg["rules"]:
         rule.pop("resolve", None)
     return cfg
+
+
+def native_job_floor(config: dict) -> None:
+    """The config's Wasm filter turned into the native job floor (it takes no configuration)."""
+    harness.to_native(config, module=NATIVE_FLOOR_NAME)
+
+
+def native_job_floor_direct_response(config: dict) -> None:
+    """The native job floor on the `direct_response` route."""
+    native_job_floor(config)
+    direct_response(config)
 
 
 def store_transport(cfg: Any) -> str | None:
@@ -283,19 +298,22 @@ class Setup:
     # The filter's build: "native" turns the Wasm filter of the config into the dynamic
     # module (harness.to_native), with the same plugin configuration.
     build: str = "wasm"
+    # On the native build, the native job floor's module instead of the filter's (the setup's
+    # mutate turns the Wasm filter into it).
+    native_floor: bool = False
 
     @property
     def is_filter(self) -> bool:
         """This filter, either build (the Wasm module under test, a baseline build of it, or
         the dynamic module)."""
         if self.build == "native":
-            return True
+            return not self.native_floor
         return self.wasm is not None and self.wasm not in (NOOP_WASM, FLOOR_WASM)
 
     @property
     def is_floor(self) -> bool:
-        """The job floor's module."""
-        return self.wasm == FLOOR_WASM
+        """A job floor's module, Wasm or native."""
+        return self.wasm == FLOOR_WASM or self.native_floor
 
     @property
     def transport(self) -> str | None:
@@ -382,8 +400,13 @@ def protected_setups(single: dict, cluster: dict, cluster_http: dict, replays: d
         # speed during the run weighs on both builds alike.
         Setup("cn", "idempotency, native, single-proxy, new keys", build="native", plugin=for_native(single),
               short="native\nnew keys"),
+        # The native job floor beside each native row: what the native build is held to.
+        Setup("cnf", "native job floor, new keys", build="native", plugin={}, mutate=native_job_floor,
+              native_floor=True, short="native job floor\nnew keys"),
         Setup("dn", "idempotency, native, single-proxy, replays", build="native", plugin=for_native(replays),
               replay=True, short="native\nreplays"),
+        Setup("dnf", "native job floor, replays", build="native", plugin={}, replay=True, mutate=native_job_floor,
+              native_floor=True, short="native job floor\nreplays"),
         Setup("e", "idempotency, cluster, embedded store", wasm=FILTER_WASM, plugin=cluster,
               store_backend="embedded", short="cluster\nembedded store", rate=True),
         Setup("f", "idempotency, cluster, Redis store", wasm=FILTER_WASM, plugin=cluster, store_backend="redis",
@@ -409,9 +432,15 @@ def protected_setups(single: dict, cluster: dict, cluster_http: dict, replays: d
         Setup("ln", "idempotency, native, single-proxy, new keys, `direct_response` route", build="native",
               plugin=for_native(single), mutate=direct_response, direct=True,
               short="native new keys\ndirect response"),
+        Setup("lnf", "native job floor, new keys, `direct_response` route", build="native", plugin={},
+              mutate=native_job_floor_direct_response, native_floor=True, direct=True,
+              short="native job floor\nnew keys, direct"),
         Setup("mn", "idempotency, native, single-proxy, replays, `direct_response` route", build="native",
               plugin=for_native(replays), replay=True, mutate=direct_response, direct=True,
               short="native replays\ndirect response"),
+        Setup("mnf", "native job floor, replays, `direct_response` route", build="native", plugin={},
+              replay=True, mutate=native_job_floor_direct_response, native_floor=True, direct=True,
+              short="native job floor\nreplays, direct"),
         Setup("n", "job floor, new keys, `direct_response` route", wasm=FLOOR_WASM, plugin={},
               mutate=direct_response, direct=True, short="job floor\nnew keys"),
         Setup("o", "job floor, replays, `direct_response` route", wasm=FLOOR_WASM, plugin={}, replay=True,

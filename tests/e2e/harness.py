@@ -984,8 +984,9 @@ def for_this_build(config: dict) -> dict:
     return config
 
 
-def to_native(config: dict) -> int:
-    """Turns each Wasm http filter of this project into the native filter with the same
+def to_native(config: dict, module: str = NATIVE_MODULE_NAME) -> int:
+    """Turns each Wasm http filter of this project into the native filter (or another dynamic
+    module of this project's, ``module``: the benchmarks' native job floor) with the same
     JSON configuration; raises NotOnThisBuild for a configuration the native build refuses.
     Returns how many filters were turned."""
     turned = 0
@@ -1003,7 +1004,7 @@ def to_native(config: dict) -> int:
             raise NotOnThisBuild(unsupported)
         http_filter["typed_config"] = {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
-            "dynamic_module_config": {"name": NATIVE_MODULE_NAME, "do_not_close": True},
+            "dynamic_module_config": {"name": module, "do_not_close": True},
             "filter_name": http_filter.get("name", IDEMPOTENCY_FILTER_NAME),
             "filter_config": {
                 "@type": "type.googleapis.com/google.protobuf.StringValue",
