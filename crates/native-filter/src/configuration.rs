@@ -51,6 +51,7 @@ impl Configuration {
             courier: Arc::new(Courier::new(handle.new_scheduler())),
             retired: AtomicBool::new(false),
         });
+        crate::courier::start_sweeping(&shared.courier);
         if config.grpc_replay_echo {
             crate::echo_filter::announce();
             shared.metrics.freeze();

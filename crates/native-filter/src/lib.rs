@@ -17,6 +17,7 @@ pub(crate) use dynamic_module_abi as abi;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod attack_tests;
+mod config_streams;
 mod configuration;
 mod courier;
 mod echo_filter;
@@ -24,8 +25,10 @@ mod filter;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod grpc_tests;
+mod handoff;
 mod host;
 mod inbox;
+mod ledger;
 mod loaded;
 mod metrics;
 mod queues;

@@ -1,0 +1,458 @@
+//! The main thread's landing of handed-off store writes (docs/how-it-works.md, "The write
+//! handoff"): the entries of its roots' ledgers that stay unsettled past their grace are sent
+//! on streams of the courier's own, one per store target, and retried with backoff until the
+//! store answers or their deadline passes. Answers settle ledger entries only: never a root or
+//! a request (a root settles its own copy when it runs; the store takes a duplicate
+//! harmlessly: docs/store-protocol.md, "Idempotent for the same bytes", and a late release).
+//!
+//! A retired configuration's ledgers go to the process's orphanage, and the next live
+//! configuration's sweep adopts them: Envoy frees a retired configuration's streams.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use idempotency_core::grpc::frame::{frame_len, PREFIX_BYTES};
+use idempotency_protocol::stream::{decode_answer, decode_call, encode_call_parts};
+use idempotency_protocol::stream::{FailureKind, Reply};
+
+use crate::abi::ConfigStreamEvent;
+use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget};
+use crate::ledger::Ledger;
+
+/// Ledgers of retired configurations, waiting for a live one to adopt them.
+static ORPHANS: Mutex<Vec<Arc<Ledger>>> = Mutex::new(Vec::new());
+
+fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// One of the handoff's own streams, to one store target.
+struct Carrier {
+    stream_id: u64,
+    /// Bytes of an answer not whole yet.
+    partial: Vec<u8>,
+    /// Call id on this stream -> the ledger and entry it lands.
+    in_flight: HashMap<u64, (Arc<Ledger>, u64)>,
+}
+
+#[derive(Default)]
+struct State {
+    ledgers: Vec<Arc<Ledger>>,
+    carriers: HashMap<StreamTarget, Carrier>,
+    by_stream: HashMap<u64, StreamTarget>,
+    /// Streams the store ended: reset on the next sweep, outside Envoy's callback.
+    to_reset: Vec<u64>,
+    next_call_id: u64,
+}
+
+#[derive(Default)]
+pub struct Handoff {
+    state: Mutex<State>,
+}
+
+impl Handoff {
+    /// From a worker's root as it is built: the courier looks at its ledger from now on.
+    pub fn adopt(&self, ledger: Arc<Ledger>) {
+        relock(&self.state).ledgers.push(ledger);
+    }
+
+    /// Whether any ledger holds an entry (the ticker's question: is a sweep worth a hop to
+    /// the main thread?).
+    pub fn has_work(&self) -> bool {
+        relock(&self.state).ledgers.iter().any(|l| !l.is_empty()) || !relock(&ORPHANS).is_empty()
+    }
+
+    /// Whether `stream_id` is one of the handoff's own streams.
+    pub fn owns(&self, stream_id: u64) -> bool {
+        relock(&self.state).by_stream.contains_key(&stream_id)
+    }
+
+    /// On the main thread: sends every ledger entry due now, on its target's stream.
+    pub fn sweep(&self, calls: &impl StreamCalls, now_ms: u64) {
+        let orphans = std::mem::take(&mut *relock(&ORPHANS));
+        let mut state = relock(&self.state);
+        state.ledgers.extend(orphans);
+        for stream_id in std::mem::take(&mut state.to_reset) {
+            calls.reset(stream_id);
+        }
+        // A ledger whose root is gone and which holds nothing is done with.
+        state
+            .ledgers
+            .retain(|l| Arc::strong_count(l) > 1 || !l.is_empty());
+        let ledgers = state.ledgers.clone();
+        for ledger in ledgers {
+            for due in ledger.take_due(now_ms) {
+                let sent = send(&mut state, calls, &due.target, &due.call, &ledger, due.id);
+                if !sent {
+                    ledger.failed(due.id, now_ms);
+                }
+            }
+        }
+    }
+
+    /// On the main thread: what the store said on one of the handoff's streams.
+    pub fn on_stream_event(&self, stream_id: u64, event: ConfigStreamEvent, now_ms: u64) {
+        let mut state = relock(&self.state);
+        match event {
+            ConfigStreamEvent::Headers {
+                headers,
+                end_stream,
+            } => {
+                let ok = headers.iter().any(|(n, v)| n == ":status" && v == b"200");
+                if end_stream || !ok {
+                    close(&mut state, stream_id, now_ms, !end_stream);
+                }
+            }
+            ConfigStreamEvent::Data { data, end_stream } => {
+                on_data(&mut state, stream_id, &data, now_ms);
+                if end_stream {
+                    close(&mut state, stream_id, now_ms, true);
+                }
+            }
+            ConfigStreamEvent::Trailers(_) => close(&mut state, stream_id, now_ms, true),
+            ConfigStreamEvent::Complete | ConfigStreamEvent::Reset => {
+                close(&mut state, stream_id, now_ms, false)
+            }
+        }
+    }
+
+    /// From the configuration's drop: Envoy frees the streams without an event, so nothing
+    /// in flight will be answered; the ledgers wait for a live configuration to adopt them.
+    pub fn retire(&self) {
+        let ledgers = {
+            let mut state = relock(&self.state);
+            state.carriers.clear();
+            state.by_stream.clear();
+            state.to_reset.clear();
+            std::mem::take(&mut state.ledgers)
+        };
+        let mut orphans = relock(&ORPHANS);
+        for ledger in ledgers {
+            ledger.nothing_in_flight();
+            if !ledger.is_empty() || Arc::strong_count(&ledger) > 1 {
+                orphans.push(ledger);
+            }
+        }
+    }
+}
+
+/// Sends one entry on its target's stream (started if none is open); false if it did not go.
+fn send(
+    state: &mut State,
+    calls: &impl StreamCalls,
+    target: &StreamTarget,
+    call: &[u8],
+    ledger: &Arc<Ledger>,
+    entry_id: u64,
+) -> bool {
+    let Ok(decoded) = decode_call(call) else {
+        log::error!("a handed-off store write is not a store call; given up");
+        ledger.landed(entry_id);
+        return true;
+    };
+    if !state.carriers.contains_key(target) {
+        match target.start(calls) {
+            Ok(stream_id) => {
+                state.by_stream.insert(stream_id, target.clone());
+                state.carriers.insert(
+                    target.clone(),
+                    Carrier {
+                        stream_id,
+                        partial: Vec::new(),
+                        in_flight: HashMap::new(),
+                    },
+                );
+            }
+            Err(why) => {
+                log::warn!(
+                    "handoff stream to cluster {} not started: {why}",
+                    target.cluster
+                );
+                return false;
+            }
+        }
+    }
+    state.next_call_id = state.next_call_id.wrapping_add(1);
+    let call_id = state.next_call_id;
+    let Some(carrier) = state.carriers.get_mut(target) else {
+        return false;
+    };
+    let frame = grpc_frame(&encode_call_parts(call_id, &decoded.op));
+    if !calls.send(carrier.stream_id, &frame, false) {
+        let stream_id = carrier.stream_id;
+        state.carriers.remove(target);
+        state.by_stream.remove(&stream_id);
+        return false;
+    }
+    carrier
+        .in_flight
+        .insert(call_id, (Arc::clone(ledger), entry_id));
+    true
+}
+
+/// The stream ended: every attempt on it failed (due again after its backoff).
+fn close(state: &mut State, stream_id: u64, now_ms: u64, reset: bool) {
+    let Some(target) = state.by_stream.remove(&stream_id) else {
+        return;
+    };
+    if let Some(carrier) = state.carriers.remove(&target) {
+        for (ledger, entry_id) in carrier.in_flight.into_values() {
+            ledger.failed(entry_id, now_ms);
+        }
+    }
+    if reset {
+        state.to_reset.push(stream_id);
+    }
+}
+
+fn on_data(state: &mut State, stream_id: u64, data: &[u8], now_ms: u64) {
+    let Some(target) = state.by_stream.get(&stream_id).cloned() else {
+        return;
+    };
+    let Some(carrier) = state.carriers.get_mut(&target) else {
+        return;
+    };
+    carrier.partial.extend_from_slice(data);
+    let mut malformed = false;
+    // Bounded: each pass takes a whole frame off the front or stops.
+    loop {
+        let len = match frame_len(&carrier.partial) {
+            Some(Ok(len)) if carrier.partial.len() >= len => len,
+            Some(Err(())) => {
+                malformed = true;
+                break;
+            }
+            _ => break,
+        };
+        let rest = carrier.partial.split_off(len);
+        let frame = std::mem::replace(&mut carrier.partial, rest);
+        let Some(answer) = frame
+            .get(PREFIX_BYTES..)
+            .filter(|_| frame.first() == Some(&0))
+            .and_then(|m| decode_answer(m).ok())
+        else {
+            malformed = true;
+            break;
+        };
+        let Some((ledger, entry_id)) = carrier.in_flight.remove(&answer.id) else {
+            continue;
+        };
+        match answer.reply {
+            Reply::Failure {
+                kind: FailureKind::BadRequest,
+                detail,
+            } => {
+                log::warn!("handed-off store write refused by the store: {detail}");
+                ledger.landed(entry_id);
+            }
+            Reply::Failure { .. } => ledger.failed(entry_id, now_ms),
+            // Taken, or the store holds another record (a release with nothing left, a
+            // completion another request's record superseded): either way, final.
+            _ => ledger.landed(entry_id),
+        }
+    }
+    if malformed {
+        log::warn!("handoff stream sent a frame that is not a plain store answer; reset");
+        close(state, stream_id, now_ms, true);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    use idempotency_core::host::HandedOffWrite;
+    use idempotency_protocol::stream::{decode_call, encode_answer, Answer, CallOp};
+
+    /// Envoy's side of the handoff's streams, scripted.
+    #[derive(Default)]
+    struct FakeEnvoy {
+        started: RefCell<Vec<String>>,
+        sent: RefCell<Vec<(u64, Vec<u8>)>>,
+        resets: RefCell<Vec<u64>>,
+    }
+
+    impl StreamCalls for FakeEnvoy {
+        fn start(&self, cluster: &str, _headers: &[(&str, &[u8])]) -> Result<u64, String> {
+            self.started.borrow_mut().push(cluster.to_owned());
+            Ok(500 + self.started.borrow().len() as u64)
+        }
+        fn send(&self, stream_id: u64, data: &[u8], _end_stream: bool) -> bool {
+            self.sent.borrow_mut().push((stream_id, data.to_vec()));
+            true
+        }
+        fn reset(&self, stream_id: u64) {
+            self.resets.borrow_mut().push(stream_id);
+        }
+    }
+
+    const T0: u64 = 1_700_000_000_000;
+
+    fn release(id: u64, owner: &str) -> (Vec<u8>, HandedOffWrite<'static>) {
+        let call = encode_call_parts(
+            0,
+            &CallOp::Release {
+                key: "k".repeat(64),
+                owner: owner.into(),
+            },
+        );
+        let write = HandedOffWrite {
+            id,
+            cluster: "store",
+            authority: "idempotency-store",
+            authorization: Some("Bearer t"),
+            call: call.clone(),
+            deadline_ms: T0 + 5_000,
+            settles_within_ms: 350,
+        };
+        (call, write)
+    }
+
+    /// The calls sent so far, decoded: stream, call id, op.
+    fn sent(envoy: &FakeEnvoy) -> Vec<(u64, u64, CallOp)> {
+        envoy
+            .sent
+            .borrow()
+            .iter()
+            .map(|(s, frame)| {
+                let call = decode_call(&frame[PREFIX_BYTES..]).unwrap();
+                (*s, call.id, call.op)
+            })
+            .collect()
+    }
+
+    fn answer(handoff: &Handoff, stream: u64, id: u64, reply: Reply, now: u64) {
+        let data = grpc_frame(&encode_answer(&Answer { id, reply }));
+        handoff.on_stream_event(
+            stream,
+            ConfigStreamEvent::Data {
+                data,
+                end_stream: false,
+            },
+            now,
+        );
+    }
+
+    #[test]
+    fn an_entry_its_root_settles_in_time_is_never_sent() {
+        let (handoff, envoy, ledger) = (
+            Handoff::default(),
+            FakeEnvoy::default(),
+            Arc::new(Ledger::default()),
+        );
+        handoff.adopt(Arc::clone(&ledger));
+        ledger.record(&release(1, "o1").1, T0).unwrap();
+        handoff.sweep(&envoy, T0 + 349);
+        ledger.settle(1);
+        handoff.sweep(&envoy, T0 + 1_000);
+        assert!(envoy.sent.borrow().is_empty() && ledger.is_empty());
+    }
+
+    #[test]
+    fn an_idle_roots_write_is_landed_retried_through_an_outage_and_settled_by_the_answer() {
+        let (handoff, envoy, ledger) = (
+            Handoff::default(),
+            FakeEnvoy::default(),
+            Arc::new(Ledger::default()),
+        );
+        handoff.adopt(Arc::clone(&ledger));
+        let (call, write) = release(7, "o7");
+        ledger.record(&write, T0).unwrap();
+        handoff.sweep(&envoy, T0 + 350);
+        let first = sent(&envoy);
+        let [(stream, call_id, op)] = &first[..] else {
+            panic!("one send: {first:?}");
+        };
+        assert_eq!(*op, decode_call(&call).unwrap().op, "the root's very call");
+        assert_eq!(*envoy.started.borrow(), vec!["store".to_owned()]);
+        // The store is down: the stream resets; the entry is due again after a backoff.
+        handoff.on_stream_event(*stream, ConfigStreamEvent::Reset, T0 + 400);
+        handoff.sweep(&envoy, T0 + 401);
+        assert_eq!(sent(&envoy).len(), 1, "not before its backoff");
+        handoff.sweep(&envoy, T0 + 700);
+        let again = sent(&envoy);
+        let (stream, call_id_2, _) = again[1].clone();
+        assert_ne!(stream, again[0].0, "a new stream");
+        assert_ne!(call_id_2, *call_id);
+        // An answer to the old call finds nothing; the store busy is a failure too.
+        answer(
+            &handoff,
+            stream,
+            call_id_2,
+            Reply::Failure {
+                kind: FailureKind::Unavailable,
+                detail: "busy".into(),
+            },
+            T0 + 710,
+        );
+        assert!(!ledger.is_empty());
+        handoff.sweep(&envoy, T0 + 3_000);
+        let (_, call_id_3, _) = sent(&envoy)[2].clone();
+        answer(&handoff, stream, call_id_3, Reply::Released, T0 + 3_010);
+        assert!(ledger.is_empty(), "landed");
+        // The root, waking later, settles its own copy: nothing left to do here.
+        ledger.settle(7);
+        handoff.sweep(&envoy, T0 + 4_000);
+        assert_eq!(sent(&envoy).len(), 3);
+    }
+
+    #[test]
+    fn an_entry_past_its_deadline_is_given_up_and_counted() {
+        let (handoff, envoy, ledger) = (
+            Handoff::default(),
+            FakeEnvoy::default(),
+            Arc::new(Ledger::default()),
+        );
+        handoff.adopt(Arc::clone(&ledger));
+        ledger.record(&release(1, "o").1, T0).unwrap();
+        handoff.sweep(&envoy, T0 + 5_000);
+        assert!(envoy.sent.borrow().is_empty());
+        assert_eq!(ledger.census(), (0, 0, 1));
+    }
+
+    #[test]
+    fn a_full_ledger_refuses_and_counts_and_a_rereport_replaces_its_entry() {
+        let ledger = Ledger::default();
+        let (_, mut write) = release(1, "o");
+        let big = vec![0u8; idempotency_core::store::writes::RETRY_BUDGET_BYTES - 300];
+        write.call = big;
+        ledger.record(&write, T0).unwrap();
+        // The same id again (sent without its body): replaces, never counts twice.
+        ledger.record(&write, T0).unwrap();
+        assert_eq!(ledger.census().0, 1);
+        let (_, other) = release(2, "o2");
+        assert!(ledger.record(&other, T0).is_err());
+        assert_eq!(ledger.census().2, 1);
+        ledger.settle(1);
+        assert!(ledger.record(&other, T0).is_ok(), "room again once settled");
+    }
+
+    #[test]
+    fn a_retired_configurations_ledger_is_adopted_and_landed_by_a_live_one() {
+        let envoy = FakeEnvoy::default();
+        let (old, new) = (Handoff::default(), Handoff::default());
+        let ledger = Arc::new(Ledger::default());
+        old.adopt(Arc::clone(&ledger));
+        ledger.record(&release(3, "o3").1, T0).unwrap();
+        old.sweep(&envoy, T0 + 350);
+        assert_eq!(sent(&envoy).len(), 1);
+        // The push: Envoy frees the old configuration's streams without an event.
+        old.retire();
+        drop(ledger);
+        new.sweep(&envoy, T0 + 360);
+        let calls = sent(&envoy);
+        assert_eq!(
+            calls.len(),
+            2,
+            "sent again by the live configuration: {calls:?}"
+        );
+        let (stream, id, _) = calls[1].clone();
+        answer(&new, stream, id, Reply::Released, T0 + 370);
+        new.sweep(&envoy, T0 + 380);
+        assert!(!new.has_work());
+    }
+}
