@@ -29,6 +29,7 @@ from cluster import (
     assert_unavailable,
     cluster_plugin_config as plugin_config,
     complete_while_store_down,
+    completion_failure_logged,
     post,
     raw_post,
     start_cluster,
@@ -405,7 +406,7 @@ def test_completion_survives_client_hangup_and_store_outage(procs, tmp_path) -> 
     a, b = cluster.a, cluster.b
     path, key = unique_path(), new_key()
     body = complete_while_store_down(a, cluster, path, key, delay_ms=2000)
-    assert "store Complete failed" in a.log_text()
+    assert completion_failure_logged(a)
 
     cluster.store.start()
     replay, _ = wait_for_answer(lambda: post(b, path, key), timeout=15, interval=0.2)
@@ -576,16 +577,19 @@ def test_large_bodies_of_a_rule_that_never_reads_them(procs, tmp_path) -> None:
     replays."""
     body = b"x" * (4 * 1024 * 1024)
     buffered = start_cluster(procs, plugin=config(fingerprint="none"), envoys=1)
-    path, key = unique_path(), new_key()
-    # The store sits on the claim while the body arrives: a store quicker than the upload
-    # would confirm it before the buffer filled, and the body would stream on.
-    buffered.store.pause()
-    try:
-        refused = post(buffered.a, path, key, body=body)
-    finally:
-        buffered.store.resume()
-    assert refused.status_code == 413, refused.content[:200]
-    assert buffered.upstream.executions(path) == 0
+    if harness.FILTER_BUILD == "wasm":
+        # The native build has no such flag: a request held at its headers for the store
+        # always keeps its body with flow control (crates/native-filter/src/filter.rs).
+        path, key = unique_path(), new_key()
+        # The store sits on the claim while the body arrives: a store quicker than the upload
+        # would confirm it before the buffer filled, and the body would stream on.
+        buffered.store.pause()
+        try:
+            refused = post(buffered.a, path, key, body=body)
+        finally:
+            buffered.store.resume()
+        assert refused.status_code == 413, refused.content[:200]
+        assert buffered.upstream.executions(path) == 0
 
     a = buffered.add_envoy("envoy-flow-a", config(fingerprint="none"),
                            mutate=without_headers_stop_iteration)

@@ -85,8 +85,8 @@ impl Handoff {
         for ledger in ledgers {
             for due in ledger.take_due(now_ms) {
                 let sent = send(&mut state, calls, &due.target, &due.call, &ledger, due.id);
-                if !sent {
-                    ledger.failed(due.id, now_ms);
+                if let Err(why) = sent {
+                    ledger.failed(due.id, now_ms, &why);
                 }
             }
         }
@@ -138,7 +138,7 @@ impl Handoff {
     }
 }
 
-/// Sends one entry on its target's stream (started if none is open); false if it did not go.
+/// Sends one entry on its target's stream (started if none is open); why it did not go.
 fn send(
     state: &mut State,
     calls: &impl StreamCalls,
@@ -146,11 +146,11 @@ fn send(
     call: &[u8],
     ledger: &Arc<Ledger>,
     entry_id: u64,
-) -> bool {
+) -> Result<(), String> {
     let Ok(decoded) = decode_call(call) else {
         log::error!("a handed-off store write is not a store call; given up");
-        ledger.landed(entry_id);
-        return true;
+        ledger.settle(entry_id);
+        return Ok(());
     };
     if !state.carriers.contains_key(target) {
         match target.start(calls) {
@@ -166,30 +166,29 @@ fn send(
                 );
             }
             Err(why) => {
-                log::warn!(
-                    "handoff stream to cluster {} not started: {why}",
+                return Err(format!(
+                    "stream to cluster {} not started: {why}",
                     target.cluster
-                );
-                return false;
+                ))
             }
         }
     }
     state.next_call_id = state.next_call_id.wrapping_add(1);
     let call_id = state.next_call_id;
     let Some(carrier) = state.carriers.get_mut(target) else {
-        return false;
+        return Err("no stream".into());
     };
     let frame = grpc_frame(&encode_call_parts(call_id, &decoded.op));
     if !calls.send(carrier.stream_id, &frame, false) {
         let stream_id = carrier.stream_id;
         state.carriers.remove(target);
         state.by_stream.remove(&stream_id);
-        return false;
+        return Err("the stream took no more data".into());
     }
     carrier
         .in_flight
         .insert(call_id, (Arc::clone(ledger), entry_id));
-    true
+    Ok(())
 }
 
 /// The stream ended: every attempt on it failed (due again after its backoff).
@@ -199,7 +198,7 @@ fn close(state: &mut State, stream_id: u64, now_ms: u64, reset: bool) {
     };
     if let Some(carrier) = state.carriers.remove(&target) {
         for (ledger, entry_id) in carrier.in_flight.into_values() {
-            ledger.failed(entry_id, now_ms);
+            ledger.failed(entry_id, now_ms, "the store stream closed");
         }
     }
     if reset {
@@ -245,12 +244,12 @@ fn on_data(state: &mut State, stream_id: u64, data: &[u8], now_ms: u64) {
                 detail,
             } => {
                 log::warn!("handed-off store write refused by the store: {detail}");
-                ledger.landed(entry_id);
+                ledger.settle(entry_id);
             }
-            Reply::Failure { .. } => ledger.failed(entry_id, now_ms),
-            // Taken, or the store holds another record (a release with nothing left, a
-            // completion another request's record superseded): either way, final.
-            _ => ledger.landed(entry_id),
+            Reply::Failure { detail, .. } => ledger.failed(entry_id, now_ms, &detail),
+            Reply::NotOwner => ledger.not_owner(entry_id, now_ms),
+            // Taken (a completion already there with the same bytes answers so too).
+            _ => ledger.landed(entry_id, now_ms),
         }
     }
     if malformed {
@@ -398,6 +397,56 @@ mod tests {
         ledger.settle(7);
         handoff.sweep(&envoy, T0 + 4_000);
         assert_eq!(sent(&envoy).len(), 3);
+    }
+
+    #[test]
+    fn a_release_that_overtakes_its_claim_is_asked_again_before_it_counts_as_done() {
+        let (handoff, envoy, ledger) = (
+            Handoff::default(),
+            FakeEnvoy::default(),
+            Arc::new(Ledger::default()),
+        );
+        handoff.adopt(Arc::clone(&ledger));
+        ledger.record(&release(9, "o9").1, T0).unwrap();
+        let mut now = T0 + 350;
+        for attempt in 1..=3 {
+            handoff.sweep(&envoy, now);
+            let calls = sent(&envoy);
+            assert_eq!(calls.len(), attempt, "attempt {attempt}");
+            let (stream, id, _) = calls[attempt - 1].clone();
+            // The worker's claim is still on its way (its stream is slower than ours).
+            answer(&handoff, stream, id, Reply::NotOwner, now + 5);
+            now += 2_000;
+        }
+        assert!(ledger.is_empty(), "final after core's number of attempts");
+    }
+
+    #[test]
+    fn a_completion_answered_not_the_owner_is_final_at_once() {
+        let (handoff, envoy, ledger) = (
+            Handoff::default(),
+            FakeEnvoy::default(),
+            Arc::new(Ledger::default()),
+        );
+        handoff.adopt(Arc::clone(&ledger));
+        let call = encode_call_parts(
+            0,
+            &CallOp::Complete {
+                key: "k".repeat(64),
+                owner: "o".into(),
+                ttl_ms: 1_000,
+                record: b"rec".to_vec(),
+                fingerprint: "f".repeat(64),
+                tombstone_ms: 0,
+            },
+        );
+        let (_, mut write) = release(4, "o");
+        write.call = call;
+        ledger.record(&write, T0).unwrap();
+        handoff.sweep(&envoy, T0 + 350);
+        let (stream, id, _) = sent(&envoy)[0].clone();
+        answer(&handoff, stream, id, Reply::NotOwner, T0 + 360);
+        assert!(ledger.is_empty());
     }
 
     #[test]

@@ -11,15 +11,22 @@ use idempotency_core::burst_log::BurstLog;
 use idempotency_core::host::HandedOffWrite;
 use idempotency_core::store::writes::RETRY_BUDGET_BYTES;
 
+use idempotency_protocol::stream::{decode_call, CallOp};
+
 use crate::config_streams::StreamTarget;
 
 /// The courier's retries of one entry: from this to `MAX_BACKOFF_MS`, doubling.
 const FIRST_BACKOFF_MS: u64 = 100;
 const MAX_BACKOFF_MS: u64 = 2_000;
+/// A release answered "not the owner" is sent this many times in all (core's figure for its
+/// own releases).
+const RELEASE_NOT_OWNER_ATTEMPTS: u32 = 3;
 /// What an entry costs beyond its call's bytes (its target, its bookkeeping).
 const ENTRY_OVERHEAD_BYTES: usize = 256;
 
 struct Entry {
+    /// The store call's name, for the log.
+    what: &'static str,
     target: StreamTarget,
     call: Vec<u8>,
     deadline_ms: u64,
@@ -43,6 +50,8 @@ struct Entries {
     bytes: usize,
     drops: BurstLog,
     dropped: u64,
+    failures: BurstLog,
+    landings: BurstLog,
 }
 
 /// A write the courier is to send now.
@@ -66,6 +75,8 @@ impl Default for Ledger {
                 bytes: 0,
                 drops: BurstLog::new(10_000),
                 dropped: 0,
+                failures: BurstLog::new(10_000),
+                landings: BurstLog::new(10_000),
             }),
         }
     }
@@ -108,7 +119,13 @@ impl Ledger {
     /// due for the courier once the root had `settles_within_ms` to settle it. Over the
     /// byte budget (core's write budget figure) it is not kept: counted and logged.
     pub fn record(&self, write: &HandedOffWrite<'_>, now_ms: u64) -> Result<(), String> {
+        let what = match decode_call(&write.call).map(|c| c.op) {
+            Ok(CallOp::Complete { .. }) => "Complete",
+            Ok(CallOp::Release { .. }) => "Release",
+            _ => "write",
+        };
         let entry = Entry {
+            what,
             target: target_of(write),
             call: write.call.clone(),
             deadline_ms: write.deadline_ms,
@@ -187,20 +204,61 @@ impl Ledger {
 
     /// From the courier: the store answered entry `id` for good (taken, or refused for
     /// good): it is settled here; the root settles its own copy when it runs.
-    pub fn landed(&self, id: u64) {
-        self.settle(id);
+    pub fn landed(&self, id: u64, now_ms: u64) {
+        let mut entries = self.lock();
+        let Some(entry) = entries.by_id.remove(&id) else {
+            return;
+        };
+        entries.bytes = entries.bytes.saturating_sub(entry.bytes());
+        if let Some(suppressed) = entries.landings.admit(now_ms) {
+            log::info!(
+                "store {} of an idle worker landed by the main thread after {} attempt(s) \
+                 ({suppressed} similar not logged)",
+                entry.what,
+                entry.attempts
+            );
+        }
+    }
+
+    /// From the courier: the store says "not the owner". Final for a completion (another
+    /// record holds the key); a release is asked again a few times, as core asks its own: the
+    /// claim it undoes may still be on its way on the worker's stream, which the courier's
+    /// stream can overtake.
+    pub fn not_owner(&self, id: u64, now_ms: u64) {
+        let claim_may_be_behind = self
+            .lock()
+            .by_id
+            .get(&id)
+            .is_some_and(|e| e.what == "Release" && e.attempts < RELEASE_NOT_OWNER_ATTEMPTS);
+        if claim_may_be_behind {
+            self.failed(
+                id,
+                now_ms,
+                "the claim it releases has not reached the store yet",
+            );
+        } else {
+            self.landed(id, now_ms);
+        }
     }
 
     /// From the courier: the attempt failed (stream closed, store busy): due again after a
     /// backoff.
-    pub fn failed(&self, id: u64, now_ms: u64) {
+    pub fn failed(&self, id: u64, now_ms: u64, why: &str) {
         let mut entries = self.lock();
-        if let Some(entry) = entries.by_id.get_mut(&id) {
-            entry.in_flight_since = None;
-            let backoff = FIRST_BACKOFF_MS
-                .saturating_mul(1 << entry.attempts.min(16))
-                .min(MAX_BACKOFF_MS);
-            entry.due_ms = now_ms.saturating_add(backoff);
+        let Some(entry) = entries.by_id.get_mut(&id) else {
+            return;
+        };
+        entry.in_flight_since = None;
+        let backoff = FIRST_BACKOFF_MS
+            .saturating_mul(1 << entry.attempts.min(16))
+            .min(MAX_BACKOFF_MS);
+        entry.due_ms = now_ms.saturating_add(backoff);
+        let (what, attempts) = (entry.what, entry.attempts);
+        if let Some(suppressed) = entries.failures.admit(now_ms) {
+            log::warn!(
+                "store {what} of an idle worker failed on the main thread (attempt \
+                 {attempts}): {why}; retried until its deadline ({suppressed} similar not logged)"
+            );
         }
     }
 
