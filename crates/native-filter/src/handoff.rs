@@ -17,7 +17,7 @@ use idempotency_protocol::stream::{FailureKind, Reply};
 
 use crate::abi::ConfigStreamEvent;
 use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget};
-use crate::ledger::Ledger;
+use crate::ledger::{DueWrite, Ledger};
 
 /// Ledgers of retired configurations, waiting for a live one to adopt them.
 static ORPHANS: Mutex<Vec<Arc<Ledger>>> = Mutex::new(Vec::new());
@@ -33,8 +33,14 @@ struct Carrier {
     stream_id: u64,
     /// Bytes of an answer not whole yet.
     partial: Vec<u8>,
-    /// Call id on this stream -> the ledger and entry it lands.
-    in_flight: HashMap<u64, (Arc<Ledger>, u64)>,
+    /// Call id on this stream -> the ledger and entry it lands, and when it counts as lost.
+    in_flight: HashMap<u64, InFlight>,
+}
+
+struct InFlight {
+    ledger: Arc<Ledger>,
+    entry_id: u64,
+    answer_by_ms: u64,
 }
 
 #[derive(Default)]
@@ -74,6 +80,17 @@ impl Handoff {
         let orphans = std::mem::take(&mut *relock(&ORPHANS));
         let mut state = relock(&self.state);
         state.ledgers.extend(orphans);
+        // A stream with an attempt unanswered in time is frozen (a store that stopped
+        // answering keeps its connection): reset, its attempts failed, backed off.
+        let frozen: Vec<u64> = state
+            .carriers
+            .values()
+            .filter(|c| c.in_flight.values().any(|f| now_ms >= f.answer_by_ms))
+            .map(|c| c.stream_id)
+            .collect();
+        for stream_id in frozen {
+            close(&mut state, stream_id, now_ms, true);
+        }
         for stream_id in std::mem::take(&mut state.to_reset) {
             calls.reset(stream_id);
         }
@@ -84,7 +101,7 @@ impl Handoff {
         let ledgers = state.ledgers.clone();
         for ledger in ledgers {
             for due in ledger.take_due(now_ms) {
-                let sent = send(&mut state, calls, &due.target, &due.call, &ledger, due.id);
+                let sent = send(&mut state, calls, &due, &ledger, now_ms);
                 if let Err(why) = sent {
                     ledger.failed(due.id, now_ms, &why);
                 }
@@ -142,12 +159,12 @@ impl Handoff {
 fn send(
     state: &mut State,
     calls: &impl StreamCalls,
-    target: &StreamTarget,
-    call: &[u8],
+    due: &DueWrite,
     ledger: &Arc<Ledger>,
-    entry_id: u64,
+    now_ms: u64,
 ) -> Result<(), String> {
-    let Ok(decoded) = decode_call(call) else {
+    let (target, entry_id) = (&due.target, due.id);
+    let Ok(decoded) = decode_call(&due.call) else {
         log::error!("a handed-off store write is not a store call; given up");
         ledger.settle(entry_id);
         return Ok(());
@@ -185,9 +202,14 @@ fn send(
         state.by_stream.remove(&stream_id);
         return Err("the stream took no more data".into());
     }
-    carrier
-        .in_flight
-        .insert(call_id, (Arc::clone(ledger), entry_id));
+    carrier.in_flight.insert(
+        call_id,
+        InFlight {
+            ledger: Arc::clone(ledger),
+            entry_id,
+            answer_by_ms: now_ms.saturating_add(due.answer_within_ms),
+        },
+    );
     Ok(())
 }
 
@@ -197,8 +219,9 @@ fn close(state: &mut State, stream_id: u64, now_ms: u64, reset: bool) {
         return;
     };
     if let Some(carrier) = state.carriers.remove(&target) {
-        for (ledger, entry_id) in carrier.in_flight.into_values() {
-            ledger.failed(entry_id, now_ms, "the store stream closed");
+        for attempt in carrier.in_flight.into_values() {
+            let why = "the store stream closed or stopped answering";
+            attempt.ledger.failed(attempt.entry_id, now_ms, why);
         }
     }
     if reset {
@@ -235,7 +258,10 @@ fn on_data(state: &mut State, stream_id: u64, data: &[u8], now_ms: u64) {
             malformed = true;
             break;
         };
-        let Some((ledger, entry_id)) = carrier.in_flight.remove(&answer.id) else {
+        let Some(InFlight {
+            ledger, entry_id, ..
+        }) = carrier.in_flight.remove(&answer.id)
+        else {
             continue;
         };
         match answer.reply {
@@ -447,6 +473,52 @@ mod tests {
         let (stream, id, _) = sent(&envoy)[0].clone();
         answer(&handoff, stream, id, Reply::NotOwner, T0 + 360);
         assert!(ledger.is_empty());
+    }
+
+    #[test]
+    fn a_store_that_stops_answering_gets_its_stream_reset_not_a_pile_of_attempts() {
+        let (handoff, envoy, ledger) = (
+            Handoff::default(),
+            FakeEnvoy::default(),
+            Arc::new(Ledger::default()),
+        );
+        handoff.adopt(Arc::clone(&ledger));
+        ledger.record(&release(5, "o5").1, T0).unwrap();
+        handoff.sweep(&envoy, T0 + 350);
+        let (stream, _, _) = sent(&envoy)[0].clone();
+        // No answer: sweeps within the answer bound send nothing more.
+        handoff.sweep(&envoy, T0 + 500);
+        assert_eq!(sent(&envoy).len(), 1);
+        // Past it: the frozen stream is reset, the attempt failed and backed off.
+        handoff.sweep(&envoy, T0 + 700);
+        assert_eq!(*envoy.resets.borrow(), vec![stream]);
+        assert_eq!(sent(&envoy).len(), 1, "not before its backoff");
+        // Then again, on a new stream, one attempt in flight at a time.
+        handoff.sweep(&envoy, T0 + 1_200);
+        let calls = sent(&envoy);
+        assert_eq!(calls.len(), 2);
+        assert_ne!(calls[1].0, stream);
+        handoff.sweep(&envoy, T0 + 1_300);
+        assert_eq!(sent(&envoy).len(), 2);
+    }
+
+    #[test]
+    fn an_answer_after_the_root_settled_finds_nothing_to_do() {
+        let (handoff, envoy, ledger) = (
+            Handoff::default(),
+            FakeEnvoy::default(),
+            Arc::new(Ledger::default()),
+        );
+        handoff.adopt(Arc::clone(&ledger));
+        ledger.record(&release(6, "o6").1, T0).unwrap();
+        handoff.sweep(&envoy, T0 + 350);
+        let (stream, id, _) = sent(&envoy)[0].clone();
+        // The worker woke and its own copy landed first.
+        ledger.settle(6);
+        answer(&handoff, stream, id, Reply::Released, T0 + 360);
+        assert!(ledger.is_empty());
+        handoff.sweep(&envoy, T0 + 5_000);
+        assert_eq!(sent(&envoy).len(), 1);
     }
 
     #[test]

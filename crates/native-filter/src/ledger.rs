@@ -61,6 +61,8 @@ pub struct DueWrite {
     pub target: StreamTarget,
     /// Encoded with call id 0: the courier gives it one of its stream's.
     pub call: Vec<u8>,
+    /// Unanswered for this long, the attempt counts as failed.
+    pub answer_within_ms: u64,
 }
 
 pub struct Ledger {
@@ -162,7 +164,9 @@ impl Ledger {
     }
 
     /// From the courier: the entries due now, marked in flight; those past their deadline
-    /// are given up (logged). An attempt unanswered for too long is due again.
+    /// are given up (logged). The courier fails an unanswered attempt by resetting its
+    /// stream; one in flight far longer than that (its stream lost without an event) is due
+    /// again.
     pub fn take_due(&self, now_ms: u64) -> Vec<DueWrite> {
         let mut entries = self.lock();
         let expired: Vec<u64> = entries
@@ -186,9 +190,9 @@ impl Ledger {
         }
         let mut due = Vec::new();
         for (id, entry) in entries.by_id.iter_mut() {
-            let unanswered = entry
-                .in_flight_since
-                .is_some_and(|sent| now_ms >= sent.saturating_add(entry.answer_within_ms));
+            let unanswered = entry.in_flight_since.is_some_and(|sent| {
+                now_ms >= sent.saturating_add(entry.answer_within_ms.saturating_mul(4))
+            });
             if (entry.in_flight_since.is_none() || unanswered) && now_ms >= entry.due_ms {
                 entry.in_flight_since = Some(now_ms);
                 entry.attempts = entry.attempts.saturating_add(1);
@@ -196,6 +200,7 @@ impl Ledger {
                     id: *id,
                     target: entry.target.clone(),
                     call: entry.call.clone(),
+                    answer_within_ms: entry.answer_within_ms,
                 });
             }
         }
