@@ -317,6 +317,13 @@ mod tests {
 
     const T0: u64 = 1_700_000_000_000;
 
+    /// A handoff looking at one root's ledger, over a scripted Envoy.
+    fn adopting_one_ledger() -> (Handoff, FakeEnvoy, Arc<Ledger>) {
+        let (handoff, ledger) = (Handoff::default(), Arc::new(Ledger::default()));
+        handoff.adopt(Arc::clone(&ledger));
+        (handoff, FakeEnvoy::default(), ledger)
+    }
+
     fn release(id: u64, owner: &str) -> (Vec<u8>, HandedOffWrite<'static>) {
         let call = encode_call_parts(
             0,
@@ -364,12 +371,7 @@ mod tests {
 
     #[test]
     fn an_entry_its_root_settles_in_time_is_never_sent() {
-        let (handoff, envoy, ledger) = (
-            Handoff::default(),
-            FakeEnvoy::default(),
-            Arc::new(Ledger::default()),
-        );
-        handoff.adopt(Arc::clone(&ledger));
+        let (handoff, envoy, ledger) = adopting_one_ledger();
         ledger.record(&release(1, "o1").1, T0).unwrap();
         handoff.sweep(&envoy, T0 + 349);
         ledger.settle(1);
@@ -379,12 +381,7 @@ mod tests {
 
     #[test]
     fn an_idle_roots_write_is_landed_retried_through_an_outage_and_settled_by_the_answer() {
-        let (handoff, envoy, ledger) = (
-            Handoff::default(),
-            FakeEnvoy::default(),
-            Arc::new(Ledger::default()),
-        );
-        handoff.adopt(Arc::clone(&ledger));
+        let (handoff, envoy, ledger) = adopting_one_ledger();
         let (call, write) = release(7, "o7");
         ledger.record(&write, T0).unwrap();
         handoff.sweep(&envoy, T0 + 350);
@@ -427,12 +424,7 @@ mod tests {
 
     #[test]
     fn a_release_that_overtakes_its_claim_is_asked_again_before_it_counts_as_done() {
-        let (handoff, envoy, ledger) = (
-            Handoff::default(),
-            FakeEnvoy::default(),
-            Arc::new(Ledger::default()),
-        );
-        handoff.adopt(Arc::clone(&ledger));
+        let (handoff, envoy, ledger) = adopting_one_ledger();
         ledger.record(&release(9, "o9").1, T0).unwrap();
         let mut now = T0 + 350;
         for attempt in 1..=3 {
@@ -449,12 +441,7 @@ mod tests {
 
     #[test]
     fn a_completion_answered_not_the_owner_is_final_at_once() {
-        let (handoff, envoy, ledger) = (
-            Handoff::default(),
-            FakeEnvoy::default(),
-            Arc::new(Ledger::default()),
-        );
-        handoff.adopt(Arc::clone(&ledger));
+        let (handoff, envoy, ledger) = adopting_one_ledger();
         let call = encode_call_parts(
             0,
             &CallOp::Complete {
@@ -477,12 +464,7 @@ mod tests {
 
     #[test]
     fn a_store_that_stops_answering_gets_its_stream_reset_not_a_pile_of_attempts() {
-        let (handoff, envoy, ledger) = (
-            Handoff::default(),
-            FakeEnvoy::default(),
-            Arc::new(Ledger::default()),
-        );
-        handoff.adopt(Arc::clone(&ledger));
+        let (handoff, envoy, ledger) = adopting_one_ledger();
         ledger.record(&release(5, "o5").1, T0).unwrap();
         handoff.sweep(&envoy, T0 + 350);
         let (stream, _, _) = sent(&envoy)[0].clone();
@@ -504,12 +486,7 @@ mod tests {
 
     #[test]
     fn an_answer_after_the_root_settled_finds_nothing_to_do() {
-        let (handoff, envoy, ledger) = (
-            Handoff::default(),
-            FakeEnvoy::default(),
-            Arc::new(Ledger::default()),
-        );
-        handoff.adopt(Arc::clone(&ledger));
+        let (handoff, envoy, ledger) = adopting_one_ledger();
         ledger.record(&release(6, "o6").1, T0).unwrap();
         handoff.sweep(&envoy, T0 + 350);
         let (stream, id, _) = sent(&envoy)[0].clone();
@@ -523,12 +500,7 @@ mod tests {
 
     #[test]
     fn an_entry_past_its_deadline_is_given_up_and_counted() {
-        let (handoff, envoy, ledger) = (
-            Handoff::default(),
-            FakeEnvoy::default(),
-            Arc::new(Ledger::default()),
-        );
-        handoff.adopt(Arc::clone(&ledger));
+        let (handoff, envoy, ledger) = adopting_one_ledger();
         ledger.record(&release(1, "o").1, T0).unwrap();
         handoff.sweep(&envoy, T0 + 5_000);
         assert!(envoy.sent.borrow().is_empty());
