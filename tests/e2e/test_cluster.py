@@ -416,6 +416,31 @@ def test_completion_survives_client_hangup_and_store_outage(procs, tmp_path) -> 
     assert cluster.store_completions() == 1
 
 
+def test_a_completion_landed_for_an_idle_worker_and_sent_again_by_it_changes_nothing(procs, tmp_path) -> None:
+    """The store stops while a write runs; the client reads its 201 and leaves, and no request
+    reaches that worker afterwards. On the native build the main thread lands the completion
+    once the store is back (the write handoff); when requests then reach that Envoy again, its
+    worker's root sends its own copy too (same bytes): the store answers "completed" and
+    changes nothing. Every request through the Envoy's workers after that is harmless, the
+    retry through the other Envoy replays, the upstream ran once, nothing counted lost."""
+    cluster = start_cluster(procs, plugin=config(lease_seconds=5))
+    a, b = cluster.a, cluster.b
+    path, key = unique_path(), new_key()
+    body = complete_while_store_down(a, cluster, path, key)
+    cluster.store.start()
+    wait_for_store_completions(cluster, 1, timeout=10)
+    # Wake every worker of Envoy A (its roots drain what waited), with writes of their own.
+    for _ in range(8):
+        other = post(a, unique_path(), new_key())
+        assert other.status_code == 201 and not is_replay(other)
+    time.sleep(3)  # the woken roots' own retries of the completion (backoff capped at 2 s)
+    replay = post(b, path, key)
+    assert (replay.status_code, is_replay(replay), replay.content) == (201, True, body)
+    assert cluster.upstream.executions(path) == 1
+    for counter in ("not_recorded", "store_write_dropped"):
+        assert rule_counter(a, "orders", counter) == 0, counter
+
+
 def test_client_gone_in_the_middle_of_a_large_body_is_recorded_without_it(procs, tmp_path) -> None:
     """The client reads the 201 headers of a 16 MiB response and hangs up: Envoy resets the
     stream before the upstream body has passed the filter. The upstream executed and the
