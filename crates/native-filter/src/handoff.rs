@@ -75,38 +75,106 @@ impl Handoff {
         relock(&self.state).by_stream.contains_key(&stream_id)
     }
 
-    /// On the main thread: sends every ledger entry due now, on its target's stream.
+    /// On the main thread: sends every ledger entry due now, on its target's stream. Envoy
+    /// may run a stream's hooks inside a start or a send (a local reply, a reset), so no lock
+    /// of the handoff is held across a call into Envoy.
     pub fn sweep(&self, calls: &impl StreamCalls, now_ms: u64) {
         let orphans = std::mem::take(&mut *relock(&ORPHANS));
-        let mut state = relock(&self.state);
-        state.ledgers.extend(orphans);
-        // A stream with an attempt unanswered in time is frozen (a store that stopped
-        // answering keeps its connection): reset, its attempts failed, backed off.
-        let frozen: Vec<u64> = state
-            .carriers
-            .values()
-            .filter(|c| c.in_flight.values().any(|f| now_ms >= f.answer_by_ms))
-            .map(|c| c.stream_id)
-            .collect();
-        for stream_id in frozen {
-            close(&mut state, stream_id, now_ms, true);
-        }
-        for stream_id in std::mem::take(&mut state.to_reset) {
+        let (to_reset, ledgers) = {
+            let mut state = relock(&self.state);
+            state.ledgers.extend(orphans);
+            // A stream with an attempt unanswered in time is frozen (a store that stopped
+            // answering keeps its connection): reset, its attempts failed, backed off.
+            let frozen: Vec<u64> = state
+                .carriers
+                .values()
+                .filter(|c| c.in_flight.values().any(|f| now_ms >= f.answer_by_ms))
+                .map(|c| c.stream_id)
+                .collect();
+            for stream_id in frozen {
+                close(&mut state, stream_id, now_ms, true);
+            }
+            // A ledger whose root is gone and which holds nothing is done with.
+            state
+                .ledgers
+                .retain(|l| Arc::strong_count(l) > 1 || !l.is_empty());
+            (std::mem::take(&mut state.to_reset), state.ledgers.clone())
+        };
+        for stream_id in to_reset {
             calls.reset(stream_id);
         }
-        // A ledger whose root is gone and which holds nothing is done with.
-        state
-            .ledgers
-            .retain(|l| Arc::strong_count(l) > 1 || !l.is_empty());
-        let ledgers = state.ledgers.clone();
         for ledger in ledgers {
             for due in ledger.take_due(now_ms) {
-                let sent = send(&mut state, calls, &due, &ledger, now_ms);
-                if let Err(why) = sent {
+                if let Err(why) = self.send(calls, &due, &ledger, now_ms) {
                     ledger.failed(due.id, now_ms, &why);
                 }
             }
         }
+    }
+
+    /// Sends one entry on its target's stream (started if none is open); why it did not go.
+    fn send(
+        &self,
+        calls: &impl StreamCalls,
+        due: &DueWrite,
+        ledger: &Arc<Ledger>,
+        now_ms: u64,
+    ) -> Result<(), String> {
+        let Ok(decoded) = decode_call(&due.call) else {
+            log::error!("a handed-off store write is not a store call; given up");
+            ledger.settle(due.id);
+            return Ok(());
+        };
+        let open = relock(&self.state)
+            .carriers
+            .get(&due.target)
+            .map(|c| c.stream_id);
+        let stream_id = match open {
+            Some(stream_id) => stream_id,
+            None => {
+                let stream_id = due.target.start(calls).map_err(|why| {
+                    format!(
+                        "stream to cluster {} not started: {why}",
+                        due.target.cluster
+                    )
+                })?;
+                let mut state = relock(&self.state);
+                state.by_stream.insert(stream_id, due.target.clone());
+                state.carriers.insert(
+                    due.target.clone(),
+                    Carrier {
+                        stream_id,
+                        partial: Vec::new(),
+                        in_flight: HashMap::new(),
+                    },
+                );
+                stream_id
+            }
+        };
+        // In flight before the send, so that whatever Envoy reports inside it finds it.
+        let call_id = {
+            let mut state = relock(&self.state);
+            state.next_call_id = state.next_call_id.wrapping_add(1);
+            let call_id = state.next_call_id;
+            let Some(carrier) = state.carriers.get_mut(&due.target) else {
+                return Err("the stream closed as it started".into());
+            };
+            carrier.in_flight.insert(
+                call_id,
+                InFlight {
+                    ledger: Arc::clone(ledger),
+                    entry_id: due.id,
+                    answer_by_ms: now_ms.saturating_add(due.answer_within_ms),
+                },
+            );
+            call_id
+        };
+        let frame = grpc_frame(&encode_call_parts(call_id, &decoded.op));
+        if !calls.send(stream_id, &frame, false) {
+            // Every attempt on it fails, this one included.
+            close(&mut relock(&self.state), stream_id, now_ms, false);
+        }
+        Ok(())
     }
 
     /// On the main thread: what the store said on one of the handoff's streams.
@@ -153,64 +221,6 @@ impl Handoff {
             }
         }
     }
-}
-
-/// Sends one entry on its target's stream (started if none is open); why it did not go.
-fn send(
-    state: &mut State,
-    calls: &impl StreamCalls,
-    due: &DueWrite,
-    ledger: &Arc<Ledger>,
-    now_ms: u64,
-) -> Result<(), String> {
-    let (target, entry_id) = (&due.target, due.id);
-    let Ok(decoded) = decode_call(&due.call) else {
-        log::error!("a handed-off store write is not a store call; given up");
-        ledger.settle(entry_id);
-        return Ok(());
-    };
-    if !state.carriers.contains_key(target) {
-        match target.start(calls) {
-            Ok(stream_id) => {
-                state.by_stream.insert(stream_id, target.clone());
-                state.carriers.insert(
-                    target.clone(),
-                    Carrier {
-                        stream_id,
-                        partial: Vec::new(),
-                        in_flight: HashMap::new(),
-                    },
-                );
-            }
-            Err(why) => {
-                return Err(format!(
-                    "stream to cluster {} not started: {why}",
-                    target.cluster
-                ))
-            }
-        }
-    }
-    state.next_call_id = state.next_call_id.wrapping_add(1);
-    let call_id = state.next_call_id;
-    let Some(carrier) = state.carriers.get_mut(target) else {
-        return Err("no stream".into());
-    };
-    let frame = grpc_frame(&encode_call_parts(call_id, &decoded.op));
-    if !calls.send(carrier.stream_id, &frame, false) {
-        let stream_id = carrier.stream_id;
-        state.carriers.remove(target);
-        state.by_stream.remove(&stream_id);
-        return Err("the stream took no more data".into());
-    }
-    carrier.in_flight.insert(
-        call_id,
-        InFlight {
-            ledger: Arc::clone(ledger),
-            entry_id,
-            answer_by_ms: now_ms.saturating_add(due.answer_within_ms),
-        },
-    );
-    Ok(())
 }
 
 /// The stream ended: every attempt on it failed (due again after its backoff).
@@ -496,6 +506,51 @@ mod tests {
         assert!(ledger.is_empty());
         handoff.sweep(&envoy, T0 + 5_000);
         assert_eq!(sent(&envoy).len(), 1);
+    }
+
+    /// An Envoy that resets a stream inside the send (as a local reply or a refused
+    /// connection can), running the handoff's hook before the send returns.
+    struct ResettingInline<'a> {
+        handoff: &'a Handoff,
+        envoy: FakeEnvoy,
+    }
+
+    impl StreamCalls for ResettingInline<'_> {
+        fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String> {
+            self.envoy.start(cluster, headers)
+        }
+        fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool {
+            self.envoy.send(stream_id, data, end_stream);
+            self.handoff
+                .on_stream_event(stream_id, ConfigStreamEvent::Reset, T0 + 351);
+            true
+        }
+        fn reset(&self, stream_id: u64) {
+            self.envoy.reset(stream_id);
+        }
+    }
+
+    #[test]
+    fn a_stream_reset_inside_the_send_fails_the_attempt_without_a_deadlock() {
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let (handoff, _, ledger) = adopting_one_ledger();
+            ledger.record(&release(8, "o8").1, T0).unwrap();
+            let envoy = ResettingInline {
+                handoff: &handoff,
+                envoy: FakeEnvoy::default(),
+            };
+            handoff.sweep(&envoy, T0 + 350);
+            // Failed at once (not left in flight): due again after its backoff only.
+            handoff.sweep(&envoy, T0 + 400);
+            let first = envoy.envoy.sent.borrow().len();
+            handoff.sweep(&envoy, T0 + 600);
+            let _ = done_tx.send((first, envoy.envoy.sent.borrow().len()));
+        });
+        let sends = done_rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the sweep deadlocked on its own lock");
+        assert_eq!(sends, (1, 2));
     }
 
     #[test]
