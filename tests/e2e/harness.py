@@ -957,13 +957,16 @@ def native_unsupported(plugin: Any) -> str | None:
     crates/native-filter/src/configuration.rs does), or None."""
     if not isinstance(plugin, dict):
         return None
-    if plugin.get("store"):
-        return "cluster mode"
+    def http_store(store: Any) -> bool:
+        return isinstance(store, dict) and store.get("transport") == "http"
+
+    if http_store(plugin.get("store")):
+        return "the store's HTTP transport"
     for rule in plugin.get("rules") or []:
         if not isinstance(rule, dict):
             continue
-        if rule.get("store"):
-            return "cluster mode"
+        if http_store(rule.get("store")):
+            return "the store's HTTP transport"
         if rule.get("execution") == "detached":
             return "detached writes"
         if rule.get("resolve"):

@@ -182,7 +182,8 @@ def test_envoy_build_is_per_instance(tmp_path) -> None:
     # Named, the native build refuses what it lacks instead of skipping the test.
     with pytest.raises(harness.NotOnThisBuild):
         harness.Envoy(harness.router_config(), tmp_path, cluster_ports=ports,
-                      mutate=wasm_filter({"store": {"cluster": "store"}, "rules": []}), build="native")
+                      mutate=wasm_filter({"store": {"cluster": "store", "transport": "http"}, "rules": []}),
+                      build="native")
     with pytest.raises(ValueError):
         harness.Envoy(harness.router_config(), tmp_path, cluster_ports=ports, build="wasm32")
 

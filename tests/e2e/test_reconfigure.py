@@ -208,7 +208,12 @@ def test_store_writes_waiting_out_an_outage_survive_a_push(procs, tmp_path) -> N
     assert (retry.status_code, is_replay(retry)) == (201, True), retry.content[:200]
     assert cluster.upstream.executions(path) == 1
     log = a.log_text()
-    assert "configuration retired with 1 store write(s) still waiting" in log
-    harness.wait_until(lambda: "every waiting store write was taken" in a.log_text(), timeout=10,
-                       what="the retired configuration to let go")
+    if harness.FILTER_BUILD == "wasm":
+        assert "configuration retired with 1 store write(s) still waiting" in log
+        harness.wait_until(lambda: "every waiting store write was taken" in a.log_text(),
+                           timeout=10, what="the retired configuration to let go")
+    else:
+        # Envoy frees a retired dynamic module configuration at once: the live one's courier
+        # adopted the retired root's handoff ledger and landed the completion.
+        assert "store Complete of an idle worker landed by the main thread" in log
     assert_no_crash(a)

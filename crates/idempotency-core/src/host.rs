@@ -36,6 +36,26 @@ pub struct Callout<'a> {
     pub timeout_ms: u64,
 }
 
+/// A completion or release reported to a host that can land it without the root
+/// ([`Host::hand_off_write`]): the store call as it goes on the store's stream (encoded with
+/// call id 0; the carrier gives it its own), where it goes, and until when it matters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandedOffWrite<'a> {
+    /// Unique per root context for as long as the root lives.
+    pub id: u64,
+    /// The store's Envoy cluster and the `:authority` its stream carries.
+    pub cluster: &'a str,
+    pub authority: &'a str,
+    /// The stream's `authorization` value, if the store wants one.
+    pub authorization: Option<&'a str>,
+    pub call: Vec<u8>,
+    /// Host clock (`now_ms`): after this the write cannot matter any more.
+    pub deadline_ms: u64,
+    /// How long the root normally takes to settle it while it runs (the store's timeout plus
+    /// the first retry's backoff): a host lands it itself only once it is unsettled longer.
+    pub settles_within_ms: u64,
+}
+
 /// The host: the current stream's headers and bodies, properties, local replies, callouts,
 /// the clock, shared data, shared queues, counters and the root's timer.
 ///
@@ -156,6 +176,17 @@ pub trait Host: SharedData {
     fn set_tick_period_ms(&self, period_ms: u32) -> Result<(), HostError>;
     /// Tells the host a root that asked for time to finish its work is done.
     fn done(&self) -> Result<(), HostError>;
+
+    /// A completion or release the root now owns, reported when a request submits it (sent or
+    /// not: a stream that is down must not hide it) and again whenever its bytes change (sent
+    /// without its response body), under the same id. A host whose root may not run for a
+    /// while (a worker with no request) lands it itself should the root not settle it in time;
+    /// the store takes the same write twice harmlessly. Err: not kept (the root still sends it).
+    fn hand_off_write(&self, _write: &HandedOffWrite<'_>) -> Result<(), HostError> {
+        Ok(())
+    }
+    /// The write handed off under `id` is settled by the root: answered, or given up.
+    fn write_settled(&self, _id: u64) {}
 }
 
 /// The `:status` of a response header map, if present and numeric.

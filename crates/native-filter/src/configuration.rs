@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use idempotency_core::config::Config;
+use idempotency_core::config::{Config, StoreTransport};
 use idempotency_core::root::PluginRoot;
 
 use crate::abi::{ConfigHandle, ConfigStreamEvent, MainThreadConfig};
@@ -51,6 +51,7 @@ impl Configuration {
             courier: Arc::new(Courier::new(handle.new_scheduler())),
             retired: AtomicBool::new(false),
         });
+        crate::courier::start_sweeping(&shared.courier);
         if config.grpc_replay_echo {
             crate::echo_filter::announce();
             shared.metrics.freeze();
@@ -92,15 +93,17 @@ fn not_native_yet(config: &Config) -> Result<(), String> {
         ))
     };
     for (i, rule) in config.rules.iter().enumerate() {
-        // The store stream itself works (docs/how-it-works.md, "The store stream"), but a
-        // worker with no live request cannot run its root: a completion or release failed by
-        // a store outage waits for that worker's next request, and a write whose completion
-        // waits past its lease could run again through another proxy where the Wasm build's
-        // root would have landed it. Refused until a root can be woken without a request.
-        if rule.store.is_some() {
+        // The store stream works from the main thread (the courier, and its handoff of
+        // completions and releases an idle worker cannot send: docs/how-it-works.md); HTTP
+        // callouts outside a request need a root-level callout the native build lacks.
+        if rule
+            .store
+            .as_ref()
+            .is_some_and(|s| s.transport == StoreTransport::Http)
+        {
             return refuse(
-                format!("rules[{i}].store (or the top-level store)"),
-                "cluster mode",
+                format!("rules[{i}].store.transport (or the top-level store's)"),
+                "the store's HTTP transport (\"http\")",
             );
         }
         if rule.detached.is_some() {

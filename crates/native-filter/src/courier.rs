@@ -15,12 +15,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use idempotency_core::grpc::frame::{frame_len, PREFIX_BYTES};
 
-use crate::abi::{ConfigScheduler, ConfigStreamEvent, MainThreadConfig};
+use crate::abi::{ConfigScheduler, ConfigStreamEvent};
+pub use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget};
+use crate::handoff::Handoff;
 use crate::inbox::{Inbox, StreamEvent};
+use crate::ticker::Ticket;
 
 /// gRPC statuses the courier reports itself.
 pub const GRPC_UNKNOWN: u32 = 2;
@@ -30,16 +32,6 @@ pub const GRPC_UNAVAILABLE: u32 = 14;
 
 /// The scheduled event that means "the outbox has work".
 const OUTBOX_EVENT: u64 = 1;
-
-/// Where a root's store stream goes, as link.rs names it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StreamTarget {
-    pub cluster: String,
-    pub authority: String,
-    /// `/<service>/<method>`.
-    pub path: String,
-    pub metadata: Vec<(String, Vec<u8>)>,
-}
 
 /// What a worker's root asks of the main thread.
 enum Operation {
@@ -63,28 +55,6 @@ enum Operation {
         stream_id: u64,
         reset: bool,
     },
-}
-
-/// The configuration's stream calls, on the main thread (a trait so the courier's rules are
-/// tested without Envoy).
-pub trait StreamCalls {
-    fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String>;
-    fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool;
-    fn reset(&self, stream_id: u64);
-}
-
-impl StreamCalls for MainThreadConfig {
-    fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String> {
-        // No timeout: the stream lives as long as the store keeps it (its calls have theirs).
-        self.start_http_stream(cluster, headers, Duration::ZERO)
-            .map_err(|e| e.to_string())
-    }
-    fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool {
-        self.send_stream_data(stream_id, data, end_stream)
-    }
-    fn reset(&self, stream_id: u64) {
-        self.reset_stream(stream_id);
-    }
 }
 
 struct Outbox {
@@ -115,6 +85,10 @@ pub struct Courier {
     /// Touched on the main thread only; a lock because the courier is shared.
     streams: Mutex<Streams>,
     next_token: AtomicU32,
+    /// The roots' handed-off writes, landed from here when their roots do not.
+    pub handoff: Handoff,
+    /// The ticker's entry that brings the main thread here to sweep the ledgers.
+    sweeps: Mutex<Option<Ticket>>,
 }
 
 fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -124,17 +98,24 @@ fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// A message as gRPC frames it: uncompressed, 4-byte big-endian length, the bytes.
-pub fn grpc_frame(message: &[u8]) -> Vec<u8> {
-    let mut frame = Vec::with_capacity(message.len() + PREFIX_BYTES);
-    frame.push(0);
-    frame.extend_from_slice(
-        &u32::try_from(message.len())
-            .unwrap_or(u32::MAX)
-            .to_be_bytes(),
-    );
-    frame.extend_from_slice(message);
-    frame
+/// How often the ticker asks whether the ledgers hold a write to land: well under the first
+/// grace (the store's timeout plus 100 ms), cheap when they hold none.
+const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
+
+struct SweepWake(std::sync::Weak<Courier>);
+
+impl crate::ticker::Wake for SweepWake {
+    fn wake(&self) {
+        if let Some(courier) = self.0.upgrade() {
+            courier.poke();
+        }
+    }
+}
+
+/// Has the process's ticker sweep `courier`'s ledgers until it retires.
+pub fn start_sweeping(courier: &Arc<Courier>) {
+    let wake = Arc::new(SweepWake(Arc::downgrade(courier)));
+    courier.sweep_with(crate::ticker::Ticker::process().every(SWEEP_EVERY, wake));
 }
 
 /// The gRPC status a stream's trailers (or trailers-only headers) carry; without one, what
@@ -174,6 +155,8 @@ impl Courier {
             }),
             streams: Mutex::new(Streams::default()),
             next_token: AtomicU32::new(1),
+            handoff: Handoff::default(),
+            sweeps: Mutex::new(None),
         }
     }
 
@@ -225,8 +208,34 @@ impl Courier {
         self.submit(Operation::Close { token, reset })
     }
 
-    /// On the main thread (the scheduled hook): makes every queued call, in order.
+    /// The ticker's entry for this courier's sweeps, cancelled when it retires.
+    pub fn sweep_with(&self, ticket: Ticket) {
+        *relock(&self.sweeps) = Some(ticket);
+    }
+
+    /// From the ticker: brings the main thread here if a ledger holds a write.
+    pub fn poke(&self) {
+        if !self.handoff.has_work() {
+            return;
+        }
+        let mut outbox = relock(&self.outbox);
+        if outbox.retired || outbox.armed {
+            return;
+        }
+        if let Some(scheduler) = outbox.scheduler.as_ref() {
+            scheduler.commit(OUTBOX_EVENT);
+            outbox.armed = true;
+        }
+    }
+
+    /// On the main thread (the scheduled hook): makes every queued call, in order, then
+    /// lands what the roots left unsettled too long.
     pub fn run(&self, calls: &impl StreamCalls) {
+        self.run_operations(calls);
+        self.handoff.sweep(calls, crate::ledger::now_ms());
+    }
+
+    fn run_operations(&self, calls: &impl StreamCalls) {
         let operations: Vec<Operation> = {
             let mut outbox = relock(&self.outbox);
             outbox.armed = false;
@@ -267,21 +276,7 @@ impl Courier {
         inbox: Arc<Inbox>,
         target: &StreamTarget,
     ) {
-        let mut headers: Vec<(&str, &[u8])> = vec![
-            (":method", b"POST"),
-            (":path", target.path.as_bytes()),
-            (":authority", target.authority.as_bytes()),
-            (":scheme", b"http"),
-            ("content-type", b"application/grpc"),
-            ("te", b"trailers"),
-        ];
-        headers.extend(
-            target
-                .metadata
-                .iter()
-                .map(|(n, v)| (n.as_str(), v.as_slice())),
-        );
-        match calls.start(&target.cluster, &headers) {
+        match target.start(calls) {
             Ok(stream_id) => {
                 let mut streams = relock(&self.streams);
                 streams.by_token.insert(token, stream_id);
@@ -344,6 +339,11 @@ impl Courier {
 
     /// On the main thread (the stream hooks): what the store said on `stream_id`.
     pub fn on_stream_event(&self, stream_id: u64, event: ConfigStreamEvent) {
+        if self.handoff.owns(stream_id) {
+            self.handoff
+                .on_stream_event(stream_id, event, crate::ledger::now_ms());
+            return;
+        }
         match event {
             ConfigStreamEvent::Headers {
                 headers,
@@ -447,6 +447,10 @@ impl Courier {
     /// every stream's root learns it closed (Envoy resets them without an event), and so does
     /// every root whose open was still queued.
     pub fn retire(&self) {
+        if let Some(ticket) = relock(&self.sweeps).take() {
+            crate::ticker::Ticker::process().cancel(ticket);
+        }
+        self.handoff.retire();
         let queued = {
             let mut outbox = relock(&self.outbox);
             outbox.retired = true;

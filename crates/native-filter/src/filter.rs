@@ -150,7 +150,18 @@ fn trailers_status(verdict: Verdict) -> TrailersStatus {
 impl HttpFilter for NativeFilter {
     fn on_request_headers(&mut self, filter: &Filter, end_of_stream: bool) -> HeadersStatus {
         let verdict = self.feed(filter, Event::RequestHeaders { end_of_stream });
-        headers_status(verdict)
+        // Held at the headers for the store, not for the body: Envoy keeps the body
+        // with flow control rather than a buffer whose limit answers 413, as the Wasm build
+        // without `allow_on_headers_stop_iteration` does. The body's callbacks come after
+        // the resume.
+        let held_without_the_body = self
+            .journey
+            .try_borrow()
+            .is_ok_and(|journey| matches!(journey.state(), Journey::AwaitingStore(_)));
+        match verdict {
+            Verdict::Pause if held_without_the_body => HeadersStatus::StopAllIterationAndWatermark,
+            verdict => headers_status(verdict),
+        }
     }
 
     fn on_request_body(&mut self, filter: &Filter, end_of_stream: bool) -> BodyStatus {

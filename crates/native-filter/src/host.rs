@@ -7,7 +7,9 @@
 
 use std::cell::Cell;
 
-use idempotency_core::host::{Callout, HeaderPairs, Host, HostError, SetOutcome, SharedData};
+use idempotency_core::host::{
+    Callout, HandedOffWrite, HeaderPairs, Host, HostError, SetOutcome, SharedData,
+};
 
 use crate::abi::{AttributeId, Filter, HeaderMap, MetadataSource};
 use crate::metrics::Metrics;
@@ -238,6 +240,19 @@ impl Host for NativeHost<'_> {
 
     fn callout_response_body(&self, _size: usize) -> Result<Vec<u8>, HostError> {
         Err(not_native("an HTTP callout"))
+    }
+
+    fn hand_off_write(&self, write: &HandedOffWrite<'_>) -> Result<(), HostError> {
+        self.streams()?
+            .ledger
+            .record(write, self.now_ms())
+            .map_err(HostError)
+    }
+
+    fn write_settled(&self, id: u64) {
+        if let Some(streams) = self.streams {
+            streams.ledger.settle(id);
+        }
     }
 
     fn open_grpc_stream(

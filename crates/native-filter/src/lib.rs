@@ -11,12 +11,16 @@
 //! `shared_data.rs` and `queues.rs` what proxy-wasm shared between workers, `metrics.rs` the
 //! configuration's counters, `ticker.rs` the thread that gives roots their ticks,
 //! `courier.rs` the main thread's carrier of the roots' store streams, `inbox.rs` where their
-//! events wait for a root's worker, `root_streams.rs` those streams as core's host sees them.
+//! events wait for a root's worker, `root_streams.rs` those streams as core's host sees them,
+//! `ledger.rs` a root's handed-off completions and releases, `handoff.rs` the main thread's
+//! landing of those an idle worker leaves unsettled, `config_streams.rs` what the courier's
+//! and the handoff's streams share.
 
 pub(crate) use dynamic_module_abi as abi;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod attack_tests;
+mod config_streams;
 mod configuration;
 mod courier;
 mod echo_filter;
@@ -24,8 +28,10 @@ mod filter;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod grpc_tests;
+mod handoff;
 mod host;
 mod inbox;
+mod ledger;
 mod loaded;
 mod metrics;
 mod queues;

@@ -10,10 +10,14 @@ use idempotency_core::host::{HeaderPairs, HostError};
 
 use crate::courier::{Courier, StreamTarget};
 use crate::inbox::{Inbox, StreamEvent};
+use crate::ledger::Ledger;
 
 pub struct RootStreams {
     pub courier: Arc<Courier>,
     pub inbox: Arc<Inbox>,
+    /// The completions and releases this root owes the store, for the courier to land
+    /// should this worker stay idle.
+    pub ledger: Arc<Ledger>,
     /// The event the root is taking now.
     current: RefCell<Option<StreamEvent>>,
 }
@@ -24,8 +28,11 @@ fn no_event(what: &str) -> HostError {
 
 impl RootStreams {
     pub fn new(courier: Arc<Courier>) -> RootStreams {
+        let ledger = Arc::new(Ledger::default());
+        courier.handoff.adopt(Arc::clone(&ledger));
         RootStreams {
             courier,
+            ledger,
             inbox: Arc::new(Inbox::default()),
             current: RefCell::new(None),
         }

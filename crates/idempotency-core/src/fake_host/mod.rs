@@ -11,9 +11,13 @@ mod census;
 pub(crate) use census::Tally;
 use census::{map_bytes, Census};
 
-use crate::host::{Callout, HeaderPairs, Host, HostError, SetOutcome, SharedData};
+use crate::host::{Callout, HandedOffWrite, HeaderPairs, Host, HostError, SetOutcome, SharedData};
 use crate::outcome::Outcome;
 use crate::table::fake_shared::FakeShared;
+
+/// A write handed off to the host: id, the call as encoded, its deadline, and the time the
+/// root normally takes to settle it.
+pub(crate) type HandoffSeen = (u64, Vec<u8>, u64, u64);
 
 /// What the flow did to the outside world.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,6 +128,11 @@ pub(crate) struct FakeHost {
     /// The clock was read in the current callback: the filter's host reads it once per
     /// callback (`envoy_host::new_callback`), so the census counts it once too.
     clock_read: Cell<bool>,
+    /// Writes handed off (`Host::hand_off_write`), in order: id, the call as encoded, its
+    /// deadline and the time the root normally takes to settle it.
+    pub handed_off: RefCell<Vec<HandoffSeen>>,
+    /// Ids of handed-off writes reported settled, in order.
+    pub settled_writes: RefCell<Vec<u64>>,
 }
 
 impl Default for FakeHost {
@@ -156,6 +165,8 @@ impl Default for FakeHost {
             published: RefCell::default(),
             census: Census::default(),
             clock_read: Cell::new(false),
+            handed_off: RefCell::default(),
+            settled_writes: RefCell::default(),
         }
     }
 }
@@ -692,5 +703,19 @@ impl Host for FakeHost {
     fn done(&self) -> Result<(), HostError> {
         self.record(Effect::Done);
         Ok(())
+    }
+
+    fn hand_off_write(&self, write: &HandedOffWrite<'_>) -> Result<(), HostError> {
+        self.handed_off.borrow_mut().push((
+            write.id,
+            write.call.clone(),
+            write.deadline_ms,
+            write.settles_within_ms,
+        ));
+        Ok(())
+    }
+
+    fn write_settled(&self, id: u64) {
+        self.settled_writes.borrow_mut().push(id);
     }
 }

@@ -37,6 +37,9 @@ pub struct PendingWrite {
     /// A settle whose answer its sender waits for: reported under this id
     /// (`StoreWrites::take_settle_answers`).
     pub(super) reports_to: Option<u64>,
+    /// A completion or release reported to the host ([`crate::host::Host::hand_off_write`])
+    /// under this id, to be reported settled.
+    pub(super) handoff_id: Option<u64>,
 }
 
 impl PendingWrite {
@@ -51,6 +54,7 @@ impl PendingWrite {
             local: None,
             marks_in_store: false,
             reports_to: None,
+            handoff_id: None,
         }
     }
 

@@ -16,11 +16,11 @@ use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::rc::Rc;
 
-use idempotency_protocol::stream::{CallOp, Reply};
+use idempotency_protocol::stream::{encode_call_parts, CallOp, Reply};
 
 use crate::burst_log::BurstLog;
 use crate::config::StoreTransport;
-use crate::host::Host;
+use crate::host::{HandedOffWrite, Host};
 use crate::outcome::Outcome;
 use crate::rule_handle::RuleHandle;
 use crate::store::calls;
@@ -129,6 +129,9 @@ pub struct StoreWrites {
     lost_log: RefCell<BurstLog>,
     /// The final answers of settles sent `reporting_to` an id, for their senders to take.
     settle_answers: RefCell<Vec<(u64, SettleAnswer)>>,
+    /// The id the next completion or release is handed off to the host under.
+    next_handoff_id: Cell<u64>,
+    handoff_refusals: RefCell<BurstLog>,
 }
 
 impl Drop for StoreWrites {
@@ -163,6 +166,8 @@ impl StoreWrites {
             lost_leases: RefCell::new(Vec::new()),
             lost_log: RefCell::new(BurstLog::new(10_000)),
             settle_answers: RefCell::new(Vec::new()),
+            next_handoff_id: Cell::new(1),
+            handoff_refusals: RefCell::new(BurstLog::new(10_000)),
         }
     }
 
@@ -205,6 +210,68 @@ impl StoreWrites {
         self.wake_queue == Some(queue_id)
     }
 
+    /// Reports a completion or release to the host as it is submitted: the writes whose
+    /// loss could let a write run twice, which a host whose root may not run soon can land
+    /// itself (docs/how-it-works.md, the native build's write handoff).
+    fn hand_off(&self, host: &impl Host, write: &mut PendingWrite) {
+        let on_stream = write
+            .rule
+            .store
+            .as_ref()
+            .is_some_and(|s| s.transport == StoreTransport::Grpc);
+        if !on_stream || !matches!(write.kind(), WriteKind::Complete | WriteKind::Release) {
+            return;
+        }
+        let id = self.next_handoff_id.get();
+        self.next_handoff_id.set(id.wrapping_add(1));
+        write.handoff_id = Some(id);
+        self.report_handoff(host, write);
+    }
+
+    /// (Re)reports `write` under its handoff id: at submission, and whenever its bytes change,
+    /// so whoever lands it sends exactly what the root would (a completion is idempotent for
+    /// the same bytes only).
+    fn report_handoff(&self, host: &impl Host, write: &PendingWrite) {
+        let (Some(id), Some(store)) = (write.handoff_id, write.rule.store.as_ref()) else {
+            return;
+        };
+        let authorization = store.token.as_ref().map(|t| format!("Bearer {t}"));
+        let handed = HandedOffWrite {
+            id,
+            cluster: &store.cluster,
+            authority: &store.authority,
+            authorization: authorization.as_deref(),
+            call: encode_call_parts(0, &write.call),
+            deadline_ms: write.deadline_ms,
+            settles_within_ms: store.timeout_ms.saturating_add(FIRST_BACKOFF_MS),
+        };
+        if let Err(e) = host.hand_off_write(&handed) {
+            if let Some(suppressed) = self.handoff_refusals.borrow_mut().admit(host.now_ms()) {
+                log::warn!(
+                    "store {:?} not handed off ({}); only this worker sends it \
+                     ({suppressed} similar not logged)",
+                    write.op(),
+                    e.0
+                );
+            }
+        }
+    }
+
+    /// Swaps `write`'s record for its lean form, telling the host the new bytes.
+    fn slim_down(&self, host: &impl Host, write: &mut PendingWrite) -> bool {
+        let slimmed = write.slim_down();
+        if slimmed {
+            self.report_handoff(host, write);
+        }
+        slimmed
+    }
+
+    fn settled(&self, host: &impl Host, write: &PendingWrite) {
+        if let Some(id) = write.handoff_id {
+            host.write_settled(id);
+        }
+    }
+
     /// Called from the request whose context is `context_id`: a write for a store whose
     /// stream is open goes on it at once (sent as the root; the answer comes to the root
     /// even if the request is gone by then), saving the root's wake-up; any other is queued.
@@ -213,8 +280,9 @@ impl StoreWrites {
         host: &impl Host,
         links: &Links<'_>,
         context_id: u32,
-        write: PendingWrite,
+        mut write: PendingWrite,
     ) {
+        self.hand_off(host, &mut write);
         let open = write
             .rule
             .store
@@ -249,7 +317,8 @@ impl StoreWrites {
     }
 
     /// Called from a request's context: queue the write and wake the root.
-    pub fn submit(&self, host: &impl Host, write: PendingWrite) {
+    pub fn submit(&self, host: &impl Host, mut write: PendingWrite) {
+        self.hand_off(host, &mut write);
         self.enqueue(host, write);
     }
 
@@ -362,7 +431,7 @@ impl StoreWrites {
             self.drop_write(host, &write, "no stream serves its store");
             return;
         };
-        if write.bytes() > link.max_message_bytes() && !write.slim_down() {
+        if write.bytes() > link.max_message_bytes() && !self.slim_down(host, &mut write) {
             self.drop_write(host, &write, "it is larger than a stream message may be");
             return;
         }
@@ -399,7 +468,7 @@ impl StoreWrites {
         let fits = |w: &PendingWrite| {
             write_bytes_in_vm::get().saturating_add(w.bytes()) <= RETRY_BUDGET_BYTES
         };
-        if !fits(write) && write.slim_down() {
+        if !fits(write) && self.slim_down(host, write) {
             log::warn!(
                 "store {:?} sent without its response body: the worker's store writes hold \
                  their byte budget",
@@ -407,7 +476,7 @@ impl StoreWrites {
             );
         }
         if !fits(write) {
-            self.drop_write(host, write, "the byte budget of store writes is spent");
+            self.drop_write_over_budget(host, write, "the byte budget of store writes is spent");
             return false;
         }
         self.charge(write.bytes());
@@ -451,6 +520,14 @@ impl StoreWrites {
     }
 
     fn settle(&self, host: &impl Host, table: &Table, write: PendingWrite, answer: WriteAnswer) {
+        let goes_again = match &answer {
+            WriteAnswer::Retry(_) => true,
+            WriteAnswer::Refused(_) => write.lean.is_some(),
+            _ => false,
+        };
+        if !goes_again {
+            self.settled(host, &write);
+        }
         match answer {
             WriteAnswer::Done => {
                 self.store_answered();
@@ -483,7 +560,7 @@ impl StoreWrites {
                 // filter knows): the same completion without its response body goes instead,
                 // so the write is still recorded.
                 let mut write = write;
-                write.slim_down();
+                self.slim_down(host, &mut write);
                 log::warn!(
                     "store {:?} refused ({why}); sent again without its response body",
                     write.op()
@@ -583,7 +660,7 @@ impl StoreWrites {
             return;
         }
         if write_bytes_in_vm::get().saturating_add(write.bytes()) > RETRY_BUDGET_BYTES
-            && write.slim_down()
+            && self.slim_down(host, &mut write)
         {
             log::warn!(
                 "store {:?} kept without its response body: the retry buffer is full",
@@ -592,7 +669,7 @@ impl StoreWrites {
         }
         let bytes = write.bytes();
         if write_bytes_in_vm::get().saturating_add(bytes) > RETRY_BUDGET_BYTES {
-            self.drop_write(host, &write, "the retry buffer's byte budget is spent");
+            self.drop_write_over_budget(host, &write, "the retry buffer's byte budget is spent");
             return;
         }
         let backoff = FIRST_BACKOFF_MS
@@ -609,6 +686,17 @@ impl StoreWrites {
     }
 
     fn drop_write(&self, host: &impl Host, write: &PendingWrite, why: &str) {
+        self.settled(host, write);
+        self.give_up(host, write, why);
+    }
+
+    /// Given up for want of memory here, not because it no longer matters: a host that took
+    /// it ([`Host::hand_off_write`], its own budget) may still land it, so it is not settled.
+    fn drop_write_over_budget(&self, host: &impl Host, write: &PendingWrite, why: &str) {
+        self.give_up(host, write, why);
+    }
+
+    fn give_up(&self, host: &impl Host, write: &PendingWrite, why: &str) {
         self.report(write, SettleAnswer::Undelivered);
         write.rule.count(host, Outcome::StoreWriteDropped);
         if let Some(suppressed) = self.drops.borrow_mut().admit(host.now_ms()) {

@@ -641,3 +641,137 @@ fn a_duplicate_held_behind_a_local_claim_that_only_confirmed_with_the_store_wait
     assert_eq!(host.counter("orders", Outcome::WaitReleased), 0);
     drop((third, wait_one));
 }
+
+/// The writes handed off to the host so far, decoded: id and call.
+fn handed_off(host: &FakeHost) -> Vec<(u64, CallOp)> {
+    host.handed_off
+        .borrow()
+        .iter()
+        .map(|(id, call, _, _)| (*id, decode_call(call).unwrap().op))
+        .collect()
+}
+
+#[test]
+fn a_completion_is_handed_off_as_sent_and_settled_by_the_stores_answer() {
+    let (host, mut root, stream) = connected("fail_closed");
+    let journey = request(&host, &root, "handed");
+    let (claim_id, owner) = sent_claim(&host);
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    assert!(handed_off(&host).is_empty(), "a claim is never handed off");
+    host.effective_context.set(REQUEST);
+    respond(&host, &mut journey.borrow_mut(), 201, b"made");
+    let sent = calls(&host.take_effects());
+    let [(_, _, complete)] = &sent[..] else {
+        panic!("one completion: {sent:?}");
+    };
+    let handed = handed_off(&host);
+    let [(handoff_id, call)] = &handed[..] else {
+        panic!("one handoff: {handed:?}");
+    };
+    assert_eq!(*call, complete.op, "the same bytes the root sends");
+    let (_, _, deadline, settles_within) = host.handed_off.borrow()[0].clone();
+    assert!(deadline > host.clock_ms.get());
+    assert_eq!(
+        settles_within,
+        250 + 100,
+        "store timeout plus the first backoff"
+    );
+    assert!(host.settled_writes.borrow().is_empty());
+    answer(&host, &mut root, stream, complete.id, Reply::Recorded);
+    assert_eq!(*host.settled_writes.borrow(), vec![*handoff_id]);
+}
+
+#[test]
+fn a_completion_made_while_the_stream_is_down_is_handed_off_though_not_sent() {
+    let (host, mut root, stream) = connected("fail_open");
+    let journey = request(&host, &root, "down");
+    let (claim_id, owner) = sent_claim(&host);
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    // The store dies while the request runs upstream.
+    host.effective_context.set(ROOT);
+    root.on_grpc_close(&host, stream, 14);
+    host.take_effects();
+    host.effective_context.set(REQUEST);
+    respond(&host, &mut journey.borrow_mut(), 201, b"made");
+    assert!(
+        calls(&host.take_effects()).is_empty(),
+        "no stream: nothing sent"
+    );
+    let handed = handed_off(&host);
+    assert!(
+        matches!(&handed[..], [(_, CallOp::Complete { owner: o, .. })] if *o == owner),
+        "{handed:?}"
+    );
+    // Failed attempts do not settle it: only an answer or its deadline does.
+    for _ in 0..5 {
+        host.advance_ms(2_000);
+        host.effective_context.set(ROOT);
+        root.on_tick(&host);
+        for (s, _) in opened(&host.take_effects()) {
+            root.on_grpc_close(&host, s, 14);
+        }
+    }
+    assert!(host.settled_writes.borrow().is_empty());
+}
+
+#[test]
+fn a_completion_sent_again_without_its_body_is_handed_off_again_under_its_id() {
+    let (host, mut root, stream) = connected("fail_closed");
+    let journey = request(&host, &root, "slimmed");
+    let (claim_id, owner) = sent_claim(&host);
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    host.effective_context.set(REQUEST);
+    respond(&host, &mut journey.borrow_mut(), 201, &vec![b'y'; 100_000]);
+    let (id, _) = sent_completion(&host);
+    let too_large = Reply::Failure {
+        kind: idempotency_protocol::stream::FailureKind::BadRequest,
+        detail: "over the store's limit".into(),
+    };
+    answer(&host, &mut root, stream, id, too_large);
+    assert!(host.settled_writes.borrow().is_empty(), "it goes again");
+    wake(&host, &root);
+    let (id, lean) = sent_completion(&host);
+    let handed = handed_off(&host);
+    let [(first, _), (again, CallOp::Complete { record, .. })] = &handed[..] else {
+        panic!("handed off twice: {handed:?}");
+    };
+    assert_eq!(first, again);
+    assert_eq!(RecordedResponse::decode(record).unwrap(), lean);
+    answer(&host, &mut root, stream, id, Reply::Recorded);
+    assert_eq!(*host.settled_writes.borrow(), vec![*first]);
+}
+
+#[test]
+fn a_release_of_a_claim_whose_client_left_is_handed_off_and_settled() {
+    let (host, mut root, stream) = connected("fail_closed");
+    let journey = request(&host, &root, "left");
+    let (_, owner) = sent_claim(&host);
+    // The client hangs up while the store decides: the claim is released from the root.
+    journey.borrow_mut().on(&host, Event::StreamEnd);
+    drop(journey);
+    host.gone_contexts.borrow_mut().insert(REQUEST);
+    wake(&host, &root);
+    let sent = calls(&host.take_effects());
+    let [(_, ROOT, release)] = &sent[..] else {
+        panic!("one release: {sent:?}");
+    };
+    let handed = handed_off(&host);
+    let [(handoff_id, call)] = &handed[..] else {
+        panic!("one release handed off: {handed:?}");
+    };
+    assert!(matches!(call, CallOp::Release { owner: o, .. } if *o == owner));
+    assert_eq!(*call, release.op);
+    // Unconfirmed, so "not the owner" is asked again (the claim may be behind it): not
+    // settled yet; "released" settles it.
+    answer(&host, &mut root, stream, release.id, Reply::NotOwner);
+    assert!(host.settled_writes.borrow().is_empty());
+    host.advance_ms(300);
+    host.effective_context.set(ROOT);
+    root.on_tick(&host);
+    let again = calls(&host.take_effects());
+    let [(_, ROOT, retried)] = &again[..] else {
+        panic!("the release again: {again:?}");
+    };
+    answer(&host, &mut root, stream, retried.id, Reply::Released);
+    assert_eq!(*host.settled_writes.borrow(), vec![*handoff_id]);
+}
