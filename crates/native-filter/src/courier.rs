@@ -20,6 +20,7 @@ use idempotency_core::grpc::frame::{frame_len, PREFIX_BYTES};
 
 use crate::abi::{ConfigScheduler, ConfigStreamEvent};
 pub use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget};
+use crate::config_streams::MAX_FRAME_BYTES;
 use crate::handoff::Handoff;
 use crate::inbox::{Inbox, StreamEvent};
 use crate::ticker::Ticket;
@@ -407,6 +408,10 @@ impl Courier {
                 match frame_len(&route.partial) {
                     None => break,
                     Some(Err(())) => {
+                        malformed = true;
+                        break;
+                    }
+                    Some(Ok(len)) if len > MAX_FRAME_BYTES => {
                         malformed = true;
                         break;
                     }

@@ -16,7 +16,7 @@ use idempotency_protocol::stream::{decode_answer, decode_call, encode_call_parts
 use idempotency_protocol::stream::{FailureKind, Reply};
 
 use crate::abi::ConfigStreamEvent;
-use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget};
+use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget, MAX_FRAME_BYTES};
 use crate::ledger::{DueWrite, Ledger};
 
 /// Ledgers of retired configurations, waiting for a live one to adopt them.
@@ -241,6 +241,10 @@ fn on_data(state: &mut State, stream_id: u64, data: &[u8], now_ms: u64) {
     // Bounded: each pass takes a whole frame off the front or stops.
     loop {
         let len = match frame_len(&carrier.partial) {
+            Some(Ok(len)) if len > MAX_FRAME_BYTES => {
+                malformed = true;
+                break;
+            }
             Some(Ok(len)) if carrier.partial.len() >= len => len,
             Some(Err(())) => {
                 malformed = true;
