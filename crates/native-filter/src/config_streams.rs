@@ -68,6 +68,12 @@ impl StreamCalls for MainThreadConfig {
     }
 }
 
+/// The largest frame either store stream reassembles: the store's announced limit is taken
+/// up to 16 MiB (link.rs), and an answer carries at most one recorded response of that size
+/// plus its envelope. A length prefix over this is garbage: the stream is closed, rather than
+/// the main thread buffering whatever follows (up to 4 GiB per stream).
+pub const MAX_FRAME_BYTES: usize = 32 * 1024 * 1024;
+
 /// A message as gRPC frames it: uncompressed, 4-byte big-endian length, the bytes.
 pub fn grpc_frame(message: &[u8]) -> Vec<u8> {
     let mut frame = Vec::with_capacity(message.len() + PREFIX_BYTES);

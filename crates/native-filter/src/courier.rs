@@ -20,6 +20,7 @@ use idempotency_core::grpc::frame::{frame_len, PREFIX_BYTES};
 
 use crate::abi::{ConfigScheduler, ConfigStreamEvent};
 pub use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget};
+use crate::config_streams::MAX_FRAME_BYTES;
 use crate::handoff::Handoff;
 use crate::inbox::{Inbox, StreamEvent};
 use crate::ticker::Ticket;
@@ -410,6 +411,10 @@ impl Courier {
                         malformed = true;
                         break;
                     }
+                    Some(Ok(len)) if len > MAX_FRAME_BYTES => {
+                        malformed = true;
+                        break;
+                    }
                     Some(Ok(len)) if route.partial.len() < len => break,
                     Some(Ok(len)) => {
                         let rest = route.partial.split_off(len);
@@ -725,6 +730,35 @@ mod tests {
             vec![s2, s4],
             "what the store broke is reset"
         );
+    }
+
+    /// Review: a length prefix over any message the store may send (its announced limit is
+    /// capped at 16 MiB) is garbage: the stream closes in its root and is reset at once,
+    /// instead of the main thread buffering up to 4 GiB of whatever follows.
+    #[test]
+    fn a_frame_larger_than_any_store_message_closes_the_stream_at_once() {
+        let (courier, envoy, inbox) = (courier(), FakeEnvoy::default(), Arc::new(Inbox::default()));
+        let token = courier.open(&inbox, target()).unwrap();
+        courier.run(&envoy);
+        let mut data = vec![0u8];
+        data.extend_from_slice(&u32::MAX.to_be_bytes());
+        data.extend_from_slice(&[7u8; 1024]);
+        courier.on_stream_event(
+            101,
+            ConfigStreamEvent::Data {
+                data,
+                end_stream: false,
+            },
+        );
+        assert_eq!(
+            inbox.take_all(),
+            vec![StreamEvent::Closed {
+                token,
+                status: GRPC_INTERNAL
+            }]
+        );
+        courier.run(&envoy);
+        assert_eq!(*envoy.resets.borrow(), vec![101]);
     }
 
     #[test]

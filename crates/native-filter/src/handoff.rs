@@ -16,7 +16,7 @@ use idempotency_protocol::stream::{decode_answer, decode_call, encode_call_parts
 use idempotency_protocol::stream::{FailureKind, Reply};
 
 use crate::abi::ConfigStreamEvent;
-use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget};
+use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget, MAX_FRAME_BYTES};
 use crate::ledger::{DueWrite, Ledger};
 
 /// Ledgers of retired configurations, waiting for a live one to adopt them.
@@ -251,6 +251,10 @@ fn on_data(state: &mut State, stream_id: u64, data: &[u8], now_ms: u64) {
     // Bounded: each pass takes a whole frame off the front or stops.
     loop {
         let len = match frame_len(&carrier.partial) {
+            Some(Ok(len)) if len > MAX_FRAME_BYTES => {
+                malformed = true;
+                break;
+            }
             Some(Ok(len)) if carrier.partial.len() >= len => len,
             Some(Err(())) => {
                 malformed = true;
@@ -577,6 +581,36 @@ mod tests {
         assert_eq!(ledger.census().2, 1);
         ledger.settle(1);
         assert!(ledger.record(&other, T0).is_ok(), "room again once settled");
+    }
+
+    /// Review: a store (or whatever answers at its cluster) that announces a message larger
+    /// than any store answer must not make the main thread buffer it until the answer
+    /// deadline: Envoy's memory would grow with whatever it sends meanwhile.
+    #[test]
+    fn a_frame_larger_than_any_store_answer_resets_the_stream_at_once() {
+        let (handoff, envoy, ledger) = adopting_one_ledger();
+        ledger.record(&release(8, "o8").1, T0).unwrap();
+        handoff.sweep(&envoy, T0 + 350);
+        let (stream, _, _) = sent(&envoy)[0].clone();
+        let mut data = vec![0u8];
+        data.extend_from_slice(&u32::MAX.to_be_bytes());
+        data.extend_from_slice(&[7u8; 1024]);
+        handoff.on_stream_event(
+            stream,
+            ConfigStreamEvent::Data {
+                data,
+                end_stream: false,
+            },
+            T0 + 351,
+        );
+        // Well within the attempt's answer bound: the stream is already done with.
+        handoff.sweep(&envoy, T0 + 352);
+        assert_eq!(*envoy.resets.borrow(), vec![stream], "reset, not buffered");
+        // The attempt failed and is due again after its backoff, on a new stream.
+        handoff.sweep(&envoy, T0 + 700);
+        let calls = sent(&envoy);
+        assert_eq!(calls.len(), 2);
+        assert_ne!(calls[1].0, stream);
     }
 
     #[test]
