@@ -211,6 +211,23 @@ def cpu_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU time of each of a process's threads, by name: "main" for the thread
+    whose id is the process's (Envoy's main thread, where the native build's courier runs), the
+    others by their `comm` (Envoy's worker is `wrk:worker_0`), threads of one name added up."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name = "main" if task.name == str(pid) else text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 @dataclass
 class Durations:
     """How long each part runs (from the command line)."""
@@ -275,6 +292,8 @@ class SetupResult:
     # Measured in rounds (merge_rounds): each round's req/s and Envoy CPU µs per request.
     round_rps: list[float] = field(default_factory=list)
     round_cpu_us: list[float] = field(default_factory=list)
+    # Envoy's CPU per request by thread ("main", "wrk:worker_0", ...: thread_cpu_seconds).
+    thread_cpu_us: dict[str, float] | None = None
 
 
 # Envoy's startup advice about the overload manager, and its warning about the ABI version
@@ -519,9 +538,13 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
         others = [store.process.pid] if store else []
         if store and s.store_backend == "redis" and redis is not None:
             others.append(redis.process.pid)
+        threads0 = thread_cpu_seconds(pid)
         cpu0, others0 = cpu_seconds(pid), [cpu_seconds(p) for p in others]
         w = run_wrk(argv, durations.setup)
         cpu = cpu_seconds(pid) - cpu0
+        threads1 = thread_cpu_seconds(pid)
+        thread_cpu_us = {name: 1e6 * (t - threads0.get(name, 0.0)) / max(1, w.requests)
+                         for name, t in threads1.items()}
         coordination = sum(cpu_seconds(p) - c for p, c in zip(others, others0)) if others else None
         rss = rss_kib(pid)
         stats = filter_stats(envoy)
@@ -546,7 +569,8 @@ def run_setup(s: Setup, tmp: Path, upstream: harness.Upstream, durations: "Durat
         if s.rate and durations.rate_rps > 0 and durations.rate_seconds > 0:
             rate = run_rate(s, envoy, durations, lambda: coordination_counts(s, store, echo))
     return SetupResult(s, w, rss, rss_start, 1e6 * cpu / max(1, w.requests), stats, checks, command, rate, split,
-                       None if coordination is None else 1e6 * coordination / max(1, w.requests))
+                       None if coordination is None else 1e6 * coordination / max(1, w.requests),
+                       thread_cpu_us=thread_cpu_us)
 
 
 def merge_rounds(rounds: list[SetupResult]) -> SetupResult:
@@ -556,20 +580,39 @@ def merge_rounds(rounds: list[SetupResult]) -> SetupResult:
     first = rounds[0]
     n = len(rounds)
     ws = [r.wrk for r in rounds]
-    w = WrkResult(requests=sum(x.requests for x in ws), seconds=sum(x.seconds for x in ws),
-                  rps=median(x.rps for x in ws), p50_ms=median(x.p50_ms for x in ws),
-                  p75_ms=median(x.p75_ms for x in ws), p90_ms=median(x.p90_ms for x in ws),
-                  p99_ms=median(x.p99_ms for x in ws), non2xx=sum(x.non2xx for x in ws),
-                  socket_errors=sum(x.socket_errors for x in ws), output="\n".join(x.output for x in ws))
+    w = median_wrk(ws)
     stats: dict[str, int] = {}
     for r in rounds:
         for name, value in r.stats.items():
             stats[name] = stats.get(name, 0) + value
     checks = first.checks if n == 1 else [f"{n} rounds; round 1: " + "; ".join(first.checks)] + [
         f"round {i}: " + "; ".join(r.checks) for i, r in enumerate(rounds[1:], start=2) if r.checks != first.checks]
+    # The fixed-rate runs (setups with `rate`), their figures the rounds' median too.
+    rates = [r.rate for r in rounds if r.rate]
+    rate = None
+    if rates:
+        rate = RateResult(rates[0].target_rps, median_wrk([x.wrk for x in rates]),
+                          median(x.cpu_us_per_request for x in rates),
+                          [c for x in rates for c in x.checks], rates[0].command)
+    coordination = [r.coordination_cpu_us for r in rounds if r.coordination_cpu_us is not None]
+    threads = [r.thread_cpu_us for r in rounds if r.thread_cpu_us]
+    thread_cpu_us = ({name: median(t.get(name, 0.0) for t in threads) for name in threads[0]}
+                     if threads else None)
     return SetupResult(first.setup, w, max(r.rss_kib for r in rounds), first.rss_start_kib,
-                       median(r.cpu_us_per_request for r in rounds), stats, checks, first.command,
-                       round_rps=[x.rps for x in ws], round_cpu_us=[r.cpu_us_per_request for r in rounds])
+                       median(r.cpu_us_per_request for r in rounds), stats, checks, first.command, rate=rate,
+                       coordination_cpu_us=median(coordination) if coordination else None,
+                       round_rps=[x.rps for x in ws], round_cpu_us=[r.cpu_us_per_request for r in rounds],
+                       thread_cpu_us=thread_cpu_us)
+
+
+def median_wrk(ws: list[WrkResult]) -> WrkResult:
+    """Runs of one load as one: requests and errors added up, throughput and latencies the median."""
+    return WrkResult(requests=sum(x.requests for x in ws), seconds=sum(x.seconds for x in ws),
+                     rps=median(x.rps for x in ws), p50_ms=median(x.p50_ms for x in ws),
+                     p75_ms=median(x.p75_ms for x in ws), p90_ms=median(x.p90_ms for x in ws),
+                     p99_ms=median(x.p99_ms for x in ws), non2xx=sum(x.non2xx for x in ws),
+                     socket_errors=sum(x.socket_errors for x in ws), output="\n".join(x.output for x in ws),
+                     extra={k: max(x.extra.get(k, 0) for x in ws) for x in ws for k in x.extra})
 
 
 # The setups whose CPU is split by `perf` into the module, its host calls and Envoy's own work:

@@ -112,6 +112,8 @@ class PeerComparison:
     # This filter's rounds in the same run: cluster mode on Redis, and Envoy without a filter.
     ours: list[SetupResult]
     bare: list[SetupResult]
+    # The setup of ``ours``: (f), or (fn) on the native build (bench/run.py --peer-against).
+    against: str = "f"
 
 
 def report(add, cmp: PeerComparison | None, by: dict | None = None) -> list[tuple[str, bool | None, str]]:
@@ -119,6 +121,7 @@ def report(add, cmp: PeerComparison | None, by: dict | None = None) -> list[tupl
     whose (a), (c) and (g) say where cluster mode's added latency and CPU go."""
     add("## Beside a peer: ldclabs/idempotent-proxy")
     add("")
+    k = getattr(cmp, "against", "f") if cmp is not None else "f"
     if cmp is None or not cmp.rounds:
         add("Not measured: no peer binary (`make peer PEER_SRC=<a checkout of "
             f"github.com/ldclabs/idempotent-proxy at {PEER_COMMIT}>`, or PEER_PROXY_BIN).")
@@ -126,15 +129,15 @@ def report(add, cmp: PeerComparison | None, by: dict | None = None) -> list[tupl
         return []
     add(f"[ldclabs/idempotent-proxy]({'https://github.com/ldclabs/idempotent-proxy'}) at {PEER_COMMIT}, a Rust "
         "reverse proxy that deduplicates on Redis (SET NX, then the response stored in Redis), against this "
-        "filter in cluster mode on the Redis store (setup (f)), the same demo upstream, wrk load and body, one "
+        f"filter in cluster mode on the Redis store (setup ({k}){', the native build' if k == 'fn' else ''}), the same demo upstream, wrk load and body, one "
         "worker each, in rounds taken alternately in one run. CPU per write counts every process the "
         "deduplication needs: the peer and its Redis; Envoy, the store and its Redis. \"Added\" CPU for the "
         "filter is that less Envoy's without the filter ((a) in the same round); the peer is the proxy, so all "
         "of its CPU is what it adds. Added latency at the fixed rate: the peer over wrk straight to the "
-        "upstream, the filter over Envoy without it.")
+        "upstream, the filter over Envoy without it.".replace("(f)", f"({k})"))
     add("")
-    add("| round | peer + Redis CPU µs/write | (f) Envoy + store + Redis µs/write | (f) added over (a) | "
-        "peer p50 / p99 added, ms | (f) p50 / p99 added, ms |")
+    add(f"| round | peer + Redis CPU µs/write | ({k}) Envoy + store + Redis µs/write | ({k}) added over (a) | "
+        f"peer p50 / p99 added, ms | ({k}) p50 / p99 added, ms |")
     add("| --- | ---: | ---: | ---: | ---: | ---: |")
     ratios_cpu, ratios_p50 = [], []
     for i, (p, f, a) in enumerate(zip(cmp.rounds, cmp.ours, cmp.bare), start=1):
@@ -160,16 +163,17 @@ def report(add, cmp: PeerComparison | None, by: dict | None = None) -> list[tupl
         add("")
     targets = []
     worst_cpu = max(ratios_cpu)
-    targets.append(("cluster on Redis adds no more CPU per write than the peer", worst_cpu <= 1.0,
+    what = "native cluster" if k == "fn" else "cluster"
+    targets.append((f"({k}) {what} on Redis adds no more CPU per write than the peer", worst_cpu <= 1.0,
                     f"{worst_cpu:.2f}× the peer's at worst over {len(ratios_cpu)} rounds"))
     if ratios_p50:
         worst = max(ratios_p50)
-        targets.append(("cluster on Redis adds no more p50 than the peer at the fixed rate", worst <= 1.0,
+        targets.append((f"({k}) {what} on Redis adds no more p50 than the peer at the fixed rate", worst <= 1.0,
                         f"{worst:.2f}× the peer's at worst over {len(ratios_p50)} rounds"))
     for name, ok, detail in targets:
         add(f"- {'met' if ok else 'MISSED'}: {name}: {detail}.")
     add("")
-    why = where_it_goes(cmp, by or {})
+    why = where_it_goes(cmp, by or {}) if k == "f" else ""
     if why:
         add(why)
         add("")

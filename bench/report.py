@@ -733,6 +733,127 @@ def add_native_section(add, by: dict[str, SetupResult], mem: MemoryResult | None
             add("")
 
 
+# Native cluster mode's rows, in the order they are shown: Envoy without a filter, the native
+# single-proxy row (en) is held to, and each Wasm cluster row before its native one.
+NATIVE_CLUSTER_ORDER = ("a", "cn", "e", "en", "f", "fn")
+
+
+def _worker_thread(threads: dict[str, float]) -> str | None:
+    return next((name for name in threads if name.startswith("wrk:worker")), None)
+
+
+def native_cluster_targets(run: dict | None) -> list[tuple[str, bool | None, str]]:
+    """(en) against (cn), and what the main thread carries, from a run of their own
+    (bench/run.py --native-cluster-into); the peer's targets when it ran beside (fn)."""
+    if not run:
+        return []
+    by = {r.setup.key: r for r in run["results"]}
+    targets: list[tuple[str, bool | None, str]] = []
+    if "en" in by and "cn" in by:
+        x, y = by["en"], by["cn"]
+        behind = x.coordination_cpu_us or 0.0
+        targets.append(("(en) native cluster, embedded store ≥ 0.8× (cn), native single-proxy",
+                        x.wrk.rps >= 0.8 * y.wrk.rps,
+                        f"{x.wrk.rps / y.wrk.rps:.2f}× ({x.wrk.rps:,.0f} vs {y.wrk.rps:,.0f} req/s); Envoy "
+                        f"{x.cpu_us_per_request:.0f} vs {y.cpu_us_per_request:.0f} µs/req and the store "
+                        f"{behind:.0f} µs/req more, {(x.cpu_us_per_request + behind) / y.cpu_us_per_request:.2f}× "
+                        f"(cn)'s CPU per request on a machine whose two cores Envoy, the store, the upstream and "
+                        f"wrk share"))
+    for native, wasm in (("en", "e"), ("fn", "f")):
+        if native in by and wasm in by:
+            x, w = by[native], by[wasm]
+            main = (x.thread_cpu_us or {}).get("main")
+            hops = (f"; Envoy's main thread (the courier) {main:.1f} µs/req of it" if main is not None else "")
+            targets.append((f"({native}) native vs ({wasm}) Wasm cluster mode, Envoy's CPU per request", None,
+                            f"{x.cpu_us_per_request:.0f} vs {w.cpu_us_per_request:.0f} µs/req "
+                            f"({x.cpu_us_per_request / w.cpu_us_per_request:.2f}×), {x.wrk.rps:,.0f} vs "
+                            f"{w.wrk.rps:,.0f} req/s{hops}"))
+    cmp = run.get("peer_cmp")
+    if cmp is not None and getattr(cmp, "against", "f") == "fn":
+        targets.extend(peer.report(lambda _line: None, cmp))
+    return targets
+
+
+def add_native_cluster_section(add, run: dict | None) -> None:
+    """Native cluster mode beside the Wasm build's, from a run of their own."""
+    if not run:
+        return
+    by = {r.setup.key: r for r in run["results"]}
+    if "en" not in by and "fn" not in by:
+        return
+    add("## Native cluster mode")
+    add("")
+    add("The native build in cluster mode ((en) on the embedded store, (fn) on Redis), each measured right after "
+        "its Wasm row ((e), (f)) in the same configuration with the Wasm http filter turned into the dynamic "
+        "module, every request a new key. On the native build the store's gRPC stream is carried by a courier "
+        "on Envoy's main thread over Envoy's config-level HTTP streams ([how it works](how-it-works.md), \"The "
+        "native build: who runs where\"): a round trip crosses two thread hops, worker → main → worker, and "
+        "the main thread carries every store message. Envoy's CPU is split by thread from "
+        "`/proc/<pid>/task/*/stat`: its main thread, its one worker (`wrk:worker_0`), and the rest (Envoy's "
+        "own helper threads and the module's ticker).")
+    add("")
+    add(f"These rows come from a run of their own ({run['date']}, load average {run.get('load', '?')}: "
+        f"`{run['command']}`): the setups in {run['rounds']} rounds, the order reversed every other round, each "
+        "figure the rounds' median (at the fixed rate too); the rest of the page is the full run's.")
+    add("")
+    add("| setup | req/s | × (cn) | p50 / p99 ms | Envoy µs/req | main thread | worker | other threads | "
+        "store (+ Redis) µs/req | at 1,000 req/s: p50 / p99 added over (a), ms |")
+    add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    cn, a = by.get("cn"), by.get("a")
+    for key in NATIVE_CLUSTER_ORDER:
+        r = by.get(key)
+        if r is None:
+            continue
+        threads = r.thread_cpu_us or {}
+        worker = _worker_thread(threads)
+        main = threads.get("main")
+        w_cpu = threads.get(worker) if worker else None
+        other = (r.cpu_us_per_request - (main or 0.0) - (w_cpu or 0.0)) if threads else None
+        fmt = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
+        added = "–"
+        if r.rate and a is not None and a.rate and key != "a":
+            added = f"{r.rate.wrk.p50_ms - a.rate.wrk.p50_ms:+.2f} / {r.rate.wrk.p99_ms - a.rate.wrk.p99_ms:+.2f}"
+        elif r.rate and key == "a":
+            added = f"({r.rate.wrk.p50_ms:.2f} / {r.rate.wrk.p99_ms:.2f} itself)"
+        behind = "–" if r.coordination_cpu_us is None else f"{r.coordination_cpu_us:.0f}"
+        add(f"| ({key}) {r.setup.title} | {r.wrk.rps:,.0f} | {ratio(r.wrk.rps, cn.wrk.rps) if cn else '–'} | "
+            f"{r.wrk.p50_ms:.2f} / {r.wrk.p99_ms:.2f} | {r.cpu_us_per_request:.0f} | {fmt(main)} | {fmt(w_cpu)} | "
+            f"{fmt(other)} | {behind} | {added} |")
+    add("")
+    notes = []
+    for native, wasm in (("en", "e"), ("fn", "f")):
+        x, w = by.get(native), by.get(wasm)
+        if not (x and w and x.thread_cpu_us and w.thread_cpu_us):
+            continue
+        xm, wm = x.thread_cpu_us.get("main", 0.0), w.thread_cpu_us.get("main", 0.0)
+        xw, ww = (x.thread_cpu_us.get(_worker_thread(x.thread_cpu_us) or "", 0.0),
+                  w.thread_cpu_us.get(_worker_thread(w.thread_cpu_us) or "", 0.0))
+        busy = xm * x.wrk.rps / 1e4  # µs/req × req/s = µs/s; / 1e4 = % of one core
+        notes.append(f"({native}) spends {x.cpu_us_per_request:.0f} µs of Envoy's CPU per request against "
+                     f"({wasm})'s {w.cpu_us_per_request:.0f} ({x.cpu_us_per_request - w.cpu_us_per_request:+.0f}): "
+                     f"its worker {xw:.0f} against {ww:.0f}, its main thread {xm:.1f} against {wm:.1f} "
+                     f"(the courier's share: the main thread busy {busy:.0f} % of a core at {x.wrk.rps:,.0f} req/s)")
+    if cn and "en" in by:
+        x = by["en"]
+        behind = x.coordination_cpu_us or 0.0
+        notes.append(f"(en) against (cn): Envoy {x.cpu_us_per_request - cn.cpu_us_per_request:+.0f} µs/req "
+                     f"(main thread {(x.thread_cpu_us or {}).get('main', 0.0) - (cn.thread_cpu_us or {}).get('main', 0.0):+.1f}), "
+                     f"the store {behind:.0f} µs/req beside it; the two cores that serve (cn)'s "
+                     f"{cn.cpu_us_per_request:.0f} µs/req of Envoy serve {x.cpu_us_per_request + behind:.0f} µs/req "
+                     f"of Envoy and store in (en), before the upstream and wrk")
+    if notes:
+        add("; ".join(notes) + ".")
+        add("")
+    cmp = run.get("peer_cmp")
+    if cmp is not None and getattr(cmp, "against", "f") == "fn":
+        lines: list[str] = []
+        peer.report(lines.append, cmp)
+        if lines and lines[0].startswith("## "):
+            lines[0] = "### Native cluster mode on Redis beside the peer"
+        for line in lines:
+            add(line)
+
+
 def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durations",
                results: list[SetupResult], mem: MemoryResult | None, stores: list[StoreResult],
                rb: RedisBench | None, scale: ClusterScale | None, wasm_size: int, noop_size: int,
@@ -743,7 +864,8 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                grpc_results: "list[grpc_rows.GrpcRow] | None" = None,
                sweep_result: "sweep.SweepResult | None" = None,
                mem_native: MemoryResult | None = None,
-               native_run: dict | None = None) -> list[tuple[str, bool | None, str]]:
+               native_run: dict | None = None,
+               native_cluster_run: dict | None = None) -> list[tuple[str, bool | None, str]]:
     by = {r.setup.key: r for r in results}
     # The native section's rows from a run of their own (bench/run.py --native-into), if any.
     by_native = {r.setup.key: r for r in native_run["results"]} if native_run else by
@@ -849,6 +971,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     targets.extend(memory_targets(mem))
     targets.extend(memory_targets(mem_native))
     targets.extend(native_targets(by_native))
+    targets.extend(native_cluster_targets(native_cluster_run))
     targets.extend(unprotected_targets(by))
     targets.extend(sweep_targets)
     targets.extend(grpc_targets)
@@ -1015,6 +1138,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     if rated and rate_a:
         add_rate_section(add, rated, rate_a, durations)
     add_native_section(add, by_native, mem, mem_native, native_run)
+    add_native_cluster_section(add, native_cluster_run)
     add_unprotected_section(add, by, durations, calls)
     L.extend(sweep_lines)
     L.extend(grpc_lines)

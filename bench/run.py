@@ -17,7 +17,10 @@ envoy/envoy.yaml and driven by the same wrk command:
       module, over the native build's bindings) on cn's and dn's route, new keys and replays:
       what a native filter cannot go below; each right after its native row
   e   this filter, cluster mode, store on its embedded database
+  en  e on the native build (its store stream carried by the main thread's courier over
+      Envoy's config-level HTTP streams: two thread hops a round trip), held to 0.8x (cn)
   f   this filter, cluster mode, store on Redis
+  fn  f on the native build; beside the peer with --peer-against fn
   g   the coordination floor: the no-op filter of b, which then sends one message per
       request on a gRPC stream its root context keeps open (the kind cluster mode uses) to
       an instant server (`demo-upstream --grpc-echo`) and resumes on the answer
@@ -125,7 +128,7 @@ import grpc_rows
 import sweep
 from sweep import run_sweep
 from grpc_rows import run_grpc_rows
-from report import (UNPROTECTED_KEYS, add_native_section, add_unprotected_section, machine, memory_targets,
+from report import (UNPROTECTED_KEYS, add_native_cluster_section, add_native_section, native_cluster_targets, add_unprotected_section, machine, memory_targets,
                     native_targets, unprotected_targets, write_chart, write_page)
 from setups import FILTER_WASM, FLOOR_WASM, NATIVE_FLOOR, NATIVE_MODULE, NOOP_WASM, PRODUCT, REPO, harness, setups
 
@@ -148,7 +151,7 @@ def main() -> int:
     p.add_argument("--profile-seconds", type=float, default=6,
                    help="seconds of perf sampling per profiled setup, after its measured run (0: none)")
     p.add_argument("--only", default="",
-                   help="comma-separated subset of a,b0,b,c,d,cn,cnf,dn,dnf,e,f,g,h,i,j,k,ad,l,m,ln,lnf,mn,mnf,n,o,p,q,r,s,t,u,v,w,"
+                   help="comma-separated subset of a,b0,b,c,d,cn,cnf,dn,dnf,e,en,f,fn,g,h,i,j,k,ad,l,m,ln,lnf,mn,mnf,n,o,p,q,r,s,t,u,v,w,"
                         "instructions,memory,memory-native,store,cluster,peer,grpc,sweep (development; writes no page)")
     p.add_argument("--unprotected-rounds", type=int, default=3,
                    help="rounds of the unprotected setups (p to w), in alternating order")
@@ -160,6 +163,12 @@ def main() -> int:
     p.add_argument("--native-into", metavar="PICKLE", default="",
                    help="with --only: this run's native-section rows (a, cn, cnf, dn, dnf, ad, ln, lnf, mn, mnf) "
                         "replace those of the full run kept in PICKLE, and the page is rewritten from it")
+    p.add_argument("--native-cluster-into", metavar="PICKLE", default="",
+                   help="with --only: this run's rows (native cluster mode beside the Wasm one: en, fn, e, f, "
+                        "cn, a, and the peer's rounds) kept in PICKLE as a run of their own, and the page "
+                        "rewritten from it")
+    p.add_argument("--peer-against", default="f", choices=("f", "fn"),
+                   help="the setup the peer comparison measures beside the peer (f: Wasm, fn: native)")
     p.add_argument("--keep-logs", action="store_true", help="keep the temporary directory of logs and configs")
     p.add_argument("--abba", metavar="BASELINE_WASM", default="",
                    help="instead: each setup of --only (default c,l,m) with this module (A) and the built "
@@ -181,8 +190,11 @@ def main() -> int:
     # The harness would take a newer debug build if there is one; a benchmark wants release.
     os.environ.setdefault("DEMO_UPSTREAM_BIN", str(REPO / "target" / "release" / "demo-upstream"))
     os.environ.setdefault("IDEMPOTENCY_STORE_BIN", str(REPO / "target" / "release" / "idempotency-store"))
-    for needed in (FILTER_WASM, NOOP_WASM, FLOOR_WASM, NATIVE_MODULE, NATIVE_FLOOR, Path(os.environ["DEMO_UPSTREAM_BIN"]),
-                   Path(os.environ["IDEMPOTENCY_STORE_BIN"])):
+    chosen_keys = set(args.only.split(",")) - {""}
+    # The native job floor only where a chosen setup runs it.
+    floor_needed = not chosen_keys or any(s.native_floor for s in setups() if s.key in chosen_keys)
+    for needed in (FILTER_WASM, NOOP_WASM, FLOOR_WASM, NATIVE_MODULE, *([NATIVE_FLOOR] if floor_needed else []),
+                   Path(os.environ["DEMO_UPSTREAM_BIN"]), Path(os.environ["IDEMPOTENCY_STORE_BIN"])):
         if not needed.is_file():
             raise SystemExit(f"{needed} missing: run `make bench` (it builds it)")
     for tool in ("wrk", "redis-server", "redis-benchmark"):
@@ -252,7 +264,8 @@ def main() -> int:
             if not only or "grpc" in only:
                 grpc_results = run_grpc_rows(tmp / "grpc", durations)
             if (not only or "peer" in only) and args.peer_rounds > 0:
-                peer_cmp = run_peer_comparison(tmp / "peer", upstream, redis, durations, args.peer_rounds)
+                peer_cmp = run_peer_comparison(tmp / "peer", upstream, redis, durations, args.peer_rounds,
+                                               args.peer_against)
     except BenchFailure as err:
         print(f"\nBENCH FAILED: {err}\n(logs in {tmp})", file=sys.stderr, flush=True)
         return 1
@@ -279,11 +292,23 @@ def main() -> int:
                 log(f"  {'met   ' if ok else 'MISSED'} {name}: {detail}")
         native_lines: list[str] = []
         add_native_section(native_lines.append, by_key, mem, mem_native)
+        cluster_run = dict(results=results, peer_cmp=peer_cmp, date=info.get("date", ""), rounds=args.rounds,
+                           load=info.get("load", ""), command=partial_command(args))
+        add_native_cluster_section(native_lines.append, cluster_run)
         if native_lines:
             print("\n".join(native_lines))
         # Whichever targets this subset has what they need for.
-        for name, ok, detail in [*native_targets(by_key), *memory_targets(mem), *memory_targets(mem_native)]:
+        for name, ok, detail in [*native_targets(by_key), *native_cluster_targets(cluster_run),
+                                 *memory_targets(mem), *memory_targets(mem_native)]:
             log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
+        if args.native_cluster_into:
+            kept = Path(args.native_cluster_into)
+            measured = pickle.loads(kept.read_bytes())
+            measured["native_cluster_run"] = cluster_run
+            kept.write_bytes(pickle.dumps(measured))
+            log(f"the native cluster section's measurements kept in {kept}")
+            write_results_page(Path(args.out), measured)
+            return 0
         if args.native_into:
             keep_native_rows(Path(args.native_into), results, info, args)
             write_results_page(Path(args.out), pickle.loads(Path(args.native_into).read_bytes()))
@@ -316,10 +341,22 @@ def write_results_page(out: Path, measured: dict) -> None:
                          measured["wasm_size"], measured["noop_size"], measured["elapsed"],
                          measured["envoy_cmd"], measured["instructions"], measured["peer_cmp"],
                          measured["disk"], measured["grpc_results"], measured["sweep_result"],
-                         measured.get("mem_native"), measured.get("native_run"))
+                         measured.get("mem_native"), measured.get("native_run"),
+                         measured.get("native_cluster_run"))
     log(f"wrote {out} and {chart}")
     for name, ok, detail in targets:
         log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
+
+
+def partial_command(args: argparse.Namespace) -> str:
+    """The command line of a partial run, as the page quotes it."""
+    extra = "".join(f" --{name.replace('_', '-')} {getattr(args, name):g}" for name in ("duration", "warmup")
+                    if getattr(args, name) != {"duration": 20, "warmup": 5}[name])
+    if args.peer_against != "f":
+        extra += f" --peer-against {args.peer_against}"
+    if args.peer_rounds != 2:
+        extra += f" --peer-rounds {args.peer_rounds}"
+    return f"bench/run.py --only {args.only} --rounds {args.rounds}{extra}"
 
 
 def keep_native_rows(kept: Path, results: list[SetupResult], info: dict, args: argparse.Namespace) -> None:
@@ -353,19 +390,20 @@ def run_in_rounds(chosen: list, tmp: Path, upstream: harness.Upstream, durations
 
 
 def run_peer_comparison(tmp: Path, upstream: harness.Upstream, redis: harness.Redis, durations: Durations,
-                        rounds: int) -> "peer.PeerComparison | None":
-    """Rounds of the peer against (f) and (a), in alternating order (so a drift of the machine's
-    speed weighs on both alike); None without the peer's binary."""
+                        rounds: int, against: str = "f") -> "peer.PeerComparison | None":
+    """Rounds of the peer against ``against`` ((f), or the native build's (fn)) and (a), in
+    alternating order (so a drift of the machine's speed weighs on both alike); None without
+    the peer's binary."""
     if peer.peer_binary() is None:
         log("peer comparison skipped: no peer binary (make peer PEER_SRC=..., or PEER_PROXY_BIN)")
         return None
-    log("peer comparison: ldclabs/idempotent-proxy against (f) and (a)")
+    log(f"peer comparison: ldclabs/idempotent-proxy against ({against}) and (a)")
     by_key = {s.key: s for s in setups()}
-    cmp = peer.PeerComparison([], [], [])
+    cmp = peer.PeerComparison([], [], [], against=against)
     for n in range(1, rounds + 1):
         def ours() -> None:
             cmp.bare.append(run_setup(by_key["a"], tmp / f"a-{n}", upstream, durations, redis))
-            cmp.ours.append(run_setup(by_key["f"], tmp / f"f-{n}", upstream, durations, redis))
+            cmp.ours.append(run_setup(by_key[against], tmp / f"{against}-{n}", upstream, durations, redis))
 
         def theirs() -> None:
             cmp.rounds.append(peer.run_peer_round(tmp / f"peer-{n}", upstream, durations, n))

@@ -409,8 +409,14 @@ def protected_setups(single: dict, cluster: dict, cluster_http: dict, replays: d
               native_floor=True, short="native job floor\nreplays"),
         Setup("e", "idempotency, cluster, embedded store", wasm=FILTER_WASM, plugin=cluster,
               store_backend="embedded", short="cluster\nembedded store", rate=True),
+        # Native cluster mode (its store stream carried by the main thread's courier: two thread
+        # hops a round trip), each right after its Wasm row.
+        Setup("en", "idempotency, native, cluster, embedded store", build="native", plugin=for_native(cluster),
+              store_backend="embedded", short="native cluster\nembedded store", rate=True),
         Setup("f", "idempotency, cluster, Redis store", wasm=FILTER_WASM, plugin=cluster, store_backend="redis",
               short="cluster\nRedis store", rate=True),
+        Setup("fn", "idempotency, native, cluster, Redis store", build="native", plugin=for_native(cluster),
+              store_backend="redis", short="native cluster\nRedis store", rate=True),
         Setup("g", "no-op Wasm filter, one stream message per request (the coordination floor)", wasm=NOOP_WASM,
               plugin={"stream_cluster": STORE_CLUSTER}, echo=True, short="no-op Wasm\nstream round trip",
               rate=True),
