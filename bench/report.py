@@ -651,8 +651,9 @@ def add_native_section(add, by: dict[str, SetupResult], mem: MemoryResult | None
         "filter replaced by `envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter` (module "
         "`idempotency_native`, found through `ENVOY_DYNAMIC_MODULES_SEARCH_PATH=target/native`) and the same "
         "JSON configuration (`to_native` in tests/e2e/harness.py), measured right after it in the same run. "
-        "Single-proxy mode only: the native build refuses cluster mode, detached writes, `resolve` and gRPC "
-        "rules at load for now, so its configuration drops the payments rule's `resolve` (the measured "
+        "Single-proxy mode only: the native build refused cluster mode when these rows were measured (it has it "
+        "since, over the store's stream: see \"Native cluster mode\" below; detached writes and `resolve` it still "
+        "refuses at load, and no gRPC row measures it yet), so its configuration drops the payments rule's `resolve` (the measured "
         "requests are the orders rule's, which has none). (ad) is Envoy without this filter on the `direct_response` route (with "
         "Envoy's buffer filter, so that it answers once the body is in, as the filter does), what (ln) and "
         "(mn) are held to as (cn) and (dn) are to (a).")
@@ -774,8 +775,9 @@ def native_cluster_targets(run: dict | None) -> list[tuple[str, bool | None, str
     return targets
 
 
-def add_native_cluster_section(add, run: dict | None) -> None:
-    """Native cluster mode beside the Wasm build's, from a run of their own."""
+def add_native_cluster_section(add, run: dict | None, full: dict[str, SetupResult] | None = None) -> None:
+    """Native cluster mode beside the Wasm build's, from a run of their own; ``full``: the full
+    run's setups, whose (b) and (g) put a number on one stream round trip."""
     if not run:
         return
     by = {r.setup.key: r for r in run["results"]}
@@ -790,12 +792,14 @@ def add_native_cluster_section(add, run: dict | None) -> None:
         "native build: who runs where\"): a round trip crosses two thread hops, worker → main → worker, and "
         "the main thread carries every store message. Envoy's CPU is split by thread from "
         "`/proc/<pid>/task/*/stat`: its main thread, its one worker (`wrk:worker_0`), and the rest (Envoy's "
-        "own helper threads and the module's ticker).")
+        "own helper threads and the module's ticker); each is its own median over the rounds, so with the total's "
+        "they need not add up exactly.")
     add("")
-    add(f"These rows come from a run of their own ({run['date']}, load average {run.get('load', '?')}: "
-        f"`{run['command']}`): the setups in {run['rounds']} rounds, the order reversed every other round, each "
-        "figure the rounds' median (at the fixed rate too); the rest of the page is the full run's.")
-    add("")
+    if run.get("own", True):
+        add(f"These rows come from a run of their own ({run['date']}, load average {run.get('load', '?')}: "
+            f"`{run['command']}`): the setups in {run['rounds']} rounds, the order reversed every other round, "
+            "each figure the rounds' median (at the fixed rate too); the rest of the page is the full run's.")
+        add("")
     add("| setup | req/s | × (cn) | p50 / p99 ms | Envoy µs/req | main thread | worker | other threads | "
         "store (+ Redis) µs/req | at 1,000 req/s: p50 / p99 added over (a), ms |")
     add("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -852,6 +856,25 @@ def add_native_cluster_section(add, run: dict | None) -> None:
             lines[0] = "### Native cluster mode on Redis beside the peer"
         for line in lines:
             add(line)
+        why = []
+        mains = [(r.thread_cpu_us or {}).get("main") for r in cmp.ours]
+        if all(m is not None for m in mains):
+            parts = []
+            for f, bare, p, m in zip(cmp.ours, cmp.bare, cmp.rounds, mains):
+                added = f.cpu_us_per_request + (f.coordination_cpu_us or 0.0) - bare.cpu_us_per_request
+                parts.append(f"{m:.0f} µs of (fn)'s {added:+.0f} (without it {added - m:+.0f} against the peer's "
+                             f"{p.cpu_us:.0f})")
+            why.append("Envoy's main thread, the courier carrying the store stream, spent per write "
+                       + "; ".join(parts) + " in the rounds above")
+        b, g = (full or {}).get("b"), (full or {}).get("g")
+        if b and g and b.rate and g.rate:
+            why.append(f"one stream message to an instant store, from a worker with no thread hop, adds "
+                       f"{g.rate.wrk.p50_ms - b.rate.wrk.p50_ms:+.2f} ms of p50 at the fixed rate on its own ((g) "
+                       f"over (b), the full run): that floor is about the peer's whole added p50, before the "
+                       f"store and Redis work and before the courier's two thread hops")
+        if why:
+            add("Where the misses come from: " + "; ".join(why) + ".")
+            add("")
 
 
 def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durations",
@@ -865,8 +888,14 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
                sweep_result: "sweep.SweepResult | None" = None,
                mem_native: MemoryResult | None = None,
                native_run: dict | None = None,
-               native_cluster_run: dict | None = None) -> list[tuple[str, bool | None, str]]:
+               native_cluster_run: dict | None = None,
+               native_peer_cmp: "peer.PeerComparison | None" = None) -> list[tuple[str, bool | None, str]]:
     by = {r.setup.key: r for r in results}
+    # Native cluster mode's rows: from a run of their own (bench/run.py --native-cluster-into), or
+    # else this run's (en) and (fn), if it has them.
+    if native_cluster_run is None and any(k in by for k in ("en", "fn")):
+        native_cluster_run = dict(results=results, peer_cmp=native_peer_cmp, date=info.get("date", ""), rounds=1,
+                                  load=info.get("load", ""), command="make bench", own=False)
     # The native section's rows from a run of their own (bench/run.py --native-into), if any.
     by_native = {r.setup.key: r for r in native_run["results"]} if native_run else by
     sweep_lines: list[str] = []
@@ -1138,7 +1167,7 @@ def write_page(path: Path, chart: Path, info: dict[str, str], durations: "Durati
     if rated and rate_a:
         add_rate_section(add, rated, rate_a, durations)
     add_native_section(add, by_native, mem, mem_native, native_run)
-    add_native_cluster_section(add, native_cluster_run)
+    add_native_cluster_section(add, native_cluster_run, by)
     add_unprotected_section(add, by, durations, calls)
     L.extend(sweep_lines)
     L.extend(grpc_lines)

@@ -20,7 +20,8 @@ envoy/envoy.yaml and driven by the same wrk command:
   en  e on the native build (its store stream carried by the main thread's courier over
       Envoy's config-level HTTP streams: two thread hops a round trip), held to 0.8x (cn)
   f   this filter, cluster mode, store on Redis
-  fn  f on the native build; beside the peer with --peer-against fn
+  fn  f on the native build; beside the peer too (a full run compares the peer with (f), then
+      with (fn), each in --peer-rounds rounds; --only ...,peer --peer-against fn the latter)
   g   the coordination floor: the no-op filter of b, which then sends one message per
       request on a gRPC stream its root context keeps open (the kind cluster mode uses) to
       an instant server (`demo-upstream --grpc-echo`) and resumes on the answer
@@ -223,6 +224,7 @@ def main() -> int:
     rb = None
     scale = None
     peer_cmp = None
+    native_peer_cmp = None
     grpc_results: list = []
     sweep_result = None
     # What one durable commit costs the disk the embedded store writes to (its latency floor).
@@ -266,6 +268,10 @@ def main() -> int:
             if (not only or "peer" in only) and args.peer_rounds > 0:
                 peer_cmp = run_peer_comparison(tmp / "peer", upstream, redis, durations, args.peer_rounds,
                                                args.peer_against)
+                if not only:
+                    # The native build beside the peer as well (issue 48): its own rounds, after (f)'s.
+                    native_peer_cmp = run_peer_comparison(tmp / "peer-native", upstream, redis, durations,
+                                                          args.peer_rounds, "fn")
     except BenchFailure as err:
         print(f"\nBENCH FAILED: {err}\n(logs in {tmp})", file=sys.stderr, flush=True)
         return 1
@@ -319,6 +325,7 @@ def main() -> int:
                     stores=stores, rb=rb,
                     scale=scale, wasm_size=FILTER_WASM.stat().st_size, noop_size=NOOP_WASM.stat().st_size,
                     elapsed=elapsed, envoy_cmd=envoy_cmd, instructions=instructions, peer_cmp=peer_cmp,
+                    native_peer_cmp=native_peer_cmp,
                     disk=disk, grpc_results=grpc_results, sweep_result=sweep_result)
     # Kept first, so that a fault in writing the page costs a rerun of the page, not of the run.
     try:
@@ -342,7 +349,7 @@ def write_results_page(out: Path, measured: dict) -> None:
                          measured["envoy_cmd"], measured["instructions"], measured["peer_cmp"],
                          measured["disk"], measured["grpc_results"], measured["sweep_result"],
                          measured.get("mem_native"), measured.get("native_run"),
-                         measured.get("native_cluster_run"))
+                         measured.get("native_cluster_run"), measured.get("native_peer_cmp"))
     log(f"wrote {out} and {chart}")
     for name, ok, detail in targets:
         log(f"  {'report' if ok is None else 'met   ' if ok else 'MISSED'} {name}: {detail}")
