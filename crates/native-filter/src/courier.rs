@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use idempotency_core::grpc::frame::{frame_len, PREFIX_BYTES};
 
 use crate::abi::{ConfigScheduler, ConfigStreamEvent};
-pub use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget};
 use crate::config_streams::MAX_FRAME_BYTES;
+pub use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget};
 use crate::handoff::Handoff;
 use crate::inbox::{Inbox, StreamEvent};
 use crate::ticker::Ticket;
