@@ -244,9 +244,10 @@ peer:
 # Redis, an Envoy and the upstream fail in turn; then every key is audited against the
 # upstream's executions (tests/soak/soak.py). Ends within SOAK_SECONDS + 90 s; not part of
 # `make test`. SOAK_ARGS passes more options, e.g. SOAK_ARGS="--seed 7 --run-dir /tmp/soak".
+# NATIVE=1 soaks the native build (the dynamic module) instead of the Wasm one.
 SOAK_SECONDS ?= 300
-soak: build venv
-	$(PYTHON) tests/soak/soak.py --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
+soak: build venv $(if $(NATIVE),native)
+	$(if $(NATIVE),IDEMPOTENCY_BUILD=native )$(PYTHON) tests/soak/soak.py --seconds $(SOAK_SECONDS) $(SOAK_ARGS)
 
 # Each cargo-fuzz target of fuzz/ for FUZZ_SECONDS (about four minutes in all, plus the first
 # build); new corpus inputs land in fuzz/corpus/, crashes in fuzz/artifacts/. `make test`

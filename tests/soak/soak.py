@@ -211,6 +211,7 @@ def build_tally(args, run_dir: Path, ledger: Ledger, faults: FaultLog, audit: Au
     executions_per_key = collections.Counter(min(v.executions, 3) for v in valid)
     return {
         "run": {"seconds": args.seconds, "seed": args.seed, "workers": args.workers,
+                "build": harness.FILTER_BUILD,
                 "run_dir": str(run_dir), "wall_seconds": round(wall_seconds, 1)},
         "requests_by_kind": dict(collections.Counter(a.kind for a in attempts).most_common()),
         "requests": len(attempts),
@@ -260,6 +261,7 @@ def print_tally(tally: dict, audit: Audit, limit: int = 12) -> None:
     run = tally["run"]
     line("traffic seconds / wall seconds", f"{run['seconds']:.0f} / {run['wall_seconds']}")
     line("seed, run directory", f"{run['seed']}, {run['run_dir']}")
+    line("filter build", run["build"])
     line("requests", tally["requests"])
     for kind, n in tally["requests_by_kind"].items():
         line(f"  {kind}", n)
