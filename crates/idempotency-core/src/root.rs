@@ -58,6 +58,18 @@ impl PluginRoot {
 
     /// False makes Envoy refuse the configuration.
     pub fn on_configure(&mut self, host: &impl Host) -> bool {
+        self.configure_with(host, true)
+    }
+
+    /// Checks the configuration as `on_configure` takes it (its metrics defined, a bad one
+    /// refused and logged) without opening its store streams: for a host that checks it once
+    /// where no stream can be opened, and builds the roots that serve it elsewhere (the
+    /// native build, on Envoy's main thread).
+    pub fn check_configuration(&mut self, host: &impl Host) -> bool {
+        self.configure_with(host, false)
+    }
+
+    fn configure_with(&mut self, host: &impl Host, open_streams: bool) -> bool {
         self.role = None;
         let configured = configure(host).map(|(plugin, role)| {
             self.role = Some(role);
@@ -81,7 +93,9 @@ impl PluginRoot {
                 plugin.root_context.set(self.context_id);
                 self.first_tick_pending = !plugin.links.is_empty();
                 // Opened now if the worker's clusters exist yet, else on the first tick.
-                self.open_streams(host, &plugin);
+                if open_streams {
+                    self.open_streams(host, &plugin);
+                }
                 self.plugin = Some(Rc::new(plugin));
                 true
             }

@@ -69,8 +69,10 @@ impl Configuration {
             tick_ms: &tick_ms,
             streams: None,
         };
+        // Checked only: a store stream is a worker root's (opening one here only logged a
+        // warning at every load).
         let mut trial = PluginRoot::new(0);
-        let accepted = trial.on_configure(&host);
+        let accepted = trial.check_configuration(&host);
         shared.metrics.freeze();
         if !accepted {
             return Err("the configuration was refused (the log line before says why)".into());

@@ -775,3 +775,17 @@ fn a_release_of_a_claim_whose_client_left_is_handed_off_and_settled() {
     answer(&host, &mut root, stream, retried.id, Reply::Released);
     assert_eq!(*host.settled_writes.borrow(), vec![*handoff_id]);
 }
+
+#[test]
+fn a_checked_configuration_opens_no_store_stream_and_a_configured_one_does() {
+    let host = FakeHost::default();
+    *host.configuration.borrow_mut() = config("fail_closed").into_bytes();
+    host.effective_context.set(ROOT);
+    assert!(PluginRoot::new(ROOT).check_configuration(&host));
+    assert!(opened(&host.take_effects()).is_empty());
+    assert!(PluginRoot::new(ROOT).on_configure(&host));
+    assert_eq!(opened(&host.take_effects()).len(), 1);
+    // A bad configuration is refused all the same.
+    *host.configuration.borrow_mut() = br#"{"rules":[{"name":"orders","match":{"path_prefixes":["orders"]}}]}"#.to_vec();
+    assert!(!PluginRoot::new(ROOT).check_configuration(&host));
+}
