@@ -786,6 +786,7 @@ fn a_checked_configuration_opens_no_store_stream_and_a_configured_one_does() {
     assert!(PluginRoot::new(ROOT).on_configure(&host));
     assert_eq!(opened(&host.take_effects()).len(), 1);
     // A bad configuration is refused all the same.
-    *host.configuration.borrow_mut() = br#"{"rules":[{"name":"orders","match":{"path_prefixes":["orders"]}}]}"#.to_vec();
+    *host.configuration.borrow_mut() =
+        br#"{"rules":[{"name":"orders","match":{"path_prefixes":["orders"]}}]}"#.to_vec();
     assert!(!PluginRoot::new(ROOT).check_configuration(&host));
 }
