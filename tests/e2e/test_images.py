@@ -3,8 +3,9 @@ script, a loopback registry (Debian's docker-registry) takes them, skopeo reads 
 the store's image runs under two real Envoys in cluster mode, and the Docker Compose sample's
 services run through docker-compose against podman's API.
 
-`make test-images` runs this file (it needs the static binaries, `make static-binaries`, and
-podman, skopeo, docker-registry and docker-compose: scripts/install-deps.sh --test-images).
+`make test-images` runs this file (it needs the static binaries, `make static-binaries`, the
+native module, `make native`, and podman, skopeo, docker-registry and docker-compose:
+scripts/install-deps.sh --test-images).
 Podman uses a storage of its own under the test's temporary directory (containers.py), so
 nothing here reads or changes the machine's images and containers. Everything listens on
 127.0.0.1, on free ports; processes are stopped by PID and containers removed by the names
@@ -29,6 +30,7 @@ import client
 import harness
 from cluster import DEMO_TOKEN, Cluster, cluster_plugin_config, post, wait_for_answer
 from containers import (
+    NAMING_ENV,
     REPO,
     ContainerStore,
     ImageCopy,
@@ -36,6 +38,9 @@ from containers import (
     Registry,
     image_names,
     module_sha256,
+    native_envoy,
+    native_module,
+    native_sha256,
     static_binary,
     workspace_version,
 )
@@ -49,10 +54,11 @@ STORE_TIMEOUT_MS = 2000
 
 @pytest.fixture(scope="module")
 def podman(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Podman]:
-    """A podman of the test's own, with the three images `make image` builds (default names),
+    """A podman of the test's own, with the four images `make image` builds (default names),
     on a runtime that runs containers on this machine (runc where crun refuses hybrid cgroups)."""
     static_binary("idempotency-store")
     static_binary("demo-upstream")
+    native_module()
     engine = Podman(tmp_path_factory.mktemp("podman"))
     try:
         engine.build_images()
@@ -76,9 +82,9 @@ def release(podman: Podman, registry: Registry, tmp_path_factory: pytest.TempPat
     """`make release REGISTRY=<the loopback registry>/team`'s two scripts (the images named
     for that registry, then the release), into a directory of the test's, then `make push`'s."""
     dist = tmp_path_factory.mktemp("release") / "dist"
-    env = dict(podman.env, CONTAINER_ENGINE="podman", REGISTRY=f"{registry.host}/team", DIST=str(dist),
+    env = {k: v for k, v in podman.env.items() if k not in NAMING_ENV}
+    env.update(CONTAINER_ENGINE="podman", REGISTRY=f"{registry.host}/team", DIST=str(dist),
                SKOPEO_FLAGS="--dest-tls-verify=false")
-    env.pop("VERSION", None)
     steps = (["scripts/images.sh", "build"], ["scripts/release.sh"], ["scripts/images.sh", "push", str(dist / "images")])
     for script in steps:
         result = subprocess.run(script, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -102,6 +108,14 @@ def module_layer(image: ImageCopy) -> dict:
     layers = image.manifest["layers"]
     assert len(layers) == 1, layers
     return layers[0]
+
+
+def only_file_sha256(image: ImageCopy, name: str) -> str:
+    """The sha256 of the one file of the image's one layer, which must be ``name``."""
+    layer = module_layer(image)
+    files = list(image.layer_files(layer))
+    assert files in ([name], [f"/{name}"], [f"./{name}"]), files
+    return hashlib.sha256(image.layer_file(layer, files[0])).hexdigest()
 
 
 # --------------------------------------------------------------------------
@@ -153,6 +167,22 @@ def test_the_module_image_is_one_layer_holding_the_module_make_build_wrote(podma
     assert image.manifest.get("annotations", {}).get("module.wasm.image/variant") == "compat"
 
 
+def test_the_native_image_is_one_layer_holding_the_module_make_native_wrote(podman, tmp_path) -> None:
+    """The .so alone at /libidempotency_native.so (an image volume mounted at
+    /etc/envoy/dynamic-modules shows it there), byte for byte the one `make native` wrote, in
+    an image whose tag and description name the Envoy it is built for."""
+    names = image_names()
+    envoy = native_envoy()
+    assert names["native"] == names["store"].replace("idempotency-store:", "idempotency-native:") + f"-envoy{envoy}"
+    image = ImageCopy(f"containers-storage:{names['native']}", tmp_path / "native", env=podman.env)
+    assert only_file_sha256(image, "libidempotency_native.so") == native_sha256()
+    labels = image.config["config"]["Labels"]
+    assert labels["org.opencontainers.image.title"] == "idempotency-native"
+    assert labels["org.opencontainers.image.version"] == workspace_version()
+    assert f"built for Envoy {envoy}" in labels["org.opencontainers.image.description"]
+    assert not image.config["config"].get("Entrypoint") and not image.config["config"].get("Cmd")
+
+
 # --------------------------------------------------------------------------
 # through a registry
 # --------------------------------------------------------------------------
@@ -160,10 +190,11 @@ def test_the_module_image_is_one_layer_holding_the_module_make_build_wrote(podma
 
 def test_pushed_images_read_back_from_the_registry(podman, registry, tmp_path) -> None:
     """`podman push` of what `make image` built, read back with skopeo: what Istio's agent
-    reads (one gzip layer holding plugin.wasm, the very module of `make build`), and a store
-    image that, pulled back, runs."""
+    reads (one gzip layer holding plugin.wasm, the very module of `make build`), what an
+    image volume mounts (one gzip layer holding the .so of `make native`), and a store image
+    that, pulled back, runs."""
     names = image_names()
-    for kind in ("store", "module"):
+    for kind in ("store", "module", "native"):
         remote = f"{registry.host}/direct/{names[kind].split('/', 1)[1]}"
         podman.run("push", "--tls-verify=false", names[kind], f"docker://{remote}", timeout=120)
     module = ImageCopy(f"docker://{registry.host}/direct/{names['module'].split('/', 1)[1]}", tmp_path / "m",
@@ -171,6 +202,10 @@ def test_pushed_images_read_back_from_the_registry(podman, registry, tmp_path) -
     layer = module_layer(module)
     assert layer["mediaType"] == OCI_GZIP_LAYER
     assert hashlib.sha256(module.layer_file(layer, next(iter(module.layer_files(layer))))).hexdigest() == module_sha256()
+    native = ImageCopy(f"docker://{registry.host}/direct/{names['native'].split('/', 1)[1]}", tmp_path / "n",
+                       flags=["--src-tls-verify=false"])
+    assert module_layer(native)["mediaType"] == OCI_GZIP_LAYER
+    assert only_file_sha256(native, "libidempotency_native.so") == native_sha256()
 
     pulled = f"{registry.host}/direct/{names['store'].split('/', 1)[1]}"
     podman.run("rmi", names["store"], timeout=60)  # so that the run below uses the pulled copy
