@@ -37,7 +37,7 @@ help:
 	@echo "make soak   chaos soak: mixed traffic and faults for SOAK_SECONDS (300), then an audit of every key"
 	@echo "make fuzz   every fuzz target for FUZZ_SECONDS each (nightly, cargo-fuzz); fails on a crash"
 	@echo "make image  the store, module and native module images (and the compose sample's upstream), docker or podman"
-	@echo "make release  dist/: module, static store binary, images as OCI archives, manifests, INSTALL.md"
+	@echo "make release  dist/: module, native module (Envoy $(NATIVE_ENVOY)), static store binary, images as OCI archives, manifests, INSTALL.md"
 	@echo "make push   the release's images to REGISTRY (default localhost:5000), digests unchanged"
 	@echo "make test-images  the images' tests: the store container under two Envoys, a loopback registry"
 

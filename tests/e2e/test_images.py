@@ -44,7 +44,7 @@ from containers import (
     static_binary,
     workspace_version,
 )
-from helpers import is_replay, new_key, rule_counters, start_envoy, unique_path
+from helpers import is_replay, new_key, plugin_config, rule, rule_counters, start_envoy, unique_path
 
 OCI_GZIP_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
 # The cluster tests' callout budget (see test_cluster.py): envoy.yaml's 250 ms is a production
@@ -229,11 +229,23 @@ def test_the_release_pins_the_digests_the_registry_answers(release, registry, tm
     store_run = subprocess.run([str(dist / "idempotency-store"), "--version"], capture_output=True, text=True, timeout=30)
     assert store_run.stdout.strip() == f"idempotency-store {version}"
     assert not elf_interpreter(dist / "idempotency-store"), "the release's store binary is static"
+    # The native module, named for the Envoy it is built for, and its checksum file.
+    envoy = native_envoy()
+    native_dir = dist / "native" / f"envoy{envoy}"
+    assert sorted(p.name for p in (dist / "native").iterdir()) == [f"envoy{envoy}"]
+    assert sorted(p.name for p in native_dir.iterdir()) == ["libidempotency_native.so", "libidempotency_native.so.sha256"]
+    assert (native_dir / "libidempotency_native.so").read_bytes() == native_module().read_bytes()
+    assert (native_dir / "libidempotency_native.so.sha256").read_text() == f"{native_sha256()}  libidempotency_native.so\n"
+    check = subprocess.run(["sha256sum", "--check", "libidempotency_native.so.sha256"], cwd=native_dir,
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and check.stdout == "libidempotency_native.so: OK\n", check.stdout + check.stderr
 
     store_digest = registry.digest(f"{reg}/idempotency-store:{version}")
     module_digest = registry.digest(f"{reg}/idempotency-filter:{version}")
+    native_digest = registry.digest(f"{reg}/idempotency-native:{version}-envoy{envoy}")
     assert (dist / "images" / "digests").read_text().split() == [
-        f"{reg}/idempotency-store:{version}", store_digest, f"{reg}/idempotency-filter:{version}", module_digest]
+        f"{reg}/idempotency-store:{version}", store_digest, f"{reg}/idempotency-filter:{version}", module_digest,
+        f"{reg}/idempotency-native:{version}-envoy{envoy}", native_digest]
 
     pinned_store = f"{reg}/idempotency-store@{store_digest}"
     pinned_module = f"{reg}/idempotency-filter@{module_digest}"
@@ -258,17 +270,24 @@ def test_the_release_pins_the_digests_the_registry_answers(release, registry, tm
             assert (deploy / path.relative_to(REPO / "deploy")).read_bytes() == path.read_bytes()
     for text in (p.read_text() for p in deploy.rglob("*.yaml")):
         assert "localhost:5000" not in text
+        # The native image, where a sample mounts it, pinned as the others.
+        for line in text.splitlines():
+            if "idempotency-native" in line and not line.lstrip().startswith("#"):
+                assert line.split("reference: ", 1)[-1] == f"{reg}/idempotency-native@{native_digest}  # {version}-envoy{envoy}"
 
     install = (dist / "INSTALL.md").read_text()
     assert "@" + "VERSION@" not in install and store_digest in install and module_digest in install
-    for archive in ("idempotency-store", "idempotency-filter"):
-        name = f"images/{archive}-{version}.oci.tar"
-        assert (dist / name).is_file() and f"oci-archive:{name} docker://{reg}/{archive}:{version}" in install
+    assert native_digest in install and native_sha256() in install and f"Envoy {envoy}" in install
+    assert f"native/envoy{envoy}/libidempotency_native.so" in install
+    for archive, tag in (("idempotency-store", version), ("idempotency-filter", version),
+                         ("idempotency-native", f"{version}-envoy{envoy}")):
+        name = f"images/{archive}-{tag}.oci.tar"
+        assert (dist / name).is_file() and f"oci-archive:{name} docker://{reg}/{archive}:{tag}" in install
         # `podman load` names the image after the archive's reference: the image's own name.
         with tarfile.open(dist / name) as tar:
             index = json.load(tar.extractfile("index.json"))
         assert [m["annotations"]["org.opencontainers.image.ref.name"] for m in index["manifests"]] == [
-            f"{reg}/{archive}:{version}"]
+            f"{reg}/{archive}:{tag}"]
     assert (dist / "CHANGELOG.md").read_text() == (REPO / "CHANGELOG.md").read_text()
 
     # The exact references the manifests hold, pulled: the module the agent would load, and a
@@ -279,6 +298,38 @@ def test_the_release_pins_the_digests_the_registry_answers(release, registry, tm
     assert hashlib.sha256(module.layer_file(layer, next(iter(module.layer_files(layer))))).hexdigest() == module_sha256()
     store = ImageCopy(f"docker://{pinned_store}", tmp_path / "pinned-store", flags=["--src-tls-verify=false"])
     assert store.config["config"]["User"] == "65532:65532"
+    native = ImageCopy(f"docker://{reg}/idempotency-native@{native_digest}", tmp_path / "pinned-native",
+                       flags=["--src-tls-verify=false"])
+    assert module_layer(native)["mediaType"] == OCI_GZIP_LAYER
+    assert only_file_sha256(native, "libidempotency_native.so") == native_sha256()
+
+
+def test_envoy_loads_the_native_module_out_of_the_released_image(release, registry, procs, tmp_path, monkeypatch) -> None:
+    """The native module's image as the release pins it, read back from the registry, its
+    file laid out as an image volume shows it; the Envoy the module is built for (the suite's,
+    ENVOY_NEWEST, of the line NATIVE_ENVOY names) loads it from there and replays a retried
+    write."""
+    reg, version, envoy_line = release["registry"], workspace_version(), native_envoy()
+    digest = registry.digest(f"{reg}/idempotency-native:{version}-envoy{envoy_line}")
+    image = ImageCopy(f"docker://{reg}/idempotency-native@{digest}", tmp_path / "native", flags=["--src-tls-verify=false"])
+    layer = module_layer(image)
+    volume = tmp_path / "dynamic-modules"
+    volume.mkdir()
+    (volume / "libidempotency_native.so").write_bytes(image.layer_file(layer, next(iter(image.layer_files(layer)))))
+    monkeypatch.setenv("IDEMPOTENCY_NATIVE_DIR", str(volume))
+
+    upstream = procs.upstream()
+    envoy = start_envoy(procs, upstream, plugin_config(rule("orders", prefixes=["/orders"])), build="native",
+                        name="envoy-native-image")
+    running = subprocess.run([str(harness.envoy_binary()), "--version"], capture_output=True, text=True, timeout=30).stdout
+    assert f"/{envoy_line}." in running, running
+    assert f"idempotency-filter {version} loaded (native build)" in envoy.log_text()
+    path, key = unique_path(), new_key()
+    first = post(envoy, path, key)
+    assert first.status_code == 201 and not is_replay(first), first.text
+    again = post(envoy, path, key)
+    assert (again.status_code, is_replay(again), again.content) == (201, True, first.content)
+    assert upstream.executions(path) == 1
 
 
 # --------------------------------------------------------------------------
