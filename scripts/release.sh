@@ -4,8 +4,11 @@
 #   dist/idempotency_filter.wasm          the module, as `make build` wrote it
 #   dist/idempotency_filter.wasm.sha256   its sha256 (sha256sum -c reads it)
 #   dist/idempotency-store                the store, a static x86_64 Linux binary
-#   dist/images/idempotency-store-V.oci.tar   both images as OCI archives (gzip layers)
+#   dist/native/envoyE/libidempotency_native.so   the native build, an Envoy dynamic module
+#   dist/native/envoyE/libidempotency_native.so.sha256   for Envoy E (NATIVE_ENVOY, e.g. 1.40)
+#   dist/images/idempotency-store-V.oci.tar   the three images as OCI archives (gzip layers)
 #   dist/images/idempotency-filter-V.oci.tar
+#   dist/images/idempotency-native-V-envoyE.oci.tar
 #   dist/images/digests                   each image's manifest digest
 #   dist/deploy/                          deploy/ with every image pinned by REGISTRY and digest
 #   dist/INSTALL.md, dist/CHANGELOG.md    how to install it, and what changed
@@ -20,11 +23,13 @@ cd "$(dirname "$0")/.."
 REGISTRY=${REGISTRY:-localhost:5000}
 REGISTRY=${REGISTRY%/}
 VERSION=${VERSION:-$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"$/\1/p' Cargo.toml)}
-export REGISTRY VERSION
+NATIVE_ENVOY=$(scripts/images.sh native-envoy)
+export REGISTRY VERSION NATIVE_ENVOY
 
 WASM=target/wasm32-unknown-unknown/release/idempotency_filter.wasm
 STORE=target/x86_64-unknown-linux-musl/release/idempotency-store
-for f in "$WASM" "$STORE"; do
+NATIVE=target/native/libidempotency_native.so
+for f in "$WASM" "$STORE" "$NATIVE"; do
     [[ -f $f ]] || { echo "$f is missing: make image builds it" >&2; exit 1; }
 done
 
@@ -38,20 +43,42 @@ cp "$STORE" "$dist/idempotency-store"
 "$dist/idempotency-store" --version | grep -qx "idempotency-store $VERSION" \
     || { echo "$STORE is not version $VERSION" >&2; exit 1; }
 
+# The native module, in a directory named for the Envoy it is built for: a dynamic module
+# loads only in the Envoy whose ABI it was built against.
+native_dir=native/envoy$NATIVE_ENVOY
+mkdir -p "$dist/$native_dir"
+cp "$NATIVE" "$dist/$native_dir/libidempotency_native.so"
+(cd "$dist/$native_dir" && sha256sum libidempotency_native.so > libidempotency_native.so.sha256)
+# An ELF shared object that exports the hook Envoy calls when it loads a dynamic module
+# (readelf: binutils, which the Rust toolchain links with).
+command -v readelf >/dev/null || { echo "readelf is missing (Debian package binutils)" >&2; exit 1; }
+elf_header=$(readelf -h "$NATIVE" 2>&1) || true
+dyn_syms=$(readelf --dyn-syms -W "$NATIVE" 2>&1) || true
+if ! grep -Eq '^ *Type: +DYN ' <<<"$elf_header" \
+    || ! grep -Eq ' FUNC +GLOBAL +DEFAULT +[0-9]+ envoy_dynamic_module_on_program_init$' <<<"$dyn_syms"; then
+    echo "$NATIVE is not an ELF shared object exporting envoy_dynamic_module_on_program_init" >&2
+    exit 1
+fi
+
 scripts/images.sh archive "$dist/images"
 store_digest=$(scripts/images.sh digest "$dist/images/idempotency-store-$VERSION.oci.tar")
 module_digest=$(scripts/images.sh digest "$dist/images/idempotency-filter-$VERSION.oci.tar")
+native_digest=$(scripts/images.sh digest "$dist/images/idempotency-native-$VERSION-envoy$NATIVE_ENVOY.oci.tar")
 cat > "$dist/images/digests" <<EOF
 $REGISTRY/idempotency-store:$VERSION sha256:$store_digest
 $REGISTRY/idempotency-filter:$VERSION sha256:$module_digest
+$REGISTRY/idempotency-native:$VERSION-envoy$NATIVE_ENVOY sha256:$native_digest
 EOF
 
 python3 scripts/render-manifests.py --registry "$REGISTRY" --version "$VERSION" \
-    --store-digest "$store_digest" --module-digest "$module_digest" deploy "$dist/deploy"
+    --store-digest "$store_digest" --module-digest "$module_digest" \
+    --native-envoy "$NATIVE_ENVOY" --native-digest "$native_digest" deploy "$dist/deploy"
 
 sed -e "s|@VERSION@|$VERSION|g" -e "s|@REGISTRY@|$REGISTRY|g" \
     -e "s|@STORE_DIGEST@|$store_digest|g" -e "s|@MODULE_DIGEST@|$module_digest|g" \
     -e "s|@MODULE_SHA256@|$(cut -d' ' -f1 "$dist/idempotency_filter.wasm.sha256")|g" \
+    -e "s|@NATIVE_ENVOY@|$NATIVE_ENVOY|g" -e "s|@NATIVE_DIGEST@|$native_digest|g" \
+    -e "s|@NATIVE_SHA256@|$(cut -d' ' -f1 "$dist/$native_dir/libidempotency_native.so.sha256")|g" \
     scripts/INSTALL.md.in > "$dist/INSTALL.md"
 if grep -n '@[A-Z_]*@' "$dist/INSTALL.md"; then
     echo "INSTALL.md.in has a placeholder release.sh does not fill" >&2
@@ -63,4 +90,5 @@ cp CHANGELOG.md "$dist/CHANGELOG.md"
 echo "dist/ for $REGISTRY, version $VERSION:"
 echo "  $REGISTRY/idempotency-store@sha256:$store_digest"
 echo "  $REGISTRY/idempotency-filter@sha256:$module_digest"
+echo "  $REGISTRY/idempotency-native@sha256:$native_digest (Envoy $NATIVE_ENVOY)"
 echo "next: make push REGISTRY=$REGISTRY (or dist/INSTALL.md)"

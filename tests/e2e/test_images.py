@@ -3,8 +3,9 @@ script, a loopback registry (Debian's docker-registry) takes them, skopeo reads 
 the store's image runs under two real Envoys in cluster mode, and the Docker Compose sample's
 services run through docker-compose against podman's API.
 
-`make test-images` runs this file (it needs the static binaries, `make static-binaries`, and
-podman, skopeo, docker-registry and docker-compose: scripts/install-deps.sh --test-images).
+`make test-images` runs this file (it needs the static binaries, `make static-binaries`, the
+native module, `make native`, and podman, skopeo, docker-registry and docker-compose:
+scripts/install-deps.sh --test-images).
 Podman uses a storage of its own under the test's temporary directory (containers.py), so
 nothing here reads or changes the machine's images and containers. Everything listens on
 127.0.0.1, on free ports; processes are stopped by PID and containers removed by the names
@@ -29,6 +30,7 @@ import client
 import harness
 from cluster import DEMO_TOKEN, Cluster, cluster_plugin_config, post, wait_for_answer
 from containers import (
+    NAMING_ENV,
     REPO,
     ContainerStore,
     ImageCopy,
@@ -36,10 +38,13 @@ from containers import (
     Registry,
     image_names,
     module_sha256,
+    native_envoy,
+    native_module,
+    native_sha256,
     static_binary,
     workspace_version,
 )
-from helpers import is_replay, new_key, rule_counters, start_envoy, unique_path
+from helpers import is_replay, new_key, plugin_config, rule, rule_counters, start_envoy, unique_path
 
 OCI_GZIP_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
 # The cluster tests' callout budget (see test_cluster.py): envoy.yaml's 250 ms is a production
@@ -49,10 +54,11 @@ STORE_TIMEOUT_MS = 2000
 
 @pytest.fixture(scope="module")
 def podman(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Podman]:
-    """A podman of the test's own, with the three images `make image` builds (default names),
+    """A podman of the test's own, with the four images `make image` builds (default names),
     on a runtime that runs containers on this machine (runc where crun refuses hybrid cgroups)."""
     static_binary("idempotency-store")
     static_binary("demo-upstream")
+    native_module()
     engine = Podman(tmp_path_factory.mktemp("podman"))
     try:
         engine.build_images()
@@ -76,9 +82,9 @@ def release(podman: Podman, registry: Registry, tmp_path_factory: pytest.TempPat
     """`make release REGISTRY=<the loopback registry>/team`'s two scripts (the images named
     for that registry, then the release), into a directory of the test's, then `make push`'s."""
     dist = tmp_path_factory.mktemp("release") / "dist"
-    env = dict(podman.env, CONTAINER_ENGINE="podman", REGISTRY=f"{registry.host}/team", DIST=str(dist),
+    env = {k: v for k, v in podman.env.items() if k not in NAMING_ENV}
+    env.update(CONTAINER_ENGINE="podman", REGISTRY=f"{registry.host}/team", DIST=str(dist),
                SKOPEO_FLAGS="--dest-tls-verify=false")
-    env.pop("VERSION", None)
     steps = (["scripts/images.sh", "build"], ["scripts/release.sh"], ["scripts/images.sh", "push", str(dist / "images")])
     for script in steps:
         result = subprocess.run(script, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -102,6 +108,14 @@ def module_layer(image: ImageCopy) -> dict:
     layers = image.manifest["layers"]
     assert len(layers) == 1, layers
     return layers[0]
+
+
+def only_file_sha256(image: ImageCopy, name: str) -> str:
+    """The sha256 of the one file of the image's one layer, which must be ``name``."""
+    layer = module_layer(image)
+    files = list(image.layer_files(layer))
+    assert files in ([name], [f"/{name}"], [f"./{name}"]), files
+    return hashlib.sha256(image.layer_file(layer, files[0])).hexdigest()
 
 
 # --------------------------------------------------------------------------
@@ -153,6 +167,22 @@ def test_the_module_image_is_one_layer_holding_the_module_make_build_wrote(podma
     assert image.manifest.get("annotations", {}).get("module.wasm.image/variant") == "compat"
 
 
+def test_the_native_image_is_one_layer_holding_the_module_make_native_wrote(podman, tmp_path) -> None:
+    """The .so alone at /libidempotency_native.so (an image volume mounted at
+    /etc/envoy/dynamic-modules shows it there), byte for byte the one `make native` wrote, in
+    an image whose tag and description name the Envoy it is built for."""
+    names = image_names()
+    envoy = native_envoy()
+    assert names["native"] == names["store"].replace("idempotency-store:", "idempotency-native:") + f"-envoy{envoy}"
+    image = ImageCopy(f"containers-storage:{names['native']}", tmp_path / "native", env=podman.env)
+    assert only_file_sha256(image, "libidempotency_native.so") == native_sha256()
+    labels = image.config["config"]["Labels"]
+    assert labels["org.opencontainers.image.title"] == "idempotency-native"
+    assert labels["org.opencontainers.image.version"] == workspace_version()
+    assert f"built for Envoy {envoy}" in labels["org.opencontainers.image.description"]
+    assert not image.config["config"].get("Entrypoint") and not image.config["config"].get("Cmd")
+
+
 # --------------------------------------------------------------------------
 # through a registry
 # --------------------------------------------------------------------------
@@ -160,10 +190,11 @@ def test_the_module_image_is_one_layer_holding_the_module_make_build_wrote(podma
 
 def test_pushed_images_read_back_from_the_registry(podman, registry, tmp_path) -> None:
     """`podman push` of what `make image` built, read back with skopeo: what Istio's agent
-    reads (one gzip layer holding plugin.wasm, the very module of `make build`), and a store
-    image that, pulled back, runs."""
+    reads (one gzip layer holding plugin.wasm, the very module of `make build`), what an
+    image volume mounts (one gzip layer holding the .so of `make native`), and a store image
+    that, pulled back, runs."""
     names = image_names()
-    for kind in ("store", "module"):
+    for kind in ("store", "module", "native"):
         remote = f"{registry.host}/direct/{names[kind].split('/', 1)[1]}"
         podman.run("push", "--tls-verify=false", names[kind], f"docker://{remote}", timeout=120)
     module = ImageCopy(f"docker://{registry.host}/direct/{names['module'].split('/', 1)[1]}", tmp_path / "m",
@@ -171,6 +202,10 @@ def test_pushed_images_read_back_from_the_registry(podman, registry, tmp_path) -
     layer = module_layer(module)
     assert layer["mediaType"] == OCI_GZIP_LAYER
     assert hashlib.sha256(module.layer_file(layer, next(iter(module.layer_files(layer))))).hexdigest() == module_sha256()
+    native = ImageCopy(f"docker://{registry.host}/direct/{names['native'].split('/', 1)[1]}", tmp_path / "n",
+                       flags=["--src-tls-verify=false"])
+    assert module_layer(native)["mediaType"] == OCI_GZIP_LAYER
+    assert only_file_sha256(native, "libidempotency_native.so") == native_sha256()
 
     pulled = f"{registry.host}/direct/{names['store'].split('/', 1)[1]}"
     podman.run("rmi", names["store"], timeout=60)  # so that the run below uses the pulled copy
@@ -194,11 +229,23 @@ def test_the_release_pins_the_digests_the_registry_answers(release, registry, tm
     store_run = subprocess.run([str(dist / "idempotency-store"), "--version"], capture_output=True, text=True, timeout=30)
     assert store_run.stdout.strip() == f"idempotency-store {version}"
     assert not elf_interpreter(dist / "idempotency-store"), "the release's store binary is static"
+    # The native module, named for the Envoy it is built for, and its checksum file.
+    envoy = native_envoy()
+    native_dir = dist / "native" / f"envoy{envoy}"
+    assert sorted(p.name for p in (dist / "native").iterdir()) == [f"envoy{envoy}"]
+    assert sorted(p.name for p in native_dir.iterdir()) == ["libidempotency_native.so", "libidempotency_native.so.sha256"]
+    assert (native_dir / "libidempotency_native.so").read_bytes() == native_module().read_bytes()
+    assert (native_dir / "libidempotency_native.so.sha256").read_text() == f"{native_sha256()}  libidempotency_native.so\n"
+    check = subprocess.run(["sha256sum", "--check", "libidempotency_native.so.sha256"], cwd=native_dir,
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and check.stdout == "libidempotency_native.so: OK\n", check.stdout + check.stderr
 
     store_digest = registry.digest(f"{reg}/idempotency-store:{version}")
     module_digest = registry.digest(f"{reg}/idempotency-filter:{version}")
+    native_digest = registry.digest(f"{reg}/idempotency-native:{version}-envoy{envoy}")
     assert (dist / "images" / "digests").read_text().split() == [
-        f"{reg}/idempotency-store:{version}", store_digest, f"{reg}/idempotency-filter:{version}", module_digest]
+        f"{reg}/idempotency-store:{version}", store_digest, f"{reg}/idempotency-filter:{version}", module_digest,
+        f"{reg}/idempotency-native:{version}-envoy{envoy}", native_digest]
 
     pinned_store = f"{reg}/idempotency-store@{store_digest}"
     pinned_module = f"{reg}/idempotency-filter@{module_digest}"
@@ -223,17 +270,24 @@ def test_the_release_pins_the_digests_the_registry_answers(release, registry, tm
             assert (deploy / path.relative_to(REPO / "deploy")).read_bytes() == path.read_bytes()
     for text in (p.read_text() for p in deploy.rglob("*.yaml")):
         assert "localhost:5000" not in text
+        # The native image, where a sample mounts it, pinned as the others.
+        for line in text.splitlines():
+            if "idempotency-native" in line and not line.lstrip().startswith("#"):
+                assert line.split("reference: ", 1)[-1] == f"{reg}/idempotency-native@{native_digest}  # {version}-envoy{envoy}"
 
     install = (dist / "INSTALL.md").read_text()
     assert "@" + "VERSION@" not in install and store_digest in install and module_digest in install
-    for archive in ("idempotency-store", "idempotency-filter"):
-        name = f"images/{archive}-{version}.oci.tar"
-        assert (dist / name).is_file() and f"oci-archive:{name} docker://{reg}/{archive}:{version}" in install
+    assert native_digest in install and native_sha256() in install and f"Envoy {envoy}" in install
+    assert f"native/envoy{envoy}/libidempotency_native.so" in install
+    for archive, tag in (("idempotency-store", version), ("idempotency-filter", version),
+                         ("idempotency-native", f"{version}-envoy{envoy}")):
+        name = f"images/{archive}-{tag}.oci.tar"
+        assert (dist / name).is_file() and f"oci-archive:{name} docker://{reg}/{archive}:{tag}" in install
         # `podman load` names the image after the archive's reference: the image's own name.
         with tarfile.open(dist / name) as tar:
             index = json.load(tar.extractfile("index.json"))
         assert [m["annotations"]["org.opencontainers.image.ref.name"] for m in index["manifests"]] == [
-            f"{reg}/{archive}:{version}"]
+            f"{reg}/{archive}:{tag}"]
     assert (dist / "CHANGELOG.md").read_text() == (REPO / "CHANGELOG.md").read_text()
 
     # The exact references the manifests hold, pulled: the module the agent would load, and a
@@ -244,6 +298,38 @@ def test_the_release_pins_the_digests_the_registry_answers(release, registry, tm
     assert hashlib.sha256(module.layer_file(layer, next(iter(module.layer_files(layer))))).hexdigest() == module_sha256()
     store = ImageCopy(f"docker://{pinned_store}", tmp_path / "pinned-store", flags=["--src-tls-verify=false"])
     assert store.config["config"]["User"] == "65532:65532"
+    native = ImageCopy(f"docker://{reg}/idempotency-native@{native_digest}", tmp_path / "pinned-native",
+                       flags=["--src-tls-verify=false"])
+    assert module_layer(native)["mediaType"] == OCI_GZIP_LAYER
+    assert only_file_sha256(native, "libidempotency_native.so") == native_sha256()
+
+
+def test_envoy_loads_the_native_module_out_of_the_released_image(release, registry, procs, tmp_path, monkeypatch) -> None:
+    """The native module's image as the release pins it, read back from the registry, its
+    file laid out as an image volume shows it; the Envoy the module is built for (the suite's,
+    ENVOY_NEWEST, of the line NATIVE_ENVOY names) loads it from there and replays a retried
+    write."""
+    reg, version, envoy_line = release["registry"], workspace_version(), native_envoy()
+    digest = registry.digest(f"{reg}/idempotency-native:{version}-envoy{envoy_line}")
+    image = ImageCopy(f"docker://{reg}/idempotency-native@{digest}", tmp_path / "native", flags=["--src-tls-verify=false"])
+    layer = module_layer(image)
+    volume = tmp_path / "dynamic-modules"
+    volume.mkdir()
+    (volume / "libidempotency_native.so").write_bytes(image.layer_file(layer, next(iter(image.layer_files(layer)))))
+    monkeypatch.setenv("IDEMPOTENCY_NATIVE_DIR", str(volume))
+
+    upstream = procs.upstream()
+    envoy = start_envoy(procs, upstream, plugin_config(rule("orders", prefixes=["/orders"])), build="native",
+                        name="envoy-native-image")
+    running = subprocess.run([str(harness.envoy_binary()), "--version"], capture_output=True, text=True, timeout=30).stdout
+    assert f"/{envoy_line}." in running, running
+    assert f"idempotency-filter {version} loaded (native build)" in envoy.log_text()
+    path, key = unique_path(), new_key()
+    first = post(envoy, path, key)
+    assert first.status_code == 201 and not is_replay(first), first.text
+    again = post(envoy, path, key)
+    assert (again.status_code, is_replay(again), again.content) == (201, True, first.content)
+    assert upstream.executions(path) == 1
 
 
 # --------------------------------------------------------------------------
