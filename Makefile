@@ -65,9 +65,12 @@ binaries:
 	cargo build --release -p demo-upstream -p idempotency-store
 
 # The native build: target/native/libidempotency_native.so, an Envoy dynamic module (Envoy
-# 1.40). Its own profile: release's, but unwinding, so no panic crosses into Envoy.
+# 1.40). Its own profile: release's, but unwinding, so no panic crosses into Envoy; its own
+# linker, which links gcc's unwinder in, so the module needs only glibc of the system (as
+# Envoy's distroless images hold it). Every build in target/native takes the same linker.
+NATIVE_LINK := CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER=$(CURDIR)/scripts/link-static-unwind.sh
 native:
-	cargo build --profile native -p native-filter
+	$(NATIVE_LINK) cargo build --profile native -p native-filter
 
 # The table_geometry example lets tests read the table's layout from the code; a debug build,
 # as the tests' `cargo run -p idempotency-core` wants it (not `make unit`'s: the workspace's
@@ -206,7 +209,7 @@ noop-wasm:
 # only `make bench` builds it.
 .PHONY: native-floor
 native-floor:
-	cargo build --profile native -p native-job-floor
+	$(NATIVE_LINK) cargo build --profile native -p native-job-floor
 
 # BENCH_ARGS passes options to bench/run.py, e.g. a short look at a few setups without writing
 # the page: make bench BENCH_ARGS="--only a,c,g --duration 5 --warmup 2 --rate-duration 5"

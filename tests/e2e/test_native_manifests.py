@@ -286,3 +286,26 @@ def test_installs_token_command_reaches_every_manifest_that_holds_the_token() ->
                if "change-me-to-a-long-random-token" in path.read_text()}
     assert GATEWAY in holding and NATIVE_ENVOYFILTER in holding
     assert holding <= covered, sorted(str(p) for p in holding - covered)
+
+
+# What Envoy's distroless images (gcr.io/distroless/base-nossl-debian12) and Istio's proxy hold
+# of the C runtime: glibc 2.36 and nothing of gcc's. Envoy itself needs no more, so neither
+# may the module: a missing libgcc_s.so.1 fails the module's load, and the filter with it.
+GLIBC_LIBRARIES = {"libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1", "ld-linux-x86-64.so.2"}
+OLDEST_GLIBC = (2, 36)
+
+
+@needs_the_module
+def test_the_module_needs_only_what_envoys_distroless_image_holds() -> None:
+    import re
+    import subprocess
+
+    module = built_module()
+    dynamic = subprocess.run(["readelf", "--dynamic", "--wide", str(module)], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic))
+    assert needed and needed <= GLIBC_LIBRARIES, f"the module needs {sorted(needed - GLIBC_LIBRARIES)} too"
+    symbols = subprocess.run(["readelf", "--dyn-syms", "--wide", str(module)], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    versions = {tuple(int(n) for n in v.split(".")) for v in re.findall(r"@GLIBC_(\d+\.\d+(?:\.\d+)?)", symbols)}
+    assert versions and max(versions) <= OLDEST_GLIBC, f"the module needs glibc {max(versions)}"

@@ -1,6 +1,7 @@
 //! The idempotency filter as an Envoy dynamic module: `libidempotency_native.so`, built with
-//! `cargo build --profile native -p native-filter` (the profile unwinds, so the hooks can
-//! catch panics). The same core as the Wasm build, over a second host; see
+//! `make native`: `cargo build --profile native -p native-filter` (the profile unwinds, so the
+//! hooks can catch panics) linked by scripts/link-static-unwind.sh (gcc's unwinder linked in,
+//! so the module needs only glibc). The same core as the Wasm build, over a second host; see
 //! docs/how-it-works.md, "The native build: who runs where".
 //!
 //! `abi` is crates/dynamic-module-abi, the bindings to Envoy's dynamic modules ABI (and the
