@@ -68,7 +68,7 @@ binaries:
 # 1.40). Its own profile: release's, but unwinding, so no panic crosses into Envoy; its own
 # linker, which links gcc's unwinder in, so the module needs only glibc of the system (as
 # Envoy's distroless images hold it). Every build in target/native takes the same linker.
-NATIVE_LINK := CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER=$(CURDIR)/scripts/link-static-unwind.sh
+NATIVE_LINK := CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER="$(CURDIR)/scripts/link-static-unwind.sh"
 native:
 	$(NATIVE_LINK) cargo build --profile native -p native-filter
 
