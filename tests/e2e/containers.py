@@ -86,6 +86,12 @@ def native_sha256() -> str:
     return hashlib.sha256(native_module().read_bytes()).hexdigest()
 
 
+def installer_sha256() -> str:
+    """The sha256 of install-module, the native image's entrypoint, as `make static-binaries`
+    built it."""
+    return hashlib.sha256(static_binary("install-module").read_bytes()).hexdigest()
+
+
 def static_binary(name: str) -> Path:
     path = REPO / "target" / "x86_64-unknown-linux-musl" / "release" / name
     if not path.is_file():

@@ -61,10 +61,12 @@ def store_service() -> tuple[str, int, str]:
 
 
 def module_root_file() -> str:
-    """Where images/native.Dockerfile puts the module in its image."""
+    """Where images/native.Dockerfile puts the module in its image (its one COPY, beside
+    install-module, into a directory or to a file name)."""
     copies = [line.split() for line in NATIVE_DOCKERFILE.read_text().splitlines() if line.startswith("COPY ")]
-    assert len(copies) == 1, copies
-    return copies[0][-1]
+    assert len(copies) == 1 and MODULE_FILE in copies[0][1:-1], copies
+    dest = copies[0][-1]
+    return dest + MODULE_FILE if dest.endswith("/") else dest
 
 
 # --------------------------------------------------------------------------
