@@ -1,7 +1,10 @@
 """The Grafana dashboard in deploy/grafana/ against what the code really exports, both ways:
 every metric and label its queries name must appear on a real Envoy's /stats/prometheus (with
 envoy/envoy.yaml's stats_tags) or on the real store's /metrics, after some traffic; and every
-metric those two pages export must be on the dashboard or in LEFT_OFF, with its reason."""
+metric those two pages export must be on the dashboard or in LEFT_OFF, with its reason.
+One dashboard serves both builds: it selects each of the filter's metrics by a name that
+matches the Wasm build's (`idempotency_…`) and the native build's
+(`envoy_dynamicmodulescustom_idempotency_…`), and these tests run on either."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import re
 
 import client
 import harness
-from cluster import post, start_cluster
+from cluster import cluster_plugin_config, post, start_cluster
 from helpers import envoy_yaml_plugin_config, new_key, unique_path
 
 DASHBOARD = harness.REPO_ROOT / "deploy" / "grafana" / "idempotency-dashboard.json"
@@ -32,6 +35,20 @@ PROMQL_WORDS = {
 # Labels Prometheus adds when it scrapes, not the exporter.
 SCRAPE_LABELS = {"instance", "job"}
 IDENT = r"[A-Za-z_:][A-Za-z0-9_:]*"
+# How the dashboard names a filter metric: either build's name (the native build's Prometheus
+# names carry Envoy's dynamic modules prefix).
+EITHER_BUILD = re.compile(r'\{__name__=~"\(envoy_dynamicmodulescustom_\)\?(' + IDENT + r')"(?:,\s*)?')
+NATIVE_PREFIX = "envoy_dynamicmodulescustom_"
+
+
+def by_wasm_names(page: str) -> str:
+    """An Envoy stats page with the native build's metric names as the Wasm build's."""
+    return page.replace(NATIVE_PREFIX, "")
+
+
+def filter_metric(name: str) -> bool:
+    """A metric of the filter's (`idempotency_rule` is its rule label, not a metric)."""
+    return name.startswith("idempotency_") and not name.startswith("idempotency_store_") and name != "idempotency_rule"
 
 
 def queries(dashboard: dict) -> list[str]:
@@ -42,8 +59,11 @@ def queries(dashboard: dict) -> list[str]:
     return found
 
 
-def names_in(expr: str) -> tuple[set[str], dict[str, set[str]], set[str]]:
-    """(metric names, labels matched per metric, labels grouped by) of one query."""
+def names_in(expr: str, *, either_build: bool = True) -> tuple[set[str], dict[str, set[str]], set[str]]:
+    """(metric names, labels matched per metric, labels grouped by) of one query; with
+    ``either_build``, a metric selected by either build's name counts under the Wasm one."""
+    if either_build:
+        expr = EITHER_BUILD.sub(r"\1{", expr).replace("{}", "")
     matched: dict[str, set[str]] = {}
     for metric, matchers in re.findall(rf"({IDENT})\{{([^}}]*)\}}", expr):
         matched.setdefault(metric, set()).update(re.findall(rf"({IDENT})\s*=~?", matchers))
@@ -99,6 +119,14 @@ def on_dashboard(family: str, metrics: set[str]) -> bool:
     return any(family + suffix in metrics for suffix in ("", *SAMPLE_SUFFIXES))
 
 
+def test_every_filter_metric_is_selected_by_either_builds_name() -> None:
+    """A query naming a filter metric the Wasm way only would show nothing for the native
+    build (and the other way round)."""
+    for expr in queries(json.loads(DASHBOARD.read_text())):
+        metrics = names_in(expr, either_build=False)[0]
+        assert not {m for m in metrics if filter_metric(m)}, f"a filter metric by one build's name only in {expr!r}"
+
+
 def test_panels_have_unique_ids_and_do_not_overlap() -> None:
     panels = json.loads(DASHBOARD.read_text())["panels"]
     ids = [p["id"] for p in panels]
@@ -120,8 +148,8 @@ def test_every_metric_the_filter_and_the_store_export_is_on_the_dashboard_or_lef
     has a series for every rule of envoy/envoy.yaml); the store declares every family when it
     starts, with or without samples (`# TYPE` lines), and the embedded backend is the one that
     registers metrics of its own. Envoy's own metrics (`envoy_...`) are not the filter's."""
-    cluster = start_cluster(procs, envoys=1)
-    envoy_page = cluster.a.admin("/stats/prometheus").text
+    cluster = start_cluster(procs, envoys=1, plugin=cluster_plugin_config())
+    envoy_page = by_wasm_names(cluster.a.admin("/stats/prometheus").text)
     filter_families = {f for f in families(envoy_page) if not f.startswith("envoy_")}
     store_families = families(client.get(cluster.store.url("/metrics"), timeout=5).text)
 
@@ -149,7 +177,7 @@ def test_every_dashboard_query_names_a_metric_and_labels_the_code_exports(procs)
     dashboard = json.loads(DASHBOARD.read_text())
 
     # envoy.yaml itself (cluster mode, embedded store): its stats_tags make the rule a label.
-    cluster = start_cluster(procs, envoys=1)
+    cluster = start_cluster(procs, envoys=1, plugin=cluster_plugin_config())
     envoy = cluster.a
     path, key = unique_path("orders"), new_key()
     assert post(envoy, path, key).status_code == 201
@@ -161,7 +189,7 @@ def test_every_dashboard_query_names_a_metric_and_labels_the_code_exports(procs)
     assert refused.status_code == 401
     harness.wait_until(lambda: cluster.store_completions() >= 1, timeout=10, what="completion stored")
 
-    exported = samples(envoy.admin("/stats/prometheus").text)
+    exported = samples(by_wasm_names(envoy.admin("/stats/prometheus").text))
     store_samples = samples(client.get(cluster.store.url("/metrics"), timeout=5).text)
     for name, labels in store_samples.items():
         exported.setdefault(name, set()).update(labels)
