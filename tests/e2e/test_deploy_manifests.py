@@ -241,6 +241,20 @@ def hs256_token(secret: bytes, claims: dict) -> str:
     return f"{head}.{body}.{b64url(signature)}"
 
 
+def each_verified_caller_keeps_its_own_scope(envoy: harness.Envoy, credentials: Callable[[str], dict]) -> str:
+    """Alice and Bob, each with ``credentials`` (the headers that verify them), send a write
+    under one key: each gets an execution of their own, even with Alice also sending a forged
+    subject, and Alice's retry gets her response back. Returns the key."""
+    key = str(uuid.uuid4())
+    alice = helpers.post(envoy, "/orders", key=key, headers=dict(credentials("alice"), **{"x-verified-subject": "bob"}))
+    assert alice.status_code == 201 and not helpers.is_replay(alice), alice.text
+    bob = helpers.post(envoy, "/orders", key=key, headers=credentials("bob"))
+    assert bob.status_code == 201 and not helpers.is_replay(bob), "Bob got Alice's response"
+    alice_retry = helpers.post(envoy, "/orders", key=key, headers=credentials("alice"))
+    assert helpers.is_replay(alice_retry) and alice_retry.content == alice.content
+    return key
+
+
 def test_a_client_cannot_choose_its_scope_through_the_gateway_filters(procs) -> None:
     """What verified-caller.yaml makes Istio build, in real Envoy: its Lua filter verbatim,
     then Envoy's JWT filter configured as its RequestAuthentication says (a local HS256 key
@@ -290,14 +304,7 @@ def test_a_client_cannot_choose_its_scope_through_the_gateway_filters(procs) -> 
     def bearer(sub: str) -> dict:
         return {"authorization": "Bearer " + hs256_token(secret, {"iss": jwt_rule["issuer"], "sub": sub, "exp": 4102444800})}
 
-    key = str(uuid.uuid4())
-    # Alice, verified, also sends a forged subject: her scope is still her own.
-    alice = helpers.post(envoy, "/orders", key=key, headers=dict(bearer("alice"), **{"x-verified-subject": "bob"}))
-    assert alice.status_code == 201 and not helpers.is_replay(alice), alice.text
-    bob = helpers.post(envoy, "/orders", key=key, headers=bearer("bob"))
-    assert bob.status_code == 201 and not helpers.is_replay(bob), "Bob got Alice's response"
-    alice_retry = helpers.post(envoy, "/orders", key=key, headers=bearer("alice"))
-    assert helpers.is_replay(alice_retry) and alice_retry.content == alice.content
+    key = each_verified_caller_keeps_its_own_scope(envoy, bearer)
     # Without a token, claiming to be Alice gets neither her response nor an execution.
     impostor = helpers.post(envoy, "/orders", key=key, headers={"x-verified-subject": "alice"})
     helpers.problem(impostor, 401, "missing-scope", rule="orders")
