@@ -161,15 +161,20 @@ def test_envoyfilter_inserts_the_same_filter_with_the_stop_iteration_flag(procs,
     run_a_retried_write(envoy, upstream)
 
 
-def test_istio_store_service_secret_and_plugin_config_agree() -> None:
-    config = wasmplugin_config()
+def store_service() -> tuple[str, int, str]:
+    """store.yaml's Service (fully qualified name, port) and the Secret's token."""
     service = one(ISTIO / "store.yaml", "Service")
     secret = one(ISTIO / "store.yaml", "Secret")
-    port = service["spec"]["ports"][0]["port"]
     fqdn = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
+    return fqdn, service["spec"]["ports"][0]["port"], secret["stringData"]["token"]
+
+
+def test_istio_store_service_secret_and_plugin_config_agree() -> None:
+    config = wasmplugin_config()
+    fqdn, port, token = store_service()
     assert config["store"]["cluster"] == f"outbound|{port}||{fqdn}"
     assert config["store"]["authority"] == fqdn
-    assert secret["stringData"]["token"] == config["store"]["token"]
+    assert token == config["store"]["token"]
     plugin = one(ISTIO / "wasmplugin.yaml", "WasmPlugin")["spec"]
     assert plugin["failStrategy"] == "FAIL_CLOSE" and plugin["phase"] and plugin["url"].startswith("oci://")
 

