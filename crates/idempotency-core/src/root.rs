@@ -11,6 +11,7 @@ use crate::host::Host;
 use crate::journey::registry::Journeys;
 use crate::journey::{Event, RequestJourney};
 use crate::plugin::detached::{self, DetachedAnswer};
+use crate::plugin::resolutions::PortableResolution;
 use crate::plugin::vm_roles::{Role, MARK_RENEWAL_MS};
 use crate::plugin::waits::{read_wait_reply, WAIT_TICK_MS};
 use crate::plugin::Plugin;
@@ -123,6 +124,59 @@ impl PluginRoot {
         self.plugin
             .as_ref()
             .map(|p| RequestJourney::shared(Rc::clone(p), &self.journeys, context_id))
+    }
+
+    /// The resolutions this root's requests take on go to another root (see
+    /// `take_resolutions`), which holds them where this one may not run: the native build's
+    /// roots live on workers that run only while they have requests.
+    pub fn resolve_elsewhere(&self) {
+        if let Some(plugin) = &self.plugin {
+            plugin.resolutions.resolve_elsewhere();
+        }
+    }
+
+    /// Whether resolutions wait to be carried to the root that resolves for this one.
+    pub fn has_resolutions_to_carry(&self) -> bool {
+        self.plugin
+            .as_ref()
+            .is_some_and(|p| p.resolutions.has_outgoing())
+    }
+
+    /// The resolutions waiting to be carried to the root that resolves for this one.
+    pub fn resolutions_to_carry(&self) -> Vec<PortableResolution> {
+        self.plugin
+            .as_ref()
+            .map_or_else(Vec::new, |p| p.resolutions.take_outgoing())
+    }
+
+    /// On the root that resolves for others (same configuration): takes theirs on, each under
+    /// this root's handle of its rule. An overdue key it resolves already is not asked about
+    /// twice.
+    pub fn take_resolutions(&mut self, host: &impl Host, carried: Vec<PortableResolution>) {
+        let Some(plugin) = &self.plugin else {
+            log::error!(
+                "{} resolution(s) dropped: the root that resolves them has no configuration",
+                carried.len()
+            );
+            return;
+        };
+        for portable in carried {
+            let Some(rule) = plugin.handle_of(&portable.rule) else {
+                log::error!(
+                    "rule {}: a resolution dropped: this configuration has no such rule",
+                    portable.rule.name
+                );
+                continue;
+            };
+            // Overdue retries on several workers each carry the same one.
+            if portable.adopted && plugin.resolutions.resolving(&portable.held.key) {
+                continue;
+            }
+            let (resolution, adopted) = portable.into_resolution(rule);
+            plugin
+                .resolutions
+                .take_on(host, &plugin.table, resolution, adopted);
+        }
     }
 
     /// A push retired this configuration. Completions and releases still waiting out a store

@@ -629,6 +629,10 @@ impl Host for FakeHost {
 
     fn define_counter(&self, name: &str) -> Result<u32, HostError> {
         let mut counters = self.counters.borrow_mut();
+        // As Envoy does: a name defined again (another root) is the same metric.
+        if let Some(at) = counters.iter().position(|(n, _)| n == name) {
+            return Ok(u32::try_from(at + 1).unwrap_or(u32::MAX));
+        }
         counters.push((name.to_string(), 0));
         Ok(u32::try_from(counters.len()).unwrap_or(u32::MAX))
     }

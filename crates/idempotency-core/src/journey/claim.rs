@@ -508,18 +508,7 @@ impl RequestJourney {
             (**unknown).clone(),
             now,
         );
-        match resolutions.schedule(resolution) {
-            Ok(()) => log::warn!(
-                "rule {}: an unknown outcome's resolution was due {} s ago and is not settled \
-                 in the store; this proxy claims it",
-                rule.rule.name,
-                now.saturating_sub(due_ms) / 1000
-            ),
-            Err(_) => log::warn!(
-                "rule {}: an overdue resolution not taken on: this worker holds as many as it can",
-                rule.rule.name
-            ),
-        }
+        resolutions.take_on(host, &self.plugin.table, resolution, true);
     }
 
     /// The local table cannot take the claim: reject with `problem`, or pass unprotected.

@@ -17,11 +17,9 @@ use idempotency_protocol::stream::CallOp;
 use crate::plugin::resolutions::Resolution;
 use crate::store::client as store_client;
 use crate::store::writes::{LeanRecord, PendingWrite};
-use crate::table::{Completion, Held, OversizedBody, Settlement, StoreCopy};
+use crate::table::{Completion, Held, OversizedBody, StoreCopy};
 use crate::who_answered::{flag_names, Answerer, EnvoyReport};
-use idempotency_protocol::record::{
-    key_expires_value, RecordedResponse, UnknownOutcome, KEY_EXPIRES_HEADER,
-};
+use idempotency_protocol::record::{key_expires_value, RecordedResponse, KEY_EXPIRES_HEADER};
 
 use std::rc::Rc;
 
@@ -248,29 +246,9 @@ impl RequestJourney {
             self.keep_recording(host, Rc::clone(&rule), held.clone(), store_owner, response);
         if kept == Some(Completion::Recorded) || in_store {
             let resolution = Resolution::new(rule, held, lookup, unknown, due_ms);
-            if let Err(refused) = self.plugin.resolutions.schedule(resolution) {
-                log::warn!(
-                    "rule {}: this worker resolves as many unknown outcomes as it can hold; \
-                     this one is not resolved (Retry-After will not clear)",
-                    refused.rule.rule.name
-                );
-                let unresolved = RecordedResponse::unknown_outcome(UnknownOutcome {
-                    resolution_due_ms: None,
-                    ..refused.unknown.clone()
-                });
-                let settlement = Settlement::Record {
-                    response: &unresolved,
-                    ttl_ms: None,
-                    tombstone_ms: 0,
-                };
-                if let Err(e) =
-                    self.plugin
-                        .table
-                        .settle_unknown(host, &refused.held, settlement, host.now_ms())
-                {
-                    log::error!("unresolved outcome not marked so: {e}");
-                }
-            }
+            self.plugin
+                .resolutions
+                .take_on(host, &self.plugin.table, resolution, false);
         }
         step
     }

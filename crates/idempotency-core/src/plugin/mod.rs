@@ -171,6 +171,17 @@ impl Plugin {
         }
     }
 
+    /// This configuration's handle of `rule` (an HTTP rule's gRPC form included).
+    pub fn handle_of(&self, rule: &crate::config::Rule) -> Option<Rc<RuleHandle>> {
+        self.rules.iter().find_map(|handle| {
+            if handle.rule == *rule {
+                return Some(Rc::clone(handle));
+            }
+            let as_grpc = handle.grpc_calls.as_ref()?.as_grpc.as_ref().ok()?;
+            (as_grpc.rule == *rule).then(|| Rc::clone(as_grpc))
+        })
+    }
+
     /// The stream that serves `rule`'s store, if it uses one.
     pub fn link_for(&self, rule: &RuleHandle) -> Option<&StoreLink> {
         let store = rule.store.as_ref()?;

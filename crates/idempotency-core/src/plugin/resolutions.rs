@@ -24,6 +24,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::capture::ResponseCapture;
+use crate::config::Rule;
 use crate::host::{status_of, Callout, Host};
 use crate::outcome::Outcome;
 use crate::resolve::lookup::LookupRequest;
@@ -116,6 +117,28 @@ impl Resolution {
     }
 }
 
+/// A resolution on its way to the root that resolves for this worker's (see
+/// `Resolutions::resolve_elsewhere`): plain data, which that root pairs with its own handle
+/// of the same rule.
+#[derive(Debug, Clone)]
+pub struct PortableResolution {
+    pub rule: Rule,
+    pub held: Held,
+    pub lookup: LookupRequest,
+    pub unknown: UnknownOutcome,
+    pub due_ms: u64,
+    /// Taken on from the store (overdue there) rather than recorded here.
+    pub adopted: bool,
+}
+
+impl PortableResolution {
+    /// The resolution, for the root holding `rule` (a handle of `self.rule`).
+    pub fn into_resolution(self, rule: Rc<RuleHandle>) -> (Resolution, bool) {
+        let resolution = Resolution::new(rule, self.held, self.lookup, self.unknown, self.due_ms);
+        (resolution, self.adopted)
+    }
+}
+
 /// How a lookup settled its key.
 enum Resolved {
     TookEffect(RecordedResponse),
@@ -174,6 +197,10 @@ pub struct Settlers<'a> {
 
 #[derive(Default)]
 pub struct Resolutions {
+    /// Another root resolves for this one (the native build's main thread, which runs when
+    /// this worker has no request): what this root would take on waits in `outgoing`.
+    elsewhere: Cell<bool>,
+    outgoing: RefCell<Vec<PortableResolution>>,
     waiting: RefCell<Vec<Resolution>>,
     in_flight: RefCell<HashMap<u32, Resolution>>,
     /// Cluster mode: waiting for the store's answer to a settle, by the id it is reported
@@ -184,8 +211,90 @@ pub struct Resolutions {
 }
 
 impl Resolutions {
+    /// From now on, resolutions go to `outgoing` for the host to carry to the root that
+    /// resolves for this one.
+    pub fn resolve_elsewhere(&self) {
+        self.elsewhere.set(true);
+    }
+
+    /// What waits to be carried to the root that resolves for this one.
+    pub fn take_outgoing(&self) -> Vec<PortableResolution> {
+        std::mem::take(&mut *self.outgoing.borrow_mut())
+    }
+
+    pub fn has_outgoing(&self) -> bool {
+        !self.outgoing.borrow().is_empty()
+    }
+
+    /// Takes on a resolution: one this worker recorded, or (`adopted`) one overdue in the
+    /// store that a retry found. Where another root resolves for this one, it goes there. One
+    /// that cannot be held is not resolved: a recorded one is marked so in the local table
+    /// (its Retry-After would not clear), an adopted one stays for the next overdue retry.
+    pub fn take_on(&self, host: &impl Host, table: &Table, resolution: Resolution, adopted: bool) {
+        let name = resolution.rule.rule.name.clone();
+        if self.elsewhere.get() {
+            let mut outgoing = self.outgoing.borrow_mut();
+            // Carried out after every hook, so this bound is never near unless the carrier
+            // stopped.
+            if outgoing.len() < MAX_RESOLUTIONS {
+                outgoing.push(PortableResolution {
+                    rule: resolution.rule.rule.clone(),
+                    held: resolution.held,
+                    lookup: resolution.lookup,
+                    unknown: resolution.unknown,
+                    due_ms: resolution.due_ms,
+                    adopted,
+                });
+                return;
+            }
+            drop(outgoing);
+            self.not_held(host, table, &resolution, adopted);
+            return;
+        }
+        let overdue_s = resolution
+            .unknown
+            .resolution_due_ms
+            .map_or(0, |due| host.now_ms().saturating_sub(due) / 1000);
+        match self.schedule(resolution) {
+            Ok(()) if adopted => log::warn!(
+                "rule {name}: an unknown outcome's resolution was due {overdue_s} s ago and is \
+                 not settled in the store; this proxy claims it"
+            ),
+            Ok(()) => {}
+            Err(refused) => self.not_held(host, table, &refused, adopted),
+        }
+    }
+
+    /// A resolution no root could hold.
+    fn not_held(&self, host: &impl Host, table: &Table, refused: &Resolution, adopted: bool) {
+        let name = &refused.rule.rule.name;
+        if adopted {
+            log::warn!(
+                "rule {name}: an overdue resolution not taken on: this worker holds as many as \
+                 it can"
+            );
+            return;
+        }
+        log::warn!(
+            "rule {name}: this worker resolves as many unknown outcomes as it can hold; this \
+             one is not resolved (Retry-After will not clear)"
+        );
+        let unresolved = RecordedResponse::unknown_outcome(UnknownOutcome {
+            resolution_due_ms: None,
+            ..refused.unknown.clone()
+        });
+        let settlement = Settlement::Record {
+            response: &unresolved,
+            ttl_ms: None,
+            tombstone_ms: 0,
+        };
+        if let Err(e) = table.settle_unknown(host, &refused.held, settlement, host.now_ms()) {
+            log::error!("unresolved outcome not marked so: {e}");
+        }
+    }
+
     /// Takes `resolution` on, or gives it back when the worker holds its budget already.
-    pub fn schedule(&self, resolution: Resolution) -> Result<(), Box<Resolution>> {
+    fn schedule(&self, resolution: Resolution) -> Result<(), Box<Resolution>> {
         let fits = self.len() < MAX_RESOLUTIONS
             && self.bytes.get().saturating_add(resolution.bytes) <= MAX_RESOLUTION_BYTES;
         if !fits {
@@ -199,7 +308,8 @@ impl Resolutions {
 
     /// Whether this worker is resolving `key` already.
     pub fn resolving(&self, key: &idempotency_protocol::naming::Digest) -> bool {
-        self.waiting.borrow().iter().any(|r| r.held.key == *key)
+        self.outgoing.borrow().iter().any(|r| r.held.key == *key)
+            || self.waiting.borrow().iter().any(|r| r.held.key == *key)
             || self.in_flight.borrow().values().any(|r| r.held.key == *key)
             || self
                 .awaiting_store

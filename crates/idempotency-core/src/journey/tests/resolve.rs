@@ -1424,3 +1424,61 @@ mod adoption {
         );
     }
 }
+
+/// The native build: a worker's root hands its resolutions to a root of the same
+/// configuration on Envoy's main thread, which runs whether or not the worker has requests.
+#[test]
+fn a_worker_that_resolves_elsewhere_carries_its_resolution_to_the_root_that_asks() {
+    let host = FakeHost::default();
+    let worker = configured_root(&host, RESOLVING, 1);
+    worker.resolve_elsewhere();
+    let mut main = configured_root(&host, RESOLVING, 2);
+    payment_timed_out(&host, &worker, 7, "pay-c", "alice");
+    assert!(worker.has_resolutions_to_carry());
+    let carried = worker.resolutions_to_carry();
+    assert_eq!(carried.len(), 1);
+    assert!(!worker.has_resolutions_to_carry(), "carried once");
+    host.effective_context.set(2);
+    main.take_resolutions(&host, carried);
+
+    let mut worker = worker;
+    host.advance_ms(5_000);
+    assert!(
+        tick(&host, &mut worker).is_empty(),
+        "the worker does not ask about what it handed on"
+    );
+    let lookups = tick(&host, &mut main);
+    assert_eq!(lookups.len(), 1, "the root it went to asks");
+    assert_eq!(lookups[0].2, "/payments/by-key/pay-c");
+    lookup_answers(
+        &host,
+        &mut main,
+        lookups[0].0,
+        Some(200),
+        br#"{"id":"pay_c"}"#,
+    );
+    assert_eq!(host.counter("pay", Outcome::ResolvedTookEffect), 1);
+    let replay = retry(&host, &worker, 8, "pay-c").expect("replayed on the worker");
+    assert_eq!(
+        (replay.0, replay.2.as_slice()),
+        (200, &br#"{"id":"pay_c"}"#[..])
+    );
+}
+
+/// What the other root cannot match to a rule of its own is dropped, never resolved under
+/// another rule's settings.
+#[test]
+fn a_carried_resolution_for_a_rule_the_root_lacks_is_dropped() {
+    let host = FakeHost::default();
+    let worker = configured_root(&host, RESOLVING, 1);
+    worker.resolve_elsewhere();
+    payment_timed_out(&host, &worker, 7, "pay-d", "alice");
+    let mut carried = worker.resolutions_to_carry();
+    carried[0].rule.name = "another".into();
+    let other = r#"{"rules":[{"name":"pay","match":{"path_prefixes":["/payments"]},
+        "resolve":{"cluster":"payments","path":"/payments/by-key/{key}","settle_seconds":5}}]}"#;
+    let mut main = configured_root(&host, other, 2);
+    main.take_resolutions(&host, carried);
+    host.advance_ms(60_000);
+    assert!(tick(&host, &mut main).is_empty());
+}
