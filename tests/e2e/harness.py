@@ -969,8 +969,6 @@ def native_unsupported(plugin: Any) -> str | None:
             return "the store's HTTP transport"
         if rule.get("execution") == "detached":
             return "detached writes"
-        if rule.get("resolve"):
-            return "resolve"
     return None
 
 

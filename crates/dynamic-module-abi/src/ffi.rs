@@ -416,6 +416,18 @@ extern "C" {
         scheduler_module_ptr: HttpFilterConfigSchedulerModulePtr,
     );
 
+    // Config-level one-shot HTTP callout (main thread only, like the config's streams); its
+    // answer comes to `on_http_filter_config_http_callout_done`.
+    pub fn envoy_dynamic_module_callback_http_filter_config_http_callout(
+        filter_config_envoy_ptr: HttpFilterConfigEnvoyPtr,
+        callout_id_out: *mut u64,
+        cluster_name: ModuleBuffer,
+        headers: *mut ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        timeout_milliseconds: u64,
+    ) -> HttpCalloutInitResult;
+
     // Config-level HTTP streams (main thread only: Envoy keeps them in unsynchronised maps of
     // the config). Their events come to the optional `on_http_filter_config_http_stream_*`.
     pub fn envoy_dynamic_module_callback_http_filter_config_start_http_stream(

@@ -42,6 +42,18 @@ pub trait FilterFactory: Send + Sync + 'static {
     /// An event committed on a [`super::ConfigScheduler`] of this config (main thread).
     #[allow(unused_variables)]
     fn on_config_scheduled(&self, config: &MainThreadConfig, event_id: u64) {}
+    /// The answer to a callout this config started with [`MainThreadConfig::http_callout`]
+    /// (main thread); headers and body copied.
+    #[allow(unused_variables)]
+    fn on_config_callout_done(
+        &self,
+        config: &MainThreadConfig,
+        callout_id: u64,
+        result: CalloutResult,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+    ) {
+    }
     /// An event of a stream this config started with
     /// [`MainThreadConfig::start_http_stream`] (main thread).
     #[allow(unused_variables)]
@@ -571,21 +583,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
         (),
         |filter, f| {
             // Copied before the filter runs: Envoy's buffers live until this hook returns.
-            let headers = if headers.is_null() || headers_size == 0 {
-                Vec::new()
-            } else {
-                // SAFETY: Envoy's array of `headers_size` entries, valid for this hook.
-                headers_from_envoy(unsafe { std::slice::from_raw_parts(headers, headers_size) })
-            };
-            let mut body = Vec::new();
-            if !body_chunks.is_null() && body_chunks_size > 0 {
-                // SAFETY: Envoy's array of `body_chunks_size` slices, valid for this hook.
-                let chunks = unsafe { std::slice::from_raw_parts(body_chunks, body_chunks_size) };
-                for chunk in chunks {
-                    // SAFETY: each slice is Envoy's, valid for this hook.
-                    body.extend_from_slice(&unsafe { copy_envoy(chunk.ptr, chunk.length) });
-                }
-            }
+            let (headers, body) = copy_answer(headers, headers_size, body_chunks, body_chunks_size);
             filter.on_http_callout_done(
                 f,
                 callout_id,
@@ -619,6 +617,60 @@ fn with_config(
         let main = unsafe { MainThreadConfig::from_raw(envoy_ptr) };
         body(config.factory.as_ref(), &main);
     })
+}
+
+/// Envoy's response headers and body chunks as the module keeps them (copied: Envoy's live
+/// only while its hook runs).
+fn copy_answer(
+    headers: *mut EnvoyHttpHeader,
+    headers_size: usize,
+    body_chunks: *mut EnvoyBuffer,
+    body_chunks_size: usize,
+) -> (Vec<(String, Vec<u8>)>, Vec<u8>) {
+    let headers = if headers.is_null() || headers_size == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: Envoy's array of `headers_size` entries, valid for this hook.
+        headers_from_envoy(unsafe { std::slice::from_raw_parts(headers, headers_size) })
+    };
+    let mut body = Vec::new();
+    if !body_chunks.is_null() && body_chunks_size > 0 {
+        // SAFETY: Envoy's array of `body_chunks_size` slices, valid for this hook.
+        let chunks = unsafe { std::slice::from_raw_parts(body_chunks, body_chunks_size) };
+        for chunk in chunks {
+            // SAFETY: each slice is Envoy's, valid for this hook.
+            body.extend_from_slice(&unsafe { copy_envoy(chunk.ptr, chunk.length) });
+        }
+    }
+    (headers, body)
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
+    filter_config_module_ptr: ffi::HttpFilterConfigModulePtr,
+    callout_id: u64,
+    result: ffi::HttpCalloutResult,
+    headers: *mut EnvoyHttpHeader,
+    headers_size: usize,
+    body_chunks: *mut EnvoyBuffer,
+    body_chunks_size: usize,
+) {
+    with_config(
+        "config_http_callout_done",
+        filter_config_envoy_ptr,
+        filter_config_module_ptr,
+        |factory, main| {
+            let (headers, body) = copy_answer(headers, headers_size, body_chunks, body_chunks_size);
+            factory.on_config_callout_done(
+                main,
+                callout_id,
+                CalloutResult::from_raw(result),
+                headers,
+                body,
+            );
+        },
+    );
 }
 
 /// The config-level hooks' work, for tests that hold a config pointer.
@@ -833,4 +885,21 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buf
     _filter_envoy_ptr: ffi::HttpFilterEnvoyPtr,
     _filter_module_ptr: ffi::HttpFilterModulePtr,
 ) {
+}
+
+/// The config callout-done hook's work, for tests that hold a config pointer.
+pub fn config_callout_done(
+    envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
+    module_ptr: ffi::HttpFilterConfigModulePtr,
+    callout_id: u64,
+    result: CalloutResult,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+) {
+    with_config(
+        "config_http_callout_done",
+        envoy_ptr,
+        module_ptr,
+        |factory, main| factory.on_config_callout_done(main, callout_id, result, headers, body),
+    );
 }

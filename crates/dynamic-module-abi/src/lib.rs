@@ -1255,6 +1255,39 @@ impl MainThreadConfig {
         }
     }
 
+    /// Starts a one-shot HTTP request to `cluster` (headers must include `:method`, `:path`
+    /// and `host`) that outlives every request: its answer comes to the config's
+    /// `on_config_callout_done` with the id returned, or never if the config is destroyed
+    /// first. Timeouts count in whole milliseconds.
+    pub fn http_callout(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &[u8])],
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u64, AbiError> {
+        let mut raw = module_headers(headers);
+        let mut id: u64 = 0;
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        // SAFETY: everything passed is read during the call; `id` is written by Envoy.
+        let result = unsafe {
+            ffi::envoy_dynamic_module_callback_http_filter_config_http_callout(
+                self.ptr,
+                &mut id,
+                module_buffer(cluster.as_bytes()),
+                raw.as_mut_ptr(),
+                raw.len(),
+                module_buffer(body),
+                timeout_ms,
+            )
+        };
+        if result == ffi::CALLOUT_INIT_SUCCESS {
+            Ok(id)
+        } else {
+            Err(AbiError::CalloutNotStarted(result))
+        }
+    }
+
     /// Starts a long-lived HTTP stream to `cluster` (headers must include `:method`, `:path`
     /// and `:authority`), not ended: its events come to the config's stream hooks with the id
     /// returned. It lives until it ends, is reset, or the config is destroyed (then without

@@ -77,6 +77,8 @@ pub struct Abi {
     pub config_stream_data: Vec<(u64, Vec<u8>, bool)>,
     /// config_reset_http_stream's stream ids.
     pub config_stream_resets: Vec<u64>,
+    /// config_http_callout arguments: cluster, headers, body, timeout ms (ids count from 1).
+    pub config_callouts: Vec<Callout>,
 }
 
 /// A metadata value as the mock keeps it (a protobuf Value, in short).
@@ -678,6 +680,32 @@ pub unsafe extern "C" fn envoy_dynamic_module_callback_http_filter_http_callout(
         abi.callouts.push(call);
         if abi.callout_result == ffi::CALLOUT_INIT_SUCCESS {
             *callout_id_out = abi.callouts.len() as u64;
+        }
+        abi.callout_result
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_callback_http_filter_config_http_callout(
+    _config: ffi::HttpFilterConfigEnvoyPtr,
+    callout_id_out: *mut u64,
+    cluster_name: ModuleBuffer,
+    headers: *mut ModuleHttpHeader,
+    headers_size: usize,
+    body: ModuleBuffer,
+    timeout_milliseconds: u64,
+) -> u32 {
+    refused("config_http_callout");
+    let call = (
+        text(cluster_name),
+        module_headers(headers, headers_size),
+        bytes(body.ptr, body.length),
+        timeout_milliseconds,
+    );
+    with(|abi| {
+        abi.config_callouts.push(call);
+        if abi.callout_result == ffi::CALLOUT_INIT_SUCCESS {
+            *callout_id_out = abi.config_callouts.len() as u64;
         }
         abi.callout_result
     })

@@ -177,6 +177,9 @@ impl PluginRoot {
                 .resolutions
                 .take_on(host, &plugin.table, resolution, adopted);
         }
+        // What is due goes out now, not at the next tick: an overdue resolution taken on here
+        // claims it in the store before other proxies' retries find it overdue too.
+        plugin.resolutions.on_tick(host, &plugin.settlers());
     }
 
     /// A push retired this configuration. Completions and releases still waiting out a store
@@ -205,6 +208,13 @@ impl PluginRoot {
         );
         self.finishing = true;
         false
+    }
+
+    /// Whether the root holds work its ticks move on (store writes, held duplicates,
+    /// requests running upstream, detached writes, resolutions): a host that ticks a root
+    /// only on demand keeps ticking it while this holds.
+    pub fn has_unfinished_work(&self) -> bool {
+        self.unfinished() != Unfinished::default()
     }
 
     /// What a retired configuration's root stays for: store writes still waiting, duplicates

@@ -8,10 +8,13 @@ use std::sync::Arc;
 use idempotency_core::config::{Config, StoreTransport};
 use idempotency_core::root::PluginRoot;
 
-use crate::abi::{ConfigHandle, ConfigStreamEvent, MainThreadConfig};
+use std::cell::RefCell;
+
+use crate::abi::{CalloutResult, ConfigHandle, ConfigStreamEvent, MainThreadConfig};
 use crate::courier::Courier;
 use crate::host::NativeHost;
 use crate::loaded::{Shared, RETIREMENTS};
+use crate::main_root::{Carried, MainRoot};
 use crate::metrics::Metrics;
 
 impl Drop for Configuration {
@@ -28,6 +31,33 @@ pub struct Configuration {
     pub shared: Arc<Shared>,
     /// `grpc_replay_echo`: its requests get the echo, with no root (see `echo_filter`).
     replay_echo: bool,
+    /// The main thread's root, built when a worker first carries work to it.
+    main: MainThreadOnly<RefCell<MainSlot>>,
+}
+
+enum MainSlot {
+    NotBuilt,
+    Built(MainRoot),
+    /// Its configure failed (logged): what is carried here is dropped, and logged.
+    Refused,
+}
+
+/// What only the configuration's main-thread hooks touch: each reaches it through the
+/// `MainThreadConfig` only such a hook holds.
+struct MainThreadOnly<T>(T);
+
+// SAFETY: the value is reached only through `get`, which takes the proof of being in one of
+// the configuration's main-thread hooks (`MainThreadConfig` is neither Send nor Sync, and made
+// only there); Envoy runs those hooks one at a time. The configuration is dropped when Envoy
+// destroys it, after which none of its hooks runs.
+unsafe impl<T> Send for MainThreadOnly<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for MainThreadOnly<T> {}
+
+impl<T> MainThreadOnly<T> {
+    fn get(&self, _on_main_thread: &MainThreadConfig) -> &T {
+        &self.0
+    }
 }
 
 impl Configuration {
@@ -49,6 +79,7 @@ impl Configuration {
             configuration: bytes.to_vec(),
             metrics: Metrics::new(handle),
             courier: Arc::new(Courier::new(handle.new_scheduler())),
+            carried: Carried::default(),
             retired: AtomicBool::new(false),
         });
         crate::courier::start_sweeping(&shared.courier);
@@ -58,6 +89,7 @@ impl Configuration {
             return Ok(Configuration {
                 shared,
                 replay_echo: true,
+                main: MainThreadOnly(RefCell::new(MainSlot::NotBuilt)),
             });
         }
         // Built once here, as a Wasm filter's configuration is checked in a VM of its own:
@@ -68,6 +100,7 @@ impl Configuration {
             metrics: &shared.metrics,
             tick_ms: &tick_ms,
             streams: None,
+            main: None,
         };
         // Checked only: a store stream is a worker root's (opening one here only logged a
         // warning at every load).
@@ -80,13 +113,15 @@ impl Configuration {
         Ok(Configuration {
             shared,
             replay_echo: false,
+            main: MainThreadOnly(RefCell::new(MainSlot::NotBuilt)),
         })
     }
 }
 
-/// The features that need what the native build does not have yet (HTTP callouts: the
-/// store's HTTP transport, detached writes, resolution) are refused at
-/// load, naming the field, rather than behaving differently from the Wasm build.
+/// The features that need what the native build does not have yet (a worker's HTTP callouts
+/// outside a request: the store's HTTP transport, detached writes) are refused at load, naming
+/// the field, rather than behaving differently from the Wasm build. (Resolutions run on the
+/// main thread's root: `main_root.rs`.)
 fn not_native_yet(config: &Config) -> Result<(), String> {
     let refuse = |field: String, what: &str| {
         Err(format!(
@@ -110,9 +145,6 @@ fn not_native_yet(config: &Config) -> Result<(), String> {
         }
         if rule.detached.is_some() {
             return refuse(format!("rules[{i}].execution"), "a detached write");
-        }
-        if rule.resolve.is_some() {
-            return refuse(format!("rules[{i}].resolve"), "resolving unknown outcomes");
         }
     }
     Ok(())
@@ -152,15 +184,67 @@ impl crate::abi::FilterFactory for Configuration {
 
     fn on_config_scheduled(&self, config: &MainThreadConfig, _event_id: u64) {
         self.shared.courier.run(config);
+        self.run_main_root(config);
+    }
+
+    fn on_config_callout_done(
+        &self,
+        config: &MainThreadConfig,
+        callout_id: u64,
+        result: CalloutResult,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+    ) {
+        match self.main.get(config).try_borrow().as_deref() {
+            Ok(MainSlot::Built(main)) => {
+                main.on_callout_done(config, callout_id, result, headers, body);
+            }
+            _ => log::warn!("a callout answer for no main root of this configuration dropped"),
+        }
+        self.run_main_root(config);
     }
 
     fn on_config_stream_event(
         &self,
-        _config: &MainThreadConfig,
+        config: &MainThreadConfig,
         stream_id: u64,
         event: ConfigStreamEvent,
     ) {
         self.shared.courier.on_stream_event(stream_id, event);
+        self.run_main_root(config);
+    }
+}
+
+impl Configuration {
+    /// Runs the main thread's root, building it when the workers first carry work here; the
+    /// ticker's sweeps bring the main thread back while it holds work.
+    fn run_main_root(&self, config: &MainThreadConfig) {
+        let slot = self.main.get(config);
+        if let Ok(mut slot) = slot.try_borrow_mut() {
+            if matches!(*slot, MainSlot::NotBuilt) && !self.shared.carried.is_empty() {
+                *slot = match MainRoot::configure(Arc::clone(&self.shared), config) {
+                    Some(main) => MainSlot::Built(main),
+                    None => MainSlot::Refused,
+                };
+            }
+        }
+        // Shared while it runs: Envoy may answer a callout inside the call that starts it.
+        let Ok(slot) = slot.try_borrow() else {
+            return;
+        };
+        let busy = match &*slot {
+            MainSlot::Built(main) => main.run(config),
+            MainSlot::Refused => {
+                let dropped = self.shared.carried.take_all();
+                log::error!(
+                    "{} resolution(s) dropped: the main thread's root refused the configuration",
+                    dropped.len()
+                );
+                false
+            }
+            MainSlot::NotBuilt => false,
+        };
+        self.shared.courier.keep_main_ticking(busy);
     }
 }
 

@@ -13,7 +13,7 @@
 //! closes every stream in its root's inbox (Envoy resets them without an event).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use idempotency_core::grpc::frame::{frame_len, PREFIX_BYTES};
@@ -90,6 +90,8 @@ pub struct Courier {
     pub handoff: Handoff,
     /// The ticker's entry that brings the main thread here to sweep the ledgers.
     sweeps: Mutex<Option<Ticket>>,
+    /// The main thread's root holds work: the sweeps bring the main thread back for it.
+    main_busy: AtomicBool,
 }
 
 fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -158,6 +160,7 @@ impl Courier {
             next_token: AtomicU32::new(1),
             handoff: Handoff::default(),
             sweeps: Mutex::new(None),
+            main_busy: AtomicBool::new(false),
         }
     }
 
@@ -214,11 +217,22 @@ impl Courier {
         *relock(&self.sweeps) = Some(ticket);
     }
 
-    /// From the ticker: brings the main thread here if a ledger holds a write.
+    /// From the ticker: brings the main thread here if a ledger holds a write, or the main
+    /// thread's root holds work.
     pub fn poke(&self) {
-        if !self.handoff.has_work() {
+        if !self.handoff.has_work() && !self.main_busy.load(Ordering::Acquire) {
             return;
         }
+        self.summon();
+    }
+
+    /// From the main thread's root, after each run: whether the sweeps should bring it back.
+    pub fn keep_main_ticking(&self, busy: bool) {
+        self.main_busy.store(busy, Ordering::Release);
+    }
+
+    /// Brings the main thread here soon (once per batch), unless the configuration is gone.
+    pub fn summon(&self) {
         let mut outbox = relock(&self.outbox);
         if outbox.retired || outbox.armed {
             return;

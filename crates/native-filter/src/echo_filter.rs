@@ -59,6 +59,7 @@ impl EchoFilter {
             metrics: &self.shared.metrics,
             tick_ms: &tick_ms,
             streams: None,
+            main: None,
         };
         echo::on(&host, event)
     }

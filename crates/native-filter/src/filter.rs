@@ -74,17 +74,24 @@ impl NativeFilter {
             }
         };
         self.follow(filter);
+        // The step may have recorded an unknown outcome, or met one overdue in the store.
+        self.root.carry_resolutions();
         verdict
     }
 
     /// Ticks while the journey needs the root's: a held duplicate's wait ends on a tick,
     /// and a running write's lease is renewed on one (without it another worker could take
-    /// the key over while the write still runs).
+    /// the key over while the write still runs); a claim or a caller's lookup waiting for
+    /// the store is moved on by the store's answer, which only a wake-up brings to an idle
+    /// worker.
     fn follow(&mut self, filter: &Filter) {
         let needs_ticks = match self.journey.try_borrow() {
             Ok(journey) => matches!(
                 journey.state(),
-                Journey::Waiting(_) | Journey::Executing(_) | Journey::AwaitingStore(_)
+                Journey::Waiting(_)
+                    | Journey::Executing(_)
+                    | Journey::AwaitingStore(_)
+                    | Journey::LookingUp { .. }
             ),
             Err(_) => return,
         };
@@ -234,6 +241,7 @@ impl HttpFilter for NativeFilter {
             Ok(mut journey) => journey.after_fault(&host),
             Err(_) => log::error!("a faulted request's journey is busy; its claim is not settled"),
         }
+        self.root.carry_resolutions();
         if self.responding {
             return;
         }

@@ -12,6 +12,7 @@ use idempotency_core::host::{
 };
 
 use crate::abi::{AttributeId, Filter, HeaderMap, MetadataSource};
+use crate::main_root::MainCalls;
 use crate::metrics::Metrics;
 use crate::queues;
 use crate::root_streams::RootStreams;
@@ -26,6 +27,9 @@ pub struct NativeHost<'a> {
     pub tick_ms: &'a Cell<u32>,
     /// The root's store streams; None for the configuration's trial root on the main thread.
     pub streams: Option<&'a RootStreams>,
+    /// The main thread's root: its configuration's callouts. None for a worker's root, which
+    /// has none outside a request (its resolutions go to the main root).
+    pub main: Option<MainCalls<'a>>,
 }
 
 fn no_request() -> HostError {
@@ -230,16 +234,25 @@ impl Host for NativeHost<'_> {
         Ok(())
     }
 
-    fn dispatch_callout(&self, _callout: &Callout<'_>) -> Result<u32, HostError> {
-        Err(not_native("an HTTP callout"))
+    fn dispatch_callout(&self, callout: &Callout<'_>) -> Result<u32, HostError> {
+        match &self.main {
+            Some(main) => main.dispatch(callout),
+            None => Err(not_native("an HTTP callout from a worker's root")),
+        }
     }
 
     fn callout_response_headers(&self) -> Result<HeaderPairs, HostError> {
-        Err(not_native("an HTTP callout"))
+        match &self.main {
+            Some(main) => main.response_headers(),
+            None => Err(not_native("an HTTP callout from a worker's root")),
+        }
     }
 
-    fn callout_response_body(&self, _size: usize) -> Result<Vec<u8>, HostError> {
-        Err(not_native("an HTTP callout"))
+    fn callout_response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        match &self.main {
+            Some(main) => main.response_body(size),
+            None => Err(not_native("an HTTP callout from a worker's root")),
+        }
     }
 
     fn hand_off_write(&self, write: &HandedOffWrite<'_>) -> Result<(), HostError> {

@@ -34,6 +34,7 @@ mod host;
 mod inbox;
 mod ledger;
 mod loaded;
+mod main_root;
 mod metrics;
 mod queues;
 mod root;

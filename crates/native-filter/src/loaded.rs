@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 
 use crate::courier::Courier;
+use crate::main_root::Carried;
 use crate::metrics::Metrics;
 
 /// What every worker shares of one configuration.
@@ -16,6 +17,8 @@ pub struct Shared {
     pub metrics: Metrics,
     /// Carries the workers' store streams on the main thread.
     pub courier: Arc<Courier>,
+    /// What the workers hand the main thread's root (`main_root.rs`).
+    pub carried: Carried,
     /// Envoy let go of the configuration (a push replaced it).
     pub retired: AtomicBool,
 }

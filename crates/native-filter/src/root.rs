@@ -43,6 +43,7 @@ impl WorkerRoot {
                 metrics: &shared.metrics,
                 tick_ms: &tick_ms,
                 streams: Some(&streams),
+                main: None,
             };
             worker::act_on_none();
             root.on_configure(&host)
@@ -50,6 +51,8 @@ impl WorkerRoot {
         if !configured {
             log::error!("this worker's root refused a configuration the module had accepted");
         }
+        // A worker runs only while it has requests: the main thread resolves for it.
+        root.resolve_elsewhere();
         WorkerRoot {
             shared,
             root: RefCell::new(root),
@@ -66,6 +69,7 @@ impl WorkerRoot {
             metrics: &self.shared.metrics,
             tick_ms: &self.tick_ms,
             streams: Some(&self.streams),
+            main: None,
         }
     }
 
@@ -104,6 +108,28 @@ impl WorkerRoot {
             run_caught("the root's tick", || root.on_tick(&host));
             worker::act_on_none();
         }
+        self.carry_resolutions();
+    }
+
+    /// Carries the resolutions this root's requests took on to the main thread's root (see
+    /// `main_root.rs`), and summons it.
+    pub fn carry_resolutions(&self) {
+        let Ok(root) = self.root.try_borrow() else {
+            return; // busy further up this stack, which carries them when it ends
+        };
+        if !root.has_resolutions_to_carry() {
+            return;
+        }
+        let carried = root.resolutions_to_carry();
+        drop(root);
+        if let Err(refused) = self.shared.carried.push(carried) {
+            log::error!(
+                "{} unknown outcome(s) not resolved: the main thread holds as many as it may \
+                 (it is not keeping up); their keys stay unknown",
+                refused.len()
+            );
+        }
+        self.shared.courier.summon();
     }
 
     /// Hands core what the store streams said since the last time, in order, as proxy-wasm
@@ -136,6 +162,9 @@ impl WorkerRoot {
             });
         }
         worker::act_on_none();
+        drop(root);
+        // A store answer may have recorded an unknown outcome (or found one overdue).
+        self.carry_resolutions();
     }
 }
 
@@ -144,7 +173,7 @@ impl WorkerRoot {
 /// unprotected (a retry of a recorded write runs again), and a poisoned running write would
 /// be answered 503 and dropped without a stream end (no unknown outcome recorded: its retry
 /// takes the key over once the lease lapses). Caught here, logged, and the hook goes on.
-fn run_caught(what: &str, work: impl FnOnce()) {
+pub(crate) fn run_caught(what: &str, work: impl FnOnce()) {
     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
     if let Err(payload) = ran {
         let text = payload

@@ -28,6 +28,7 @@ fn with_host<T>(f: impl FnOnce(&NativeHost<'_>) -> T) -> T {
         metrics: &metrics,
         tick_ms: &tick,
         streams: None,
+        main: None,
     };
     f(&host)
 }
