@@ -11,10 +11,11 @@ use idempotency_core::root::PluginRoot;
 use std::cell::RefCell;
 
 use crate::abi::{CalloutResult, ConfigHandle, ConfigStreamEvent, MainThreadConfig};
+use crate::carried::Carried;
 use crate::courier::Courier;
 use crate::host::NativeHost;
 use crate::loaded::{Shared, RETIREMENTS};
-use crate::main_root::{Carried, MainRoot};
+use crate::main_root::MainRoot;
 use crate::metrics::Metrics;
 
 impl Drop for Configuration {
@@ -37,7 +38,7 @@ pub struct Configuration {
 
 enum MainSlot {
     NotBuilt,
-    Built(MainRoot),
+    Built(Box<MainRoot>),
     /// Its configure failed (logged): what is carried here is dropped, and logged.
     Refused,
 }
@@ -223,7 +224,7 @@ impl Configuration {
         if let Ok(mut slot) = slot.try_borrow_mut() {
             if matches!(*slot, MainSlot::NotBuilt) && !self.shared.carried.is_empty() {
                 *slot = match MainRoot::configure(Arc::clone(&self.shared), config) {
-                    Some(main) => MainSlot::Built(main),
+                    Some(main) => MainSlot::Built(Box::new(main)),
                     None => MainSlot::Refused,
                 };
             }

@@ -1,8 +1,9 @@
 //! Envoy as core's `Host`, over the dynamic module ABI: each call maps onto the request host
 //! calls act on now (`worker::effective`), the process's shared data, or the configuration's
 //! metrics, and the root's store streams (`root_streams.rs`, carried by the main thread's
-//! courier). What the native build does not offer yet (HTTP callouts) answers a `HostError`;
-//! the configuration refuses the features that need them before any request can ask
+//! courier). HTTP callouts are the main thread's root's only (`main_root.rs`, the
+//! configuration's own callouts); a worker's root has none outside a request, and the
+//! configuration refuses the features that would need them before any request can ask
 //! (`configuration::not_native_yet`).
 
 use std::cell::Cell;
@@ -12,7 +13,7 @@ use idempotency_core::host::{
 };
 
 use crate::abi::{AttributeId, Filter, HeaderMap, MetadataSource};
-use crate::main_root::MainCalls;
+use crate::config_callouts::MainCalls;
 use crate::metrics::Metrics;
 use crate::queues;
 use crate::root_streams::RootStreams;

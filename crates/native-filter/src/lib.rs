@@ -15,12 +15,16 @@
 //! events wait for a root's worker, `root_streams.rs` those streams as core's host sees them,
 //! `ledger.rs` a root's handed-off completions and releases, `handoff.rs` the main thread's
 //! landing of those an idle worker leaves unsettled, `config_streams.rs` what the courier's
-//! and the handoff's streams share.
+//! and the handoff's streams share, `main_root.rs` the configuration's root on the main
+//! thread, which resolves unknown outcomes for every worker, `carried.rs` what the workers hand
+//! it, `config_callouts.rs` its callouts.
 
 pub(crate) use dynamic_module_abi as abi;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod attack_tests;
+mod carried;
+mod config_callouts;
 mod config_streams;
 mod configuration;
 mod courier;

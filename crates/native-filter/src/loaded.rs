@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use std::sync::Arc;
 
+use crate::carried::Carried;
 use crate::courier::Courier;
-use crate::main_root::Carried;
 use crate::metrics::Metrics;
 
 /// What every worker shares of one configuration.

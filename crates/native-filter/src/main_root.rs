@@ -12,155 +12,20 @@
 //! here, when the courier runs, and on the process ticker's sweeps while it holds any.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idempotency_core::host::{Callout, HeaderPairs, HostError};
-use idempotency_core::plugin::resolutions::PortableResolution;
+use idempotency_core::host::HeaderPairs;
 use idempotency_core::root::PluginRoot;
 
-use crate::abi::{CalloutResult, MainThreadConfig};
+use crate::abi::CalloutResult;
+use crate::config_callouts::{Answer, Callouts, ConfigCallouts, MainCalls};
 use crate::host::NativeHost;
 use crate::inbox::StreamEvent;
 use crate::loaded::Shared;
 use crate::root::run_caught;
 use crate::root_streams::RootStreams;
 use crate::worker;
-
-/// Resolutions carried from the workers, waiting for the main thread (bounded: each worker
-/// holds at most core's budget, and the main thread takes them at its next run).
-pub const MAX_CARRIED: usize = idempotency_core::plugin::resolutions::MAX_RESOLUTIONS;
-
-/// What the workers leave for the main root.
-#[derive(Default)]
-pub struct Carried {
-    resolutions: Mutex<Vec<PortableResolution>>,
-}
-
-impl Carried {
-    /// From a worker: Err gives back what did not fit (the main thread is not keeping up).
-    pub fn push(
-        &self,
-        resolutions: Vec<PortableResolution>,
-    ) -> Result<(), Vec<PortableResolution>> {
-        let mut held = self
-            .resolutions
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let room = MAX_CARRIED.saturating_sub(held.len());
-        let mut resolutions = resolutions;
-        let refused = resolutions.split_off(room.min(resolutions.len()));
-        held.extend(resolutions);
-        if refused.is_empty() {
-            Ok(())
-        } else {
-            Err(refused)
-        }
-    }
-
-    pub fn take_all(&self) -> Vec<PortableResolution> {
-        std::mem::take(
-            &mut *self
-                .resolutions
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        )
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.resolutions
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .is_empty()
-    }
-}
-
-/// The configuration's one-shot callouts (a trait so the main root is tested without Envoy).
-pub trait ConfigCallouts {
-    fn callout(
-        &self,
-        cluster: &str,
-        headers: &[(&str, &[u8])],
-        body: &[u8],
-        timeout_ms: u64,
-    ) -> Result<u64, String>;
-}
-
-impl ConfigCallouts for MainThreadConfig {
-    fn callout(
-        &self,
-        cluster: &str,
-        headers: &[(&str, &[u8])],
-        body: &[u8],
-        timeout_ms: u64,
-    ) -> Result<u64, String> {
-        self.http_callout(cluster, headers, body, Duration::from_millis(timeout_ms))
-            .map_err(|e| e.to_string())
-    }
-}
-
-/// An answer as Envoy delivered it.
-struct Answer {
-    callout_id: u64,
-    headers: HeaderPairs,
-    body: Vec<u8>,
-}
-
-/// The main root's callouts in flight, by Envoy's id, under core's tokens; and the answer
-/// being delivered, which `callout_response_*` read as proxy-wasm's do.
-#[derive(Default)]
-pub struct Callouts {
-    tokens: RefCell<HashMap<u64, u32>>,
-    next_token: Cell<u32>,
-    current: RefCell<Option<(HeaderPairs, Vec<u8>)>>,
-    /// Answers that came while the root was busy (Envoy may answer inside the call that
-    /// started the callout), delivered once it is free.
-    early: RefCell<Vec<Answer>>,
-}
-
-/// What a main root's host makes its callouts with, for one hook.
-#[derive(Clone, Copy)]
-pub struct MainCalls<'a> {
-    pub config: &'a dyn ConfigCallouts,
-    pub callouts: &'a Callouts,
-}
-
-impl MainCalls<'_> {
-    pub fn dispatch(&self, callout: &Callout<'_>) -> Result<u32, HostError> {
-        let headers: Vec<(&str, &[u8])> = callout
-            .headers
-            .iter()
-            .map(|(n, v)| (*n, v.as_bytes()))
-            .collect();
-        if !callout.trailers.is_empty() {
-            log::debug!("a callout's trailers are not sent (Envoy's callout takes none)");
-        }
-        let id = self
-            .config
-            .callout(callout.cluster, &headers, callout.body, callout.timeout_ms)
-            .map_err(HostError)?;
-        let callouts = self.callouts;
-        let token = callouts.next_token.get().wrapping_add(1).max(1);
-        callouts.next_token.set(token);
-        callouts.tokens.borrow_mut().insert(id, token);
-        Ok(token)
-    }
-
-    pub fn response_headers(&self) -> Result<HeaderPairs, HostError> {
-        match &*self.callouts.current.borrow() {
-            Some((headers, _)) => Ok(headers.clone()),
-            None => Err(HostError("no callout answer is being delivered".into())),
-        }
-    }
-
-    pub fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
-        match &*self.callouts.current.borrow() {
-            Some((_, body)) => Ok(body.get(..size).unwrap_or(body).to_vec()),
-            None => Err(HostError("no callout answer is being delivered".into())),
-        }
-    }
-}
 
 pub struct MainRoot {
     shared: Arc<Shared>,
@@ -315,5 +180,127 @@ impl MainRoot {
             });
             *self.callouts.current.borrow_mut() = None;
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+    use crate::carried::{Carried, MAX_CARRIED};
+    use idempotency_core::host::Callout;
+    use idempotency_core::plugin::resolutions::PortableResolution;
+
+    /// Envoy's callout ids as the fake hands them out, and what it was asked.
+    #[derive(Default)]
+    struct FakeCallouts {
+        asked: RefCell<Vec<(String, u64)>>,
+        refuse: Cell<bool>,
+    }
+
+    impl ConfigCallouts for FakeCallouts {
+        fn callout(
+            &self,
+            cluster: &str,
+            _headers: &[(&str, &[u8])],
+            _body: &[u8],
+            timeout_ms: u64,
+        ) -> Result<u64, String> {
+            if self.refuse.get() {
+                return Err("no such cluster".into());
+            }
+            self.asked.borrow_mut().push((cluster.into(), timeout_ms));
+            // Envoy's ids are its own: far from core's tokens.
+            Ok(1_000 + self.asked.borrow().len() as u64)
+        }
+    }
+
+    fn callout(cluster: &str) -> Callout<'_> {
+        Callout {
+            cluster,
+            headers: vec![(":method", "GET"), (":path", "/payments/by-key/k")],
+            body: b"",
+            trailers: Vec::new(),
+            timeout_ms: 500,
+        }
+    }
+
+    #[test]
+    fn each_callout_gets_its_own_token_and_a_refusal_is_an_error() {
+        let fake = FakeCallouts::default();
+        let callouts = Callouts::default();
+        let calls = MainCalls {
+            config: &fake,
+            callouts: &callouts,
+        };
+        let first = calls.dispatch(&callout("payments")).unwrap();
+        let second = calls.dispatch(&callout("payments")).unwrap();
+        assert_ne!(first, second);
+        assert_ne!(first, 0, "zero is proxy-wasm's none");
+        assert_eq!(callouts.tokens.borrow().get(&1_001), Some(&first));
+        assert_eq!(callouts.tokens.borrow().get(&1_002), Some(&second));
+        fake.refuse.set(true);
+        assert!(calls.dispatch(&callout("nowhere")).is_err());
+        assert_eq!(
+            callouts.tokens.borrow().len(),
+            2,
+            "a refused callout is not awaited"
+        );
+    }
+
+    #[test]
+    fn an_answer_is_read_only_while_it_is_delivered() {
+        let fake = FakeCallouts::default();
+        let callouts = Callouts::default();
+        let calls = MainCalls {
+            config: &fake,
+            callouts: &callouts,
+        };
+        assert!(calls.response_headers().is_err());
+        *callouts.current.borrow_mut() = Some((
+            vec![(":status".into(), b"200".to_vec())],
+            b"{\"paid\":true}".to_vec(),
+        ));
+        assert_eq!(calls.response_headers().unwrap().len(), 1);
+        assert_eq!(calls.response_body(6).unwrap(), b"{\"paid");
+        assert_eq!(calls.response_body(1 << 20).unwrap(), b"{\"paid\":true}");
+    }
+
+    #[test]
+    fn the_carried_queue_gives_back_what_does_not_fit() {
+        let carried = Carried::default();
+        let one = || PortableResolution {
+            rule: idempotency_core::config::Config::parse(
+                br#"{"rules":[{"name":"pay","match":{"path_prefixes":["/p"]},
+                "resolve":{"cluster":"c","path":"/p/{key}","settle_seconds":5}}]}"#,
+            )
+            .unwrap()
+            .rules
+            .remove(0),
+            held: idempotency_core::table::Held {
+                slot: None,
+                key: [7; 32],
+                fingerprint: [0; 32],
+                owner: 1,
+                took_over: false,
+                evicted: None,
+                completed_status: None,
+                unlanded: None,
+            },
+            lookup: idempotency_core::resolve::lookup::LookupRequest {
+                cluster: "c".into(),
+                headers: Vec::new(),
+                timeout_ms: 1,
+            },
+            unknown: Default::default(),
+            due_ms: 0,
+            adopted: false,
+        };
+        let full: Vec<PortableResolution> = (0..MAX_CARRIED).map(|_| one()).collect();
+        assert!(carried.push(full).is_ok());
+        let refused = carried.push(vec![one(), one()]).unwrap_err();
+        assert_eq!(refused.len(), 2);
+        assert_eq!(carried.take_all().len(), MAX_CARRIED);
+        assert!(carried.is_empty());
     }
 }

@@ -1,0 +1,97 @@
+//! The configuration's own one-shot HTTP callouts, as the main thread's root makes them
+//! (`main_root.rs`): Envoy's callout ids under core's tokens, and the answer being delivered,
+//! which core's `callout_response_*` read as proxy-wasm's do.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::time::Duration;
+
+use idempotency_core::host::{Callout, HeaderPairs, HostError};
+
+use crate::abi::MainThreadConfig;
+
+/// The configuration's one-shot callouts (a trait so the main root is tested without Envoy).
+pub trait ConfigCallouts {
+    fn callout(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &[u8])],
+        body: &[u8],
+        timeout_ms: u64,
+    ) -> Result<u64, String>;
+}
+
+impl ConfigCallouts for MainThreadConfig {
+    fn callout(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &[u8])],
+        body: &[u8],
+        timeout_ms: u64,
+    ) -> Result<u64, String> {
+        self.http_callout(cluster, headers, body, Duration::from_millis(timeout_ms))
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// An answer as Envoy delivered it.
+pub struct Answer {
+    pub callout_id: u64,
+    pub headers: HeaderPairs,
+    pub body: Vec<u8>,
+}
+
+/// The main root's callouts in flight, by Envoy's id, under core's tokens; and the answer
+/// being delivered, which `callout_response_*` read as proxy-wasm's do.
+#[derive(Default)]
+pub struct Callouts {
+    pub tokens: RefCell<HashMap<u64, u32>>,
+    next_token: Cell<u32>,
+    pub current: RefCell<Option<(HeaderPairs, Vec<u8>)>>,
+    /// Answers that came while the root was busy (Envoy may answer inside the call that
+    /// started the callout), delivered once it is free.
+    pub early: RefCell<Vec<Answer>>,
+}
+
+/// What a main root's host makes its callouts with, for one hook.
+#[derive(Clone, Copy)]
+pub struct MainCalls<'a> {
+    pub config: &'a dyn ConfigCallouts,
+    pub callouts: &'a Callouts,
+}
+
+impl MainCalls<'_> {
+    pub fn dispatch(&self, callout: &Callout<'_>) -> Result<u32, HostError> {
+        let headers: Vec<(&str, &[u8])> = callout
+            .headers
+            .iter()
+            .map(|(n, v)| (*n, v.as_bytes()))
+            .collect();
+        if !callout.trailers.is_empty() {
+            log::debug!("a callout's trailers are not sent (Envoy's callout takes none)");
+        }
+        let id = self
+            .config
+            .callout(callout.cluster, &headers, callout.body, callout.timeout_ms)
+            .map_err(HostError)?;
+        let callouts = self.callouts;
+        let token = callouts.next_token.get().wrapping_add(1).max(1);
+        callouts.next_token.set(token);
+        callouts.tokens.borrow_mut().insert(id, token);
+        Ok(token)
+    }
+
+    pub fn response_headers(&self) -> Result<HeaderPairs, HostError> {
+        match &*self.callouts.current.borrow() {
+            Some((headers, _)) => Ok(headers.clone()),
+            None => Err(HostError("no callout answer is being delivered".into())),
+        }
+    }
+
+    pub fn response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
+        match &*self.callouts.current.borrow() {
+            Some((_, body)) => Ok(body.get(..size).unwrap_or(body).to_vec()),
+            None => Err(HostError("no callout answer is being delivered".into())),
+        }
+    }
+}
