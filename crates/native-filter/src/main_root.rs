@@ -21,9 +21,8 @@ use idempotency_core::root::PluginRoot;
 use crate::abi::CalloutResult;
 use crate::config_callouts::{Answer, Callouts, ConfigCallouts, MainCalls};
 use crate::host::NativeHost;
-use crate::inbox::StreamEvent;
 use crate::loaded::Shared;
-use crate::root::run_caught;
+use crate::root::{hand_to_core, run_caught};
 use crate::root_streams::RootStreams;
 use crate::worker;
 
@@ -111,19 +110,8 @@ impl MainRoot {
 
     fn drain_inbox(&self, host: &NativeHost<'_>, root: &mut PluginRoot) {
         for event in self.streams.inbox.take_all() {
-            self.streams.delivering(event, |event| {
-                run_caught("a store stream event", || match event {
-                    StreamEvent::InitialMetadata { token, .. } => {
-                        root.on_grpc_initial_metadata(host, *token);
-                    }
-                    StreamEvent::Message { token, message } => {
-                        root.on_grpc_message(host, *token, message.len());
-                    }
-                    StreamEvent::Closed { token, status } => {
-                        root.on_grpc_close(host, *token, *status);
-                    }
-                });
-            });
+            self.streams
+                .delivering(event, |event| hand_to_core(root, host, event));
         }
     }
 

@@ -147,19 +147,8 @@ impl WorkerRoot {
         let events = self.streams.inbox.take_all();
         for event in events {
             worker::act_on_none();
-            self.streams.delivering(event, |event| {
-                run_caught("a store stream event", || match event {
-                    StreamEvent::InitialMetadata { token, .. } => {
-                        root.on_grpc_initial_metadata(&host, *token);
-                    }
-                    StreamEvent::Message { token, message } => {
-                        root.on_grpc_message(&host, *token, message.len());
-                    }
-                    StreamEvent::Closed { token, status } => {
-                        root.on_grpc_close(&host, *token, *status);
-                    }
-                });
-            });
+            self.streams
+                .delivering(event, |event| hand_to_core(&mut root, &host, event));
         }
         worker::act_on_none();
         drop(root);
@@ -173,6 +162,17 @@ impl WorkerRoot {
 /// unprotected (a retry of a recorded write runs again), and a poisoned running write would
 /// be answered 503 and dropped without a stream end (no unknown outcome recorded: its retry
 /// takes the key over once the lease lapses). Caught here, logged, and the hook goes on.
+/// One store stream event, as proxy-wasm calls a root context for it.
+pub(crate) fn hand_to_core(root: &mut PluginRoot, host: &NativeHost<'_>, event: &StreamEvent) {
+    run_caught("a store stream event", || match event {
+        StreamEvent::InitialMetadata { token, .. } => root.on_grpc_initial_metadata(host, *token),
+        StreamEvent::Message { token, message } => {
+            root.on_grpc_message(host, *token, message.len());
+        }
+        StreamEvent::Closed { token, status } => root.on_grpc_close(host, *token, *status),
+    });
+}
+
 pub(crate) fn run_caught(what: &str, work: impl FnOnce()) {
     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
     if let Err(payload) = ran {
