@@ -11,10 +11,10 @@ use crate::host::Host;
 use crate::journey::registry::Journeys;
 use crate::journey::{Event, RequestJourney};
 use crate::plugin::detached::{self, DetachedAnswer};
-use crate::plugin::resolutions::PortableResolution;
+use crate::plugin::resolutions::{give_up_portable, PortableResolution};
 use crate::plugin::vm_roles::{Role, MARK_RENEWAL_MS};
 use crate::plugin::waits::{read_wait_reply, WAIT_TICK_MS};
-use crate::plugin::Plugin;
+use crate::plugin::{Claims, Plugin};
 use crate::store::client::{read_claim_reply, StoreClaim, StoreFailure};
 use crate::store::link::{ClaimWaiter, Waiter};
 use crate::store::writes::PendingWrite;
@@ -59,7 +59,7 @@ impl PluginRoot {
 
     /// False makes Envoy refuse the configuration.
     pub fn on_configure(&mut self, host: &impl Host) -> bool {
-        self.configure_with(host, true)
+        self.configure_with(host, true, Claims::Made)
     }
 
     /// Checks the configuration as `on_configure` takes it (its metrics defined, a bad one
@@ -67,12 +67,23 @@ impl PluginRoot {
     /// where no stream can be opened, and builds the roots that serve it elsewhere (the
     /// native build, on Envoy's main thread).
     pub fn check_configuration(&mut self, host: &impl Host) -> bool {
-        self.configure_with(host, false)
+        self.configure_with(host, false, Claims::Made)
     }
 
-    fn configure_with(&mut self, host: &impl Host, open_streams: bool) -> bool {
+    /// Configures a root that makes no claims and resolves the unknown outcomes of `roots`
+    /// others (their `resolve_elsewhere`): its table layout is not registered, and its
+    /// budget for resolutions is theirs together (bounded).
+    pub fn on_configure_to_resolve_for(&mut self, host: &impl Host, roots: usize) -> bool {
+        let configured = self.configure_with(host, true, Claims::None);
+        if let Some(plugin) = &self.plugin {
+            plugin.resolutions.resolve_for(roots);
+        }
+        configured
+    }
+
+    fn configure_with(&mut self, host: &impl Host, open_streams: bool, claims: Claims) -> bool {
         self.role = None;
-        let configured = configure(host).map(|(plugin, role)| {
+        let configured = configure(host, claims).map(|(plugin, role)| {
             self.role = Some(role);
             self.next_mark_ms = host.now_ms().saturating_add(MARK_RENEWAL_MS);
             plugin
@@ -149,6 +160,30 @@ impl PluginRoot {
             .map_or_else(Vec::new, |p| p.resolutions.take_outgoing())
     }
 
+    /// Whether this configuration has `rule` (a resolution of it can be taken on here).
+    pub fn has_rule(&self, rule: &crate::config::Rule) -> bool {
+        self.plugin
+            .as_ref()
+            .is_some_and(|p| p.handle_of(rule).is_some())
+    }
+
+    /// Gives back resolutions the host could not carry (see `Resolutions::keep_to_carry`).
+    pub fn keep_to_carry(&self, host: &impl Host, refused: Vec<PortableResolution>) {
+        if let Some(plugin) = &self.plugin {
+            plugin
+                .resolutions
+                .keep_to_carry(host, &plugin.table, refused);
+        }
+    }
+
+    /// Every resolution this root holds, as plain data, for a root of another
+    /// configuration (see `Resolutions::surrender`).
+    pub fn surrender_resolutions(&self) -> Vec<PortableResolution> {
+        self.plugin
+            .as_ref()
+            .map_or_else(Vec::new, |p| p.resolutions.surrender())
+    }
+
     /// On the root that resolves for others (same configuration): takes theirs on, each under
     /// this root's handle of its rule. An overdue key it resolves already is not asked about
     /// twice.
@@ -162,14 +197,16 @@ impl PluginRoot {
         };
         for portable in carried {
             let Some(rule) = plugin.handle_of(&portable.rule) else {
-                log::error!(
-                    "rule {}: a resolution dropped: this configuration has no such rule",
-                    portable.rule.name
+                give_up_portable(
+                    host,
+                    &plugin.table,
+                    &portable,
+                    "no rule of this configuration",
                 );
                 continue;
             };
             // Overdue retries on several workers each carry the same one.
-            if portable.adopted && plugin.resolutions.resolving(&portable.held.key) {
+            if portable.adopted && plugin.resolutions.resolving_outcome(&portable) {
                 continue;
             }
             let (resolution, adopted) = portable.into_resolution(rule);
@@ -529,7 +566,7 @@ struct Unfinished {
 
 /// The configuration and its role under its vm_id, checked before it touches shared data: an
 /// echo refused for sharing the filter's vm_id must not lay out a table there first.
-fn configure(host: &impl Host) -> Result<(Plugin, Role), String> {
+fn configure(host: &impl Host, claims: Claims) -> Result<(Plugin, Role), String> {
     let bytes = host
         .plugin_configuration()
         .map_err(|e| format!("plugin configuration unreadable: {}", e.0))?;
@@ -540,7 +577,7 @@ fn configure(host: &impl Host) -> Result<(Plugin, Role), String> {
         Role::Filter
     };
     role.check(host)?;
-    let plugin = Plugin::build(host, config)?;
+    let plugin = Plugin::build_for(host, config, claims)?;
     role.mark(host);
     // The tick is always set: it opens store streams, retries store writes and empties
     // retired tables.

@@ -250,3 +250,58 @@ fn a_panic_in_a_running_writes_own_response_hook_keeps_it_as_an_unknown_outcome(
     );
     end(402, retry);
 }
+
+/// A configuration with `resolve` on POST /orders, settled one second after the outcome.
+fn resolve_config() -> ffi::HttpFilterConfigModulePtr {
+    load(
+        br#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "fingerprint":"none","ttl_seconds":60,
+        "resolve":{"cluster":"shop","path":"/orders/by-key/{key}","settle_seconds":1}}]}"#,
+    )
+}
+
+/// The main thread runs the configuration `config` (its scheduled event).
+fn main_thread_runs(config: ffi::HttpFilterConfigModulePtr) {
+    envoy_dynamic_module_on_http_filter_config_scheduled(fake(9), config, 1);
+}
+
+fn lookups_asked() -> Vec<String> {
+    with(|abi| {
+        abi.config_callouts
+            .iter()
+            .filter_map(|(cluster, headers, _, _)| {
+                let path = headers.iter().find(|(n, _)| n == ":path")?;
+                Some(format!("{cluster} {}", String::from_utf8_lossy(&path.1)))
+            })
+            .collect()
+    })
+}
+
+/// A write whose client left mid-way is an unknown outcome, resolved on the main thread. A
+/// push destroys its configuration before the lookup is due: the resolution must not go with
+/// it (its key would answer "come back" until its TTL, and nobody would ask). The next
+/// configuration with the same rule asks the service.
+#[test]
+fn a_resolution_pending_on_the_main_root_outlives_a_push() {
+    reset();
+    let old = resolve_config();
+    let (module, status) = start(old, 401, "attack-push-resolve");
+    assert_eq!(status, ffi::HEADERS_CONTINUE, "the write goes upstream");
+    // The client leaves before any response: the outcome is unknown.
+    end(401, module);
+    main_thread_runs(old);
+    assert!(lookups_asked().is_empty(), "not due yet");
+    envoy_dynamic_module_on_http_filter_config_destroy(old);
+
+    let next = resolve_config();
+    main_thread_runs(next);
+    std::thread::sleep(std::time::Duration::from_millis(1_100));
+    main_thread_runs(next);
+    assert_eq!(
+        lookups_asked(),
+        vec!["shop /orders/by-key/attack-push-resolve".to_string()],
+        "the next configuration asks about it: {:?}",
+        with(|a| a.logs.clone())
+    );
+    envoy_dynamic_module_on_http_filter_config_destroy(next);
+}

@@ -1,7 +1,8 @@
 //! What the workers carry to the main thread's root (`main_root.rs`): the resolutions their
 //! roots took on, as plain data, in a queue the configuration shares.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use idempotency_core::plugin::resolutions::PortableResolution;
 
@@ -12,43 +13,117 @@ pub const MAX_CARRIED: usize = idempotency_core::plugin::resolutions::MAX_RESOLU
 /// What the workers leave for the main root.
 #[derive(Default)]
 pub struct Carried {
-    resolutions: Mutex<Vec<PortableResolution>>,
+    held: Mutex<Held>,
+}
+
+#[derive(Default)]
+struct Held {
+    resolutions: Vec<PortableResolution>,
+    /// The configuration is gone: what comes now goes to the orphanage.
+    closed: bool,
+}
+
+/// Why `Carried::push` gave resolutions back.
+pub enum Refused {
+    /// The queue is full (the main thread is not keeping up): the worker keeps them.
+    Full(Vec<PortableResolution>),
+    /// The configuration is gone: for the orphanage.
+    Closed(Vec<PortableResolution>),
 }
 
 impl Carried {
-    /// From a worker: Err gives back what did not fit (the main thread is not keeping up).
-    pub fn push(
-        &self,
-        resolutions: Vec<PortableResolution>,
-    ) -> Result<(), Vec<PortableResolution>> {
-        let mut held = self
-            .resolutions
+    fn lock(&self) -> MutexGuard<'_, Held> {
+        self.held
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let room = MAX_CARRIED.saturating_sub(held.len());
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// From a worker: Err gives back what this queue does not take.
+    pub fn push(&self, resolutions: Vec<PortableResolution>) -> Result<(), Refused> {
+        let mut held = self.lock();
+        if held.closed {
+            return Err(Refused::Closed(resolutions));
+        }
+        let room = MAX_CARRIED.saturating_sub(held.resolutions.len());
         let mut resolutions = resolutions;
         let refused = resolutions.split_off(room.min(resolutions.len()));
-        held.extend(resolutions);
+        held.resolutions.extend(resolutions);
         if refused.is_empty() {
             Ok(())
         } else {
-            Err(refused)
+            Err(Refused::Full(refused))
         }
     }
 
     pub fn take_all(&self) -> Vec<PortableResolution> {
-        std::mem::take(
-            &mut *self
-                .resolutions
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        )
+        std::mem::take(&mut self.lock().resolutions)
+    }
+
+    /// The configuration is going: what is queued, and from now on nothing more.
+    pub fn close(&self) -> Vec<PortableResolution> {
+        let mut held = self.lock();
+        held.closed = true;
+        std::mem::take(&mut held.resolutions)
     }
 
     pub fn is_empty(&self) -> bool {
-        self.resolutions
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .is_empty()
+        self.lock().resolutions.is_empty()
     }
+}
+
+/// Resolutions of retired configurations, for the next live configuration's main root that
+/// has their rule, with when they were left.
+static ORPHANS: Mutex<Vec<(Instant, PortableResolution)>> = Mutex::new(Vec::new());
+/// How long an orphan waits for a configuration with its rule (a push that changed or removed
+/// the rule leaves none); then the next main root gives it up as having no rule.
+pub const ORPHAN_WAIT: Duration = Duration::from_secs(60);
+/// At most this many wait there (a push during an outage that left many unknown outcomes);
+/// beyond, they are logged and their keys stay unknown.
+pub const MAX_ORPHANS: usize = 4 * MAX_CARRIED;
+
+fn orphans() -> MutexGuard<'static, Vec<(Instant, PortableResolution)>> {
+    ORPHANS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Hands a retired configuration's resolutions to the next live one.
+pub fn orphan(resolutions: Vec<PortableResolution>) {
+    if resolutions.is_empty() {
+        return;
+    }
+    let mut held = orphans();
+    let room = MAX_ORPHANS.saturating_sub(held.len());
+    let mut resolutions = resolutions;
+    let lost = resolutions.split_off(room.min(resolutions.len()));
+    log::warn!(
+        "{} resolution(s) of a retired configuration wait for the next one",
+        resolutions.len()
+    );
+    let now = Instant::now();
+    held.extend(resolutions.into_iter().map(|r| (now, r)));
+    if !lost.is_empty() {
+        log::error!(
+            "{} resolution(s) of a retired configuration dropped: too many wait already; \
+             their keys stay unknown (in cluster mode, another proxy takes each on once it \
+             is overdue)",
+            lost.len()
+        );
+    }
+}
+
+pub fn has_orphans() -> bool {
+    !orphans().is_empty()
+}
+
+/// The orphans a configuration takes on: those `has_rule` says it has a rule for, and those
+/// that waited `ORPHAN_WAIT` for one (to be given up); the rest wait on.
+pub fn take_orphans(has_rule: impl Fn(&PortableResolution) -> bool) -> Vec<PortableResolution> {
+    let mut held = orphans();
+    let now = Instant::now();
+    let (taken, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut *held)
+        .into_iter()
+        .partition(|(left, r)| has_rule(r) || now.saturating_duration_since(*left) >= ORPHAN_WAIT);
+    *held = waiting;
+    taken.into_iter().map(|(_, r)| r).collect()
 }

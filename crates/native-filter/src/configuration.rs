@@ -22,6 +22,13 @@ impl Drop for Configuration {
     /// Envoy destroys the configuration on the main thread once none of its requests is left,
     /// and resets its streams without an event: the roots learn it from the courier.
     fn drop(&mut self) {
+        // Its resolutions go to the next configuration's main root (they would be lost
+        // with this one's; their keys would answer "come back" until their TTL).
+        let mut left = self.shared.carried.close();
+        if let MainSlot::Built(main) = self.main.0.get_mut() {
+            left.extend(main.surrender());
+        }
+        crate::carried::orphan(left);
         self.shared.courier.retire();
         self.shared.retired.store(true, Ordering::Release);
         RETIREMENTS.fetch_add(1, Ordering::AcqRel);
@@ -49,8 +56,9 @@ struct MainThreadOnly<T>(T);
 
 // SAFETY: the value is reached only through `get`, which takes the proof of being in one of
 // the configuration's main-thread hooks (`MainThreadConfig` is neither Send nor Sync, and made
-// only there); Envoy runs those hooks one at a time. The configuration is dropped when Envoy
-// destroys it, after which none of its hooks runs.
+// only there); Envoy runs those hooks one at a time, on the main thread. Envoy may destroy the
+// configuration (drop) on whichever thread lets it go last, but then no hook of it runs any
+// more and nothing else holds the value: it is never touched by two threads at once.
 unsafe impl<T> Send for MainThreadOnly<T> {}
 // SAFETY: as above.
 unsafe impl<T> Sync for MainThreadOnly<T> {}
@@ -222,7 +230,8 @@ impl Configuration {
     fn run_main_root(&self, config: &MainThreadConfig) {
         let slot = self.main.get(config);
         if let Ok(mut slot) = slot.try_borrow_mut() {
-            if matches!(*slot, MainSlot::NotBuilt) && !self.shared.carried.is_empty() {
+            let work = !self.shared.carried.is_empty() || crate::carried::has_orphans();
+            if matches!(*slot, MainSlot::NotBuilt) && work {
                 *slot = match MainRoot::configure(Arc::clone(&self.shared), config) {
                     Some(main) => MainSlot::Built(Box::new(main)),
                     None => MainSlot::Refused,
@@ -236,11 +245,16 @@ impl Configuration {
         let busy = match &*slot {
             MainSlot::Built(main) => main.run(config),
             MainSlot::Refused => {
+                // Not seen in practice (the configuration was checked at load); their keys
+                // stay unknown, as under a worker that could hold no more.
                 let dropped = self.shared.carried.take_all();
-                log::error!(
-                    "{} resolution(s) dropped: the main thread's root refused the configuration",
-                    dropped.len()
-                );
+                if !dropped.is_empty() {
+                    log::error!(
+                        "{} resolution(s) dropped: the main thread's root refused the \
+                         configuration",
+                        dropped.len()
+                    );
+                }
                 false
             }
             MainSlot::NotBuilt => false,

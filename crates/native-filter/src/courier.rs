@@ -218,9 +218,10 @@ impl Courier {
     }
 
     /// From the ticker: brings the main thread here if a ledger holds a write, or the main
-    /// thread's root holds work.
+    /// thread's root holds work (or a retired configuration left resolutions for it).
     pub fn poke(&self) {
-        if !self.handoff.has_work() && !self.main_busy.load(Ordering::Acquire) {
+        let main_work = self.main_busy.load(Ordering::Acquire) || crate::carried::has_orphans();
+        if !self.handoff.has_work() && !main_work {
             return;
         }
         self.summon();

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idempotency_core::host::HeaderPairs;
+use idempotency_core::plugin::resolutions::PortableResolution;
 use idempotency_core::root::PluginRoot;
 
 use crate::abi::CalloutResult;
@@ -50,7 +51,9 @@ impl MainRoot {
         let configured = {
             let host = main.host(config);
             worker::act_on_none();
-            main.root.borrow_mut().on_configure(&host)
+            main.root
+                .borrow_mut()
+                .on_configure_to_resolve_for(&host, usize::MAX)
         };
         if !configured {
             log::error!("the main thread's root refused a configuration the module had accepted");
@@ -75,10 +78,12 @@ impl MainRoot {
     /// Takes what the workers carried here, what its store streams said, and its tick if
     /// due. True while it holds work (the ticker's sweeps bring the main thread back).
     pub fn run(&self, config: &dyn ConfigCallouts) -> bool {
-        let carried = self.shared.carried.take_all();
+        // Busy further up this stack: what waits is taken at the next run.
         if let Ok(mut root) = self.root.try_borrow_mut() {
             let host = self.host(config);
             worker::act_on_none();
+            let mut carried = self.shared.carried.take_all();
+            carried.extend(crate::carried::take_orphans(|r| root.has_rule(&r.rule)));
             if !carried.is_empty() {
                 run_caught("resolutions carried here", || {
                     root.take_resolutions(&host, carried);
@@ -92,12 +97,16 @@ impl MainRoot {
                 self.next_tick.set(Some(now + period));
                 run_caught("the main root's tick", || root.on_tick(&host));
             }
-        } else if !carried.is_empty() {
-            // Busy further up this stack: taken at the next run.
-            let _kept = self.shared.carried.push(carried);
         }
         self.deliver_early(config);
         self.busy()
+    }
+
+    /// Every resolution this root holds, for the next configuration's (this one is going).
+    pub fn surrender(&self) -> Vec<PortableResolution> {
+        self.root
+            .try_borrow()
+            .map_or_else(|_| Vec::new(), |root| root.surrender_resolutions())
     }
 
     /// Whether this root holds work its ticks move on.
@@ -175,7 +184,7 @@ impl MainRoot {
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
-    use crate::carried::{Carried, MAX_CARRIED};
+    use crate::carried::{Carried, Refused, MAX_CARRIED};
     use idempotency_core::host::Callout;
     use idempotency_core::plugin::resolutions::PortableResolution;
 
@@ -283,12 +292,25 @@ mod tests {
             unknown: Default::default(),
             due_ms: 0,
             adopted: false,
+            store: None,
         };
         let full: Vec<PortableResolution> = (0..MAX_CARRIED).map(|_| one()).collect();
         assert!(carried.push(full).is_ok());
-        let refused = carried.push(vec![one(), one()]).unwrap_err();
+        let Err(Refused::Full(refused)) = carried.push(vec![one(), one()]) else {
+            panic!("a full queue gives back what does not fit");
+        };
         assert_eq!(refused.len(), 2);
         assert_eq!(carried.take_all().len(), MAX_CARRIED);
         assert!(carried.is_empty());
+        assert!(carried.push(vec![one()]).is_ok());
+        assert_eq!(
+            carried.close().len(),
+            1,
+            "what was queued goes with the close"
+        );
+        let Err(Refused::Closed(after)) = carried.push(vec![one()]) else {
+            panic!("a closed queue takes nothing");
+        };
+        assert_eq!(after.len(), 1);
     }
 }

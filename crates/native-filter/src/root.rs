@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use idempotency_core::journey::RequestJourney;
 use idempotency_core::root::PluginRoot;
 
+use crate::carried::Refused;
 use crate::host::NativeHost;
 use crate::inbox::StreamEvent;
 use crate::loaded::Shared;
@@ -121,15 +122,16 @@ impl WorkerRoot {
             return;
         }
         let carried = root.resolutions_to_carry();
-        drop(root);
-        if let Err(refused) = self.shared.carried.push(carried) {
-            log::error!(
-                "{} unknown outcome(s) not resolved: the main thread holds as many as it may \
-                 (it is not keeping up); their keys stay unknown",
-                refused.len()
-            );
+        match self.shared.carried.push(carried) {
+            Ok(()) => self.shared.courier.summon(),
+            // The main thread is not keeping up: kept here for the next carry.
+            Err(Refused::Full(refused)) => {
+                root.keep_to_carry(&self.host(), refused);
+                self.shared.courier.summon();
+            }
+            // The configuration is gone (a push): the next one's main root takes them.
+            Err(Refused::Closed(refused)) => crate::carried::orphan(refused),
         }
-        self.shared.courier.summon();
     }
 
     /// Hands core what the store streams said since the last time, in order, as proxy-wasm

@@ -34,6 +34,13 @@ use waits::Waits;
 /// Shared-data namespace of this filter (Istio sets no VM id, so keys need a prefix).
 pub const NAMESPACE: &str = "envoy.filters.http.idempotency";
 
+/// Whether a root's requests claim keys in the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claims {
+    Made,
+    None,
+}
+
 /// Everything a request needs, built once per configuration.
 pub struct Plugin {
     /// The configuration's settings; its rules live in `rules`.
@@ -89,7 +96,17 @@ impl Plugin {
     }
 
     /// Builds a parsed configuration: prepares the shared table and resolves the rules.
-    pub fn build(host: &impl Host, mut config: Config) -> Result<Plugin, String> {
+    pub fn build(host: &impl Host, config: Config) -> Result<Plugin, String> {
+        Plugin::build_for(host, config, Claims::Made)
+    }
+
+    /// `Claims::None`: for a root that makes no claims (it resolves for others): its table
+    /// layout is not registered, so a late one cannot make a retired layout current again.
+    pub fn build_for(
+        host: &impl Host,
+        mut config: Config,
+        claims: Claims,
+    ) -> Result<Plugin, String> {
         let salt = table::bucket_salt(host, NAMESPACE, host.now_nanos())
             .map_err(|e| format!("shared data table could not be created: {}", e.0))?;
         let table = Table::new(NAMESPACE, config.table_layout.clone(), salt);
@@ -100,7 +117,9 @@ impl Plugin {
             .map(|r| r.ttl_ms.saturating_add(r.lease_ms))
             .max()
             .unwrap_or(0);
-        let upkeep = if config.grpc_replay_echo {
+        let upkeep = if claims == Claims::None {
+            TableUpkeep::idle(NAMESPACE, &table, record_life_ms)
+        } else if config.grpc_replay_echo {
             // The echo claims nothing: its table is never created nor registered.
             TableUpkeep::idle(NAMESPACE, &table, record_life_ms)
         } else {

@@ -41,6 +41,8 @@ use idempotency_protocol::record::{key_expires_value, RecordedResponse, UnknownO
 pub const MAX_RESOLUTIONS: usize = 4096;
 /// Bytes of lookups one worker holds at most.
 pub const MAX_RESOLUTION_BYTES: usize = 8 << 20;
+/// A root that resolves for others holds at most this many workers' budgets.
+pub const MAX_SERVED_ROOTS: usize = 4;
 /// What a resolution costs beyond its lookup's bytes.
 const RESOLUTION_OVERHEAD_BYTES: usize = 512;
 /// Envoy answers every callout by its timeout; one unanswered this long after is a failed
@@ -106,6 +108,20 @@ impl Resolution {
         }
     }
 
+    /// As plain data, for another root; `adopted` as `PortableResolution` says.
+    fn portable(self, adopted: bool) -> PortableResolution {
+        let store = self.store_record.map(|record| (record, self.store_due_ms));
+        PortableResolution {
+            rule: self.rule.rule.clone(),
+            held: self.held,
+            lookup: self.lookup,
+            unknown: self.unknown,
+            due_ms: self.due_ms,
+            adopted,
+            store,
+        }
+    }
+
     fn settings(&self) -> Option<&Resolve> {
         self.rule.rule.resolve.as_ref()
     }
@@ -127,15 +143,30 @@ pub struct PortableResolution {
     pub lookup: LookupRequest,
     pub unknown: UnknownOutcome,
     pub due_ms: u64,
-    /// Taken on from the store (overdue there) rather than recorded here.
+    /// Taken on from the store (overdue there) rather than recorded here: one that cannot
+    /// be held is left for the next overdue retry, not marked unresolved.
     pub adopted: bool,
+    /// Cluster mode, for one a root gives up (its configuration went): the store's record
+    /// as that root last had it take it, and its due time, which the next root's settles
+    /// must name.
+    pub store: Option<(Vec<u8>, u64)>,
 }
 
 impl PortableResolution {
     /// The resolution, for the root holding `rule` (a handle of `self.rule`).
     pub fn into_resolution(self, rule: Rc<RuleHandle>) -> (Resolution, bool) {
-        let resolution = Resolution::new(rule, self.held, self.lookup, self.unknown, self.due_ms);
+        let mut resolution =
+            Resolution::new(rule, self.held, self.lookup, self.unknown, self.due_ms);
+        if let (Some((record, due_ms)), true) = (self.store, resolution.store_record.is_some()) {
+            resolution.store_record = Some(record);
+            resolution.store_due_ms = due_ms;
+        }
         (resolution, self.adopted)
+    }
+
+    /// Whether `resolution` resolves the same unknown outcome.
+    fn same_outcome(&self, resolution: &Resolution) -> bool {
+        resolution.held.key == self.held.key && resolution.unknown == self.unknown
     }
 }
 
@@ -201,6 +232,8 @@ pub struct Resolutions {
     /// this worker has no request): what this root would take on waits in `outgoing`.
     elsewhere: Cell<bool>,
     outgoing: RefCell<Vec<PortableResolution>>,
+    /// How many roots' budgets this one holds (`resolve_for`; 0 and 1: its own).
+    scale: Cell<usize>,
     waiting: RefCell<Vec<Resolution>>,
     in_flight: RefCell<HashMap<u32, Resolution>>,
     /// Cluster mode: waiting for the store's answer to a settle, by the id it is reported
@@ -215,6 +248,65 @@ impl Resolutions {
     /// resolves for this one.
     pub fn resolve_elsewhere(&self) {
         self.elsewhere.set(true);
+    }
+
+    /// This root resolves for `roots` others: its budget is theirs together, up to
+    /// `MAX_SERVED_ROOTS` times a worker's.
+    pub fn resolve_for(&self, roots: usize) {
+        self.scale.set(roots.clamp(1, MAX_SERVED_ROOTS));
+    }
+
+    /// Every resolution this root holds, as plain data, for another root to go on with (its
+    /// configuration is going); a lookup in flight is asked again there.
+    pub fn surrender(&self) -> Vec<PortableResolution> {
+        let mut all: Vec<Resolution> = self.waiting.borrow_mut().drain(..).collect();
+        all.extend(self.in_flight.borrow_mut().drain().map(|(_, r)| r));
+        all.extend(
+            self.awaiting_store
+                .borrow_mut()
+                .drain()
+                .map(|(_, (r, _))| r),
+        );
+        let mut portable = self.take_outgoing();
+        for resolution in all {
+            self.finish(&resolution);
+            // In cluster mode the store's record says who asks: the next root claims it anew.
+            let adopted = resolution.store_record.is_some();
+            portable.push(resolution.portable(adopted));
+        }
+        portable
+    }
+
+    /// Gives back what the host could not carry: kept for the next carry while there is
+    /// room, else not resolved (a recorded one is marked so).
+    pub fn keep_to_carry(&self, host: &impl Host, table: &Table, refused: Vec<PortableResolution>) {
+        for portable in refused {
+            let mut outgoing = self.outgoing.borrow_mut();
+            if outgoing.len() < MAX_RESOLUTIONS {
+                outgoing.push(portable);
+                continue;
+            }
+            drop(outgoing);
+            give_up_portable(host, table, &portable, "this worker cannot carry more");
+        }
+    }
+
+    /// Whether this root resolves exactly this unknown outcome already.
+    pub fn resolving_outcome(&self, portable: &PortableResolution) -> bool {
+        self.waiting
+            .borrow()
+            .iter()
+            .any(|r| portable.same_outcome(r))
+            || self
+                .in_flight
+                .borrow()
+                .values()
+                .any(|r| portable.same_outcome(r))
+            || self
+                .awaiting_store
+                .borrow()
+                .values()
+                .any(|(r, _)| portable.same_outcome(r))
     }
 
     /// What waits to be carried to the root that resolves for this one.
@@ -237,14 +329,7 @@ impl Resolutions {
             // Carried out after every hook, so this bound is never near unless the carrier
             // stopped.
             if outgoing.len() < MAX_RESOLUTIONS {
-                outgoing.push(PortableResolution {
-                    rule: resolution.rule.rule.clone(),
-                    held: resolution.held,
-                    lookup: resolution.lookup,
-                    unknown: resolution.unknown,
-                    due_ms: resolution.due_ms,
-                    adopted,
-                });
+                outgoing.push(resolution.portable(adopted));
                 return;
             }
             drop(outgoing);
@@ -279,24 +364,15 @@ impl Resolutions {
             "rule {name}: this worker resolves as many unknown outcomes as it can hold; this \
              one is not resolved (Retry-After will not clear)"
         );
-        let unresolved = RecordedResponse::unknown_outcome(UnknownOutcome {
-            resolution_due_ms: None,
-            ..refused.unknown.clone()
-        });
-        let settlement = Settlement::Record {
-            response: &unresolved,
-            ttl_ms: None,
-            tombstone_ms: 0,
-        };
-        if let Err(e) = table.settle_unknown(host, &refused.held, settlement, host.now_ms()) {
-            log::error!("unresolved outcome not marked so: {e}");
-        }
+        mark_unresolved(host, table, &refused.held, &refused.unknown);
     }
 
     /// Takes `resolution` on, or gives it back when the worker holds its budget already.
     fn schedule(&self, resolution: Resolution) -> Result<(), Box<Resolution>> {
-        let fits = self.len() < MAX_RESOLUTIONS
-            && self.bytes.get().saturating_add(resolution.bytes) <= MAX_RESOLUTION_BYTES;
+        let scale = self.scale.get().max(1);
+        let fits = self.len() < MAX_RESOLUTIONS.saturating_mul(scale)
+            && self.bytes.get().saturating_add(resolution.bytes)
+                <= MAX_RESOLUTION_BYTES.saturating_mul(scale);
         if !fits {
             return Err(Box::new(resolution));
         }
@@ -772,4 +848,37 @@ impl Resolutions {
         self.bytes
             .set(self.bytes.get().saturating_sub(resolution.bytes));
     }
+}
+
+/// Marks a recorded unknown outcome as not being resolved, so a retry is not told to come
+/// back for a lookup nobody will make.
+fn mark_unresolved(host: &impl Host, table: &Table, held: &Held, unknown: &UnknownOutcome) {
+    let unresolved = RecordedResponse::unknown_outcome(UnknownOutcome {
+        resolution_due_ms: None,
+        ..unknown.clone()
+    });
+    let settlement = Settlement::Record {
+        response: &unresolved,
+        ttl_ms: None,
+        tombstone_ms: 0,
+    };
+    if let Err(e) = table.settle_unknown(host, held, settlement, host.now_ms()) {
+        log::error!("unresolved outcome not marked so: {e}");
+    }
+}
+
+/// A carried resolution no root takes on: a recorded one is marked unresolved, an adopted
+/// one is left for the next overdue retry.
+pub fn give_up_portable(host: &impl Host, table: &Table, portable: &PortableResolution, why: &str) {
+    let name = &portable.rule.name;
+    let key = short_hash(&portable.held.key);
+    if portable.adopted {
+        log::warn!("rule {name}, key {key}: an overdue resolution not taken on ({why})");
+        return;
+    }
+    log::warn!(
+        "rule {name}, key {key}: an unknown outcome is not resolved ({why}); Retry-After will \
+         not clear"
+    );
+    mark_unresolved(host, table, &portable.held, &portable.unknown);
 }

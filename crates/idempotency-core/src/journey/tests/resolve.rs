@@ -1482,3 +1482,107 @@ fn a_carried_resolution_for_a_rule_the_root_lacks_is_dropped() {
     host.advance_ms(60_000);
     assert!(tick(&host, &mut main).is_empty());
 }
+
+/// A root whose configuration goes gives its resolutions up as plain data; a root of the next
+/// configuration with the same rule goes on with them (the native build's orphanage).
+#[test]
+fn a_surrendered_resolution_is_asked_about_by_the_next_root() {
+    let host = FakeHost::default();
+    let worker = configured_root(&host, RESOLVING, 1);
+    worker.resolve_elsewhere();
+    let mut old_main = configured_root(&host, RESOLVING, 2);
+    payment_timed_out(&host, &worker, 7, "pay-s", "alice");
+    host.effective_context.set(2);
+    old_main.take_resolutions(&host, worker.resolutions_to_carry());
+    let surrendered = old_main.surrender_resolutions();
+    assert_eq!(surrendered.len(), 1);
+    host.advance_ms(5_000);
+    assert!(
+        tick(&host, &mut old_main).is_empty(),
+        "given up by the old root"
+    );
+
+    let mut next_main = configured_root(&host, RESOLVING, 3);
+    assert!(next_main.has_rule(&surrendered[0].rule));
+    host.effective_context.set(3);
+    next_main.take_resolutions(&host, surrendered);
+    let lookups = tick(&host, &mut next_main);
+    assert_eq!(lookups.len(), 1);
+    lookup_answers(
+        &host,
+        &mut next_main,
+        lookups[0].0,
+        Some(200),
+        br#"{"id":"pay_s"}"#,
+    );
+    let replay = retry(&host, &worker, 8, "pay-s").expect("replayed");
+    assert_eq!(
+        (replay.0, replay.2.as_slice()),
+        (200, &br#"{"id":"pay_s"}"#[..])
+    );
+}
+
+/// One no root can take on (its rule is gone) is marked unresolved: a retry is no longer told
+/// to come back for a lookup nobody will make, and still never runs the write.
+#[test]
+fn a_carried_resolution_no_root_can_hold_stops_promising_a_retry_after() {
+    let host = FakeHost::default();
+    let worker = configured_root(&host, RESOLVING, 1);
+    worker.resolve_elsewhere();
+    payment_timed_out(&host, &worker, 7, "pay-g", "alice");
+    let mut carried = worker.resolutions_to_carry();
+    carried[0].rule.name = "renamed".into();
+    let mut main = configured_root(&host, RESOLVING, 2);
+    assert!(!main.has_rule(&carried[0].rule));
+    host.effective_context.set(2);
+    main.take_resolutions(&host, carried);
+    host.advance_ms(1_000);
+    let reply = retry(&host, &worker, 8, "pay-g").expect("never executed");
+    assert_eq!(reply.0, 409);
+    assert!(problem_type(&reply.2).ends_with("outcome-unknown"));
+    assert_eq!(retry_after(&reply), None, "nobody will ask");
+}
+
+/// What the host could not carry stays with the worker for the next carry.
+#[test]
+fn resolutions_the_host_could_not_carry_are_carried_next_time() {
+    let host = FakeHost::default();
+    let worker = configured_root(&host, RESOLVING, 1);
+    worker.resolve_elsewhere();
+    payment_timed_out(&host, &worker, 7, "pay-k", "alice");
+    let carried = worker.resolutions_to_carry();
+    assert!(!worker.has_resolutions_to_carry());
+    worker.keep_to_carry(&host, carried);
+    assert_eq!(worker.resolutions_to_carry().len(), 1);
+}
+
+/// Overdue retries on several workers carry the same adopted resolution: taken on once. One
+/// for another unknown outcome of the same key is not mistaken for it.
+#[test]
+fn an_adopted_resolution_is_taken_on_once_per_unknown_outcome() {
+    let host = FakeHost::default();
+    let worker = configured_root(&host, RESOLVING, 1);
+    worker.resolve_elsewhere();
+    let mut main = configured_root(&host, RESOLVING, 2);
+    payment_timed_out(&host, &worker, 7, "pay-a", "alice");
+    let mut first = worker.resolutions_to_carry();
+    first[0].adopted = true;
+    let again = first.clone();
+    let mut other = first.clone();
+    other[0].unknown.proxy_status = 503;
+    host.effective_context.set(2);
+    main.take_resolutions(&host, first);
+    main.take_resolutions(&host, again);
+    assert_eq!(
+        main.plugin().unwrap().resolutions.len(),
+        1,
+        "the same one once"
+    );
+    main.take_resolutions(&host, other);
+    assert_eq!(
+        main.plugin().unwrap().resolutions.len(),
+        2,
+        "another outcome is its own"
+    );
+    let _ = tick(&host, &mut main);
+}
