@@ -10,7 +10,7 @@ use crate::config::Config;
 use crate::host::Host;
 use crate::journey::registry::Journeys;
 use crate::journey::{Event, RequestJourney};
-use crate::plugin::detached::{self, DetachedAnswer};
+use crate::plugin::detached::{self, DetachedAnswer, DetachedCarry, PortableDetached};
 use crate::plugin::resolutions::{give_up_portable, PortableResolution};
 use crate::plugin::vm_roles::{Role, MARK_RENEWAL_MS};
 use crate::plugin::waits::{read_wait_reply, WAIT_TICK_MS};
@@ -158,6 +158,80 @@ impl PluginRoot {
         self.plugin
             .as_ref()
             .map_or_else(Vec::new, |p| p.resolutions.take_outgoing())
+    }
+
+    /// The detached writes this root's requests make go to another root (see
+    /// `take_detached`), which runs them where this one may not: the native build's roots live
+    /// on workers that run only while they have requests, and a detached write must be
+    /// recorded, and its lease renewed, when its client is gone.
+    pub fn send_detached_elsewhere(&self) {
+        if let Some(plugin) = &self.plugin {
+            plugin.detached.send_elsewhere();
+        }
+    }
+
+    /// Whether detached writes (or notices of their clients leaving) wait to be carried.
+    pub fn has_detached_to_carry(&self) -> bool {
+        self.plugin
+            .as_ref()
+            .is_some_and(|p| p.detached.has_outgoing())
+    }
+
+    pub fn detached_to_carry(&self) -> Vec<DetachedCarry> {
+        self.plugin
+            .as_ref()
+            .map_or_else(Vec::new, |p| p.detached.take_outgoing())
+    }
+
+    /// On the root that runs other roots' detached writes (same configuration): runs each as
+    /// a journey of its own, under the context id the host gave it (which the host maps to
+    /// the worker's request: its answer goes there), and sends it now.
+    pub fn take_detached(&mut self, host: &impl Host, carried: Vec<(u32, PortableDetached)>) {
+        let Some(plugin) = self.plugin.clone() else {
+            log::error!(
+                "{} detached write(s) not sent: the root that sends them has no configuration",
+                carried.len()
+            );
+            return;
+        };
+        for (context_id, write) in carried {
+            let Some(rule) = plugin.handle_of(&write.rule) else {
+                // Never sent: its claim's lease lapses, and a retry runs it.
+                log::error!(
+                    "rule {}: a detached write not sent: this configuration has no such rule",
+                    write.rule.name
+                );
+                continue;
+            };
+            let journey = RequestJourney::shared(Rc::clone(&plugin), &self.journeys, context_id);
+            let here = host.set_effective_context(context_id).is_ok();
+            match journey.try_borrow_mut() {
+                Ok(mut journey) => {
+                    if !here {
+                        journey.context_is_gone();
+                    }
+                    journey.run_carried(host, rule, write);
+                }
+                Err(_) => log::error!("a carried detached write's journey was busy"),
+            }
+            if let Err(e) = host.set_effective_context(self.context_id) {
+                log::error!("root context not restored: {}", e.0);
+            }
+        }
+        self.send_detached(host, &plugin);
+    }
+
+    /// The client of a carried detached write (`context_id`, as `take_detached` ran it) left,
+    /// or Envoy answered it: its answer is only recorded.
+    pub fn client_left(&self, host: &impl Host, context_id: u32) {
+        let Some(journey) = self.journeys.find(context_id) else {
+            return; // answered already
+        };
+        let Ok(mut journey) = journey.try_borrow_mut() else {
+            return;
+        };
+        journey.context_is_gone();
+        let _ = journey.on(host, Event::StreamEnd);
     }
 
     /// Whether this configuration has `rule` (a resolution of it can be taken on here).

@@ -7,12 +7,15 @@
 use std::rc::Rc;
 
 use super::NO_ROUTER_RETRIES;
-use super::{send_response, Execution, Journey, RequestJourney, Step, Verdict};
+use super::{send_response, Execution, Journey, RequestJourney, Step, StoreOwner, Verdict};
 use crate::capture::ResponseCapture;
 use crate::host::{HeaderPairs, Host};
 use crate::outcome::Outcome;
-use crate::plugin::detached::{DetachedAnswer, DetachedWrite, ForwardedRequest};
+use crate::plugin::detached::{
+    DetachedAnswer, DetachedCarry, DetachedWrite, ForwardedRequest, PortableDetached,
+};
 use crate::problem::Problem;
+use crate::rule_handle::RuleHandle;
 use crate::who_answered::{Answerer, EnvoyReport};
 use idempotency_protocol::record::{key_expires_value, RecordedResponse, KEY_EXPIRES_HEADER};
 
@@ -141,6 +144,9 @@ impl RequestJourney {
             }
             return (Journey::Executing(run), Verdict::Continue);
         };
+        if self.plugin.detached.sent_elsewhere() {
+            return self.detach_elsewhere(host, run, intake.request, cluster);
+        }
         let Some(ticket) = self.plugin.detached.reserve(intake.request.bytes()) else {
             // Nothing was sent: free the key and let the client retry.
             if let Some(suppressed) = self.plugin.detached_log.borrow_mut().admit(host.now_ms()) {
@@ -171,6 +177,102 @@ impl RequestJourney {
             client_here: true,
         };
         (Journey::Detached(detached), Verdict::Pause)
+    }
+
+    /// Hands the write, with its claim, to the root that sends this worker's detached
+    /// writes; this request waits for the answer the host brings back. Its lease is that
+    /// root's to renew from now on.
+    fn detach_elsewhere(
+        &self,
+        host: &impl Host,
+        run: Execution,
+        request: ForwardedRequest,
+        cluster: String,
+    ) -> Step {
+        let rule = Rc::clone(&run.rule);
+        self.note(host, &rule, Outcome::Detached);
+        self.plugin.leases.end(run.held.owner);
+        let timeout_ms = rule.rule.detached.as_ref().map_or(0, |d| d.timeout_ms);
+        let ForwardedRequest {
+            headers,
+            body,
+            trailers,
+        } = request;
+        self.plugin
+            .detached
+            .carry(DetachedCarry::Write(Box::new(PortableDetached {
+                rule: rule.rule.clone(),
+                held: run.held,
+                store_owner: run.store_owner.map(|o| (o.token, o.confirmed)),
+                started_ms: run.started_ms,
+                cluster,
+                headers,
+                body: body.to_vec(),
+                trailers,
+                timeout_ms,
+                origin: self.context_id,
+            })));
+        (Journey::DetachedElsewhere, Verdict::Pause)
+    }
+
+    /// On the root that sends other roots' detached writes: runs `write` as this journey
+    /// (context `self.context_id`, which the host maps to the worker's request), holding its
+    /// claim and lease, as `detach` does for a request of this root's own. A write this root
+    /// has no room for frees its key and answers 503, as there.
+    pub fn run_carried(&mut self, host: &impl Host, rule: Rc<RuleHandle>, write: PortableDetached) {
+        let PortableDetached {
+            held,
+            store_owner,
+            started_ms,
+            cluster,
+            headers,
+            body,
+            trailers,
+            timeout_ms,
+            ..
+        } = write;
+        let run = Execution {
+            rule: Rc::clone(&rule),
+            held,
+            store_owner: store_owner.map(|(token, confirmed)| StoreOwner { token, confirmed }),
+            capture: None,
+            started_ms,
+        };
+        let request = ForwardedRequest {
+            headers,
+            body: body.into(),
+            trailers,
+        };
+        let Some(ticket) = self.plugin.detached.reserve(request.bytes()) else {
+            log::warn!(
+                "rule {}: the proxy holds as many detached writes as it may; refused with 503",
+                rule.rule.name
+            );
+            let _released = self.release(host, run);
+            let problem = Problem::unavailable("the proxy holds as many detached writes as it may");
+            self.journey = self.answer_problem(host, &rule, &problem).0;
+            return;
+        };
+        // Renewed by this root from now on: the worker's may not run while the write does.
+        self.plugin.leases.begin(
+            &rule,
+            &run.held,
+            run.store_owner.as_ref().map(|o| o.token.clone()),
+            host.now_ms(),
+        );
+        self.journeys.keep(self.context_id);
+        self.plugin.detached.queue(DetachedWrite {
+            context_id: self.context_id,
+            rule,
+            cluster,
+            request,
+            timeout_ms,
+            ticket,
+        });
+        self.journey = Journey::Detached(DetachedRun {
+            run,
+            client_here: true,
+        });
     }
 
     /// The detached write's answer (delivered by the root): recorded, released or an unknown

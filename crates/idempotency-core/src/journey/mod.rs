@@ -24,7 +24,7 @@ use std::rc::Rc;
 use crate::capture::ResponseCapture;
 use crate::host::Host;
 use crate::outcome::Outcome;
-use crate::plugin::detached::DetachedAnswer;
+use crate::plugin::detached::{DetachedAnswer, DetachedCarry};
 use crate::plugin::waits::{HoldTicket, WaitEnd};
 use crate::plugin::Plugin;
 use crate::problem::Problem;
@@ -114,6 +114,9 @@ pub enum Journey {
     /// This request holds the claim; the root sent its copy upstream (`execution:
     /// "detached"`), and the request itself never goes on.
     Detached(DetachedRun),
+    /// As `Detached`, but another root runs the write (and holds its claim): the host
+    /// delivers its answer (`answered_elsewhere`), or tells that root the client left.
+    DetachedElsewhere,
     /// The filter answered itself; its own reply must not be recorded.
     AnsweredLocally,
     /// A replay with an empty body was sent; these recorded headers, which Envoy strips from
@@ -279,6 +282,16 @@ impl RequestJourney {
         }));
         journeys.register(context_id, &journey);
         journey
+    }
+
+    /// The root running this request's detached write elsewhere has its answer, which the
+    /// host sends the client now: the response passing back is that answer.
+    pub fn answered_elsewhere(&mut self) -> bool {
+        if matches!(self.journey, Journey::DetachedElsewhere) {
+            self.journey = Journey::Finished;
+            return true;
+        }
+        false
     }
 
     /// Where the request is now.
@@ -517,6 +530,21 @@ impl RequestJourney {
             }
             // The request itself never goes on: its copy is upstream already.
             (detached @ J::Detached(_), _) => (detached, Verdict::Pause),
+            // Envoy answered the client itself, or the client left, before the root running
+            // the write had the answer: it only records it.
+            (
+                J::DetachedElsewhere,
+                E::StreamEnd
+                | E::ResponseHeaders { .. }
+                | E::ResponseBody { .. }
+                | E::ResponseTrailers,
+            ) => {
+                self.plugin
+                    .detached
+                    .carry(DetachedCarry::ClientLeft(self.context_id));
+                (J::Finished, Verdict::Continue)
+            }
+            (J::DetachedElsewhere, _) => (J::DetachedElsewhere, Verdict::Pause),
             // Everything else passes: an unprotected request, a local answer, or an event
             // that cannot change a decision already taken.
             (journey, _) => (journey, Verdict::Continue),

@@ -9,8 +9,10 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
+use crate::config::Rule;
 use crate::host::{status_of, Callout, HeaderPairs, Host};
 use crate::rule_handle::RuleHandle;
+use crate::table::Held;
 
 /// Bytes of detached requests one worker holds at most (headers, body and trailers, while
 /// the filter holds them and while Envoy sends them): beyond, a new detached write is
@@ -103,14 +105,68 @@ impl Drop for DetachedTicket {
     }
 }
 
+/// A detached write on its way to the root that sends it for this worker's (see
+/// `DetachedWrites::send_elsewhere`): plain data, which that root pairs with its own handle of
+/// the same rule, and runs as its own journey.
+#[derive(Debug, Clone)]
+pub struct PortableDetached {
+    pub rule: Rule,
+    pub held: Held,
+    /// The store claim's owner token, and whether the store confirmed it (cluster mode).
+    pub store_owner: Option<(String, bool)>,
+    pub started_ms: u64,
+    pub cluster: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    pub trailers: Vec<(String, String)>,
+    pub timeout_ms: u64,
+    /// The worker's request (its context id there), which the answer goes back to.
+    pub origin: u32,
+}
+
+/// What a worker whose detached writes run elsewhere carries there.
+#[derive(Debug, Clone)]
+pub enum DetachedCarry {
+    Write(Box<PortableDetached>),
+    /// The client of the worker's request `origin` left, or Envoy answered it: the answer
+    /// is only recorded.
+    ClientLeft(u32),
+}
+
 #[derive(Default)]
 pub struct DetachedWrites {
+    /// Another root sends this one's writes (the native build's main thread, which runs
+    /// when this worker has no request): what this root would send waits in `outgoing`.
+    elsewhere: Cell<bool>,
+    outgoing: RefCell<Vec<DetachedCarry>>,
     budget: Rc<Budget>,
     queued: RefCell<Vec<DetachedWrite>>,
     in_flight: RefCell<HashMap<u32, InFlight>>,
 }
 
 impl DetachedWrites {
+    /// From now on, this root's detached writes go to `outgoing` for the host to carry to
+    /// the root that sends them.
+    pub fn send_elsewhere(&self) {
+        self.elsewhere.set(true);
+    }
+
+    pub fn sent_elsewhere(&self) -> bool {
+        self.elsewhere.get()
+    }
+
+    pub fn carry(&self, what: DetachedCarry) {
+        self.outgoing.borrow_mut().push(what);
+    }
+
+    pub fn has_outgoing(&self) -> bool {
+        !self.outgoing.borrow().is_empty()
+    }
+
+    pub fn take_outgoing(&self) -> Vec<DetachedCarry> {
+        std::mem::take(&mut *self.outgoing.borrow_mut())
+    }
+
     /// A place for a write of `bytes`, or None when the worker holds its budget already.
     pub fn reserve(&self, bytes: usize) -> Option<DetachedTicket> {
         let b = &self.budget;

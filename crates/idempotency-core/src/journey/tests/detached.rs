@@ -568,3 +568,136 @@ fn a_write_envoy_never_answers_ends_as_an_unknown_outcome_not_a_key_held_forever
     upstream_answers(&host, &mut root, token, Some(201), b"{}");
     assert!(replies(&host.take_effects()).is_empty());
 }
+
+/// The native build: a worker's root hands its detached writes, claim and lease included, to
+/// a root of the same configuration on Envoy's main thread (`send_detached_elsewhere`), which
+/// sends each, records its answer whether or not the client is still there, and answers in a
+/// context of its own that the host maps to the worker's request.
+fn worker_and_sender(host: &FakeHost) -> (PluginRoot, PluginRoot) {
+    let worker = root(host, DETACHED);
+    worker.send_detached_elsewhere();
+    let sender = configured_root(host, DETACHED, 50);
+    (worker, sender)
+}
+
+/// The worker's request `context` detaches; the sender takes it on as its context `as_context`
+/// and sends it: the callout's token.
+fn carried_post(
+    host: &FakeHost,
+    worker: &PluginRoot,
+    sender: &mut PluginRoot,
+    context: u32,
+    as_context: u32,
+    key: &str,
+) -> (Rc<RefCell<RequestJourney>>, u32) {
+    let (journey, verdict) = post_in_context(host, worker, context, key);
+    assert_eq!(verdict, Verdict::Pause, "the request waits for the answer");
+    assert!(matches!(
+        journey.borrow().state(),
+        Journey::DetachedElsewhere
+    ));
+    assert!(
+        detached_sent(&host.take_effects()).is_empty(),
+        "not sent by the worker"
+    );
+    let carried = worker.detached_to_carry();
+    assert_eq!(carried.len(), 1);
+    let crate::plugin::detached::DetachedCarry::Write(write) = carried.into_iter().next().unwrap()
+    else {
+        panic!("a write")
+    };
+    assert_eq!(write.origin, context);
+    host.effective_context.set(50);
+    sender.take_detached(host, vec![(as_context, *write)]);
+    let sent = detached_sent(&host.take_effects());
+    assert_eq!(sent.len(), 1, "sent at once by the sender");
+    (journey, sent[0].0)
+}
+
+fn sender_gets(host: &FakeHost, sender: &mut PluginRoot, token: u32, status: u16, body: &[u8]) {
+    host.set_callout_answer(Some(status), body);
+    host.effective_context.set(50);
+    sender.on_callout_answer(host, token, 1, body.len());
+}
+
+#[test]
+fn a_write_sent_elsewhere_answers_its_client_through_the_senders_context() {
+    let host = FakeHost::default();
+    let (worker, mut sender) = worker_and_sender(&host);
+    let (_journey, token) = carried_post(&host, &worker, &mut sender, 2, 900, "e1");
+    // A retry meanwhile: 409, never a second copy.
+    let (_, _) = post_in_context(&host, &worker, 3, "e1");
+    assert_eq!(the_reply(&host.take_effects()).0, 409);
+
+    sender_gets(&host, &mut sender, token, 201, br#"{"order":7}"#);
+    let effects = host.take_effects();
+    assert!(
+        effects.contains(&Effect::Switched(900)),
+        "answered in the mapped context"
+    );
+    let (status, _, body) = the_reply(&effects);
+    assert_eq!((status, body.as_slice()), (201, &br#"{"order":7}"#[..]));
+    assert_eq!(
+        host.counter("orders", Outcome::Detached),
+        1,
+        "counted once, by the worker"
+    );
+
+    let (_, _) = post_in_context(&host, &worker, 4, "e1");
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.as_slice()), (201, &br#"{"order":7}"#[..]));
+    assert_eq!(header(&headers, "idempotent-replayed"), Some(&b"true"[..]));
+}
+
+#[test]
+fn a_write_sent_elsewhere_whose_client_left_is_recorded_without_an_answer() {
+    let host = FakeHost::default();
+    let (worker, mut sender) = worker_and_sender(&host);
+    let (journey, token) = carried_post(&host, &worker, &mut sender, 2, 901, "e2");
+    host.effective_context.set(2);
+    journey.borrow_mut().on(&host, Event::StreamEnd);
+    let notices = worker.detached_to_carry();
+    assert!(
+        matches!(
+            notices.as_slice(),
+            [crate::plugin::detached::DetachedCarry::ClientLeft(2)]
+        ),
+        "the worker says its client left"
+    );
+    host.effective_context.set(50);
+    sender.client_left(&host, 901);
+    host.gone_contexts.borrow_mut().insert(901);
+
+    sender_gets(&host, &mut sender, token, 201, br#"{"order":8}"#);
+    assert!(replies(&host.take_effects()).is_empty(), "nobody to answer");
+    assert_eq!(host.counter("orders", Outcome::CompletedAfterClientLeft), 1);
+    let (_, _) = post_in_context(&host, &worker, 4, "e2");
+    assert_eq!(
+        the_reply(&host.take_effects()).0,
+        201,
+        "the retry replays it"
+    );
+}
+
+/// The sender renews the claim's lease while the write runs (the worker's root, which may
+/// not run at all, no longer does): a write longer than its lease is never taken over.
+#[test]
+fn the_sender_keeps_the_lease_of_a_write_it_runs() {
+    let host = FakeHost::default();
+    let config = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "execution":"detached","upstream_cluster":"orders-svc","upstream_timeout_ms":60000,
+        "lease_seconds":2}]}"#;
+    let worker = configured_root(&host, config, ROOT);
+    worker.send_detached_elsewhere();
+    let mut sender = configured_root(&host, config, 50);
+    let (_journey, _token) = carried_post(&host, &worker, &mut sender, 2, 902, "e3");
+    for _ in 0..10 {
+        host.advance_ms(1_000);
+        host.effective_context.set(50);
+        sender.on_tick(&host);
+        let _ = host.take_effects();
+    }
+    let (_, verdict) = post_in_context(&host, &worker, 3, "e3");
+    assert_eq!(verdict, Verdict::Pause, "not taken over after five leases");
+    assert_eq!(the_reply(&host.take_effects()).0, 409);
+}
