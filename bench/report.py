@@ -652,8 +652,8 @@ def add_native_section(add, by: dict[str, SetupResult], mem: MemoryResult | None
         "`idempotency_native`, found through `ENVOY_DYNAMIC_MODULES_SEARCH_PATH=target/native`) and the same "
         "JSON configuration (`to_native` in tests/e2e/harness.py), measured right after it in the same run. "
         "Single-proxy mode only: the native build refused cluster mode when these rows were measured (it has it "
-        "since, over the store's stream: see \"Native cluster mode\" below; detached writes and `resolve` it still "
-        "refuses at load, and no gRPC row measures it yet), so its configuration drops the payments rule's `resolve` (the measured "
+        "since, over the store's stream: see \"Native cluster mode\" below; detached writes and `resolve` it refused "
+        "at load then, and has since on the main thread's root; no gRPC row measures it yet), so its configuration drops the payments rule's `resolve` (the measured "
         "requests are the orders rule's, which has none). (ad) is Envoy without this filter on the `direct_response` route (with "
         "Envoy's buffer filter, so that it answers once the body is in, as the filter does), what (ln) and "
         "(mn) are held to as (cn) and (dn) are to (a).")

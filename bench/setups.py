@@ -138,9 +138,9 @@ def detached(cfg: dict) -> dict:
 
 
 def for_native(cfg: dict) -> dict:
-    """``cfg`` as the native build takes it: without `resolve`, which it refuses at load for
-    now (envoy.yaml's payments rule has one; the bench's requests are the orders rule's, which
-    has none, so both builds run the same path)."""
+    """``cfg`` as the native build's rows were measured: without `resolve`, which it refused
+    at load then (envoy.yaml's payments rule has one; the bench's requests are the orders
+    rule's, which has none, so both builds run the same path either way)."""
     cfg = copy.deepcopy(cfg)
     for rule in cfg["rules"]:
         rule.pop("resolve", None)

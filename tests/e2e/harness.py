@@ -967,8 +967,6 @@ def native_unsupported(plugin: Any) -> str | None:
             continue
         if http_store(rule.get("store")):
             return "the store's HTTP transport"
-        if rule.get("execution") == "detached":
-            return "detached writes"
     return None
 
 

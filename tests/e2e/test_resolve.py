@@ -408,6 +408,9 @@ def test_cluster_overdue_retries_on_every_worker_make_one_resolution_at_a_time(p
     a, others = cluster.a, cluster.envoys[1:]
     path, key = unique_path(SLOW), new_key()
     started = timed_out(a, path, key)
+    # A's record of the unknown outcome reaches the store from its root after its answer (on
+    # the native build a hop later, through the main thread): only then does A die.
+    assert_being_resolved(past_in_flight(lambda: retry(others[0], path, key)))
     a.process.kill()
     client.post(cluster.upstream.url("/__fail-lookups"), params={"n": "2"},
                 timeout=5).raise_for_status()

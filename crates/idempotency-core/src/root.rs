@@ -183,6 +183,27 @@ impl PluginRoot {
             .map_or_else(Vec::new, |p| p.detached.take_outgoing())
     }
 
+    /// Gives back what the host could not carry, for the next carry.
+    pub fn keep_detached_to_carry(&self, refused: Vec<DetachedCarry>) {
+        if let Some(plugin) = &self.plugin {
+            for carry in refused {
+                plugin.detached.carry(carry);
+            }
+        }
+    }
+
+    /// The request `context_id` of this root's, whose detached write another root ran, is
+    /// answered by the host now; false when it waits for no such answer (any more).
+    pub fn answered_elsewhere(&self, context_id: u32) -> bool {
+        let Some(journey) = self.journeys.find(context_id) else {
+            return false;
+        };
+        let Ok(mut journey) = journey.try_borrow_mut() else {
+            return false;
+        };
+        journey.answered_elsewhere()
+    }
+
     /// On the root that runs other roots' detached writes (same configuration): runs each as
     /// a journey of its own, under the context id the host gave it (which the host maps to
     /// the worker's request: its answer goes there), and sends it now.

@@ -1,10 +1,16 @@
 //! What the workers carry to the main thread's root (`main_root.rs`): the resolutions their
-//! roots took on, as plain data, in a queue the configuration shares.
+//! roots took on and the detached writes their requests made, as plain data, in a queue the
+//! configuration shares.
 
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
+use idempotency_core::plugin::detached::DetachedCarry;
 use idempotency_core::plugin::resolutions::PortableResolution;
+
+use crate::inbox::Inbox;
 
 /// Resolutions carried from the workers, waiting for the main thread (bounded: each worker
 /// holds at most core's budget, and the main thread takes them at its next run).
@@ -19,6 +25,9 @@ pub struct Carried {
 #[derive(Default)]
 struct Held {
     resolutions: Vec<PortableResolution>,
+    /// Detached writes (and their clients' leaving), with the inbox of the worker whose
+    /// request each answers.
+    detached: Vec<(Arc<Inbox>, DetachedCarry)>,
     /// The configuration is gone: what comes now goes to the orphanage.
     closed: bool,
 }
@@ -55,6 +64,34 @@ impl Carried {
         }
     }
 
+    /// From a worker: Err gives back what does not fit (the worker keeps it for its next
+    /// carry). A closed queue takes them all: a configuration is destroyed only once its
+    /// requests are gone, so what comes then is only a notice that a client left.
+    pub fn push_detached(
+        &self,
+        inbox: &Arc<Inbox>,
+        carried: Vec<DetachedCarry>,
+    ) -> Result<(), Vec<DetachedCarry>> {
+        let mut held = self.lock();
+        if held.closed {
+            return Ok(());
+        }
+        let room = MAX_CARRIED.saturating_sub(held.detached.len());
+        let mut carried = carried;
+        let refused = carried.split_off(room.min(carried.len()));
+        held.detached
+            .extend(carried.into_iter().map(|c| (Arc::clone(inbox), c)));
+        if refused.is_empty() {
+            Ok(())
+        } else {
+            Err(refused)
+        }
+    }
+
+    pub fn take_detached(&self) -> Vec<(Arc<Inbox>, DetachedCarry)> {
+        std::mem::take(&mut self.lock().detached)
+    }
+
     pub fn take_all(&self) -> Vec<PortableResolution> {
         std::mem::take(&mut self.lock().resolutions)
     }
@@ -67,7 +104,8 @@ impl Carried {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.lock().resolutions.is_empty()
+        let held = self.lock();
+        held.resolutions.is_empty() && held.detached.is_empty()
     }
 }
 

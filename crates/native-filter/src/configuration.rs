@@ -127,9 +127,9 @@ impl Configuration {
     }
 }
 
-/// The features that need what the native build does not have yet (a worker's HTTP callouts
-/// outside a request: the store's HTTP transport, detached writes) are refused at load, naming
-/// the field, rather than behaving differently from the Wasm build. (Resolutions run on the
+/// The feature that needs what the native build does not have yet (a worker's HTTP callouts
+/// outside a request: the store's HTTP transport) is refused at load, naming the field, rather
+/// than behaving differently from the Wasm build. (Resolutions and detached writes run on the
 /// main thread's root: `main_root.rs`.)
 fn not_native_yet(config: &Config) -> Result<(), String> {
     let refuse = |field: String, what: &str| {
@@ -151,9 +151,6 @@ fn not_native_yet(config: &Config) -> Result<(), String> {
                 format!("rules[{i}].store.transport (or the top-level store's)"),
                 "the store's HTTP transport (\"http\")",
             );
-        }
-        if rule.detached.is_some() {
-            return refuse(format!("rules[{i}].execution"), "a detached write");
         }
     }
     Ok(())

@@ -75,7 +75,7 @@ impl NativeFilter {
         };
         self.follow(filter);
         // The step may have recorded an unknown outcome, or met one overdue in the store.
-        self.root.carry_resolutions();
+        self.root.carry_to_main();
         verdict
     }
 
@@ -92,6 +92,7 @@ impl NativeFilter {
                     | Journey::Executing(_)
                     | Journey::AwaitingStore(_)
                     | Journey::LookingUp { .. }
+                    | Journey::DetachedElsewhere
             ),
             Err(_) => return,
         };
@@ -241,7 +242,7 @@ impl HttpFilter for NativeFilter {
             Ok(mut journey) => journey.after_fault(&host),
             Err(_) => log::error!("a faulted request's journey is busy; its claim is not settled"),
         }
-        self.root.carry_resolutions();
+        self.root.carry_to_main();
         if self.responding {
             return;
         }

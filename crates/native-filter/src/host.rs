@@ -183,6 +183,9 @@ impl Host for NativeHost<'_> {
         headers: &[(&str, &[u8])],
         body: &[u8],
     ) -> Result<(), HostError> {
+        if let Some(main) = &self.main {
+            return main.remotes.reply(status, headers, body, &[]);
+        }
         let filter = self.filter()?;
         match reply_in_parts(status, headers, body) {
             None => filter.send_response(status, headers, body),
@@ -213,6 +216,9 @@ impl Host for NativeHost<'_> {
         body: &[u8],
         trailers: &[(&str, &[u8])],
     ) -> Result<(), HostError> {
+        if let Some(main) = &self.main {
+            return main.remotes.reply(status, headers, body, trailers);
+        }
         let filter = self.filter()?;
         let head = reply_head(status, headers);
         let head: Vec<(&str, &[u8])> = head
@@ -296,6 +302,9 @@ impl Host for NativeHost<'_> {
     }
 
     fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
+        if let Some(main) = &self.main {
+            return main.remotes.enter(context_id);
+        }
         if worker::is_root_context(context_id) {
             worker::act_on_none();
             return Ok(());

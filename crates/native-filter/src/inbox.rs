@@ -28,6 +28,19 @@ pub enum StreamEvent {
         token: u32,
         status: u32,
     },
+    /// Not a stream's: the main thread's root answers this worker's request `context_id`,
+    /// whose detached write it ran.
+    Reply(Box<Reply>),
+}
+
+/// An answer for a worker's request, as the main thread's root sent it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    pub context_id: u32,
+    pub status: u16,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub body: Vec<u8>,
+    pub trailers: Vec<(String, Vec<u8>)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

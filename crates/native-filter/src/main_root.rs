@@ -16,12 +16,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idempotency_core::host::HeaderPairs;
+use idempotency_core::plugin::detached::DetachedCarry;
 use idempotency_core::plugin::resolutions::PortableResolution;
 use idempotency_core::root::PluginRoot;
 
 use crate::abi::CalloutResult;
-use crate::config_callouts::{Answer, Callouts, ConfigCallouts, MainCalls};
+use crate::config_callouts::{Answer, Callouts, ConfigCallouts, MainCalls, Remote, Remotes};
 use crate::host::NativeHost;
+use crate::inbox::Inbox;
 use crate::loaded::Shared;
 use crate::root::{hand_to_core, run_caught};
 use crate::root_streams::RootStreams;
@@ -35,6 +37,8 @@ pub struct MainRoot {
     next_tick: Cell<Option<Instant>>,
     streams: RootStreams,
     callouts: Callouts,
+    /// Its contexts that stand for workers' requests (their detached writes).
+    remotes: Remotes,
 }
 
 impl MainRoot {
@@ -46,6 +50,7 @@ impl MainRoot {
             next_tick: Cell::new(None),
             streams: RootStreams::new(Arc::clone(&shared.courier)),
             callouts: Callouts::default(),
+            remotes: Remotes::default(),
             shared,
         };
         let configured = {
@@ -71,6 +76,7 @@ impl MainRoot {
             main: Some(MainCalls {
                 config,
                 callouts: &self.callouts,
+                remotes: &self.remotes,
             }),
         }
     }
@@ -89,6 +95,11 @@ impl MainRoot {
                     root.take_resolutions(&host, carried);
                 });
             }
+            for (inbox, carry) in self.shared.carried.take_detached() {
+                run_caught("a detached write carried here", || {
+                    self.take_detached(&host, &mut root, inbox, carry);
+                });
+            }
             self.drain_inbox(&host, &mut root);
             let now = Instant::now();
             let due = self.tick_ms.get() != 0 && self.next_tick.get().is_none_or(|at| now >= at);
@@ -100,6 +111,35 @@ impl MainRoot {
         }
         self.deliver_early(config);
         self.busy()
+    }
+
+    /// A worker's detached write runs here as a context of this root's, which stands for the
+    /// worker's request until it is answered or its client leaves.
+    fn take_detached(
+        &self,
+        host: &NativeHost<'_>,
+        root: &mut PluginRoot,
+        inbox: Arc<Inbox>,
+        carry: DetachedCarry,
+    ) {
+        match carry {
+            DetachedCarry::Write(write) => {
+                let context_id = worker::new_context_id();
+                self.remotes.add(
+                    context_id,
+                    Remote {
+                        inbox,
+                        origin: write.origin,
+                    },
+                );
+                root.take_detached(host, vec![(context_id, *write)]);
+            }
+            DetachedCarry::ClientLeft(origin) => {
+                if let Some(context_id) = self.remotes.remove_origin(&inbox, origin) {
+                    root.client_left(host, context_id);
+                }
+            }
+        }
     }
 
     /// Every resolution this root holds, for the next configuration's (this one is going).
@@ -226,9 +266,11 @@ mod tests {
     fn each_callout_gets_its_own_token_and_a_refusal_is_an_error() {
         let fake = FakeCallouts::default();
         let callouts = Callouts::default();
+        let remotes = crate::config_callouts::Remotes::default();
         let calls = MainCalls {
             config: &fake,
             callouts: &callouts,
+            remotes: &remotes,
         };
         let first = calls.dispatch(&callout("payments")).unwrap();
         let second = calls.dispatch(&callout("payments")).unwrap();
@@ -249,9 +291,11 @@ mod tests {
     fn an_answer_is_read_only_while_it_is_delivered() {
         let fake = FakeCallouts::default();
         let callouts = Callouts::default();
+        let remotes = crate::config_callouts::Remotes::default();
         let calls = MainCalls {
             config: &fake,
             callouts: &callouts,
+            remotes: &remotes,
         };
         assert!(calls.response_headers().is_err());
         *callouts.current.borrow_mut() = Some((

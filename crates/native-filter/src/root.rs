@@ -8,12 +8,13 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use idempotency_core::host::Host;
 use idempotency_core::journey::RequestJourney;
 use idempotency_core::root::PluginRoot;
 
 use crate::carried::Refused;
 use crate::host::NativeHost;
-use crate::inbox::StreamEvent;
+use crate::inbox::{Reply, StreamEvent};
 use crate::loaded::Shared;
 use crate::root_streams::RootStreams;
 use crate::worker;
@@ -52,8 +53,10 @@ impl WorkerRoot {
         if !configured {
             log::error!("this worker's root refused a configuration the module had accepted");
         }
-        // A worker runs only while it has requests: the main thread resolves for it.
+        // A worker runs only while it has requests: the main thread resolves, and runs
+        // detached writes, for it.
         root.resolve_elsewhere();
+        root.send_detached_elsewhere();
         WorkerRoot {
             shared,
             root: RefCell::new(root),
@@ -109,29 +112,42 @@ impl WorkerRoot {
             run_caught("the root's tick", || root.on_tick(&host));
             worker::act_on_none();
         }
-        self.carry_resolutions();
+        self.carry_to_main();
     }
 
-    /// Carries the resolutions this root's requests took on to the main thread's root (see
-    /// `main_root.rs`), and summons it.
-    pub fn carry_resolutions(&self) {
+    /// Carries what this root's requests leave for the main thread's root (see
+    /// `main_root.rs`): the resolutions they took on, the detached writes they made and
+    /// notices of those writes' clients leaving; and summons it.
+    pub fn carry_to_main(&self) {
         let Ok(root) = self.root.try_borrow() else {
             return; // busy further up this stack, which carries them when it ends
         };
-        if !root.has_resolutions_to_carry() {
+        let resolutions = root.has_resolutions_to_carry();
+        let detached = root.has_detached_to_carry();
+        if !resolutions && !detached {
             return;
         }
-        let carried = root.resolutions_to_carry();
-        match self.shared.carried.push(carried) {
-            Ok(()) => self.shared.courier.summon(),
-            // The main thread is not keeping up: kept here for the next carry.
-            Err(Refused::Full(refused)) => {
-                root.keep_to_carry(&self.host(), refused);
-                self.shared.courier.summon();
+        if detached {
+            let carried = root.detached_to_carry();
+            if let Err(refused) = self
+                .shared
+                .carried
+                .push_detached(&self.streams.inbox, carried)
+            {
+                // The main thread is not keeping up: kept for the next carry.
+                root.keep_detached_to_carry(refused);
             }
-            // The configuration is gone (a push): the next one's main root takes them.
-            Err(Refused::Closed(refused)) => crate::carried::orphan(refused),
         }
+        if resolutions {
+            match self.shared.carried.push(root.resolutions_to_carry()) {
+                Ok(()) => {}
+                // The main thread is not keeping up: kept here for the next carry.
+                Err(Refused::Full(refused)) => root.keep_to_carry(&self.host(), refused),
+                // The configuration is gone (a push): the next one's main root takes them.
+                Err(Refused::Closed(refused)) => crate::carried::orphan(refused),
+            }
+        }
+        self.shared.courier.summon();
     }
 
     /// Hands core what the store streams said since the last time, in order, as proxy-wasm
@@ -155,7 +171,7 @@ impl WorkerRoot {
         worker::act_on_none();
         drop(root);
         // A store answer may have recorded an unknown outcome (or found one overdue).
-        self.carry_resolutions();
+        self.carry_to_main();
     }
 }
 
@@ -172,7 +188,37 @@ pub(crate) fn hand_to_core(root: &mut PluginRoot, host: &NativeHost<'_>, event: 
             root.on_grpc_message(host, *token, message.len());
         }
         StreamEvent::Closed { token, status } => root.on_grpc_close(host, *token, *status),
+        StreamEvent::Reply(reply) => answer_elsewhere(root, host, reply),
     });
+}
+
+/// The main thread's root answers a request of this worker whose detached write it ran: sent
+/// in that request, if it is still there.
+fn answer_elsewhere(root: &PluginRoot, host: &NativeHost<'_>, reply: &Reply) {
+    if !worker::act_on_context(reply.context_id) {
+        return; // its client left: the write was recorded all the same
+    }
+    if root.answered_elsewhere(reply.context_id) {
+        let headers: Vec<(&str, &[u8])> = reply
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()))
+            .collect();
+        let trailers: Vec<(&str, &[u8])> = reply
+            .trailers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()))
+            .collect();
+        let sent = if trailers.is_empty() {
+            host.send_local_reply(reply.status, &headers, &reply.body)
+        } else {
+            host.send_reply_with_trailers(reply.status, &headers, &reply.body, &trailers)
+        };
+        if let Err(e) = sent {
+            log::warn!("a detached write's answer not sent to its client: {}", e.0);
+        }
+    }
+    worker::act_on_none();
 }
 
 pub(crate) fn run_caught(what: &str, work: impl FnOnce()) {
