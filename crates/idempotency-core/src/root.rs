@@ -239,6 +239,10 @@ impl PluginRoot {
                 log::error!("root context not restored: {}", e.0);
             }
         }
+        // Their leases, in the store too, before the writes go out.
+        plugin
+            .leases
+            .renew_due(host, &plugin.table, &plugin.writes, &plugin.links());
         self.send_detached(host, &plugin);
     }
 

@@ -16,6 +16,7 @@ use crate::plugin::detached::{
 };
 use crate::problem::Problem;
 use crate::rule_handle::RuleHandle;
+use crate::table::Completion;
 use crate::who_answered::{Answerer, EnvoyReport};
 use idempotency_protocol::record::{key_expires_value, RecordedResponse, KEY_EXPIRES_HEADER};
 
@@ -211,6 +212,7 @@ impl RequestJourney {
                 trailers,
                 timeout_ms,
                 origin: self.context_id,
+                handed_ms: host.now_ms(),
             })));
         (Journey::DetachedElsewhere, Verdict::Pause)
     }
@@ -229,6 +231,7 @@ impl RequestJourney {
             body,
             trailers,
             timeout_ms,
+            handed_ms,
             ..
         } = write;
         let run = Execution {
@@ -243,6 +246,30 @@ impl RequestJourney {
             body: body.into(),
             trailers,
         };
+        // Nobody renewed the claim's lease since the worker handed it over: a write that took
+        // too long to get here, or whose claim is no longer held, is not sent (its claim may
+        // have lapsed, and a retry may have taken the key and run it). Nothing ran: the key is
+        // freed and the client may retry.
+        let now = host.now_ms();
+        let lease_ms = rule.rule.lease_ms;
+        let fresh = now < handed_ms.saturating_add(lease_ms / 4);
+        let held = fresh
+            && !matches!(
+                self.plugin.table.renew(host, &run.held, now, lease_ms),
+                Ok(Completion::LostOwnership) | Err(_)
+            );
+        if !held {
+            log::warn!(
+                "rule {}: a detached write reached the root that sends it {} ms after its \
+                 request handed it over, or its claim is gone; not sent (503)",
+                rule.rule.name,
+                now.saturating_sub(handed_ms)
+            );
+            let _released = self.release(host, run);
+            let problem = Problem::unavailable("the proxy could not send it to the service");
+            self.journey = self.answer_problem(host, &rule, &problem).0;
+            return;
+        }
         let Some(ticket) = self.plugin.detached.reserve(request.bytes()) else {
             log::warn!(
                 "rule {}: the proxy holds as many detached writes as it may; refused with 503",
@@ -258,8 +285,10 @@ impl RequestJourney {
             &rule,
             &run.held,
             run.store_owner.as_ref().map(|o| o.token.clone()),
-            host.now_ms(),
+            now,
         );
+        // The store's copy of the lease at once too (the caller renews what is due).
+        self.plugin.leases.renew_soon(run.held.owner);
         self.journeys.keep(self.context_id);
         self.plugin.detached.queue(DetachedWrite {
             context_id: self.context_id,

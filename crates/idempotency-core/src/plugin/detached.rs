@@ -122,6 +122,8 @@ pub struct PortableDetached {
     pub timeout_ms: u64,
     /// The worker's request (its context id there), which the answer goes back to.
     pub origin: u32,
+    /// Host clock when the worker handed it over (and stopped renewing its lease).
+    pub handed_ms: u64,
 }
 
 /// What a worker whose detached writes run elsewhere carries there.

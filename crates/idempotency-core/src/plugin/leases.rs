@@ -66,6 +66,16 @@ impl Leases {
         }
     }
 
+    /// The lease of `owner` is renewed at the next `renew_due` (it was just taken over from
+    /// another root, whose last renewal may be a while ago).
+    pub fn renew_soon(&self, owner: u64) {
+        if let Ok(mut live) = self.live.try_borrow_mut() {
+            if let Some(lease) = live.get_mut(&owner) {
+                lease.renew_at_ms = 0;
+            }
+        }
+    }
+
     /// The request ended (recorded, released, or gone): its lease runs out on its own.
     pub fn end(&self, owner: u64) {
         if let Ok(mut live) = self.live.try_borrow_mut() {

@@ -701,3 +701,39 @@ fn the_sender_keeps_the_lease_of_a_write_it_runs() {
     assert_eq!(verdict, Verdict::Pause, "not taken over after five leases");
     assert_eq!(the_reply(&host.take_effects()).0, 409);
 }
+
+/// Nobody renews a claim between the worker's handing it over and the sender's taking it: a
+/// write that arrives later than a quarter of its lease is not sent (the claim may have
+/// lapsed and a retry run it); its key is freed, as nothing ran, and its client told 503.
+#[test]
+fn a_write_handed_over_too_long_ago_is_not_sent() {
+    let host = FakeHost::default();
+    let config = r#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "execution":"detached","upstream_cluster":"orders-svc","lease_seconds":2}]}"#;
+    let worker = configured_root(&host, config, ROOT);
+    worker.send_detached_elsewhere();
+    let mut sender = configured_root(&host, config, 50);
+    let (_journey, verdict) = post_in_context(&host, &worker, 2, "e4");
+    assert_eq!(verdict, Verdict::Pause);
+    let _ = host.take_effects();
+    let carried = worker.detached_to_carry();
+    let crate::plugin::detached::DetachedCarry::Write(write) = carried.into_iter().next().unwrap()
+    else {
+        panic!("a write")
+    };
+    host.advance_ms(600);
+    host.effective_context.set(50);
+    sender.take_detached(&host, vec![(903, *write)]);
+    let effects = host.take_effects();
+    assert!(detached_sent(&effects).is_empty(), "not sent");
+    assert_eq!(the_reply(&effects).0, 503);
+    let (_, verdict) = post_in_context(&host, &worker, 3, "e4");
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(
+        matches!(
+            worker.detached_to_carry().as_slice(),
+            [crate::plugin::detached::DetachedCarry::Write(_)]
+        ),
+        "the key was freed: the retry runs"
+    );
+}
