@@ -70,13 +70,15 @@ impl PluginRoot {
         self.configure_with(host, false, Claims::Made)
     }
 
-    /// Configures a root that makes no claims and resolves the unknown outcomes of `roots`
-    /// others (their `resolve_elsewhere`): its table layout is not registered, and its
-    /// budget for resolutions is theirs together (bounded).
+    /// Configures a root that makes no claims and resolves the unknown outcomes, and sends
+    /// the detached writes, of `roots` others (their `resolve_elsewhere`,
+    /// `send_detached_elsewhere`): its table layout is not registered, and its budgets are
+    /// theirs together (bounded).
     pub fn on_configure_to_resolve_for(&mut self, host: &impl Host, roots: usize) -> bool {
         let configured = self.configure_with(host, true, Claims::None);
         if let Some(plugin) = &self.plugin {
             plugin.resolutions.resolve_for(roots);
+            plugin.detached.send_for(roots);
         }
         configured
     }
@@ -244,6 +246,29 @@ impl PluginRoot {
             .leases
             .renew_due(host, &plugin.table, &plugin.writes, &plugin.links());
         self.send_detached(host, &plugin);
+    }
+
+    /// This root is going with its configuration, and Envoy cancels its callouts: a detached
+    /// write it sent may have run, so it is an unknown outcome (never run again by a retry);
+    /// one not sent yet ran nowhere, so its key is freed.
+    pub fn give_up_detached(&mut self, host: &impl Host) {
+        let Some(plugin) = self.plugin.clone() else {
+            return;
+        };
+        let (queued, in_flight) = plugin.detached.take_all();
+        for flight in in_flight {
+            log::warn!(
+                "rule {}: a detached write was running when its configuration went; its \
+                 outcome is unknown",
+                flight.rule.rule.name
+            );
+            let answer = detached::overdue_answer(host, &flight);
+            self.in_request_even_if_gone(host, flight.context_id, Event::DetachedAnswer(answer));
+        }
+        for write in queued {
+            let answer = DetachedAnswer::NotSent("its configuration went".into());
+            self.in_request_even_if_gone(host, write.context_id, Event::DetachedAnswer(answer));
+        }
     }
 
     /// The client of a carried detached write (`context_id`, as `take_detached` ran it) left,

@@ -305,3 +305,49 @@ fn a_resolution_pending_on_the_main_root_outlives_a_push() {
     );
     envoy_dynamic_module_on_http_filter_config_destroy(next);
 }
+
+/// A detached rule on POST /orders, sent to `orders-svc` with a minute's timeout, its lease
+/// one second.
+fn detached_config() -> ffi::HttpFilterConfigModulePtr {
+    load(
+        br#"{"rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "fingerprint":"none","ttl_seconds":600,"execution":"detached","lease_seconds":1,
+        "upstream_cluster":"orders-svc","upstream_timeout_ms":60000}]}"#,
+    )
+}
+
+/// A detached write is out (the main thread's root sent it) and its client has left when a
+/// push destroys its configuration: Envoy cancels the configuration's callouts, so the
+/// write may have run and its answer will never come. It must be an unknown outcome, never
+/// run again by a retry under the next configuration (its lease would otherwise lapse, and
+/// the retry take the key).
+#[test]
+fn a_detached_write_out_when_its_configuration_goes_is_an_unknown_outcome() {
+    reset();
+    let old = detached_config();
+    let (module, status) = start(old, 501, "attack-push-detached");
+    assert_eq!(
+        status,
+        ffi::HEADERS_STOP_ITERATION,
+        "the request waits for its copy"
+    );
+    main_thread_runs(old);
+    assert_eq!(
+        with(|a| a.config_callouts.len()),
+        1,
+        "sent by the main thread"
+    );
+    end(501, module);
+    main_thread_runs(old);
+    envoy_dynamic_module_on_http_filter_config_destroy(old);
+    // Past the lease nobody renews any more.
+    std::thread::sleep(std::time::Duration::from_millis(1_200));
+
+    let next = detached_config();
+    let (retry, _) = start(next, 502, "attack-push-detached");
+    main_thread_runs(next);
+    assert_eq!(with(|a| a.config_callouts.len()), 1, "never sent again");
+    assert_eq!(replies_to(502), vec![409], "told the outcome is unknown");
+    end(502, retry);
+    envoy_dynamic_module_on_http_filter_config_destroy(next);
+}

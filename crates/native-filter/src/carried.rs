@@ -74,6 +74,7 @@ impl Carried {
     ) -> Result<(), Vec<DetachedCarry>> {
         let mut held = self.lock();
         if held.closed {
+            // Only notices come now (its requests are gone): nothing to send.
             return Ok(());
         }
         let room = MAX_CARRIED.saturating_sub(held.detached.len());
@@ -96,11 +97,16 @@ impl Carried {
         std::mem::take(&mut self.lock().resolutions)
     }
 
-    /// The configuration is going: what is queued, and from now on nothing more.
-    pub fn close(&self) -> Vec<PortableResolution> {
+    /// The configuration is going: the resolutions queued, and how many detached writes
+    /// were queued unsent (dropped); from now on it takes nothing more.
+    pub fn close(&self) -> (Vec<PortableResolution>, usize) {
         let mut held = self.lock();
         held.closed = true;
-        std::mem::take(&mut held.resolutions)
+        let unsent = std::mem::take(&mut held.detached)
+            .iter()
+            .filter(|(_, carry)| matches!(carry, DetachedCarry::Write(_)))
+            .count();
+        (std::mem::take(&mut held.resolutions), unsent)
     }
 
     pub fn is_empty(&self) -> bool {

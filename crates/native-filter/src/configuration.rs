@@ -24,11 +24,18 @@ impl Drop for Configuration {
     fn drop(&mut self) {
         // Its resolutions go to the next configuration's main root (they would be lost
         // with this one's; their keys would answer "come back" until their TTL).
-        let mut left = self.shared.carried.close();
+        let (mut left, unsent) = self.shared.carried.close();
         if let MainSlot::Built(main) = self.main.0.get_mut() {
-            left.extend(main.surrender());
+            left.extend(main.retire());
         }
         crate::carried::orphan(left);
+        if unsent > 0 {
+            // Never sent, so never run; their claims lapse after their lease.
+            log::warn!(
+                "{unsent} detached write(s) were not sent: their configuration went first; \
+                 their keys are free again once their lease passes"
+            );
+        }
         self.shared.courier.retire();
         self.shared.retired.store(true, Ordering::Release);
         RETIREMENTS.fetch_add(1, Ordering::AcqRel);

@@ -29,6 +29,21 @@ use crate::root::{hand_to_core, run_caught};
 use crate::root_streams::RootStreams;
 use crate::worker;
 
+/// The callouts of a configuration that is going: none.
+struct Gone;
+
+impl ConfigCallouts for Gone {
+    fn callout(
+        &self,
+        _cluster: &str,
+        _headers: &[(&str, &[u8])],
+        _body: &[u8],
+        _timeout_ms: u64,
+    ) -> Result<u64, String> {
+        Err("the configuration is going".into())
+    }
+}
+
 pub struct MainRoot {
     shared: Arc<Shared>,
     root: RefCell<PluginRoot>,
@@ -142,11 +157,18 @@ impl MainRoot {
         }
     }
 
-    /// Every resolution this root holds, for the next configuration's (this one is going).
-    pub fn surrender(&self) -> Vec<PortableResolution> {
-        self.root
-            .try_borrow()
-            .map_or_else(|_| Vec::new(), |root| root.surrender_resolutions())
+    /// Its configuration is going, and Envoy cancels its callouts: the detached writes it
+    /// sent are unknown outcomes (those not sent free their keys), and every resolution it
+    /// holds, those included, is returned for the next configuration's main root.
+    pub fn retire(&self) -> Vec<PortableResolution> {
+        let Ok(mut root) = self.root.try_borrow_mut() else {
+            log::error!("the main thread's root is busy as its configuration goes");
+            return Vec::new();
+        };
+        let host = self.host(&Gone);
+        worker::act_on_none();
+        run_caught("giving up detached writes", || root.give_up_detached(&host));
+        root.surrender_resolutions()
     }
 
     /// Whether this root holds work its ticks move on.
@@ -348,7 +370,7 @@ mod tests {
         assert!(carried.is_empty());
         assert!(carried.push(vec![one()]).is_ok());
         assert_eq!(
-            carried.close().len(),
+            carried.close().0.len(),
             1,
             "what was queued goes with the close"
         );

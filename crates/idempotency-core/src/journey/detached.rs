@@ -281,12 +281,14 @@ impl RequestJourney {
             return;
         };
         // Renewed by this root from now on: the worker's may not run while the write does.
-        self.plugin.leases.begin(
-            &rule,
-            &run.held,
-            run.store_owner.as_ref().map(|o| o.token.clone()),
-            now,
-        );
+        // Only a claim the store confirmed is renewed there (as `execute` does): the store
+        // would call an unconfirmed one lost, and the lease would stop being renewed here too.
+        let store_lease = run
+            .store_owner
+            .as_ref()
+            .filter(|o| o.confirmed)
+            .map(|o| o.token.clone());
+        self.plugin.leases.begin(&rule, &run.held, store_lease, now);
         // The store's copy of the lease at once too (the caller renews what is due).
         self.plugin.leases.renew_soon(run.held.owner);
         self.journeys.keep(self.context_id);

@@ -141,6 +141,8 @@ pub struct DetachedWrites {
     /// when this worker has no request): what this root would send waits in `outgoing`.
     elsewhere: Cell<bool>,
     outgoing: RefCell<Vec<DetachedCarry>>,
+    /// How many roots' budgets this one holds (`send_for`; 0 and 1: its own).
+    scale: Cell<usize>,
     budget: Rc<Budget>,
     queued: RefCell<Vec<DetachedWrite>>,
     in_flight: RefCell<HashMap<u32, InFlight>>,
@@ -151,6 +153,13 @@ impl DetachedWrites {
     /// the root that sends them.
     pub fn send_elsewhere(&self) {
         self.elsewhere.set(true);
+    }
+
+    /// This root sends for `roots` others: its budget is theirs together, up to
+    /// `resolutions::MAX_SERVED_ROOTS` times a worker's.
+    pub fn send_for(&self, roots: usize) {
+        self.scale
+            .set(roots.clamp(1, super::resolutions::MAX_SERVED_ROOTS));
     }
 
     pub fn sent_elsewhere(&self) -> bool {
@@ -172,8 +181,9 @@ impl DetachedWrites {
     /// A place for a write of `bytes`, or None when the worker holds its budget already.
     pub fn reserve(&self, bytes: usize) -> Option<DetachedTicket> {
         let b = &self.budget;
-        let fits = b.writes.get() < MAX_DETACHED_WRITES
-            && b.bytes.get().saturating_add(bytes) <= MAX_DETACHED_BYTES;
+        let scale = self.scale.get().max(1);
+        let fits = b.writes.get() < MAX_DETACHED_WRITES.saturating_mul(scale)
+            && b.bytes.get().saturating_add(bytes) <= MAX_DETACHED_BYTES.saturating_mul(scale);
         if !fits {
             return None;
         }
@@ -252,6 +262,19 @@ impl DetachedWrites {
             .into_iter()
             .filter_map(|token| in_flight.remove(&token))
             .collect()
+    }
+
+    /// Every write, queued and in flight, taken out (the root is going: Envoy cancels its
+    /// callouts).
+    pub fn take_all(&self) -> (Vec<DetachedWrite>, Vec<InFlight>) {
+        let queued = self.queued.borrow_mut().drain(..).collect();
+        let in_flight = self
+            .in_flight
+            .borrow_mut()
+            .drain()
+            .map(|(_, f)| f)
+            .collect();
+        (queued, in_flight)
     }
 
     /// The write whose callout answered with `token`, if it is one.

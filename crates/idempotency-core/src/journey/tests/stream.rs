@@ -790,3 +790,55 @@ fn a_checked_configuration_opens_no_store_stream_and_a_configured_one_does() {
         br#"{"rules":[{"name":"orders","match":{"path_prefixes":["orders"]}}]}"#.to_vec();
     assert!(!PluginRoot::new(ROOT).check_configuration(&host));
 }
+
+/// `fail_open`: a claim whose store answer was lost runs with an unconfirmed store owner. The
+/// root that sends a carried detached write renews only a confirmed one in the store (as
+/// `execute` does): the store would call the other lost, and the local lease would stop being
+/// renewed while the write still runs, so a retry could take the key and run it again.
+#[test]
+fn a_carried_write_with_an_unconfirmed_store_owner_keeps_its_local_lease() {
+    let cfg = r#"{"store":{"cluster":"store","token":"s3cret","timeout_ms":250},
+        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "on_store_error":"fail_open","execution":"detached","upstream_cluster":"orders-svc",
+        "upstream_timeout_ms":60000,"lease_seconds":3}]}"#;
+    let host = FakeHost::default();
+    let mut worker = root_with(&host, cfg);
+    worker.send_detached_elsewhere();
+    let stream = opened(&host.take_effects())[0].0;
+    let _journey = request(&host, &worker, "k1");
+    let _claim = calls(&host.take_effects());
+    // The store stream breaks before the claim's answer: fail_open lets the write go on.
+    host.effective_context.set(ROOT);
+    worker.on_grpc_close(&host, stream, 14);
+    let _ = host.take_effects();
+    let carried = worker.detached_to_carry();
+    let Some(crate::plugin::detached::DetachedCarry::Write(write)) = carried.into_iter().next()
+    else {
+        panic!("a write")
+    };
+    assert!(matches!(write.store_owner, Some((_, false))), "unconfirmed");
+    *host.configuration.borrow_mut() = cfg.as_bytes().to_vec();
+    host.effective_context.set(50);
+    let mut sender = PluginRoot::new(50);
+    assert!(sender.on_configure(&host));
+    let _ = host.take_effects();
+    host.effective_context.set(50);
+    sender.take_detached(&host, vec![(900, *write)]);
+    for _ in 0..12 {
+        let renewals = calls(&host.take_effects())
+            .into_iter()
+            .filter(|(_, _, c)| matches!(&c.op, CallOp::Renew { .. }))
+            .count();
+        assert_eq!(
+            renewals, 0,
+            "an unconfirmed claim is not renewed in the store"
+        );
+        host.advance_ms(500);
+        host.effective_context.set(50);
+        sender.on_tick(&host);
+    }
+    let _ = host.take_effects();
+    // Six seconds on, twice the lease: the local claim is still renewed, so a retry is 409.
+    let (_, _) = post_in_context(&host, &worker, 9, "k1");
+    assert!(worker.detached_to_carry().is_empty(), "no second copy");
+}
