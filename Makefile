@@ -177,8 +177,8 @@ e2e-oldest:
 	$(MAKE) e2e ENVOY_VERSION=$(ENVOY_OLDEST)
 
 # The same e2e suite on the native build (Envoy ENVOY_NEWEST only: the module is built for
-# it). A test whose configuration the native build refuses (the store's HTTP transport) is
-# skipped, with the reason (tests/e2e/harness.py, `to_native`).
+# it). A test of what only the Wasm build does (its replay echo's hop) skips there, saying
+# so.
 e2e-native: native
 	$(MAKE) e2e IDEMPOTENCY_BUILD=native
 

@@ -948,59 +948,23 @@ def envoy_environment(build: str = FILTER_BUILD) -> dict[str, str]:
     return env
 
 
-class NotOnThisBuild(Exception):
-    """The configuration asks for what the native build does not have yet."""
-
-
-def native_unsupported(plugin: Any) -> str | None:
-    """What of a filter configuration the native build refuses at load (as
-    crates/native-filter/src/configuration.rs does), or None."""
-    if not isinstance(plugin, dict):
-        return None
-    def http_store(store: Any) -> bool:
-        return isinstance(store, dict) and store.get("transport") == "http"
-
-    if http_store(plugin.get("store")):
-        return "the store's HTTP transport"
-    for rule in plugin.get("rules") or []:
-        if not isinstance(rule, dict):
-            continue
-        if http_store(rule.get("store")):
-            return "the store's HTTP transport"
-    return None
-
-
 def for_this_build(config: dict) -> dict:
-    """On the native build, `to_native`, skipping the test when its configuration is one the
-    native build refuses; on the Wasm build, the configuration as it is."""
+    """On the native build, `to_native`; on the Wasm build, the configuration as it is."""
     if FILTER_BUILD == "native":
-        try:
-            to_native(config)
-        except NotOnThisBuild as what:
-            import pytest  # the suite's build: only tests rely on it (the bench names each Envoy's)
-
-            pytest.skip(f"not in the native build yet: {what}")
+        to_native(config)
     return config
 
 
 def to_native(config: dict, module: str = NATIVE_MODULE_NAME) -> int:
     """Turns each Wasm http filter of this project into the native filter (or another dynamic
     module of this project's, ``module``: the benchmarks' native job floor) with the same
-    JSON configuration; raises NotOnThisBuild for a configuration the native build refuses.
-    Returns how many filters were turned."""
+    JSON configuration. Returns how many filters were turned."""
     turned = 0
     for http_filter in _http_filters(config):
         typed = http_filter.get("typed_config") or {}
         if not str(typed.get("@type", "")).endswith("envoy.extensions.filters.http.wasm.v3.Wasm"):
             continue
         plugin_value = ((typed.get("config") or {}).get("configuration") or {}).get("value", "")
-        try:
-            plugin = json.loads(plugin_value)
-        except ValueError:
-            plugin = plugin_value  # invalid JSON: the module's own refusal is the test
-        unsupported = native_unsupported(plugin)
-        if unsupported is not None:
-            raise NotOnThisBuild(unsupported)
         http_filter["typed_config"] = {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
             "dynamic_module_config": {"name": module, "do_not_close": True},
@@ -1108,9 +1072,7 @@ class Envoy:
     ``wasm_path``: absolute path for every ``vm_config.code.local.filename``.
     ``mutate``: callable(config) run last; may edit in place or return a new dict.
     ``build``: the filter's build this Envoy runs, "wasm" or "native" (the config is written
-    as the Wasm one and turned by `to_native`; a configuration the native build refuses
-    raises NotOnThisBuild). Unset: the suite's FILTER_BUILD, where such a configuration skips
-    the test instead.
+    as the Wasm one and turned by `to_native`). Unset: the suite's FILTER_BUILD.
     """
 
     def __init__(

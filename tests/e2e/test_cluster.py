@@ -341,7 +341,8 @@ def test_store_answering_garbage_fails_by_policy_without_crashing(procs, tmp_pat
     assert "store unavailable for a claim" in log
     assert crash_lines(log) == []
     assert wasm_vm_failures(envoy) == {}
-    assert envoy.stat("wasm.idempotency.vm_reload_failure", -1) == 0
+    if envoy.build == "wasm":  # the native build has no VM to reload
+        assert envoy.stat("wasm.idempotency.vm_reload_failure", -1) == 0
 
 
 def test_wrong_token_is_refused_and_fails_closed(procs, tmp_path) -> None:

@@ -434,6 +434,11 @@ impl FilterHandle {
     pub unsafe fn filter(&self) -> Filter {
         Filter { ptr: self.ptr }
     }
+
+    /// A number naming this request while it lives (its pointer's address).
+    pub fn key(&self) -> usize {
+        self.ptr as usize
+    }
 }
 
 impl Filter {

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use idempotency_core::config::{Config, StoreTransport};
+use idempotency_core::config::Config;
 use idempotency_core::root::PluginRoot;
 
 use std::cell::RefCell;
@@ -89,7 +89,6 @@ impl Configuration {
             );
         });
         let config = Config::parse(bytes).map_err(|e| e.to_string())?;
-        not_native_yet(&config)?;
         let shared = Arc::new(Shared {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             configuration: bytes.to_vec(),
@@ -134,35 +133,6 @@ impl Configuration {
     }
 }
 
-/// The feature that needs what the native build does not have yet (a worker's HTTP callouts
-/// outside a request: the store's HTTP transport) is refused at load, naming the field, rather
-/// than behaving differently from the Wasm build. (Resolutions and detached writes run on the
-/// main thread's root: `main_root.rs`.)
-fn not_native_yet(config: &Config) -> Result<(), String> {
-    let refuse = |field: String, what: &str| {
-        Err(format!(
-            "{field}: {what} is not in the native build yet; use the Wasm module \
-             (idempotency_filter.wasm) for this configuration"
-        ))
-    };
-    for (i, rule) in config.rules.iter().enumerate() {
-        // The store stream works from the main thread (the courier, and its handoff of
-        // completions and releases an idle worker cannot send: docs/how-it-works.md); HTTP
-        // callouts outside a request need a root-level callout the native build lacks.
-        if rule
-            .store
-            .as_ref()
-            .is_some_and(|s| s.transport == StoreTransport::Http)
-        {
-            return refuse(
-                format!("rules[{i}].store.transport (or the top-level store's)"),
-                "the store's HTTP transport (\"http\")",
-            );
-        }
-    }
-    Ok(())
-}
-
 thread_local! {
     /// This worker's roots, one per configuration.
     static ROOTS: crate::worker::Roots<crate::root::WorkerRoot> = crate::worker::Roots::default();
@@ -191,7 +161,10 @@ impl crate::abi::FilterFactory for Configuration {
         let journey = root.new_request(context_id)?;
         crate::worker::register(context_id, filter.handle());
         Some(Box::new(crate::filter::NativeFilter::new(
-            root, journey, context_id,
+            root,
+            journey,
+            context_id,
+            filter.handle(),
         )))
     }
 
@@ -208,6 +181,14 @@ impl crate::abi::FilterFactory for Configuration {
         headers: Vec<(String, Vec<u8>)>,
         body: Vec<u8>,
     ) {
+        // A worker's root's (the store's HTTP transport), else the main root's.
+        let Some((headers, body)) = self
+            .shared
+            .courier
+            .on_callout_done(callout_id, headers, body)
+        else {
+            return;
+        };
         match self.main.get(config).try_borrow().as_deref() {
             Ok(MainSlot::Built(main)) => {
                 main.on_callout_done(config, callout_id, result, headers, body);

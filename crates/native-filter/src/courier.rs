@@ -50,12 +50,26 @@ enum Operation {
         token: u32,
         reset: bool,
     },
+    /// A one-shot callout for `inbox`'s root (the store's HTTP transport).
+    Callout {
+        token: u32,
+        inbox: Arc<Inbox>,
+        callout: OwnedCallout,
+    },
     /// The store ended its side (or broke the framing): end ours too, or reset, so Envoy
     /// frees the stream. Made on the next run, never inside Envoy's callback for it.
     Finish {
         stream_id: u64,
         reset: bool,
     },
+}
+
+/// A root's callout, as the main thread makes it.
+pub struct OwnedCallout {
+    pub cluster: String,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub body: Vec<u8>,
+    pub timeout_ms: u64,
 }
 
 struct Outbox {
@@ -79,6 +93,8 @@ struct Route {
 struct Streams {
     by_stream: HashMap<u64, Route>,
     by_token: HashMap<u32, u64>,
+    /// The roots' callouts in flight: Envoy's id -> the token core was given, and its inbox.
+    callouts: HashMap<u64, (u32, Arc<Inbox>)>,
 }
 
 pub struct Courier {
@@ -198,6 +214,44 @@ impl Courier {
         Ok(token)
     }
 
+    /// From a worker's root: a one-shot callout; its answer comes to `inbox` under the token
+    /// returned.
+    pub fn callout(&self, inbox: &Arc<Inbox>, callout: OwnedCallout) -> Result<u32, String> {
+        let token = loop {
+            let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+            if token != 0 {
+                break token;
+            }
+        };
+        self.submit(Operation::Callout {
+            token,
+            inbox: Arc::clone(inbox),
+            callout,
+        })?;
+        Ok(token)
+    }
+
+    /// On the main thread: Envoy answered callout `callout_id`. Given back when it is not one
+    /// of the roots' (the main root's, then).
+    #[allow(clippy::type_complexity)]
+    pub fn on_callout_done(
+        &self,
+        callout_id: u64,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+    ) -> Option<(Vec<(String, Vec<u8>)>, Vec<u8>)> {
+        let route = relock(&self.streams).callouts.remove(&callout_id);
+        let Some((token, inbox)) = route else {
+            return Some((headers, body));
+        };
+        inbox.deliver(StreamEvent::CalloutAnswer {
+            token,
+            headers,
+            body,
+        });
+        None
+    }
+
     /// From a worker's root: one message, sent after everything queued before it.
     pub fn send(&self, token: u32, message: &[u8]) -> Result<(), String> {
         self.submit(Operation::Send {
@@ -272,6 +326,41 @@ impl Courier {
                     if let Some(stream_id) = route {
                         if reset || !calls.send(stream_id, &[], true) {
                             calls.reset(stream_id);
+                        }
+                    }
+                }
+                Operation::Callout {
+                    token,
+                    inbox,
+                    callout,
+                } => {
+                    let headers: Vec<(&str, &[u8])> = callout
+                        .headers
+                        .iter()
+                        .map(|(n, v)| (n.as_str(), v.as_slice()))
+                        .collect();
+                    let sent = calls.callout(
+                        &callout.cluster,
+                        &headers,
+                        &callout.body,
+                        callout.timeout_ms,
+                    );
+                    match sent {
+                        // (Envoy answers inside the call only when it then reports the
+                        // callout not started: that answer finds no route and is dropped, and
+                        // the root hears of the failure below.)
+                        Ok(callout_id) => {
+                            relock(&self.streams)
+                                .callouts
+                                .insert(callout_id, (token, inbox));
+                        }
+                        Err(e) => {
+                            log::debug!("a root's callout not made: {e}");
+                            inbox.deliver(StreamEvent::CalloutAnswer {
+                                token,
+                                headers: Vec::new(),
+                                body: Vec::new(),
+                            });
                         }
                     }
                 }
@@ -479,12 +568,33 @@ impl Courier {
             std::mem::take(&mut outbox.operations)
         };
         for operation in queued {
-            if let Operation::Open { token, inbox, .. } = operation {
-                inbox.deliver(StreamEvent::Closed {
+            match operation {
+                Operation::Open { token, inbox, .. } => inbox.deliver(StreamEvent::Closed {
                     token,
                     status: GRPC_UNAVAILABLE,
-                });
+                }),
+                Operation::Callout { token, inbox, .. } => {
+                    inbox.deliver(StreamEvent::CalloutAnswer {
+                        token,
+                        headers: Vec::new(),
+                        body: Vec::new(),
+                    });
+                }
+                _ => {}
             }
+        }
+        // Envoy cancels the configuration's callouts with it: none will be answered.
+        let callouts: Vec<(u32, Arc<Inbox>)> = relock(&self.streams)
+            .callouts
+            .drain()
+            .map(|(_, r)| r)
+            .collect();
+        for (token, inbox) in callouts {
+            inbox.deliver(StreamEvent::CalloutAnswer {
+                token,
+                headers: Vec::new(),
+                body: Vec::new(),
+            });
         }
         let routes: Vec<Route> = {
             let mut streams = relock(&self.streams);

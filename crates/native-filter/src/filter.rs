@@ -12,7 +12,10 @@ use std::time::Duration;
 use idempotency_core::journey::{Event, Journey, RequestJourney, Verdict};
 use idempotency_core::problem::Problem;
 
-use crate::abi::{BodyStatus, Filter, HeadersStatus, HttpFilter, Scheduler, TrailersStatus};
+use crate::abi::{
+    BodyStatus, CalloutResult, Filter, FilterHandle, HeadersStatus, HttpFilter, Scheduler,
+    TrailersStatus,
+};
 use crate::inbox::WakerId;
 use crate::root::WorkerRoot;
 use crate::ticker::{Ticker, Ticket, Wake};
@@ -33,6 +36,8 @@ pub struct NativeFilter {
     root: Rc<WorkerRoot>,
     journey: Rc<RefCell<RequestJourney>>,
     context_id: u32,
+    /// This request, whose own callouts are forgotten when it goes.
+    handle: Option<FilterHandle>,
     /// While the request is held: its entry in the ticker's timetable, and in its root's
     /// inbox (the main thread wakes it there when the store answers).
     ticking: Option<(Ticket, WakerId)>,
@@ -47,11 +52,13 @@ impl NativeFilter {
         root: Rc<WorkerRoot>,
         journey: Rc<RefCell<RequestJourney>>,
         context_id: u32,
+        handle: FilterHandle,
     ) -> NativeFilter {
         NativeFilter {
             root,
             journey,
             context_id,
+            handle: Some(handle),
             ticking: None,
             failed: false,
             responding: false,
@@ -223,8 +230,36 @@ impl HttpFilter for NativeFilter {
         self.follow(filter);
     }
 
+    /// The answer to one of this request's own callouts (the store's HTTP transport).
+    fn on_http_callout_done(
+        &mut self,
+        filter: &Filter,
+        callout_id: u64,
+        _result: CalloutResult,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+    ) {
+        let Some(token) = crate::request_callouts::take(filter.handle().key(), callout_id) else {
+            return;
+        };
+        let (num_headers, body_size) = (headers.len(), body.len());
+        crate::request_callouts::delivering(headers, body, || {
+            self.feed(
+                filter,
+                Event::CalloutAnswer {
+                    token,
+                    num_headers,
+                    body_size,
+                },
+            )
+        });
+    }
+
     fn on_destroy(&mut self) {
         self.stop_ticking();
+        if let Some(handle) = self.handle {
+            crate::request_callouts::forget(handle.key());
+        }
         worker::forget(self.context_id);
     }
 

@@ -16,6 +16,7 @@ use crate::abi::{AttributeId, Filter, HeaderMap, MetadataSource};
 use crate::config_callouts::MainCalls;
 use crate::metrics::Metrics;
 use crate::queues;
+use crate::request_callouts;
 use crate::root_streams::RootStreams;
 use crate::shared_data::SharedMap;
 use crate::worker;
@@ -35,10 +36,6 @@ pub struct NativeHost<'a> {
 
 fn no_request() -> HostError {
     HostError("no request is being handled".into())
-}
-
-fn not_native(what: &str) -> HostError {
-    HostError(format!("{what} is not in the native build yet"))
 }
 
 impl NativeHost<'_> {
@@ -241,24 +238,53 @@ impl Host for NativeHost<'_> {
         Ok(())
     }
 
+    /// The main root's: the configuration's own. A request's: its own (Envoy cancels them
+    /// with it, as proxy-wasm does). A worker's root's: made by the courier on the main
+    /// thread, answered through the root's inbox.
     fn dispatch_callout(&self, callout: &Callout<'_>) -> Result<u32, HostError> {
-        match &self.main {
-            Some(main) => main.dispatch(callout),
-            None => Err(not_native("an HTTP callout from a worker's root")),
+        if let Some(main) = &self.main {
+            return main.dispatch(callout);
         }
+        let Some(request) = worker::effective() else {
+            return self.streams()?.callout(callout);
+        };
+        // SAFETY: the effective request is live and on this worker (see `filter`).
+        let filter = unsafe { request.filter() };
+        let headers: Vec<(&str, &[u8])> = callout
+            .headers
+            .iter()
+            .map(|(n, v)| (*n, v.as_bytes()))
+            .collect();
+        let timeout = std::time::Duration::from_millis(callout.timeout_ms);
+        let id = filter
+            .http_callout(callout.cluster, &headers, callout.body, timeout)
+            .map_err(abi_error)?;
+        Ok(request_callouts::register(request.key(), id))
     }
 
     fn callout_response_headers(&self) -> Result<HeaderPairs, HostError> {
-        match &self.main {
-            Some(main) => main.response_headers(),
-            None => Err(not_native("an HTTP callout from a worker's root")),
+        if let Some(main) = &self.main {
+            return main.response_headers();
+        }
+        if let Some(headers) = request_callouts::headers() {
+            return Ok(headers);
+        }
+        match self.streams.and_then(RootStreams::callout_answer) {
+            Some((headers, _)) => Ok(headers),
+            None => Err(HostError("no callout answer is being delivered".into())),
         }
     }
 
     fn callout_response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
-        match &self.main {
-            Some(main) => main.response_body(size),
-            None => Err(not_native("an HTTP callout from a worker's root")),
+        if let Some(main) = &self.main {
+            return main.response_body(size);
+        }
+        if let Some(body) = request_callouts::body(size) {
+            return Ok(body);
+        }
+        match self.streams.and_then(RootStreams::callout_answer) {
+            Some((_, body)) => Ok(body.get(..size).unwrap_or(&body).to_vec()),
+            None => Err(HostError("no callout answer is being delivered".into())),
         }
     }
 

@@ -41,6 +41,7 @@ mod loaded;
 mod main_root;
 mod metrics;
 mod queues;
+mod request_callouts;
 mod root;
 mod root_streams;
 mod shared_data;
@@ -61,7 +62,7 @@ abi::dynamic_module!(abi::Module {
 });
 
 /// The filter's JSON configuration, the same as the Wasm module's; refused with the field
-/// named when it is wrong or asks for what the native build does not have yet.
+/// named when it is wrong.
 fn load_configuration(
     _name: &str,
     config: &[u8],

@@ -214,12 +214,10 @@ impl StoreWrites {
     /// loss could let a write run twice, which a host whose root may not run soon can land
     /// itself (docs/how-it-works.md, the native build's write handoff).
     fn hand_off(&self, host: &impl Host, write: &mut PendingWrite) {
-        let on_stream = write
-            .rule
-            .store
-            .as_ref()
-            .is_some_and(|s| s.transport == StoreTransport::Grpc);
-        if !on_stream || !matches!(write.kind(), WriteKind::Complete | WriteKind::Release) {
+        // Either transport: the host lands it on the store's stream (the store serves both).
+        if write.rule.store.is_none()
+            || !matches!(write.kind(), WriteKind::Complete | WriteKind::Release)
+        {
             return;
         }
         let id = self.next_handoff_id.get();
