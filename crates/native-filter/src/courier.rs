@@ -196,16 +196,21 @@ impl Courier {
         Ok(())
     }
 
+    /// A token for a root's stream or callout.
+    fn new_token(&self) -> u32 {
+        loop {
+            // Zero is proxy-wasm's "none"; a wrap after 4 billion skips it.
+            let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+            if token != 0 {
+                return token;
+            }
+        }
+    }
+
     /// From a worker's root: a stream for `inbox`'s root; its events go there. The token
     /// names it in sends and closes.
     pub fn open(&self, inbox: &Arc<Inbox>, target: StreamTarget) -> Result<u32, String> {
-        let token = loop {
-            // Zero is proxy-wasm's "none"; a wrap after 4 billion opens skips it.
-            let token = self.next_token.fetch_add(1, Ordering::Relaxed);
-            if token != 0 {
-                break token;
-            }
-        };
+        let token = self.new_token();
         self.submit(Operation::Open {
             token,
             inbox: Arc::clone(inbox),
@@ -217,12 +222,7 @@ impl Courier {
     /// From a worker's root: a one-shot callout; its answer comes to `inbox` under the token
     /// returned.
     pub fn callout(&self, inbox: &Arc<Inbox>, callout: OwnedCallout) -> Result<u32, String> {
-        let token = loop {
-            let token = self.next_token.fetch_add(1, Ordering::Relaxed);
-            if token != 0 {
-                break token;
-            }
-        };
+        let token = self.new_token();
         self.submit(Operation::Callout {
             token,
             inbox: Arc::clone(inbox),
