@@ -625,6 +625,8 @@ mod tests {
         started: RefCell<Vec<(String, Pairs)>>,
         sent: RefCell<Vec<(u64, Vec<u8>, bool)>>,
         resets: RefCell<Vec<u64>>,
+        /// Callouts made: cluster, body.
+        called: RefCell<Vec<(String, Vec<u8>)>>,
         refuse_start: bool,
         refuse_send: bool,
     }
@@ -652,6 +654,20 @@ mod tests {
         fn reset(&self, stream_id: u64) {
             self.resets.borrow_mut().push(stream_id);
         }
+        fn callout(
+            &self,
+            cluster: &str,
+            _headers: &[(&str, &[u8])],
+            body: &[u8],
+            _timeout_ms: u64,
+        ) -> Result<u64, String> {
+            if self.refuse_start {
+                return Err("cluster not found".into());
+            }
+            let mut called = self.called.borrow_mut();
+            called.push((cluster.to_owned(), body.to_vec()));
+            Ok(500 + called.len() as u64)
+        }
     }
 
     fn courier() -> Courier {
@@ -671,6 +687,70 @@ mod tests {
 
     fn header(name: &str, value: &str) -> (String, Vec<u8>) {
         (name.to_owned(), value.as_bytes().to_vec())
+    }
+
+    fn callout_to_store(body: &[u8]) -> OwnedCallout {
+        OwnedCallout {
+            cluster: "store".into(),
+            headers: vec![header(":method", "POST"), header(":path", "/v1/complete")],
+            body: body.to_vec(),
+            timeout_ms: 250,
+        }
+    }
+
+    /// The store's HTTP transport from a worker's root: the main thread makes the callout,
+    /// and the answer goes to that root's inbox under the token it was given; one Envoy never
+    /// answers (the configuration went, or refused it) is failed there, never lost.
+    #[test]
+    fn a_roots_callout_is_answered_into_its_inbox_and_failed_if_it_cannot_be() {
+        let (courier, envoy) = (courier(), FakeEnvoy::default());
+        let (one, other) = (Arc::new(Inbox::default()), Arc::new(Inbox::default()));
+        let first = courier.callout(&one, callout_to_store(b"a")).unwrap();
+        let second = courier.callout(&other, callout_to_store(b"b")).unwrap();
+        assert_ne!(first, second);
+        courier.run(&envoy);
+        assert_eq!(envoy.called.borrow().len(), 2);
+        let status = vec![header(":status", "200")];
+        assert!(courier
+            .on_callout_done(501, status.clone(), b"{}".to_vec())
+            .is_none());
+        assert_eq!(
+            one.take_all(),
+            vec![StreamEvent::CalloutAnswer {
+                token: first,
+                headers: status.clone(),
+                body: b"{}".to_vec()
+            }]
+        );
+        assert!(
+            courier.on_callout_done(999, status, Vec::new()).is_some(),
+            "not a root's: given back (the main root's)"
+        );
+        courier.retire();
+        assert_eq!(
+            other.take_all(),
+            vec![StreamEvent::CalloutAnswer {
+                token: second,
+                headers: Vec::new(),
+                body: Vec::new()
+            }],
+            "cancelled with the configuration: failed, not lost"
+        );
+        let refused = FakeEnvoy {
+            refuse_start: true,
+            ..FakeEnvoy::default()
+        };
+        let (courier, inbox) = (self::courier(), Arc::new(Inbox::default()));
+        let token = courier.callout(&inbox, callout_to_store(b"c")).unwrap();
+        courier.run(&refused);
+        assert_eq!(
+            inbox.take_all(),
+            vec![StreamEvent::CalloutAnswer {
+                token,
+                headers: Vec::new(),
+                body: Vec::new()
+            }]
+        );
     }
 
     #[test]
