@@ -54,6 +54,9 @@ pub struct HandedOffWrite<'a> {
     /// How long the root normally takes to settle it while it runs (the store's timeout plus
     /// the first retry's backoff): a host lands it itself only once it is unsettled longer.
     pub settles_within_ms: u64,
+    /// The store's HTTP transport: the write as its root sends it (path, JSON body), which
+    /// the host sends the same way (a store cluster may speak HTTP/1.1 only).
+    pub http: Option<(String, Vec<u8>)>,
 }
 
 /// The host: the current stream's headers and bodies, properties, local replies, callouts,

@@ -431,6 +431,21 @@ impl PluginRoot {
         self.finish_if_idle(host);
     }
 
+    /// Whether store writes wait to be sent (see `send_fresh_writes`).
+    pub fn has_fresh_writes(&self) -> bool {
+        self.plugin.as_ref().is_some_and(|p| p.writes.has_fresh())
+    }
+
+    /// Sends the store writes requests submitted, at once: what `on_queue_ready` does for a
+    /// host whose root is not woken by its queue (the native build's).
+    pub fn send_fresh_writes(&self, host: &impl Host) {
+        if let Some(plugin) = &self.plugin {
+            if let Some(queue) = plugin.writes.wake_queue() {
+                self.on_queue_ready(host, queue);
+            }
+        }
+    }
+
     /// A request queued a store write, or waits for a store stream to open.
     pub fn on_queue_ready(&self, host: &impl Host, queue_id: u32) {
         if let Some(plugin) = &self.plugin {

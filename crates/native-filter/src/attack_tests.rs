@@ -351,3 +351,108 @@ fn a_detached_write_out_when_its_configuration_goes_is_an_unknown_outcome() {
     end(502, retry);
     envoy_dynamic_module_on_http_filter_config_destroy(next);
 }
+
+/// Cluster mode over the store's HTTP transport, with a short store timeout.
+fn http_store_config() -> ffi::HttpFilterConfigModulePtr {
+    load(
+        br#"{"store":{"cluster":"store","transport":"http","timeout_ms":50},
+        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "fingerprint":"none","lease_seconds":1,"ttl_seconds":60}]}"#,
+    )
+}
+
+/// The `:path`s of callouts (a request's, or the configuration's).
+fn callout_paths(calls: &[(String, Vec<(String, Vec<u8>)>, Vec<u8>, u64)]) -> Vec<String> {
+    calls
+        .iter()
+        .filter_map(|(_, headers, _, _)| {
+            let path = headers.iter().find(|(n, _)| n == ":path")?;
+            Some(String::from_utf8_lossy(&path.1).into_owned())
+        })
+        .collect()
+}
+
+/// Envoy answers the request's own callout `id` with `status` and `body`.
+fn request_callout_answers(
+    ptr: usize,
+    module: ffi::HttpFilterModulePtr,
+    id: u64,
+    status: &str,
+    body: &str,
+) {
+    let (mut name, mut value) = (b":status".to_vec(), status.as_bytes().to_vec());
+    let mut header = [ffi::EnvoyHttpHeader {
+        key_ptr: name.as_mut_ptr().cast(),
+        key_length: name.len(),
+        value_ptr: value.as_mut_ptr().cast(),
+        value_length: value.len(),
+    }];
+    let mut body = body.as_bytes().to_vec();
+    let mut chunk = [ffi::EnvoyBuffer {
+        ptr: body.as_mut_ptr().cast(),
+        length: body.len(),
+    }];
+    envoy_dynamic_module_on_http_filter_http_callout_done(
+        fake(ptr),
+        module,
+        id,
+        ffi::CALLOUT_RESULT_SUCCESS,
+        header.as_mut_ptr(),
+        1,
+        chunk.as_mut_ptr(),
+        1,
+    );
+}
+
+/// The store's HTTP transport: a request's claim is its own callout; its completion goes
+/// out at once (the worker's root is not woken later, as proxy-wasm's is, and its worker may
+/// get no more requests), over HTTP; and when the store fails it while the worker is idle,
+/// the main thread lands it over HTTP too (the store's cluster may speak HTTP/1.1 only), never
+/// leaving it to a lease that lapses and a retry that runs the write again.
+#[test]
+fn an_idle_workers_http_completion_reaches_the_store_over_http() {
+    reset();
+    let config = http_store_config();
+    let (module, status) = start(config, 701, "attack-idle-http");
+    assert_eq!(
+        status,
+        ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK,
+        "held for the store"
+    );
+    let claims = with(|a| a.callouts.clone());
+    assert_eq!(callout_paths(&claims), vec!["/v1/claim".to_string()]);
+    let text = String::from_utf8(claims[0].2.clone()).unwrap();
+    let at = text.find("\"owner\":\"").unwrap() + 9;
+    let owner = text[at..].split('"').next().unwrap().to_owned();
+    let claimed = format!(r#"{{"outcome":"claimed","owner":"{owner}","lease_expires_at_ms":1}}"#);
+    request_callout_answers(701, module, 1, "200", &claimed);
+    respond(701, module);
+    end(701, module);
+    // The completion was submitted as the response ended: sent now, through the main thread.
+    main_thread_runs(config);
+    let sent = callout_paths(&with(|a| a.config_callouts.clone()));
+    assert_eq!(sent, vec!["/v1/complete".to_string()], "sent at once");
+    // The store fails it; the worker gets no more requests.
+    hooks::config_callout_done(
+        fake(9),
+        config,
+        1,
+        crate::abi::CalloutResult::Success,
+        vec![(":status".into(), b"503".to_vec())],
+        Vec::new(),
+    );
+    for _ in 0..10 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        main_thread_runs(config);
+    }
+    let sent = callout_paths(&with(|a| a.config_callouts.clone()));
+    assert!(
+        sent.len() >= 2 && sent.iter().all(|p| p == "/v1/complete"),
+        "landed again over HTTP by the main thread: {sent:?}"
+    );
+    assert!(
+        with(|a| a.config_streams.is_empty()),
+        "no gRPC stream to an HTTP store"
+    );
+    envoy_dynamic_module_on_http_filter_config_destroy(config);
+}

@@ -181,11 +181,16 @@ impl crate::abi::FilterFactory for Configuration {
         headers: Vec<(String, Vec<u8>)>,
         body: Vec<u8>,
     ) {
-        // A worker's root's (the store's HTTP transport), else the main root's.
-        let Some((headers, body)) = self
-            .shared
-            .courier
-            .on_callout_done(callout_id, headers, body)
+        // A worker's root's or the handoff's (the store's HTTP transport), else the main
+        // root's.
+        let courier = &self.shared.courier;
+        let Some((headers, body)) = courier.on_callout_done(callout_id, headers, body) else {
+            return;
+        };
+        let now_ms = crate::ledger::now_ms();
+        let Some((headers, body)) = courier
+            .handoff
+            .on_callout_done(callout_id, headers, body, now_ms)
         else {
             return;
         };

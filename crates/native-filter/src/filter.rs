@@ -81,8 +81,10 @@ impl NativeFilter {
             }
         };
         self.follow(filter);
-        // The step may have recorded an unknown outcome, or met one overdue in the store.
+        // The step may have recorded an unknown outcome, or met one overdue in the store, or
+        // submitted a store write.
         self.root.carry_to_main();
+        self.root.send_fresh_writes();
         verdict
     }
 

@@ -12,8 +12,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use idempotency_core::grpc::frame::{frame_len, PREFIX_BYTES};
+use idempotency_core::host::status_of;
+use idempotency_core::store::client::{read_write_answer, WriteAnswer, WriteKind};
 use idempotency_protocol::stream::{decode_answer, decode_call, encode_call_parts};
-use idempotency_protocol::stream::{FailureKind, Reply};
+use idempotency_protocol::stream::{CallOp, FailureKind, Reply};
 
 use crate::abi::ConfigStreamEvent;
 use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget, MAX_FRAME_BYTES};
@@ -51,6 +53,8 @@ struct State {
     /// Streams the store ended: reset on the next sweep, outside Envoy's callback.
     to_reset: Vec<u64>,
     next_call_id: u64,
+    /// The store's HTTP transport: callouts in flight by Envoy's id, and which write each is.
+    callouts: HashMap<u64, (InFlight, WriteKind)>,
 }
 
 #[derive(Default)]
@@ -125,6 +129,9 @@ impl Handoff {
             ledger.settle(due.id);
             return Ok(());
         };
+        if let Some((path, body)) = &due.http {
+            return self.send_http(calls, due, ledger, now_ms, &decoded.op, (path, body));
+        }
         let open = relock(&self.state)
             .carriers
             .get(&due.target)
@@ -177,6 +184,80 @@ impl Handoff {
         Ok(())
     }
 
+    /// The store's HTTP transport: the write as its root sends it, as a callout of the
+    /// configuration's (a store cluster may speak HTTP/1.1 only).
+    fn send_http(
+        &self,
+        calls: &impl StreamCalls,
+        due: &DueWrite,
+        ledger: &Arc<Ledger>,
+        now_ms: u64,
+        op: &CallOp,
+        (path, body): (&str, &[u8]),
+    ) -> Result<(), String> {
+        let kind = match op {
+            CallOp::Complete { .. } => WriteKind::Complete,
+            CallOp::Release { .. } => WriteKind::Release,
+            _ => {
+                ledger.settle(due.id);
+                return Ok(());
+            }
+        };
+        let target = &due.target;
+        let mut headers: Vec<(&str, &[u8])> = vec![
+            (":method", b"POST"),
+            (":path", path.as_bytes()),
+            (":authority", target.authority.as_bytes()),
+            ("content-type", b"application/json"),
+        ];
+        for (name, value) in &target.metadata {
+            headers.push((name.as_str(), value.as_slice()));
+        }
+        let callout_id = calls
+            .callout(&target.cluster, &headers, body, due.answer_within_ms.max(1))
+            .map_err(|why| format!("callout to cluster {} not made: {why}", target.cluster))?;
+        let attempt = InFlight {
+            ledger: Arc::clone(ledger),
+            entry_id: due.id,
+            answer_by_ms: now_ms.saturating_add(due.answer_within_ms),
+        };
+        relock(&self.state)
+            .callouts
+            .insert(callout_id, (attempt, kind));
+        Ok(())
+    }
+
+    /// On the main thread: Envoy answered callout `callout_id`. Given back when it is not one
+    /// of the handoff's.
+    #[allow(clippy::type_complexity)]
+    pub fn on_callout_done(
+        &self,
+        callout_id: u64,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+        now_ms: u64,
+    ) -> Option<(Vec<(String, Vec<u8>)>, Vec<u8>)> {
+        let Some((attempt, kind)) = relock(&self.state).callouts.remove(&callout_id) else {
+            return Some((headers, body));
+        };
+        let status = status_of(&headers);
+        let InFlight {
+            ledger, entry_id, ..
+        } = attempt;
+        match read_write_answer(kind, status, &body) {
+            WriteAnswer::Done => ledger.landed(entry_id, now_ms),
+            WriteAnswer::Superseded | WriteAnswer::NotSettled => ledger.not_owner(entry_id, now_ms),
+            WriteAnswer::Refused(why) => {
+                log::warn!("handed-off store write refused by the store: {why}");
+                ledger.settle(entry_id);
+            }
+            WriteAnswer::Retry(why) => ledger.failed(entry_id, now_ms, &why),
+            // Only a renewal's answer names lost leases; the handoff sends none.
+            WriteAnswer::LeasesLost(_) => ledger.landed(entry_id, now_ms),
+        }
+        None
+    }
+
     /// On the main thread: what the store said on one of the handoff's streams.
     pub fn on_stream_event(&self, stream_id: u64, event: ConfigStreamEvent, now_ms: u64) {
         let mut state = relock(&self.state);
@@ -211,6 +292,8 @@ impl Handoff {
             state.carriers.clear();
             state.by_stream.clear();
             state.to_reset.clear();
+            // Envoy cancels the configuration's callouts with it.
+            state.callouts.clear();
             std::mem::take(&mut state.ledgers)
         };
         let mut orphans = relock(&ORPHANS);
@@ -354,6 +437,7 @@ mod tests {
             call: call.clone(),
             deadline_ms: T0 + 5_000,
             settles_within_ms: 350,
+            http: None,
         };
         (call, write)
     }

@@ -36,12 +36,19 @@ pub fn forget(request: usize) {
     TOKENS.with(|tokens| tokens.borrow_mut().retain(|(r, _), _| *r != request));
 }
 
-/// Runs `deliver` while the answer is the one `callout_response_*` read.
+/// Runs `deliver` while the answer is the one `callout_response_*` read; no longer after,
+/// even if `deliver` panics (the hook's barrier catches it, and a later read must not find
+/// this answer).
 pub fn delivering<T>(headers: HeaderPairs, body: Vec<u8>, deliver: impl FnOnce() -> T) -> T {
+    struct Clear;
+    impl Drop for Clear {
+        fn drop(&mut self) {
+            CURRENT.with(|current| current.replace(None));
+        }
+    }
     CURRENT.with(|current| current.replace(Some((headers, body))));
-    let answer = deliver();
-    CURRENT.with(|current| current.replace(None));
-    answer
+    let _clear = Clear;
+    deliver()
 }
 
 pub fn headers() -> Option<HeaderPairs> {
@@ -55,4 +62,38 @@ pub fn body(size: usize) -> Option<Vec<u8>> {
             .as_ref()
             .map(|(_, b)| b.get(..size).unwrap_or(b).to_vec())
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_is_read_only_while_it_is_delivered_even_when_its_delivery_panics() {
+        let status = vec![(":status".to_owned(), b"200".to_vec())];
+        let read = delivering(status.clone(), b"{}".to_vec(), || (headers(), body(1)));
+        assert_eq!(read, (Some(status.clone()), Some(b"{".to_vec())));
+        assert_eq!(headers(), None);
+        let caught = std::panic::catch_unwind(|| {
+            delivering(status, b"{}".to_vec(), || panic!("a step panicked"));
+        });
+        assert!(caught.is_err());
+        assert_eq!(headers(), None, "not read by whatever comes next");
+    }
+
+    #[test]
+    fn a_callout_is_named_by_its_request_and_envoys_id_until_answered_or_forgotten() {
+        let first = register(7, 1);
+        let other_request = register(8, 1);
+        assert_ne!(first, other_request);
+        assert_eq!(take(7, 1), Some(first));
+        assert_eq!(take(7, 1), None, "answered once");
+        forget(8);
+        assert_eq!(
+            take(8, 1),
+            None,
+            "the request went, and its callouts with it"
+        );
+    }
 }

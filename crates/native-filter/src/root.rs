@@ -150,6 +150,22 @@ impl WorkerRoot {
         self.shared.courier.summon();
     }
 
+    /// Sends the store writes this root's requests submitted, at once: proxy-wasm wakes a
+    /// root when its queue fills, a dynamic module does not (its tick would send them only
+    /// at a later request's hook, and an idle worker's never: docs/how-it-works.md).
+    pub fn send_fresh_writes(&self) {
+        let Ok(root) = self.root.try_borrow() else {
+            return; // busy further up this stack, which sends them at its end
+        };
+        if !root.has_fresh_writes() {
+            return;
+        }
+        let host = self.host();
+        worker::act_on_none();
+        run_caught("sending store writes", || root.send_fresh_writes(&host));
+        worker::act_on_none();
+    }
+
     /// Hands core what the store streams said since the last time, in order, as proxy-wasm
     /// calls the root context for each. Host calls act on no request afterwards.
     pub fn drain_inbox(&self) {
@@ -170,8 +186,10 @@ impl WorkerRoot {
         }
         worker::act_on_none();
         drop(root);
-        // A store answer may have recorded an unknown outcome (or found one overdue).
+        // A store answer may have recorded an unknown outcome (or found one overdue), or
+        // submitted a write.
         self.carry_to_main();
+        self.send_fresh_writes();
     }
 }
 

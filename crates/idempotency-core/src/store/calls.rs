@@ -32,6 +32,11 @@ impl StoreOp {
     }
 }
 
+/// The path of `op` under the store's HTTP API.
+pub fn path(store: &StoreConfig, op: StoreOp) -> String {
+    format!("{}{}", store.path_prefix, op.path())
+}
+
 /// Sends `body` to the store; the answer arrives in the calling context with the returned
 /// token.
 pub fn send(
@@ -40,7 +45,7 @@ pub fn send(
     op: StoreOp,
     body: &[u8],
 ) -> Result<u32, HostError> {
-    let path = format!("{}{}", store.path_prefix, op.path());
+    let path = path(store, op);
     let authorization = store.token.as_ref().map(|t| format!("Bearer {t}"));
     let mut headers = vec![
         (":method", "POST"),

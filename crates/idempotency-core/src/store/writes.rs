@@ -196,6 +196,12 @@ impl StoreWrites {
             + self.on_stream.get()
     }
 
+    /// Whether writes were submitted since the root last sent (a host whose root is not woken
+    /// by its queue sends them at once with `PluginRoot::send_fresh_writes`).
+    pub fn has_fresh(&self) -> bool {
+        !self.fresh.borrow().is_empty()
+    }
+
     /// Whether a write is ready to go: submitted, or due for its retry (or hurried).
     pub fn due(&self, now_ms: u64) -> bool {
         !self.fresh.borrow().is_empty()
@@ -204,6 +210,10 @@ impl StoreWrites {
                 .borrow()
                 .peek()
                 .is_some_and(|Reverse(w)| self.store_is_back.get() || w.not_before_ms <= now_ms)
+    }
+
+    pub fn wake_queue(&self) -> Option<u32> {
+        self.wake_queue
     }
 
     pub fn is_wake_queue(&self, queue_id: u32) -> bool {
@@ -242,6 +252,8 @@ impl StoreWrites {
             call: encode_call_parts(0, &write.call),
             deadline_ms: write.deadline_ms,
             settles_within_ms: store.timeout_ms.saturating_add(FIRST_BACKOFF_MS),
+            http: (store.transport == StoreTransport::Http)
+                .then(|| (calls::path(store, write.op()), http_body(&write.call))),
         };
         if let Err(e) = host.hand_off_write(&handed) {
             if let Some(suppressed) = self.handoff_refusals.borrow_mut().admit(host.now_ms()) {
