@@ -362,7 +362,7 @@ fn http_store_config() -> ffi::HttpFilterConfigModulePtr {
 }
 
 /// The `:path`s of callouts (a request's, or the configuration's).
-fn callout_paths(calls: &[(String, Vec<(String, Vec<u8>)>, Vec<u8>, u64)]) -> Vec<String> {
+fn callout_paths(calls: &[crate::abi::mock_abi::Callout]) -> Vec<String> {
     calls
         .iter()
         .filter_map(|(_, headers, _, _)| {
