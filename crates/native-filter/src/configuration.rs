@@ -22,8 +22,10 @@ impl Drop for Configuration {
     /// Envoy destroys the configuration on the main thread once none of its requests is left,
     /// and resets its streams without an event: the roots learn it from the courier.
     fn drop(&mut self) {
-        // Its resolutions go to the next configuration's main root (they would be lost
-        // with this one's; their keys would answer "come back" until their TTL).
+        // Envoy cancels its callouts: the detached writes its main root has out become
+        // unknown outcomes (`MainRoot::retire`), and its resolutions, those included, go to
+        // the next configuration's main root (lost with this one, their keys would answer
+        // "come back" until their TTL).
         let (mut left, unsent) = self.shared.carried.close();
         if let MainSlot::Built(main) = self.main.0.get_mut() {
             left.extend(main.retire());

@@ -1,15 +1,18 @@
 //! The configuration's root on Envoy's main thread: core's `PluginRoot` for the work that must
-//! go on whether or not a worker has requests (docs/how-it-works.md, "The native build: the
-//! main root").
+//! go on whether or not a worker has requests (docs/how-it-works.md, "The native build: who
+//! runs where", the main root).
 //!
 //! A worker's root runs only inside its requests' hooks: the ABI gives no per-worker timer,
 //! and a configuration's callouts and scheduler belong to the main thread. An unknown outcome
 //! a quiet worker recorded would wait for that worker's next request before anyone asked the
-//! service about it. So a worker hands its resolutions here (core's `resolve_elsewhere`); this
-//! root asks the service with the configuration's own callouts, which outlive every request,
-//! settles the key in the process's shared data (and the store, over streams of the courier's
-//! like a worker's), and runs on the configuration's scheduler: when a worker carries work
-//! here, when the courier runs, and on the process ticker's sweeps while it holds any.
+//! service about it, and a detached write whose client left would have nobody to record its
+//! answer or renew its lease. So a worker hands its resolutions and its detached writes here
+//! (core's `resolve_elsewhere`, `send_detached_elsewhere`); this root asks the service and
+//! sends the writes with the configuration's own callouts, which outlive every request,
+//! settles keys in the process's shared data (and the store, over streams of the courier's
+//! like a worker's), answers a detached write's client through its worker's inbox, and runs
+//! on the configuration's scheduler: when a worker carries work here, when the courier runs,
+//! and on the process ticker's sweeps while it holds any.
 
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
