@@ -60,10 +60,6 @@ def cluster_plugin_config(
     for rule in config["rules"]:
         if rule["name"] == "orders":
             rule.update(orders)
-        if harness.FILTER_BUILD == "native":
-            # The native build refuses `resolve` at load (it needs HTTP callouts from the
-            # root); the sample's payments rule matches no path these tests send.
-            rule.pop("resolve", None)
     config["rules"].extend(copy.deepcopy(list(extra_rules)))
     return config
 
