@@ -1047,11 +1047,16 @@ impl Filter {
                 timeout_ms,
             )
         };
-        if result == ffi::CALLOUT_INIT_SUCCESS {
-            Ok(id)
-        } else {
-            Err(AbiError::CalloutNotStarted(result))
-        }
+        started(result, id)
+    }
+}
+
+/// A callout or stream Envoy was asked to start: its id, or why it did not start.
+fn started(result: ffi::HttpCalloutInitResult, id: u64) -> Result<u64, AbiError> {
+    if result == ffi::CALLOUT_INIT_SUCCESS {
+        Ok(id)
+    } else {
+        Err(AbiError::CalloutNotStarted(result))
     }
 }
 
@@ -1286,11 +1291,7 @@ impl MainThreadConfig {
                 timeout_ms,
             )
         };
-        if result == ffi::CALLOUT_INIT_SUCCESS {
-            Ok(id)
-        } else {
-            Err(AbiError::CalloutNotStarted(result))
-        }
+        started(result, id)
     }
 
     /// Starts a long-lived HTTP stream to `cluster` (headers must include `:method`, `:path`
@@ -1319,11 +1320,7 @@ impl MainThreadConfig {
                 timeout_ms,
             )
         };
-        if result == ffi::CALLOUT_INIT_SUCCESS {
-            Ok(id)
-        } else {
-            Err(AbiError::CalloutNotStarted(result))
-        }
+        started(result, id)
     }
 
     /// Sends `data` on stream `id` (Envoy copies it). False: no such stream any more.

@@ -6,6 +6,7 @@ use std::time::Duration;
 use idempotency_core::grpc::frame::PREFIX_BYTES;
 
 use crate::abi::MainThreadConfig;
+use crate::config_callouts::ConfigCallouts;
 
 /// Where a root's store stream goes, as link.rs names it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -47,21 +48,11 @@ impl StreamTarget {
 }
 
 /// The configuration's stream calls, on the main thread (a trait so the courier's rules are
-/// tested without Envoy).
-pub trait StreamCalls {
+/// tested without Envoy), beside its one-shot callouts (the roots' store calls over HTTP).
+pub trait StreamCalls: ConfigCallouts {
     fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String>;
     fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool;
     fn reset(&self, stream_id: u64);
-    /// A one-shot callout (the roots' store calls over HTTP): Envoy's id.
-    fn callout(
-        &self,
-        _cluster: &str,
-        _headers: &[(&str, &[u8])],
-        _body: &[u8],
-        _timeout_ms: u64,
-    ) -> Result<u64, String> {
-        Err("this host makes no callouts".into())
-    }
 }
 
 impl StreamCalls for MainThreadConfig {
@@ -75,16 +66,6 @@ impl StreamCalls for MainThreadConfig {
     }
     fn reset(&self, stream_id: u64) {
         self.reset_stream(stream_id);
-    }
-    fn callout(
-        &self,
-        cluster: &str,
-        headers: &[(&str, &[u8])],
-        body: &[u8],
-        timeout_ms: u64,
-    ) -> Result<u64, String> {
-        self.http_callout(cluster, headers, body, Duration::from_millis(timeout_ms))
-            .map_err(|e| e.to_string())
     }
 }
 

@@ -654,6 +654,9 @@ mod tests {
         fn reset(&self, stream_id: u64) {
             self.resets.borrow_mut().push(stream_id);
         }
+    }
+
+    impl crate::config_callouts::ConfigCallouts for FakeEnvoy {
         fn callout(
             &self,
             cluster: &str,

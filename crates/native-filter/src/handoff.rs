@@ -398,6 +398,8 @@ mod tests {
         resets: RefCell<Vec<u64>>,
     }
 
+    use crate::config_callouts::ConfigCallouts;
+
     impl StreamCalls for FakeEnvoy {
         fn start(&self, cluster: &str, _headers: &[(&str, &[u8])]) -> Result<u64, String> {
             self.started.borrow_mut().push(cluster.to_owned());
@@ -409,6 +411,19 @@ mod tests {
         }
         fn reset(&self, stream_id: u64) {
             self.resets.borrow_mut().push(stream_id);
+        }
+    }
+
+    /// The handoff's streams carry these tests' writes (gRPC transport): no callouts.
+    impl ConfigCallouts for FakeEnvoy {
+        fn callout(
+            &self,
+            _cluster: &str,
+            _headers: &[(&str, &[u8])],
+            _body: &[u8],
+            _timeout_ms: u64,
+        ) -> Result<u64, String> {
+            Err("no callouts in these tests".into())
         }
     }
 
@@ -615,6 +630,18 @@ mod tests {
         }
         fn reset(&self, stream_id: u64) {
             self.envoy.reset(stream_id);
+        }
+    }
+
+    impl ConfigCallouts for ResettingInline<'_> {
+        fn callout(
+            &self,
+            cluster: &str,
+            headers: &[(&str, &[u8])],
+            body: &[u8],
+            timeout_ms: u64,
+        ) -> Result<u64, String> {
+            self.envoy.callout(cluster, headers, body, timeout_ms)
         }
     }
 
