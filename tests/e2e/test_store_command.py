@@ -177,12 +177,6 @@ def test_record_resolve_settles_an_unknown_outcome_for_every_envoy(procs, tmp_pa
     path, key = unknown_outcome()
     done = record(cluster.store, "resolve", *by_request(config, key), "--never-ran")
     assert done.returncode == 0 and "never ran" in done.stdout, done.stderr
-    if cluster.a.build == "native":
-        # The Envoy that recorded it takes the store's word only once its table knows its
-        # record of the unknown outcome reached the store: on the native build, once the
-        # worker that recorded it takes the store's answer, at that worker's next request
-        # (docs/how-it-works.md); meanwhile a retry gets 409, never a run. A known gap there.
-        pytest.skip("native: a 'never ran' waits for the recording worker's next request")
     again = post(cluster.a, path, key, headers={"authorization": AUTH})
     assert again.status_code == 201 and again.headers["x-execution"] == "2", again.text
     # Envoy A's record of it reaches the store from its root a moment later.

@@ -5,11 +5,23 @@
 //! Each call returns the host's refusal as a [`HostError`] instead of panicking: the flow
 //! decides what a refusal means at each step.
 
+use std::sync::Arc;
+
 /// The host's shared data: the table, the owner tokens and the registries live in it.
 pub trait SharedData {
     /// None when the key does not exist; otherwise its value (possibly empty) and cas.
     fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError>;
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError>;
+}
+
+/// Shared data behind a reference (as `OnLanded` is given it).
+impl<T: SharedData + ?Sized> SharedData for &T {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        (**self).get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError> {
+        (**self).set(key, value, cas)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,7 +51,7 @@ pub struct Callout<'a> {
 /// A completion or release reported to a host that can land it without the root
 /// ([`Host::hand_off_write`]): the store call as it goes on the store's stream (encoded with
 /// call id 0; the carrier gives it its own), where it goes, and until when it matters.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct HandedOffWrite<'a> {
     /// Unique per root context for as long as the root lives.
     pub id: u64,
@@ -57,6 +69,16 @@ pub struct HandedOffWrite<'a> {
     /// The store's HTTP transport: the write as its root sends it (path, JSON body), which
     /// the host sends the same way (a store cluster may speak HTTP/1.1 only).
     pub http: Option<(String, Vec<u8>)>,
+    /// What whoever lands it does once the store took it, as the root would on the store's
+    /// answer (a completion of an unknown outcome marks its record as in the store: until
+    /// then every worker's retry answers 409).
+    pub on_landed: Option<&'a Arc<dyn OnLanded>>,
+}
+
+/// A handed-off write's consequence for the table once the store took it: plain data, as the
+/// host may land the write on another thread.
+pub trait OnLanded: Send + Sync + std::fmt::Debug {
+    fn on_landed(&self, shared: &dyn SharedData);
 }
 
 /// The host: the current stream's headers and bodies, properties, local replies, callouts,

@@ -456,3 +456,87 @@ fn an_idle_workers_http_completion_reaches_the_store_over_http() {
     );
     envoy_dynamic_module_on_http_filter_config_destroy(config);
 }
+
+/// The owner token in a claim callout's JSON body.
+fn claimed_owner(claim: &crate::abi::mock_abi::Callout) -> String {
+    let text = String::from_utf8_lossy(&claim.2);
+    let at = text.find("\"owner\":\"").map_or(0, |at| at + 9);
+    text[at..].split('"').next().unwrap_or_default().to_owned()
+}
+
+/// The store's answer to a claim it took under `owner`.
+fn claimed_as(owner: &str) -> String {
+    format!(r#"{{"outcome":"claimed","owner":"{owner}","lease_expires_at_ms":1}}"#)
+}
+
+/// Cluster mode: a write's client leaves mid-way (an unknown outcome) on a worker that then
+/// gets no more requests; its completion reaches the store, and an operator (or another
+/// proxy's resolution) settles it there as never run, freeing the key. A retry on another
+/// worker of this proxy must take the store's word and run the write, as every other proxy
+/// does. It answered 409 instead, for as long as the recording worker stayed idle: only that
+/// worker's root, taking the store's answer, marked the local record as in the store, and
+/// until then a free key in the store reads as "the record never got there".
+#[test]
+fn an_unknown_outcome_the_store_took_is_marked_so_without_its_idle_worker() {
+    reset();
+    let config = http_store_config();
+    let (module, status) = start(config, 801, "attack-idle-mark");
+    assert_eq!(
+        status,
+        ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK,
+        "held for the store"
+    );
+    let claim = with(|a| a.callouts[0].clone());
+    request_callout_answers(801, module, 1, "200", &claimed_as(&claimed_owner(&claim)));
+    // The client leaves before any response: the outcome is unknown, recorded here and sent
+    // to the store at once.
+    end(801, module);
+    main_thread_runs(config);
+    let sent = callout_paths(&with(|a| a.config_callouts.clone()));
+    assert_eq!(sent, vec!["/v1/complete".to_string()]);
+    let completed = br#"{"outcome":"completed"}"#.to_vec();
+    let store_took_it = |id: u64| {
+        hooks::config_callout_done(
+            fake(9),
+            config,
+            id,
+            crate::abi::CalloutResult::Success,
+            vec![(":status".into(), b"200".to_vec())],
+            completed.clone(),
+        );
+    };
+    // The store takes it; the answer waits in the idle worker's inbox, and the main thread,
+    // seeing the write unsettled past its grace, lands it again: the store takes it again.
+    store_took_it(1);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    main_thread_runs(config);
+    let sent = callout_paths(&with(|a| a.config_callouts.clone()));
+    assert_eq!(sent.len(), 2, "landed by the main thread: {sent:?}");
+    store_took_it(2);
+
+    // The store settled it as never run: its claim answer is "claimed". Another worker's
+    // retry runs the write.
+    let config_address = config as usize;
+    let (replies, resumed, resent) = std::thread::spawn(move || {
+        let config = config_address as ffi::HttpFilterConfigModulePtr;
+        let (retry, status) = start(config, 802, "attack-idle-mark");
+        assert_eq!(status, ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK);
+        let claim = with(|a| a.callouts[0].clone());
+        request_callout_answers(802, retry, 1, "200", &claimed_as(&claimed_owner(&claim)));
+        let resumed = with(|a| a.calls.iter().any(|c| c == "continue_decoding 802"));
+        let replies = replies_to(802);
+        let resent = callout_paths(&with(|a| a.callouts.clone()));
+        end(802, retry);
+        (replies, resumed, resent)
+    })
+    .join()
+    .unwrap();
+    assert_eq!(replies, Vec::<u32>::new(), "not answered 409 by the filter");
+    assert!(resumed, "the retry goes upstream");
+    assert_eq!(
+        resent,
+        vec!["/v1/claim".to_string()],
+        "nothing sent back to the store"
+    );
+    envoy_dynamic_module_on_http_filter_config_destroy(config);
+}

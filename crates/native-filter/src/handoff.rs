@@ -245,6 +245,7 @@ impl Handoff {
             ledger, entry_id, ..
         } = attempt;
         match read_write_answer(kind, status, &body) {
+            WriteAnswer::Done if kind == WriteKind::Complete => ledger.recorded(entry_id, now_ms),
             WriteAnswer::Done => ledger.landed(entry_id, now_ms),
             WriteAnswer::Superseded | WriteAnswer::NotSettled => ledger.not_owner(entry_id, now_ms),
             WriteAnswer::Refused(why) => {
@@ -371,7 +372,8 @@ fn on_data(state: &mut State, stream_id: u64, data: &[u8], now_ms: u64) {
             }
             Reply::Failure { detail, .. } => ledger.failed(entry_id, now_ms, &detail),
             Reply::NotOwner => ledger.not_owner(entry_id, now_ms),
-            // Taken (a completion already there with the same bytes answers so too).
+            // A completion taken (one already there with the same bytes answers so too).
+            Reply::Recorded => ledger.recorded(entry_id, now_ms),
             _ => ledger.landed(entry_id, now_ms),
         }
     }
@@ -453,8 +455,24 @@ mod tests {
             deadline_ms: T0 + 5_000,
             settles_within_ms: 350,
             http: None,
+            on_landed: None,
         };
         (call, write)
+    }
+
+    /// A completion as a root hands it off.
+    fn complete_call() -> Vec<u8> {
+        encode_call_parts(
+            0,
+            &CallOp::Complete {
+                key: "k".repeat(64),
+                owner: "o".into(),
+                ttl_ms: 1_000,
+                record: b"rec".to_vec(),
+                fingerprint: "f".repeat(64),
+                tombstone_ms: 0,
+            },
+        )
     }
 
     /// The calls sent so far, decoded: stream, call id, op.
@@ -555,17 +573,7 @@ mod tests {
     #[test]
     fn a_completion_answered_not_the_owner_is_final_at_once() {
         let (handoff, envoy, ledger) = adopting_one_ledger();
-        let call = encode_call_parts(
-            0,
-            &CallOp::Complete {
-                key: "k".repeat(64),
-                owner: "o".into(),
-                ttl_ms: 1_000,
-                record: b"rec".to_vec(),
-                fingerprint: "f".repeat(64),
-                tombstone_ms: 0,
-            },
-        );
+        let call = complete_call();
         let (_, mut write) = release(4, "o");
         write.call = call;
         ledger.record(&write, T0).unwrap();
@@ -573,6 +581,43 @@ mod tests {
         let (stream, id, _) = sent(&envoy)[0].clone();
         answer(&handoff, stream, id, Reply::NotOwner, T0 + 360);
         assert!(ledger.is_empty());
+    }
+
+    /// Counts the times its write was taken by the store.
+    #[derive(Debug, Default)]
+    struct Taken(std::sync::atomic::AtomicU32);
+
+    impl idempotency_core::host::OnLanded for Taken {
+        fn on_landed(&self, _shared: &dyn idempotency_core::host::SharedData) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// An unknown outcome's completion the main thread lands marks its record as the store's
+    /// (core's `on_landed`) when the store records it, and only then: a completion the store
+    /// refuses as not the owner's leaves the record unmarked, so retries still never take
+    /// the store's "free" for a settlement of a record it never got.
+    #[test]
+    fn a_completion_landed_by_the_store_tells_the_table_and_a_refused_one_does_not() {
+        let complete = complete_call();
+        for (reply, marked) in [(Reply::Recorded, 1), (Reply::NotOwner, 0)] {
+            let (handoff, envoy, ledger) = adopting_one_ledger();
+            let taken = Arc::new(Taken::default());
+            let on_landed: Arc<dyn idempotency_core::host::OnLanded> = taken.clone();
+            let (_, mut write) = release(3, "o");
+            write.call = complete.clone();
+            write.on_landed = Some(&on_landed);
+            ledger.record(&write, T0).unwrap();
+            handoff.sweep(&envoy, T0 + 350);
+            let (stream, id, _) = sent(&envoy)[0].clone();
+            answer(&handoff, stream, id, reply.clone(), T0 + 360);
+            assert!(ledger.is_empty());
+            assert_eq!(
+                taken.0.load(std::sync::atomic::Ordering::Relaxed),
+                marked,
+                "{reply:?}"
+            );
+        }
     }
 
     #[test]

@@ -5,15 +5,16 @@
 //! root), so a lock guards it. It holds owned bytes only, never a root or a request.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use idempotency_core::burst_log::BurstLog;
-use idempotency_core::host::HandedOffWrite;
+use idempotency_core::host::{HandedOffWrite, OnLanded};
 use idempotency_core::store::writes::RETRY_BUDGET_BYTES;
 
 use idempotency_protocol::stream::{decode_call, CallOp};
 
 use crate::config_streams::StreamTarget;
+use crate::shared_data::SharedMap;
 
 /// The courier's retries of one entry: from this to `MAX_BACKOFF_MS`, doubling.
 const FIRST_BACKOFF_MS: u64 = 100;
@@ -39,6 +40,8 @@ struct Entry {
     attempts: u32,
     /// Sent by the courier at this time and not answered yet.
     in_flight_since: Option<u64>,
+    /// What the table owes the store's taking it (core's `HandedOffWrite::on_landed`).
+    on_landed: Option<Arc<dyn OnLanded>>,
 }
 
 impl Entry {
@@ -147,6 +150,7 @@ impl Ledger {
             answer_within_ms: write.settles_within_ms.max(FIRST_BACKOFF_MS),
             attempts: 0,
             in_flight_since: None,
+            on_landed: write.on_landed.cloned(),
         };
         let mut entries = self.lock();
         let replaced = entries.by_id.remove(&write.id);
@@ -220,13 +224,25 @@ impl Ledger {
         due
     }
 
-    /// From the courier: the store answered entry `id` for good (taken, or refused for
+    /// From the courier: the store recorded completion `id` (or already held those bytes):
+    /// settled here, and its record marked as the store's in the table now, as its root
+    /// would mark it; an idle root may not run again for long, and until then every
+    /// worker's retry of an unknown outcome would answer 409 even after the store settled it.
+    pub fn recorded(&self, id: u64, now_ms: u64) {
+        if let Some(on_landed) = self.finish(id, now_ms) {
+            on_landed.on_landed(SharedMap::process());
+        }
+    }
+
+    /// From the courier: the store answered entry `id` for good (released, or refused for
     /// good): it is settled here; the root settles its own copy when it runs.
     pub fn landed(&self, id: u64, now_ms: u64) {
+        self.finish(id, now_ms);
+    }
+
+    fn finish(&self, id: u64, now_ms: u64) -> Option<Arc<dyn OnLanded>> {
         let mut entries = self.lock();
-        let Some(entry) = entries.by_id.remove(&id) else {
-            return;
-        };
+        let entry = entries.by_id.remove(&id)?;
         entries.bytes = entries.bytes.saturating_sub(entry.bytes());
         if let Some(suppressed) = entries.landings.admit(now_ms) {
             log::info!(
@@ -236,6 +252,7 @@ impl Ledger {
                 entry.attempts
             );
         }
+        entry.on_landed
     }
 
     /// From the courier: the store says "not the owner". Final for a completion (another

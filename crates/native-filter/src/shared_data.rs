@@ -11,7 +11,7 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use idempotency_core::host::SetOutcome;
+use idempotency_core::host::{HostError, SetOutcome, SharedData};
 
 /// Enough shards that two workers (or sixteen) rarely wait on one another.
 const SHARDS: usize = 64;
@@ -107,6 +107,17 @@ impl SharedMap {
                 return cas;
             }
         }
+    }
+}
+
+/// As core's table sees it from any thread (the main thread landing a worker's write).
+impl SharedData for SharedMap {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        Ok(SharedMap::get(self, key))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<SetOutcome, HostError> {
+        Ok(SharedMap::set(self, key, value, cas))
     }
 }
 

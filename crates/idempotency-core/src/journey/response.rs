@@ -414,7 +414,7 @@ impl RequestJourney {
         let mut write =
             PendingWrite::new(Rc::clone(rule), call, deadline).with_local_claim(held.clone());
         if response.unknown.is_some() {
-            write = write.marking_in_store();
+            write = write.marking_in_store(self.plugin.table.in_store_mark(held));
         }
         if !response.body.is_empty() {
             let without_body = response.without_body();

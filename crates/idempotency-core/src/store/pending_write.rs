@@ -3,13 +3,14 @@
 //! call is out, and what the store writes queue and retry.
 
 use std::rc::Rc;
+use std::sync::Arc;
 
 use idempotency_protocol::stream::CallOp;
 
 use crate::rule_handle::RuleHandle;
 use crate::store::calls::StoreOp;
 use crate::store::client::{call_bytes, WriteKind};
-use crate::table::Held;
+use crate::table::{Held, InStoreMark};
 
 /// Builds the record without its response body, for a completion that cannot keep it.
 pub type LeanRecord = Box<dyn FnOnce() -> Vec<u8>>;
@@ -33,7 +34,7 @@ pub struct PendingWrite {
     pub(super) local: Option<Held>,
     /// A completion of an unknown outcome: its local record is marked as in the store once
     /// the store takes it (until then no worker takes the store's "free" for a settlement).
-    pub(super) marks_in_store: bool,
+    pub(super) marks_in_store: Option<Arc<InStoreMark>>,
     /// A settle whose answer its sender waits for: reported under this id
     /// (`StoreWrites::take_settle_answers`).
     pub(super) reports_to: Option<u64>,
@@ -52,7 +53,7 @@ impl PendingWrite {
             attempts: 0,
             deadline_ms,
             local: None,
-            marks_in_store: false,
+            marks_in_store: None,
             reports_to: None,
             handoff_id: None,
         }
@@ -82,10 +83,11 @@ impl PendingWrite {
         }
     }
 
-    /// Marks the local claim's record as in the store once the store takes this completion.
-    pub fn marking_in_store(self) -> PendingWrite {
+    /// Marks the local claim's record as in the store once the store takes this completion
+    /// (None: the record is not in this root's table, so nothing is marked).
+    pub fn marking_in_store(self, mark: Option<InStoreMark>) -> PendingWrite {
         PendingWrite {
-            marks_in_store: true,
+            marks_in_store: mark.map(Arc::new),
             ..self
         }
     }

@@ -15,12 +15,13 @@ use std::cell::{Cell, RefCell};
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::rc::Rc;
+use std::sync::Arc;
 
 use idempotency_protocol::stream::{encode_call_parts, CallOp, Reply};
 
 use crate::burst_log::BurstLog;
 use crate::config::StoreTransport;
-use crate::host::{HandedOffWrite, Host};
+use crate::host::{HandedOffWrite, Host, OnLanded};
 use crate::outcome::Outcome;
 use crate::rule_handle::RuleHandle;
 use crate::store::calls;
@@ -244,6 +245,10 @@ impl StoreWrites {
             return;
         };
         let authorization = store.token.as_ref().map(|t| format!("Bearer {t}"));
+        let on_landed = write
+            .marks_in_store
+            .clone()
+            .map(|mark| mark as Arc<dyn OnLanded>);
         let handed = HandedOffWrite {
             id,
             cluster: &store.cluster,
@@ -254,6 +259,7 @@ impl StoreWrites {
             settles_within_ms: store.timeout_ms.saturating_add(FIRST_BACKOFF_MS),
             http: (store.transport == StoreTransport::Http)
                 .then(|| (calls::path(store, write.op()), http_body(&write.call))),
+            on_landed: on_landed.as_ref(),
         };
         if let Err(e) = host.hand_off_write(&handed) {
             if let Some(suppressed) = self.handoff_refusals.borrow_mut().admit(host.now_ms()) {
@@ -542,8 +548,8 @@ impl StoreWrites {
             WriteAnswer::Done => {
                 self.store_answered();
                 self.report(&write, SettleAnswer::Applied);
-                if let (Some(held), true) = (&write.local, write.marks_in_store) {
-                    if let Err(e) = table.mark_in_store(host, held) {
+                if let Some(mark) = &write.marks_in_store {
+                    if let Err(e) = mark.apply(host) {
                         // Retries of the key keep answering 409 and sending it again.
                         log::warn!("unknown outcome not marked as in the store: {e}");
                     }

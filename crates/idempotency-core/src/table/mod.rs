@@ -16,12 +16,14 @@ use idempotency_protocol::decision::{self, ClaimDecision, CompleteDecision, Rele
 
 #[cfg(test)]
 pub(crate) mod fake_shared;
+mod in_store_mark;
 pub mod layout;
 pub mod lineage;
 #[cfg(all(test, not(target_arch = "wasm32")))]
 mod properties;
 
 use crate::host::{HostError, SetOutcome, SharedData};
+pub use crate::table::in_store_mark::InStoreMark;
 use crate::table::layout::{Layout, PAGE_HEADER_BYTES};
 pub use crate::table::layout::{SLOT_BYTES, WAYS};
 use idempotency_protocol::naming::Digest;
