@@ -133,6 +133,9 @@ pub(crate) struct FakeHost {
     pub handed_off: RefCell<Vec<HandoffSeen>>,
     /// Ids of handed-off writes reported settled, in order.
     pub settled_writes: RefCell<Vec<u64>>,
+    /// Lands each handed-off write as it is handed off (the store took it), as a native
+    /// main thread may do on another thread before the submitting hook goes on.
+    pub lands_handoffs_at_once: Cell<bool>,
 }
 
 impl Default for FakeHost {
@@ -167,6 +170,7 @@ impl Default for FakeHost {
             clock_read: Cell::new(false),
             handed_off: RefCell::default(),
             settled_writes: RefCell::default(),
+            lands_handoffs_at_once: Cell::new(false),
         }
     }
 }
@@ -716,6 +720,9 @@ impl Host for FakeHost {
             write.deadline_ms,
             write.settles_within_ms,
         ));
+        if let (true, Some(on_landed)) = (self.lands_handoffs_at_once.get(), write.on_landed) {
+            on_landed.on_landed(self);
+        }
         Ok(())
     }
 

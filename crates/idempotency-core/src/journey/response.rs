@@ -328,10 +328,6 @@ impl RequestJourney {
         store_owner: Option<StoreOwner>,
         response: RecordedResponse,
     ) -> (Step, Option<Completion>) {
-        if let Some(owner) = store_owner {
-            // The cluster-wide record matters most: queue it first, from the root context.
-            self.submit_store_completion(host, &rule, &held, &owner, &response);
-        }
         // A response is kept past its TTL as its tombstone; an unknown outcome keeps its own
         // rules (it is settled or expires).
         let ttl_ms = rule
@@ -354,6 +350,12 @@ impl RequestJourney {
             store_copy,
         );
         let kept = completed.as_ref().ok().copied();
+        if let Some(owner) = store_owner {
+            // Queued after the local record is written: whoever sees the store take it
+            // (the native build's main thread, on another thread at once) marks that record
+            // as in the store, and a mark that came first would find nothing to mark.
+            self.submit_store_completion(host, &rule, &held, &owner, &response);
+        }
         match completed {
             Ok(Completion::Recorded | Completion::NotHeld) => {
                 if response.body_omitted {

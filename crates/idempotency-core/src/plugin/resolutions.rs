@@ -503,6 +503,14 @@ impl Resolutions {
         let rule = Rc::clone(&resolution.rule);
         let name = &rule.rule.name;
         let key = short_hash(&resolution.held.key);
+        if let (SettleAnswer::Applied, StoreStep::Move { .. }) = (&answer, &step) {
+            // The store held this proxy's record and now holds the one its local copy was
+            // settled to before the move went: it is in the store, whether or not the worker
+            // that recorded it ever takes its completion's answer (an idle native worker).
+            if let Err(e) = to.table.mark_in_store(host, &resolution.held) {
+                log::warn!("rule {name}: a moved unknown outcome not marked as in the store: {e}");
+            }
+        }
         match (answer, step) {
             (
                 SettleAnswer::Applied,

@@ -534,15 +534,81 @@ mod cluster {
         (journey, replies(&host.take_effects()))
     }
 
-    #[test]
-    fn a_key_an_operator_freed_in_the_store_runs_again_here_too() {
-        let (host, mut root, stream) = unknown_recorded("k3", true);
-        let (journey, replies) = retry_when_the_store_is_free(&host, &mut root, stream, "k3");
+    /// A retry of `key` here, the key free in the store, runs the write.
+    fn the_retry_runs_when_the_store_is_free(
+        host: &FakeHost,
+        root: &mut PluginRoot,
+        stream: u32,
+        key: &str,
+    ) {
+        let (journey, replies) = retry_when_the_store_is_free(host, root, stream, key);
         assert!(replies.is_empty(), "{replies:?}");
         assert!(
             is_executing(&journey.borrow()),
             "the store freed it: it runs"
         );
+    }
+
+    #[test]
+    fn a_key_an_operator_freed_in_the_store_runs_again_here_too() {
+        let (host, mut root, stream) = unknown_recorded("k3", true);
+        the_retry_runs_when_the_store_is_free(&host, &mut root, stream, "k3");
+    }
+
+    /// The host lands the unknown outcome's completion the moment it is handed off (a native
+    /// main thread may, on its own thread, before the submitting hook goes on): its mark
+    /// must find the local record already written, or it marks nothing and this proxy's
+    /// retries answer 409 after an operator freed the key, until the recording worker takes
+    /// its own answer (on an idle native worker, never).
+    #[test]
+    fn a_completion_landed_as_it_is_handed_off_marks_the_record_as_the_stores() {
+        let host = FakeHost::default();
+        host.lands_handoffs_at_once.set(true);
+        let plain = r#"{"store":{"cluster":"store","timeout_ms":250},
+            "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]}}]}"#;
+        let mut root = configured_root(&host, plain, 1);
+        let stream = stream_of(&host.take_effects());
+        let _ = timed_out_in_cluster(&host, &mut root, stream, "k9");
+        // Its own answer never taken; an operator frees the key in the store.
+        the_retry_runs_when_the_store_is_free(&host, &mut root, stream, "k9");
+    }
+
+    /// The recording worker never takes its completion's answer (idle, native build); the
+    /// resolution's lookup settles nothing and its move of the store's record to the next
+    /// lookup's time is applied, which proves the store held this proxy's record (a resend
+    /// of the first completion would now be refused: the store holds the moved one). After
+    /// an operator frees the key, a retry here runs the write, as on every other proxy.
+    #[test]
+    fn a_move_the_store_applied_marks_the_record_as_the_stores() {
+        let host = FakeHost::default();
+        let mut root = configured_root(&host, CLUSTER, 1);
+        let stream = stream_of(&host.take_effects());
+        let _ = timed_out_in_cluster(&host, &mut root, stream, "k8");
+        host.advance_ms(5_000);
+        host.effective_context.set(1);
+        root.on_tick(&host);
+        let token = lookups(&host)[0];
+        host.set_callout_answer(Some(503), b"");
+        root.on_callout_answer(&host, token, 1, 0);
+        root.on_queue_ready(&host, 1);
+        let (to, settle) = host
+            .take_effects()
+            .iter()
+            .find_map(|e| match e {
+                Effect::StreamMessage {
+                    stream, message, ..
+                } => {
+                    let call = decode_call(message).unwrap();
+                    matches!(call.op, CallOp::Settle { .. }).then_some((*stream, call))
+                }
+                _ => None,
+            })
+            .expect("the move goes to the store");
+        answer(&host, &mut root, to, settle.id, Reply::Recorded);
+        host.effective_context.set(1);
+        root.on_tick(&host);
+        let _ = host.take_effects();
+        the_retry_runs_when_the_store_is_free(&host, &mut root, to, "k8");
     }
 
     #[test]
