@@ -68,6 +68,9 @@ pub struct Abi {
     /// Run by continue_decoding, with the filter pointer: lets a test re-enter hooks as Envoy
     /// does when it resumes a stream.
     pub on_continue: Option<fn(ffi::HttpFilterEnvoyPtr)>,
+    /// Run at the end of send_response and send_response_headers, with the filter pointer:
+    /// lets a test re-enter hooks as Envoy does inside a local reply (the stream's end).
+    pub on_reply: Option<fn(ffi::HttpFilterEnvoyPtr)>,
     pub worker_index: u32,
     /// The init result config_start_http_stream answers.
     pub stream_start_result: u32,
@@ -304,6 +307,14 @@ pub unsafe extern "C" fn envoy_dynamic_module_callback_http_send_response(
         abi.responses
             .push((filter as usize, status_code, headers, body))
     });
+    replied(filter);
+}
+
+/// Runs the test's `on_reply`, outside the mock's borrow (it re-enters hooks).
+fn replied(filter: ffi::HttpFilterEnvoyPtr) {
+    if let Some(on_reply) = with(|abi| abi.on_reply) {
+        on_reply(filter);
+    }
 }
 
 #[no_mangle]
@@ -319,6 +330,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_callback_http_send_response_header
         abi.parts
             .push(Part::Headers(filter as usize, headers, end_stream))
     });
+    replied(filter);
 }
 
 #[no_mangle]

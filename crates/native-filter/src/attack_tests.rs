@@ -540,3 +540,52 @@ fn an_unknown_outcome_the_store_took_is_marked_so_without_its_idle_worker() {
     );
     envoy_dynamic_module_on_http_filter_config_destroy(config);
 }
+
+thread_local! {
+    /// Envoy's pointer -> the module's, for hooks a test re-enters from a mock callback.
+    static MODULES: std::cell::RefCell<std::collections::HashMap<usize, usize>> =
+        std::cell::RefCell::default();
+}
+
+/// As Envoy does inside a local reply: the request's stream ends.
+fn stream_ends_inside_the_reply(filter: ffi::HttpFilterEnvoyPtr) {
+    let Some(module) = MODULES.with(|m| m.borrow().get(&(filter as usize)).copied()) else {
+        return;
+    };
+    envoy_dynamic_module_on_http_filter_stream_complete(filter, module as ffi::HttpFilterModulePtr);
+}
+
+/// Envoy runs a request's hooks inside that request's own local reply (its stream's end, at
+/// least), unless the reply is made from the request's own hook (the ABI defers it). A held
+/// duplicate's replay sent by the root's tick in another request's hook is not: the
+/// duplicate's journey is mid-step, and the hook must go through quietly (the step has
+/// answered the request), not be logged as an error, as it was for every replay of a held
+/// duplicate and of a retry the store confirmed.
+#[test]
+fn a_hook_inside_the_filters_own_reply_goes_through_without_an_error() {
+    reset();
+    crate::abi::install_logger();
+    let config = wait_config();
+    let (first, status) = start(config, 211, "attack-own-reply");
+    assert_eq!(status, ffi::HEADERS_CONTINUE);
+    let (held, status) = start(config, 212, "attack-own-reply");
+    assert_eq!(status, ffi::HEADERS_STOP_ITERATION, "the duplicate is held");
+    MODULES.with(|m| m.borrow_mut().insert(212, held as usize));
+    respond(211, first);
+    end(211, first);
+    // The root's tick is due; the next request's hook runs it, and it replays to the held
+    // duplicate, whose stream Envoy ends inside the reply.
+    sleep_ms(150);
+    with(|abi| abi.on_reply = Some(stream_ends_inside_the_reply));
+    let (next, _) = start(config, 213, "attack-own-reply-other");
+    with(|abi| abi.on_reply = None);
+    assert_eq!(replies_to(212), vec![201], "the duplicate gets the replay");
+    let busy: Vec<String> = with(|a| a.logs.clone())
+        .into_iter()
+        .filter(|(_, line)| line.contains("busy"))
+        .map(|(_, line)| line)
+        .collect();
+    assert!(busy.is_empty(), "{busy:?}");
+    envoy_dynamic_module_on_http_filter_destroy(held);
+    end(213, next);
+}

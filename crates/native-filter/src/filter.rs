@@ -72,11 +72,17 @@ impl NativeFilter {
         worker::act_on(filter.handle());
         let host = self.root.host();
         // Envoy runs one hook of a request at a time, and the root never holds a journey
-        // across hooks, so the journey is free here.
+        // across hooks, so the journey is free here, but inside the journey's own local
+        // reply: Envoy runs the request's hooks (its end) inside the send, and the step that
+        // sent it has answered the request already, so the event is let through.
         let verdict = match self.journey.try_borrow_mut() {
             Ok(mut journey) => journey.on(&host, event),
+            Err(_) if worker::is_replying(filter.handle()) => {
+                log::debug!("{event:?} of the filter's own local reply let through");
+                return Verdict::Continue;
+            }
             Err(_) => {
-                log::error!("request journey busy; the event is let through");
+                log::error!("request journey busy; {event:?} let through");
                 return Verdict::Continue;
             }
         };

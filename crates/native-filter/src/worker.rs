@@ -18,6 +18,32 @@ thread_local! {
 }
 
 thread_local! {
+    /// The request whose own local reply Envoy is sending now: it runs that request's hooks
+    /// inside the send (the stream's end, at least), while its journey is mid-step.
+    static REPLYING: Cell<Option<RawFilter>> = const { Cell::new(None) };
+}
+
+/// Resets `REPLYING` when a send ends, or unwinds.
+struct ReplyEnds(Option<RawFilter>);
+
+impl Drop for ReplyEnds {
+    fn drop(&mut self) {
+        REPLYING.with(|replying| replying.set(self.0));
+    }
+}
+
+/// Runs `send`, a local reply to `filter`'s request.
+pub fn replying<T>(filter: RawFilter, send: impl FnOnce() -> T) -> T {
+    let _ends = ReplyEnds(REPLYING.with(|replying| replying.replace(Some(filter))));
+    send()
+}
+
+/// Whether Envoy runs this hook of `filter`'s request inside that request's own local reply.
+pub fn is_replying(filter: RawFilter) -> bool {
+    REPLYING.with(|replying| replying.get() == Some(filter))
+}
+
+thread_local! {
     /// The context ids of this worker's roots: switching to one acts on no request.
     static ROOT_IDS: RefCell<std::collections::HashSet<u32>> =
         RefCell::new(std::collections::HashSet::new());
