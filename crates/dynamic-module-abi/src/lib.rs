@@ -362,6 +362,9 @@ fn borrowed_headers(headers: &[(String, Vec<u8>)]) -> Vec<(&str, &[u8])> {
 struct HookFrame {
     filter: usize,
     deferred: Vec<Deferred>,
+    /// Not the filter's hook: the module acts on that request from elsewhere
+    /// ([`stand_in_for`]).
+    stand_in: bool,
 }
 
 thread_local! {
@@ -376,13 +379,16 @@ pub(crate) fn enter_hook(ptr: ffi::HttpFilterEnvoyPtr) {
             hooks.push(HookFrame {
                 filter: ptr as usize,
                 deferred: Vec::new(),
+                stand_in: false,
             });
         }
     });
 }
 
-/// Ends the innermost hook and hands back the calls its filter deferred.
+/// Ends the innermost hook and hands back the calls its filter deferred (a stand-in begun
+/// inside the hook ends first, its calls made).
 pub(crate) fn leave_hook() -> Vec<Deferred> {
+    end_stand_in();
     HOOKS.with(|hooks| {
         hooks
             .try_borrow_mut()
@@ -391,6 +397,60 @@ pub(crate) fn leave_hook() -> Vec<Deferred> {
             .map(|frame| frame.deferred)
             .unwrap_or_default()
     })
+}
+
+/// From now until [`end_stand_in`] (or the next `stand_in_for`), the calls on `handle`'s
+/// request that make Envoy run its hooks inside them (a local reply, a resume) wait, as they
+/// do in its own hook: for a module acting on a request from outside its hooks (another
+/// request's hook, the root's work) while that request's own state is mid-step. A request
+/// with a hook of its own on the stack is left as it is (its calls defer to that hook, or
+/// are made at once as before).
+pub fn stand_in_for(handle: FilterHandle) {
+    end_stand_in();
+    HOOKS.with(|hooks| {
+        let Ok(mut hooks) = hooks.try_borrow_mut() else {
+            return;
+        };
+        let filter = handle.ptr as usize;
+        if hooks.iter().any(|frame| frame.filter == filter) {
+            return;
+        }
+        hooks.push(HookFrame {
+            filter,
+            deferred: Vec::new(),
+            stand_in: true,
+        });
+    });
+}
+
+/// Ends the stand-in begun last, if it is still open, and makes the calls it held now.
+pub fn end_stand_in() {
+    let frame = HOOKS.with(|hooks| {
+        let mut hooks = hooks.try_borrow_mut().ok()?;
+        match hooks.last() {
+            Some(frame) if frame.stand_in => hooks.pop(),
+            _ => None,
+        }
+    });
+    if let Some(frame) = frame {
+        // SAFETY: a stand-in is begun for a live request of this worker and ended before the
+        // module returns to Envoy (at the latest when the hook it began in ends), or dropped
+        // by `forget_stand_in` when the request goes first.
+        let filter = unsafe { Filter::from_raw(frame.filter as ffi::HttpFilterEnvoyPtr) };
+        for call in frame.deferred {
+            filter.run(call);
+        }
+    }
+}
+
+/// `handle`'s request is being destroyed: a stand-in open for it is dropped, its calls
+/// with it.
+pub fn forget_stand_in(handle: FilterHandle) {
+    HOOKS.with(|hooks| {
+        if let Ok(mut hooks) = hooks.try_borrow_mut() {
+            hooks.retain(|frame| !(frame.stand_in && frame.filter == handle.ptr as usize));
+        }
+    });
 }
 
 /// Queues `call` if `ptr`'s own hook is the innermost one running; gives it back otherwise.

@@ -670,6 +670,9 @@ impl PluginRoot {
             journey.context_is_gone();
         }
         journey.on(host, event);
+        // Given back before the host acts on the root again: it may run the request's hooks
+        // then (the reply the step sent), which take the journey.
+        drop(journey);
         if here {
             if let Err(e) = host.set_effective_context(self.context_id) {
                 log::error!("root context not restored: {}", e.0);

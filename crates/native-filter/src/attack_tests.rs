@@ -58,17 +58,22 @@ fn request_headers(key: &str) {
                 .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))
                 .collect(),
         );
+    });
+    upstream_answers("201", b"created");
+}
+
+/// The response the next request's upstream gives: `status`, text/plain, `body`.
+fn upstream_answers(status: &str, body: &[u8]) {
+    with(|abi| {
         abi.maps.insert(
             RESP,
             vec![
-                (":status".to_owned(), b"201".to_vec()),
+                (":status".to_owned(), status.as_bytes().to_vec()),
                 ("content-type".to_owned(), b"text/plain".to_vec()),
             ],
         );
-        abi.bodies.insert(
-            ffi::BODY_TYPE_RECEIVED_RESPONSE_BODY,
-            vec![b"created".to_vec()],
-        );
+        abi.bodies
+            .insert(ffi::BODY_TYPE_RECEIVED_RESPONSE_BODY, vec![body.to_vec()]);
     });
 }
 
@@ -547,6 +552,15 @@ thread_local! {
         std::cell::RefCell::default();
 }
 
+/// What the filter logged of events it could not hand to a request's busy journey.
+fn journey_busy_logs() -> Vec<String> {
+    with(|a| a.logs.clone())
+        .into_iter()
+        .filter(|(_, line)| line.contains("busy"))
+        .map(|(_, line)| line)
+        .collect()
+}
+
 /// As Envoy does inside a local reply: the request's stream ends.
 fn stream_ends_inside_the_reply(filter: ffi::HttpFilterEnvoyPtr) {
     let Some(module) = MODULES.with(|m| m.borrow().get(&(filter as usize)).copied()) else {
@@ -556,13 +570,13 @@ fn stream_ends_inside_the_reply(filter: ffi::HttpFilterEnvoyPtr) {
 }
 
 /// Envoy runs a request's hooks inside that request's own local reply (its stream's end, at
-/// least), unless the reply is made from the request's own hook (the ABI defers it). A held
-/// duplicate's replay sent by the root's tick in another request's hook is not: the
-/// duplicate's journey is mid-step, and the hook must go through quietly (the step has
-/// answered the request), not be logged as an error, as it was for every replay of a held
-/// duplicate and of a retry the store confirmed.
+/// least). Made from the request's own hook, the ABI defers the reply until the hook is over;
+/// a held duplicate's replay sent by the root's tick in another request's hook was sent at
+/// once, with the duplicate's journey mid-step, so its stream's end never reached the
+/// journey and was logged as an error, for every replay of a held duplicate and of a retry
+/// the store confirmed. The reply now waits until the root's step on it is over.
 #[test]
-fn a_hook_inside_the_filters_own_reply_goes_through_without_an_error() {
+fn a_held_duplicates_replay_waits_until_the_roots_step_on_it_is_over() {
     reset();
     crate::abi::install_logger();
     let config = wait_config();
@@ -580,12 +594,100 @@ fn a_hook_inside_the_filters_own_reply_goes_through_without_an_error() {
     let (next, _) = start(config, 213, "attack-own-reply-other");
     with(|abi| abi.on_reply = None);
     assert_eq!(replies_to(212), vec![201], "the duplicate gets the replay");
-    let busy: Vec<String> = with(|a| a.logs.clone())
-        .into_iter()
-        .filter(|(_, line)| line.contains("busy"))
-        .map(|(_, line)| line)
-        .collect();
+    let busy = journey_busy_logs();
     assert!(busy.is_empty(), "{busy:?}");
     envoy_dynamic_module_on_http_filter_destroy(held);
     end(213, next);
+}
+
+/// Cluster mode over the store's stream (the default transport).
+fn grpc_store_config() -> ffi::HttpFilterConfigModulePtr {
+    load(
+        br#"{"store":{"cluster":"store","timeout_ms":2000},
+        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
+        "fingerprint":"none","lease_seconds":1,"ttl_seconds":60}]}"#,
+    )
+}
+
+/// As Envoy's router does when it cannot reach the upstream at all (no healthy host, a
+/// circuit breaker): the resumed request is answered 503 inside the resume, its stream ends.
+fn router_answers_inside_the_resume(filter: ffi::HttpFilterEnvoyPtr) {
+    let Some(module) = MODULES.with(|m| m.borrow().get(&(filter as usize)).copied()) else {
+        return;
+    };
+    let module = module as ffi::HttpFilterModulePtr;
+    upstream_answers("503", b"no healthy upstream");
+    envoy_dynamic_module_on_http_filter_response_headers(filter, module, false);
+    envoy_dynamic_module_on_http_filter_response_body(filter, module, true);
+    envoy_dynamic_module_on_http_filter_stream_complete(filter, module);
+}
+
+/// Cluster mode: the store's answer to a request's claim reaches its worker while another
+/// request's hook runs, which hands it to the waiting request and resumes it. Envoy runs
+/// the resumed request on at once, and when its router answers inside the resume (no healthy
+/// upstream), the request's response hooks run while its journey is still mid-step. They
+/// were let through unseen, so the journey never learned how the request ended: its key
+/// stayed in flight (409 to every retry) until the lease lapsed. The resume now waits until
+/// the step is over, and the journey takes Envoy's own answer as any other.
+#[test]
+fn a_request_the_root_resumes_sees_a_reply_envoy_makes_inside_the_resume() {
+    reset();
+    crate::abi::install_logger();
+    let config = grpc_store_config();
+    let (module, status) = start(config, 311, "attack-resume-inside");
+    assert_eq!(status, ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK);
+    MODULES.with(|m| m.borrow_mut().insert(311, module as usize));
+    main_thread_runs(config);
+    let (stream_id, claim) = with(|a| {
+        let (id, frame, _) = a.config_stream_data.last().cloned().unwrap();
+        (id, frame)
+    });
+    let call = idempotency_protocol::stream::decode_call(&claim[5..]).unwrap();
+    let idempotency_protocol::stream::CallOp::Claim { owner, .. } = call.op else {
+        panic!("not a claim: {call:?}");
+    };
+    let claimed =
+        idempotency_protocol::stream::encode_answer(&idempotency_protocol::stream::Answer {
+            id: call.id,
+            reply: idempotency_protocol::stream::Reply::Claimed {
+                owner,
+                lease_expires_at_ms: 1,
+            },
+        });
+    hooks::config_stream_event(
+        fake(9),
+        config,
+        stream_id,
+        crate::abi::ConfigStreamEvent::Headers {
+            headers: vec![(":status".into(), b"200".to_vec())],
+            end_stream: false,
+        },
+    );
+    hooks::config_stream_event(
+        fake(9),
+        config,
+        stream_id,
+        crate::abi::ConfigStreamEvent::Data {
+            data: crate::courier::grpc_frame(&claimed),
+            end_stream: false,
+        },
+    );
+    // Another request's arrival takes the answer in; the router answers the resumed one.
+    with(|abi| abi.on_continue = Some(router_answers_inside_the_resume));
+    let (other, _) = start(config, 312, "attack-resume-other");
+    with(|abi| abi.on_continue = None);
+    let busy = journey_busy_logs();
+    assert!(busy.is_empty(), "events lost: {busy:?}");
+    // Envoy's own 503 ended the request before any upstream: the key is not left in flight.
+    let (retry, status) = start(config, 313, "attack-resume-inside");
+    assert_eq!(replies_to(313), Vec::<u32>::new(), "no 409 in flight");
+    assert_eq!(
+        status,
+        ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK,
+        "the retry asks the store"
+    );
+    end(312, other);
+    end(313, retry);
+    envoy_dynamic_module_on_http_filter_destroy(module);
+    envoy_dynamic_module_on_http_filter_config_destroy(config);
 }

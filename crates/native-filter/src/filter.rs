@@ -72,15 +72,12 @@ impl NativeFilter {
         worker::act_on(filter.handle());
         let host = self.root.host();
         // Envoy runs one hook of a request at a time, and the root never holds a journey
-        // across hooks, so the journey is free here, but inside the journey's own local
-        // reply: Envoy runs the request's hooks (its end) inside the send, and the step that
-        // sent it has answered the request already, so the event is let through.
+        // across hooks; the calls that make Envoy run this request's hooks inside them (its
+        // local reply, its resume) wait until its journey's step is over, whether made in its
+        // own hook (the ABI defers them) or by a root delivering to it (`act_on_context`). So
+        // the journey is free here.
         let verdict = match self.journey.try_borrow_mut() {
             Ok(mut journey) => journey.on(&host, event),
-            Err(_) if worker::is_replying(filter.handle()) => {
-                log::debug!("{event:?} of the filter's own local reply let through");
-                return Verdict::Continue;
-            }
             Err(_) => {
                 log::error!("request journey busy; {event:?} let through");
                 return Verdict::Continue;

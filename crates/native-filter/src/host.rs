@@ -184,21 +184,19 @@ impl Host for NativeHost<'_> {
             return main.remotes.reply(status, headers, body, &[]);
         }
         let filter = self.filter()?;
-        worker::replying(filter.handle(), || {
-            match reply_in_parts(status, headers, body) {
-                None => filter.send_response(status, headers, body),
-                Some(head) => {
-                    let head: Vec<(&str, &[u8])> = head
-                        .iter()
-                        .map(|(n, v)| (n.as_str(), v.as_slice()))
-                        .collect();
-                    filter.send_response_headers(&head, body.is_empty());
-                    if !body.is_empty() {
-                        filter.send_response_data(body, true);
-                    }
+        match reply_in_parts(status, headers, body) {
+            None => filter.send_response(status, headers, body),
+            Some(head) => {
+                let head: Vec<(&str, &[u8])> = head
+                    .iter()
+                    .map(|(n, v)| (n.as_str(), v.as_slice()))
+                    .collect();
+                filter.send_response_headers(&head, body.is_empty());
+                if !body.is_empty() {
+                    filter.send_response_data(body, true);
                 }
             }
-        });
+        }
         Ok(())
     }
 

@@ -18,32 +18,6 @@ thread_local! {
 }
 
 thread_local! {
-    /// The request whose own local reply Envoy is sending now: it runs that request's hooks
-    /// inside the send (the stream's end, at least), while its journey is mid-step.
-    static REPLYING: Cell<Option<RawFilter>> = const { Cell::new(None) };
-}
-
-/// Resets `REPLYING` when a send ends, or unwinds.
-struct ReplyEnds(Option<RawFilter>);
-
-impl Drop for ReplyEnds {
-    fn drop(&mut self) {
-        REPLYING.with(|replying| replying.set(self.0));
-    }
-}
-
-/// Runs `send`, a local reply to `filter`'s request.
-pub fn replying<T>(filter: RawFilter, send: impl FnOnce() -> T) -> T {
-    let _ends = ReplyEnds(REPLYING.with(|replying| replying.replace(Some(filter))));
-    send()
-}
-
-/// Whether Envoy runs this hook of `filter`'s request inside that request's own local reply.
-pub fn is_replying(filter: RawFilter) -> bool {
-    REPLYING.with(|replying| replying.get() == Some(filter))
-}
-
-thread_local! {
     /// The context ids of this worker's roots: switching to one acts on no request.
     static ROOT_IDS: RefCell<std::collections::HashSet<u32>> =
         RefCell::new(std::collections::HashSet::new());
@@ -80,6 +54,9 @@ pub fn register(context_id: u32, filter: RawFilter) {
 /// Called from the request's destroy hook, before Envoy frees it.
 pub fn forget(context_id: u32) {
     let gone = LIVE.with(|live| live.borrow_mut().remove(&context_id));
+    if let Some(filter) = gone {
+        crate::abi::forget_stand_in(filter);
+    }
     EFFECTIVE.with(|effective| {
         if gone.is_some() && effective.get() == gone {
             effective.set(None);
@@ -89,19 +66,25 @@ pub fn forget(context_id: u32) {
 
 /// Host calls act on this request from now on (its own hook is running).
 pub fn act_on(filter: RawFilter) {
+    crate::abi::end_stand_in();
     EFFECTIVE.with(|effective| effective.set(Some(filter)));
 }
 
 /// Host calls act on no request (a root's own work).
 pub fn act_on_none() {
+    crate::abi::end_stand_in();
     EFFECTIVE.with(|effective| effective.set(None));
 }
 
-/// Host calls act on the live request `context_id`; false when it is gone.
+/// Host calls act on the live request `context_id`, from outside its hooks (a root delivers
+/// to it); false when it is gone. Its local reply or resume waits until the host acts on
+/// something else (`end_stand_in`): core has stepped its journey by then, and Envoy may run
+/// the request's hooks inside either (its stream's end; a router's own reply).
 pub fn act_on_context(context_id: u32) -> bool {
     match LIVE.with(|live| live.borrow().get(&context_id).copied()) {
         Some(filter) => {
-            act_on(filter);
+            crate::abi::stand_in_for(filter);
+            EFFECTIVE.with(|effective| effective.set(Some(filter)));
             true
         }
         None => false,
