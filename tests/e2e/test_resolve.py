@@ -384,6 +384,9 @@ def test_cluster_a_resolution_left_by_a_crashed_envoy_is_taken_on_by_the_other(p
     a, b = cluster.a, cluster.b
     path, key = unique_path(SLOW), new_key()
     started = timed_out(a, path, key)
+    # A's record of the unknown outcome reaches the store after its answer (on the native
+    # build a hop later, through the main thread): only then does A die.
+    assert_being_resolved(past_in_flight(lambda: retry(b, path, key)))
     a.process.kill()
     resolved = resolved_answer(b, path, key, timeout=25)
     assert resolved.status_code == 200 and resolved.headers["idempotent-resolved"] == "true"

@@ -453,15 +453,22 @@ pub fn forget_stand_in(handle: FilterHandle) {
     });
 }
 
-/// Queues `call` if `ptr`'s own hook is the innermost one running; gives it back otherwise.
+/// Queues `call` if one of `ptr`'s own hooks (or a stand-in for it) is running, to its
+/// innermost one: Envoy would otherwise run that filter's hooks inside the call while its
+/// hook holds it (a hook deeper in the stack, under another request's, included); gives it
+/// back otherwise.
 fn defer_if_in_own_hook(ptr: ffi::HttpFilterEnvoyPtr, call: Deferred) -> Option<Deferred> {
     HOOKS.with(|hooks| match hooks.try_borrow_mut() {
-        Ok(mut hooks) => match hooks.last_mut() {
-            Some(frame) if frame.filter == ptr as usize => {
+        Ok(mut hooks) => match hooks
+            .iter_mut()
+            .rev()
+            .find(|frame| frame.filter == ptr as usize)
+        {
+            Some(frame) => {
                 frame.deferred.push(call);
                 None
             }
-            _ => Some(call),
+            None => Some(call),
         },
         Err(_) => Some(call),
     })

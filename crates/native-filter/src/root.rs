@@ -112,7 +112,9 @@ impl WorkerRoot {
             run_caught("the root's tick", || root.on_tick(&host));
             worker::act_on_none();
         }
+        // A request the tick answered or resumed may have carried or submitted work.
         self.carry_to_main();
+        self.send_fresh_writes();
     }
 
     /// Carries what this root's requests leave for the main thread's root (see

@@ -81,6 +81,9 @@ pub fn act_on_none() {
 /// something else (`end_stand_in`): core has stepped its journey by then, and Envoy may run
 /// the request's hooks inside either (its stream's end; a router's own reply).
 pub fn act_on_context(context_id: u32) -> bool {
+    // The calls held for the request acted on before are made first: Envoy may end a
+    // request inside them, so the registry is read after.
+    crate::abi::end_stand_in();
     match LIVE.with(|live| live.borrow().get(&context_id).copied()) {
         Some(filter) => {
             crate::abi::stand_in_for(filter);
