@@ -419,6 +419,52 @@ fn send_response_outside_a_hook_is_made_at_once() {
     });
 }
 
+/// Request 5's hook is running, and under it request 6's (Envoy re-entered): a reply to 5
+/// made now waits until 5's hook ends, as Envoy would run 5's hooks inside it while 5's
+/// filter is held; a stand-in for 5 opens nothing (its hook holds its calls already).
+#[test]
+fn a_call_on_a_request_whose_hook_is_deeper_in_the_stack_waits_for_that_hook() {
+    reset();
+    enter_hook(fake(5).cast());
+    enter_hook(fake(6).cast());
+    stand_in_for(filter(5).handle());
+    filter(5).send_response(409, &[], b"held");
+    end_stand_in();
+    with(|abi| assert!(abi.responses.is_empty()));
+    assert!(leave_hook().is_empty(), "6's hook held nothing");
+    let held = leave_hook();
+    assert_eq!(held.len(), 1, "5's reply waits for 5's hook");
+    for call in held {
+        filter(5).run(call);
+    }
+    with(|abi| assert_eq!(abi.responses.len(), 1));
+}
+
+/// A root acting on request 7 from outside its hooks holds 7's reply until it acts on
+/// something else; a request destroyed meanwhile drops what was held for it.
+#[test]
+fn a_stand_in_holds_a_requests_calls_until_it_ends() {
+    reset();
+    stand_in_for(filter(7).handle());
+    filter(7).send_response(201, &[], b"replay");
+    filter(7).continue_decoding();
+    with(|abi| assert!(abi.responses.is_empty() && abi.calls.is_empty()));
+    end_stand_in();
+    with(|abi| {
+        assert_eq!(abi.responses.len(), 1);
+        assert_eq!(
+            abi.calls,
+            vec!["send_response".to_owned(), "continue_decoding 7".to_owned()],
+            "made in the order given"
+        );
+    });
+    stand_in_for(filter(8).handle());
+    filter(8).send_response(201, &[], b"replay");
+    forget_stand_in(filter(8).handle());
+    end_stand_in();
+    with(|abi| assert_eq!(abi.responses.len(), 1, "nothing made for a request gone"));
+}
+
 fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
     list.iter()
         .map(|(n, v)| ((*n).to_owned(), v.as_bytes().to_vec()))
