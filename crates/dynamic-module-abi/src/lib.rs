@@ -423,6 +423,17 @@ pub fn stand_in_for(handle: FilterHandle) {
     });
 }
 
+/// Whether the stand-in open now is `handle`'s.
+pub fn is_standing_in_for(handle: FilterHandle) -> bool {
+    HOOKS.with(|hooks| {
+        hooks.try_borrow().is_ok_and(|hooks| {
+            hooks
+                .last()
+                .is_some_and(|frame| frame.stand_in && frame.filter == handle.ptr as usize)
+        })
+    })
+}
+
 /// Ends the stand-in begun last, if it is still open, and makes the calls it held now.
 pub fn end_stand_in() {
     let frame = HOOKS.with(|hooks| {

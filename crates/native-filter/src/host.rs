@@ -332,7 +332,7 @@ impl Host for NativeHost<'_> {
             return main.remotes.enter(context_id);
         }
         if worker::is_root_context(context_id) {
-            worker::act_on_none();
+            worker::act_on_root();
             return Ok(());
         }
         if worker::act_on_context(context_id) {

@@ -150,3 +150,27 @@ fn claims_race_on_the_process_table_through_the_host() {
         assert_eq!(host.get(key).unwrap().unwrap().0, b"mine");
     });
 }
+
+/// Core acting on a request from the root (a delivery) may switch to the root's context in
+/// the middle of that request's step (a store call goes from the root's context) and back:
+/// the request's reply stays held through it, until the host acts on another request or the
+/// root's work ends, never while core is still stepping the request.
+#[test]
+fn a_requests_held_reply_outlasts_a_switch_to_the_root_mid_step() {
+    reset();
+    let root = worker::new_root_context_id();
+    let request = worker::new_context_id();
+    worker::register(request, filter(40).handle());
+    with_host(|host| {
+        host.set_effective_context(request).unwrap();
+        host.send_local_reply(409, &[("content-type", b"text/plain")], b"held")
+            .unwrap();
+        host.set_effective_context(root).unwrap();
+        host.set_effective_context(request).unwrap();
+        host.set_effective_context(root).unwrap();
+    });
+    with(|abi| assert!(abi.responses.is_empty(), "held while core may be mid-step"));
+    worker::act_on_none();
+    with(|abi| assert_eq!(abi.responses.len(), 1, "made once the root's work ends"));
+    worker::forget(request);
+}

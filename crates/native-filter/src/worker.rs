@@ -76,15 +76,28 @@ pub fn act_on_none() {
     EFFECTIVE.with(|effective| effective.set(None));
 }
 
+/// Host calls act on the root, at core's word (`set_effective_context`): the calls held for
+/// a request the root acts on stay held, since core may be mid-step on it (it sends to the
+/// store from the root's context, then comes back).
+pub fn act_on_root() {
+    EFFECTIVE.with(|effective| effective.set(None));
+}
+
 /// Host calls act on the live request `context_id`, from outside its hooks (a root delivers
 /// to it); false when it is gone. Its local reply or resume waits until the host acts on
-/// something else (`end_stand_in`): core has stepped its journey by then, and Envoy may run
-/// the request's hooks inside either (its stream's end; a router's own reply).
+/// another request, or the root's work ends (`act_on_none`): core has stepped its journey
+/// by then, and Envoy may run the request's hooks inside either (its stream's end; a
+/// router's own reply).
 pub fn act_on_context(context_id: u32) -> bool {
+    let live = |id: u32| LIVE.with(|live| live.borrow().get(&id).copied());
+    if let Some(filter) = live(context_id).filter(|f| crate::abi::is_standing_in_for(*f)) {
+        EFFECTIVE.with(|effective| effective.set(Some(filter)));
+        return true;
+    }
     // The calls held for the request acted on before are made first: Envoy may end a
     // request inside them, so the registry is read after.
     crate::abi::end_stand_in();
-    match LIVE.with(|live| live.borrow().get(&context_id).copied()) {
+    match live(context_id) {
         Some(filter) => {
             crate::abi::stand_in_for(filter);
             EFFECTIVE.with(|effective| effective.set(Some(filter)));
