@@ -2,7 +2,8 @@
 //! handoff"): the completions and releases core reported (`Host::hand_off_write`) and has not
 //! settled yet. The root writes it on its worker; the courier reads it on the main thread and
 //! lands an entry its root leaves unsettled for too long (an idle worker cannot run its
-//! root), so a lock guards it. It holds owned bytes only, never a root or a request.
+//! root), so a lock guards it. It holds owned bytes and plain table marks only (core's
+//! `OnLanded`), never a root or a request.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
