@@ -86,8 +86,7 @@ impl NativeFilter {
         self.follow(filter);
         // The step may have recorded an unknown outcome, or met one overdue in the store, or
         // submitted a store write.
-        self.root.carry_to_main();
-        self.root.send_fresh_writes();
+        self.root.pass_on();
         verdict
     }
 

@@ -113,6 +113,12 @@ impl WorkerRoot {
             worker::act_on_none();
         }
         // A request the tick answered or resumed may have carried or submitted work.
+        self.pass_on();
+    }
+
+    /// What a step left goes on now (a request's, the tick's, a store answer's): work for the
+    /// main thread's root is carried there, store writes are sent.
+    pub fn pass_on(&self) {
         self.carry_to_main();
         self.send_fresh_writes();
     }
@@ -155,7 +161,7 @@ impl WorkerRoot {
     /// Sends the store writes this root's requests submitted, at once: proxy-wasm wakes a
     /// root when its queue fills, a dynamic module does not (its tick would send them only
     /// at a later request's hook, and an idle worker's never: docs/how-it-works.md).
-    pub fn send_fresh_writes(&self) {
+    fn send_fresh_writes(&self) {
         let Ok(root) = self.root.try_borrow() else {
             return; // busy further up this stack, which sends them at its end
         };
@@ -190,8 +196,7 @@ impl WorkerRoot {
         drop(root);
         // A store answer may have recorded an unknown outcome (or found one overdue), or
         // submitted a write.
-        self.carry_to_main();
-        self.send_fresh_writes();
+        self.pass_on();
     }
 }
 
