@@ -616,7 +616,9 @@ def test_cluster_a_call_on_one_replica_is_replayed_on_the_other(replicas) -> Non
     server, (a, b) = replicas
     key = new_key()
     first = call(a, key)
-    retry = call(b, key)
+    # A sends its completion to the store after its answer: until it lands, B is told the
+    # call is in flight (ABORTED), as a client retrying at once would be.
+    retry = answer_once_settled(lambda: call(b, key))
     assert recorded_copy(retry) == recorded_copy(first)
     assert retry.initial[REPLAYED] == "true"
     assert server.executions(key) == 1
