@@ -47,6 +47,17 @@ def by_request(config: Path, key: str, auth: str = AUTH) -> list[str]:
             "-H", f"Host: {HOST}", "-H", f"authorization: {auth}", "--key", key]
 
 
+def client_gives_up(cluster, path: str, key: str) -> None:
+    """A 1.5 s write through A whose client leaves after 0.5 s: an unknown outcome."""
+    try:
+        post(cluster.a, path, key, headers={"authorization": AUTH, "x-demo-delay-ms": "1500"},
+             timeout=0.5)
+    except Exception:  # noqa: BLE001 - the client gives up, as the test means it to
+        pass
+    harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10,
+                       what="the write reached the upstream")
+
+
 def test_record_show_and_purge_through_two_envoys(procs, tmp_path: Path) -> None:
     cluster = start_cluster(procs)
     config = tmp_path / "plugin.json"
@@ -143,13 +154,7 @@ def test_record_resolve_settles_an_unknown_outcome_for_every_envoy(procs, tmp_pa
 
     def unknown_outcome() -> tuple[str, str]:
         path, key = unique_path("orders"), new_key()
-        try:
-            post(cluster.a, path, key, headers={"authorization": AUTH, "x-demo-delay-ms": "1500"},
-                 timeout=0.5)
-        except Exception:  # noqa: BLE001 - the client gives up, as the test means it to
-            pass
-        harness.wait_until(lambda: cluster.upstream.executions(path) == 1, timeout=10,
-                           what="the write reached the upstream")
+        client_gives_up(cluster, path, key)
         time.sleep(1.5)  # it completed upstream; nobody heard
         for envoy in (cluster.a, cluster.b):
             retry = post(envoy, path, key, headers={"authorization": AUTH})
@@ -188,3 +193,40 @@ def test_record_resolve_settles_an_unknown_outcome_for_every_envoy(procs, tmp_pa
     refused = record(cluster.store, "resolve", *by_request(config, key), "--never-ran")
     assert refused.returncode == 2 and "not one" in refused.stderr, refused.stderr
     assert post(cluster.a, path, key, headers={"authorization": AUTH}).headers[REPLAYED] == "true"
+
+
+def test_record_resolve_keeps_the_rules_record_and_tombstone(procs, tmp_path: Path) -> None:
+    """An operator's "took effect" keeps what the filter's own resolution would: the rule's
+    TTL from the settle, then its tombstone. The unknown outcome carries both (the command
+    knows no rule's settings); before, the settled record ended with the unknown outcome's TTL,
+    without a tombstone, and a late redelivery ran the write again."""
+    ttl = 6
+    plugin = envoy_yaml_plugin_config()
+    orders = next(r for r in plugin["rules"] if r["name"] == "orders")
+    orders.update(ttl_seconds=ttl, lease_seconds=ttl, tombstone_seconds=300)
+    cluster = start_cluster(procs, plugin=plugin)
+    config = tmp_path / "plugin.json"
+    config.write_text(json.dumps(plugin))
+    path, key = unique_path("orders"), new_key()
+    started = time.monotonic()
+    client_gives_up(cluster, path, key)
+    harness.wait_until(
+        lambda: "outcome-unknown" in post(cluster.b, path, key, headers={"authorization": AUTH}).text,
+        timeout=10, what="the unknown outcome in the store")
+    # Settled halfway through the unknown outcome's TTL: what it keeps is told apart from it.
+    time.sleep(max(0.0, started + ttl / 2 - time.monotonic()))
+    done = record(cluster.store, "resolve", *by_request(config, key), "--took-effect", "--status", "201",
+                  "--response-header", "content-type: application/json",
+                  "--response-body", '{"order":"o-1"}')
+    assert done.returncode == 0, done.stderr
+    settled = time.monotonic()
+    # Past the unknown outcome's own TTL, then past the settled record's.
+    time.sleep(max(0.0, started + ttl + 0.5 - time.monotonic()))
+    replay = post(cluster.a, path, key, headers={"authorization": AUTH})
+    assert replay.status_code == 201 and replay.text == '{"order":"o-1"}', replay.text
+    time.sleep(max(0.0, settled + ttl + 1 - time.monotonic()))
+    # Through B, which keeps no copy of it: the store's tombstone.
+    late = post(cluster.b, path, key, headers={"authorization": AUTH})
+    assert late.status_code == 201 and late.headers.get(REPLAYED) == "true", late.text
+    assert late.headers.get("idempotent-body-omitted") == "true" and late.content == b"", late.text
+    assert cluster.upstream.executions(path) == 1

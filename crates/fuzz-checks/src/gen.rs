@@ -2,7 +2,7 @@
 //! product's against (written here from the specifications, not from the product's code).
 
 use arbitrary::{Result, Unstructured};
-use idempotency_protocol::record::{RecordedResponse, UnknownOutcome};
+use idempotency_protocol::record::{RecordedResponse, Retention, UnknownOutcome};
 
 /// Visible ASCII (0x21-0x7E), `len` bytes of it.
 pub fn visible_ascii(u: &mut Unstructured<'_>, len: usize) -> Result<Vec<u8>> {
@@ -292,5 +292,13 @@ pub fn unknown_outcome(u: &mut Unstructured<'_>) -> Result<Option<Box<UnknownOut
         details,
         attempts: u.arbitrary()?,
         resolution_due_ms: u.arbitrary()?,
+        retention: if u.arbitrary()? {
+            Some(Retention {
+                ttl_ms: u.arbitrary()?,
+                tombstone_ms: u.arbitrary()?,
+            })
+        } else {
+            None
+        },
     })))
 }

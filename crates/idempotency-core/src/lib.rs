@@ -29,6 +29,7 @@ pub mod config;
 #[cfg(test)]
 mod fake_host;
 pub mod fingerprint;
+pub mod gave_up;
 pub mod grpc;
 pub mod host;
 pub mod journey;

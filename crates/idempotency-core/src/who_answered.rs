@@ -5,8 +5,9 @@
 //! Envoy, and only these properties tell them apart from the upstream's own answer or from a
 //! request that never left the proxy.
 
+use crate::gave_up::{proxy_text, ProxyText};
 use crate::host::Host;
-use idempotency_protocol::record::UnknownOutcome;
+use idempotency_protocol::record::{Retention, UnknownOutcome};
 
 /// Envoy's response flags: the protocol crate's, as records and the store's `record` command
 /// name them.
@@ -142,14 +143,25 @@ impl EnvoyReport {
                 == 0
     }
 
+    /// This report of the upstream's answer, saying that someone behind Envoy gave up on the
+    /// request (`gave_up`), for the unknown outcome's record and the log.
+    pub fn gave_up_behind(&self, reason: &str) -> EnvoyReport {
+        EnvoyReport {
+            details: Some(format!("upstream_gave_up{{{reason}}}")),
+            ..self.clone()
+        }
+    }
+
     /// What the record of an unknown outcome keeps of this report.
-    pub fn as_unknown_outcome(&self) -> UnknownOutcome {
+    /// `retention`: how long the key is kept if the write is found to have taken effect.
+    pub fn as_unknown_outcome(&self, retention: Retention) -> UnknownOutcome {
         UnknownOutcome {
             proxy_status: self.status,
             response_flags: self.flags,
             details: self.details.clone().unwrap_or_default(),
             attempts: self.attempts.unwrap_or(0),
             resolution_due_ms: None,
+            retention: Some(retention),
         }
     }
 }
@@ -170,27 +182,6 @@ impl std::fmt::Display for EnvoyReport {
         }
     }
 }
-
-/// What Envoy's router answers a callout itself when the upstream reset or refused the
-/// stream before its response began (`upstream connect error or disconnect/reset before
-/// headers. reset reason: connection termination`, possibly with `retried and the latest`).
-const RESET_BEFORE_HEADERS: &str = "upstream connect error or disconnect/reset before headers.";
-/// Reset reasons of a request that was never written to the upstream: no connection, a
-/// circuit breaker, or an HTTP/2 stream the upstream refused unprocessed.
-const RESETS_BEFORE_SENDING: [(&str, u64); 6] = [
-    (
-        "local connection failure",
-        flag::UPSTREAM_CONNECTION_FAILURE,
-    ),
-    (
-        "remote connection failure",
-        flag::UPSTREAM_CONNECTION_FAILURE,
-    ),
-    ("connection failure", flag::UPSTREAM_CONNECTION_FAILURE),
-    ("connection timeout", flag::UPSTREAM_CONNECTION_FAILURE),
-    ("overflow", flag::UPSTREAM_OVERFLOW),
-    ("remote refused stream reset", flag::UPSTREAM_REMOTE_RESET),
-];
 
 impl EnvoyReport {
     /// Who answered a detached write (`execution: "detached"`), sent as a callout: Envoy
@@ -220,33 +211,18 @@ impl EnvoyReport {
             let timed_out = report("upstream_timeout_ms passed", flag::UPSTREAM_REQUEST_TIMEOUT);
             return (Answerer::Unknown, timed_out);
         }
-        if status == 503 && text == "no healthy upstream" {
-            return (
-                Answerer::NeverReached,
-                report("no healthy upstream", flag::NO_HEALTHY_UPSTREAM),
-            );
-        }
-        if let (502..=503, Some(rest)) = (status, text.strip_prefix(RESET_BEFORE_HEADERS)) {
-            let reason = rest
-                .split_once("reset reason: ")
-                .map_or("", |(_, r)| r)
-                .split(',')
-                .next()
-                .unwrap_or("")
-                .trim();
-            let before_sending = RESETS_BEFORE_SENDING
-                .iter()
-                .find(|(name, _)| *name == reason);
-            return match before_sending {
-                Some((_, flags)) => (Answerer::NeverReached, report(reason, *flags)),
-                None => (
-                    Answerer::Unknown,
-                    report(
-                        &format!("reset after sending ({reason})"),
-                        flag::UPSTREAM_CONNECTION_TERMINATION,
-                    ),
-                ),
-            };
+        if matches!(status, 502..=503) {
+            match proxy_text(text.as_bytes()) {
+                ProxyText::NeverSent(flags) => {
+                    return (Answerer::NeverReached, report(text, flags));
+                }
+                ProxyText::GaveUp(reason) => {
+                    let after_sending = format!("{reason} ({text})");
+                    let flags = flag::UPSTREAM_CONNECTION_TERMINATION;
+                    return (Answerer::Unknown, report(&after_sending, flags));
+                }
+                ProxyText::None => {}
+            }
         }
         (
             Answerer::Upstream { resent: false },

@@ -16,7 +16,7 @@ use crate::table::layout::Layout;
 use idempotency_protocol::naming::rule::invalid;
 pub use idempotency_protocol::naming::rule::ConfigError;
 use idempotency_protocol::naming::source::FieldSource;
-use idempotency_protocol::record::RecordedResponse;
+use idempotency_protocol::record::{RecordedResponse, Retention};
 use lookup_route::LookupRoute;
 pub use raw::default_replay_skip_headers;
 use raw::RawConfig;
@@ -68,6 +68,20 @@ pub enum UnknownOutcomePolicy {
     Record,
     /// Free the key so a retry runs the write again: only for upstreams known to roll a write
     /// back when their caller goes away.
+    Release,
+}
+
+/// What an upstream's answer that says someone behind Envoy gave up leaves behind: a
+/// proxy's `504` or `502`, Envoy's words for a reset after sending in a `503`, gRPC's
+/// `DEADLINE_EXCEEDED`, or a proxy's `UNAVAILABLE` (see `gave_up`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GatewayErrorPolicy {
+    /// An unknown outcome, as Envoy's own timeout is: the write may have run behind the proxy.
+    #[default]
+    UnknownOutcome,
+    /// The upstream's answer like any other: `release_on_status` (or `grpc.release_on_status`)
+    /// decides, so a retry may run the write again.
     Release,
 }
 
@@ -182,6 +196,10 @@ pub struct Rule {
     /// How long a duplicate is held under `InFlightPolicy::Wait`.
     pub wait_ms: u64,
     pub on_unknown_outcome: UnknownOutcomePolicy,
+    pub on_gateway_error: GatewayErrorPolicy,
+    /// Lower case: a response header (or gRPC trailer) by which the service says it did not
+    /// process the request, so that a gateway error carrying it is not an unknown outcome.
+    pub never_ran_header: Option<String>,
     /// Some: `execution: "detached"`, sent from the root context to this upstream.
     pub detached: Option<DetachedUpstream>,
     /// Some: the rule protects gRPC unary calls (`grpc`, or gRPC services or methods in its
@@ -246,6 +264,14 @@ impl Rule {
         match recorded.unknown {
             None => self.tombstone_ms,
             Some(_) => 0,
+        }
+    }
+
+    /// How long a record of this rule's is kept: its TTL, then its tombstone.
+    pub fn retention(&self) -> Retention {
+        Retention {
+            ttl_ms: self.ttl_ms,
+            tombstone_ms: self.tombstone_ms,
         }
     }
 

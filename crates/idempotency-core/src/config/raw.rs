@@ -5,8 +5,8 @@ use serde::Deserialize;
 
 use super::lookup_route::RawLookupRoute;
 use super::{
-    ExecutionMode, InFlightPolicy, OverloadPolicy, StoreErrorPolicy, StoreTransport,
-    UnknownOutcomePolicy, MAX_TABLE_BYTES,
+    ExecutionMode, GatewayErrorPolicy, InFlightPolicy, OverloadPolicy, StoreErrorPolicy,
+    StoreTransport, UnknownOutcomePolicy, MAX_TABLE_BYTES,
 };
 use crate::resolve::settings::RawResolve;
 use idempotency_protocol::naming::rule::{default_scope_headers, RawKey, RawSource};
@@ -124,6 +124,10 @@ pub(super) struct RawRule {
     pub(super) wait_ms: Option<u64>,
     #[serde(default)]
     pub(super) on_unknown_outcome: UnknownOutcomePolicy,
+    #[serde(default)]
+    pub(super) on_gateway_error: GatewayErrorPolicy,
+    #[serde(default)]
+    pub(super) never_ran_header: Option<String>,
     #[serde(default)]
     pub(super) execution: ExecutionMode,
     #[serde(default)]

@@ -200,6 +200,15 @@ fn validate_rule(
             return Err(invalid(at(field), "must be a regular HTTP header name"));
         }
     }
+    let never_ran_header = raw.never_ran_header.map(|h| h.to_ascii_lowercase());
+    if let Some(name) = &never_ran_header {
+        if !valid_header_name(name) || name.starts_with(':') || name.starts_with("grpc-") {
+            return Err(invalid(
+                at("never_ran_header"),
+                "must be a regular HTTP header name (not a pseudo-header, not grpc-*)",
+            ));
+        }
+    }
     let replay_headers = HeaderFilter::new(&raw.replay_skip_headers)
         .map_err(|reason| invalid(at("replay_skip_headers"), reason))?;
     let store = match raw.store {
@@ -355,6 +364,8 @@ fn validate_rule(
         on_in_flight: raw.on_in_flight,
         wait_ms,
         on_unknown_outcome: raw.on_unknown_outcome,
+        on_gateway_error: raw.on_gateway_error,
+        never_ran_header,
         detached,
         grpc,
         resolve,

@@ -418,6 +418,7 @@ impl RequestJourney {
             store_owner,
             capture: None,
             started_ms: host.now_ms(),
+            proxy_words: None,
         };
         let step = if rule.rule.detached.is_some() {
             self.detach(host, run)

@@ -6,9 +6,11 @@
 
 use std::rc::Rc;
 
+use super::response::judges_gateway_errors;
 use super::NO_ROUTER_RETRIES;
 use super::{send_response, Execution, Journey, RequestJourney, Step, StoreOwner, Verdict};
 use crate::capture::ResponseCapture;
+use crate::gave_up::{self, Judgement};
 use crate::host::{HeaderPairs, Host};
 use crate::outcome::Outcome;
 use crate::plugin::detached::{
@@ -240,6 +242,7 @@ impl RequestJourney {
             store_owner: store_owner.map(|(token, confirmed)| StoreOwner { token, confirmed }),
             capture: None,
             started_ms,
+            proxy_words: None,
         };
         let request = ForwardedRequest {
             headers,
@@ -336,7 +339,16 @@ impl RequestJourney {
             let problem = Problem::unavailable("the proxy could not send it to the service");
             return self.answer_problem(host, &rule, &problem);
         };
-        let (answerer, report) = EnvoyReport::of_detached(status, &body, elapsed_ms, timeout_ms);
+        let (mut answerer, mut report) =
+            EnvoyReport::of_detached(status, &body, elapsed_ms, timeout_ms);
+        if answerer == (Answerer::Upstream { resent: false })
+            && judges_gateway_errors(&rule, &headers)
+        {
+            if let Judgement::GaveUp(reason) = gave_up::of_http(status, &body) {
+                answerer = Answerer::Unknown;
+                report = report.gave_up_behind(reason);
+            }
+        }
         let expires = key_expires_value(run.started_ms.saturating_add(rule.rule.ttl_ms));
         let releases = match answerer {
             Answerer::Upstream { .. } => rule.rule.release.releases(status),

@@ -5,7 +5,9 @@
 
 use std::rc::Rc;
 
+use super::response::judges_gateway_errors;
 use super::{pass, send_local, Execution, Journey, RequestJourney, Step, Verdict};
+use crate::gave_up::{self, Judgement};
 use crate::grpc::frame::{frame_len, framing, Framing};
 use crate::grpc::{self, answer, status};
 use crate::host::Host;
@@ -151,13 +153,16 @@ impl RequestJourney {
         send_local(host, &rule.rule.name, 200, &pairs, b"")
     }
 
-    /// A gRPC response that ended with its status: released when the status says the call
-    /// did not take effect (unless the router sent it more than once), recorded otherwise.
+    /// A gRPC response that ended with its status (in `status_metadata`: its trailers, or
+    /// the headers of a trailers-only answer): an unknown outcome when it says someone behind
+    /// Envoy gave up, released when it says the call did not take effect (unless the router
+    /// sent it more than once), recorded otherwise.
     pub(super) fn on_grpc_status(
         &self,
         host: &impl Host,
         mut run: Execution,
-        trailers: Option<Vec<(String, Vec<u8>)>>,
+        status_metadata: &[(String, Vec<u8>)],
+        in_trailers: bool,
         code: Option<Option<u32>>,
     ) -> Step {
         let rule = Rc::clone(&run.rule);
@@ -172,6 +177,16 @@ impl RequestJourney {
         };
         // A status that is not a number is UNKNOWN to a client, and so it is here.
         let code = code.unwrap_or(status::UNKNOWN);
+        if judges_gateway_errors(&rule, status_metadata) {
+            let message = status_metadata
+                .iter()
+                .find(|(n, _)| n == "grpc-message")
+                .map_or(&[][..], |(_, v)| v.as_slice());
+            if let Judgement::GaveUp(reason) = gave_up::of_grpc(code, message) {
+                let report = EnvoyReport::read(host, 200).gave_up_behind(reason);
+                return self.unknown_outcome(host, run, &report);
+            }
+        }
         let releases = rule
             .rule
             .grpc
@@ -184,8 +199,8 @@ impl RequestJourney {
                 _ => self.release(host, run),
             };
         }
-        if let (Some(trailers), Some(capture)) = (trailers, run.capture.as_mut()) {
-            capture.set_trailers(&rule.rule, &trailers);
+        if let (true, Some(capture)) = (in_trailers, run.capture.as_mut()) {
+            capture.set_trailers(&rule.rule, status_metadata);
         }
         self.record(host, run)
     }
@@ -195,7 +210,7 @@ impl RequestJourney {
         match host.response_trailers() {
             Ok(trailers) => {
                 let code = status::status_in(&trailers);
-                self.on_grpc_status(host, run, Some(trailers), code)
+                self.on_grpc_status(host, run, &trailers, true, code)
             }
             Err(e) => {
                 log::error!(

@@ -194,6 +194,9 @@ pub struct Execution {
     pub capture: Option<ResponseCapture>,
     /// When it went upstream: its record is remembered at least `ttl_seconds` from then.
     pub started_ms: u64,
+    /// Some while the judgement of the upstream's answer waits for its body's first bytes
+    /// (a `502` or `503`: a proxy's words tell whether it gave up; `gave_up::reads_body`).
+    pub proxy_words: Option<Vec<u8>>,
 }
 
 /// This request's claim in the store.
@@ -408,6 +411,7 @@ impl RequestJourney {
             store_owner: claim.store_owner,
             capture: None,
             started_ms: claim.started_ms,
+            proxy_words: None,
         };
         let report = crate::who_answered::EnvoyReport::read(host, 0);
         let _finished = self.unknown_outcome(host, run, &report);
@@ -510,6 +514,9 @@ impl RequestJourney {
             ) => self.on_response_body(host, run, size, end_of_stream),
             (J::Executing(run), E::ResponseTrailers) if run.rule.rule.grpc.is_some() => {
                 self.on_grpc_trailers(host, run)
+            }
+            (J::Executing(run), E::ResponseTrailers) if run.proxy_words.is_some() => {
+                self.judge_gateway_error(host, run)
             }
             (J::Executing(run), E::ResponseTrailers) => self.record(host, run),
             (J::Executing(run), E::StreamEnd) => self.on_cut_short(host, run),

@@ -8,7 +8,8 @@
 use super::NO_ROUTER_RETRIES;
 use super::{Execution, Journey, RequestJourney, Step, StoreOwner, Verdict};
 use crate::capture::ResponseCapture;
-use crate::config::UnknownOutcomePolicy;
+use crate::config::{GatewayErrorPolicy, UnknownOutcomePolicy};
+use crate::gave_up::{self, Judgement};
 use crate::host::{status_of, Host};
 use crate::outcome::Outcome;
 use crate::rule_handle::RuleHandle;
@@ -51,12 +52,23 @@ impl RequestJourney {
         };
         let status = status_of(&headers).unwrap_or(0);
         let report = EnvoyReport::read(host, status);
+        let mut proxy_words = None;
         match report.answerer() {
             Answerer::Upstream { resent } => {
                 if resent {
                     self.note_resent(host, rule, &report);
                 }
-                if status == 0 || rule.rule.release.releases(status) {
+                if !resent && status != 0 && judges_gateway_errors(rule, &headers) {
+                    if gave_up::reads_body(status) && !end_of_stream {
+                        // Judged once the proxy's words are in; the key stays held meanwhile.
+                        proxy_words = Some(Vec::new());
+                    } else if let Judgement::GaveUp(reason) = gave_up::of_http(status, b"") {
+                        return self.unknown_outcome(host, run, &report.gave_up_behind(reason));
+                    }
+                }
+                if proxy_words.is_some() {
+                    // Neither released nor recorded yet: the words decide at the body's end.
+                } else if status == 0 || rule.rule.release.releases(status) {
                     // A failure the upstream reports releases the claim, unless the router
                     // sent the request more than once: an earlier attempt may have run it.
                     return if resent {
@@ -86,19 +98,23 @@ impl RequestJourney {
         // tombstone included: a retry until then never executes).
         let remembered_ms = rule.rule.ttl_ms.saturating_add(rule.rule.tombstone_ms);
         let expires = key_expires_value(run.started_ms.saturating_add(remembered_ms));
-        if let Err(e) = host.replace_response_header(KEY_EXPIRES_HEADER, expires.as_bytes()) {
-            log::warn!("{KEY_EXPIRES_HEADER} not set: {}", e.0);
+        // An answer still being judged may free the key: the client is not told it is kept.
+        if proxy_words.is_none() {
+            if let Err(e) = host.replace_response_header(KEY_EXPIRES_HEADER, expires.as_bytes()) {
+                log::warn!("{KEY_EXPIRES_HEADER} not set: {}", e.0);
+            }
         }
         capture.set_key_expiry(&expires);
         let is_grpc = rule.rule.grpc.is_some();
         let run = Execution {
             capture: Some(capture),
+            proxy_words,
             ..run
         };
         if end_of_stream && is_grpc {
             // Trailers-only: the call's status is in its headers.
             let code = crate::grpc::status::status_in(&headers);
-            return self.on_grpc_status(host, run, None, code);
+            return self.on_grpc_status(host, run, &headers, false, code);
         }
         if end_of_stream {
             return self.record(host, run);
@@ -113,16 +129,29 @@ impl RequestJourney {
         size: usize,
         end_of_stream: bool,
     ) -> Step {
+        let wants_words = run
+            .proxy_words
+            .as_ref()
+            .is_some_and(|w| w.len() <= gave_up::TEXT_BYTES);
         if let Some(capture) = run.capture.as_mut() {
-            if size > 0 && capture.wants_body() {
+            if size > 0 && (capture.wants_body() || wants_words) {
                 match host.response_body(size) {
-                    Ok(chunk) => capture.push_body(&chunk),
+                    Ok(chunk) => {
+                        capture.push_body(&chunk);
+                        if let Some(words) = run.proxy_words.as_mut() {
+                            let room = (gave_up::TEXT_BYTES + 1).saturating_sub(words.len());
+                            words.extend(chunk.iter().take(room));
+                        }
+                    }
                     Err(e) => {
                         log::error!("response body unreadable: {}; recording it as omitted", e.0);
                         capture.omit_body();
                     }
                 }
             }
+        }
+        if end_of_stream && run.proxy_words.is_some() {
+            return self.judge_gateway_error(host, run);
         }
         if end_of_stream && awaits_grpc_status(&run) {
             // A gRPC response ends with its status in trailers: without them, how the call
@@ -141,6 +170,12 @@ impl RequestJourney {
     /// retry gets the status and headers instead of a second execution. Before any, the
     /// upstream may have run the write unless the router never sent it.
     pub(super) fn on_cut_short(&self, host: &impl Host, mut run: Execution) -> Step {
+        if run.proxy_words.is_some() {
+            // A gateway error whose words never came whole: nothing proves it never ran.
+            let status = run.capture.as_ref().map_or(0, ResponseCapture::status);
+            let report = EnvoyReport::read(host, status).gave_up_behind("cut_short");
+            return self.unknown_outcome(host, run, &report);
+        }
         if awaits_grpc_status(&run) {
             // A gRPC call's status comes last: without it, how the call ended is unknown.
             let report = EnvoyReport::read(host, 200);
@@ -158,6 +193,30 @@ impl RequestJourney {
                     Answerer::Upstream { .. } | Answerer::Unknown => {
                         self.unknown_outcome(host, run, &report)
                     }
+                }
+            }
+        }
+    }
+
+    /// The upstream answered a `502` or `503` and its body is in: a proxy's words that say it
+    /// gave up after sending make it an unknown outcome; otherwise the rule's release policy
+    /// decides, as for any answer of the upstream's.
+    pub(super) fn judge_gateway_error(&self, host: &impl Host, mut run: Execution) -> Step {
+        let words = run.proxy_words.take().unwrap_or_default();
+        let status = run.capture.as_ref().map_or(0, ResponseCapture::status);
+        let report = EnvoyReport::read(host, status);
+        match gave_up::of_http(status, &words) {
+            Judgement::GaveUp(reason) => {
+                self.unknown_outcome(host, run, &report.gave_up_behind(reason))
+            }
+            Judgement::NeverSent if run.rule.rule.release.releases(status) => {
+                self.never_reached(host, run, &report)
+            }
+            Judgement::NeverSent | Judgement::ServiceAnswer => {
+                if run.rule.rule.release.releases(status) {
+                    self.release(host, run)
+                } else {
+                    self.record(host, run)
                 }
             }
         }
@@ -224,7 +283,7 @@ impl RequestJourney {
             store_owner,
             ..
         } = run;
-        let mut unknown = report.as_unknown_outcome();
+        let mut unknown = report.as_unknown_outcome(rule.rule.retention());
         let lookup = rule
             .rule
             .resolve
@@ -469,4 +528,15 @@ pub(super) fn oversized(rule: &RuleHandle) -> OversizedBody {
         Some(_) => OversizedBody::LeaveToStore,
         None => OversizedBody::RecordWithoutIt,
     }
+}
+
+/// Whether the rule treats a gateway error in this answer as an unknown outcome: by default,
+/// unless the service marked the answer with the rule's `never_ran_header`.
+pub(super) fn judges_gateway_errors(rule: &RuleHandle, metadata: &[(String, Vec<u8>)]) -> bool {
+    rule.rule.on_gateway_error == GatewayErrorPolicy::UnknownOutcome
+        && rule
+            .rule
+            .never_ran_header
+            .as_ref()
+            .is_none_or(|name| !metadata.iter().any(|(n, _)| n == name))
 }

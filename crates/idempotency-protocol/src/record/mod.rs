@@ -15,6 +15,9 @@ const FLAG_TRAILERS: u8 = 4;
 /// An unknown outcome the filter is resolving: when it next asks the service follows what
 /// Envoy reported.
 const FLAG_RESOLUTION_PENDING: u8 = 8;
+/// An unknown outcome that carries how long a resolution that took effect keeps the key
+/// (`Retention`): its two durations follow the due time, if any.
+const FLAG_RETENTION: u8 = 16;
 /// Envoy's details string is kept to this many bytes (its own strings are far shorter).
 const MAX_DETAILS_BYTES: usize = 255;
 
@@ -50,6 +53,18 @@ pub struct UnknownOutcome {
     /// the service is next asked (ms since the epoch), which a retry is told to wait for.
     /// None: nobody will ask (no `resolve`, or its attempts ran out: an operator settles it).
     pub resolution_due_ms: Option<u64>,
+    /// How long the key is kept once the write is found to have taken effect: the rule's,
+    /// carried here so that every way of settling it (the filter's lookup, an operator's
+    /// `record resolve`) keeps the same record and tombstone. None: recorded by a filter
+    /// that did not carry it.
+    pub retention: Option<Retention>,
+}
+
+/// A rule's `ttl_seconds` and `tombstone_seconds`, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Retention {
+    pub ttl_ms: u64,
+    pub tombstone_ms: u64,
 }
 
 /// A response as recorded for replay.
@@ -151,6 +166,9 @@ impl RecordedResponse {
         {
             flags |= FLAG_RESOLUTION_PENDING;
         }
+        if self.unknown.as_ref().is_some_and(|u| u.retention.is_some()) {
+            flags |= FLAG_RETENTION;
+        }
         out.push(flags);
         encode_pairs(&mut out, &self.headers);
         let body_len = u32::try_from(self.body.len()).unwrap_or(u32::MAX);
@@ -168,6 +186,10 @@ impl RecordedResponse {
             out.extend_from_slice(details);
             if let Some(due) = unknown.resolution_due_ms {
                 out.extend_from_slice(&due.to_be_bytes());
+            }
+            if let Some(retention) = unknown.retention {
+                out.extend_from_slice(&retention.ttl_ms.to_be_bytes());
+                out.extend_from_slice(&retention.tombstone_ms.to_be_bytes());
             }
         }
         out
@@ -202,12 +224,21 @@ impl RecordedResponse {
             } else {
                 None
             };
+            let retention = if flags & FLAG_RETENTION != 0 {
+                Some(Retention {
+                    ttl_ms: r.u64()?,
+                    tombstone_ms: r.u64()?,
+                })
+            } else {
+                None
+            };
             Some(Box::new(UnknownOutcome {
                 proxy_status,
                 response_flags,
                 details: details.to_string(),
                 attempts,
                 resolution_due_ms,
+                retention,
             }))
         } else {
             None
@@ -382,6 +413,7 @@ mod tests {
             details: "upstream_per_try_timeout".into(),
             attempts: 1,
             resolution_due_ms: None,
+            retention: None,
         });
         let decoded = RecordedResponse::decode(&r.encode()).unwrap();
         assert_eq!(decoded, r);
@@ -392,8 +424,22 @@ mod tests {
             ..(*r.unknown.clone().unwrap())
         });
         let bytes = pending.encode();
-        assert_eq!(RecordedResponse::decode(&bytes), Some(pending));
+        assert_eq!(RecordedResponse::decode(&bytes), Some(pending.clone()));
         assert_eq!(RecordedResponse::decode(&bytes[..bytes.len() - 1]), None);
+        // One that carries its retention, with a due time and without.
+        for due in [Some(1_764_000_000_000), None] {
+            let kept = RecordedResponse::unknown_outcome(UnknownOutcome {
+                resolution_due_ms: due,
+                retention: Some(Retention {
+                    ttl_ms: 86_400_000,
+                    tombstone_ms: 15_552_000_000,
+                }),
+                ..(*pending.unknown.clone().unwrap())
+            });
+            let bytes = kept.encode();
+            assert_eq!(RecordedResponse::decode(&bytes), Some(kept));
+            assert_eq!(RecordedResponse::decode(&bytes[..bytes.len() - 1]), None);
+        }
         // Details beyond what the record keeps are cut on a character boundary.
         let long = RecordedResponse::unknown_outcome(UnknownOutcome {
             details: "é".repeat(200),

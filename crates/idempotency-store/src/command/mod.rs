@@ -350,8 +350,16 @@ async fn settle_by_hand(args: &ResolveArgs) -> Result<(), Failure> {
             ))
         }
     };
+    // The rule's TTL and tombstone, as the unknown outcome carries them: the settled record
+    // is kept as the filter's own resolution would keep it.
+    let retention = RecordedResponse::decode(&current)
+        .and_then(|r| r.unknown)
+        .and_then(|u| u.retention)
+        .filter(|_| replacement.is_some());
     let record = replacement.map(|r| r.encode());
-    let outcome = api.settle(key, &current, record.as_deref()).await?;
+    let outcome = api
+        .settle(key, &current, record.as_deref(), retention)
+        .await?;
     let settled = Shown::new(
         key.as_str(),
         &api.lookup(key).await?.unwrap_or(answer),

@@ -368,6 +368,7 @@ mod tests {
             details: "upstream_per_try_timeout".into(),
             attempts: 1,
             resolution_due_ms: None,
+            retention: None,
         });
         let shown = Shown::new(
             "k",

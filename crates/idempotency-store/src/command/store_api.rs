@@ -13,6 +13,7 @@ use serde::de::DeserializeOwned;
 
 use super::{OPERATOR_TOKEN_ENV, TOKEN_ENV};
 use crate::storage::{Digest, KeyPrefix};
+use idempotency_protocol::record::Retention;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// A prefix search on a large Redis keyspace takes up to about two seconds.
@@ -84,20 +85,23 @@ impl StoreApi {
             .await
     }
 
-    /// Settles the unknown outcome `current` under `key`: replaced by `record`, or removed
-    /// without one. Answers the store's outcome (`replaced`, `removed`).
+    /// Settles the unknown outcome `current` under `key`: replaced by `record` (kept for
+    /// `retention` when given, else as long as `current` would have been, without a
+    /// tombstone), or removed without one. Answers the store's outcome (`replaced`,
+    /// `removed`).
     pub async fn settle(
         &self,
         key: &Digest,
         current: &[u8],
         record: Option<&[u8]>,
+        retention: Option<Retention>,
     ) -> Result<String, String> {
         let body = SettleBody {
             key: None,
             current: encode_record(current),
             record: record.map(encode_record),
-            ttl_ms: None,
-            tombstone_ms: 0,
+            ttl_ms: retention.map(|r| r.ttl_ms),
+            tombstone_ms: retention.map_or(0, |r| r.tombstone_ms),
         };
         let rest = format!("/{}{}", key.as_str(), path::SETTLE);
         let answer: Option<OutcomeResponse> =

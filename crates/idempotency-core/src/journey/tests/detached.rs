@@ -257,6 +257,25 @@ fn a_reset_after_sending_is_an_unknown_outcome() {
 }
 
 #[test]
+fn a_proxy_behind_that_gives_up_is_an_unknown_outcome() {
+    let nginx = "<html><head><title>504 Gateway Time-out</title></head></html>";
+    for (status, body) in [(504, nginx), (502, "Bad Gateway")] {
+        let host = FakeHost::default();
+        let mut root = root(&host, DETACHED);
+        let (_journey, token) = detached_post(&host, &mut root, 2, "k1");
+        // Well within the callout's timeout: the upstream's answer, from a proxy behind it.
+        upstream_answers(&host, &mut root, token, Some(status), body.as_bytes());
+        let _ = host.take_effects();
+        assert_eq!(
+            host.counter("orders", Outcome::OutcomeUnknown),
+            1,
+            "{status}"
+        );
+        assert_eq!(host.counter("orders", Outcome::Released), 0, "{status}");
+    }
+}
+
+#[test]
 fn a_callout_envoy_refuses_frees_the_key_and_answers_503() {
     let host = FakeHost::default();
     let mut root = root(&host, DETACHED);

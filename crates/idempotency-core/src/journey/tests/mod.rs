@@ -6,6 +6,7 @@ mod access_log;
 mod census;
 mod cluster;
 mod detached;
+mod gave_up;
 mod grpc;
 mod grpc_stream;
 mod intake;

@@ -33,7 +33,7 @@ fn answered(
 }
 
 /// What a retry of `k1` gets: executed (None) or the status and problem type of the reply.
-fn retry(host: &FakeHost, plugin: &Rc<Plugin>) -> Option<(u16, String)> {
+pub(super) fn retry(host: &FakeHost, plugin: &Rc<Plugin>) -> Option<(u16, String)> {
     let _ = host.take_effects();
     let (request, verdict) = post(host, plugin, "k1", b"{}");
     if verdict == Verdict::Continue {
@@ -57,7 +57,7 @@ fn configured_root(host: &FakeHost, config: &[u8]) -> PluginRoot {
     root
 }
 
-fn is_unknown(answer: &Option<(u16, String)>) -> bool {
+pub(super) fn is_unknown(answer: &Option<(u16, String)>) -> bool {
     matches!(answer, Some((409, kind)) if kind.ends_with("outcome-unknown"))
 }
 
