@@ -181,7 +181,7 @@ def test_a_write_that_outlives_its_lease_is_renewed_not_taken_over(edge, procs) 
     assert rule_counter(short, EDGE_RULE, "taken_over") == 0
 
 
-def test_a_connection_refusal_stays_retryable(edge) -> None:
+def test_a_connection_refusal_stays_retryable(edge, procs) -> None:
     """Nothing reached an upstream: the key is freed, so a retry is Envoy's to answer again
     (and executes once the upstream is back), never the filter's 409."""
     envoy, _ = edge
@@ -193,6 +193,15 @@ def test_a_connection_refusal_stays_retryable(edge) -> None:
             resp.content[:200]
         assert rule_counter(envoy, EDGE_RULE, "released") == attempt
     assert rule_counter(envoy, EDGE_RULE, "outcome_unknown") == 0
+    # The upstream comes back on the port that refused: the retry runs, once.
+    refused = next(c for c in envoy.config["static_resources"]["clusters"] if c["name"] == "refused")
+    port = refused["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
+        "socket_address"]["port_value"]
+    back = procs.upstream(port=port, name="refused-upstream")
+    done = post(envoy, path, key=key)
+    assert done.status_code == 201 and not is_replay(done), done.content[:200]
+    assert is_replay(post(envoy, path, key=key))
+    assert back.executions(path) == 1
 
 
 def test_the_upstreams_own_500_follows_release_on_status(edge) -> None:
