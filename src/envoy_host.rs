@@ -165,6 +165,10 @@ impl Host for EnvoyHost {
             .map_err(error)
     }
 
+    fn callout_response_trailers(&self) -> Result<HeaderPairs, HostError> {
+        host::get_header_pairs(MapType::HttpCallResponseTrailers).map_err(error)
+    }
+
     fn open_grpc_stream(
         &self,
         cluster: &str,

@@ -11,7 +11,8 @@ serves every test:
 - ``x-test-unavailable-first``: the first call with this key answers UNAVAILABLE without
   executing (a transient failure); later ones execute.
 
-``/shop.v1.Orders/PlaceOrder`` is the unary write; ``/shop.v1.Orders/Track`` streams
+``/shop.v1.Orders/PlaceOrder`` is the unary write, ``/shop.v1.Orders/Lookup`` answers what a
+PlaceOrder with the call's idempotency key placed once it finished (NOT_FOUND before); ``/shop.v1.Orders/Track`` streams
 three answers to one request; ``/shop.v1.Orders/Upload`` takes a stream of messages;
 ``/shop.v1.Orders/Chat`` (bidirectional) answers each message as it comes, each one counted as
 an execution of the call's key.
@@ -35,6 +36,8 @@ import grpc
 _lock = threading.Lock()
 _executions: dict[str, int] = {}
 _attempts: dict[str, int] = {}
+_placed: dict[str, bytes] = {}
+_lookups: dict[str, int] = {}
 
 
 def _metadata(context: grpc.ServicerContext) -> dict[str, str | bytes]:
@@ -55,6 +58,11 @@ def place_order(request: bytes, context: grpc.ServicerContext) -> bytes:
     sleep_ms = int(str(md.get("x-test-sleep-ms", "0")))
     if sleep_ms:
         time.sleep(sleep_ms / 1000)
+    answer = b"placed:" + request + b":" + str(n).encode()
+    if not md.get("x-test-status"):
+        # The order is placed now, whether or not the caller is still there to hear of it.
+        with _lock:
+            _placed[key] = answer
     context.send_initial_metadata((("x-order-id", f"order-{key}-{n}"),))
     status = md.get("x-test-status")
     if status:
@@ -67,7 +75,19 @@ def place_order(request: bytes, context: grpc.ServicerContext) -> bytes:
     big = int(str(md.get("x-test-trailer-bytes", "0")))
     context.set_trailing_metadata((("x-trailer", f"done-{n}"), ("x-bin-bin", bytes([0, 1, 2, n])))
                                   + ((("x-big", "b" * big),) if big else ()))
-    return b"placed:" + request + b":" + str(n).encode()
+    return answer
+
+
+def lookup(request: bytes, context: grpc.ServicerContext) -> bytes:
+    """The order a PlaceOrder with this idempotency key placed, once it finished; NOT_FOUND
+    before that (or if none ran)."""
+    key = str(_metadata(context).get("idempotency-key", ""))
+    with _lock:
+        _lookups[key] = _lookups.get(key, 0) + 1
+        placed = _placed.get(key)
+    if placed is None:
+        context.abort(grpc.StatusCode.NOT_FOUND, "no order placed with this key")
+    return placed
 
 
 def track(request: bytes, context: grpc.ServicerContext):
@@ -91,7 +111,8 @@ def chat(request_iterator, context: grpc.ServicerContext):
 
 def executions(request: bytes, context: grpc.ServicerContext) -> bytes:
     with _lock:
-        return json.dumps({"executions": _executions, "attempts": _attempts}).encode()
+        return json.dumps({"executions": _executions, "attempts": _attempts,
+                           "lookups": _lookups}).encode()
 
 
 def main() -> None:
@@ -102,6 +123,7 @@ def main() -> None:
     server.add_generic_rpc_handlers((
         grpc.method_handlers_generic_handler("shop.v1.Orders", {
             "PlaceOrder": grpc.unary_unary_rpc_method_handler(place_order),
+            "Lookup": grpc.unary_unary_rpc_method_handler(lookup),
             "Track": grpc.unary_stream_rpc_method_handler(track),
             "Upload": grpc.stream_unary_rpc_method_handler(upload),
             "Chat": grpc.stream_stream_rpc_method_handler(chat),

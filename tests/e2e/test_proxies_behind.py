@@ -220,13 +220,24 @@ def test_on_gateway_error_release_lets_the_retry_run_by_choice(procs) -> None:
 # --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def grpc_chain(procs: harness.ProcessGroup) -> Iterator[tuple[harness.Envoy, grpc_calls.GrpcServer]]:
+GRPC_LEASE_SECONDS = 3
+
+
+def start_grpc_chain(procs: harness.ProcessGroup, **orders: Any
+                     ) -> tuple[harness.Envoy, grpc_calls.GrpcServer]:
+    """The gRPC chain; ``orders`` changes fields of envoy-grpc.yaml's ``orders`` rule."""
     server = grpc_calls.start_server(procs)
     sidecar = start_sidecar(procs, server.port, cluster="orders_sidecar", http2=True)
-    envoy = grpc_calls.grpc_envoy(procs, server)
+    plugin = grpc_calls.plugin_config(lease_seconds=GRPC_LEASE_SECONDS, **orders)
+    envoy = grpc_calls.grpc_envoy(procs, server, plugin)
     harness.set_cluster_port(envoy.config, grpc_calls.SERVICE_CLUSTER, sidecar.port)
     envoy.start()
+    return envoy, server
+
+
+@pytest.fixture
+def grpc_chain(procs: harness.ProcessGroup) -> Iterator[tuple[harness.Envoy, grpc_calls.GrpcServer]]:
+    envoy, server = start_grpc_chain(procs)
     yield envoy, server
     assert not crash_lines(envoy.log_text())
 
@@ -242,7 +253,7 @@ def test_a_sidecars_timeout_on_a_grpc_call_never_runs_it_again(grpc_chain) -> No
         retry = grpc_calls.call(envoy, key, metadata=md)
         assert retry.code == grpc.StatusCode.FAILED_PRECONDITION, retry
     harness.wait_until(lambda: server.executions(key) == 1, timeout=10, what="the call ran")
-    time.sleep(2.0)  # the call completed behind the sidecar, and the sample's lease is long
+    time.sleep(GRPC_LEASE_SECONDS + 0.5)  # the call completed behind the sidecar; past the lease
     retry = grpc_calls.call(envoy, key, metadata=md)
     assert retry.code == grpc.StatusCode.FAILED_PRECONDITION, retry
     assert server.executions(key) == 1
@@ -270,3 +281,25 @@ def test_the_grpc_services_own_unavailable_releases_and_the_retry_runs(grpc_chai
     assert grpc_calls.call(envoy, key, metadata=md).code == grpc.StatusCode.OK
     assert server.executions(key) == 1
     assert rule_counter(envoy, "orders", "released") == 1
+
+
+def test_a_sidecars_timeout_on_a_grpc_call_converges_with_resolve_to_the_calls_result(procs) -> None:
+    """The rule's ``resolve`` calls the service's Lookup method with the key's metadata once
+    the settle time has passed: the retry gets the order the first call placed."""
+    envoy, server = start_grpc_chain(procs, resolve={
+        "path": "/shop.v1.Orders/Lookup", "settle_seconds": SETTLE_SECONDS, "backoff_seconds": 1})
+    key = new_key()
+    first = grpc_calls.call(envoy, key, b"gift", metadata=[("x-test-sleep-ms", "1500")])
+    assert first.code == grpc.StatusCode.UNAVAILABLE, first
+    early = grpc_calls.call(envoy, key, b"gift")
+    assert early.code == grpc.StatusCode.FAILED_PRECONDITION, early
+    deadline = time.monotonic() + 20
+    while (answer := grpc_calls.call(envoy, key, b"gift")).code == grpc.StatusCode.FAILED_PRECONDITION:
+        assert time.monotonic() < deadline, "still unknown"
+        time.sleep(0.3)
+    assert answer.code == grpc.StatusCode.OK, answer
+    assert answer.message == b"placed:gift:1", answer
+    assert answer.initial.get("idempotent-resolved") == "true", answer.initial
+    assert server.executions(key) == 1
+    assert server.counts()["lookups"].get(key, 0) >= 1
+    assert not crash_lines(envoy.log_text())

@@ -157,6 +157,11 @@ pub trait Host: SharedData {
     fn callout_response_headers(&self) -> Result<HeaderPairs, HostError>;
     /// The body of the callout answer being delivered.
     fn callout_response_body(&self, size: usize) -> Result<Vec<u8>, HostError>;
+    /// The trailers of the callout answer being delivered; empty where the host hands none
+    /// over (Envoy's dynamic modules give a callout's headers and body only).
+    fn callout_response_trailers(&self) -> Result<HeaderPairs, HostError> {
+        Ok(Vec::new())
+    }
 
     /// Opens a bidirectional gRPC stream to `cluster`'s `service/method`; its messages and
     /// its close reach the context that opened it (the root).

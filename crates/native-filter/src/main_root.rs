@@ -356,6 +356,7 @@ mod tests {
             lookup: idempotency_core::resolve::lookup::LookupRequest {
                 cluster: "c".into(),
                 headers: Vec::new(),
+                body: Vec::new(),
                 timeout_ms: 1,
             },
             unknown: Default::default(),

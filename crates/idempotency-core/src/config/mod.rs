@@ -303,6 +303,9 @@ impl Rule {
             grpc: Some(GrpcRule {
                 release: crate::grpc::status::default_release_codes(),
             }),
+            // An HTTP lookup's answer cannot become a call's record: such a call's unknown
+            // outcome stays unknown (a gRPC rule resolves with a call).
+            resolve: None,
             ..self.clone()
         })
     }

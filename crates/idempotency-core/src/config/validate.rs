@@ -304,8 +304,16 @@ fn validate_rule(
     let resolve = match raw.resolve {
         None => None,
         Some(raw_resolve) => {
+            let key_metadata: Vec<String> = key_sources
+                .iter()
+                .filter_map(|source| match source {
+                    FieldSource::Header(name) if grpc.is_some() => Some(name.clone()),
+                    _ => None,
+                })
+                .collect();
             let facts = RuleFacts {
                 key_sources: key_sources.len(),
+                key_metadata: &key_metadata,
                 scope_headers: &scope_headers,
                 ttl_ms,
                 releases_unknown: raw.on_unknown_outcome == UnknownOutcomePolicy::Release,

@@ -105,6 +105,8 @@ pub(crate) struct FakeHost {
     pub properties: RefCell<HashMap<String, Vec<u8>>>,
     /// The callout answer being delivered: its headers and body.
     pub callout_answer: RefCell<(HeaderPairs, Vec<u8>)>,
+    /// ... and its trailers.
+    pub callout_trailers: RefCell<HeaderPairs>,
     pub configuration: RefCell<Vec<u8>>,
     pub tick_period_ms: Cell<Option<u32>>,
     /// Plays a host that sends a reply's trailers itself (the native build); off, the Wasm one.
@@ -153,6 +155,7 @@ impl Default for FakeHost {
             response_chunk: RefCell::default(),
             properties: RefCell::default(),
             callout_answer: RefCell::default(),
+            callout_trailers: RefCell::default(),
             configuration: RefCell::default(),
             tick_period_ms: Cell::new(None),
             sends_trailers: Cell::new(false),
@@ -552,6 +555,10 @@ impl Host for FakeHost {
             0,
         );
         Ok(headers)
+    }
+
+    fn callout_response_trailers(&self) -> Result<HeaderPairs, HostError> {
+        Ok(self.callout_trailers.borrow().clone())
     }
 
     fn callout_response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {

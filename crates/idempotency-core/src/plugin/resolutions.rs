@@ -25,6 +25,7 @@ use std::rc::Rc;
 
 use crate::capture::ResponseCapture;
 use crate::config::Rule;
+use crate::grpc::frame::{framing, Framing};
 use crate::host::{status_of, Callout, Host};
 use crate::outcome::Outcome;
 use crate::resolve::lookup::LookupRequest;
@@ -33,6 +34,7 @@ use crate::rule_handle::RuleHandle;
 use crate::store::client::settle_call;
 use crate::store::writes::{Links, PendingWrite, SettleAnswer, StoreWrites};
 use crate::table::{Completion, Held, Settlement, Table};
+use idempotency_protocol::grpc_status;
 use idempotency_protocol::naming::short_hash;
 use idempotency_protocol::record::{key_expires_value, RecordedResponse, UnknownOutcome};
 
@@ -461,7 +463,7 @@ impl Resolutions {
         let sent = host.dispatch_callout(&Callout {
             cluster: &lookup.cluster,
             headers,
-            body: &[],
+            body: &lookup.body,
             trailers: Vec::new(),
             timeout_ms: lookup.timeout_ms,
         });
@@ -610,6 +612,10 @@ impl Resolutions {
             );
             return true;
         };
+        if settings.grpc {
+            self.on_grpc_answer(host, to, resolution, &headers, status, body_size);
+            return true;
+        }
         match settings.verdict(status) {
             Verdict::TookEffect => {
                 let rule = &resolution.rule.rule;
@@ -627,18 +633,7 @@ impl Resolutions {
                         }
                     }
                 }
-                // Kept as the upstream's own answer would be: for the TTL, then (if the rule
-                // keeps them) as its tombstone, which the key's expiry counts in.
-                let kept_ms = rule.ttl_ms.saturating_add(rule.tombstone_ms);
-                capture.set_key_expiry(&key_expires_value(host.now_ms().saturating_add(kept_ms)));
-                let mut response = capture.finish();
-                response
-                    .headers
-                    .retain(|(n, _)| n != RESOLVED_HEADER && *n != rule.replay_header);
-                response
-                    .headers
-                    .push((RESOLVED_HEADER.to_string(), b"true".to_vec()));
-                let resolved = Resolved::TookEffect(response);
+                let resolved = Resolved::TookEffect(resolved_record(host, rule, capture));
                 self.settle(host, to, resolution, resolved, status);
             }
             Verdict::NeverRan => self.settle(host, to, resolution, Resolved::NeverRan, status),
@@ -648,6 +643,81 @@ impl Resolutions {
             }
         }
         true
+    }
+
+    /// A gRPC lookup's answer: the call's status decides, `OK` with its message and trailers
+    /// becoming the call's record, `NOT_FOUND` freeing the key. A host that hands no callout
+    /// trailers over (the native build) shows the status only for a trailers-only answer
+    /// (`NOT_FOUND` is one); an answer with one whole message and no status seen is taken as
+    /// `OK`, as gRPC's servers send a unary call's message only with it. Anything else asks
+    /// again later.
+    fn on_grpc_answer(
+        &self,
+        host: &impl Host,
+        to: &Settlers<'_>,
+        resolution: Resolution,
+        headers: &[(String, Vec<u8>)],
+        status: u16,
+        body_size: usize,
+    ) {
+        if status != 200 {
+            let why = format!("the service answered the gRPC lookup with HTTP {status}");
+            return self.unsettled(host, to, resolution, &why);
+        }
+        let body = match body_size {
+            0 => Ok(Vec::new()),
+            size => host.callout_response_body(size),
+        };
+        let Ok(body) = body else {
+            return self.unsettled(host, to, resolution, "the gRPC lookup's message unreadable");
+        };
+        let in_headers = grpc_status::status_in(headers);
+        let trailers = match in_headers {
+            Some(_) => Vec::new(),
+            None => host.callout_response_trailers().unwrap_or_else(|e| {
+                log::warn!("gRPC lookup's trailers unreadable: {}", e.0);
+                Vec::new()
+            }),
+        };
+        let code = in_headers.or_else(|| grpc_status::status_in(&trailers));
+        let one_message = matches!(framing(&body), Framing::Messages(1));
+        let verdict = match code {
+            Some(Some(grpc_status::OK)) | None if one_message => Verdict::TookEffect,
+            Some(Some(grpc_status::NOT_FOUND)) => Verdict::NeverRan,
+            _ => Verdict::Unsettled,
+        };
+        match verdict {
+            Verdict::TookEffect => {
+                let rule = &resolution.rule.rule;
+                let mut capture = ResponseCapture::start(
+                    rule,
+                    200,
+                    headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())),
+                );
+                capture.push_body(&body);
+                let ok = [("grpc-status".to_string(), b"0".to_vec())];
+                let trailers = if trailers.is_empty() {
+                    &ok[..]
+                } else {
+                    &trailers[..]
+                };
+                capture.set_trailers(rule, trailers);
+                let resolved = Resolved::TookEffect(resolved_record(host, rule, capture));
+                self.settle(host, to, resolution, resolved, status);
+            }
+            Verdict::NeverRan => self.settle(host, to, resolution, Resolved::NeverRan, status),
+            Verdict::Unsettled => {
+                let why = match code {
+                    Some(Some(code)) => format!(
+                        "the service answered the gRPC lookup with {} ({} message)",
+                        grpc_status::name(code),
+                        if one_message { "one" } else { "not one" }
+                    ),
+                    _ => "the gRPC lookup's answer carried no status".to_string(),
+                };
+                self.unsettled(host, to, resolution, &why);
+            }
+        }
     }
 
     /// The lookup said how the write ended: the key's record says so now (cluster mode: once
@@ -889,4 +959,24 @@ pub fn give_up_portable(host: &impl Host, table: &Table, portable: &PortableReso
          not clear"
     );
     mark_unresolved(host, table, &portable.held, &portable.unknown);
+}
+
+/// The record a lookup that took effect leaves: kept as the upstream's own answer would be,
+/// for the TTL, then (if the rule keeps them) as its tombstone, which the key's expiry counts
+/// in; marked as resolved, never as a replay of the upstream's own.
+fn resolved_record(
+    host: &impl Host,
+    rule: &Rule,
+    mut capture: ResponseCapture,
+) -> RecordedResponse {
+    let kept_ms = rule.ttl_ms.saturating_add(rule.tombstone_ms);
+    capture.set_key_expiry(&key_expires_value(host.now_ms().saturating_add(kept_ms)));
+    let mut response = capture.finish();
+    response
+        .headers
+        .retain(|(n, _)| n != RESOLVED_HEADER && *n != rule.replay_header);
+    response
+        .headers
+        .push((RESOLVED_HEADER.to_string(), b"true".to_vec()));
+    response
 }

@@ -56,6 +56,8 @@ pub struct LookupRequest {
     pub cluster: String,
     /// Pseudo-headers first, then the headers carried from the request.
     pub headers: Vec<(String, String)>,
+    /// Empty, but for a gRPC lookup's empty request message.
+    pub body: Vec<u8>,
     pub timeout_ms: u64,
 }
 
@@ -83,6 +85,10 @@ impl LookupRequest {
             (":path".to_string(), path),
             (":authority".to_string(), authority),
         ];
+        if resolve.grpc {
+            headers.push(("content-type".to_string(), "application/grpc".to_string()));
+            headers.push(("te".to_string(), "trailers".to_string()));
+        }
         for (name, value) in &parts.headers {
             if !resolve.forwarded_headers.contains(name) {
                 continue; // named by the path only
@@ -101,9 +107,15 @@ impl LookupRequest {
             .clone()
             .or_else(|| parts.route_cluster.clone())
             .ok_or(NoLookup::NoCluster)?;
+        let body = if resolve.grpc {
+            super::settings::EMPTY_GRPC_MESSAGE.to_vec()
+        } else {
+            Vec::new()
+        };
         Ok(LookupRequest {
             cluster,
             headers,
+            body,
             timeout_ms: resolve.timeout_ms,
         })
     }
@@ -111,6 +123,7 @@ impl LookupRequest {
     /// Bytes it holds while it waits for its resolution.
     pub fn bytes(&self) -> usize {
         self.cluster.len()
+            + self.body.len()
             + self
                 .headers
                 .iter()
@@ -141,6 +154,7 @@ mod tests {
                 ttl_ms: 60_000,
                 releases_unknown: false,
                 is_grpc: false,
+                key_metadata: &[],
                 store_cluster: None,
             },
         )

@@ -13,8 +13,9 @@ pub struct RawResolve {
     /// The Envoy cluster of the service; absent: the cluster the request's route chose.
     #[serde(default)]
     cluster: Option<String>,
-    #[serde(default = "default_method")]
-    method: String,
+    /// Absent: GET, or for a gRPC rule POST (a unary call).
+    #[serde(default)]
+    method: Option<String>,
     path: String,
     /// Absent: the original request's `:authority`.
     #[serde(default)]
@@ -22,10 +23,12 @@ pub struct RawResolve {
     /// Request headers sent along with the lookup, beyond the rule's scope headers.
     #[serde(default)]
     headers: Vec<String>,
-    #[serde(default = "default_took_effect")]
-    took_effect_statuses: Vec<u16>,
-    #[serde(default = "default_never_ran")]
-    never_ran_statuses: Vec<u16>,
+    /// Absent: 200. Not for gRPC rules, whose lookup's call status decides.
+    #[serde(default)]
+    took_effect_statuses: Option<Vec<u16>>,
+    /// Absent: 404. Not for gRPC rules.
+    #[serde(default)]
+    never_ran_statuses: Option<Vec<u16>>,
     /// Replay a write that took effect with this status instead of the lookup's own.
     #[serde(default)]
     record_status: Option<u16>,
@@ -38,9 +41,6 @@ pub struct RawResolve {
     backoff_seconds: u64,
 }
 
-fn default_method() -> String {
-    "GET".to_string()
-}
 fn default_took_effect() -> Vec<u16> {
     vec![200]
 }
@@ -82,7 +82,14 @@ pub struct Resolve {
     pub timeout_ms: u64,
     pub max_attempts: u32,
     pub backoff_ms: u64,
+    /// A gRPC rule's lookup: a unary call of the method `path` names, with an empty request
+    /// message and the key in the rule's key metadata. Its status decides: `OK` took effect
+    /// (its message and trailers become the call's record), `NOT_FOUND` never ran.
+    pub grpc: bool,
 }
+
+/// The empty request message a gRPC lookup sends: an uncompressed frame of length 0.
+pub const EMPTY_GRPC_MESSAGE: [u8; 5] = [0; 5];
 
 /// What the lookup's status says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,6 +135,8 @@ pub struct RuleFacts<'a> {
     /// `on_unknown_outcome: "release"`: nothing is ever left to resolve.
     pub releases_unknown: bool,
     pub is_grpc: bool,
+    /// A gRPC rule's key metadata names, which its lookup carries.
+    pub key_metadata: &'a [String],
     /// The store's cluster, which a lookup must not be sent to.
     pub store_cluster: Option<&'a str>,
 }
@@ -143,18 +152,44 @@ pub fn validate(raw: RawResolve, rule: &RuleFacts<'_>) -> Result<Resolve, (Strin
                 .to_string(),
         );
     }
-    if rule.is_grpc {
-        return err("", "not supported for gRPC rules yet".to_string());
+    let method = match (&raw.method, rule.is_grpc) {
+        (None, false) => "GET".to_string(),
+        (None, true) => "POST".to_string(),
+        (Some(m), _) => m.to_ascii_uppercase(),
+    };
+    if rule.is_grpc && method != "POST" {
+        return err("method", "a gRPC lookup is a call: POST".to_string());
     }
-    let method = raw.method.to_ascii_uppercase();
     if !["GET", "HEAD", "POST"].contains(&method.as_str()) {
         return err(
             "method",
             "must be GET, HEAD or POST (a lookup reads; it never writes)".to_string(),
         );
     }
-    let path = PathTemplate::parse(&raw.path, rule.key_sources)
-        .map_err(|why| ("path".to_string(), why))?;
+    let path = if rule.is_grpc {
+        PathTemplate::grpc_method(&raw.path)
+    } else {
+        PathTemplate::parse(&raw.path, rule.key_sources)
+    }
+    .map_err(|why| ("path".to_string(), why))?;
+    if rule.is_grpc {
+        for (field, given) in [
+            ("took_effect_statuses", raw.took_effect_statuses.is_some()),
+            ("never_ran_statuses", raw.never_ran_statuses.is_some()),
+            ("record_status", raw.record_status.is_some()),
+        ] {
+            if given {
+                return err(
+                    field,
+                    "not for a gRPC rule: its lookup's call status decides (OK took effect, \
+                     NOT_FOUND never ran)"
+                        .to_string(),
+                );
+            }
+        }
+    }
+    let took_effect = raw.took_effect_statuses.unwrap_or_else(default_took_effect);
+    let never_ran = raw.never_ran_statuses.unwrap_or_else(default_never_ran);
     // What names the write at the service must be what names its record here (the key and
     // the scope headers, hashed whole into the storage key): then every request that meets
     // the record, a retry through another replica taking the resolution on included, makes
@@ -204,7 +239,8 @@ pub fn validate(raw: RawResolve, rule: &RuleFacts<'_>) -> Result<Resolve, (Strin
         .iter()
         .map(String::as_str)
         .chain(raw.headers.iter().map(String::as_str))
-        .chain(path.headers());
+        .chain(path.headers())
+        .chain(rule.key_metadata.iter().map(String::as_str));
     for name in named {
         let lower = name.to_ascii_lowercase();
         if lower.starts_with(':') {
@@ -218,18 +254,14 @@ pub fn validate(raw: RawResolve, rule: &RuleFacts<'_>) -> Result<Resolve, (Strin
         }
     }
     for (field, statuses) in [
-        ("took_effect_statuses", &raw.took_effect_statuses),
-        ("never_ran_statuses", &raw.never_ran_statuses),
+        ("took_effect_statuses", &took_effect),
+        ("never_ran_statuses", &never_ran),
     ] {
         if statuses.is_empty() || statuses.iter().any(|s| !(100..=599).contains(s)) {
             return err(field, "must list HTTP statuses (100 to 599)".to_string());
         }
     }
-    if let Some(both) = raw
-        .took_effect_statuses
-        .iter()
-        .find(|s| raw.never_ran_statuses.contains(s))
-    {
+    if let Some(both) = took_effect.iter().find(|s| never_ran.contains(s)) {
         return err(
             "never_ran_statuses",
             format!("{both} is also in took_effect_statuses"),
@@ -277,13 +309,14 @@ pub fn validate(raw: RawResolve, rule: &RuleFacts<'_>) -> Result<Resolve, (Strin
         path,
         authority: raw.authority,
         forwarded_headers,
-        took_effect: raw.took_effect_statuses,
-        never_ran: raw.never_ran_statuses,
+        took_effect,
+        never_ran,
         record_status: raw.record_status,
         settle_ms,
         timeout_ms: raw.timeout_ms,
         max_attempts: raw.max_attempts,
         backoff_ms,
+        grpc: rule.is_grpc,
     })
 }
 
@@ -313,6 +346,7 @@ mod tests {
             ttl_ms: 86_400_000,
             releases_unknown: false,
             is_grpc: false,
+            key_metadata: &[],
             store_cluster: None,
         }
     }

@@ -117,6 +117,31 @@ impl PathTemplate {
         Ok(PathTemplate { parts, query_from })
     }
 
+    /// A gRPC method's path, `/package.Service/Method`, as a fixed lookup path: a gRPC
+    /// lookup names the write by the key's metadata, not by its path.
+    pub fn grpc_method(text: &str) -> Result<PathTemplate, String> {
+        let named = text
+            .strip_prefix('/')
+            .and_then(|rest| rest.split_once('/'))
+            .is_some_and(|(service, method)| {
+                let name = |s: &str| {
+                    !s.is_empty()
+                        && s.bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.')
+                };
+                name(service) && name(method) && !method.contains('.')
+            });
+        if !named {
+            return Err(format!(
+                "'{text}' is not a gRPC method's path (/package.Service/Method)"
+            ));
+        }
+        Ok(PathTemplate {
+            parts: vec![Part::Literal(text.to_string())],
+            query_from: 1,
+        })
+    }
+
     /// The request headers the template reads.
     pub fn headers(&self) -> impl Iterator<Item = &str> {
         self.parts.iter().filter_map(|p| match p {

@@ -1652,3 +1652,194 @@ fn an_adopted_resolution_is_taken_on_once_per_unknown_outcome() {
     );
     let _ = tick(&host, &mut main);
 }
+
+const RESOLVING_CALLS: &str = r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]},
+    "resolve":{"cluster":"orders","path":"/shop.v1.Orders/Lookup","settle_seconds":5,
+    "max_attempts":3,"backoff_seconds":2}}]}"#;
+
+fn owned(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+    list.iter()
+        .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+        .collect()
+}
+
+/// A call with `key`, in context `context`, whose sidecar gave up after it reached the
+/// service (`UNAVAILABLE`, Envoy's words for its timeout).
+fn call_timed_out_behind(host: &FakeHost, root: &PluginRoot, context: u32, key: &str) {
+    let headers = super::grpc::grpc_headers(super::grpc::PLACE, Some(key));
+    let (journey, verdict) =
+        request_in_context(host, root, context, &headers, &super::grpc::frame(b"order"));
+    assert_eq!(verdict, Verdict::Continue);
+    envoy_reports(host, "via_upstream", 0, 1);
+    host.set_response(
+        &[
+            (":status", "200"),
+            ("content-type", "application/grpc"),
+            ("grpc-status", "14"),
+            ("grpc-message", "upstream request timeout"),
+        ],
+        b"",
+    );
+    let mut journey = journey.borrow_mut();
+    journey.on(
+        host,
+        Event::ResponseHeaders {
+            end_of_stream: true,
+        },
+    );
+    journey.on(host, Event::StreamEnd);
+    let _ = host.take_effects();
+}
+
+/// What the retry of a call gets: None when it executes, else its `grpc-status` and reply.
+fn call_retry(host: &FakeHost, root: &PluginRoot, context: u32, key: &str) -> Option<Reply> {
+    let _ = host.take_effects();
+    let headers = super::grpc::grpc_headers(super::grpc::PLACE, Some(key));
+    let (_journey, verdict) =
+        request_in_context(host, root, context, &headers, &super::grpc::frame(b"order"));
+    if verdict == Verdict::Continue {
+        return None;
+    }
+    let effects = host.take_effects();
+    // A replay with a message comes with its trailers (the native build's way).
+    let with_trailers = effects.iter().find_map(|e| match e {
+        crate::fake_host::Effect::ReplyWithTrailers {
+            status,
+            headers,
+            body,
+            ..
+        } => Some((*status, headers.clone(), body.clone())),
+        _ => None,
+    });
+    Some(with_trailers.unwrap_or_else(|| the_reply(&effects)))
+}
+
+fn grpc_status_of(reply: &Reply) -> Option<String> {
+    header(&reply.1, "grpc-status").map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+/// The gRPC lookup the root sends after the settle time: its token, checked for shape.
+fn grpc_lookup_sent(host: &FakeHost, root: &mut PluginRoot, key: &str) -> u32 {
+    host.advance_ms(5_000);
+    host.effective_context.set(1);
+    root.on_tick(host);
+    let sent: Vec<_> = host
+        .take_effects()
+        .into_iter()
+        .filter_map(|e| match e {
+            crate::fake_host::Effect::Callout {
+                token,
+                path,
+                headers,
+                body,
+                ..
+            } => Some((token, path, headers, body)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(sent.len(), 1, "one lookup");
+    let (token, path, headers, body) = &sent[0];
+    assert_eq!(path, "/shop.v1.Orders/Lookup");
+    let value = |name: &str| {
+        headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    };
+    assert_eq!(value(":method"), Some("POST"));
+    assert_eq!(value("content-type"), Some("application/grpc"));
+    assert_eq!(
+        value("idempotency-key"),
+        Some(key),
+        "the key's metadata goes along"
+    );
+    assert_eq!(body.as_slice(), &[0u8; 5], "an empty request message");
+    *token
+}
+
+#[test]
+fn a_call_a_sidecar_gave_up_on_is_resolved_by_a_lookup_call() {
+    for trailers_seen in [true, false] {
+        let host = FakeHost::default();
+        host.sends_trailers.set(true);
+        let mut root = configured_root(&host, RESOLVING_CALLS, 1);
+        call_timed_out_behind(&host, &root, 7, "k1");
+        let early = call_retry(&host, &root, 8, "k1").expect("not executed");
+        assert_eq!(
+            grpc_status_of(&early).as_deref(),
+            Some("9"),
+            "FAILED_PRECONDITION"
+        );
+        let token = grpc_lookup_sent(&host, &mut root, "k1");
+        // OK with the order: its message and trailers, or (a host that hands no callout
+        // trailers over) the message alone.
+        *host.callout_answer.borrow_mut() = (
+            owned(&[(":status", "200"), ("content-type", "application/grpc")]),
+            super::grpc::frame(b"order-k1"),
+        );
+        *host.callout_trailers.borrow_mut() = if trailers_seen {
+            owned(&[("grpc-status", "0"), ("x-order-id", "o-1")])
+        } else {
+            Vec::new()
+        };
+        host.effective_context.set(1);
+        root.on_callout_answer(&host, token, 2, 13);
+        assert_eq!(host.counter("orders", Outcome::ResolvedTookEffect), 1);
+        let replay = call_retry(&host, &root, 9, "k1").expect("replayed");
+        assert_eq!(
+            replay.2,
+            super::grpc::frame(b"order-k1"),
+            "the service's message"
+        );
+        assert_eq!(host.counter("orders", Outcome::Executed), 1);
+    }
+}
+
+#[test]
+fn a_call_the_lookup_says_never_ran_runs_on_its_retry_and_anything_else_asks_again() {
+    let host = FakeHost::default();
+    let mut root = configured_root(&host, RESOLVING_CALLS, 1);
+    call_timed_out_behind(&host, &root, 7, "k1");
+    // A status that says neither (UNAVAILABLE), then an answer with no status and no
+    // message: asked again later, never freed.
+    let token = grpc_lookup_sent(&host, &mut root, "k1");
+    *host.callout_answer.borrow_mut() = (
+        owned(&[(":status", "200"), ("grpc-status", "14")]),
+        Vec::new(),
+    );
+    root.on_callout_answer(&host, token, 2, 0);
+    let token = grpc_lookup_sent(&host, &mut root, "k1");
+    *host.callout_answer.borrow_mut() = (owned(&[(":status", "200")]), Vec::new());
+    root.on_callout_answer(&host, token, 1, 0);
+    assert!(call_retry(&host, &root, 8, "k1").is_some(), "still unknown");
+    // NOT_FOUND, trailers-only: the key is freed and the retry runs.
+    let token = grpc_lookup_sent(&host, &mut root, "k1");
+    *host.callout_answer.borrow_mut() = (
+        owned(&[(":status", "200"), ("grpc-status", "5")]),
+        Vec::new(),
+    );
+    root.on_callout_answer(&host, token, 2, 0);
+    assert_eq!(host.counter("orders", Outcome::ResolvedNeverRan), 1);
+    assert_eq!(call_retry(&host, &root, 9, "k1"), None, "the retry runs");
+}
+
+#[test]
+fn a_grpc_rules_lookup_is_a_call_and_its_status_decides() {
+    for (resolve, field) in [
+        (r#"{"path":"/orders/{key}","settle_seconds":5}"#, "path"),
+        (
+            r#"{"path":"/shop.v1.Orders/Lookup","method":"GET","settle_seconds":5}"#,
+            "method",
+        ),
+        (
+            r#"{"path":"/shop.v1.Orders/Lookup","never_ran_statuses":[404],"settle_seconds":5}"#,
+            "never_ran_statuses",
+        ),
+    ] {
+        let config = format!(
+            r#"{{"rules":[{{"name":"o","match":{{"grpc_services":["shop.v1.Orders"]}},"resolve":{resolve}}}]}}"#
+        );
+        let error = crate::config::Config::parse(config.as_bytes()).unwrap_err();
+        assert!(error.to_string().contains(field), "{resolve}: {error}");
+    }
+}
