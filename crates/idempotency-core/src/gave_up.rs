@@ -25,22 +25,60 @@ pub enum Judgement {
     ServiceAnswer,
 }
 
-/// The HTTP statuses whose judgement reads the body: a proxy's words tell a reset after
-/// sending from a refused connection, and a proxy's `503` from the service's.
-pub fn reads_body(status: u16) -> bool {
-    matches!(status, 502 | 503)
-}
-
 /// Envoy's body text is short; a longer body is not one of its local replies.
 pub const TEXT_BYTES: usize = 512;
 
-/// Judges an HTTP answer by its status and the beginning of its body (empty when none).
-pub fn of_http(status: u16, body: &[u8]) -> Judgement {
+/// Statuses that say a gateway stopped waiting, whoever sends them: `504`, Cloudflare's
+/// `524` (a timeout after connecting) and `520` (an empty or unknown answer from the origin),
+/// and the `598`/`599` network timeouts some proxies use.
+const TIMED_OUT_STATUSES: [u16; 4] = [504, 520, 524, 598];
+
+/// Judges an HTTP answer as far as its headers tell. None: its first body bytes decide
+/// (`of_words`), a `502` or `503` whose proxy's words tell a reset after sending from a
+/// refused connection, and a proxy's `503` from the service's.
+pub fn of_headers(status: u16, headers: &[(String, Vec<u8>)]) -> Option<Judgement> {
+    if status >= 500 && attempts_behind(headers) > 1 {
+        // An Envoy in between retried on its own (`include_attempt_count_in_response`): an
+        // earlier attempt may have run the write, whatever the last one says.
+        return Some(Judgement::GaveUp("proxy_retried"));
+    }
+    if TIMED_OUT_STATUSES.contains(&status) || status == 599 {
+        return Some(Judgement::GaveUp("gateway_timeout"));
+    }
+    if !matches!(status, 502 | 503) {
+        return Some(Judgement::ServiceAnswer);
+    }
+    if header(headers, "l5d-proxy-error").is_some() {
+        // Linkerd's proxy answered; its words are not Envoy's.
+        return Some(Judgement::GaveUp("linkerd_proxy_error"));
+    }
+    let encoded = header(headers, "content-encoding")
+        .is_some_and(|v| !v.trim_ascii().eq_ignore_ascii_case(b"identity"));
+    if encoded {
+        // A compressor between the proxy and this filter: the words cannot be read, and
+        // nothing proves the request was never sent.
+        return Some(Judgement::GaveUp("encoded_words"));
+    }
+    None
+}
+
+/// Judges a `502` or `503` by its first body bytes, `complete` once the body has ended
+/// (or `TEXT_BYTES` passed). None: they could still become one of a proxy's words.
+pub fn of_words(status: u16, words: &[u8], complete: bool) -> Option<Judgement> {
+    let decided = complete || words.len() > TEXT_BYTES || !could_be_proxy_text(words);
+    decided.then(|| of_http(status, words))
+}
+
+/// Judges a whole answer: its headers, then its body.
+pub fn of_answer(status: u16, headers: &[(String, Vec<u8>)], body: &[u8]) -> Judgement {
+    of_headers(status, headers).unwrap_or_else(|| of_http(status, body))
+}
+
+/// Judges a `502` or `503` by its whole body (the first `TEXT_BYTES`; more: not a proxy's).
+fn of_http(status: u16, body: &[u8]) -> Judgement {
     match (status, proxy_text(body)) {
-        // A gateway timeout: by its definition a proxy that stopped waiting for the service.
-        (504, _) => Judgement::GaveUp("gateway_timeout"),
-        (502 | 503, ProxyText::NeverSent(_)) => Judgement::NeverSent,
-        (502 | 503, ProxyText::GaveUp(reason)) => Judgement::GaveUp(reason),
+        (_, ProxyText::NeverSent(_)) => Judgement::NeverSent,
+        (_, ProxyText::GaveUp(reason)) => Judgement::GaveUp(reason),
         // nginx, HAProxy and cloud load balancers answer `502` for a connection the service
         // closed, whether or not it had read the request: nothing proves it never ran.
         (502, ProxyText::None) => Judgement::GaveUp("bad_gateway"),
@@ -51,19 +89,63 @@ pub fn of_http(status: u16, body: &[u8]) -> Judgement {
     }
 }
 
-/// Judges a gRPC call's status and `grpc-message` (percent-encoded, as sent).
-pub fn of_grpc(code: u32, message: &[u8]) -> Judgement {
+/// Judges a gRPC call's status, its `grpc-message` (percent-encoded, as sent) and the
+/// metadata it came with.
+pub fn of_grpc(code: u32, message: &[u8], metadata: &[(String, Vec<u8>)]) -> Judgement {
     match code {
         // The service's own deadline, or one a proxy propagated: someone stopped waiting.
         grpc_status::DEADLINE_EXCEEDED => Judgement::GaveUp("grpc_deadline_exceeded"),
-        // Envoy turns its local replies into `UNAVAILABLE` with its words as the message.
-        grpc_status::UNAVAILABLE => match proxy_text(&percent_decoded(message)) {
-            ProxyText::GaveUp(reason) => Judgement::GaveUp(reason),
-            ProxyText::NeverSent(_) => Judgement::NeverSent,
-            ProxyText::None => Judgement::ServiceAnswer,
-        },
+        // Proxies turn their local replies into `UNAVAILABLE` with their words as the
+        // message: Envoy's fixed ones, Linkerd's marked by `l5d-proxy-error`.
+        grpc_status::UNAVAILABLE if header(metadata, "l5d-proxy-error").is_some() => {
+            Judgement::GaveUp("linkerd_proxy_error")
+        }
+        grpc_status::UNAVAILABLE => {
+            let decoded = percent_decoded(message);
+            match proxy_text(&decoded) {
+                ProxyText::GaveUp(reason) => Judgement::GaveUp(reason),
+                ProxyText::NeverSent(_) => Judgement::NeverSent,
+                // Any message that speaks of a timeout or a reset: someone stopped waiting or
+                // lost the call midway. Mistaking the service's own for one only keeps the
+                // key (an unknown outcome), never runs the call again.
+                ProxyText::None if speaks_of_giving_up(&decoded) => {
+                    Judgement::GaveUp("unavailable_after_timeout_or_reset")
+                }
+                ProxyText::None => Judgement::ServiceAnswer,
+            }
+        }
         _ => Judgement::ServiceAnswer,
     }
+}
+
+/// How many attempts an Envoy behind this one says it made (`x-envoy-attempt-count`).
+fn attempts_behind(headers: &[(String, Vec<u8>)]) -> u64 {
+    header(headers, "x-envoy-attempt-count")
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(1)
+}
+
+fn header<'h>(headers: &'h [(String, Vec<u8>)], name: &str) -> Option<&'h [u8]> {
+    headers
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.as_slice())
+}
+
+/// Words that say a call was given up on or lost midway.
+const GIVING_UP_WORDS: [&str; 6] = [
+    "timeout",
+    "timed out",
+    "deadline",
+    "reset",
+    "disconnect",
+    "max stream duration",
+];
+
+fn speaks_of_giving_up(text: &[u8]) -> bool {
+    let lower = String::from_utf8_lossy(text).to_ascii_lowercase();
+    GIVING_UP_WORDS.iter().any(|w| lower.contains(w))
 }
 
 /// What a proxy's fixed words say, when the text is one of them.
@@ -76,8 +158,14 @@ pub enum ProxyText {
     None,
 }
 
-/// Envoy's body for a route or per-try timeout (its `504`).
-const ENVOY_TIMEOUT: &str = "upstream request timeout";
+/// Envoy's bodies for its own timeouts (its `504`, `UNAVAILABLE` to a gRPC call): a route or
+/// per-try timeout, a stream idle timeout once the request was whole, a route's
+/// `max_stream_duration`.
+const ENVOY_TIMEOUTS: [&str; 3] = [
+    "upstream request timeout",
+    "stream timeout",
+    "upstream max stream duration reached",
+];
 /// Envoy's body when no host of the cluster is healthy.
 const ENVOY_NO_HEALTHY_UPSTREAM: &str = "no healthy upstream";
 /// Envoy's body for a reset or refusal before the response began: `<this> reset reason:
@@ -112,7 +200,7 @@ pub fn proxy_text(body: &[u8]) -> ProxyText {
     let Some(text) = text else {
         return ProxyText::None;
     };
-    if text == ENVOY_TIMEOUT {
+    if ENVOY_TIMEOUTS.contains(&text) {
         return ProxyText::GaveUp("proxy_timeout");
     }
     if text == ENVOY_NO_HEALTHY_UPSTREAM {
@@ -137,6 +225,19 @@ pub fn proxy_text(body: &[u8]) -> ProxyText {
         Some((_, flags)) => ProxyText::NeverSent(*flags),
         None => ProxyText::GaveUp("proxy_reset_after_sending"),
     }
+}
+
+/// Whether `words`, the first bytes of a body, could still grow into one of Envoy's words.
+fn could_be_proxy_text(words: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(words) else {
+        // Cut inside a character, perhaps: only a longer prefix tells.
+        return words.len() <= TEXT_BYTES;
+    };
+    let text = text.trim_start();
+    ENVOY_TIMEOUTS
+        .iter()
+        .chain([ENVOY_NO_HEALTHY_UPSTREAM, ENVOY_RESET_BEFORE_HEADERS].iter())
+        .any(|phrase| phrase.starts_with(text) || text.starts_with(phrase))
 }
 
 /// `grpc-message` is percent-encoded: every byte outside printable ASCII, and `%`.
@@ -183,9 +284,9 @@ mod tests {
 
     #[test]
     fn a_gateway_timeout_is_someone_giving_up_whoever_words_it() {
-        for body in [ENVOY_TIMEOUT, NGINX_504, "", "{\"error\":\"timeout\"}"] {
+        for body in [ENVOY_TIMEOUTS[0], NGINX_504, "", "{\"error\":\"timeout\"}"] {
             assert!(
-                matches!(of_http(504, body.as_bytes()), Judgement::GaveUp(_)),
+                matches!(of_answer(504, &[], body.as_bytes()), Judgement::GaveUp(_)),
                 "{body}"
             );
         }
@@ -252,7 +353,7 @@ mod tests {
     fn other_statuses_are_the_services() {
         for status in [200, 201, 400, 409, 422, 429, 500] {
             assert_eq!(
-                of_http(status, ENVOY_TIMEOUT.as_bytes()),
+                of_answer(status, &[], ENVOY_TIMEOUTS[0].as_bytes()),
                 Judgement::ServiceAnswer
             );
         }
@@ -270,33 +371,122 @@ mod tests {
     #[test]
     fn grpc_deadline_exceeded_and_a_proxys_unavailable_gave_up() {
         assert!(matches!(
-            of_grpc(grpc_status::DEADLINE_EXCEEDED, b"whatever"),
+            of_grpc(grpc_status::DEADLINE_EXCEEDED, b"whatever", &[]),
             Judgement::GaveUp(_)
         ));
         assert!(matches!(
-            of_grpc(grpc_status::UNAVAILABLE, b"upstream request timeout"),
+            of_grpc(grpc_status::UNAVAILABLE, b"upstream request timeout", &[]),
             Judgement::GaveUp("proxy_timeout")
         ));
         assert!(matches!(
             of_grpc(
                 grpc_status::UNAVAILABLE,
-                b"upstream%20connect error or disconnect/reset before headers. reset reason: connection termination"
+                b"upstream%20connect error or disconnect/reset before headers. reset reason: connection termination",
+                &[]
             ),
             Judgement::GaveUp(_)
         ));
         assert_eq!(
-            of_grpc(grpc_status::UNAVAILABLE, b"no healthy upstream"),
+            of_grpc(grpc_status::UNAVAILABLE, b"no healthy upstream", &[]),
             Judgement::NeverSent
         );
         assert_eq!(
-            of_grpc(grpc_status::UNAVAILABLE, b"busy, try later"),
+            of_grpc(grpc_status::UNAVAILABLE, b"busy, try later", &[]),
             Judgement::ServiceAnswer
         );
         assert_eq!(
-            of_grpc(grpc_status::INTERNAL, b"upstream request timeout"),
+            of_grpc(grpc_status::INTERNAL, b"upstream request timeout", &[]),
             Judgement::ServiceAnswer
         );
-        assert_eq!(of_grpc(grpc_status::OK, b""), Judgement::ServiceAnswer);
+        assert_eq!(of_grpc(grpc_status::OK, b"", &[]), Judgement::ServiceAnswer);
+    }
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+        list.iter()
+            .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn envoys_other_timeouts_and_any_unavailable_that_speaks_of_one_gave_up() {
+        for message in [
+            "stream timeout",
+            "upstream max stream duration reached",
+            "database timeout",
+            "Connection reset by peer",
+            "upstream%20request%20timeout",
+        ] {
+            assert!(
+                matches!(
+                    of_grpc(grpc_status::UNAVAILABLE, message.as_bytes(), &[]),
+                    Judgement::GaveUp(_)
+                ),
+                "{message}"
+            );
+        }
+        let linkerd = pairs(&[("l5d-proxy-error", "connection closed")]);
+        assert!(matches!(
+            of_grpc(grpc_status::UNAVAILABLE, b"", &linkerd),
+            Judgement::GaveUp(_)
+        ));
+        assert!(matches!(
+            of_answer(503, &linkerd, b""),
+            Judgement::GaveUp(_)
+        ));
+    }
+
+    #[test]
+    fn what_the_headers_decide_before_any_body() {
+        for status in [520, 524, 598, 599] {
+            assert!(
+                matches!(of_headers(status, &[]), Some(Judgement::GaveUp(_))),
+                "{status}"
+            );
+        }
+        // Words a compressor made unreadable; an Envoy behind that retried.
+        let gzip = pairs(&[("content-encoding", "gzip")]);
+        assert!(matches!(of_headers(503, &gzip), Some(Judgement::GaveUp(_))));
+        let identity = pairs(&[("content-encoding", "identity")]);
+        assert_eq!(of_headers(503, &identity), None, "read the words");
+        let retried = pairs(&[("x-envoy-attempt-count", "2")]);
+        assert!(matches!(
+            of_headers(500, &retried),
+            Some(Judgement::GaveUp(_))
+        ));
+        assert!(matches!(
+            of_headers(503, &retried),
+            Some(Judgement::GaveUp(_))
+        ));
+        assert_eq!(
+            of_headers(201, &retried),
+            Some(Judgement::ServiceAnswer),
+            "a success is the service's"
+        );
+        assert_eq!(of_headers(500, &[]), Some(Judgement::ServiceAnswer));
+    }
+
+    #[test]
+    fn words_are_judged_as_soon_as_they_cannot_be_a_proxys() {
+        // Still possibly Envoy's: wait.
+        assert_eq!(of_words(503, b"", false), None);
+        assert_eq!(of_words(503, b"  upstream conn", false), None);
+        assert_eq!(of_words(503, b"no healthy", false), None);
+        // Not Envoy's: decided at once.
+        assert_eq!(
+            of_words(503, b"{\"error\":", false),
+            Some(Judgement::ServiceAnswer)
+        );
+        assert_eq!(
+            of_words(502, b"<html>", false),
+            Some(Judgement::GaveUp("bad_gateway"))
+        );
+        let long = vec![b'u'; TEXT_BYTES + 1];
+        assert_eq!(of_words(503, &long, false), Some(Judgement::ServiceAnswer));
+        // At the end, whatever they are.
+        assert_eq!(
+            of_words(503, b"upstream conn", true),
+            Some(Judgement::ServiceAnswer)
+        );
     }
 
     #[test]

@@ -143,6 +143,11 @@ impl EnvoyReport {
                 == 0
     }
 
+    /// The route answered itself (`direct_response`): nothing left Envoy.
+    pub fn is_direct_response(&self) -> bool {
+        self.details.as_deref() == Some(DIRECT_RESPONSE)
+    }
+
     /// This report of the upstream's answer, saying that someone behind Envoy gave up on the
     /// request (`gave_up`), for the unknown outcome's record and the log.
     pub fn gave_up_behind(&self, reason: &str) -> EnvoyReport {

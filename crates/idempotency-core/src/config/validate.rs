@@ -202,10 +202,20 @@ fn validate_rule(
     }
     let never_ran_header = raw.never_ran_header.map(|h| h.to_ascii_lowercase());
     if let Some(name) = &never_ran_header {
-        if !valid_header_name(name) || name.starts_with(':') || name.starts_with("grpc-") {
+        // Headers proxies set on every answer, their own included, would mark a proxy's.
+        let set_by_proxies = ["date", "server", "via", "content-type", "content-length"]
+            .contains(&name.as_str())
+            || name.starts_with("x-envoy-")
+            || name.starts_with("l5d-");
+        if !valid_header_name(name)
+            || name.starts_with(':')
+            || name.starts_with("grpc-")
+            || set_by_proxies
+        {
             return Err(invalid(
                 at("never_ran_header"),
-                "must be a regular HTTP header name (not a pseudo-header, not grpc-*)",
+                "must be a header of the service's own (not a pseudo-header, grpc-*, or one \
+                 proxies set: date, server, via, content-*, x-envoy-*, l5d-*)",
             ));
         }
     }

@@ -344,7 +344,7 @@ impl RequestJourney {
         if answerer == (Answerer::Upstream { resent: false })
             && judges_gateway_errors(&rule, &headers)
         {
-            if let Judgement::GaveUp(reason) = gave_up::of_http(status, &body) {
+            if let Judgement::GaveUp(reason) = gave_up::of_answer(status, &headers, &body) {
                 answerer = Answerer::Unknown;
                 report = report.gave_up_behind(reason);
             }

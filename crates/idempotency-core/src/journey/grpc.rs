@@ -182,7 +182,7 @@ impl RequestJourney {
                 .iter()
                 .find(|(n, _)| n == "grpc-message")
                 .map_or(&[][..], |(_, v)| v.as_slice());
-            if let Judgement::GaveUp(reason) = gave_up::of_grpc(code, message) {
+            if let Judgement::GaveUp(reason) = gave_up::of_grpc(code, message, status_metadata) {
                 let report = EnvoyReport::read(host, 200).gave_up_behind(reason);
                 return self.unknown_outcome(host, run, &report);
             }

@@ -195,7 +195,7 @@ pub struct Execution {
     /// When it went upstream: its record is remembered at least `ttl_seconds` from then.
     pub started_ms: u64,
     /// Some while the judgement of the upstream's answer waits for its body's first bytes
-    /// (a `502` or `503`: a proxy's words tell whether it gave up; `gave_up::reads_body`).
+    /// (a `502` or `503`: a proxy's words tell whether it gave up; `gave_up::of_words`).
     pub proxy_words: Option<Vec<u8>>,
 }
 
@@ -516,7 +516,11 @@ impl RequestJourney {
                 self.on_grpc_trailers(host, run)
             }
             (J::Executing(run), E::ResponseTrailers) if run.proxy_words.is_some() => {
-                self.judge_gateway_error(host, run)
+                let status = run.capture.as_ref().map_or(0, |c| c.status());
+                let words = run.proxy_words.as_deref().unwrap_or_default();
+                let judged = crate::gave_up::of_words(status, words, true)
+                    .unwrap_or(crate::gave_up::Judgement::GaveUp("cut_short"));
+                self.apply_judgement(host, run, judged, response::BodyAt::End)
             }
             (J::Executing(run), E::ResponseTrailers) => self.record(host, run),
             (J::Executing(run), E::StreamEnd) => self.on_cut_short(host, run),

@@ -58,12 +58,22 @@ impl RequestJourney {
                 if resent {
                     self.note_resent(host, rule, &report);
                 }
-                if !resent && status != 0 && judges_gateway_errors(rule, &headers) {
-                    if gave_up::reads_body(status) && !end_of_stream {
+                if !resent
+                    && status != 0
+                    && !report.is_direct_response()
+                    && judges_gateway_errors(rule, &headers)
+                {
+                    let judged = grpc_status_in_headers(rule, status, &headers)
+                        .or_else(|| gave_up::of_headers(status, &headers))
+                        .or_else(|| end_of_stream.then(|| gave_up::of_words(status, b"", true))?);
+                    match judged {
+                        Some(Judgement::GaveUp(reason)) => {
+                            let report = report.gave_up_behind(reason);
+                            return self.unknown_outcome(host, run, &report);
+                        }
+                        Some(Judgement::NeverSent | Judgement::ServiceAnswer) => {}
                         // Judged once the proxy's words are in; the key stays held meanwhile.
-                        proxy_words = Some(Vec::new());
-                    } else if let Judgement::GaveUp(reason) = gave_up::of_http(status, b"") {
-                        return self.unknown_outcome(host, run, &report.gave_up_behind(reason));
+                        None => proxy_words = Some(Vec::new()),
                     }
                 }
                 if proxy_words.is_some() {
@@ -129,10 +139,7 @@ impl RequestJourney {
         size: usize,
         end_of_stream: bool,
     ) -> Step {
-        let wants_words = run
-            .proxy_words
-            .as_ref()
-            .is_some_and(|w| w.len() <= gave_up::TEXT_BYTES);
+        let wants_words = run.proxy_words.is_some();
         if let Some(capture) = run.capture.as_mut() {
             if size > 0 && (capture.wants_body() || wants_words) {
                 match host.response_body(size) {
@@ -146,12 +153,25 @@ impl RequestJourney {
                     Err(e) => {
                         log::error!("response body unreadable: {}; recording it as omitted", e.0);
                         capture.omit_body();
+                        if wants_words {
+                            // The proxy's words, if they were, cannot be read.
+                            let judged = Judgement::GaveUp("unreadable_words");
+                            return self.apply_judgement(host, run, judged, BodyAt::Middle);
+                        }
                     }
                 }
             }
         }
-        if end_of_stream && run.proxy_words.is_some() {
-            return self.judge_gateway_error(host, run);
+        if let Some(words) = &run.proxy_words {
+            let status = run.capture.as_ref().map_or(0, ResponseCapture::status);
+            if let Some(judged) = gave_up::of_words(status, words, end_of_stream) {
+                let at = if end_of_stream {
+                    BodyAt::End
+                } else {
+                    BodyAt::Middle
+                };
+                return self.apply_judgement(host, run, judged, at);
+            }
         }
         if end_of_stream && awaits_grpc_status(&run) {
             // A gRPC response ends with its status in trailers: without them, how the call
@@ -170,11 +190,13 @@ impl RequestJourney {
     /// retry gets the status and headers instead of a second execution. Before any, the
     /// upstream may have run the write unless the router never sent it.
     pub(super) fn on_cut_short(&self, host: &impl Host, mut run: Execution) -> Step {
-        if run.proxy_words.is_some() {
-            // A gateway error whose words never came whole: nothing proves it never ran.
+        if let Some(words) = &run.proxy_words {
+            // A gateway error cut short: its words so far decide if they can, else nothing
+            // proves it never ran.
             let status = run.capture.as_ref().map_or(0, ResponseCapture::status);
-            let report = EnvoyReport::read(host, status).gave_up_behind("cut_short");
-            return self.unknown_outcome(host, run, &report);
+            let judged =
+                gave_up::of_words(status, words, false).unwrap_or(Judgement::GaveUp("cut_short"));
+            return self.apply_judgement(host, run, judged, BodyAt::CutShort);
         }
         if awaits_grpc_status(&run) {
             // A gRPC call's status comes last: without it, how the call ended is unknown.
@@ -198,26 +220,36 @@ impl RequestJourney {
         }
     }
 
-    /// The upstream answered a `502` or `503` and its body is in: a proxy's words that say it
-    /// gave up after sending make it an unknown outcome; otherwise the rule's release policy
-    /// decides, as for any answer of the upstream's.
-    pub(super) fn judge_gateway_error(&self, host: &impl Host, mut run: Execution) -> Step {
-        let words = run.proxy_words.take().unwrap_or_default();
+    /// The judgement of an upstream's `502` or `503`, made from its first body bytes `at`
+    /// some point of it: a proxy's words that say it gave up after sending make it an unknown
+    /// outcome; otherwise the rule's release policy decides, as for any answer of the
+    /// upstream's (a record still being copied goes on being copied).
+    pub(super) fn apply_judgement(
+        &self,
+        host: &impl Host,
+        mut run: Execution,
+        judged: Judgement,
+        at: BodyAt,
+    ) -> Step {
+        run.proxy_words = None;
         let status = run.capture.as_ref().map_or(0, ResponseCapture::status);
         let report = EnvoyReport::read(host, status);
-        match gave_up::of_http(status, &words) {
-            Judgement::GaveUp(reason) => {
+        let releases = run.rule.rule.release.releases(status);
+        match (judged, at) {
+            (Judgement::GaveUp(reason), _) => {
                 self.unknown_outcome(host, run, &report.gave_up_behind(reason))
             }
-            Judgement::NeverSent if run.rule.rule.release.releases(status) => {
-                self.never_reached(host, run, &report)
+            (Judgement::NeverSent, _) if releases => self.never_reached(host, run, &report),
+            (Judgement::NeverSent | Judgement::ServiceAnswer, _) if releases => {
+                self.release(host, run)
             }
-            Judgement::NeverSent | Judgement::ServiceAnswer => {
-                if run.rule.rule.release.releases(status) {
-                    self.release(host, run)
-                } else {
-                    self.record(host, run)
+            (_, BodyAt::Middle) => (Journey::Executing(run), Verdict::Continue),
+            (_, BodyAt::End) => self.record(host, run),
+            (_, BodyAt::CutShort) => {
+                if let Some(capture) = run.capture.as_mut() {
+                    capture.omit_body();
                 }
+                self.record(host, run)
             }
         }
     }
@@ -531,12 +563,41 @@ pub(super) fn oversized(rule: &RuleHandle) -> OversizedBody {
 }
 
 /// Whether the rule treats a gateway error in this answer as an unknown outcome: by default,
-/// unless the service marked the answer with the rule's `never_ran_header`.
+/// unless the service marked the answer `true` in the rule's `never_ran_header`.
 pub(super) fn judges_gateway_errors(rule: &RuleHandle, metadata: &[(String, Vec<u8>)]) -> bool {
     rule.rule.on_gateway_error == GatewayErrorPolicy::UnknownOutcome
-        && rule
-            .rule
-            .never_ran_header
-            .as_ref()
-            .is_none_or(|name| !metadata.iter().any(|(n, _)| n == name))
+        && rule.rule.never_ran_header.as_ref().is_none_or(|name| {
+            !metadata
+                .iter()
+                .any(|(n, v)| n == name && v.trim_ascii().eq_ignore_ascii_case(b"true"))
+        })
+}
+
+/// Where in a response's body its judgement was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum BodyAt {
+    Middle,
+    End,
+    CutShort,
+}
+
+/// A gRPC rule's answer that is not HTTP 200 but carries a call status in its headers (a
+/// proxy's trailers-only answer with another HTTP status): judged by that status.
+fn grpc_status_in_headers(
+    rule: &RuleHandle,
+    status: u16,
+    headers: &[(String, Vec<u8>)],
+) -> Option<Judgement> {
+    if rule.rule.grpc.is_none() || status == 200 {
+        return None;
+    }
+    let code = crate::grpc::status::status_in(headers)??;
+    let message = headers
+        .iter()
+        .find(|(n, _)| n == "grpc-message")
+        .map_or(&[][..], |(_, v)| v.as_slice());
+    match gave_up::of_grpc(code, message, headers) {
+        gave_up @ Judgement::GaveUp(_) => Some(gave_up),
+        _ => None,
+    }
 }

@@ -176,15 +176,24 @@ fn a_gateway_error_is_unknown_even_where_release_on_status_would_record_it() {
 #[test]
 fn the_services_never_ran_header_releases_a_gateway_error() {
     let config = orders_with(r#","never_ran_header":"X-Not-Processed""#);
-    let (_, answer) = first_then_retry(&config, 504, &[("x-not-processed", "1")], "{}", 1);
+    let (_, answer) = first_then_retry(&config, 504, &[("x-not-processed", "true")], "{}", 1);
     assert_eq!(answer, None, "the service says it did nothing: released");
+    let (_, answer) = first_then_retry(&config, 504, &[("x-not-processed", "false")], "{}", 1);
+    assert!(is_unknown(&answer), "not 'true': {answer:?}");
     let (_, answer) = first_then_retry(&config, 504, &[], NGINX_504, 1);
     assert!(is_unknown(&answer), "without it: {answer:?}");
 }
 
 #[test]
 fn a_never_ran_header_must_be_a_plain_header_name() {
-    for name in ["", ":status", "grpc-status", "bad name"] {
+    for name in [
+        "",
+        ":status",
+        "grpc-status",
+        "bad name",
+        "server",
+        "x-envoy-upstream-service-time",
+    ] {
         let config = orders_with(&format!(r#","never_ran_header":"{name}""#));
         assert!(
             crate::config::Config::parse(config.as_bytes()).is_err(),
@@ -307,10 +316,91 @@ fn a_grpc_rules_never_ran_header_leaves_a_deadline_to_its_release_list() {
     let status = [
         ("grpc-status", "4"),
         ("grpc-message", "deadline"),
-        ("x-not-processed", "true"),
+        ("x-not-processed", "True"),
     ];
     grpc_answer(&host, &mut first, &status, true);
     // DEADLINE_EXCEEDED is not in the default release list: recorded, never run again.
     assert_eq!(grpc_retry(&host, &plugin).as_deref(), Some("4"));
     assert_eq!(host.counter("orders", Outcome::OutcomeUnknown), 0);
+}
+
+#[test]
+fn the_services_own_503_cut_short_after_its_words_ruled_envoy_out_is_released() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut first, _) = post(&host, &plugin, "k1", b"{}");
+    envoy_reports(&host, "via_upstream", 0, 1);
+    host.set_response(&[(":status", "503"), ("retry-after", "2")], b"");
+    first.on(
+        &host,
+        Event::ResponseHeaders {
+            end_of_stream: false,
+        },
+    );
+    let page = vec![b'x'; 600];
+    *host.response_chunk.borrow_mut() = page.clone();
+    first.on(
+        &host,
+        Event::ResponseBody {
+            size: page.len(),
+            end_of_stream: false,
+        },
+    );
+    first.on(&host, Event::StreamEnd);
+    assert_eq!(retry(&host, &plugin), None, "released: the retry runs");
+}
+
+#[test]
+fn envoys_words_compressed_or_unreadable_are_an_unknown_outcome() {
+    let compressed = [("content-encoding", "gzip")];
+    let (_, answer) = first_then_retry(ORDERS, 503, &compressed, "\u{1f}\u{8b}...", 1);
+    assert!(is_unknown(&answer), "{answer:?}");
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut first, _) = post(&host, &plugin, "k1", b"{}");
+    host.fail(crate::fake_host::HostCall::ResponseBody);
+    upstream_answers(
+        &host,
+        &mut first,
+        503,
+        &[],
+        RESET_AFTER_SENDING.as_bytes(),
+        1,
+    );
+    assert!(is_unknown(&retry(&host, &plugin)));
+}
+
+#[test]
+fn a_route_that_answers_a_504_itself_is_not_a_proxy_that_gave_up() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS);
+    let (mut first, _) = post(&host, &plugin, "k1", b"{}");
+    envoy_reports(&host, "direct_response", 0, 0);
+    respond(&host, &mut first, 504, b"maintenance");
+    assert_eq!(retry(&host, &plugin), None, "nothing left Envoy: released");
+}
+
+#[test]
+fn a_grpc_answer_with_another_http_status_is_judged_by_its_call_status() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, ORDERS_GRPC);
+    let (mut first, _) = call(&host, &plugin, Some("k1"), b"order");
+    envoy_reports(&host, "via_upstream", 0, 1);
+    host.set_response(
+        &[
+            (":status", "503"),
+            ("content-type", "application/grpc"),
+            ("grpc-status", "14"),
+            ("grpc-message", "stream timeout"),
+        ],
+        b"",
+    );
+    first.on(
+        &host,
+        Event::ResponseHeaders {
+            end_of_stream: true,
+        },
+    );
+    first.on(&host, Event::StreamEnd);
+    assert_eq!(grpc_retry(&host, &plugin).as_deref(), Some("9"));
 }
