@@ -1,4 +1,4 @@
-"""End-to-end: the rows of docs/guarantees.md's "who answered" table that release a key,
+"""End-to-end: the rows of the table in docs/guarantees.md "Unknown outcomes" that release a key,
 through real Envoy (envoy/envoy.yaml with a route and a cluster for each row). A release is the
 dangerous direction: the retry runs. So each test counts the executions at the demo upstream,
 brings back what was missing and shows the retry runs exactly once, its own retry replayed.
