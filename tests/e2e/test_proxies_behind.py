@@ -303,3 +303,17 @@ def test_a_sidecars_timeout_on_a_grpc_call_converges_with_resolve_to_the_calls_r
     assert server.executions(key) == 1
     assert server.counts()["lookups"].get(key, 0) >= 1
     assert not crash_lines(envoy.log_text())
+
+
+def test_the_grpc_services_own_deadline_exceeded_after_the_write_is_unknown(grpc_chain) -> None:
+    """The service answers DEADLINE_EXCEEDED itself after it ran the call (its own deadline,
+    or one a proxy propagated): someone gave up while it may have run. It used to be recorded
+    and replayed; the retry is now told the outcome is unknown, and nothing runs again."""
+    envoy, server = grpc_chain
+    key = new_key()
+    first = grpc_calls.call(envoy, key, metadata=[("x-test-status", "4")])
+    assert first.code == grpc.StatusCode.DEADLINE_EXCEEDED, first
+    retry = grpc_calls.call(envoy, key)
+    assert retry.code == grpc.StatusCode.FAILED_PRECONDITION, retry
+    assert server.executions(key) == 1
+    assert rule_counter(envoy, "orders", "outcome_unknown") == 1
