@@ -269,6 +269,45 @@ def test_store_down_fail_closed_and_fail_open_then_dedup_resumes(procs, tmp_path
     assert rule_counters(b, "orders")["store_error"] == 0
 
 
+def test_a_record_on_its_way_to_the_store_answers_through_eviction_and_its_size(procs) -> None:
+    """The soak's lost record: while the store is down a fail_open write runs on Envoy A's
+    local claim alone, its response (600 kB) larger than A's small table keeps whole, and A's
+    other writes press on the table. Until its completion reaches the store, A's local record
+    is all that answers the key: a reuse with another payload gets 422 (before: it ran, and its
+    record replaced the first one's in the store), a retry the status, never a second run.
+    Once the store is back, the record lands and B replays it whole."""
+    plugin = config(extra_rules=[OPEN_RULE])
+    plugin["local_table"] = {"capacity": 8, "max_bytes": 1048576}
+    cluster = start_cluster(procs, plugin=plugin)
+    a, b = cluster.a, cluster.b
+    for i in range(24):  # landed records, which eviction may take
+        assert post(a, unique_path("open"), new_key()).status_code == 201
+    cluster.store.stop()
+    path, key = unique_path("open"), new_key()
+    first = post(a, path, key, headers={"x-demo-body-bytes": "600000"})
+    assert first.status_code == 201 and len(first.content) == 600000
+    for i in range(24):  # pressure while the store is down: run, or refused for lack of room
+        assert post(a, unique_path("open"), new_key()).status_code in (201, 503)
+    assert rule_counters(a, "open")["evicted"] > 0
+
+    reused = post(a, path, key, body=b'{"item":"car","qty":1}')
+    assert reused.status_code == 422, (reused.status_code, reused.content[:200])
+    retry = post(a, path, key)
+    assert retry.status_code == 201 and is_replay(retry), (retry.status_code, retry.content[:200])
+    assert cluster.upstream.executions(path) == 1
+
+    cluster.store.start()  # same port, same data dir
+    # A's waiting completions go on the first tick the store answers again (B, which never
+    # saw the write, would run a retry before then: fail_open's price, not this test's).
+    harness.wait_until(lambda: cluster.store.metric("idempotency_store_operations_total",
+                                                    **COMPLETED) >= 1,
+                       timeout=15, what="A's completions reaching the store")
+    time.sleep(1.0)
+    whole = post(b, path, key)
+    assert whole.status_code == 201 and is_replay(whole) and whole.content == first.content
+    assert cluster.upstream.executions(path) == 1
+
+
 def test_store_slower_than_timeout_fails_closed_in_time(procs, tmp_path) -> None:
     """SIGSTOP on the store: connections are accepted by the kernel but nothing answers. With
     timeout_ms 200 (Envoy A) the client gets the fail_closed 503 after about 200 ms, and the

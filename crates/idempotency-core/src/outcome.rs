@@ -29,6 +29,10 @@ pub enum Outcome {
     /// A new key took the slot of another key's completed record before its TTL (the local
     /// table is full; see the retention gauge).
     Evicted,
+    /// A new key found no slot because its bucket's completed records are all on their way to
+    /// the store, which eviction leaves alone (cluster mode, an outage): the store alone
+    /// guards the key, or, with the store down, the store error policy decides.
+    KeptForStore,
     /// The response was recorded without its body (larger than `max_response_bytes` or than
     /// the local table's largest page, or cut short): a retry gets the body-omitted marker.
     BodyOmitted,
@@ -102,7 +106,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 38] = [
+    pub const ALL: [Outcome; 39] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::ReplayedTombstone,
@@ -115,6 +119,7 @@ impl Outcome {
         Outcome::PassedThrough,
         Outcome::TableFull,
         Outcome::Evicted,
+        Outcome::KeptForStore,
         Outcome::BodyOmitted,
         Outcome::TakenOver,
         Outcome::NotRecorded,
@@ -156,6 +161,7 @@ impl Outcome {
             Outcome::Released => "released",
             Outcome::PassedThrough => "passed_through",
             Outcome::TableFull => "table_full",
+            Outcome::KeptForStore => "kept_for_store",
             Outcome::Evicted => "evicted",
             Outcome::BodyOmitted => "body_omitted",
             Outcome::TakenOver => "taken_over",

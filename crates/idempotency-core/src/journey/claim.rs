@@ -71,8 +71,11 @@ impl RequestJourney {
             // Cluster mode: the local table is only a cache of the store, so when it cannot
             // take the claim (every slot of the bucket in flight, or a host error) the
             // store's claim alone guards the key: no 503 for local pressure.
-            Ok(Claim::Full) if rule.store.is_some() => {
+            Ok(Claim::Full { kept_for_store }) if rule.store.is_some() => {
                 self.note(host, &rule, Outcome::TableFull);
+                if kept_for_store {
+                    self.note(host, &rule, Outcome::KeptForStore);
+                }
                 let held = Held::unheld(key, fingerprint, owner);
                 self.confirm_or_execute(host, rule, held)
             }
@@ -112,11 +115,23 @@ impl RequestJourney {
                     let tombstone = recorded.without_body();
                     self.replay(host, &rule, &tombstone, Outcome::ReplayedTombstone)
                 }
+                // Cluster mode: kept here without its body only until the store held it
+                // (it fit no page); the store has the whole response.
+                Some(recorded)
+                    if recorded.body_omitted && rule.store.is_some() && !awaiting_store =>
+                {
+                    let held = Held {
+                        completed_status: Some(status),
+                        ..Held::unheld(key, fingerprint, owner)
+                    };
+                    self.confirm_or_execute(host, rule, held)
+                }
                 Some(recorded) => self.replay(host, &rule, &recorded, Outcome::Replayed),
                 // Cluster mode: the local copy is gone (its page was reused), the store
                 // still has the whole response.
                 None if rule.store.is_some() => {
-                    let unlanded = awaiting_store.then(|| {
+                    // An unknown outcome's mark (status 0); a response's is told by its status.
+                    let unlanded = (awaiting_store && status == 0).then(|| {
                         // Only the mark survived: what goes to the store in its place still
                         // says it is to be resolved (from now), so that a replica's retry can
                         // take it on once overdue; the worker that made it cannot settle it
@@ -142,7 +157,7 @@ impl RequestJourney {
                     self.replay(host, &rule, &recorded, Outcome::Replayed)
                 }
             },
-            Ok(Claim::Full) => {
+            Ok(Claim::Full { .. }) => {
                 // Logged once per burst: a full table means heavy load already.
                 if let Some(suppressed) = plugin.table_full_log.borrow_mut().admit(now) {
                     log::warn!(
@@ -389,12 +404,17 @@ impl RequestJourney {
             StoreErrorPolicy::FailOpen => {
                 // The local claim still guards this proxy's own retries; if the store did
                 // apply the claim, completing it with the same owner records it cluster-wide.
+                // A claim never sent still completes, under an owner the store never saw: once
+                // the store is back, the record lands there if the key is still free, so
+                // other replicas see it, and this proxy's record may give way to eviction.
                 self.note(host, &rule, Outcome::StoreFailOpen);
-                let owner = sent_owner.map(|token| StoreOwner {
+                let token = sent_owner
+                    .unwrap_or_else(|| store_client::store_owner(held.owner, host.now_nanos()));
+                let owner = StoreOwner {
                     token,
                     confirmed: false,
-                });
-                self.execute(host, rule, held, owner)
+                };
+                self.execute(host, rule, held, Some(owner))
             }
         }
     }

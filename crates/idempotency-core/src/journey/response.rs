@@ -504,11 +504,11 @@ impl RequestJourney {
             response,
         );
         let deadline = host.now_ms().saturating_add(ttl_ms);
-        let mut write =
-            PendingWrite::new(Rc::clone(rule), call, deadline).with_local_claim(held.clone());
-        if response.unknown.is_some() {
-            write = write.marking_in_store(self.plugin.table.in_store_mark(held));
-        }
+        // Once the store holds a record of the key, the local one is no longer all that
+        // answers its retries: it may be evicted, and an unknown outcome follows the store.
+        let mut write = PendingWrite::new(Rc::clone(rule), call, deadline)
+            .with_local_claim(held.clone())
+            .marking_in_store(self.plugin.table.in_store_mark(held));
         if !response.body.is_empty() {
             let without_body = response.without_body();
             let lean: LeanRecord = Box::new(move || without_body.encode());

@@ -167,7 +167,7 @@ fn look(
 ) -> Option<WaitEnd> {
     match table.peek(host, key, fingerprint, now_ms) {
         Ok(None) => Some(WaitEnd::Released),
-        Ok(Some(Claim::InFlight { .. } | Claim::Full)) => None,
+        Ok(Some(Claim::InFlight { .. } | Claim::Full { .. })) => None,
         Ok(Some(Claim::Mismatch)) => Some(WaitEnd::Mismatch),
         Ok(Some(Claim::Completed {
             slot,

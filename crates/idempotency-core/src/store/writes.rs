@@ -548,15 +548,12 @@ impl StoreWrites {
             WriteAnswer::Done => {
                 self.store_answered();
                 self.report(&write, SettleAnswer::Applied);
-                if let Some(mark) = &write.marks_in_store {
-                    if let Err(e) = mark.apply(host) {
-                        // Retries of the key keep answering 409 and sending it again.
-                        log::warn!("unknown outcome not marked as in the store: {e}");
-                    }
-                }
+                mark_in_store(host, &write);
             }
             WriteAnswer::Superseded => {
                 self.store_answered();
+                // The store holds a record of the key (another request's): it answers for it.
+                mark_in_store(host, &write);
                 // The late first attempt of a key another request took over: docs/operations.md's
                 // not_recorded. Its local copy would replay a response the store does not.
                 write.rule.count(host, Outcome::NotRecorded);
@@ -743,4 +740,15 @@ impl Links<'_> {
 /// that did not answer in time) still leaves a third of the lease for the next.
 pub fn renew_every_ms(lease_ms: u64) -> u64 {
     (lease_ms / 3).max(1)
+}
+
+/// Marks the local record a completion carried as in the store (see `InStoreMark`).
+fn mark_in_store(host: &impl Host, write: &PendingWrite) {
+    if let Some(mark) = &write.marks_in_store {
+        if let Err(e) = mark.apply(host) {
+            // The record stays kept from eviction, and an unknown outcome's retries keep
+            // answering 409 and sending it again.
+            log::warn!("local record not marked as in the store: {e}");
+        }
+    }
 }

@@ -1,6 +1,8 @@
-//! An unknown outcome's "its record reached the store" mark, taken to whoever sees the
-//! completion land: the root that sent it, or (native build) the main thread landing an idle
-//! worker's handed-off writes, which must not wait for that worker's next request.
+//! A local record's "it reached the store" mark, taken to whoever sees the completion land:
+//! the root that sent it, or (native build) the main thread landing an idle worker's
+//! handed-off writes, which must not wait for that worker's next request. Until then the
+//! record is kept from eviction, and an unknown outcome's retries do not take the store's
+//! "free" for "never ran".
 
 use std::cell::RefCell;
 
@@ -8,7 +10,7 @@ use super::layout::Layout;
 use super::{Completion, Held, Table, TableError};
 use crate::host::{OnLanded, SharedData};
 
-/// Marks the unknown outcome a claim recorded as in the store, from any thread: the table
+/// Marks the record a claim recorded as in the store, from any thread: the table
 /// that holds it (by name and layout; not the tables it replaced) and the claim. Plain data,
 /// so it may cross threads with a handed-off write.
 #[derive(Debug, Clone)]
@@ -38,7 +40,7 @@ impl OnLanded for InStoreMark {
     fn on_landed(&self, shared: &dyn SharedData) {
         if let Err(e) = self.apply(&shared) {
             // Retries of the key keep answering 409 until its root takes the store's answer.
-            log::warn!("unknown outcome not marked as in the store: {e}");
+            log::warn!("local record not marked as in the store: {e}");
         }
     }
 }

@@ -44,6 +44,9 @@ const CREATE_IF_ABSENT_CAS: u32 = u32::MAX;
 /// store (an unknown outcome has no status of its own, 0). No HTTP status is 1, and a reader
 /// of an earlier release still sees a completed slot and reads its record, as before.
 const UNKNOWN_AWAITING_STORE_STATUS: u16 = 1;
+/// Set in a response's status bytes while its record has not reached the store (no HTTP
+/// status reaches it).
+const AWAITING_STORE_BIT: u16 = 0x8000;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TableError {
@@ -170,8 +173,9 @@ pub enum Claim {
     },
     /// The key is live with a different payload.
     Mismatch,
-    /// Every slot of the key's bucket holds a claim in flight.
-    Full,
+    /// Every slot of the key's bucket holds a claim in flight, or a record on its way to the
+    /// store (`kept_for_store`: some do), which eviction leaves alone.
+    Full { kept_for_store: bool },
 }
 
 /// What completing (or releasing) a held claim did.
@@ -205,8 +209,9 @@ struct Slot {
     /// When the response was recorded (completed slots): eviction takes the oldest.
     recorded_at_ms: u64,
     status: u16,
-    /// A completed unknown outcome whose record has not reached the store yet (cluster
-    /// mode); kept in the status bytes (`UNKNOWN_AWAITING_STORE_STATUS`).
+    /// A completed record that has not reached the store yet (cluster mode), which eviction
+    /// leaves alone; kept in the status bytes (`UNKNOWN_AWAITING_STORE_STATUS` for an unknown
+    /// outcome, `AWAITING_STORE_BIT` for a response).
     awaiting_store: bool,
 }
 
@@ -318,7 +323,9 @@ fn decode_slot(r: &mut Reader<'_>) -> Option<Slot> {
     let expires_at_ms = r.u64()?;
     let recorded_at_ms = r.u64()?;
     let status = r.u16()?;
-    let awaiting_store = state == SlotState::Completed && status == UNKNOWN_AWAITING_STORE_STATUS;
+    let completed = state == SlotState::Completed;
+    let unknown_awaiting = completed && status == UNKNOWN_AWAITING_STORE_STATUS;
+    let response_awaiting = completed && status & AWAITING_STORE_BIT != 0;
     Some(Slot {
         state,
         key,
@@ -326,17 +333,21 @@ fn decode_slot(r: &mut Reader<'_>) -> Option<Slot> {
         owner,
         expires_at_ms,
         recorded_at_ms,
-        status: if awaiting_store { 0 } else { status },
-        awaiting_store,
+        status: if unknown_awaiting {
+            0
+        } else {
+            status & !AWAITING_STORE_BIT
+        },
+        awaiting_store: unknown_awaiting || response_awaiting,
     })
 }
 
 /// A slot's status as its bytes hold it.
 fn stored_status(slot: &Slot) -> u16 {
-    if slot.state == SlotState::Completed && slot.status == 0 && slot.awaiting_store {
-        UNKNOWN_AWAITING_STORE_STATUS
-    } else {
-        slot.status
+    match (slot.state, slot.awaiting_store, slot.status) {
+        (SlotState::Completed, true, 0) => UNKNOWN_AWAITING_STORE_STATUS,
+        (SlotState::Completed, true, status) => status | AWAITING_STORE_BIT,
+        (_, _, status) => status,
     }
 }
 
@@ -411,12 +422,14 @@ pub enum Settlement<'a> {
 pub enum OversizedBody {
     /// Record the status and headers; a retry gets the body-omitted marker.
     RecordWithoutIt,
-    /// Free the slot: the store holds the whole response and answers the retries (cluster mode).
+    /// Free the slot: the store holds the whole response and answers the retries (cluster
+    /// mode). A record the store does not hold yet (`StoreCopy::Awaited`) is kept without it.
     LeaveToStore,
 }
 
-/// Whether the record `complete` writes has reached the store, which matters only for an
-/// unknown outcome: a retry asks the store about one (it may have been settled there since).
+/// Whether the record `complete` writes has reached the store: until it has, eviction leaves
+/// it alone (it alone answers its retries), and a retry of an unknown outcome takes the
+/// store's "free" for "not there yet".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreCopy {
     /// The store holds it, or there is no store.
@@ -793,11 +806,18 @@ impl Table {
                         });
                         way
                     }
-                    None => return Ok(Claim::Full),
+                    None => {
+                        let kept_for_store = slots
+                            .iter()
+                            .any(|s| s.state == SlotState::Completed && s.awaiting_store);
+                        return Ok(Claim::Full { kept_for_store });
+                    }
                 },
             };
             let Some(slot) = slots.get_mut(way) else {
-                return Ok(Claim::Full);
+                return Ok(Claim::Full {
+                    kept_for_store: false,
+                });
             };
             *slot = Slot {
                 state: SlotState::InFlight,
@@ -944,7 +964,12 @@ impl Table {
         // Written before the slot flips to completed, so a reader that sees "completed" finds
         // the response; the owner inside ties it to this claim.
         let (value, kept_body) = self.store_response(shared, held.owner, response)?;
-        if !kept_body && oversized == OversizedBody::LeaveToStore {
+        // A record the store holds may be left to it; one on its way there is kept here
+        // without its body until it lands, or a retry meanwhile would run the write again.
+        if !kept_body
+            && oversized == OversizedBody::LeaveToStore
+            && store_copy == StoreCopy::NotAwaited
+        {
             return Ok(match self.release(shared, held)? {
                 Completion::LostOwnership => Completion::LostOwnership,
                 _ => Completion::NotHeld,
@@ -958,7 +983,7 @@ impl Table {
             slot.expires_at_ms = now_ms.saturating_add(ttl_ms);
             slot.recorded_at_ms = now_ms;
             slot.status = response.status;
-            slot.awaiting_store = response.unknown.is_some() && store_copy == StoreCopy::Awaited;
+            slot.awaiting_store = store_copy == StoreCopy::Awaited;
             true
         })?;
         Ok(match flipped {
@@ -1273,11 +1298,13 @@ impl Table {
 }
 
 /// The way of the bucket's oldest completed record, if any slot holds one.
+/// The slot eviction takes: the oldest completed record the store holds. One on its way to
+/// the store is all that answers its retries until it lands, so it is never evicted.
 fn oldest_completed(slots: &[Slot; WAYS]) -> Option<usize> {
     slots
         .iter()
         .enumerate()
-        .filter(|(_, s)| s.state == SlotState::Completed)
+        .filter(|(_, s)| s.state == SlotState::Completed && !s.awaiting_store)
         .min_by_key(|(_, s)| s.recorded_at_ms)
         .map(|(way, _)| way)
 }

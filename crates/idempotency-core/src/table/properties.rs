@@ -249,7 +249,7 @@ impl Model {
                         "mismatch for key {key} with nothing held for another payload"
                     );
                 }
-                Claim::InFlight { .. } | Claim::Full => {}
+                Claim::InFlight { .. } | Claim::Full { .. } => {}
             },
             Executed::Finish {
                 request,

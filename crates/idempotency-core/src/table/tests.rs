@@ -278,7 +278,9 @@ fn a_full_bucket_reports_full_and_never_evicts_live_records() {
     assert_eq!(
         t.claim(&s, &digest(99), &digest(0), 50, 10, 1_000, || {})
             .unwrap(),
-        Claim::Full
+        Claim::Full {
+            kept_for_store: false
+        }
     );
     // Every earlier claim is still in flight.
     for n in 0..WAYS as u8 {
@@ -342,7 +344,9 @@ fn a_full_bucket_evicts_its_oldest_completed_record_and_never_one_in_flight() {
     assert_eq!(
         t.claim(&s, &digest(92), &digest(0), 92, 1_000, 60_000, || {})
             .unwrap(),
-        Claim::Full
+        Claim::Full {
+            kept_for_store: false
+        }
     );
     // The evicted keys are new again; the in-flight ones still answer 409.
     for n in 12..10 + WAYS as u8 {
@@ -776,8 +780,7 @@ fn an_unknown_outcome_says_it_is_not_in_the_store_until_marked_so() {
     t.mark_in_store(&s, &h).unwrap();
     assert!(!awaiting_store(&t, &s, &k, &fp));
 
-    // A response that is not an unknown outcome never carries the mark: the store's answer
-    // is asked only of unknown outcomes.
+    // A response carries the mark too, beside its own status, until its completion lands.
     let (k2, fp2) = (digest(3), digest(4));
     let h2 = held(t.claim(&s, &k2, &fp2, 9, 1_000, 60_000, || {}).unwrap());
     t.complete_with_store_copy(
@@ -790,6 +793,15 @@ fn an_unknown_outcome_says_it_is_not_in_the_store_until_marked_so() {
         awaited,
     )
     .unwrap();
+    assert!(matches!(
+        t.claim(&s, &k2, &fp2, 10, 3_000, 60_000, || {}).unwrap(),
+        Claim::Completed {
+            status: 201,
+            awaiting_store: true,
+            ..
+        }
+    ));
+    t.mark_in_store(&s, &h2).unwrap();
     assert!(matches!(
         t.claim(&s, &k2, &fp2, 10, 3_000, 60_000, || {}).unwrap(),
         Claim::Completed {
@@ -827,4 +839,59 @@ fn an_unknown_outcome_settled_into_another_keeps_waiting_for_the_store() {
         Completion::Recorded
     );
     assert!(awaiting_store(&t, &s, &k, &fp));
+}
+
+#[test]
+fn a_record_awaiting_the_store_is_never_evicted_until_marked_in_it() {
+    let s = FakeShared::default();
+    let t = table(&s, 1); // one bucket: every key lands in it
+                          // The oldest record's completion has not reached the store; the others have.
+    let pending = held(
+        t.claim(&s, &digest(10), &digest(0), 10, 1, 60_000, || {})
+            .unwrap(),
+    );
+    let awaited = StoreCopy::Awaited;
+    t.complete_with_store_copy(
+        &s,
+        &pending,
+        &response(201),
+        100,
+        60_000,
+        RecordWithoutIt,
+        awaited,
+    )
+    .unwrap();
+    for n in 11..10 + WAYS as u8 {
+        claim_and_record(&t, &s, n, 200 + u64::from(n), 4);
+    }
+    // Eviction takes the oldest record the store holds, never the pending one.
+    for n in 0..(WAYS as u8 - 1) {
+        held(
+            t.claim(&s, &digest(90 + n), &digest(0), 90, 1_000, 60_000, || {})
+                .unwrap(),
+        );
+    }
+    assert_eq!(
+        t.claim(&s, &digest(99), &digest(0), 99, 1_000, 60_000, || {})
+            .unwrap(),
+        Claim::Full {
+            kept_for_store: true
+        },
+        "only claims in flight and the pending record"
+    );
+    assert!(
+        matches!(
+            t.claim(&s, &digest(10), &digest(9), 11, 1_000, 60_000, || {})
+                .unwrap(),
+            Claim::Mismatch
+        ),
+        "a reuse of its key with another payload still gets 422"
+    );
+    // Landed: it may go.
+    t.mark_in_store(&s, &pending).unwrap();
+    let taker = held(
+        t.claim(&s, &digest(99), &digest(0), 99, 1_000, 60_000, || {})
+            .unwrap(),
+    );
+    assert_eq!(taker.evicted, Some(Evicted { age_ms: 900 }));
 }

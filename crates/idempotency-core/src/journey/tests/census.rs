@@ -593,7 +593,10 @@ const BUDGETS: &[Budget] = &[
     },
     Budget {
         path: "cluster new key",
-        calls: &[&REQUEST, &EXECUTED, &[
+        calls: &[&REQUEST, &[
+            ("shared data get", 4, "the table registry, the bucket to claim, the bucket to complete, the bucket to mark the record as in the store once the store took it (until then eviction leaves it alone)"),
+            ("shared data set", 4, "the claim, the response, the completion, the in-store mark"),
+        ], &EXECUTED, &[
             ("clock", 4, "the claim, the store's answer, the completion, its answer"),
             ("stream messages sent", 2, "the claim and the completion, on the worker's stream"),
             ("stream messages read", 2, "their answers"),

@@ -579,14 +579,15 @@ fn an_unknown_outcome_whose_claim_never_reached_the_store_is_not_run_again() {
         Verdict::Continue,
         "fail_open runs it on the local claim"
     );
-    host.heal(HostCall::Callout);
     envoy_reports(&host, "response_timeout", 0x4, 1);
     respond(&host, &mut request, 504, b"");
+    // Its completion, under an owner the store never saw, waits for the store.
     plugin.writes.on_wake(&host, &plugin.links());
     assert!(
         callouts(&host.take_effects()).is_empty(),
-        "nothing to complete"
+        "the store is down"
     );
+    host.heal(HostCall::Callout);
 
     let (mut retry, token, _) = claimed_at_store(&host, &plugin, "k1");
     let free = r#"{"outcome":"claimed","owner":"retry"}"#;
@@ -603,4 +604,81 @@ fn an_unknown_outcome_whose_claim_never_reached_the_store_is_not_run_again() {
         ("/v1/complete", &"retry".into())
     );
     assert!(completion_record(body).1.unknown.is_some());
+}
+
+/// The soak's lost record: during a store outage a `fail_open` write ran on the local claim
+/// alone, its response too large for the table's pages. Until its completion reaches the
+/// store, its local record is all that answers the key: eviction pressure from the same
+/// Envoy's other writes must not take it, nor its size, or a reuse of the key with another
+/// payload runs (the store being down) and its record replaces the first one's.
+#[test]
+fn a_record_on_its_way_to_the_store_answers_its_key_through_eviction_and_its_size() {
+    let config = r#"{"local_table":{"capacity":8,"max_bytes":1048576},
+        "store":{"cluster":"store","transport":"http"},
+        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},"on_store_error":"fail_open"}]}"#;
+    let host = FakeHost::default();
+    let first_worker = plugin(&host, config);
+    let second_worker = plugin(&host, config);
+    host.fail(HostCall::Callout);
+    let (mut first, verdict) = post(&host, &first_worker, "k1", b"{\"amount\":1}");
+    assert_eq!(
+        verdict,
+        Verdict::Continue,
+        "fail_open runs it on the local claim"
+    );
+    respond(&host, &mut first, 201, &vec![b'x'; 300_000]);
+    host.heal(HostCall::Callout);
+    let _ = host.take_effects();
+
+    // The store is back for the other worker, whose writes land and then give way to newer
+    // ones: far more than the table holds.
+    for i in 0..40 {
+        executed_via_store(&host, &second_worker, &format!("other-{i}"), b"{}");
+        second_worker.writes.on_wake(&host, &second_worker.links());
+        for (token, path, _) in callouts(&host.take_effects()) {
+            assert_eq!(path, "/v1/complete");
+            store_takes(&host, &second_worker, token, r#"{"outcome":"completed"}"#);
+        }
+    }
+    assert!(
+        host.counter("orders", Outcome::Evicted) > 0,
+        "eviction pressure"
+    );
+
+    // The store down again: the first write's key still answers here.
+    host.fail(HostCall::Callout);
+    let (reuse, _) = post(&host, &first_worker, "k1", b"{\"amount\":2}");
+    assert!(
+        !is_executing(&reuse),
+        "before: the reuse ran, and its record replaced the first"
+    );
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 422);
+    assert!(problem_type(&body).ends_with("key-reused"));
+    let (retry, _) = post(&host, &first_worker, "k1", b"{\"amount\":1}");
+    assert!(!is_executing(&retry));
+    let (status, headers, body) = the_reply(&host.take_effects());
+    assert_eq!(
+        (status, body.len()),
+        (201, 0),
+        "its status, its body not kept here"
+    );
+    assert_eq!(
+        header(&headers, "idempotent-body-omitted"),
+        Some(&b"true"[..])
+    );
+
+    // Once its completion lands, it is one record among others again.
+    host.heal(HostCall::Callout);
+    first_worker.writes.on_wake(&host, &first_worker.links());
+    let sent = callouts(&host.take_effects());
+    let (token, path, _) = sent.last().expect("the first write's completion");
+    assert_eq!(path, "/v1/complete");
+    store_takes(&host, &first_worker, *token, r#"{"outcome":"completed"}"#);
+    // A retry now asks the store, which holds the whole response.
+    let (retry, verdict) = post(&host, &first_worker, "k1", b"{\"amount\":1}");
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(matches!(retry.state(), Journey::AwaitingStore(_)));
+    let asked = callouts(&host.take_effects());
+    assert_eq!(asked.first().map(|c| c.1.as_str()), Some("/v1/claim"));
 }
