@@ -85,7 +85,10 @@ def lookup(request: bytes, context: grpc.ServicerContext) -> bytes:
     with _lock:
         _lookups[key] = _lookups.get(key, 0) + 1
         placed = _placed.get(key)
+    # The key echoed back: the filter takes a NOT_FOUND for "never ran" only from the method
+    # that looked the key up, not from a proxy on the way.
     if placed is None:
+        context.set_trailing_metadata((("idempotency-key", key),))
         context.abort(grpc.StatusCode.NOT_FOUND, "no order placed with this key")
     return placed
 

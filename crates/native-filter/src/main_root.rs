@@ -357,6 +357,7 @@ mod tests {
                 cluster: "c".into(),
                 headers: Vec::new(),
                 body: Vec::new(),
+                key_metadata: Vec::new(),
                 timeout_ms: 1,
             },
             unknown: Default::default(),

@@ -33,7 +33,8 @@ pub fn code_of(problem: &Problem) -> u32 {
         | "key-reused"
         | "header-not-forwardable"
         | "grpc-malformed"
-        | "grpc-key-on-stream" => status::INVALID_ARGUMENT,
+        | "grpc-key-on-stream"
+        | "unfit-for-lookup" => status::INVALID_ARGUMENT,
         "missing-scope" => status::UNAUTHENTICATED,
         "body-too-large" => status::RESOURCE_EXHAUSTED,
         _ => status::UNAVAILABLE,

@@ -375,6 +375,14 @@ impl RequestJourney {
             let recorded = RecordedResponse::status_only(status);
             return self.replay(host, &rule, &recorded, Outcome::Replayed);
         }
+        if let StoreFailure::UnreadableRecord(_) = failure {
+            // The key is taken in the store, by a record this proxy cannot read: whatever
+            // the policy, the write must not run on it again.
+            self.release_local(host, &held);
+            let problem =
+                Problem::unavailable("the idempotency store holds a record this proxy cannot read");
+            return self.answer_problem(host, &rule, &problem);
+        }
         // Fail-open runs the write on the local claim alone; without one (every slot of
         // its bucket in flight) the table-full policy decides instead.
         let table_full_rejects = held.slot.is_none()

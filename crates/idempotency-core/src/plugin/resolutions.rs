@@ -671,21 +671,13 @@ impl Resolutions {
         let Ok(body) = body else {
             return self.unsettled(host, to, resolution, "the gRPC lookup's message unreadable");
         };
-        let in_headers = grpc_status::status_in(headers);
-        let trailers = match in_headers {
-            Some(_) => Vec::new(),
-            None => host.callout_response_trailers().unwrap_or_else(|e| {
-                log::warn!("gRPC lookup's trailers unreadable: {}", e.0);
-                Vec::new()
-            }),
-        };
-        let code = in_headers.or_else(|| grpc_status::status_in(&trailers));
+        let trailers = host.callout_response_trailers().unwrap_or_else(|e| {
+            log::warn!("gRPC lookup's trailers unreadable: {}", e.0);
+            Vec::new()
+        });
+        let verdict = grpc_lookup_verdict(&resolution.lookup, headers, &body, &trailers);
+        let code = grpc_status::status_in(headers).or_else(|| grpc_status::status_in(&trailers));
         let one_message = matches!(framing(&body), Framing::Messages(1));
-        let verdict = match code {
-            Some(Some(grpc_status::OK)) | None if one_message => Verdict::TookEffect,
-            Some(Some(grpc_status::NOT_FOUND)) => Verdict::NeverRan,
-            _ => Verdict::Unsettled,
-        };
         match verdict {
             Verdict::TookEffect => {
                 let rule = &resolution.rule.rule;
@@ -959,6 +951,64 @@ pub fn give_up_portable(host: &impl Host, table: &Table, portable: &PortableReso
          not clear"
     );
     mark_unresolved(host, table, &portable.held, &portable.unknown);
+}
+
+/// What a gRPC lookup's answer says, read strictly: only the service's lookup method may
+/// free a key. So a `NOT_FOUND` counts only when the answer echoes the key's metadata as the
+/// lookup sent it (a proxy's own `NOT_FOUND`, a route a mesh lacks, does not), and an answer
+/// that is not well-formed gRPC (another content type, a status twice or in both places, a
+/// status in the headers of an answer with a message, trailers without a status) settles
+/// nothing. `OK` takes one whole message; a host that hands no trailers over shows no status
+/// for it, and one whole message is then taken as `OK`.
+fn grpc_lookup_verdict(
+    lookup: &LookupRequest,
+    headers: &[(String, Vec<u8>)],
+    body: &[u8],
+    trailers: &[(String, Vec<u8>)],
+) -> Verdict {
+    let is_grpc = headers
+        .iter()
+        .find(|(n, _)| n == "content-type")
+        .is_some_and(|(_, v)| v.starts_with(b"application/grpc"));
+    let statuses =
+        |list: &[(String, Vec<u8>)]| list.iter().filter(|(n, _)| n == "grpc-status").count();
+    let (in_headers, in_trailers) = (statuses(headers), statuses(trailers));
+    let one_message = matches!(framing(body), Framing::Messages(1));
+    // A status in the headers is a trailers-only answer's: no message beside it.
+    let status_placed = match (in_headers, in_trailers) {
+        (0, 0) => trailers.is_empty(),
+        (0, 1) => true,
+        (1, 0) => body.is_empty(),
+        _ => false,
+    };
+    let well_formed = is_grpc && status_placed;
+    if !well_formed {
+        return Verdict::Unsettled;
+    }
+    let code = grpc_status::status_in(headers).or_else(|| grpc_status::status_in(trailers));
+    match code {
+        Some(Some(grpc_status::OK)) | None if one_message => Verdict::TookEffect,
+        Some(Some(grpc_status::NOT_FOUND)) if echoes_the_key(lookup, headers, trailers) => {
+            Verdict::NeverRan
+        }
+        _ => Verdict::Unsettled,
+    }
+}
+
+/// Whether the answer carries every key metadata the lookup sent, with its value.
+fn echoes_the_key(
+    lookup: &LookupRequest,
+    headers: &[(String, Vec<u8>)],
+    trailers: &[(String, Vec<u8>)],
+) -> bool {
+    let mut keys = lookup.key_metadata.iter().peekable();
+    keys.peek().is_some()
+        && keys.all(|(name, value)| {
+            headers
+                .iter()
+                .chain(trailers)
+                .any(|(n, v)| n == name && v == value.as_bytes())
+        })
 }
 
 /// The record a lookup that took effect leaves: kept as the upstream's own answer would be,

@@ -58,6 +58,8 @@ pub struct LookupRequest {
     pub headers: Vec<(String, String)>,
     /// Empty, but for a gRPC lookup's empty request message.
     pub body: Vec<u8>,
+    /// A gRPC lookup's key metadata, as sent (also among `headers`): its answer must echo it.
+    pub key_metadata: Vec<(String, String)>,
     pub timeout_ms: u64,
 }
 
@@ -101,21 +103,43 @@ impl LookupRequest {
             };
             headers.push((name.clone(), text.to_string()));
         }
+        // A gRPC lookup names the write by the key's metadata as the call sent it: only a
+        // key sent once and exactly as it names the record (no quotes or spaces a service
+        // might keep) asks about the same write, whichever retry builds the lookup.
+        for (name, key) in resolve.key_metadata.iter().zip(key_sources) {
+            let mut sent = parts.headers.iter().filter(|(n, _)| n == name);
+            let why = match (sent.next(), sent.next()) {
+                (Some((_, value)), None) if value == key => continue,
+                (Some(_), None) => "differs from the key it names (quotes or spaces around it)",
+                _ => "is sent more than once",
+            };
+            return Err(NoLookup::Unfit(Unfit {
+                input: LookupInput::Header(name.clone()),
+                why: format!("{why}: a lookup of it could ask about another write"),
+            }));
+        }
         // Last: a request that cannot make a lookup is refused whatever its route.
         let cluster = resolve
             .cluster
             .clone()
             .or_else(|| parts.route_cluster.clone())
+            .filter(|c| resolve.store_cluster.as_deref() != Some(c.as_str()))
             .ok_or(NoLookup::NoCluster)?;
         let body = if resolve.grpc {
             super::settings::EMPTY_GRPC_MESSAGE.to_vec()
         } else {
             Vec::new()
         };
+        let key_metadata = headers
+            .iter()
+            .filter(|(n, _)| resolve.key_metadata.contains(n))
+            .cloned()
+            .collect();
         Ok(LookupRequest {
             cluster,
             headers,
             body,
+            key_metadata,
             timeout_ms: resolve.timeout_ms,
         })
     }
@@ -124,6 +148,11 @@ impl LookupRequest {
     pub fn bytes(&self) -> usize {
         self.cluster.len()
             + self.body.len()
+            + self
+                .key_metadata
+                .iter()
+                .map(|(n, v)| n.len() + v.len())
+                .sum::<usize>()
             + self
                 .headers
                 .iter()

@@ -86,6 +86,11 @@ pub struct Resolve {
     /// message and the key in the rule's key metadata. Its status decides: `OK` took effect
     /// (its message and trailers become the call's record), `NOT_FOUND` never ran.
     pub grpc: bool,
+    /// A gRPC rule's key metadata, in the order of its key sources: the lookup carries each
+    /// as the request sent it, and a `NOT_FOUND` counts only when the answer echoes them.
+    pub key_metadata: Vec<String>,
+    /// The store's cluster: a lookup never goes there, whatever the route chose.
+    pub store_cluster: Option<String>,
 }
 
 /// The empty request message a gRPC lookup sends: an uncompressed frame of length 0.
@@ -317,6 +322,8 @@ pub fn validate(raw: RawResolve, rule: &RuleFacts<'_>) -> Result<Resolve, (Strin
         max_attempts: raw.max_attempts,
         backoff_ms,
         grpc: rule.is_grpc,
+        key_metadata: rule.key_metadata.to_vec(),
+        store_cluster: rule.store_cluster.map(str::to_string),
     })
 }
 

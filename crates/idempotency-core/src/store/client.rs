@@ -40,6 +40,9 @@ pub enum StoreFailure {
     Refused(u16),
     /// A 200 this filter cannot use.
     Garbage(String),
+    /// The store holds a completed record of the key that this filter cannot read (corrupt,
+    /// or written by a newer build): the key is taken, so the write never runs on it.
+    UnreadableRecord(String),
 }
 
 impl StoreFailure {
@@ -57,7 +60,7 @@ impl std::fmt::Display for StoreFailure {
             StoreFailure::ServerError(s) | StoreFailure::Refused(s) => {
                 write!(f, "store answered status {s}")
             }
-            StoreFailure::Garbage(why) => f.write_str(why),
+            StoreFailure::Garbage(why) | StoreFailure::UnreadableRecord(why) => f.write_str(why),
         }
     }
 }
@@ -271,15 +274,15 @@ pub fn read_write_reply(kind: WriteKind, reply: &Reply) -> WriteAnswer {
 /// A recorded response from the store, if this filter may replay it.
 fn replayable(bytes: &[u8]) -> Result<RecordedResponse, StoreFailure> {
     let response = RecordedResponse::decode(bytes).ok_or_else(|| {
-        StoreFailure::Garbage("store record is not a recorded response".to_string())
+        StoreFailure::UnreadableRecord("store record is not a recorded response".to_string())
     })?;
     // A header this filter could never have recorded means the record is corrupt or was
     // written by someone else: the whole answer is garbage, as for an undecodable record
     // (fail_closed answers 503, the retry tries again). Replaying it without the bad
     // headers instead would present a changed response as the recorded one.
-    response
-        .check_headers()
-        .map_err(|why| StoreFailure::Garbage(format!("store record cannot be replayed: {why}")))?;
+    response.check_headers().map_err(|why| {
+        StoreFailure::UnreadableRecord(format!("store record cannot be replayed: {why}"))
+    })?;
     Ok(response)
 }
 

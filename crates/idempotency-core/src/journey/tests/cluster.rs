@@ -682,3 +682,24 @@ fn a_record_on_its_way_to_the_store_answers_its_key_through_eviction_and_its_siz
     let asked = callouts(&host.take_effects());
     assert_eq!(asked.first().map(|c| c.1.as_str()), Some("/v1/claim"));
 }
+
+/// A completed record this proxy cannot read (corrupt, or written by a newer build during a
+/// rolling upgrade) still proves the key is taken: even `fail_open` never runs the write on
+/// it.
+#[test]
+fn a_completed_record_the_proxy_cannot_read_never_runs_the_write_even_fail_open() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, &cluster_config("fail_open"));
+    let (mut request, token, _) = claimed_at_store(&host, &plugin, "k1");
+    let mut newer = RecordedResponse::status_only(201).encode();
+    newer.extend_from_slice(&[0; 16]); // a section this build does not know
+    let answer_body = format!(
+        r#"{{"outcome":"completed","record":"{}"}}"#,
+        BASE64.encode(&newer)
+    );
+    answer(&host, &mut request, token, Some(200), &answer_body);
+    assert!(!is_executing(&request), "the write ran on a taken key");
+    let (status, headers, _) = the_reply(&host.take_effects());
+    assert_eq!(status, 503);
+    assert!(header(&headers, "retry-after").is_some());
+}

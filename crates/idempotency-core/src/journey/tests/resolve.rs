@@ -1655,7 +1655,7 @@ fn an_adopted_resolution_is_taken_on_once_per_unknown_outcome() {
 
 const RESOLVING_CALLS: &str = r#"{"rules":[{"name":"orders","match":{"grpc_services":["shop.v1.Orders"]},
     "resolve":{"cluster":"orders","path":"/shop.v1.Orders/Lookup","settle_seconds":5,
-    "max_attempts":3,"backoff_seconds":2}}]}"#;
+    "max_attempts":20,"backoff_seconds":2}}]}"#;
 
 fn owned(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
     list.iter()
@@ -1720,23 +1720,36 @@ fn grpc_status_of(reply: &Reply) -> Option<String> {
 
 /// The gRPC lookup the root sends after the settle time: its token, checked for shape.
 fn grpc_lookup_sent(host: &FakeHost, root: &mut PluginRoot, key: &str) -> u32 {
-    host.advance_ms(5_000);
-    host.effective_context.set(1);
-    root.on_tick(host);
-    let sent: Vec<_> = host
-        .take_effects()
-        .into_iter()
-        .filter_map(|e| match e {
-            crate::fake_host::Effect::Callout {
-                token,
-                path,
-                headers,
-                body,
-                ..
-            } => Some((token, path, headers, body)),
-            _ => None,
-        })
-        .collect();
+    grpc_lookup_sent_after(host, root, key, 5_000)
+}
+
+/// The gRPC lookup the root sends `after_ms` from now.
+fn grpc_lookup_sent_after(host: &FakeHost, root: &mut PluginRoot, key: &str, after_ms: u64) -> u32 {
+    host.advance_ms(after_ms);
+    let mut sent = Vec::new();
+    // Ticks a second apart until the lookup goes (its due time is the backoff's).
+    for _ in 0..600 {
+        host.effective_context.set(1);
+        root.on_tick(host);
+        sent = host
+            .take_effects()
+            .into_iter()
+            .filter_map(|e| match e {
+                crate::fake_host::Effect::Callout {
+                    token,
+                    path,
+                    headers,
+                    body,
+                    ..
+                } => Some((token, path, headers, body)),
+                _ => None,
+            })
+            .collect();
+        if !sent.is_empty() {
+            break;
+        }
+        host.advance_ms(1_000);
+    }
     assert_eq!(sent.len(), 1, "one lookup");
     let (token, path, headers, body) = &sent[0];
     assert_eq!(path, "/shop.v1.Orders/Lookup");
@@ -1802,23 +1815,78 @@ fn a_call_the_lookup_says_never_ran_runs_on_its_retry_and_anything_else_asks_aga
     call_timed_out_behind(&host, &root, 7, "k1");
     // A status that says neither (UNAVAILABLE), then an answer with no status and no
     // message: asked again later, never freed.
+    const GRPC: (&str, &str) = ("content-type", "application/grpc");
+    for (attempt, (headers, body, trailers)) in [
+        (
+            vec![(":status", "200"), GRPC, ("grpc-status", "14")],
+            vec![],
+            vec![],
+        ),
+        (vec![(":status", "200"), GRPC], vec![], vec![]),
+        // A proxy's own NOT_FOUND (a mesh without a route for the method): no echo of the key.
+        (
+            vec![(":status", "200"), GRPC, ("grpc-status", "5")],
+            vec![],
+            vec![],
+        ),
+        // Not gRPC, or not well-formed gRPC: nothing settles.
+        (
+            vec![(":status", "200"), ("content-type", "text/plain")],
+            super::grpc::frame(b"x"),
+            vec![],
+        ),
+        (
+            vec![(":status", "200"), GRPC],
+            super::grpc::frame(b"x"),
+            vec![("grpc-status", "5"), ("grpc-status", "0")],
+        ),
+        (
+            vec![(":status", "200"), GRPC, ("grpc-status", "0")],
+            super::grpc::frame(b"x"),
+            vec![],
+        ),
+        (
+            vec![(":status", "200"), GRPC],
+            super::grpc::frame(b"x"),
+            vec![("x-other", "1")],
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // The settle time, then each backoff (2 s, doubling).
+        let after_ms = if attempt == 0 {
+            5_000
+        } else {
+            2_000 << (attempt - 1)
+        };
+        let token = grpc_lookup_sent_after(&host, &mut root, "k1", after_ms);
+        let size = body.len();
+        *host.callout_answer.borrow_mut() = (owned(&headers), body);
+        *host.callout_trailers.borrow_mut() = owned(&trailers);
+        root.on_callout_answer(&host, token, headers.len(), size);
+        let unknown = call_retry(&host, &root, 8, "k1").expect("still unknown");
+        assert_eq!(
+            grpc_status_of(&unknown).as_deref(),
+            Some("9"),
+            "{headers:?} {trailers:?}"
+        );
+    }
+    assert_eq!(host.counter("orders", Outcome::ResolvedNeverRan), 0);
+    assert_eq!(host.counter("orders", Outcome::ResolvedTookEffect), 0);
+    host.callout_trailers.borrow_mut().clear();
+    // NOT_FOUND from the lookup method, echoing the key: freed, and the retry runs.
     let token = grpc_lookup_sent(&host, &mut root, "k1");
     *host.callout_answer.borrow_mut() = (
-        owned(&[(":status", "200"), ("grpc-status", "14")]),
+        owned(&[
+            (":status", "200"),
+            GRPC,
+            ("grpc-status", "5"),
+            ("idempotency-key", "k1"),
+        ]),
         Vec::new(),
     );
-    root.on_callout_answer(&host, token, 2, 0);
-    let token = grpc_lookup_sent(&host, &mut root, "k1");
-    *host.callout_answer.borrow_mut() = (owned(&[(":status", "200")]), Vec::new());
-    root.on_callout_answer(&host, token, 1, 0);
-    assert!(call_retry(&host, &root, 8, "k1").is_some(), "still unknown");
-    // NOT_FOUND, trailers-only: the key is freed and the retry runs.
-    let token = grpc_lookup_sent(&host, &mut root, "k1");
-    *host.callout_answer.borrow_mut() = (
-        owned(&[(":status", "200"), ("grpc-status", "5")]),
-        Vec::new(),
-    );
-    root.on_callout_answer(&host, token, 2, 0);
+    root.on_callout_answer(&host, token, 4, 0);
     assert_eq!(host.counter("orders", Outcome::ResolvedNeverRan), 1);
     assert_eq!(call_retry(&host, &root, 9, "k1"), None, "the retry runs");
 }
@@ -1841,5 +1909,28 @@ fn a_grpc_rules_lookup_is_a_call_and_its_status_decides() {
         );
         let error = crate::config::Config::parse(config.as_bytes()).unwrap_err();
         assert!(error.to_string().contains(field), "{resolve}: {error}");
+    }
+}
+
+#[test]
+fn a_call_whose_key_a_lookup_could_not_carry_as_it_names_the_record_is_refused() {
+    let host = FakeHost::default();
+    let root = configured_root(&host, RESOLVING_CALLS, 1);
+    for key_headers in [
+        vec![("idempotency-key", "\"k1\"")],
+        vec![("idempotency-key", "k1"), ("idempotency-key", "k2")],
+    ] {
+        let mut headers = super::grpc::grpc_headers(super::grpc::PLACE, None);
+        headers.extend(key_headers.iter().copied());
+        let (journey, verdict) =
+            request_in_context(&host, &root, 7, &headers, &super::grpc::frame(b"order"));
+        assert_ne!(verdict, Verdict::Continue, "{key_headers:?}");
+        assert!(!is_executing(&journey.borrow()), "{key_headers:?}");
+        let reply = the_reply(&host.take_effects());
+        assert_eq!(
+            grpc_status_of(&reply).as_deref(),
+            Some("3"),
+            "INVALID_ARGUMENT: {reply:?}"
+        );
     }
 }
