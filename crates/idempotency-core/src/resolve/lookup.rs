@@ -214,5 +214,15 @@ mod tests {
             LookupRequest::build(&resolve, &no_cluster, &[b"k".to_vec()]),
             Err(NoLookup::NoCluster)
         );
+        // A route whose cluster is the store's: never asked there.
+        let to_the_store = Resolve {
+            store_cluster: Some("payments".to_string()),
+            ..resolve.clone()
+        };
+        let parts = LookupParts::read(&resolve, &headers, Some("payments".to_string()));
+        assert_eq!(
+            LookupRequest::build(&to_the_store, &parts, &[b"k".to_vec()]),
+            Err(NoLookup::NoCluster)
+        );
     }
 }
