@@ -676,7 +676,7 @@ def test_an_invalid_plugin_config_stops_envoy_and_names_the_field(procs, upstrea
 
 OUTCOMES = [
     "executed", "replayed", "replayed_tombstone", "conflict", "mismatch", "missing_key", "invalid_key", "missing_scope", "released",
-    "passed_through", "table_full", "evicted", "body_omitted", "taken_over", "not_recorded", "table_error",
+    "passed_through", "table_full", "evicted", "kept_for_store", "body_omitted", "taken_over", "not_recorded", "table_error",
     "store_error", "store_fail_open", "store_write_dropped", "waited", "replayed_after_wait", "wait_timed_out",
     "wait_released", "outcome_unknown", "outcome_unknown_answered", "resent", "lease_lost",
     "detached", "completed_after_client_left", "grpc_streaming", "grpc_stream_with_key", "grpc_on_http_rule",
