@@ -9,7 +9,7 @@ attempt in the ledger that lost its claim that way:
 | cause | the attempt that lost its claim, and the evidence |
 | --- | --- |
 | `lease_takeover` | the upstream ran it for longer than the lease while its store was out (its renewals could not land), and another attempt came once the lease had passed while it still ran |
-| `released_status` | the upstream ran it and answered a released status itself (5xx, 408, 429, ...; not Envoy's 504 after the route timeout) |
+| `released_status` | the upstream ran it and answered a released status itself (5xx but its gateway errors, 408, 429, ...; not Envoy's 504 after the route timeout) |
 | `in_flight_at_envoy_restart` | it reached its Envoy, which was stopped before it answered; another attempt came after the lease |
 | `fail_open_outage` | the `fail_open` rule ran it on the local claim alone while its store was out (it is itself the extra execution, or the one the store later lets run again) |
 | `completion_queued_in_store_outage` | it completed (or left an unknown outcome) while its store was out; another attempt came after the lease and within 2.2 s (+2 s) of the store's return, before the queued completion could land |

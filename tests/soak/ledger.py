@@ -17,7 +17,7 @@ from typing import Iterable, Iterator
 import client
 from helpers import BODY_OMITTED, PROBLEM_TYPE_BASE, REPLAYED
 
-from topology import Rule
+from topology import GAVE_UP_STATUSES, Rule
 
 
 class Clock:
@@ -160,12 +160,19 @@ class Attempt:
         return self.status == 409 and self.problem == "outcome-unknown"
 
     @property
+    def gave_up_upstream(self) -> bool:
+        """The upstream's own answer says someone behind Envoy gave up (a 502 or 504 of its
+        own): the filter records it as an unknown outcome."""
+        return self.executed and self.status in GAVE_UP_STATUSES
+
+    @property
     def left_outcome_unknown(self) -> bool:
         """This attempt may have run upstream and ended without the upstream's answer: Envoy's
-        504 after the route timeout, or the client hung up after sending it whole. The filter
-        records either as an unknown outcome (a hang-up before the router's attempt frees the
-        key instead: then it never ran)."""
-        return self.route_timeout or self.cut == CUT_AFTER_SEND
+        504 after the route timeout, the client hung up after sending it whole, or the
+        upstream's answer says someone behind gave up. The filter records each as an unknown
+        outcome (a hang-up before the router's attempt frees the key instead: then it never
+        ran)."""
+        return self.route_timeout or self.cut == CUT_AFTER_SEND or self.gave_up_upstream
 
     def take_response(self, resp: client.Response) -> None:
         self.take_head(resp.status_code, resp.headers)

@@ -68,9 +68,13 @@ RULES = {
     )
 }
 HEADER_KEY_RULES = [r for r in RULES.values() if not r.key_from_body]
+# The upstream's answers that say someone behind Envoy gave up (docs/guarantees.md "A proxy
+# behind the upstream that gives up"): an unknown outcome, never released. The demo upstream
+# sends them without a proxy's words, so its 503 is the service's own.
+GAVE_UP_STATUSES = frozenset([502, 504, 520, 524, 598, 599])
 # Released by default (docs/configuration.md "Rule fields", `release_on_status`): the retry
 # executes again.
-RELEASED_STATUSES = frozenset([401, 403, 407, 408, 425, 429, *range(500, 600)])
+RELEASED_STATUSES = frozenset([401, 403, 407, 408, 425, 429, *range(500, 600)]) - GAVE_UP_STATUSES
 
 
 def _store_section(cluster: str) -> dict:

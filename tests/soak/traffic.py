@@ -62,6 +62,7 @@ SCENARIO_WEIGHTS = {
     "concurrent_duplicates": 4,
     "in_flight_conflict": 3,
     "released_status": 4,
+    "gave_up_status": 2,
     "reset_mid_request": 4,
     "reset_after_send": 2,
     "reset_mid_response": 3,
@@ -320,9 +321,18 @@ class Traffic:
     def released_status(self, rng: random.Random) -> None:
         """The upstream answers a status the filter releases: the retry executes again."""
         record = self.new_record("released_status", self.pick_rule(rng))
-        status = rng.choice([500, 502, 503, 429, 408])
+        status = rng.choice([500, 503, 429, 408])
         envoy, _ = self.envoys(rng)
         attempt = self.send(record, envoy, "released_status", headers={"x-demo-status": str(status)})
+        self.follow_up(record, attempt, rng, after=0.5)
+
+    def gave_up_status(self, rng: random.Random) -> None:
+        """The upstream answers a gateway error itself, as a proxy behind Envoy that gave up
+        would: an unknown outcome, which no retry runs again."""
+        record = self.new_record("gave_up_status", self.pick_rule(rng))
+        status = rng.choice([502, 504])
+        envoy, _ = self.envoys(rng)
+        attempt = self.send(record, envoy, "gave_up_status", headers={"x-demo-status": str(status)})
         self.follow_up(record, attempt, rng, after=0.5)
 
     def reset_mid_request(self, rng: random.Random) -> None:
