@@ -325,7 +325,9 @@ fn decode_slot(r: &mut Reader<'_>) -> Option<Slot> {
     let status = r.u16()?;
     let completed = state == SlotState::Completed;
     let unknown_awaiting = completed && status == UNKNOWN_AWAITING_STORE_STATUS;
-    let response_awaiting = completed && status & AWAITING_STORE_BIT != 0;
+    // The bit beside a status of its own (bytes nobody wrote read back as they are).
+    let response_awaiting =
+        completed && status & AWAITING_STORE_BIT != 0 && status & !AWAITING_STORE_BIT != 0;
     Some(Slot {
         state,
         key,
@@ -333,10 +335,10 @@ fn decode_slot(r: &mut Reader<'_>) -> Option<Slot> {
         owner,
         expires_at_ms,
         recorded_at_ms,
-        status: if unknown_awaiting {
-            0
-        } else {
-            status & !AWAITING_STORE_BIT
+        status: match (unknown_awaiting, response_awaiting) {
+            (true, _) => 0,
+            (_, true) => status & !AWAITING_STORE_BIT,
+            _ => status,
         },
         awaiting_store: unknown_awaiting || response_awaiting,
     })
