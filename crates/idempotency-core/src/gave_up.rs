@@ -12,6 +12,7 @@
 
 use idempotency_protocol::grpc_status;
 use idempotency_protocol::record::flags as flag;
+use percent_encoding::percent_decode;
 
 /// What an upstream's answer says about the request behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +63,11 @@ pub fn of_headers(status: u16, headers: &[(String, Vec<u8>)]) -> Option<Judgemen
     None
 }
 
+/// Judges a `502` or `503` whose body has ended, by its first bytes.
+pub fn of_ended_words(status: u16, words: &[u8]) -> Judgement {
+    of_http(status, words)
+}
+
 /// Judges a `502` or `503` by its first body bytes, `complete` once the body has ended
 /// (or `TEXT_BYTES` passed). None: they could still become one of a proxy's words.
 pub fn of_words(status: u16, words: &[u8], complete: bool) -> Option<Judgement> {
@@ -89,9 +95,9 @@ fn of_http(status: u16, body: &[u8]) -> Judgement {
     }
 }
 
-/// Judges a gRPC call's status, its `grpc-message` (percent-encoded, as sent) and the
-/// metadata it came with.
-pub fn of_grpc(code: u32, message: &[u8], metadata: &[(String, Vec<u8>)]) -> Judgement {
+/// Judges a gRPC call's status by the metadata it came in (its trailers, or a trailers-only
+/// answer's headers): their `grpc-message`, percent-encoded as sent, and a proxy's marks.
+pub fn of_grpc(code: u32, metadata: &[(String, Vec<u8>)]) -> Judgement {
     match code {
         // The service's own deadline, or one a proxy propagated: someone stopped waiting.
         grpc_status::DEADLINE_EXCEEDED => Judgement::GaveUp("grpc_deadline_exceeded"),
@@ -101,7 +107,8 @@ pub fn of_grpc(code: u32, message: &[u8], metadata: &[(String, Vec<u8>)]) -> Jud
             Judgement::GaveUp("linkerd_proxy_error")
         }
         grpc_status::UNAVAILABLE => {
-            let decoded = percent_decoded(message);
+            let message = header(metadata, "grpc-message").unwrap_or_default();
+            let decoded: Vec<u8> = percent_decode(message).collect();
             match proxy_text(&decoded) {
                 ProxyText::GaveUp(reason) => Judgement::GaveUp(reason),
                 ProxyText::NeverSent(_) => Judgement::NeverSent,
@@ -240,35 +247,6 @@ fn could_be_proxy_text(words: &[u8]) -> bool {
         .any(|phrase| phrase.starts_with(text) || text.starts_with(phrase))
 }
 
-/// `grpc-message` is percent-encoded: every byte outside printable ASCII, and `%`.
-fn percent_decoded(message: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(message.len());
-    let mut rest = message;
-    while let Some((&byte, tail)) = rest.split_first() {
-        let escaped = match tail {
-            [high, low, ..] if byte == b'%' => hex(*high).zip(hex(*low)),
-            _ => None,
-        };
-        match (escaped, tail.get(2..)) {
-            (Some((high, low)), Some(after)) => {
-                out.push(high << 4 | low);
-                rest = after;
-            }
-            _ => {
-                out.push(byte);
-                rest = tail;
-            }
-        }
-    }
-    out
-}
-
-fn hex(digit: u8) -> Option<u8> {
-    char::from(digit)
-        .to_digit(16)
-        .and_then(|d| u8::try_from(d).ok())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -371,34 +349,41 @@ mod tests {
     #[test]
     fn grpc_deadline_exceeded_and_a_proxys_unavailable_gave_up() {
         assert!(matches!(
-            of_grpc(grpc_status::DEADLINE_EXCEEDED, b"whatever", &[]),
+            of_grpc(grpc_status::DEADLINE_EXCEEDED, &message(b"whatever")),
             Judgement::GaveUp(_)
-        ));
-        assert!(matches!(
-            of_grpc(grpc_status::UNAVAILABLE, b"upstream request timeout", &[]),
-            Judgement::GaveUp("proxy_timeout")
         ));
         assert!(matches!(
             of_grpc(
                 grpc_status::UNAVAILABLE,
-                b"upstream%20connect error or disconnect/reset before headers. reset reason: connection termination",
-                &[]
+                &message(b"upstream request timeout")
             ),
+            Judgement::GaveUp("proxy_timeout")
+        ));
+        assert!(matches!(
+            of_grpc(grpc_status::UNAVAILABLE, &message(b"upstream%20connect error or disconnect/reset before headers. reset reason: connection termination")),
             Judgement::GaveUp(_)
         ));
         assert_eq!(
-            of_grpc(grpc_status::UNAVAILABLE, b"no healthy upstream", &[]),
+            of_grpc(grpc_status::UNAVAILABLE, &message(b"no healthy upstream")),
             Judgement::NeverSent
         );
         assert_eq!(
-            of_grpc(grpc_status::UNAVAILABLE, b"busy, try later", &[]),
+            of_grpc(grpc_status::UNAVAILABLE, &message(b"busy, try later")),
             Judgement::ServiceAnswer
         );
         assert_eq!(
-            of_grpc(grpc_status::INTERNAL, b"upstream request timeout", &[]),
+            of_grpc(grpc_status::INTERNAL, &message(b"upstream request timeout")),
             Judgement::ServiceAnswer
         );
-        assert_eq!(of_grpc(grpc_status::OK, b"", &[]), Judgement::ServiceAnswer);
+        assert_eq!(
+            of_grpc(grpc_status::OK, &message(b"")),
+            Judgement::ServiceAnswer
+        );
+    }
+
+    /// Trailers carrying `text` as the call's `grpc-message`.
+    fn message(text: &[u8]) -> Vec<(String, Vec<u8>)> {
+        vec![("grpc-message".to_string(), text.to_vec())]
     }
 
     fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
@@ -409,7 +394,7 @@ mod tests {
 
     #[test]
     fn envoys_other_timeouts_and_any_unavailable_that_speaks_of_one_gave_up() {
-        for message in [
+        for text in [
             "stream timeout",
             "upstream max stream duration reached",
             "database timeout",
@@ -418,15 +403,15 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    of_grpc(grpc_status::UNAVAILABLE, message.as_bytes(), &[]),
+                    of_grpc(grpc_status::UNAVAILABLE, &message(text.as_bytes())),
                     Judgement::GaveUp(_)
                 ),
-                "{message}"
+                "{text}"
             );
         }
         let linkerd = pairs(&[("l5d-proxy-error", "connection closed")]);
         assert!(matches!(
-            of_grpc(grpc_status::UNAVAILABLE, b"", &linkerd),
+            of_grpc(grpc_status::UNAVAILABLE, &linkerd),
             Judgement::GaveUp(_)
         ));
         assert!(matches!(
@@ -490,10 +475,17 @@ mod tests {
     }
 
     #[test]
-    fn percent_decoding_takes_what_grpc_sends() {
-        assert_eq!(percent_decoded(b"a%20b%25c"), b"a b%c");
-        assert_eq!(percent_decoded(b"100%"), b"100%");
-        assert_eq!(percent_decoded(b"%zz%4"), b"%zz%4");
-        assert_eq!(percent_decoded(b"caf%C3%A9"), "café".as_bytes());
+    fn a_malformed_escape_in_the_message_is_read_as_it_is() {
+        for text in ["100%", "%zz upstream request timeout", "%4"] {
+            assert_eq!(
+                of_grpc(grpc_status::UNAVAILABLE, &message(text.as_bytes())),
+                if text.contains("timeout") {
+                    Judgement::GaveUp("unavailable_after_timeout_or_reset")
+                } else {
+                    Judgement::ServiceAnswer
+                },
+                "{text}"
+            );
+        }
     }
 }

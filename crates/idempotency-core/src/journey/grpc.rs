@@ -178,11 +178,7 @@ impl RequestJourney {
         // A status that is not a number is UNKNOWN to a client, and so it is here.
         let code = code.unwrap_or(status::UNKNOWN);
         if judges_gateway_errors(&rule, status_metadata) {
-            let message = status_metadata
-                .iter()
-                .find(|(n, _)| n == "grpc-message")
-                .map_or(&[][..], |(_, v)| v.as_slice());
-            if let Judgement::GaveUp(reason) = gave_up::of_grpc(code, message, status_metadata) {
+            if let Judgement::GaveUp(reason) = gave_up::of_grpc(code, status_metadata) {
                 let report = EnvoyReport::read(host, 200).gave_up_behind(reason);
                 return self.unknown_outcome(host, run, &report);
             }

@@ -518,8 +518,7 @@ impl RequestJourney {
             (J::Executing(run), E::ResponseTrailers) if run.proxy_words.is_some() => {
                 let status = run.capture.as_ref().map_or(0, |c| c.status());
                 let words = run.proxy_words.as_deref().unwrap_or_default();
-                let judged = crate::gave_up::of_words(status, words, true)
-                    .unwrap_or(crate::gave_up::Judgement::GaveUp("cut_short"));
+                let judged = crate::gave_up::of_ended_words(status, words);
                 self.apply_judgement(host, run, judged, response::BodyAt::End)
             }
             (J::Executing(run), E::ResponseTrailers) => self.record(host, run),

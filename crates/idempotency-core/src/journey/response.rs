@@ -592,11 +592,7 @@ fn grpc_status_in_headers(
         return None;
     }
     let code = crate::grpc::status::status_in(headers)??;
-    let message = headers
-        .iter()
-        .find(|(n, _)| n == "grpc-message")
-        .map_or(&[][..], |(_, v)| v.as_slice());
-    match gave_up::of_grpc(code, message, headers) {
+    match gave_up::of_grpc(code, headers) {
         gave_up @ Judgement::GaveUp(_) => Some(gave_up),
         _ => None,
     }

@@ -675,11 +675,8 @@ impl Resolutions {
             log::warn!("gRPC lookup's trailers unreadable: {}", e.0);
             Vec::new()
         });
-        let verdict = grpc_lookup_verdict(&resolution.lookup, headers, &body, &trailers);
-        let code = grpc_status::status_in(headers).or_else(|| grpc_status::status_in(&trailers));
-        let one_message = matches!(framing(&body), Framing::Messages(1));
-        match verdict {
-            Verdict::TookEffect => {
+        match grpc_lookup_verdict(&resolution.lookup, headers, &body, &trailers) {
+            GrpcLookup::TookEffect => {
                 let rule = &resolution.rule.rule;
                 let mut capture = ResponseCapture::start(
                     rule,
@@ -697,18 +694,8 @@ impl Resolutions {
                 let resolved = Resolved::TookEffect(resolved_record(host, rule, capture));
                 self.settle(host, to, resolution, resolved, status);
             }
-            Verdict::NeverRan => self.settle(host, to, resolution, Resolved::NeverRan, status),
-            Verdict::Unsettled => {
-                let why = match code {
-                    Some(Some(code)) => format!(
-                        "the service answered the gRPC lookup with {} ({} message)",
-                        grpc_status::name(code),
-                        if one_message { "one" } else { "not one" }
-                    ),
-                    _ => "the gRPC lookup's answer carried no status".to_string(),
-                };
-                self.unsettled(host, to, resolution, &why);
-            }
+            GrpcLookup::NeverRan => self.settle(host, to, resolution, Resolved::NeverRan, status),
+            GrpcLookup::Unsettled(why) => self.unsettled(host, to, resolution, &why),
         }
     }
 
@@ -965,7 +952,7 @@ fn grpc_lookup_verdict(
     headers: &[(String, Vec<u8>)],
     body: &[u8],
     trailers: &[(String, Vec<u8>)],
-) -> Verdict {
+) -> GrpcLookup {
     let is_grpc = headers
         .iter()
         .find(|(n, _)| n == "content-type")
@@ -981,18 +968,33 @@ fn grpc_lookup_verdict(
         (1, 0) => body.is_empty(),
         _ => false,
     };
-    let well_formed = is_grpc && status_placed;
-    if !well_formed {
-        return Verdict::Unsettled;
+    if !(is_grpc && status_placed) {
+        let why = "the gRPC lookup's answer is not well-formed gRPC";
+        return GrpcLookup::Unsettled(why.to_string());
     }
     let code = grpc_status::status_in(headers).or_else(|| grpc_status::status_in(trailers));
     match code {
-        Some(Some(grpc_status::OK)) | None if one_message => Verdict::TookEffect,
+        Some(Some(grpc_status::OK)) | None if one_message => GrpcLookup::TookEffect,
         Some(Some(grpc_status::NOT_FOUND)) if echoes_the_key(lookup, headers, trailers) => {
-            Verdict::NeverRan
+            GrpcLookup::NeverRan
         }
-        _ => Verdict::Unsettled,
+        Some(Some(grpc_status::NOT_FOUND)) => {
+            GrpcLookup::Unsettled("the gRPC lookup's NOT_FOUND does not echo the key".to_string())
+        }
+        Some(Some(code)) => GrpcLookup::Unsettled(format!(
+            "the service answered the gRPC lookup with {} ({} message)",
+            grpc_status::name(code),
+            if one_message { "one" } else { "not one" }
+        )),
+        _ => GrpcLookup::Unsettled("the gRPC lookup's answer carried no usable status".to_string()),
     }
+}
+
+/// What a gRPC lookup's answer says; unsettled, why.
+enum GrpcLookup {
+    TookEffect,
+    NeverRan,
+    Unsettled(String),
 }
 
 /// Whether the answer carries every key metadata the lookup sent, with its value.
