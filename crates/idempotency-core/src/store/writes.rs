@@ -562,7 +562,11 @@ impl StoreWrites {
                      took the key over; the store keeps that request's response",
                     write.rule.rule.name
                 );
-                if let Some(held) = &write.local {
+                // Only a claim the store had confirmed was taken over. A best-effort completion
+                // is a fail_open run the store never confirmed: it did run here, and its local
+                // record goes on answering this proxy's retries (the store's refusal may be
+                // another replica's claim in flight, released later).
+                if let (Some(held), false) = (&write.local, write.best_effort) {
                     if let Err(e) = table.forget_recorded(host, held) {
                         log::error!("superseded local record not dropped: {e}");
                     }

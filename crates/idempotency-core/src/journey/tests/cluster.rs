@@ -703,3 +703,35 @@ fn a_completed_record_the_proxy_cannot_read_never_runs_the_write_even_fail_open(
     assert_eq!(status, 503);
     assert!(header(&headers, "retry-after").is_some());
 }
+
+/// A `fail_open` write whose claim never reached the store completes there once it is back,
+/// under an owner of its own. Should the store refuse it (another replica's claim of the key
+/// in flight, released later), the write still ran here: its local record goes on answering
+/// this proxy's retries, never letting one run it again.
+#[test]
+fn a_fail_open_write_the_store_refuses_still_answers_its_retries_here() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, &cluster_config("fail_open"));
+    host.fail(HostCall::Callout);
+    let (mut first, verdict) = post(&host, &plugin, "k1", b"{}");
+    assert_eq!(
+        verdict,
+        Verdict::Continue,
+        "fail_open runs it on the local claim"
+    );
+    respond(&host, &mut first, 201, b"{\"id\":1}");
+    host.heal(HostCall::Callout);
+    plugin.writes.on_wake(&host, &plugin.links());
+    let sent = callouts(&host.take_effects());
+    let (token, path, _) = sent.last().expect("its completion");
+    assert_eq!(path, "/v1/complete");
+    host.set_callout_answer(Some(409), b"{}");
+    plugin.writes.on_answer(&host, &plugin.table, *token, 1, 2);
+    let (retry, _) = post(&host, &plugin, "k1", b"{}");
+    assert!(
+        !is_executing(&retry),
+        "before: the record was forgotten and the retry ran again"
+    );
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!((status, body.as_slice()), (201, &b"{\"id\":1}"[..]));
+}
