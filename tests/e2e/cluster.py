@@ -238,7 +238,7 @@ def completion_failure_logged(envoy: harness.Envoy) -> bool:
     (its root learns of the failure only at its next request)."""
     text = envoy.log_text()
     return ("store Complete failed" in text
-            or "store Complete of an idle worker failed on the main thread" in text)
+            or "store Complete of an idle worker failed on the store thread" in text)
 
 
 # --------------------------------------------------------------------------

@@ -352,6 +352,40 @@ def all_threads_stopped(pid: int) -> bool:
     return bool(states) and all(state == "T" for state in states)
 
 
+_PTRACE_SEIZE = 0x4206
+_PTRACE_INTERRUPT = 0x4207
+_PTRACE_DETACH = 17
+_WALL = 0x40000000
+
+
+class stalled_main_thread:
+    """Stops only the main thread of process ``pid`` (its thread id is its pid) for the
+    ``with`` block, as a main thread busy with xDS, the admin API or a stats flush is: the
+    other threads (Envoy's workers, a module's own) run on. Through ptrace, which may attach
+    only to a child of the test (Envoy is one); the thread runs again on exit, whatever
+    happened inside."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __enter__(self) -> "stalled_main_thread":
+        if _libc is None:
+            raise RuntimeError("no libc to call ptrace with")
+        ptrace = _libc.ptrace
+        ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        if ptrace(_PTRACE_SEIZE, self.pid, None, None) != 0:
+            raise OSError(ctypes.get_errno(), f"ptrace(SEIZE) of thread {self.pid}")
+        if ptrace(_PTRACE_INTERRUPT, self.pid, None, None) != 0:
+            ptrace(_PTRACE_DETACH, self.pid, None, None)
+            raise OSError(ctypes.get_errno(), f"ptrace(INTERRUPT) of thread {self.pid}")
+        os.waitpid(self.pid, _WALL)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if _libc.ptrace(_PTRACE_DETACH, self.pid, None, None) != 0:
+            raise OSError(ctypes.get_errno(), f"ptrace(DETACH) of thread {self.pid}")
+
+
 def rss_kib(pid: int) -> int:
     """The resident set of process ``pid`` in KiB (VmRSS in /proc/<pid>/status)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -948,23 +982,28 @@ def envoy_environment(build: str = FILTER_BUILD) -> dict[str, str]:
     return env
 
 
-def for_this_build(config: dict) -> dict:
+def for_this_build(config: dict, clusters: list | None = None) -> dict:
     """On the native build, `to_native`; on the Wasm build, the configuration as it is."""
     if FILTER_BUILD == "native":
-        to_native(config)
+        to_native(config, clusters=clusters)
     return config
 
 
-def to_native(config: dict, module: str = NATIVE_MODULE_NAME) -> int:
+def to_native(config: dict, module: str = NATIVE_MODULE_NAME, clusters: list | None = None) -> int:
     """Turns each Wasm http filter of this project into the native filter (or another dynamic
     module of this project's, ``module``: the benchmarks' native job floor) with the same
-    JSON configuration. Returns how many filters were turned."""
+    JSON configuration. The native build dials the store itself: a store without an
+    ``address`` gets its Envoy cluster's first endpoint (from ``clusters``, else the config's
+    static clusters). Returns how many filters were turned."""
+    if clusters is None:
+        clusters = config.get("static_resources", {}).get("clusters", []) or []
     turned = 0
     for http_filter in _http_filters(config):
         typed = http_filter.get("typed_config") or {}
         if not str(typed.get("@type", "")).endswith("envoy.extensions.filters.http.wasm.v3.Wasm"):
             continue
         plugin_value = ((typed.get("config") or {}).get("configuration") or {}).get("value", "")
+        plugin_value = with_store_addresses(plugin_value, clusters)
         http_filter["typed_config"] = {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
             "dynamic_module_config": {"name": module, "do_not_close": True},
@@ -976,6 +1015,41 @@ def to_native(config: dict, module: str = NATIVE_MODULE_NAME) -> int:
         }
         turned += 1
     return turned
+
+
+def with_store_addresses(plugin_value: str, clusters: list) -> str:
+    """``plugin_value`` (JSON text) with ``address`` set on every store that names a cluster
+    among ``clusters`` and gives none; as it is when it is not JSON (a test of a refusal)."""
+    try:
+        plugin = json.loads(plugin_value) if plugin_value.strip() else None
+    except ValueError:
+        return plugin_value
+    if not isinstance(plugin, dict):
+        return plugin_value
+    stores = [plugin.get("store")] + [r.get("store") for r in plugin.get("rules", []) or [] if isinstance(r, dict)]
+    changed = False
+    for store in stores:
+        if not isinstance(store, dict) or "address" in store or not isinstance(store.get("cluster"), str):
+            continue
+        address = _cluster_address(clusters, store["cluster"])
+        if address is not None:
+            store["address"] = address
+            changed = True
+    return json.dumps(plugin) if changed else plugin_value
+
+
+def _cluster_address(clusters: list, name: str) -> str | None:
+    """``host:port`` of the first endpoint of static cluster ``name``, if there is one."""
+    for cluster in clusters:
+        if cluster.get("name") != name:
+            continue
+        for group in (cluster.get("load_assignment") or {}).get("endpoints", []) or []:
+            for lb in group.get("lb_endpoints", []) or []:
+                socket = ((lb.get("endpoint") or {}).get("address") or {}).get("socket_address") or {}
+                if "address" in socket and "port_value" in socket:
+                    host = socket["address"]
+                    return f"[{host}]:{socket['port_value']}" if ":" in host else f"{host}:{socket['port_value']}"
+    return None
 
 
 def _socket_address(holder: dict, what: str) -> dict:

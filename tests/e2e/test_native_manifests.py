@@ -151,6 +151,7 @@ def test_the_gateway_resources_name_each_other_the_image_and_the_store() -> None
     options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert "http2_protocol_options" in options["explicit_http_config"]
     assert config["store"]["authority"] == fqdn and config["store"]["token"] == token
+    assert config["store"]["address"] == f"{fqdn}:{port}", "the module dials the store's Service"
     network = the("NetworkPolicy")["spec"]
     store = one(ISTIO / "store.yaml", "StatefulSet")
     assert the("NetworkPolicy")["metadata"]["namespace"] == store["metadata"]["namespace"]
@@ -187,7 +188,9 @@ def gateway_like(store_port: int) -> Callable[[dict], None]:
     header removal, the SecurityPolicy's JWT filter on the orders route (a local HS256 key
     stands in for the remote JWKS), the module's filter, the bootstrap's store cluster."""
     proxy, policy = the("EnvoyProxy"), the("EnvoyExtensionPolicy")
-    module, = policy["spec"]["dynamicModule"]
+    module, = copy.deepcopy(policy["spec"]["dynamicModule"])
+    # The Service's name does not resolve here: the module dials the test's store.
+    module["config"]["store"]["address"] = f"{harness.LOOPBACK}:{store_port}"
     entry, = proxy["spec"]["dynamicModules"]
     name = (f"envoy.filters.http.dynamic_modules/envoyextensionpolicy/{policy['metadata']['namespace']}/"
             f"{policy['metadata']['name']}/dynamic-module/0")
@@ -320,7 +323,12 @@ def test_the_native_envoyfilter_configures_what_the_wasmplugin_does_from_the_ins
     value = native_envoyfilter_value()
     typed = value["typed_config"]
     assert typed["@type"] == DYNAMIC_MODULE_FILTER and typed["filter_config"]["@type"] == STRING_VALUE
-    assert json.loads(typed["filter_config"]["value"]) == wasmplugin_config(), \
+    native = json.loads(typed["filter_config"]["value"])
+    # The native build dials the store's Service itself; the Wasm module goes through the
+    # mesh's cluster for it. Otherwise the same configuration.
+    fqdn, port, _ = store_service()
+    assert native["store"].pop("address") == f"{fqdn}:{port}"
+    assert native == wasmplugin_config(), \
         "native/envoyfilter.yaml and wasmplugin.yaml must configure the same rules"
     module = typed["dynamic_module_config"]
     assert module["do_not_close"] is True
@@ -341,6 +349,9 @@ def test_the_native_envoyfilter_runs_in_the_native_module(procs) -> None:
     store_cluster = config["store"]["cluster"]
     upstream = procs.upstream()
     store = procs.store(backend="memory", token=config["store"]["token"])
+    # The Service's name does not resolve here: the module dials the test's store.
+    config["store"]["address"] = f"{harness.LOOPBACK}:{store.port}"
+    value["typed_config"]["filter_config"]["value"] = json.dumps(config)
 
     def istio_like(envoy_config: dict) -> None:
         mesh_like(store_cluster)(envoy_config)

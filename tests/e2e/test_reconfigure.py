@@ -53,10 +53,12 @@ class PushableEnvoy:
         self.lds_path = self.lds_dir / "listeners.yaml"
         self.version = 0
         self.listener: dict = {}
+        self.clusters: list = []
 
         def to_lds(envoy_config: dict) -> dict:
             static = envoy_config["static_resources"]
             (self.listener,) = static.pop("listeners")
+            self.clusters = static.get("clusters", [])
             self._write_listener()
             envoy_config["node"] = {"id": name, "cluster": "tests"}
             envoy_config["dynamic_resources"] = {
@@ -75,7 +77,7 @@ class PushableEnvoy:
 
     def _write_listener(self) -> None:
         listener = dict(copy.deepcopy(self.listener), **{"@type": LISTENER_TYPE})
-        harness.for_this_build({"static_resources": {"listeners": [listener]}})
+        harness.for_this_build({"static_resources": {"listeners": [listener]}}, clusters=self.clusters)
         staged = self.lds_dir / f".listeners.{self.version}.yaml"
         staged.write_text(yaml.safe_dump({"resources": [listener]}, sort_keys=False))
         os.replace(staged, self.lds_path)  # Envoy reloads on the move into the directory
@@ -213,7 +215,7 @@ def test_store_writes_waiting_out_an_outage_survive_a_push(procs, tmp_path) -> N
         harness.wait_until(lambda: "every waiting store write was taken" in a.log_text(),
                            timeout=10, what="the retired configuration to let go")
     else:
-        # Envoy frees a retired dynamic module configuration at once: the live one's courier
-        # adopted the retired root's handoff ledger and landed the completion.
-        assert "store Complete of an idle worker landed by the main thread" in log
+        # Envoy frees a retired dynamic module configuration at once: its courier stays with
+        # the module's store thread, which landed the completion its root left.
+        assert "store Complete of an idle worker landed by the store thread" in log
     assert_no_crash(a)

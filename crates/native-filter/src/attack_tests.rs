@@ -270,6 +270,28 @@ fn main_thread_runs(config: ffi::HttpFilterConfigModulePtr) {
     envoy_dynamic_module_on_http_filter_config_scheduled(fake(9), config, 1);
 }
 
+/// The store thread's run of the configuration loaded last: its streams and requests go to
+/// the mocked ABI's configuration streams and callouts, which record them.
+fn store_thread_runs() {
+    let courier = crate::courier::Courier::loaded_last().unwrap();
+    // SAFETY: the mocked ABI never dereferences it.
+    let calls = unsafe { crate::abi::MainThreadConfig::from_raw(fake(9)) };
+    courier.run(&calls);
+}
+
+/// The store answers the store thread's request `id`.
+fn store_answers_request(id: u64, status: &str, body: &[u8]) {
+    let courier = crate::courier::Courier::loaded_last().unwrap();
+    let headers = vec![(":status".to_owned(), status.as_bytes().to_vec())];
+    courier.on_callout_done_any(id, headers, body.to_vec());
+}
+
+/// The store says `event` on the store thread's stream `id`.
+fn store_says(id: u64, event: crate::abi::ConfigStreamEvent) {
+    let courier = crate::courier::Courier::loaded_last().unwrap();
+    courier.on_stream_event(id, event);
+}
+
 fn lookups_asked() -> Vec<String> {
     with(|abi| {
         abi.config_callouts
@@ -360,7 +382,7 @@ fn a_detached_write_out_when_its_configuration_goes_is_an_unknown_outcome() {
 /// Cluster mode over the store's HTTP transport, with a short store timeout.
 fn http_store_config() -> ffi::HttpFilterConfigModulePtr {
     load(
-        br#"{"store":{"cluster":"store","transport":"http","timeout_ms":50},
+        br#"{"store":{"cluster":"store","address":"127.0.0.1:1","transport":"http","timeout_ms":50},
         "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
         "fingerprint":"none","lease_seconds":1,"ttl_seconds":60}]}"#,
     )
@@ -433,27 +455,20 @@ fn an_idle_workers_http_completion_reaches_the_store_over_http() {
     request_callout_answers(701, module, 1, "200", &claimed);
     respond(701, module);
     end(701, module);
-    // The completion was submitted as the response ended: sent now, through the main thread.
-    main_thread_runs(config);
+    // The completion was submitted as the response ended: sent now, by the store thread.
+    store_thread_runs();
     let sent = callout_paths(&with(|a| a.config_callouts.clone()));
     assert_eq!(sent, vec!["/v1/complete".to_string()], "sent at once");
     // The store fails it; the worker gets no more requests.
-    hooks::config_callout_done(
-        fake(9),
-        config,
-        1,
-        crate::abi::CalloutResult::Success,
-        vec![(":status".into(), b"503".to_vec())],
-        Vec::new(),
-    );
+    store_answers_request(1, "503", b"");
     for _ in 0..10 {
         std::thread::sleep(std::time::Duration::from_millis(100));
-        main_thread_runs(config);
+        store_thread_runs();
     }
     let sent = callout_paths(&with(|a| a.config_callouts.clone()));
     assert!(
         sent.len() >= 2 && sent.iter().all(|p| p == "/v1/complete"),
-        "landed again over HTTP by the main thread: {sent:?}"
+        "landed again over HTTP by the store thread: {sent:?}"
     );
     assert!(
         with(|a| a.config_streams.is_empty()),
@@ -496,27 +511,17 @@ fn an_unknown_outcome_the_store_took_is_marked_so_without_its_idle_worker() {
     // The client leaves before any response: the outcome is unknown, recorded here and sent
     // to the store at once.
     end(801, module);
-    main_thread_runs(config);
+    store_thread_runs();
     let sent = callout_paths(&with(|a| a.config_callouts.clone()));
     assert_eq!(sent, vec!["/v1/complete".to_string()]);
-    let completed = br#"{"outcome":"completed"}"#.to_vec();
-    let store_took_it = |id: u64| {
-        hooks::config_callout_done(
-            fake(9),
-            config,
-            id,
-            crate::abi::CalloutResult::Success,
-            vec![(":status".into(), b"200".to_vec())],
-            completed.clone(),
-        );
-    };
-    // The store takes it; the answer waits in the idle worker's inbox, and the main thread,
+    let store_took_it = |id: u64| store_answers_request(id, "200", br#"{"outcome":"completed"}"#);
+    // The store takes it; the answer waits in the idle worker's inbox, and the store thread,
     // seeing the write unsettled past its grace, lands it again: the store takes it again.
     store_took_it(1);
     std::thread::sleep(std::time::Duration::from_millis(200));
-    main_thread_runs(config);
+    store_thread_runs();
     let sent = callout_paths(&with(|a| a.config_callouts.clone()));
-    assert_eq!(sent.len(), 2, "landed by the main thread: {sent:?}");
+    assert_eq!(sent.len(), 2, "landed by the store thread: {sent:?}");
     store_took_it(2);
 
     // The store settled it as never run: its claim answer is "claimed". Another worker's
@@ -603,7 +608,7 @@ fn a_held_duplicates_replay_waits_until_the_roots_step_on_it_is_over() {
 /// Cluster mode over the store's stream (the default transport).
 fn grpc_store_config() -> ffi::HttpFilterConfigModulePtr {
     load(
-        br#"{"store":{"cluster":"store","timeout_ms":2000},
+        br#"{"store":{"cluster":"store","address":"127.0.0.1:1","timeout_ms":2000},
         "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
         "fingerprint":"none","lease_seconds":1,"ttl_seconds":60}]}"#,
     )
@@ -637,7 +642,7 @@ fn a_request_the_root_resumes_sees_a_reply_envoy_makes_inside_the_resume() {
     let (module, status) = start(config, 311, "attack-resume-inside");
     assert_eq!(status, ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK);
     MODULES.with(|m| m.borrow_mut().insert(311, module as usize));
-    main_thread_runs(config);
+    store_thread_runs();
     let (stream_id, claim) = with(|a| {
         let (id, frame, _) = a.config_stream_data.last().cloned().unwrap();
         (id, frame)
@@ -654,18 +659,14 @@ fn a_request_the_root_resumes_sees_a_reply_envoy_makes_inside_the_resume() {
                 lease_expires_at_ms: 1,
             },
         });
-    hooks::config_stream_event(
-        fake(9),
-        config,
+    store_says(
         stream_id,
         crate::abi::ConfigStreamEvent::Headers {
             headers: vec![(":status".into(), b"200".to_vec())],
             end_stream: false,
         },
     );
-    hooks::config_stream_event(
-        fake(9),
-        config,
+    store_says(
         stream_id,
         crate::abi::ConfigStreamEvent::Data {
             data: crate::courier::grpc_frame(&claimed),

@@ -1,10 +1,9 @@
-//! What the main thread's store streams share, the roots' (courier.rs) and the handoff's
-//! (handoff.rs): where a stream goes, the configuration's stream calls, gRPC framing.
-
-use std::time::Duration;
+//! What the store thread's streams share, the roots' (courier.rs) and the handoff's
+//! (handoff.rs): where a stream goes, the calls that carry them, gRPC framing.
 
 use idempotency_core::grpc::frame::PREFIX_BYTES;
 
+#[cfg(test)]
 use crate::abi::MainThreadConfig;
 use crate::config_callouts::ConfigCallouts;
 
@@ -47,18 +46,21 @@ impl StreamTarget {
     }
 }
 
-/// The configuration's stream calls, on the main thread (a trait so the courier's rules are
-/// tested without Envoy), beside its one-shot callouts (the roots' store calls over HTTP).
+/// The store thread's stream calls (a trait so the courier's rules are tested without a
+/// store), beside its one-shot requests (the roots' store calls over HTTP).
 pub trait StreamCalls: ConfigCallouts {
     fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String>;
     fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool;
     fn reset(&self, stream_id: u64);
 }
 
+/// The mocked ABI's configuration streams record what a courier starts and sends: tests run
+/// a courier with them in place of the store thread's connections.
+#[cfg(test)]
 impl StreamCalls for MainThreadConfig {
     fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String> {
         // No timeout: the stream lives as long as the store keeps it (its calls have theirs).
-        self.start_http_stream(cluster, headers, Duration::ZERO)
+        self.start_http_stream(cluster, headers, std::time::Duration::ZERO)
             .map_err(|e| e.to_string())
     }
     fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool {
@@ -72,7 +74,7 @@ impl StreamCalls for MainThreadConfig {
 /// The largest frame either store stream reassembles: the store's announced limit is taken
 /// up to 16 MiB (link.rs), and an answer carries at most one recorded response of that size
 /// plus its envelope. A length prefix over this is garbage: the stream is closed, rather than
-/// the main thread buffering whatever follows (up to 4 GiB per stream).
+/// the store thread buffering whatever follows (up to 4 GiB per stream).
 pub const MAX_FRAME_BYTES: usize = 32 * 1024 * 1024;
 
 /// A message as gRPC frames it: uncompressed, 4-byte big-endian length, the bytes.

@@ -10,17 +10,18 @@ use idempotency_core::root::PluginRoot;
 
 use std::cell::RefCell;
 
-use crate::abi::{CalloutResult, ConfigHandle, ConfigStreamEvent, MainThreadConfig};
+use crate::abi::{CalloutResult, ConfigHandle, MainThreadConfig};
 use crate::carried::Carried;
 use crate::courier::Courier;
 use crate::host::NativeHost;
 use crate::loaded::{Shared, RETIREMENTS};
 use crate::main_root::MainRoot;
+use crate::main_thread::MainThread;
 use crate::metrics::Metrics;
 
 impl Drop for Configuration {
-    /// Envoy destroys the configuration on the main thread once none of its requests is left,
-    /// and resets its streams without an event: the roots learn it from the courier.
+    /// Envoy destroys the configuration on the main thread once none of its requests is left:
+    /// its roots' store streams are closed, and its handoff lands what they left.
     fn drop(&mut self) {
         // Envoy cancels its callouts: the detached writes its main root has out become
         // unknown outcomes (`MainRoot::retire`), and its resolutions, those included, go to
@@ -39,6 +40,7 @@ impl Drop for Configuration {
             );
         }
         self.shared.courier.retire();
+        self.shared.main_thread.retire();
         self.shared.retired.store(true, Ordering::Release);
         RETIREMENTS.fetch_add(1, Ordering::AcqRel);
     }
@@ -91,15 +93,16 @@ impl Configuration {
             );
         });
         let config = Config::parse(bytes).map_err(|e| e.to_string())?;
+        let addresses = store_addresses(&config)?;
         let shared = Arc::new(Shared {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             configuration: bytes.to_vec(),
             metrics: Metrics::new(handle),
-            courier: Arc::new(Courier::new(handle.new_scheduler())),
+            courier: Courier::new(addresses),
+            main_thread: MainThread::new(handle.new_scheduler()),
             carried: Carried::default(),
             retired: AtomicBool::new(false),
         });
-        crate::courier::start_sweeping(&shared.courier);
         if config.grpc_replay_echo {
             crate::echo_filter::announce();
             shared.metrics.freeze();
@@ -171,7 +174,7 @@ impl crate::abi::FilterFactory for Configuration {
     }
 
     fn on_config_scheduled(&self, config: &MainThreadConfig, _event_id: u64) {
-        self.shared.courier.run(config);
+        self.shared.main_thread.on_scheduled();
         self.run_main_root(config);
     }
 
@@ -183,35 +186,12 @@ impl crate::abi::FilterFactory for Configuration {
         headers: Vec<(String, Vec<u8>)>,
         body: Vec<u8>,
     ) {
-        // A worker's root's or the handoff's (the store's HTTP transport), else the main
-        // root's.
-        let courier = &self.shared.courier;
-        let Some((headers, body)) = courier.on_callout_done(callout_id, headers, body) else {
-            return;
-        };
-        let now_ms = crate::ledger::now_ms();
-        let Some((headers, body)) = courier
-            .handoff
-            .on_callout_done(callout_id, headers, body, now_ms)
-        else {
-            return;
-        };
         match self.main.get(config).try_borrow().as_deref() {
             Ok(MainSlot::Built(main)) => {
                 main.on_callout_done(config, callout_id, result, headers, body);
             }
             _ => log::warn!("a callout answer for no main root of this configuration dropped"),
         }
-        self.run_main_root(config);
-    }
-
-    fn on_config_stream_event(
-        &self,
-        config: &MainThreadConfig,
-        stream_id: u64,
-        event: ConfigStreamEvent,
-    ) {
-        self.shared.courier.on_stream_event(stream_id, event);
         self.run_main_root(config);
     }
 }
@@ -251,8 +231,35 @@ impl Configuration {
             }
             MainSlot::NotBuilt => false,
         };
-        self.shared.courier.keep_main_ticking(busy);
+        self.shared.main_thread.keep_ticking(busy);
     }
+}
+
+/// The store's `host:port` by cluster name, for every store a rule uses: the native build
+/// dials the store itself, so a rule in cluster mode without one is refused at load.
+fn store_addresses(config: &Config) -> Result<std::collections::HashMap<String, String>, String> {
+    let mut addresses = std::collections::HashMap::new();
+    for rule in &config.rules {
+        let Some(store) = &rule.store else { continue };
+        let Some(address) = &store.address else {
+            return Err(format!(
+                "rule {:?}: store.address: the native build connects to the store itself; \
+                 give the store's host:port (cluster {:?} is the Wasm build's)",
+                rule.name, store.cluster
+            ));
+        };
+        match addresses.insert(store.cluster.clone(), address.clone()) {
+            Some(other) if &other != address => {
+                return Err(format!(
+                    "rule {:?}: store.address: cluster {:?} is given two addresses, {other} \
+                     and {address}",
+                    rule.name, store.cluster
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(addresses)
 }
 
 /// Drops this worker's roots of configurations Envoy let go of (their live requests keep

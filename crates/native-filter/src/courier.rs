@@ -1,29 +1,27 @@
-//! The main thread's courier for one loaded configuration: the store streams of every
-//! worker's root, carried as the configuration's own HTTP streams (docs/how-it-works.md, "The
-//! native build: the store stream").
+//! A loaded configuration's courier: the store streams and requests of every worker's root,
+//! carried by the module's store thread (`store_client`) over its own connections to the
+//! store (docs/how-it-works.md, "The native build: who runs where").
 //!
-//! Envoy 1.40 lets only a live request own a stream on a worker, and resets it when the
-//! request ends; a configuration's streams outlive requests but may be touched from the main
-//! thread only. So a worker's root queues what it would ask of proxy-wasm (open, send, close)
-//! here and commits the configuration's scheduler; on the main thread the courier makes the
-//! calls, frames and unframes gRPC, and leaves what the store says in the root's inbox.
+//! A worker's root queues what it would ask of proxy-wasm (open, send, close) here; the store
+//! thread makes the calls, frames and unframes gRPC, and leaves what the store says in the
+//! root's inbox. Envoy's main thread takes no part.
 //!
-//! Lifetimes: the courier outlives the configuration (roots hold it); `retire`, from the
-//! configuration's drop, deletes the scheduler under the outbox lock (no commit after) and
-//! closes every stream in its root's inbox (Envoy resets them without an event).
+//! Lifetimes: the store thread holds the courier from its load until it has retired and its
+//! handoff has landed every write its roots left; `retire`, from the configuration's drop,
+//! closes every root's stream in its inbox (no root of it runs again).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use idempotency_core::grpc::frame::{frame_len, PREFIX_BYTES};
 
-use crate::abi::{ConfigScheduler, ConfigStreamEvent};
+use crate::abi::ConfigStreamEvent;
 use crate::config_streams::MAX_FRAME_BYTES;
 pub use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget};
 use crate::handoff::Handoff;
 use crate::inbox::{Inbox, StreamEvent};
-use crate::ticker::Ticket;
+use crate::store_client::{Calls, StoreThread, StoreTraffic};
 
 /// gRPC statuses the courier reports itself.
 pub const GRPC_UNKNOWN: u32 = 2;
@@ -31,10 +29,12 @@ pub const GRPC_UNKNOWN: u32 = 2;
 pub const GRPC_INTERNAL: u32 = 13;
 pub const GRPC_UNAVAILABLE: u32 = 14;
 
-/// The scheduled event that means "the outbox has work".
-const OUTBOX_EVENT: u64 = 1;
+/// Operations queued at most: past it a root's open, send or close is refused (and core
+/// fails the call by its rules) rather than the queue growing while the store thread is
+/// stuck.
+const MAX_QUEUED: usize = 65_536;
 
-/// What a worker's root asks of the main thread.
+/// What a worker's root asks of the store thread.
 enum Operation {
     Open {
         token: u32,
@@ -64,7 +64,7 @@ enum Operation {
     },
 }
 
-/// A root's callout, as the main thread makes it.
+/// A root's callout, as the store thread makes it.
 pub struct OwnedCallout {
     pub cluster: String,
     pub headers: Vec<(String, Vec<u8>)>,
@@ -72,16 +72,15 @@ pub struct OwnedCallout {
     pub timeout_ms: u64,
 }
 
+#[derive(Default)]
 struct Outbox {
-    /// None once the configuration is gone (or Envoy made none).
-    scheduler: Option<ConfigScheduler>,
     operations: VecDeque<Operation>,
-    /// A commit is on its way: later operations ride on it.
+    /// A run is on its way: later operations ride on it.
     armed: bool,
     retired: bool,
 }
 
-/// One open stream, on the main thread.
+/// One open stream, on the store thread.
 struct Route {
     token: u32,
     inbox: Arc<Inbox>,
@@ -98,16 +97,25 @@ struct Streams {
 }
 
 pub struct Courier {
+    me: Weak<Courier>,
+    /// Run by the process's store thread (false: by its caller, in tests).
+    attached: bool,
+    /// The store's `host:port` by the cluster name core gives it.
+    addresses: HashMap<String, String>,
     outbox: Mutex<Outbox>,
-    /// Touched on the main thread only; a lock because the courier is shared.
+    /// Touched on the store thread only; a lock because the courier is shared.
     streams: Mutex<Streams>,
     next_token: AtomicU32,
+    /// Operations refused because the queue was full.
+    pub overflowed: AtomicU64,
     /// The roots' handed-off writes, landed from here when their roots do not.
     pub handoff: Handoff,
-    /// The ticker's entry that brings the main thread here to sweep the ledgers.
-    sweeps: Mutex<Option<Ticket>>,
-    /// The main thread's root holds work: the sweeps bring the main thread back for it.
-    main_busy: AtomicBool,
+}
+
+#[cfg(test)]
+thread_local! {
+    static LOADED_IN_TESTS: std::cell::RefCell<Option<Arc<Courier>>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -115,26 +123,6 @@ fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// How often the ticker asks whether the ledgers hold a write to land: well under the first
-/// grace (the store's timeout plus 100 ms), cheap when they hold none.
-const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
-
-struct SweepWake(std::sync::Weak<Courier>);
-
-impl crate::ticker::Wake for SweepWake {
-    fn wake(&self) {
-        if let Some(courier) = self.0.upgrade() {
-            courier.poke();
-        }
-    }
-}
-
-/// Has the process's ticker sweep `courier`'s ledgers until it retires.
-pub fn start_sweeping(courier: &Arc<Courier>) {
-    let wake = Arc::new(SweepWake(Arc::downgrade(courier)));
-    courier.sweep_with(crate::ticker::Ticker::process().every(SWEEP_EVERY, wake));
 }
 
 /// The gRPC status a stream's trailers (or trailers-only headers) carry; without one, what
@@ -161,37 +149,77 @@ fn status_of(headers: &[(String, Vec<u8>)]) -> u32 {
 }
 
 impl Courier {
-    pub fn new(scheduler: Option<ConfigScheduler>) -> Courier {
-        if scheduler.is_none() {
-            log::error!("no configuration scheduler: store streams cannot be opened");
+    /// The courier of a configuration whose stores are at `addresses` (by cluster name),
+    /// known to the store thread from now on.
+    pub fn new(addresses: HashMap<String, String>) -> Arc<Courier> {
+        #[cfg(test)]
+        {
+            let courier = Courier::unattached(addresses, false);
+            LOADED_IN_TESTS.with(|loaded| *loaded.borrow_mut() = Some(Arc::clone(&courier)));
+            courier
         }
-        Courier {
-            outbox: Mutex::new(Outbox {
-                scheduler,
-                operations: VecDeque::new(),
-                armed: false,
-                retired: false,
-            }),
-            streams: Mutex::new(Streams::default()),
-            next_token: AtomicU32::new(1),
-            handoff: Handoff::default(),
-            sweeps: Mutex::new(None),
-            main_busy: AtomicBool::new(false),
+        #[cfg(not(test))]
+        {
+            let courier = Courier::unattached(addresses, true);
+            StoreThread::process().register(Arc::clone(&courier) as Arc<dyn StoreTraffic>);
+            courier
         }
     }
 
-    /// Queues `operation` and wakes the main thread (once per batch). Err when the
-    /// configuration is gone.
+    /// A courier its caller runs (`attached`: false), or the store thread.
+    fn unattached(addresses: HashMap<String, String>, attached: bool) -> Arc<Courier> {
+        Arc::new_cyclic(|me| Courier {
+            me: me.clone(),
+            attached,
+            addresses,
+            outbox: Mutex::new(Outbox::default()),
+            streams: Mutex::new(Streams::default()),
+            next_token: AtomicU32::new(1),
+            overflowed: AtomicU64::new(0),
+            handoff: Handoff::default(),
+        })
+    }
+
+    /// A courier for tests: nothing runs it but the test.
+    #[cfg(test)]
+    pub fn for_tests() -> Arc<Courier> {
+        Courier::unattached(HashMap::new(), false)
+    }
+
+    /// The courier of the configuration this test thread loaded last (tests run it by hand,
+    /// with the mocked ABI's streams and callouts standing for the store thread's).
+    #[cfg(test)]
+    pub fn loaded_last() -> Option<Arc<Courier>> {
+        LOADED_IN_TESTS.with(|loaded| loaded.borrow().clone())
+    }
+
+    /// The store address the native build dials for `cluster`.
+    pub fn address_of(&self, cluster: &str) -> Option<String> {
+        self.addresses.get(cluster).cloned()
+    }
+
+    /// Queues `operation` and has the store thread run it (once per batch). Err when the
+    /// configuration is gone or the queue is full.
     fn submit(&self, operation: Operation) -> Result<(), String> {
         let mut outbox = relock(&self.outbox);
-        let Some(scheduler) = outbox.scheduler.as_ref().filter(|_| !outbox.retired) else {
+        if outbox.retired {
             return Err("the configuration is gone (a push replaced it)".into());
-        };
-        // Committed under the lock: `retire` deletes the scheduler under it.
-        if !outbox.armed {
-            scheduler.commit(OUTBOX_EVENT);
         }
-        outbox.armed = true;
+        if outbox.operations.len() >= MAX_QUEUED {
+            let overflowed = self.overflowed.fetch_add(1, Ordering::Relaxed);
+            if overflowed.is_power_of_two() {
+                log::error!(
+                    "the store thread is not keeping up: {} store operation(s) refused so far",
+                    overflowed + 1
+                );
+            }
+            return Err("the store queue is full".into());
+        }
+        if !outbox.armed && self.attached {
+            let me = self.me.upgrade().ok_or("the courier is going")?;
+            StoreThread::process().run(me as Arc<dyn StoreTraffic>)?;
+            outbox.armed = true;
+        }
         outbox.operations.push_back(operation);
         Ok(())
     }
@@ -231,8 +259,8 @@ impl Courier {
         Ok(token)
     }
 
-    /// On the main thread: Envoy answered callout `callout_id`. Given back when it is not one
-    /// of the roots' (the main root's, then).
+    /// On the store thread: the store answered callout `callout_id`. Given back when it is
+    /// not one of the roots' (the handoff's, then).
     #[allow(clippy::type_complexity)]
     pub fn on_callout_done(
         &self,
@@ -266,43 +294,48 @@ impl Courier {
         self.submit(Operation::Close { token, reset })
     }
 
-    /// The ticker's entry for this courier's sweeps, cancelled when it retires.
-    pub fn sweep_with(&self, ticket: Ticket) {
-        *relock(&self.sweeps) = Some(ticket);
-    }
-
-    /// From the ticker: brings the main thread here if a ledger holds a write, or the main
-    /// thread's root holds work (or a retired configuration left resolutions for it).
-    pub fn poke(&self) {
-        let main_work = self.main_busy.load(Ordering::Acquire) || crate::carried::has_orphans();
-        if !self.handoff.has_work() && !main_work {
-            return;
-        }
-        self.summon();
-    }
-
-    /// From the main thread's root, after each run: whether the sweeps should bring it back.
-    pub fn keep_main_ticking(&self, busy: bool) {
-        self.main_busy.store(busy, Ordering::Release);
-    }
-
-    /// Brings the main thread here soon (once per batch), unless the configuration is gone.
-    pub fn summon(&self) {
-        let mut outbox = relock(&self.outbox);
-        if outbox.retired || outbox.armed {
-            return;
-        }
-        if let Some(scheduler) = outbox.scheduler.as_ref() {
-            scheduler.commit(OUTBOX_EVENT);
-            outbox.armed = true;
-        }
-    }
-
-    /// On the main thread (the scheduled hook): makes every queued call, in order, then
-    /// lands what the roots left unsettled too long.
+    /// On the store thread: makes every queued call, in order, then lands what the roots
+    /// left unsettled too long.
     pub fn run(&self, calls: &impl StreamCalls) {
         self.run_operations(calls);
+        self.sweep(calls);
+    }
+
+    /// On the store thread: lands what the roots left unsettled too long.
+    pub fn sweep(&self, calls: &impl StreamCalls) {
         self.handoff.sweep(calls, crate::ledger::now_ms());
+    }
+
+    /// An answer to one of this courier's callouts, whoever made it (a root's or the
+    /// handoff's).
+    pub fn on_callout_done_any(
+        &self,
+        callout_id: u64,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+    ) {
+        if let Some((headers, body)) = self.on_callout_done(callout_id, headers, body) {
+            let now_ms = crate::ledger::now_ms();
+            if self
+                .handoff
+                .on_callout_done(callout_id, headers, body, now_ms)
+                .is_some()
+            {
+                log::debug!("an answer to a store request nobody waits for dropped");
+            }
+        }
+    }
+
+    /// Retired, and nothing left to land: the store thread lets it go.
+    pub fn is_done(&self) -> bool {
+        relock(&self.outbox).retired && !self.handoff.has_work()
+    }
+
+    /// Every stream this courier has open (reset when it is done with).
+    pub fn stream_ids(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = relock(&self.streams).by_stream.keys().copied().collect();
+        ids.extend(self.handoff.stream_ids());
+        ids
     }
 
     fn run_operations(&self, calls: &impl StreamCalls) {
@@ -442,7 +475,7 @@ impl Courier {
         }
     }
 
-    /// On the main thread (the stream hooks): what the store said on `stream_id`.
+    /// On the store thread: what the store said on `stream_id`.
     pub fn on_stream_event(&self, stream_id: u64, event: ConfigStreamEvent) {
         if self.handoff.owns(stream_id) {
             self.handoff
@@ -546,25 +579,19 @@ impl Courier {
         }
     }
 
-    /// Ends our side of a stream the store ended, on the next run: not inside Envoy's own
-    /// callback for that stream. Nothing to do once the configuration is gone.
+    /// Ends our side of a stream the store ended, on the next run: not inside the task that
+    /// reads it. Nothing to do once the configuration is gone.
     fn finish(&self, stream_id: u64, reset: bool) {
         let _ = self.submit(Operation::Finish { stream_id, reset });
     }
 
-    /// On the main thread, from the configuration's drop: no commit after this returns;
-    /// every stream's root learns it closed (Envoy resets them without an event), and so does
-    /// every root whose open was still queued.
+    /// From the configuration's drop: no root of it runs again, so every root's stream is
+    /// reset and closed in its inbox, and so is every open still queued; no more is taken.
+    /// The handoff goes on landing what the roots left until it has nothing.
     pub fn retire(&self) {
-        if let Some(ticket) = relock(&self.sweeps).take() {
-            crate::ticker::Ticker::process().cancel(ticket);
-        }
-        self.handoff.retire();
         let queued = {
             let mut outbox = relock(&self.outbox);
             outbox.retired = true;
-            outbox.scheduler = None;
-            outbox.armed = false;
             std::mem::take(&mut outbox.operations)
         };
         for operation in queued {
@@ -580,10 +607,10 @@ impl Courier {
                         body: Vec::new(),
                     });
                 }
-                _ => {}
+                // A send or close on a root's stream: the stream is reset below.
+                Operation::Send { .. } | Operation::Close { .. } | Operation::Finish { .. } => {}
             }
         }
-        // Envoy cancels the configuration's callouts with it: none will be answered.
         let callouts: Vec<(u32, Arc<Inbox>)> = relock(&self.streams)
             .callouts
             .drain()
@@ -596,12 +623,17 @@ impl Courier {
                 body: Vec::new(),
             });
         }
-        let routes: Vec<Route> = {
+        let routes: Vec<(u64, Route)> = {
             let mut streams = relock(&self.streams);
             streams.by_token.clear();
-            streams.by_stream.drain().map(|(_, route)| route).collect()
+            streams.by_stream.drain().collect()
         };
-        for route in routes {
+        if self.attached {
+            StoreThread::process()
+                .transport
+                .reset_all(routes.iter().map(|(id, _)| *id));
+        }
+        for (_, route) in routes {
             route.inbox.deliver(StreamEvent::Closed {
                 token: route.token,
                 status: GRPC_UNAVAILABLE,
@@ -610,11 +642,34 @@ impl Courier {
     }
 }
 
+impl StoreTraffic for Courier {
+    fn address_of(&self, cluster: &str) -> Option<String> {
+        Courier::address_of(self, cluster)
+    }
+    fn run(&self, calls: &Calls<'_>) {
+        Courier::run(self, calls);
+    }
+    fn sweep(&self, calls: &Calls<'_>) {
+        Courier::sweep(self, calls);
+    }
+    fn is_done(&self) -> bool {
+        Courier::is_done(self)
+    }
+    fn stream_ids(&self) -> Vec<u64> {
+        Courier::stream_ids(self)
+    }
+    fn on_stream_event(&self, id: u64, event: ConfigStreamEvent) {
+        Courier::on_stream_event(self, id, event);
+    }
+    fn on_answer(&self, id: u64, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) {
+        self.on_callout_done_any(id, headers, body);
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
-    use crate::abi::ConfigHandle;
     use std::cell::RefCell;
 
     type Pairs = Vec<(String, Vec<u8>)>;
@@ -673,10 +728,8 @@ mod tests {
         }
     }
 
-    fn courier() -> Courier {
-        // SAFETY: the mocked ABI never dereferences it.
-        let handle = unsafe { ConfigHandle::from_raw(0xc0 as *mut std::ffi::c_void) };
-        Courier::new(handle.new_scheduler())
+    fn courier() -> Arc<Courier> {
+        Courier::for_tests()
     }
 
     fn target() -> StreamTarget {
@@ -1012,8 +1065,60 @@ mod tests {
         );
         assert!(courier.open(&worker_a, target()).is_err());
         assert!(courier.send(open_a, b"x").is_err());
-        // Events Envoy might still have in flight find no route.
+        // Events the store thread might still have in flight find no route.
         courier.on_stream_event(101, ConfigStreamEvent::Reset);
         assert!(worker_a.take_all().is_empty());
+    }
+
+    /// A push that removes the filter: no root of the old configuration runs again, and its
+    /// courier goes on landing what they handed off until the store has it.
+    #[test]
+    fn a_retired_configuration_lands_every_write_its_roots_handed_off() {
+        use idempotency_protocol::stream::{decode_call, encode_answer, encode_call_parts};
+        use idempotency_protocol::stream::{Answer, CallOp, Reply};
+        let (courier, envoy) = (courier(), FakeEnvoy::default());
+        let ledger = Arc::new(crate::ledger::Ledger::default());
+        courier.handoff.adopt(Arc::clone(&ledger));
+        let now = crate::ledger::now_ms();
+        let call = encode_call_parts(
+            0,
+            &CallOp::Release {
+                key: "k".repeat(64),
+                owner: "o".into(),
+            },
+        );
+        let write = idempotency_core::host::HandedOffWrite {
+            id: 1,
+            cluster: "store",
+            authority: "idempotency-store",
+            authorization: None,
+            call,
+            deadline_ms: now + 60_000,
+            settles_within_ms: 0,
+            http: None,
+            on_landed: None,
+        };
+        ledger.record(&write, now).unwrap();
+        courier.retire();
+        drop(ledger);
+        assert!(!courier.is_done(), "a write is left to land");
+        courier.sweep(&envoy);
+        let sent = envoy.sent.borrow().clone();
+        let [(stream, frame, false)] = &sent[..] else {
+            panic!("one send: {sent:?}");
+        };
+        let call = decode_call(&frame[PREFIX_BYTES..]).unwrap();
+        let answer = grpc_frame(&encode_answer(&Answer {
+            id: call.id,
+            reply: Reply::Released,
+        }));
+        courier.on_stream_event(
+            *stream,
+            ConfigStreamEvent::Data {
+                data: answer,
+                end_stream: false,
+            },
+        );
+        assert!(courier.is_done(), "landed: the store thread lets it go");
     }
 }

@@ -1,12 +1,12 @@
-//! The main thread's landing of handed-off store writes (docs/how-it-works.md, "The write
+//! The store thread's landing of handed-off store writes (docs/how-it-works.md, "The write
 //! handoff"): the entries of its roots' ledgers that stay unsettled past their grace are sent
 //! on streams of the courier's own, one per store target, and retried with backoff until the
 //! store answers or their deadline passes. Answers settle ledger entries only: never a root or
 //! a request (a root settles its own copy when it runs; the store takes a duplicate
 //! harmlessly: docs/store-protocol.md, "Idempotent for the same bytes", and a late release).
 //!
-//! A retired configuration's ledgers go to the process's orphanage, and the next live
-//! configuration's sweep adopts them: Envoy frees a retired configuration's streams.
+//! A retired configuration's handoff goes on until its ledgers are empty: the store thread
+//! holds its courier until then.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -20,9 +20,6 @@ use idempotency_protocol::stream::{CallOp, FailureKind, Reply};
 use crate::abi::ConfigStreamEvent;
 use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget, MAX_FRAME_BYTES};
 use crate::ledger::{DueWrite, Ledger};
-
-/// Ledgers of retired configurations, waiting for a live one to adopt them.
-static ORPHANS: Mutex<Vec<Arc<Ledger>>> = Mutex::new(Vec::new());
 
 fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
@@ -68,10 +65,14 @@ impl Handoff {
         relock(&self.state).ledgers.push(ledger);
     }
 
-    /// Whether any ledger holds an entry (the ticker's question: is a sweep worth a hop to
-    /// the main thread?).
+    /// Whether any ledger holds an entry.
     pub fn has_work(&self) -> bool {
-        relock(&self.state).ledgers.iter().any(|l| !l.is_empty()) || !relock(&ORPHANS).is_empty()
+        relock(&self.state).ledgers.iter().any(|l| !l.is_empty())
+    }
+
+    /// The handoff's own streams.
+    pub fn stream_ids(&self) -> Vec<u64> {
+        relock(&self.state).by_stream.keys().copied().collect()
     }
 
     /// Whether `stream_id` is one of the handoff's own streams.
@@ -79,14 +80,11 @@ impl Handoff {
         relock(&self.state).by_stream.contains_key(&stream_id)
     }
 
-    /// On the main thread: sends every ledger entry due now, on its target's stream. Envoy
-    /// may run a stream's hooks inside a start or a send (a local reply, a reset), so no lock
-    /// of the handoff is held across a call into Envoy.
+    /// On the store thread: sends every ledger entry due now, on its target's stream. No
+    /// lock of the handoff is held across a start or a send.
     pub fn sweep(&self, calls: &impl StreamCalls, now_ms: u64) {
-        let orphans = std::mem::take(&mut *relock(&ORPHANS));
         let (to_reset, ledgers) = {
             let mut state = relock(&self.state);
-            state.ledgers.extend(orphans);
             // A stream with an attempt unanswered in time is frozen (a store that stopped
             // answering keeps its connection): reset, its attempts failed, backed off.
             let frozen: Vec<u64> = state
@@ -184,8 +182,7 @@ impl Handoff {
         Ok(())
     }
 
-    /// The store's HTTP transport: the write as its root sends it, as a callout of the
-    /// configuration's (a store cluster may speak HTTP/1.1 only).
+    /// The store's HTTP transport: the write as its root sends it, as one request.
     fn send_http(
         &self,
         calls: &impl StreamCalls,
@@ -227,8 +224,8 @@ impl Handoff {
         Ok(())
     }
 
-    /// On the main thread: Envoy answered callout `callout_id`. Given back when it is not one
-    /// of the handoff's.
+    /// On the store thread: the store answered request `callout_id`. Given back when it is
+    /// not one of the handoff's.
     #[allow(clippy::type_complexity)]
     pub fn on_callout_done(
         &self,
@@ -259,7 +256,7 @@ impl Handoff {
         None
     }
 
-    /// On the main thread: what the store said on one of the handoff's streams.
+    /// On the store thread: what the store said on one of the handoff's streams.
     pub fn on_stream_event(&self, stream_id: u64, event: ConfigStreamEvent, now_ms: u64) {
         let mut state = relock(&self.state);
         match event {
@@ -281,27 +278,6 @@ impl Handoff {
             ConfigStreamEvent::Trailers(_) => close(&mut state, stream_id, now_ms, true),
             ConfigStreamEvent::Complete | ConfigStreamEvent::Reset => {
                 close(&mut state, stream_id, now_ms, false)
-            }
-        }
-    }
-
-    /// From the configuration's drop: Envoy frees the streams without an event, so nothing
-    /// in flight will be answered; the ledgers wait for a live configuration to adopt them.
-    pub fn retire(&self) {
-        let ledgers = {
-            let mut state = relock(&self.state);
-            state.carriers.clear();
-            state.by_stream.clear();
-            state.to_reset.clear();
-            // Envoy cancels the configuration's callouts with it.
-            state.callouts.clear();
-            std::mem::take(&mut state.ledgers)
-        };
-        let mut orphans = relock(&ORPHANS);
-        for ledger in ledgers {
-            ledger.nothing_in_flight();
-            if !ledger.is_empty() || Arc::strong_count(&ledger) > 1 {
-                orphans.push(ledger);
             }
         }
     }
@@ -593,7 +569,7 @@ mod tests {
         }
     }
 
-    /// An unknown outcome's completion the main thread lands marks its record as the store's
+    /// An unknown outcome's completion the store thread lands marks its record as the store's
     /// (core's `on_landed`) when the store records it, and only then: a completion the store
     /// refuses as not the owner's leaves the record unmarked, so retries still never take
     /// the store's "free" for a settlement of a record it never got.
@@ -740,7 +716,7 @@ mod tests {
     }
 
     /// Review: a store (or whatever answers at its cluster) that announces a message larger
-    /// than any store answer must not make the main thread buffer it until the answer
+    /// than any store answer must not make the store thread buffer it until the answer
     /// deadline: Envoy's memory would grow with whatever it sends meanwhile.
     #[test]
     fn a_frame_larger_than_any_store_answer_resets_the_stream_at_once() {
@@ -767,30 +743,5 @@ mod tests {
         let calls = sent(&envoy);
         assert_eq!(calls.len(), 2);
         assert_ne!(calls[1].0, stream);
-    }
-
-    #[test]
-    fn a_retired_configurations_ledger_is_adopted_and_landed_by_a_live_one() {
-        let envoy = FakeEnvoy::default();
-        let (old, new) = (Handoff::default(), Handoff::default());
-        let ledger = Arc::new(Ledger::default());
-        old.adopt(Arc::clone(&ledger));
-        ledger.record(&release(3, "o3").1, T0).unwrap();
-        old.sweep(&envoy, T0 + 350);
-        assert_eq!(sent(&envoy).len(), 1);
-        // The push: Envoy frees the old configuration's streams without an event.
-        old.retire();
-        drop(ledger);
-        new.sweep(&envoy, T0 + 360);
-        let calls = sent(&envoy);
-        assert_eq!(
-            calls.len(),
-            2,
-            "sent again by the live configuration: {calls:?}"
-        );
-        let (stream, id, _) = calls[1].clone();
-        answer(&new, stream, id, Reply::Released, T0 + 370);
-        new.sweep(&envoy, T0 + 380);
-        assert!(!new.has_work());
     }
 }

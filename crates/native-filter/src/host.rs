@@ -1,10 +1,9 @@
 //! Envoy as core's `Host`, over the dynamic module ABI: each call maps onto the request host
 //! calls act on now (`worker::effective`), the process's shared data, or the configuration's
-//! metrics, and the root's store streams (`root_streams.rs`, carried by the main thread's
+//! metrics, and the root's store streams (`root_streams.rs`, carried by the store thread's
 //! courier). HTTP callouts are the main thread's root's only (`main_root.rs`, the
-//! configuration's own callouts); a worker's root has none outside a request, and the
-//! configuration refuses the features that would need them before any request can ask
-//! (`configuration::not_native_yet`).
+//! configuration's own callouts) and the store thread's (a worker's root's store requests); a
+//! worker's root has none of its own outside a request.
 
 use std::cell::Cell;
 
@@ -239,7 +238,7 @@ impl Host for NativeHost<'_> {
     }
 
     /// The main root's: the configuration's own. A request's: its own (Envoy cancels them
-    /// with it, as proxy-wasm does). A worker's root's: made by the courier on the main
+    /// with it, as proxy-wasm does). A worker's root's: made by the courier on the store
     /// thread, answered through the root's inbox.
     fn dispatch_callout(&self, callout: &Callout<'_>) -> Result<u32, HostError> {
         if let Some(main) = &self.main {

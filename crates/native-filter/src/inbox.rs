@@ -1,7 +1,7 @@
-//! A worker root's inbox: what the main thread's courier received for that root's store
+//! A worker root's inbox: what the store thread's courier received for that root's store
 //! streams, held until the root's worker drains it (at a wake-up, or at its next request).
 //!
-//! The main thread cannot run the root (it lives on its worker), so it leaves the event here
+//! The store thread cannot run the root (it lives on its worker), so it leaves the event here
 //! and wakes the worker by committing the scheduler of one of the worker's live requests that
 //! asked to be woken. Wakers are added and removed on the worker and used under the inbox's
 //! lock, so once `remove_waker` returns the courier never commits that request's scheduler
@@ -31,7 +31,7 @@ pub enum StreamEvent {
     /// Not a stream's: the main thread's root answers this worker's request `context_id`,
     /// whose detached write it ran.
     Reply(Box<Reply>),
-    /// Not a stream's: the answer to a callout the courier made for the root (the store's
+    /// Not a stream's: the answer to a request the courier made for the root (the store's
     /// HTTP transport); no headers: none came (a reset, a timeout, the configuration gone).
     CalloutAnswer {
         token: u32,

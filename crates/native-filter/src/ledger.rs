@@ -1,6 +1,6 @@
 //! One worker root's ledger of handed-off store writes (docs/how-it-works.md, "The write
 //! handoff"): the completions and releases core reported (`Host::hand_off_write`) and has not
-//! settled yet. The root writes it on its worker; the courier reads it on the main thread and
+//! settled yet. The root writes it on its worker; the courier reads it on the store thread and
 //! lands an entry its root leaves unsettled for too long (an idle worker cannot run its
 //! root), so a lock guards it. It holds owned bytes and plain table marks only (core's
 //! `OnLanded`), never a root or a request.
@@ -247,7 +247,7 @@ impl Ledger {
         entries.bytes = entries.bytes.saturating_sub(entry.bytes());
         if let Some(suppressed) = entries.landings.admit(now_ms) {
             log::info!(
-                "store {} of an idle worker landed by the main thread after {} attempt(s) \
+                "store {} of an idle worker landed by the store thread after {} attempt(s) \
                  ({suppressed} similar not logged)",
                 entry.what,
                 entry.attempts
@@ -292,17 +292,9 @@ impl Ledger {
         let (what, attempts) = (entry.what, entry.attempts);
         if let Some(suppressed) = entries.failures.admit(now_ms) {
             log::warn!(
-                "store {what} of an idle worker failed on the main thread (attempt \
+                "store {what} of an idle worker failed on the store thread (attempt \
                  {attempts}): {why}; retried until its deadline ({suppressed} similar not logged)"
             );
-        }
-    }
-
-    /// From a retiring courier: its streams are gone without an event, so no attempt in
-    /// flight will be answered.
-    pub fn nothing_in_flight(&self) {
-        for entry in self.lock().by_id.values_mut() {
-            entry.in_flight_since = None;
         }
     }
 

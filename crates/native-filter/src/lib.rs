@@ -11,13 +11,15 @@
 //! gRPC replay echo's configuration, `worker.rs` what each worker thread holds,
 //! `shared_data.rs` and `queues.rs` what proxy-wasm shared between workers, `metrics.rs` the
 //! configuration's counters, `ticker.rs` the thread that gives roots their ticks,
-//! `courier.rs` the main thread's carrier of the roots' store streams, `inbox.rs` where their
+//! `store_client/` the module's store thread and its connections to the store, `courier.rs` a
+//! configuration's carrier of the roots' store streams on that thread, `inbox.rs` where their
 //! events wait for a root's worker, `root_streams.rs` those streams as core's host sees them,
-//! `ledger.rs` a root's handed-off completions and releases, `handoff.rs` the main thread's
+//! `ledger.rs` a root's handed-off completions and releases, `handoff.rs` the store thread's
 //! landing of those an idle worker leaves unsettled, `config_streams.rs` what the courier's
 //! and the handoff's streams share, `main_root.rs` the configuration's root on the main
-//! thread, which resolves unknown outcomes for every worker, `carried.rs` what the workers hand
-//! it, `config_callouts.rs` its callouts.
+//! thread, which resolves unknown outcomes for every worker, `main_thread.rs` what brings the
+//! main thread to it, `carried.rs` what the workers hand it, `config_callouts.rs` its
+//! callouts.
 
 pub(crate) use dynamic_module_abi as abi;
 #[cfg(test)]
@@ -39,12 +41,14 @@ mod inbox;
 mod ledger;
 mod loaded;
 mod main_root;
+mod main_thread;
 mod metrics;
 mod queues;
 mod request_callouts;
 mod root;
 mod root_streams;
 mod shared_data;
+mod store_client;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod tests;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::carried::Carried;
 use crate::courier::Courier;
+use crate::main_thread::MainThread;
 use crate::metrics::Metrics;
 
 /// What every worker shares of one configuration.
@@ -15,8 +16,10 @@ pub struct Shared {
     pub id: u64,
     pub configuration: Vec<u8>,
     pub metrics: Metrics,
-    /// Carries the workers' store streams on the main thread.
+    /// Carries the workers' store streams on the module's store thread.
     pub courier: Arc<Courier>,
+    /// Brings Envoy's main thread to the configuration's main root.
+    pub main_thread: Arc<MainThread>,
     /// What the workers hand the main thread's root (`main_root.rs`).
     pub carried: Carried,
     /// Envoy let go of the configuration (a push replaced it).

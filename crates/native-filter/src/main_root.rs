@@ -11,8 +11,8 @@
 //! sends the writes with the configuration's own callouts, which outlive every request,
 //! settles keys in the process's shared data (and the store, over streams of the courier's
 //! like a worker's), answers a detached write's client through its worker's inbox, and runs
-//! on the configuration's scheduler: when a worker carries work here, when the courier runs,
-//! and on the process ticker's sweeps while it holds any.
+//! on the configuration's scheduler (`main_thread.rs`): when a worker carries work here, when
+//! its store streams answer, and on the process ticker's sweeps while it holds any.
 
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
@@ -82,6 +82,10 @@ impl MainRoot {
             log::error!("the main thread's root refused a configuration the module had accepted");
             return None;
         }
+        // What its store streams say (on the store thread) brings the main thread here.
+        main.streams
+            .inbox
+            .add_waker(Arc::clone(&main.shared.main_thread) as Arc<dyn crate::ticker::Wake>);
         Some(main)
     }
 

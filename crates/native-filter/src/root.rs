@@ -77,7 +77,7 @@ impl WorkerRoot {
         }
     }
 
-    /// Where the main thread leaves this root's store stream events.
+    /// Where the store thread leaves this root's store stream events.
     pub fn inbox(&self) -> &Arc<crate::inbox::Inbox> {
         &self.streams.inbox
     }
@@ -155,7 +155,7 @@ impl WorkerRoot {
                 Err(Refused::Closed(refused)) => crate::carried::orphan(refused),
             }
         }
-        self.shared.courier.summon();
+        self.shared.main_thread.summon();
     }
 
     /// Sends the store writes this root's requests submitted, at once: proxy-wasm wakes a

@@ -1,5 +1,5 @@
 //! A worker root's store streams as core's host calls see them: opens, sends and closes go to
-//! the configuration's courier (main thread); what arrives waits in the root's inbox, and
+//! the configuration's courier (the store thread); what arrives waits in the root's inbox, and
 //! while the root takes one event, `grpc_message` / `grpc_initial_metadata` answer from it,
 //! as proxy-wasm answers from the event it is delivering.
 
@@ -85,7 +85,7 @@ impl RootStreams {
         }
     }
 
-    /// A callout from a worker's root, made by the courier on the main thread.
+    /// A callout from a worker's root, made by the courier on the store thread.
     pub fn callout(&self, callout: &Callout<'_>) -> Result<u32, HostError> {
         let owned = OwnedCallout {
             cluster: callout.cluster.to_owned(),
@@ -193,9 +193,7 @@ mod tests {
 
     #[test]
     fn host_reads_answer_from_the_event_being_delivered_only() {
-        // SAFETY: the mocked ABI never dereferences it.
-        let handle = unsafe { crate::abi::ConfigHandle::from_raw(0xc1 as *mut std::ffi::c_void) };
-        let streams = RootStreams::new(Arc::new(Courier::new(handle.new_scheduler())));
+        let streams = RootStreams::new(Courier::for_tests());
         assert!(streams.message(10).is_err() && streams.initial_metadata().is_err());
         let message = StreamEvent::Message {
             token: 1,

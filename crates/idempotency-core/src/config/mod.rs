@@ -216,6 +216,9 @@ pub struct Rule {
 pub struct StoreConfig {
     /// Envoy cluster name (in Istio: `outbound|<port>||<fqdn>`).
     pub cluster: String,
+    /// `host:port` of the store, resolved at each connection: the native build connects to
+    /// it from threads of its own, off Envoy's main thread (the Wasm build uses `cluster`).
+    pub address: Option<String>,
     pub authority: String,
     pub timeout_ms: u64,
     /// Bearer token sent to the store.

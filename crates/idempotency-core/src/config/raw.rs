@@ -35,6 +35,9 @@ pub(super) struct RawConfig {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawStore {
     pub(super) cluster: String,
+    /// `host:port` the native build dials itself (the Wasm build goes through `cluster`).
+    #[serde(default)]
+    pub(super) address: Option<String>,
     #[serde(default = "default_store_authority")]
     pub(super) authority: String,
     #[serde(default = "default_store_timeout_ms")]

@@ -283,12 +283,42 @@ fn store_is_global_or_per_rule() {
             .store
             .is_none()
     );
+    for address in [
+        "127.0.0.1:8081",
+        "[::1]:8081",
+        "idempotency-store.ns.svc:8081",
+    ] {
+        let json = format!(
+            r#"{{"rules":[{{"name":"a","store":{{"cluster":"s","address":"{address}"}}}}]}}"#
+        );
+        let parsed = Config::parse(json.as_bytes()).unwrap();
+        assert_eq!(
+            parsed.rules[0].store.as_ref().unwrap().address.as_deref(),
+            Some(address)
+        );
+    }
     for (json, field) in [
         (
             &br#"{"store":{"cluster":"s","timeout_ms":0}}"#[..],
             "store.timeout_ms",
         ),
         (&br#"{"store":{"cluster":""}}"#[..], "store.cluster"),
+        (
+            &br#"{"store":{"cluster":"s","address":"store"}}"#[..],
+            "store.address",
+        ),
+        (
+            &br#"{"store":{"cluster":"s","address":"store:0"}}"#[..],
+            "store.address",
+        ),
+        (
+            &br#"{"store":{"cluster":"s","address":"[::1:8081"}}"#[..],
+            "store.address",
+        ),
+        (
+            &br#"{"store":{"cluster":"s","address":"a b:8081"}}"#[..],
+            "store.address",
+        ),
         (
             &br#"{"rules":[{"name":"a","store":{"cluster":"s","token":"a b"}}]}"#[..],
             "rules[0].store.token",

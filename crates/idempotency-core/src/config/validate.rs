@@ -84,6 +84,14 @@ fn validate_store(at: &str, raw: RawStore) -> Result<StoreConfig, ConfigError> {
             "must name an Envoy cluster",
         ));
     }
+    if let Some(address) = &raw.address {
+        if !is_host_port(address) {
+            return Err(invalid(
+                format!("{at}.address"),
+                "must be host:port (a name or IP, then a port from 1 to 65535; [v6]:port)",
+            ));
+        }
+    }
     if raw.authority.trim().is_empty() || raw.authority.bytes().any(|b| !b.is_ascii_graphic()) {
         return Err(invalid(format!("{at}.authority"), "must be a host name"));
     }
@@ -110,12 +118,31 @@ fn validate_store(at: &str, raw: RawStore) -> Result<StoreConfig, ConfigError> {
     }
     Ok(StoreConfig {
         cluster: raw.cluster,
+        address: raw.address,
         authority: raw.authority,
         timeout_ms: raw.timeout_ms,
         token: raw.token,
         path_prefix: raw.path_prefix,
         transport: raw.transport,
     })
+}
+
+/// `host:port`, `[v6]:port`: what a resolver takes, with a port that can be dialled.
+fn is_host_port(address: &str) -> bool {
+    let Some((host, port)) = address.rsplit_once(':') else {
+        return false;
+    };
+    let port_ok = port.parse::<u16>().is_ok_and(|p| p != 0);
+    let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => {
+            !host.is_empty()
+                && host
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_')
+        }
+    };
+    port_ok && host_ok
 }
 
 fn validate_rule(
