@@ -39,6 +39,10 @@ pub trait FilterFactory: Send + Sync + 'static {
     /// Called on the request's worker when its stream starts. None: this request is not
     /// filtered (every hook answers Continue); the stream goes on.
     fn new_filter(&self, filter: &Filter) -> Option<Box<dyn HttpFilter>>;
+    /// The request's filter when `new_filter` panicked (None: the stream goes on unfiltered).
+    fn failed_filter(&self) -> Option<Box<dyn HttpFilter>> {
+        None
+    }
     /// An event committed on a [`super::ConfigScheduler`] of this config (main thread).
     #[allow(unused_variables)]
     fn on_config_scheduled(&self, config: &MainThreadConfig, event_id: u64) {}
@@ -389,7 +393,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
 ) -> ffi::HttpFilterModulePtr {
     barrier("http_filter_new", std::ptr::null(), || {
         // Never null: Envoy may close the stream for a null filter. A request the factory
-        // skips (or whose creation panicked) gets an object with no filter.
+        // skips gets an object with no filter; one whose creation panicked, the factory's
+        // filter for that.
         let filter = if filter_config_ptr.is_null() {
             None
         } else {
@@ -398,7 +403,15 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
             let config = unsafe { &*filter_config_ptr.cast::<ConfigObject>() };
             // SAFETY: Envoy's pointer for this hook.
             let f = unsafe { Filter::from_raw(filter_envoy_ptr) };
-            barrier("new_filter", None, || config.factory.new_filter(&f))
+            let made = barrier("new_filter", None, || {
+                #[cfg(feature = "mock")]
+                super::mock_abi::maybe_panic("new_filter");
+                Some(config.factory.new_filter(&f))
+            });
+            match made {
+                Some(filter) => filter,
+                None => barrier("failed_filter", None, || config.factory.failed_filter()),
+            }
         };
         Box::into_raw(Box::new(FilterObject::new(filter)))
             .cast_const()

@@ -137,6 +137,70 @@ fn baseline_a_recorded_write_is_replayed_to_its_retry() {
     end(102, retry);
 }
 
+/// The body of the last local reply to `ptr`, as text.
+fn reply_body(ptr: usize) -> String {
+    with(|abi| {
+        let reply = abi.responses.iter().rev().find(|r| r.0 == ptr).cloned();
+        String::from_utf8_lossy(&reply.map(|r| r.3).unwrap_or_default()).into_owned()
+    })
+}
+
+/// A panic while the module makes a request's filter (a bug anywhere in `new_filter`) used
+/// to leave the request with no filter: it went upstream unprotected, and its retry ran the
+/// write again. Under Wasm the VM stops and Envoy answers 503. The request is answered 503
+/// problem+json and never resumed, and the write goes upstream only once it is protected.
+#[test]
+fn a_panic_making_a_requests_filter_answers_503_never_an_unprotected_pass() {
+    reset();
+    let config = config();
+    with(|abi| abi.panic_on.insert("new_filter"));
+    let (module, status) = start(config, 151, "attack-new-filter-panics");
+    assert_eq!(status, ffi::HEADERS_STOP_ITERATION, "not let through");
+    assert_eq!(replies_to(151), vec![503]);
+    assert!(reply_body(151)
+        .contains(r#""type":"urn:idempotency-filter:problem:idempotency-unavailable""#));
+    assert!(!with(|a| a
+        .calls
+        .iter()
+        .any(|c| c == "continue_decoding 151")));
+    end(151, module);
+    // The next request of the key is protected as ever.
+    let (first, status) = start(config, 152, "attack-new-filter-panics");
+    assert_eq!(
+        status,
+        ffi::HEADERS_CONTINUE,
+        "the write goes upstream, protected"
+    );
+    respond(152, first);
+    end(152, first);
+    let (retry, _) = start(config, 153, "attack-new-filter-panics");
+    assert_eq!(replies_to(153), vec![201], "its retry is its replay");
+    end(153, retry);
+}
+
+/// A worker's root that refuses the configuration the main thread accepted (not seen in
+/// practice) used to let every request of that worker through unprotected. They are answered
+/// 503 problem+json, as a failed Wasm VM's are.
+#[test]
+fn a_worker_root_that_refuses_its_configuration_answers_503_never_an_unprotected_pass() {
+    reset();
+    let config = config();
+    crate::root::REFUSE_NEXT_CONFIGURE.with(|refuse| refuse.set(true));
+    let (module, status) = start(config, 161, "attack-root-refuses");
+    assert_eq!(status, ffi::HEADERS_STOP_ITERATION, "not let through");
+    assert_eq!(replies_to(161), vec![503]);
+    assert!(reply_body(161)
+        .contains(r#""type":"urn:idempotency-filter:problem:idempotency-unavailable""#));
+    end(161, module);
+    let (again, status) = start(config, 162, "attack-root-refuses");
+    assert_eq!(
+        (status, replies_to(162)),
+        (ffi::HEADERS_STOP_ITERATION, vec![503])
+    );
+    end(162, again);
+    envoy_dynamic_module_on_http_filter_config_destroy(config);
+}
+
 fn sleep_ms(ms: u64) {
     std::thread::sleep(std::time::Duration::from_millis(ms));
 }

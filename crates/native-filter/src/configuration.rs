@@ -18,6 +18,7 @@ use crate::loaded::{Shared, RETIREMENTS};
 use crate::main_root::MainRoot;
 use crate::main_thread::MainThread;
 use crate::metrics::Metrics;
+use crate::refusing_filter::RefusingFilter;
 
 impl Drop for Configuration {
     /// Envoy destroys the configuration on the main thread once none of its requests is left:
@@ -163,7 +164,11 @@ impl crate::abi::FilterFactory for Configuration {
         root.drain_inbox();
         root.tick_if_due();
         let context_id = crate::worker::new_context_id();
-        let journey = root.new_request(context_id)?;
+        let Some(journey) = root.new_request(context_id) else {
+            // A root that refused the configuration (logged when it did), or one busy further
+            // up this stack: nothing can protect this request.
+            return Some(Box::new(RefusingFilter));
+        };
         crate::worker::register(context_id, filter.handle());
         Some(Box::new(crate::filter::NativeFilter::new(
             root,
@@ -171,6 +176,13 @@ impl crate::abi::FilterFactory for Configuration {
             context_id,
             filter.handle(),
         )))
+    }
+
+    fn failed_filter(&self) -> Option<Box<dyn crate::abi::HttpFilter>> {
+        if self.replay_echo {
+            return None;
+        }
+        Some(Box::new(RefusingFilter))
     }
 
     fn on_config_scheduled(&self, config: &MainThreadConfig, _event_id: u64) {

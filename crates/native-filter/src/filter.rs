@@ -10,7 +10,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_core::journey::{Event, Journey, RequestJourney, Verdict};
-use idempotency_core::problem::Problem;
 
 use crate::abi::{
     BodyStatus, CalloutResult, Filter, FilterHandle, HeadersStatus, HttpFilter, Scheduler,
@@ -285,13 +284,10 @@ impl HttpFilter for NativeFilter {
         if self.responding {
             return;
         }
-        let problem = Problem::unavailable("the idempotency filter failed on this request");
-        let headers = problem.headers();
-        let headers: Vec<(&str, &[u8])> = headers
-            .iter()
-            .map(|(name, value)| (*name, value.as_bytes()))
-            .collect();
-        filter.send_response(problem.status, &headers, &problem.body(""));
+        crate::refusing_filter::answer_unavailable(
+            filter,
+            "the idempotency filter failed on this request",
+        );
     }
 }
 

@@ -44,6 +44,7 @@ mod main_root;
 mod main_thread;
 mod metrics;
 mod queues;
+mod refusing_filter;
 mod request_callouts;
 mod root;
 mod root_streams;

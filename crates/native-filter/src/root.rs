@@ -32,8 +32,8 @@ pub struct WorkerRoot {
 
 impl WorkerRoot {
     /// Configures core's root for this worker; the configuration was checked on the main
-    /// thread already, so a refusal here is only logged (the worker's requests then pass, as
-    /// under an unconfigured Wasm root).
+    /// thread already, so a refusal here is not expected: it is logged, and the worker's
+    /// requests are answered 503 (`RefusingFilter`), as a failed Wasm VM's are.
     pub fn configure(shared: Arc<Shared>) -> WorkerRoot {
         let context_id = worker::new_root_context_id();
         let mut root = PluginRoot::new(context_id);
@@ -50,8 +50,13 @@ impl WorkerRoot {
             worker::act_on_none();
             root.on_configure(&host)
         };
+        #[cfg(test)]
+        let configured = configured && !REFUSE_NEXT_CONFIGURE.with(|refuse| refuse.replace(false));
         if !configured {
-            log::error!("this worker's root refused a configuration the module had accepted");
+            log::error!(
+                "this worker's root refused a configuration the module had accepted: its \
+                 requests are answered 503"
+            );
         }
         // A worker runs only while it has requests: the main thread resolves, and runs
         // detached writes, for it.
@@ -250,6 +255,12 @@ fn answer_elsewhere(root: &PluginRoot, host: &NativeHost<'_>, reply: &Reply) {
         }
     }
     worker::act_on_none();
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Fault injection: the next worker root built on this thread refuses its configuration.
+    pub static REFUSE_NEXT_CONFIGURE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 pub(crate) fn run_caught(what: &str, work: impl FnOnce()) {
