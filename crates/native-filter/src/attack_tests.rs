@@ -343,13 +343,6 @@ fn store_thread_runs() {
     courier.run(&calls);
 }
 
-/// The store answers the store thread's request `id`.
-fn store_answers_request(id: u64, status: &str, body: &[u8]) {
-    let courier = crate::courier::Courier::loaded_last().unwrap();
-    let headers = vec![(":status".to_owned(), status.as_bytes().to_vec())];
-    courier.on_callout_done_any(id, headers, body.to_vec());
-}
-
 /// The store says `event` on the store thread's stream `id`.
 fn store_says(id: u64, event: crate::abi::ConfigStreamEvent) {
     let courier = crate::courier::Courier::loaded_last().unwrap();
@@ -443,114 +436,73 @@ fn a_detached_write_out_when_its_configuration_goes_is_an_unknown_outcome() {
     envoy_dynamic_module_on_http_filter_config_destroy(next);
 }
 
-/// Cluster mode over the store's HTTP transport, with a short store timeout.
-fn http_store_config() -> ffi::HttpFilterConfigModulePtr {
-    load(
-        br#"{"store":{"cluster":"store","address":"127.0.0.1:1","transport":"http","timeout_ms":50},
-        "rules":[{"name":"orders","match":{"path_prefixes":["/orders"]},
-        "fingerprint":"none","lease_seconds":1,"ttl_seconds":60}]}"#,
-    )
-}
-
-/// The `:path`s of callouts (a request's, or the configuration's).
-fn callout_paths(calls: &[crate::abi::mock_abi::Callout]) -> Vec<String> {
-    calls
-        .iter()
-        .filter_map(|(_, headers, _, _)| {
-            let path = headers.iter().find(|(n, _)| n == ":path")?;
-            Some(String::from_utf8_lossy(&path.1).into_owned())
+/// The calls the store thread sent on its streams so far, decoded: (stream, call).
+fn store_calls() -> Vec<(u64, idempotency_protocol::stream::Call)> {
+    with(|a| a.config_stream_data.clone())
+        .into_iter()
+        .filter_map(|(stream, frame, _)| {
+            let call = idempotency_protocol::stream::decode_call(frame.get(5..)?).ok()?;
+            Some((stream, call))
         })
         .collect()
 }
 
-/// Envoy answers the request's own callout `id` with `status` and `body`.
-fn request_callout_answers(
-    ptr: usize,
-    module: ffi::HttpFilterModulePtr,
-    id: u64,
-    status: &str,
-    body: &str,
-) {
-    let (mut name, mut value) = (b":status".to_vec(), status.as_bytes().to_vec());
-    let mut header = [ffi::EnvoyHttpHeader {
-        key_ptr: name.as_mut_ptr().cast(),
-        key_length: name.len(),
-        value_ptr: value.as_mut_ptr().cast(),
-        value_length: value.len(),
-    }];
-    let mut body = body.as_bytes().to_vec();
-    let mut chunk = [ffi::EnvoyBuffer {
-        ptr: body.as_mut_ptr().cast(),
-        length: body.len(),
-    }];
-    envoy_dynamic_module_on_http_filter_http_callout_done(
-        fake(ptr),
-        module,
+/// The store answers call `id` on `stream` with `reply`.
+fn store_replies(stream: u64, id: u64, reply: idempotency_protocol::stream::Reply) {
+    let answer =
+        idempotency_protocol::stream::encode_answer(&idempotency_protocol::stream::Answer {
+            id,
+            reply,
+        });
+    store_says(
+        stream,
+        crate::abi::ConfigStreamEvent::Data {
+            data: crate::courier::grpc_frame(&answer),
+            end_stream: false,
+        },
+    );
+}
+
+/// The store opens `stream` (its answer's headers).
+fn store_opens(stream: u64) {
+    store_says(
+        stream,
+        crate::abi::ConfigStreamEvent::Headers {
+            headers: vec![(":status".into(), b"200".to_vec())],
+            end_stream: false,
+        },
+    );
+}
+
+/// The store claims the last claim sent for its owner.
+fn store_claims_the_last_claim() {
+    let (stream, id, owner) = store_calls()
+        .into_iter()
+        .rev()
+        .find_map(|(stream, call)| match call.op {
+            idempotency_protocol::stream::CallOp::Claim { owner, .. } => {
+                Some((stream, call.id, owner))
+            }
+            _ => None,
+        })
+        .unwrap();
+    store_replies(
+        stream,
         id,
-        ffi::CALLOUT_RESULT_SUCCESS,
-        header.as_mut_ptr(),
-        1,
-        chunk.as_mut_ptr(),
-        1,
+        idempotency_protocol::stream::Reply::Claimed {
+            owner,
+            lease_expires_at_ms: 1,
+        },
     );
 }
 
-/// The store's HTTP transport: a request's claim is its own callout; its completion goes
-/// out at once (the worker's root is not woken later, as proxy-wasm's is, and its worker may
-/// get no more requests), over HTTP; and when the store fails it while the worker is idle,
-/// the main thread lands it over HTTP too (the store's cluster may speak HTTP/1.1 only), never
-/// leaving it to a lease that lapses and a retry that runs the write again.
-#[test]
-fn an_idle_workers_http_completion_reaches_the_store_over_http() {
-    reset();
-    let config = http_store_config();
-    let (module, status) = start(config, 701, "attack-idle-http");
-    assert_eq!(
-        status,
-        ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK,
-        "held for the store"
-    );
-    let claims = with(|a| a.callouts.clone());
-    assert_eq!(callout_paths(&claims), vec!["/v1/claim".to_string()]);
-    let text = String::from_utf8(claims[0].2.clone()).unwrap();
-    let at = text.find("\"owner\":\"").unwrap() + 9;
-    let owner = text[at..].split('"').next().unwrap().to_owned();
-    let claimed = format!(r#"{{"outcome":"claimed","owner":"{owner}","lease_expires_at_ms":1}}"#);
-    request_callout_answers(701, module, 1, "200", &claimed);
-    respond(701, module);
-    end(701, module);
-    // The completion was submitted as the response ended: sent now, by the store thread.
-    store_thread_runs();
-    let sent = callout_paths(&with(|a| a.config_callouts.clone()));
-    assert_eq!(sent, vec!["/v1/complete".to_string()], "sent at once");
-    // The store fails it; the worker gets no more requests.
-    store_answers_request(1, "503", b"");
-    for _ in 0..10 {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        store_thread_runs();
-    }
-    let sent = callout_paths(&with(|a| a.config_callouts.clone()));
-    assert!(
-        sent.len() >= 2 && sent.iter().all(|p| p == "/v1/complete"),
-        "landed again over HTTP by the store thread: {sent:?}"
-    );
-    assert!(
-        with(|a| a.config_streams.is_empty()),
-        "no gRPC stream to an HTTP store"
-    );
-    envoy_dynamic_module_on_http_filter_config_destroy(config);
-}
-
-/// The owner token in a claim callout's JSON body.
-fn claimed_owner(claim: &crate::abi::mock_abi::Callout) -> String {
-    let text = String::from_utf8_lossy(&claim.2);
-    let at = text.find("\"owner\":\"").map_or(0, |at| at + 9);
-    text[at..].split('"').next().unwrap_or_default().to_owned()
-}
-
-/// The store's answer to a claim it took under `owner`.
-fn claimed_as(owner: &str) -> String {
-    format!(r#"{{"outcome":"claimed","owner":"{owner}","lease_expires_at_ms":1}}"#)
+/// The completions sent so far: (stream, call id).
+fn completions_sent() -> Vec<(u64, u64)> {
+    store_calls()
+        .into_iter()
+        .filter(|(_, c)| matches!(c.op, idempotency_protocol::stream::CallOp::Complete { .. }))
+        .map(|(stream, c)| (stream, c.id))
+        .collect()
 }
 
 /// Cluster mode: a write's client leaves mid-way (an unknown outcome) on a worker that then
@@ -563,55 +515,102 @@ fn claimed_as(owner: &str) -> String {
 #[test]
 fn an_unknown_outcome_the_store_took_is_marked_so_without_its_idle_worker() {
     reset();
-    let config = http_store_config();
+    let config = grpc_store_config();
     let (module, status) = start(config, 801, "attack-idle-mark");
     assert_eq!(
         status,
         ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK,
         "held for the store"
     );
-    let claim = with(|a| a.callouts[0].clone());
-    request_callout_answers(801, module, 1, "200", &claimed_as(&claimed_owner(&claim)));
+    store_thread_runs();
+    let stream = store_calls()[0].0;
+    store_opens(stream);
+    store_claims_the_last_claim();
+    // The worker takes the answer in the request's scheduled event: the write goes upstream.
+    envoy_dynamic_module_on_http_filter_scheduled(fake(801), module, 1);
+    assert!(with(|a| a
+        .calls
+        .iter()
+        .any(|c| c == "continue_decoding 801")));
     // The client leaves before any response: the outcome is unknown, recorded here and sent
     // to the store at once.
     end(801, module);
     store_thread_runs();
-    let sent = callout_paths(&with(|a| a.config_callouts.clone()));
-    assert_eq!(sent, vec!["/v1/complete".to_string()]);
-    let store_took_it = |id: u64| store_answers_request(id, "200", br#"{"outcome":"completed"}"#);
+    let sent = completions_sent();
+    assert_eq!(sent.len(), 1, "sent at once: {sent:?}");
     // The store takes it; the answer waits in the idle worker's inbox, and the store thread,
-    // seeing the write unsettled past its grace, lands it again: the store takes it again.
-    store_took_it(1);
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    // seeing the write unsettled past its grace, lands it again on a stream of its own: the
+    // store takes it again.
+    store_replies(
+        sent[0].0,
+        sent[0].1,
+        idempotency_protocol::stream::Reply::Recorded,
+    );
+    sleep_ms(2_200); // past the grace: the store's timeout (2 s) and the first backoff
     store_thread_runs();
-    let sent = callout_paths(&with(|a| a.config_callouts.clone()));
+    let sent = completions_sent();
     assert_eq!(sent.len(), 2, "landed by the store thread: {sent:?}");
-    store_took_it(2);
+    assert_ne!(sent[1].0, stream, "on the handoff's own stream");
+    store_opens(sent[1].0);
+    store_replies(
+        sent[1].0,
+        sent[1].1,
+        idempotency_protocol::stream::Reply::Recorded,
+    );
 
     // The store settled it as never run: its claim answer is "claimed". Another worker's
     // retry runs the write.
+    let courier = crate::courier::Courier::loaded_last().unwrap();
     let config_address = config as usize;
-    let (replies, resumed, resent) = std::thread::spawn(move || {
+    let (replies, resumed) = std::thread::spawn(move || {
         let config = config_address as ffi::HttpFilterConfigModulePtr;
         let (retry, status) = start(config, 802, "attack-idle-mark");
         assert_eq!(status, ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK);
-        let claim = with(|a| a.callouts[0].clone());
-        request_callout_answers(802, retry, 1, "200", &claimed_as(&claimed_owner(&claim)));
+        // SAFETY: the mocked ABI never dereferences it.
+        let calls = unsafe { crate::abi::MainThreadConfig::from_raw(fake(9)) };
+        courier.run(&calls);
+        let (stream, _) = store_calls().last().cloned().unwrap();
+        courier.on_stream_event(
+            stream,
+            crate::abi::ConfigStreamEvent::Headers {
+                headers: vec![(":status".into(), b"200".to_vec())],
+                end_stream: false,
+            },
+        );
+        let (stream, id, owner) = store_calls()
+            .into_iter()
+            .find_map(|(stream, call)| match call.op {
+                idempotency_protocol::stream::CallOp::Claim { owner, .. } => {
+                    Some((stream, call.id, owner))
+                }
+                _ => None,
+            })
+            .unwrap();
+        let answer =
+            idempotency_protocol::stream::encode_answer(&idempotency_protocol::stream::Answer {
+                id,
+                reply: idempotency_protocol::stream::Reply::Claimed {
+                    owner,
+                    lease_expires_at_ms: 1,
+                },
+            });
+        courier.on_stream_event(
+            stream,
+            crate::abi::ConfigStreamEvent::Data {
+                data: crate::courier::grpc_frame(&answer),
+                end_stream: false,
+            },
+        );
+        envoy_dynamic_module_on_http_filter_scheduled(fake(802), retry, 1);
         let resumed = with(|a| a.calls.iter().any(|c| c == "continue_decoding 802"));
         let replies = replies_to(802);
-        let resent = callout_paths(&with(|a| a.callouts.clone()));
         end(802, retry);
-        (replies, resumed, resent)
+        (replies, resumed)
     })
     .join()
     .unwrap();
     assert_eq!(replies, Vec::<u32>::new(), "not answered 409 by the filter");
     assert!(resumed, "the retry goes upstream");
-    assert_eq!(
-        resent,
-        vec!["/v1/claim".to_string()],
-        "nothing sent back to the store"
-    );
     envoy_dynamic_module_on_http_filter_config_destroy(config);
 }
 
@@ -755,4 +754,36 @@ fn a_request_the_root_resumes_sees_a_reply_envoy_makes_inside_the_resume() {
     end(313, retry);
     envoy_dynamic_module_on_http_filter_destroy(module);
     envoy_dynamic_module_on_http_filter_config_destroy(config);
+}
+
+/// The native build dials the store itself: a rule in cluster mode without `store.address`
+/// is refused at load, naming the field, and so is the store's HTTP transport, whose claims
+/// would go through Envoy's cluster while the writes go through the module's own connection
+/// (one path failing alone would let a write's lease lapse unrenewed and its retry run it).
+#[test]
+fn a_cluster_mode_configuration_the_native_build_cannot_carry_is_refused_at_load() {
+    for (json, field) in [
+        (
+            &br#"{"store":{"cluster":"store"},"rules":[{"name":"orders"}]}"#[..],
+            "store.address",
+        ),
+        (
+            &br#"{"store":{"cluster":"store","address":"127.0.0.1:1","transport":"http"},
+            "rules":[{"name":"orders"}]}"#[..],
+            "store.transport",
+        ),
+    ] {
+        reset();
+        let config = hooks::new_config(crate::FACTORY_BUILDER, fake(9), b"idem", json);
+        assert!(
+            config.is_null(),
+            "loaded: {}",
+            String::from_utf8_lossy(json)
+        );
+        let logs = with(|a| a.logs.clone());
+        assert!(
+            logs.iter().any(|(_, line)| line.contains(field)),
+            "{field} not named: {logs:?}"
+        );
+    }
 }

@@ -5,7 +5,6 @@ use idempotency_core::grpc::frame::PREFIX_BYTES;
 
 #[cfg(test)]
 use crate::abi::MainThreadConfig;
-use crate::config_callouts::ConfigCallouts;
 
 /// Where a root's store stream goes, as link.rs names it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -47,8 +46,8 @@ impl StreamTarget {
 }
 
 /// The store thread's stream calls (a trait so the courier's rules are tested without a
-/// store), beside its one-shot requests (the roots' store calls over HTTP).
-pub trait StreamCalls: ConfigCallouts {
+/// store).
+pub trait StreamCalls {
     fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String>;
     fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool;
     fn reset(&self, stream_id: u64);

@@ -253,6 +253,16 @@ fn store_addresses(config: &Config) -> Result<std::collections::HashMap<String, 
     let mut addresses = std::collections::HashMap::new();
     for rule in &config.rules {
         let Some(store) = &rule.store else { continue };
+        if store.transport == idempotency_core::config::StoreTransport::Http {
+            // Its claims would be a request's callouts through Envoy's cluster and its writes
+            // the module's: one path could fail alone, and a write whose renewals and
+            // completion never land would run again once its lease lapsed.
+            return Err(format!(
+                "rule {:?}: store.transport: the native build speaks to the store over its \
+                 stream only; \"http\" is the Wasm build's",
+                rule.name
+            ));
+        }
         let Some(address) = &store.address else {
             return Err(format!(
                 "rule {:?}: store.address: the native build connects to the store itself; \

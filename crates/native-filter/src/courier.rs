@@ -50,26 +50,12 @@ enum Operation {
         token: u32,
         reset: bool,
     },
-    /// A one-shot callout for `inbox`'s root (the store's HTTP transport).
-    Callout {
-        token: u32,
-        inbox: Arc<Inbox>,
-        callout: OwnedCallout,
-    },
     /// The store ended its side (or broke the framing): end ours too, or reset, so Envoy
     /// frees the stream. Made on the next run, never inside Envoy's callback for it.
     Finish {
         stream_id: u64,
         reset: bool,
     },
-}
-
-/// A root's callout, as the store thread makes it.
-pub struct OwnedCallout {
-    pub cluster: String,
-    pub headers: Vec<(String, Vec<u8>)>,
-    pub body: Vec<u8>,
-    pub timeout_ms: u64,
 }
 
 #[derive(Default)]
@@ -92,8 +78,6 @@ struct Route {
 struct Streams {
     by_stream: HashMap<u64, Route>,
     by_token: HashMap<u32, u64>,
-    /// The roots' callouts in flight: Envoy's id -> the token core was given, and its inbox.
-    callouts: HashMap<u64, (u32, Arc<Inbox>)>,
 }
 
 pub struct Courier {
@@ -224,7 +208,7 @@ impl Courier {
         Ok(())
     }
 
-    /// A token for a root's stream or callout.
+    /// A token for a root's stream.
     fn new_token(&self) -> u32 {
         loop {
             // Zero is proxy-wasm's "none"; a wrap after 4 billion skips it.
@@ -245,39 +229,6 @@ impl Courier {
             target,
         })?;
         Ok(token)
-    }
-
-    /// From a worker's root: a one-shot callout; its answer comes to `inbox` under the token
-    /// returned.
-    pub fn callout(&self, inbox: &Arc<Inbox>, callout: OwnedCallout) -> Result<u32, String> {
-        let token = self.new_token();
-        self.submit(Operation::Callout {
-            token,
-            inbox: Arc::clone(inbox),
-            callout,
-        })?;
-        Ok(token)
-    }
-
-    /// On the store thread: the store answered callout `callout_id`. Given back when it is
-    /// not one of the roots' (the handoff's, then).
-    #[allow(clippy::type_complexity)]
-    pub fn on_callout_done(
-        &self,
-        callout_id: u64,
-        headers: Vec<(String, Vec<u8>)>,
-        body: Vec<u8>,
-    ) -> Option<(Vec<(String, Vec<u8>)>, Vec<u8>)> {
-        let route = relock(&self.streams).callouts.remove(&callout_id);
-        let Some((token, inbox)) = route else {
-            return Some((headers, body));
-        };
-        inbox.deliver(StreamEvent::CalloutAnswer {
-            token,
-            headers,
-            body,
-        });
-        None
     }
 
     /// From a worker's root: one message, sent after everything queued before it.
@@ -304,26 +255,6 @@ impl Courier {
     /// On the store thread: lands what the roots left unsettled too long.
     pub fn sweep(&self, calls: &impl StreamCalls) {
         self.handoff.sweep(calls, crate::ledger::now_ms());
-    }
-
-    /// An answer to one of this courier's callouts, whoever made it (a root's or the
-    /// handoff's).
-    pub fn on_callout_done_any(
-        &self,
-        callout_id: u64,
-        headers: Vec<(String, Vec<u8>)>,
-        body: Vec<u8>,
-    ) {
-        if let Some((headers, body)) = self.on_callout_done(callout_id, headers, body) {
-            let now_ms = crate::ledger::now_ms();
-            if self
-                .handoff
-                .on_callout_done(callout_id, headers, body, now_ms)
-                .is_some()
-            {
-                log::debug!("an answer to a store request nobody waits for dropped");
-            }
-        }
     }
 
     /// Retired, and nothing left to land: the store thread lets it go.
@@ -359,41 +290,6 @@ impl Courier {
                     if let Some(stream_id) = route {
                         if reset || !calls.send(stream_id, &[], true) {
                             calls.reset(stream_id);
-                        }
-                    }
-                }
-                Operation::Callout {
-                    token,
-                    inbox,
-                    callout,
-                } => {
-                    let headers: Vec<(&str, &[u8])> = callout
-                        .headers
-                        .iter()
-                        .map(|(n, v)| (n.as_str(), v.as_slice()))
-                        .collect();
-                    let sent = calls.callout(
-                        &callout.cluster,
-                        &headers,
-                        &callout.body,
-                        callout.timeout_ms,
-                    );
-                    match sent {
-                        // (Envoy answers inside the call only when it then reports the
-                        // callout not started: that answer finds no route and is dropped, and
-                        // the root hears of the failure below.)
-                        Ok(callout_id) => {
-                            relock(&self.streams)
-                                .callouts
-                                .insert(callout_id, (token, inbox));
-                        }
-                        Err(e) => {
-                            log::debug!("a root's callout not made: {e}");
-                            inbox.deliver(StreamEvent::CalloutAnswer {
-                                token,
-                                headers: Vec::new(),
-                                body: Vec::new(),
-                            });
                         }
                     }
                 }
@@ -600,28 +496,9 @@ impl Courier {
                     token,
                     status: GRPC_UNAVAILABLE,
                 }),
-                Operation::Callout { token, inbox, .. } => {
-                    inbox.deliver(StreamEvent::CalloutAnswer {
-                        token,
-                        headers: Vec::new(),
-                        body: Vec::new(),
-                    });
-                }
                 // A send or close on a root's stream: the stream is reset below.
                 Operation::Send { .. } | Operation::Close { .. } | Operation::Finish { .. } => {}
             }
-        }
-        let callouts: Vec<(u32, Arc<Inbox>)> = relock(&self.streams)
-            .callouts
-            .drain()
-            .map(|(_, r)| r)
-            .collect();
-        for (token, inbox) in callouts {
-            inbox.deliver(StreamEvent::CalloutAnswer {
-                token,
-                headers: Vec::new(),
-                body: Vec::new(),
-            });
         }
         let routes: Vec<(u64, Route)> = {
             let mut streams = relock(&self.streams);
@@ -661,9 +538,6 @@ impl StoreTraffic for Courier {
     fn on_stream_event(&self, id: u64, event: ConfigStreamEvent) {
         Courier::on_stream_event(self, id, event);
     }
-    fn on_answer(&self, id: u64, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) {
-        self.on_callout_done_any(id, headers, body);
-    }
 }
 
 #[cfg(test)]
@@ -680,8 +554,6 @@ mod tests {
         started: RefCell<Vec<(String, Pairs)>>,
         sent: RefCell<Vec<(u64, Vec<u8>, bool)>>,
         resets: RefCell<Vec<u64>>,
-        /// Callouts made: cluster, body.
-        called: RefCell<Vec<(String, Vec<u8>)>>,
         refuse_start: bool,
         refuse_send: bool,
     }
@@ -711,23 +583,6 @@ mod tests {
         }
     }
 
-    impl crate::config_callouts::ConfigCallouts for FakeEnvoy {
-        fn callout(
-            &self,
-            cluster: &str,
-            _headers: &[(&str, &[u8])],
-            body: &[u8],
-            _timeout_ms: u64,
-        ) -> Result<u64, String> {
-            if self.refuse_start {
-                return Err("cluster not found".into());
-            }
-            let mut called = self.called.borrow_mut();
-            called.push((cluster.to_owned(), body.to_vec()));
-            Ok(500 + called.len() as u64)
-        }
-    }
-
     fn courier() -> Arc<Courier> {
         Courier::for_tests()
     }
@@ -743,70 +598,6 @@ mod tests {
 
     fn header(name: &str, value: &str) -> (String, Vec<u8>) {
         (name.to_owned(), value.as_bytes().to_vec())
-    }
-
-    fn callout_to_store(body: &[u8]) -> OwnedCallout {
-        OwnedCallout {
-            cluster: "store".into(),
-            headers: vec![header(":method", "POST"), header(":path", "/v1/complete")],
-            body: body.to_vec(),
-            timeout_ms: 250,
-        }
-    }
-
-    /// The store's HTTP transport from a worker's root: the main thread makes the callout,
-    /// and the answer goes to that root's inbox under the token it was given; one Envoy never
-    /// answers (the configuration went, or refused it) is failed there, never lost.
-    #[test]
-    fn a_roots_callout_is_answered_into_its_inbox_and_failed_if_it_cannot_be() {
-        let (courier, envoy) = (courier(), FakeEnvoy::default());
-        let (one, other) = (Arc::new(Inbox::default()), Arc::new(Inbox::default()));
-        let first = courier.callout(&one, callout_to_store(b"a")).unwrap();
-        let second = courier.callout(&other, callout_to_store(b"b")).unwrap();
-        assert_ne!(first, second);
-        courier.run(&envoy);
-        assert_eq!(envoy.called.borrow().len(), 2);
-        let status = vec![header(":status", "200")];
-        assert!(courier
-            .on_callout_done(501, status.clone(), b"{}".to_vec())
-            .is_none());
-        assert_eq!(
-            one.take_all(),
-            vec![StreamEvent::CalloutAnswer {
-                token: first,
-                headers: status.clone(),
-                body: b"{}".to_vec()
-            }]
-        );
-        assert!(
-            courier.on_callout_done(999, status, Vec::new()).is_some(),
-            "not a root's: given back (the main root's)"
-        );
-        courier.retire();
-        assert_eq!(
-            other.take_all(),
-            vec![StreamEvent::CalloutAnswer {
-                token: second,
-                headers: Vec::new(),
-                body: Vec::new()
-            }],
-            "cancelled with the configuration: failed, not lost"
-        );
-        let refused = FakeEnvoy {
-            refuse_start: true,
-            ..FakeEnvoy::default()
-        };
-        let (courier, inbox) = (self::courier(), Arc::new(Inbox::default()));
-        let token = courier.callout(&inbox, callout_to_store(b"c")).unwrap();
-        courier.run(&refused);
-        assert_eq!(
-            inbox.take_all(),
-            vec![StreamEvent::CalloutAnswer {
-                token,
-                headers: Vec::new(),
-                body: Vec::new()
-            }]
-        );
     }
 
     #[test]

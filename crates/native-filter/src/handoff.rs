@@ -12,10 +12,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use idempotency_core::grpc::frame::{frame_len, PREFIX_BYTES};
-use idempotency_core::host::status_of;
-use idempotency_core::store::client::{read_write_answer, WriteAnswer, WriteKind};
 use idempotency_protocol::stream::{decode_answer, decode_call, encode_call_parts};
-use idempotency_protocol::stream::{CallOp, FailureKind, Reply};
+use idempotency_protocol::stream::{FailureKind, Reply};
 
 use crate::abi::ConfigStreamEvent;
 use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget, MAX_FRAME_BYTES};
@@ -50,8 +48,6 @@ struct State {
     /// Streams the store ended: reset on the next sweep, outside Envoy's callback.
     to_reset: Vec<u64>,
     next_call_id: u64,
-    /// The store's HTTP transport: callouts in flight by Envoy's id, and which write each is.
-    callouts: HashMap<u64, (InFlight, WriteKind)>,
 }
 
 #[derive(Default)]
@@ -127,9 +123,6 @@ impl Handoff {
             ledger.settle(due.id);
             return Ok(());
         };
-        if let Some((path, body)) = &due.http {
-            return self.send_http(calls, due, ledger, now_ms, &decoded.op, (path, body));
-        }
         let open = relock(&self.state)
             .carriers
             .get(&due.target)
@@ -180,80 +173,6 @@ impl Handoff {
             close(&mut relock(&self.state), stream_id, now_ms, false);
         }
         Ok(())
-    }
-
-    /// The store's HTTP transport: the write as its root sends it, as one request.
-    fn send_http(
-        &self,
-        calls: &impl StreamCalls,
-        due: &DueWrite,
-        ledger: &Arc<Ledger>,
-        now_ms: u64,
-        op: &CallOp,
-        (path, body): (&str, &[u8]),
-    ) -> Result<(), String> {
-        let kind = match op {
-            CallOp::Complete { .. } => WriteKind::Complete,
-            CallOp::Release { .. } => WriteKind::Release,
-            _ => {
-                ledger.settle(due.id);
-                return Ok(());
-            }
-        };
-        let target = &due.target;
-        let mut headers: Vec<(&str, &[u8])> = vec![
-            (":method", b"POST"),
-            (":path", path.as_bytes()),
-            (":authority", target.authority.as_bytes()),
-            ("content-type", b"application/json"),
-        ];
-        for (name, value) in &target.metadata {
-            headers.push((name.as_str(), value.as_slice()));
-        }
-        let callout_id = calls
-            .callout(&target.cluster, &headers, body, due.answer_within_ms.max(1))
-            .map_err(|why| format!("callout to cluster {} not made: {why}", target.cluster))?;
-        let attempt = InFlight {
-            ledger: Arc::clone(ledger),
-            entry_id: due.id,
-            answer_by_ms: now_ms.saturating_add(due.answer_within_ms),
-        };
-        relock(&self.state)
-            .callouts
-            .insert(callout_id, (attempt, kind));
-        Ok(())
-    }
-
-    /// On the store thread: the store answered request `callout_id`. Given back when it is
-    /// not one of the handoff's.
-    #[allow(clippy::type_complexity)]
-    pub fn on_callout_done(
-        &self,
-        callout_id: u64,
-        headers: Vec<(String, Vec<u8>)>,
-        body: Vec<u8>,
-        now_ms: u64,
-    ) -> Option<(Vec<(String, Vec<u8>)>, Vec<u8>)> {
-        let Some((attempt, kind)) = relock(&self.state).callouts.remove(&callout_id) else {
-            return Some((headers, body));
-        };
-        let status = status_of(&headers);
-        let InFlight {
-            ledger, entry_id, ..
-        } = attempt;
-        match read_write_answer(kind, status, &body) {
-            WriteAnswer::Done if kind == WriteKind::Complete => ledger.recorded(entry_id, now_ms),
-            WriteAnswer::Done => ledger.landed(entry_id, now_ms),
-            WriteAnswer::Superseded | WriteAnswer::NotSettled => ledger.not_owner(entry_id, now_ms),
-            WriteAnswer::Refused(why) => {
-                log::warn!("handed-off store write refused by the store: {why}");
-                ledger.settle(entry_id);
-            }
-            WriteAnswer::Retry(why) => ledger.failed(entry_id, now_ms, &why),
-            // Only a renewal's answer names lost leases; the handoff sends none.
-            WriteAnswer::LeasesLost(_) => ledger.landed(entry_id, now_ms),
-        }
-        None
     }
 
     /// On the store thread: what the store said on one of the handoff's streams.
@@ -376,8 +295,6 @@ mod tests {
         resets: RefCell<Vec<u64>>,
     }
 
-    use crate::config_callouts::ConfigCallouts;
-
     impl StreamCalls for FakeEnvoy {
         fn start(&self, cluster: &str, _headers: &[(&str, &[u8])]) -> Result<u64, String> {
             self.started.borrow_mut().push(cluster.to_owned());
@@ -389,19 +306,6 @@ mod tests {
         }
         fn reset(&self, stream_id: u64) {
             self.resets.borrow_mut().push(stream_id);
-        }
-    }
-
-    /// The handoff's streams carry these tests' writes (gRPC transport): no callouts.
-    impl ConfigCallouts for FakeEnvoy {
-        fn callout(
-            &self,
-            _cluster: &str,
-            _headers: &[(&str, &[u8])],
-            _body: &[u8],
-            _timeout_ms: u64,
-        ) -> Result<u64, String> {
-            Err("no callouts in these tests".into())
         }
     }
 
@@ -651,18 +555,6 @@ mod tests {
         }
         fn reset(&self, stream_id: u64) {
             self.envoy.reset(stream_id);
-        }
-    }
-
-    impl ConfigCallouts for ResettingInline<'_> {
-        fn callout(
-            &self,
-            cluster: &str,
-            headers: &[(&str, &[u8])],
-            body: &[u8],
-            timeout_ms: u64,
-        ) -> Result<u64, String> {
-            self.envoy.callout(cluster, headers, body, timeout_ms)
         }
     }
 

@@ -1,9 +1,8 @@
 //! Envoy as core's `Host`, over the dynamic module ABI: each call maps onto the request host
 //! calls act on now (`worker::effective`), the process's shared data, or the configuration's
 //! metrics, and the root's store streams (`root_streams.rs`, carried by the store thread's
-//! courier). HTTP callouts are the main thread's root's only (`main_root.rs`, the
-//! configuration's own callouts) and the store thread's (a worker's root's store requests); a
-//! worker's root has none of its own outside a request.
+//! courier). HTTP callouts are a request's own or the main thread's root's (`main_root.rs`,
+//! the configuration's own callouts); a worker's root makes none.
 
 use std::cell::Cell;
 
@@ -238,14 +237,14 @@ impl Host for NativeHost<'_> {
     }
 
     /// The main root's: the configuration's own. A request's: its own (Envoy cancels them
-    /// with it, as proxy-wasm does). A worker's root's: made by the courier on the store
-    /// thread, answered through the root's inbox.
+    /// with it, as proxy-wasm does). A worker's root makes none: its store calls go on the
+    /// store stream (the native build refuses the store's HTTP transport).
     fn dispatch_callout(&self, callout: &Callout<'_>) -> Result<u32, HostError> {
         if let Some(main) = &self.main {
             return main.dispatch(callout);
         }
         let Some(request) = worker::effective() else {
-            return self.streams()?.callout(callout);
+            return Err(HostError("a worker's root makes no callouts".into()));
         };
         // SAFETY: the effective request is live and on this worker (see `filter`).
         let filter = unsafe { request.filter() };
@@ -265,26 +264,16 @@ impl Host for NativeHost<'_> {
         if let Some(main) = &self.main {
             return main.response_headers();
         }
-        if let Some(headers) = request_callouts::headers() {
-            return Ok(headers);
-        }
-        match self.streams.and_then(RootStreams::callout_answer) {
-            Some((headers, _)) => Ok(headers),
-            None => Err(HostError("no callout answer is being delivered".into())),
-        }
+        request_callouts::headers()
+            .ok_or_else(|| HostError("no callout answer is being delivered".into()))
     }
 
     fn callout_response_body(&self, size: usize) -> Result<Vec<u8>, HostError> {
         if let Some(main) = &self.main {
             return main.response_body(size);
         }
-        if let Some(body) = request_callouts::body(size) {
-            return Ok(body);
-        }
-        match self.streams.and_then(RootStreams::callout_answer) {
-            Some((_, body)) => Ok(body.get(..size).unwrap_or(&body).to_vec()),
-            None => Err(HostError("no callout answer is being delivered".into())),
-        }
+        request_callouts::body(size)
+            .ok_or_else(|| HostError("no callout answer is being delivered".into()))
     }
 
     fn hand_off_write(&self, write: &HandedOffWrite<'_>) -> Result<(), HostError> {

@@ -31,13 +31,6 @@ pub enum StreamEvent {
     /// Not a stream's: the main thread's root answers this worker's request `context_id`,
     /// whose detached write it ran.
     Reply(Box<Reply>),
-    /// Not a stream's: the answer to a request the courier made for the root (the store's
-    /// HTTP transport); no headers: none came (a reset, a timeout, the configuration gone).
-    CalloutAnswer {
-        token: u32,
-        headers: Vec<(String, Vec<u8>)>,
-        body: Vec<u8>,
-    },
 }
 
 /// An answer for a worker's request, as the main thread's root sent it.

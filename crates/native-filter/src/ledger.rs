@@ -31,8 +31,6 @@ struct Entry {
     what: &'static str,
     target: StreamTarget,
     call: Vec<u8>,
-    /// The store's HTTP transport: path and JSON body, sent as a callout instead.
-    http: Option<(String, Vec<u8>)>,
     deadline_ms: u64,
     /// The courier may send it from this time on (the root's grace, then each backoff).
     due_ms: u64,
@@ -47,14 +45,7 @@ struct Entry {
 
 impl Entry {
     fn bytes(&self) -> usize {
-        let http = self
-            .http
-            .as_ref()
-            .map_or(0, |(path, body)| path.len() + body.len());
-        self.call
-            .len()
-            .saturating_add(http)
-            .saturating_add(ENTRY_OVERHEAD_BYTES)
+        self.call.len().saturating_add(ENTRY_OVERHEAD_BYTES)
     }
 }
 
@@ -74,8 +65,6 @@ pub struct DueWrite {
     pub target: StreamTarget,
     /// Encoded with call id 0: the courier gives it one of its stream's.
     pub call: Vec<u8>,
-    /// The store's HTTP transport: path and JSON body, sent as a callout instead.
-    pub http: Option<(String, Vec<u8>)>,
     /// Unanswered for this long, the attempt counts as failed.
     pub answer_within_ms: u64,
 }
@@ -145,7 +134,6 @@ impl Ledger {
             what,
             target: target_of(write),
             call: write.call.clone(),
-            http: write.http.clone(),
             deadline_ms: write.deadline_ms,
             due_ms: now_ms.saturating_add(write.settles_within_ms),
             answer_within_ms: write.settles_within_ms.max(FIRST_BACKOFF_MS),
@@ -217,7 +205,6 @@ impl Ledger {
                     id: *id,
                     target: entry.target.clone(),
                     call: entry.call.clone(),
-                    http: entry.http.clone(),
                     answer_within_ms: entry.answer_within_ms,
                 });
             }

@@ -219,12 +219,6 @@ pub(crate) fn hand_to_core(root: &mut PluginRoot, host: &NativeHost<'_>, event: 
         }
         StreamEvent::Closed { token, status } => root.on_grpc_close(host, *token, *status),
         StreamEvent::Reply(reply) => answer_elsewhere(root, host, reply),
-        // `callout_response_*` read it from the event being delivered.
-        StreamEvent::CalloutAnswer {
-            token,
-            headers,
-            body,
-        } => root.on_callout_answer(host, *token, headers.len(), body.len()),
     });
 }
 

@@ -6,9 +6,9 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use idempotency_core::host::{Callout, HeaderPairs, HostError};
+use idempotency_core::host::{HeaderPairs, HostError};
 
-use crate::courier::{Courier, OwnedCallout, StreamTarget};
+use crate::courier::{Courier, StreamTarget};
 use crate::inbox::{Inbox, StreamEvent};
 use crate::ledger::Ledger;
 
@@ -73,31 +73,6 @@ impl RootStreams {
         let answer = deliver(&copy);
         self.current.replace(None);
         answer
-    }
-
-    /// The answer to a root's callout being delivered (the store's HTTP transport).
-    pub fn callout_answer(&self) -> Option<(HeaderPairs, Vec<u8>)> {
-        match &*self.current.borrow() {
-            Some(StreamEvent::CalloutAnswer { headers, body, .. }) => {
-                Some((headers.clone(), body.clone()))
-            }
-            _ => None,
-        }
-    }
-
-    /// A callout from a worker's root, made by the courier on the store thread.
-    pub fn callout(&self, callout: &Callout<'_>) -> Result<u32, HostError> {
-        let owned = OwnedCallout {
-            cluster: callout.cluster.to_owned(),
-            headers: callout
-                .headers
-                .iter()
-                .map(|(n, v)| ((*n).to_owned(), v.as_bytes().to_vec()))
-                .collect(),
-            body: callout.body.to_vec(),
-            timeout_ms: callout.timeout_ms,
-        };
-        self.courier.callout(&self.inbox, owned).map_err(HostError)
     }
 
     pub fn initial_metadata(&self) -> Result<HeaderPairs, HostError> {

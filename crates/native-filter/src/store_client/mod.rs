@@ -40,8 +40,6 @@ pub trait StoreTraffic: Send + Sync {
     fn stream_ids(&self) -> Vec<u64>;
     /// What the store said on stream `id`.
     fn on_stream_event(&self, id: u64, event: ConfigStreamEvent);
-    /// The answer to request `id` (no headers: none came).
-    fn on_answer(&self, id: u64, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>);
 }
 
 enum Work {

@@ -1,5 +1,5 @@
-//! The store thread's connections: gRPC streams and one-shot HTTP requests to a store's
-//! `host:port`, over HTTP/2 cleartext, one connection per address shared by every stream and
+//! The store thread's connections: gRPC streams to a store's `host:port`, over HTTP/2
+//! cleartext, one connection per address shared by every stream and
 //! resolved again whenever it is made. What the store says goes back to the courier that asked
 //! (its roots' inboxes, or its handoff), as Envoy's configuration streams reported it.
 //!
@@ -24,7 +24,6 @@ use tokio::task::JoinHandle;
 
 use super::StoreTraffic;
 use crate::abi::ConfigStreamEvent;
-use crate::config_callouts::ConfigCallouts;
 use crate::config_streams::StreamCalls;
 
 /// A connection that cannot be made within this is reported as a reset stream (core's calls
@@ -57,7 +56,7 @@ impl Body for Feed {
     }
 }
 
-type RequestBody = http_body_util::Either<Feed, http_body_util::Full<Bytes>>;
+type RequestBody = Feed;
 
 /// One stream in progress: its feed, and the task that reads the store's side.
 struct Open {
@@ -190,7 +189,7 @@ impl StreamCalls for Calls<'_> {
     fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String> {
         let address = self.address(cluster)?;
         let (feed, fed) = unbounded_channel();
-        let request = request(headers, RequestBody::Left(Feed(fed)))?;
+        let request = request(headers, Feed(fed))?;
         let id = self.transport.new_id();
         let (transport, courier) = (Arc::clone(self.transport), Arc::clone(self.traffic));
         let task = tokio::spawn(async move {
@@ -264,48 +263,5 @@ impl StreamCalls for Calls<'_> {
 
     fn reset(&self, stream_id: u64) {
         self.transport.reset_all([stream_id]);
-    }
-}
-
-impl ConfigCallouts for Calls<'_> {
-    fn callout(
-        &self,
-        cluster: &str,
-        headers: &[(&str, &[u8])],
-        body: &[u8],
-        timeout_ms: u64,
-    ) -> Result<u64, String> {
-        let address = self.address(cluster)?;
-        let body = RequestBody::Right(http_body_util::Full::new(Bytes::copy_from_slice(body)));
-        let request = request(headers, body)?;
-        let id = self.transport.new_id();
-        let (transport, courier) = (Arc::clone(self.transport), Arc::clone(self.traffic));
-        tokio::spawn(async move {
-            let exchange = async {
-                let mut sender = transport.connection(&address).await?;
-                let response = sender
-                    .send_request(request)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let (parts, body) = response.into_parts();
-                let body = body.collect().await.map_err(|e| e.to_string())?;
-                Ok::<_, String>((
-                    with_status(parts.status, &parts.headers),
-                    body.to_bytes().to_vec(),
-                ))
-            };
-            let timeout = Duration::from_millis(timeout_ms.max(1));
-            // No headers: no answer came (as a reset or timed-out Envoy callout reports it).
-            let (headers, body) = match tokio::time::timeout(timeout, exchange).await {
-                Ok(Ok(answer)) => answer,
-                Ok(Err(why)) => {
-                    log::debug!("store request to {address} failed: {why}");
-                    (Vec::new(), Vec::new())
-                }
-                Err(_) => (Vec::new(), Vec::new()),
-            };
-            courier.on_answer(id, headers, body);
-        });
-        Ok(id)
     }
 }
