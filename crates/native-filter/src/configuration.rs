@@ -129,6 +129,9 @@ impl Configuration {
         let accepted = trial.check_configuration(&host);
         shared.metrics.freeze();
         if !accepted {
+            // Envoy never takes it: nothing keeps its courier on the store thread.
+            shared.courier.retire();
+            shared.main_thread.retire();
             return Err("the configuration was refused (the log line before says why)".into());
         }
         Ok(Configuration {

@@ -262,6 +262,23 @@ impl Courier {
         relock(&self.outbox).retired && !self.handoff.has_work()
     }
 
+    /// The store thread lost its connections (its runtime was built again after a panic):
+    /// every root's stream is closed in its inbox, and the handoff's attempts failed.
+    pub fn streams_lost(&self) {
+        let routes: Vec<Route> = {
+            let mut streams = relock(&self.streams);
+            streams.by_token.clear();
+            streams.by_stream.drain().map(|(_, route)| route).collect()
+        };
+        for route in routes {
+            route.inbox.deliver(StreamEvent::Closed {
+                token: route.token,
+                status: GRPC_UNAVAILABLE,
+            });
+        }
+        self.handoff.streams_lost(crate::ledger::now_ms());
+    }
+
     /// Every stream this courier has open (reset when it is done with).
     pub fn stream_ids(&self) -> Vec<u64> {
         let mut ids: Vec<u64> = relock(&self.streams).by_stream.keys().copied().collect();
@@ -270,12 +287,17 @@ impl Courier {
     }
 
     fn run_operations(&self, calls: &impl StreamCalls) {
-        let operations: Vec<Operation> = {
+        let queued = {
             let mut outbox = relock(&self.outbox);
             outbox.armed = false;
-            outbox.operations.drain(..).collect()
+            outbox.operations.len()
         };
-        for operation in operations {
+        // One at a time, and only those queued now: a panic loses the one it hit, never the
+        // rest (their roots still hear of every stream they opened).
+        for _ in 0..queued {
+            let Some(operation) = relock(&self.outbox).operations.pop_front() else {
+                break;
+            };
             match operation {
                 Operation::Open {
                     token,
@@ -537,6 +559,9 @@ impl StoreTraffic for Courier {
     }
     fn on_stream_event(&self, id: u64, event: ConfigStreamEvent) {
         Courier::on_stream_event(self, id, event);
+    }
+    fn streams_lost(&self) {
+        Courier::streams_lost(self);
     }
 }
 
@@ -859,6 +884,25 @@ mod tests {
         // Events the store thread might still have in flight find no route.
         courier.on_stream_event(101, ConfigStreamEvent::Reset);
         assert!(worker_a.take_all().is_empty());
+    }
+
+    /// The store thread's runtime was built again after a panic: its streams went with it,
+    /// without an event. Every root hears its stream closed (and opens another by core's
+    /// rules); a root that heard nothing would wait on a stream that is gone.
+    #[test]
+    fn streams_lost_with_the_store_threads_runtime_are_closed_in_their_roots() {
+        let (courier, envoy, inbox) = (courier(), FakeEnvoy::default(), Arc::new(Inbox::default()));
+        let token = courier.open(&inbox, target()).unwrap();
+        courier.run(&envoy);
+        courier.streams_lost();
+        assert_eq!(
+            inbox.take_all(),
+            vec![StreamEvent::Closed {
+                token,
+                status: GRPC_UNAVAILABLE
+            }]
+        );
+        assert!(courier.stream_ids().is_empty());
     }
 
     /// A push that removes the filter: no root of the old configuration runs again, and its

@@ -66,6 +66,16 @@ impl Handoff {
         relock(&self.state).ledgers.iter().any(|l| !l.is_empty())
     }
 
+    /// Every stream is gone (the store thread's runtime was built again): their attempts
+    /// failed, due again after their backoff.
+    pub fn streams_lost(&self, now_ms: u64) {
+        let mut state = relock(&self.state);
+        let ids: Vec<u64> = state.by_stream.keys().copied().collect();
+        for stream_id in ids {
+            close(&mut state, stream_id, now_ms, false);
+        }
+    }
+
     /// The handoff's own streams.
     pub fn stream_ids(&self) -> Vec<u64> {
         relock(&self.state).by_stream.keys().copied().collect()

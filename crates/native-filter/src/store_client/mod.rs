@@ -5,8 +5,8 @@
 //! stats) neither delays a claim nor lets a lease lapse.
 //!
 //! The thread is supervised: a panic in a courier's work is caught, logged, and the thread's
-//! runtime built again (its connections and streams are lost; their roots learn it at their
-//! next send, and core's timeouts cover what was in flight).
+//! runtime built again; the connections and streams went with it, and every root hears that
+//! its stream closed (core fails what was in flight by its rules and opens a new one).
 
 // Unit tests run couriers by hand (`Courier::loaded_last`): no store thread starts in them.
 #![cfg_attr(test, allow(dead_code))]
@@ -40,6 +40,8 @@ pub trait StoreTraffic: Send + Sync {
     fn stream_ids(&self) -> Vec<u64>;
     /// What the store said on stream `id`.
     fn on_stream_event(&self, id: u64, event: ConfigStreamEvent);
+    /// Every stream is gone without an event (the thread's runtime was built again).
+    fn streams_lost(&self);
 }
 
 enum Work {
@@ -117,7 +119,15 @@ fn serve(mut work: UnboundedReceiver<Work>, transport: &Arc<Transport>) {
         match served {
             // Every sender is gone: the process is ending.
             Ok(()) => return,
-            Err(_) => log::error!("the store thread panicked; its runtime is built again"),
+            Err(_) => {
+                log::error!("the store thread panicked; its runtime is built again");
+                // Its connections and streams went with the runtime: their roots hear so, and
+                // open new ones by core's rules.
+                transport.forget_all();
+                for courier in &couriers {
+                    let _ = catch_unwind(AssertUnwindSafe(|| courier.streams_lost()));
+                }
+            }
         }
     }
 }

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -33,6 +33,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// waiting on a peer that is gone (a black-holed address keeps the socket open).
 const KEEP_ALIVE_EVERY: Duration = Duration::from_secs(10);
 const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Streams one connection carries at most: a store (hyper's server) takes 200 at once by
+/// default and queues the rest, which would leave a root's stream, and so its renewals and
+/// completions, waiting behind others. Past this a connection of its own is made.
+const STREAMS_PER_CONNECTION: usize = 100;
 
 type Headers = Vec<(String, Vec<u8>)>;
 
@@ -64,18 +68,40 @@ struct Open {
     task: JoinHandle<()>,
 }
 
+/// One connection to an address: made on first use and again after it breaks, shared by up
+/// to `streams_per_connection` streams.
+#[derive(Default)]
+struct Connection {
+    sender: tokio::sync::Mutex<Option<SendRequest<RequestBody>>>,
+    streams: AtomicUsize,
+}
+
+/// A stream's place on a connection, given back when the stream's task ends (or is aborted).
+struct Seat(Arc<Connection>);
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        self.0.streams.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 #[derive(Default)]
 struct State {
-    /// A connection per address, made on first use and again after it breaks.
-    connections: HashMap<String, Arc<tokio::sync::Mutex<Option<SendRequest<RequestBody>>>>>,
+    connections: HashMap<String, Vec<Arc<Connection>>>,
     streams: HashMap<u64, Open>,
 }
 
 /// The store thread's connections and streams (one for the process).
-#[derive(Default)]
 pub struct Transport {
     state: Mutex<State>,
     next_id: AtomicU64,
+    streams_per_connection: usize,
+}
+
+impl Default for Transport {
+    fn default() -> Transport {
+        Transport::with_streams_per_connection(STREAMS_PER_CONNECTION)
+    }
 }
 
 fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -85,19 +111,42 @@ fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Transport {
+    fn with_streams_per_connection(streams_per_connection: usize) -> Transport {
+        Transport {
+            state: Mutex::new(State::default()),
+            next_id: AtomicU64::new(0),
+            streams_per_connection: streams_per_connection.max(1),
+        }
+    }
+
     fn new_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed).wrapping_add(1)
     }
 
-    /// The connection to `address`, made (and the name resolved) if there is none.
-    async fn connection(&self, address: &str) -> Result<SendRequest<RequestBody>, String> {
-        let slot = Arc::clone(
-            relock(&self.state)
-                .connections
-                .entry(address.to_owned())
-                .or_default(),
-        );
-        let mut slot = slot.lock().await;
+    /// A seat for one more stream on a connection to `address` with room for it.
+    fn seat(&self, address: &str) -> Seat {
+        let mut state = relock(&self.state);
+        let connections = state.connections.entry(address.to_owned()).or_default();
+        let roomy = connections
+            .iter()
+            .find(|c| c.streams.load(Ordering::Acquire) < self.streams_per_connection)
+            .cloned();
+        let connection = roomy.unwrap_or_else(|| {
+            let made = Arc::new(Connection::default());
+            connections.push(Arc::clone(&made));
+            made
+        });
+        connection.streams.fetch_add(1, Ordering::AcqRel);
+        Seat(connection)
+    }
+
+    /// The seat's connection to `address`, made (and the name resolved) if it has none.
+    async fn connection(
+        &self,
+        seat: &Seat,
+        address: &str,
+    ) -> Result<SendRequest<RequestBody>, String> {
+        let mut slot = seat.0.sender.lock().await;
         if let Some(sender) = slot.as_ref().filter(|s| !s.is_closed()) {
             return Ok(sender.clone());
         }
@@ -124,6 +173,15 @@ impl Transport {
         Ok(sender)
     }
 
+    /// Forgets every connection and stream (the runtime they ran on is gone).
+    pub fn forget_all(&self) {
+        let mut state = relock(&self.state);
+        state.connections.clear();
+        for (_, open) in state.streams.drain() {
+            open.task.abort();
+        }
+    }
+
     /// Resets every stream (the courier that owned them is done with).
     pub fn reset_all(&self, ids: impl IntoIterator<Item = u64>) {
         let mut state = relock(&self.state);
@@ -136,16 +194,24 @@ impl Transport {
 }
 
 /// An `http::Request` from the header pairs core and the courier write (pseudo-headers
-/// among them).
-fn request<B>(headers: &[(&str, &[u8])], body: B) -> Result<hyper::Request<B>, String> {
+/// among them), to the store at `address`. An `:authority` that is not one (an Istio
+/// cluster name that link.rs gives when the authority would not fit its target) is replaced
+/// by the address the module dials.
+fn request<B>(
+    headers: &[(&str, &[u8])],
+    address: &str,
+    body: B,
+) -> Result<hyper::Request<B>, String> {
     let pseudo = |name: &str| {
         headers
             .iter()
             .find(|(n, _)| *n == name)
             .and_then(|(_, v)| std::str::from_utf8(v).ok())
     };
-    let authority = pseudo(":authority").unwrap_or("idempotency-store");
     let path = pseudo(":path").ok_or("no :path")?;
+    let authority = pseudo(":authority")
+        .filter(|a| a.parse::<hyper::http::uri::Authority>().is_ok())
+        .unwrap_or(address);
     let mut builder = hyper::Request::builder()
         .method(pseudo(":method").unwrap_or("POST"))
         .uri(format!("http://{authority}{path}"));
@@ -189,12 +255,13 @@ impl StreamCalls for Calls<'_> {
     fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String> {
         let address = self.address(cluster)?;
         let (feed, fed) = unbounded_channel();
-        let request = request(headers, Feed(fed))?;
+        let request = request(headers, &address, Feed(fed))?;
         let id = self.transport.new_id();
         let (transport, courier) = (Arc::clone(self.transport), Arc::clone(self.traffic));
+        let seat = self.transport.seat(&address);
         let task = tokio::spawn(async move {
             let event = |event| courier.on_stream_event(id, event);
-            let response = match transport.connection(&address).await {
+            let response = match transport.connection(&seat, &address).await {
                 Ok(mut sender) => sender
                     .send_request(request)
                     .await
@@ -263,5 +330,132 @@ impl StreamCalls for Calls<'_> {
 
     fn reset(&self, stream_id: u64) {
         self.transport.reset_all([stream_id]);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+
+    /// What the store thread reported, for one configuration that dials `address`.
+    struct Recorder {
+        address: String,
+        events: Mutex<Vec<(u64, ConfigStreamEvent)>>,
+    }
+
+    impl StoreTraffic for Recorder {
+        fn address_of(&self, _cluster: &str) -> Option<String> {
+            Some(self.address.clone())
+        }
+        fn run(&self, _calls: &Calls<'_>) {}
+        fn sweep(&self, _calls: &Calls<'_>) {}
+        fn is_done(&self) -> bool {
+            false
+        }
+        fn stream_ids(&self) -> Vec<u64> {
+            Vec::new()
+        }
+        fn on_stream_event(&self, id: u64, event: ConfigStreamEvent) {
+            relock(&self.events).push((id, event));
+        }
+        fn streams_lost(&self) {}
+    }
+
+    /// A response body that never ends: the store keeps the stream open.
+    struct Open;
+
+    impl Body for Open {
+        type Data = Bytes;
+        type Error = Infallible;
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            Poll::Pending
+        }
+    }
+
+    /// A store whose connections take `streams` streams at once (the rest wait), each
+    /// answered with its headers at once and kept open. Its address, the connections made,
+    /// and each stream's `:authority`.
+    async fn store(streams: u32) -> (String, Arc<AtomicUsize>, Arc<Mutex<Vec<String>>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let (connections, authorities) = (Arc::default(), Arc::default());
+        let (made, seen): (Arc<AtomicUsize>, Arc<Mutex<Vec<String>>>) =
+            (Arc::clone(&connections), Arc::clone(&authorities));
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                made.fetch_add(1, Ordering::AcqRel);
+                let seen = Arc::clone(&seen);
+                let service =
+                    hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+                        let authority = request.uri().authority().map(|a| a.to_string());
+                        relock(&seen).push(authority.unwrap_or_default());
+                        async { Ok::<_, Infallible>(hyper::Response::new(Open)) }
+                    });
+                tokio::spawn(
+                    hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .max_concurrent_streams(streams)
+                        .serve_connection(TokioIo::new(tcp), service),
+                );
+            }
+        });
+        (address, connections, authorities)
+    }
+
+    fn headers_events(recorder: &Recorder) -> usize {
+        relock(&recorder.events)
+            .iter()
+            .filter(|(_, e)| matches!(e, ConfigStreamEvent::Headers { .. }))
+            .count()
+    }
+
+    /// A store takes a bounded number of streams per connection and queues the rest: a root
+    /// whose stream waited there could neither renew its leases nor complete its writes. Past
+    /// its share a stream gets a connection of its own, and every stream is answered.
+    #[test]
+    fn streams_past_a_connections_share_get_a_connection_of_their_own() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let (address, connections, authorities) = store(2).await;
+            let transport = Arc::new(Transport::with_streams_per_connection(2));
+            let recorder = Arc::new(Recorder {
+                address: address.clone(),
+                events: Mutex::default(),
+            });
+            let traffic: Arc<dyn StoreTraffic> = recorder.clone();
+            let calls = Calls {
+                transport: &transport,
+                traffic: &traffic,
+            };
+            // An Istio cluster name, as link.rs gives it when the authority would not fit.
+            let authority = b"outbound|8081||idempotency-store.a-long-namespace.svc.cluster.local";
+            let headers: [(&str, &[u8]); 3] = [
+                (":method", b"POST"),
+                (":path", b"/idempotency.store.v1.Store/Coordinate"),
+                (":authority", authority),
+            ];
+            for _ in 0..3 {
+                calls.start("store", &headers).unwrap();
+            }
+            for _ in 0..500 {
+                if headers_events(&recorder) == 3 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(headers_events(&recorder), 3, "every stream answered");
+            assert_eq!(connections.load(Ordering::Acquire), 2);
+            assert_eq!(
+                *relock(&authorities),
+                vec![address.clone(), address.clone(), address],
+                "an authority that is not one is the address dialled"
+            );
+        });
     }
 }
