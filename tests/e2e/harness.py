@@ -521,6 +521,26 @@ def envoy_binary() -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=None)
+def envoy_version() -> tuple[int, int, int]:
+    """The version of the Envoy the suite runs (`envoy --version`: `<sha>/1.40.0/Clean/...`)."""
+    out = subprocess.run([str(envoy_binary()), "--version"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    found = re.search(r"/(\d+)\.(\d+)\.(\d+)/", out)
+    if found is None:
+        raise ValueError(f"no version in `envoy --version`: {out!r}")
+    major, minor, patch = (int(part) for part in found.groups())
+    return major, minor, patch
+
+
+def native_without_route_facts() -> bool:
+    """The native build on an Envoy before 1.40, whose dynamic modules give a request neither
+    its route's cluster (`xds.cluster_name`) nor its virtual host's name: `resolve` and
+    detached writes need their cluster named in the rule there, and a rule matching by virtual
+    host answers 503 (docs/envoy-versions.md)."""
+    return FILTER_BUILD == "native" and envoy_version() < (1, 40, 0)
+
+
 @dataclass(frozen=True)
 class PageClass:
     page_bytes: int  # one page: an 8-byte header and the encoded response

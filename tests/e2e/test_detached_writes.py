@@ -26,6 +26,7 @@ import harness
 from cluster import raw_post, start_cluster, wait_for_answer
 from cluster import post as cluster_post
 from helpers import (
+    needs_route_cluster,
     crash_lines,
     envoy_yaml_plugin_config,
     is_replay,
@@ -40,6 +41,9 @@ from helpers import (
     start_envoy,
     unique_path,
 )
+
+# Every rule here takes its cluster from the route.
+pytestmark = [needs_route_cluster]
 
 DETACHED = "/detached"  # the catch-all route: demo_upstream, 15 s
 REWRITTEN = "/detached-rewritten"  # prefix_rewrite to /rewritten/, request_headers_to_add

@@ -23,7 +23,6 @@ def rules() -> list[dict]:
         helpers.rule("optional-header", prefixes=["/oh"], key={"required": False}, max_request_bytes=64),
         helpers.rule("header-no-body", prefixes=["/hn"], key={"header": "x-delivery"}, fingerprint="none", max_request_bytes=64),
         helpers.rule("composite", prefixes=["/co"], key={"sources": [{"header": "x-tenant"}, {"query": "ref"}, {"json": "/n"}]}),
-        helpers.rule("by-vhost", match={"virtual_hosts": ["partners"]}),
         helpers.rule(
             "form-key",
             prefixes=["/fk"],
@@ -31,6 +30,9 @@ def rules() -> list[dict]:
             fingerprint={"fields": [{"form": "trade_no"}, {"form": "total_amount"}]},
         ),
         helpers.rule("query-key", prefixes=["/qk"], key={"sources": [{"query": "order_no"}]}),
+        # Last: where the virtual host is unknown (the native build on Envoy 1.39) it takes
+        # every POST no rule before it takes, answering 503.
+        helpers.rule("by-vhost", match={"virtual_hosts": ["partners"]}),
     ]
 
 
@@ -145,6 +147,13 @@ def test_a_rule_chosen_by_virtual_host(sources_envoy) -> None:
     envoy, upstream = sources_envoy
     path = helpers.unique_path("anything")
     resp = helpers.post(envoy, path, headers={"host": "partners.test"})
+    if harness.native_without_route_facts():
+        # No virtual host name from this Envoy: the rule may take either request, so neither
+        # is let through unprotected.
+        helpers.problem(resp, 503, "idempotency-unavailable", rule="by-vhost")
+        helpers.problem(helpers.post(envoy, path), 503, "idempotency-unavailable", rule="by-vhost")
+        assert upstream.executions(path) == 0
+        return
     helpers.problem(resp, 400, "missing-key", rule="by-vhost")
     # The same path on the default virtual host matches no rule here and passes untouched.
     assert helpers.post(envoy, path).status_code == 201

@@ -30,6 +30,7 @@ import client
 import grpc_calls
 import harness
 from helpers import (
+    needs_route_cluster,
     crash_lines,
     is_replay,
     new_key,
@@ -137,6 +138,7 @@ def test_a_proxys_timeout_while_the_write_completes_never_runs_it_again(chain) -
     assert rule_counter(envoy, RULE, "released") == 0
 
 
+@needs_route_cluster
 def test_a_proxys_timeout_converges_with_resolve_to_the_writes_result(chain) -> None:
     envoy, upstream = chain
     path, key = unique_path(RESOLVED), new_key()
@@ -283,6 +285,7 @@ def test_the_grpc_services_own_unavailable_releases_and_the_retry_runs(grpc_chai
     assert rule_counter(envoy, "orders", "released") == 1
 
 
+@needs_route_cluster
 def test_a_sidecars_timeout_on_a_grpc_call_converges_with_resolve_to_the_calls_result(procs) -> None:
     """The rule's ``resolve`` calls the service's Lookup method with the key's metadata once
     the settle time has passed: the retry gets the order the first call placed."""

@@ -23,6 +23,7 @@ import harness
 from cluster import post as cluster_post
 from cluster import HOST, past_in_flight, start_cluster, wait_for_answer
 from helpers import (
+    needs_route_cluster,
     BODY_OMITTED,
     crash_lines,
     envoy_yaml_plugin_config,
@@ -37,6 +38,9 @@ from helpers import (
     unique_path,
     worker_connections,
 )
+
+# Every rule here takes its cluster from the route.
+pytestmark = [needs_route_cluster]
 
 SLOW = "/pay-slow"  # route timeout 1 s: Envoy gives up on a longer payment
 RULE = "pay"

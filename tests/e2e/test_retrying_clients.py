@@ -62,6 +62,7 @@ import harness
 from cluster import BODY, HOST, cluster_plugin_config, start_cluster
 from cluster import post as cluster_post
 from helpers import (
+    needs_route_cluster,
     PROBLEM_TYPE_BASE,
     REPLAYED,
     access_lines,
@@ -277,6 +278,7 @@ def test_sdk_that_times_out_and_retries_gets_outcome_unknown_and_the_write_runs_
     assert counters["released"] == 0 and counters.get("resent", 0) == 0, counters
 
 
+@needs_route_cluster
 def test_sdk_that_times_out_keeps_retrying_until_it_receives_its_charge(procs) -> None:
     """(a) again, on a rule that resolves unknown outcomes (``resolve``: the payment looked up
     at ``GET /v1/payment_intents/by-key/{key}`` 3 s after the hang-up, with the SDK's own

@@ -28,6 +28,10 @@ pub enum Selection<'a, R = Rule> {
     MethodNotCovered,
     /// Route metadata names a rule that does not exist (a configuration mistake).
     UnknownMetadataRule,
+    /// This rule (or a later one) would apply if the request's virtual host were one it
+    /// names, and Envoy gives no virtual host name (Envoy 1.39's dynamic modules do not):
+    /// the request cannot be let through unprotected, nor told apart.
+    VirtualHostUnknown(&'a R),
     NoRule,
 }
 
@@ -66,6 +70,18 @@ pub fn select<'a, R: AsRef<Rule>>(rules: &'a [R], facts: &RequestFacts<'_>) -> S
                 return Selection::Rule(rule);
             }
             method_miss = true;
+        } else if facts.virtual_host.is_none()
+            && !matcher.virtual_hosts.is_empty()
+            && method_covered(matcher, facts.method)
+            && request_matches(
+                matcher,
+                &RequestFacts {
+                    virtual_host: matcher.virtual_hosts.first().map(String::as_str),
+                    ..*facts
+                },
+            )
+        {
+            return Selection::VirtualHostUnknown(rule);
         }
     }
     if method_miss {
@@ -239,11 +255,13 @@ mod tests {
         assert!(p.path_may_match(b"/anything"));
     }
 
+    /// A routed request: Envoy 1.40 names its virtual host.
     fn facts<'a>(method: &'a str, path: &'a str, authority: &'a str) -> RequestFacts<'a> {
         RequestFacts {
             method,
             path,
             authority,
+            virtual_host: Some("default"),
             ..Default::default()
         }
     }
@@ -300,6 +318,26 @@ mod tests {
         f.metadata_rule = Some("meta-only");
         f.method = "GET";
         assert_eq!(c.select(&f), Selection::MethodNotCovered);
+    }
+
+    /// Envoy 1.39's dynamic modules give no virtual host name: a request a rule would take
+    /// if its virtual host were one the rule names is answered 503, never let through
+    /// unprotected; one no rule could take, or one an earlier rule takes, is not.
+    #[test]
+    fn a_request_whose_virtual_host_is_unknown_never_passes_a_rule_that_may_take_it() {
+        let c = config();
+        let mut f = facts("POST", "/elsewhere", "x");
+        f.virtual_host = None;
+        assert!(matches!(c.select(&f), Selection::VirtualHostUnknown(r) if r.name == "by-vhost"));
+        f.method = "GET";
+        assert_eq!(c.select(&f), Selection::NoRule, "no rule takes a GET");
+        let mut f = facts("POST", "/orders/1", "api.local");
+        f.virtual_host = None;
+        assert_eq!(
+            name(c.select(&f)),
+            Some("orders"),
+            "an earlier rule takes it"
+        );
     }
 
     #[test]

@@ -121,6 +121,20 @@ impl RequestJourney {
                 );
                 return pass();
             }
+            Selection::VirtualHostUnknown(rule) => {
+                let rule = Rc::clone(rule);
+                log::warn!(
+                    "rule '{}' matches by virtual host, and Envoy gives this request none \
+                     (Envoy 1.39's dynamic modules do not): answered 503; match by route name \
+                     or host instead",
+                    rule.rule.name
+                );
+                return self.answer_problem(
+                    host,
+                    &rule,
+                    &Problem::unavailable("the filter cannot tell this request's virtual host"),
+                );
+            }
             Selection::MethodNotCovered | Selection::NoRule => return pass(),
         };
         if self.plugin.config.access_log_fields {
