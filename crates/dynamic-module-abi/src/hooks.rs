@@ -160,6 +160,9 @@ struct ConfigObject {
 pub(crate) struct FilterObject {
     filter: RefCell<Option<Box<dyn HttpFilter>>>,
     poisoned: Cell<bool>,
+    /// Envoy destroyed the request inside one of its hooks: the hook up the stack frees it
+    /// once it returns.
+    destroyed: Cell<bool>,
 }
 
 impl FilterObject {
@@ -167,7 +170,22 @@ impl FilterObject {
         FilterObject {
             filter: RefCell::new(filter),
             poisoned: Cell::new(false),
+            destroyed: Cell::new(false),
         }
+    }
+}
+
+/// Runs the filter's `on_destroy` and drops it, then frees `raw`.
+///
+/// # Safety
+/// `raw` was made by `Box::into_raw` in filter_new, Envoy has destroyed the request, and no
+/// reference to the object is used afterwards.
+unsafe fn free_filter_object(raw: *mut FilterObject) {
+    // SAFETY: as the caller promises.
+    let object = unsafe { Box::from_raw(raw) };
+    if let Some(mut filter) = object.filter.into_inner() {
+        barrier("on_destroy", (), || filter.on_destroy());
+        barrier("drop filter", (), move || drop(filter));
     }
 }
 
@@ -258,7 +276,18 @@ fn dispatch<R: Copy>(
             }
         };
         drop(slot);
-        for call in leave_hook() {
+        let held = leave_hook();
+        if object.destroyed.get() {
+            // Envoy destroyed the request inside this hook: its pointer is gone, and with it
+            // the calls held for it. The filter goes now, with its registrations (its
+            // `on_destroy`), so nothing the module keeps can reach a freed request.
+            drop(held);
+            // SAFETY: made in filter_new; Envoy called destroy for it already (which only
+            // marked it, since this hook held it); `object` is not used after this.
+            unsafe { free_filter_object(module_ptr.cast_mut().cast::<FilterObject>()) };
+            return answer;
+        }
+        for call in held {
             f.run(call);
         }
         answer
@@ -432,22 +461,14 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(
         // other hooks have returned (1.40 defers destruction out of hooks).
         let in_use = unsafe { (*raw).filter.try_borrow_mut().is_err() };
         if in_use {
-            // Freeing it now would free memory a hook up this stack is using: leak instead.
-            log(
-                LogLevel::Error,
-                &format!(
-                    "{}: filter destroyed inside its own hook; leaked",
-                    module_name()
-                ),
-            );
+            // Freeing it now would free memory a hook up this stack is using: that hook frees
+            // it as it returns.
+            // SAFETY: as above; a shared read of a Cell.
+            unsafe { (*raw).destroyed.set(true) };
             return;
         }
         // SAFETY: as above, and no borrow is live.
-        let object = unsafe { Box::from_raw(raw) };
-        if let Some(mut filter) = object.filter.into_inner() {
-            barrier("on_destroy", (), || filter.on_destroy());
-            barrier("drop filter", (), move || drop(filter));
-        }
+        unsafe { free_filter_object(raw) };
     })
 }
 

@@ -522,6 +522,11 @@ thread_local! {
     static EVENTS: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
 }
 
+thread_local! {
+    /// The module pointer a `destroy-inside` hook has Envoy destroy.
+    static DESTROY_INSIDE: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
 fn event(e: impl Into<String>) {
     EVENTS.with(|events| events.borrow_mut().push(e.into()));
 }
@@ -540,6 +545,14 @@ impl HttpFilter for Scripted {
             Some(b"reply") => {
                 f.send_response(400, &[], b"no");
                 event("replied");
+                HeadersStatus::StopIteration
+            }
+            Some(b"destroy-inside") => {
+                f.send_response(400, &[], b"no");
+                // As an Envoy that destroys the request inside a call the hook makes.
+                let module = DESTROY_INSIDE.with(|m| m.take()).unwrap();
+                envoy_dynamic_module_on_http_filter_destroy(module as ffi::HttpFilterModulePtr);
+                event("destroyed inside");
                 HeadersStatus::StopIteration
             }
             Some(b"parts") => {
@@ -675,6 +688,29 @@ fn hooks_dispatch_to_the_filter_and_destroy_drops_it() {
     envoy_dynamic_module_on_http_filter_destroy(module);
     envoy_dynamic_module_on_http_filter_config_destroy(config);
     assert_eq!(events(), vec!["headers", "body true", "destroy"]);
+}
+
+/// Envoy may destroy a request inside a call its hook makes (Envoy 1.39 does not defer it).
+/// The filter was leaked then, its `on_destroy` never run: the module's tables kept reaching
+/// a request Envoy had freed. It is freed as the hook returns, its `on_destroy` run, and the
+/// calls held for the request dropped (its pointer is gone).
+#[test]
+fn a_request_destroyed_inside_its_own_hook_is_freed_as_the_hook_returns() {
+    reset();
+    set_request_headers(&[("x-act", "destroy-inside")]);
+    let config = new_config();
+    let module = new_filter(config, 13);
+    DESTROY_INSIDE.with(|m| m.set(Some(module as usize)));
+    assert_eq!(
+        envoy_dynamic_module_on_http_filter_request_headers(fake(13), module, true),
+        ffi::HEADERS_STOP_ITERATION
+    );
+    assert_eq!(events(), vec!["destroyed inside", "destroy"]);
+    assert!(
+        with(|abi| abi.responses.is_empty()),
+        "nothing sent to a freed request"
+    );
+    envoy_dynamic_module_on_http_filter_config_destroy(config);
 }
 
 #[test]
