@@ -355,7 +355,12 @@ impl Host for NativeHost<'_> {
     }
 
     fn register_queue(&self, name: &str) -> Result<u32, HostError> {
-        Ok(queues::register(name))
+        let id = queues::register(name);
+        // A root's own queues go with it (`RootStreams`'s drop): a push builds new roots.
+        if let Some(streams) = self.streams {
+            streams.owns_queue(id);
+        }
+        Ok(id)
     }
 
     fn enqueue(&self, queue: u32, value: &[u8]) -> Result<(), HostError> {

@@ -39,6 +39,7 @@ impl WorkerRoot {
         let mut root = PluginRoot::new(context_id);
         let tick_ms = Cell::new(0);
         let streams = RootStreams::new(Arc::clone(&shared.courier));
+        streams.owned_by(context_id);
         let configured = {
             let host = NativeHost {
                 configuration: &shared.configuration,

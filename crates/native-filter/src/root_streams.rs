@@ -20,6 +20,20 @@ pub struct RootStreams {
     pub ledger: Arc<Ledger>,
     /// The event the root is taking now.
     current: RefCell<Option<StreamEvent>>,
+    /// The shared queues this root registered, and its context id: removed with it.
+    queues: RefCell<Vec<u32>>,
+    context_id: std::cell::Cell<Option<u32>>,
+}
+
+impl Drop for RootStreams {
+    fn drop(&mut self) {
+        for id in self.queues.take() {
+            crate::queues::unregister(id);
+        }
+        if let Some(context_id) = self.context_id.take() {
+            crate::worker::forget_root(context_id);
+        }
+    }
 }
 
 fn no_event(what: &str) -> HostError {
@@ -35,7 +49,22 @@ impl RootStreams {
             ledger,
             inbox: Arc::new(Inbox::default()),
             current: RefCell::new(None),
+            queues: RefCell::new(Vec::new()),
+            context_id: std::cell::Cell::new(None),
         }
+    }
+
+    /// `id` is a queue of this root's.
+    pub fn owns_queue(&self, id: u32) {
+        let mut queues = self.queues.borrow_mut();
+        if !queues.contains(&id) {
+            queues.push(id);
+        }
+    }
+
+    /// `context_id` is this root's (forgotten as worker state when it goes).
+    pub fn owned_by(&self, context_id: u32) {
+        self.context_id.set(Some(context_id));
     }
 
     pub fn open(

@@ -29,6 +29,12 @@ pub fn new_root_context_id() -> u32 {
     id
 }
 
+/// A root of this worker is gone. (Nothing to forget once the worker itself is ending: its
+/// roots go with its thread-locals, in no set order.)
+pub fn forget_root(context_id: u32) {
+    let _ = ROOT_IDS.try_with(|roots| roots.borrow_mut().remove(&context_id));
+}
+
 pub fn is_root_context(context_id: u32) -> bool {
     ROOT_IDS.with(|roots| roots.borrow().contains(&context_id))
 }
