@@ -46,7 +46,7 @@ impl Ticker {
             let runs = Arc::clone(&ticker);
             let started = std::thread::Builder::new()
                 .name("idempotency-ticker".into())
-                .spawn(move || runs.run());
+                .spawn(move || runs.run_supervised());
             if let Err(e) = started {
                 // Held requests then wait for their own deadline only through the next
                 // request on their worker; logged, never fatal.
@@ -89,12 +89,24 @@ impl Ticker {
         let mut next: Option<Instant> = None;
         for entry in table.entries.values_mut() {
             if entry.due <= now {
-                entry.wake.wake();
+                // Due again before the wake: one that panics is tried a period later, not
+                // at once for ever.
                 entry.due = now + entry.period;
+                entry.wake.wake();
             }
             next = Some(next.map_or(entry.due, |n| n.min(entry.due)));
         }
         next.map(|at| at.saturating_duration_since(now))
+    }
+
+    /// Runs the timetable; a panic in a wake is caught and logged and the ticker goes on, so
+    /// no held request's wait is left without its end.
+    fn run_supervised(&self) {
+        loop {
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run())).is_err() {
+                log::error!("a wake panicked on the ticker thread; the ticker goes on");
+            }
+        }
     }
 
     fn run(&self) {
@@ -133,6 +145,34 @@ mod tests {
     use std::sync::atomic::Ordering;
 
     use crate::ticker::CountWakes as Count;
+
+    /// A wake that panics once.
+    #[derive(Default)]
+    struct PanicsOnce(std::sync::atomic::AtomicBool);
+
+    impl Wake for PanicsOnce {
+        fn wake(&self) {
+            let first = !self.0.swap(true, Ordering::SeqCst);
+            assert!(!first, "a wake panics (as asked, once)");
+        }
+    }
+
+    /// The ticker thread used to die with a panicking wake: every held request's wait then
+    /// ended only at a later request on its worker.
+    #[test]
+    fn a_panicking_wake_does_not_stop_the_ticker() {
+        let ticker = Arc::new(Ticker::default());
+        let runs = Arc::clone(&ticker);
+        std::thread::spawn(move || runs.run_supervised());
+        ticker.every(Duration::from_millis(5), Arc::new(PanicsOnce::default()));
+        let count = Arc::new(Count::default());
+        ticker.every(Duration::from_millis(5), count.clone());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while count.0.load(Ordering::SeqCst) < 5 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(count.0.load(Ordering::SeqCst) >= 5);
+    }
 
     #[test]
     fn an_entry_is_woken_each_period_and_never_after_its_cancel() {
