@@ -15,6 +15,10 @@ pub struct RequestFacts<'a> {
     pub authority: &'a str,
     pub route_name: Option<&'a str>,
     pub virtual_host: Option<&'a str>,
+    /// Envoy matched a route but names no virtual host (Envoy 1.39's dynamic modules): the
+    /// virtual host is unknown, not absent. (With no route matched there is none, and the
+    /// router answers the request itself.)
+    pub virtual_host_unknown: bool,
     /// The rule name found in the route's metadata.
     pub metadata_rule: Option<&'a str>,
 }
@@ -70,7 +74,7 @@ pub fn select<'a, R: AsRef<Rule>>(rules: &'a [R], facts: &RequestFacts<'_>) -> S
                 return Selection::Rule(rule);
             }
             method_miss = true;
-        } else if facts.virtual_host.is_none()
+        } else if facts.virtual_host_unknown
             && !matcher.virtual_hosts.is_empty()
             && method_covered(matcher, facts.method)
             && request_matches(
@@ -328,11 +332,18 @@ mod tests {
         let c = config();
         let mut f = facts("POST", "/elsewhere", "x");
         f.virtual_host = None;
+        assert_eq!(
+            c.select(&f),
+            Selection::NoRule,
+            "no virtual host, no route: the router answers it"
+        );
+        f.virtual_host_unknown = true;
         assert!(matches!(c.select(&f), Selection::VirtualHostUnknown(r) if r.name == "by-vhost"));
         f.method = "GET";
         assert_eq!(c.select(&f), Selection::NoRule, "no rule takes a GET");
         let mut f = facts("POST", "/orders/1", "api.local");
         f.virtual_host = None;
+        f.virtual_host_unknown = true;
         assert_eq!(
             name(c.select(&f)),
             Some("orders"),

@@ -103,6 +103,12 @@ impl RequestJourney {
             .needs_virtual_host()
             .then(|| property_string(host, &["xds", "virtual_host_name"]))
             .flatten();
+        // A route (named or not) but no virtual host name: an Envoy whose dynamic modules do
+        // not give it.
+        let virtual_host_unknown = config.needs_virtual_host()
+            && virtual_host.is_none()
+            && (route_name.is_some()
+                || matches!(host.property(&["xds", "route_name"]), Ok(Some(_))));
         let metadata_rule = metadata_rule.or_else(|| route_metadata_rule(host, config));
         let facts = RequestFacts {
             method,
@@ -110,6 +116,7 @@ impl RequestJourney {
             authority: text(":authority"),
             route_name: route_name.as_deref(),
             virtual_host: virtual_host.as_deref(),
+            virtual_host_unknown,
             metadata_rule: metadata_rule.as_deref(),
         };
         let rule = match select(&self.plugin.rules, &facts) {
@@ -122,11 +129,14 @@ impl RequestJourney {
                 return pass();
             }
             Selection::VirtualHostUnknown(rule) => {
-                let rule = Rc::clone(rule);
-                log::warn!(
-                    "rule '{}' matches by virtual host, and Envoy gives this request none \
-                     (Envoy 1.39's dynamic modules do not): answered 503; match by route name \
-                     or host instead",
+                // A gRPC rule and a plain HTTP request (or the reverse): not this rule's.
+                let Some(rule) = self.rule_for_call(host, Rc::clone(rule), text("content-type"))
+                else {
+                    return pass();
+                };
+                log::debug!(
+                    "rule '{}' matches by virtual host, and Envoy names none for this routed \
+                     request (Envoy 1.39's dynamic modules do not): answered 503",
                     rule.rule.name
                 );
                 return self.answer_problem(

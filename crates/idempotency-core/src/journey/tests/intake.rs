@@ -325,3 +325,56 @@ fn a_client_gone_before_its_body_arrived_leaves_nothing_claimed() {
     assert_eq!(verdict, Verdict::Continue);
     assert!(is_executing(&retry));
 }
+
+const BY_VIRTUAL_HOST: &str =
+    r#"{"rules":[{"name":"partners","match":{"virtual_hosts":["partners"]}}]}"#;
+
+const GRPC_BY_VIRTUAL_HOST: &str = r#"{"rules":[{"name":"charge","grpc":{},
+    "match":{"virtual_hosts":["partners"],"grpc_methods":["shop.v1.Pay/Charge"]}}]}"#;
+
+/// Envoy 1.39's dynamic modules name a routed request's route but not its virtual host: a
+/// rule that matches by virtual host may take the request, so it is answered 503, never let
+/// through unprotected. A request no route matched (no route name either: the router answers
+/// it) passes as before; so does one the rule cannot be for (a plain POST on a gRPC rule).
+#[test]
+fn a_routed_request_whose_virtual_host_is_unknown_is_answered_503_by_a_rule_that_may_take_it() {
+    let host = FakeHost::default();
+    let plugin = plugin(&host, BY_VIRTUAL_HOST);
+    let (_, verdict) = send(&host, &plugin, &post_headers("/anything", Some("k1")), b"");
+    assert_eq!(
+        verdict,
+        Verdict::Continue,
+        "no route: the router answers it"
+    );
+    assert!(host.take_effects().is_empty());
+
+    host.properties
+        .borrow_mut()
+        .insert("xds.route_name".into(), b"orders-create".to_vec());
+    let (request, verdict) = send(&host, &plugin, &post_headers("/anything", Some("k2")), b"");
+    assert_eq!(verdict, Verdict::Pause);
+    assert!(matches!(request.state(), Journey::AnsweredLocally));
+    let (status, _, body) = the_reply(&host.take_effects());
+    assert_eq!(status, 503);
+    assert!(problem_type(&body).ends_with("idempotency-unavailable"));
+
+    let grpc_rule = super::plugin(&host, GRPC_BY_VIRTUAL_HOST);
+    let (_, verdict) = send(
+        &host,
+        &grpc_rule,
+        &post_headers("/shop.v1.Pay/Charge", Some("k3")),
+        b"",
+    );
+    assert_eq!(
+        verdict,
+        Verdict::Continue,
+        "a plain POST is not a gRPC rule's"
+    );
+    assert!(host.take_effects().is_empty());
+
+    host.properties
+        .borrow_mut()
+        .insert("xds.virtual_host_name".into(), b"default".to_vec());
+    let (_, verdict) = send(&host, &plugin, &post_headers("/anything", Some("k4")), b"");
+    assert_eq!(verdict, Verdict::Continue, "a known other virtual host");
+}
