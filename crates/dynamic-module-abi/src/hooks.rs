@@ -287,9 +287,7 @@ fn dispatch<R: Copy>(
             unsafe { free_filter_object(module_ptr.cast_mut().cast::<FilterObject>()) };
             return answer;
         }
-        for call in held {
-            f.run(call);
-        }
+        f.run_held(held);
         answer
     })
 }

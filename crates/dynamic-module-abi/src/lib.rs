@@ -345,6 +345,18 @@ pub(crate) enum Deferred {
     },
 }
 
+impl Deferred {
+    /// Whether the call ends the response (and so, as far as the module goes, the stream).
+    fn ends_the_response(&self) -> bool {
+        match self {
+            Deferred::SendResponse { .. } | Deferred::SendResponseTrailers { .. } => true,
+            Deferred::SendResponseHeaders { end_stream, .. }
+            | Deferred::SendResponseData { end_stream, .. } => *end_stream,
+            Deferred::ContinueDecoding | Deferred::ContinueEncoding => false,
+        }
+    }
+}
+
 fn owned_headers(headers: &[(&str, &[u8])]) -> Vec<(String, Vec<u8>)> {
     headers
         .iter()
@@ -448,9 +460,7 @@ pub fn end_stand_in() {
         // module returns to Envoy (at the latest when the hook it began in ends), or dropped
         // by `forget_stand_in` when the request goes first.
         let filter = unsafe { Filter::from_raw(frame.filter as ffi::HttpFilterEnvoyPtr) };
-        for call in frame.deferred {
-            filter.run(call);
-        }
+        filter.run_held(frame.deferred);
     }
 }
 
@@ -885,6 +895,27 @@ impl Filter {
         self.run_or_defer(Deferred::SendResponseTrailers {
             trailers: owned_headers(trailers),
         });
+    }
+
+    /// Makes the calls held for this request, in order, up to the first that ends its
+    /// response: Envoy may end the stream inside that one (a local reply always does), and a
+    /// call after it would reach a stream that is gone.
+    pub(crate) fn run_held(&self, calls: Vec<Deferred>) {
+        let mut calls = calls.into_iter();
+        for call in calls.by_ref() {
+            let ends = call.ends_the_response();
+            self.run(call);
+            if ends {
+                break;
+            }
+        }
+        let dropped = calls.count();
+        if dropped > 0 {
+            log(
+                LogLevel::Debug,
+                &format!("{dropped} call(s) after the response's end dropped"),
+            );
+        }
     }
 
     fn run_or_defer(&self, call: Deferred) {

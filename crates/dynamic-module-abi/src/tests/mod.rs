@@ -446,15 +446,15 @@ fn a_call_on_a_request_whose_hook_is_deeper_in_the_stack_waits_for_that_hook() {
 fn a_stand_in_holds_a_requests_calls_until_it_ends() {
     reset();
     stand_in_for(filter(7).handle());
-    filter(7).send_response(201, &[], b"replay");
     filter(7).continue_decoding();
+    filter(7).send_response(201, &[], b"replay");
     with(|abi| assert!(abi.responses.is_empty() && abi.calls.is_empty()));
     end_stand_in();
     with(|abi| {
         assert_eq!(abi.responses.len(), 1);
         assert_eq!(
             abi.calls,
-            vec!["send_response".to_owned(), "continue_decoding 7".to_owned()],
+            vec!["continue_decoding 7".to_owned(), "send_response".to_owned()],
             "made in the order given"
         );
     });
@@ -545,6 +545,12 @@ impl HttpFilter for Scripted {
             Some(b"reply") => {
                 f.send_response(400, &[], b"no");
                 event("replied");
+                HeadersStatus::StopIteration
+            }
+            Some(b"reply-twice") => {
+                // A reply, then another (a panic's 503 after the filter's own answer).
+                f.send_response(400, &[], b"no");
+                f.send_response(503, &[], b"again");
                 HeadersStatus::StopIteration
             }
             Some(b"destroy-inside") => {
@@ -688,6 +694,21 @@ fn hooks_dispatch_to_the_filter_and_destroy_drops_it() {
     envoy_dynamic_module_on_http_filter_destroy(module);
     envoy_dynamic_module_on_http_filter_config_destroy(config);
     assert_eq!(events(), vec!["headers", "body true", "destroy"]);
+}
+
+/// A local reply ends the stream (Envoy 1.39 clears the request's callbacks then): a second
+/// reply held in the same hook reached a stream that was gone. Only the first is made.
+#[test]
+fn nothing_held_after_a_requests_reply_reaches_envoy() {
+    reset();
+    set_request_headers(&[("x-act", "reply-twice")]);
+    let config = new_config();
+    let module = new_filter(config, 14);
+    envoy_dynamic_module_on_http_filter_request_headers(fake(14), module, true);
+    let statuses: Vec<u32> = with(|abi| abi.responses.iter().map(|r| r.1).collect());
+    assert_eq!(statuses, vec![400]);
+    envoy_dynamic_module_on_http_filter_destroy(module);
+    envoy_dynamic_module_on_http_filter_config_destroy(config);
 }
 
 /// Envoy may destroy a request inside a call its hook makes (Envoy 1.39 does not defer it).
