@@ -31,10 +31,9 @@ const SWEEP_EVERY: Duration = Duration::from_millis(200);
 pub trait StoreTraffic: Send + Sync {
     /// The store's `host:port` for the cluster core names.
     fn address_of(&self, cluster: &str) -> Option<String>;
-    /// Makes the queued calls, then lands what is due.
+    /// Makes the queued calls, then lands what is due (also every 200 ms: what a panic left
+    /// queued goes then).
     fn run(&self, calls: &Calls<'_>);
-    /// Lands what is due (every 200 ms).
-    fn sweep(&self, calls: &Calls<'_>);
     /// Retired, with nothing left to land: let go, its streams reset.
     fn is_done(&self) -> bool;
     fn stream_ids(&self) -> Vec<u64>;
@@ -152,7 +151,7 @@ async fn run(
                         transport.reset_all(courier.stream_ids());
                         return false;
                     }
-                    courier.sweep(&Calls { transport, traffic: courier });
+                    courier.run(&Calls { transport, traffic: courier });
                     true
                 });
             }

@@ -349,7 +349,6 @@ mod tests {
             Some(self.address.clone())
         }
         fn run(&self, _calls: &Calls<'_>) {}
-        fn sweep(&self, _calls: &Calls<'_>) {}
         fn is_done(&self) -> bool {
             false
         }
