@@ -764,7 +764,7 @@ def native_cluster_targets(run: dict | None) -> list[tuple[str, bool | None, str
         if native in by and wasm in by:
             x, w = by[native], by[wasm]
             main = (x.thread_cpu_us or {}).get("main")
-            hops = (f"; Envoy's main thread (the courier) {main:.1f} µs/req of it" if main is not None else "")
+            hops = (f"; Envoy's main thread {main:.1f} µs/req of it" if main is not None else "")
             targets.append((f"({native}) native vs ({wasm}) Wasm cluster mode, Envoy's CPU per request", None,
                             f"{x.cpu_us_per_request:.0f} vs {w.cpu_us_per_request:.0f} µs/req "
                             f"({x.cpu_us_per_request / w.cpu_us_per_request:.2f}×), {x.wrk.rps:,.0f} vs "
@@ -787,13 +787,13 @@ def add_native_cluster_section(add, run: dict | None, full: dict[str, SetupResul
     add("")
     add("The native build in cluster mode ((en) on the embedded store, (fn) on Redis), each measured right after "
         "its Wasm row ((e), (f)) in the same configuration with the Wasm http filter turned into the dynamic "
-        "module, every request a new key. On the native build the store's gRPC stream is carried by a courier "
-        "on Envoy's main thread over Envoy's config-level HTTP streams ([how it works](how-it-works.md), \"The "
-        "native build: who runs where\"): a round trip crosses two thread hops, worker → main → worker, and "
-        "the main thread carries every store message. Envoy's CPU is split by thread from "
+        "module, every request a new key. On the native build the store's gRPC stream is carried by the "
+        "module's own store thread over its own connection to `store.address` ([how it works](how-it-works.md), "
+        "\"The native build: who runs where\"): a round trip crosses two thread hops, worker → store thread → "
+        "worker, and Envoy's main thread carries no store message. Envoy's CPU is split by thread from "
         "`/proc/<pid>/task/*/stat`: its main thread, its one worker (`wrk:worker_0`), and the rest (Envoy's "
-        "own helper threads and the module's ticker); each is its own median over the rounds, so with the total's "
-        "they need not add up exactly.")
+        "own helper threads and the module's store thread and ticker); each is its own median over the rounds, "
+        "so with the total's they need not add up exactly.")
     add("")
     if run.get("own", True):
         add(f"These rows come from a run of their own ({run['date']}, load average {run.get('load', '?')}: "
@@ -836,7 +836,7 @@ def add_native_cluster_section(add, run: dict | None, full: dict[str, SetupResul
         notes.append(f"({native}) spends {x.cpu_us_per_request:.0f} µs of Envoy's CPU per request against "
                      f"({wasm})'s {w.cpu_us_per_request:.0f} ({x.cpu_us_per_request - w.cpu_us_per_request:+.0f}): "
                      f"its worker {xw:.0f} against {ww:.0f}, its main thread {xm:.1f} against {wm:.1f} "
-                     f"(the courier's share: the main thread busy {busy:.0f} % of a core at {x.wrk.rps:,.0f} req/s)")
+                     f"(the main thread busy {busy:.0f} % of a core at {x.wrk.rps:,.0f} req/s)")
     if cn and "en" in by:
         x = by["en"]
         behind = x.coordination_cpu_us or 0.0
@@ -864,14 +864,14 @@ def add_native_cluster_section(add, run: dict | None, full: dict[str, SetupResul
                 added = f.cpu_us_per_request + (f.coordination_cpu_us or 0.0) - bare.cpu_us_per_request
                 parts.append(f"{m:.0f} µs of (fn)'s {added:+.0f} (without it {added - m:+.0f} against the peer's "
                              f"{p.cpu_us:.0f})")
-            why.append("Envoy's main thread, the courier carrying the store stream, spent per write "
+            why.append("Envoy's main thread spent per write "
                        + "; ".join(parts) + " in the rounds above")
         b, g = (full or {}).get("b"), (full or {}).get("g")
         if b and g and b.rate and g.rate:
             why.append(f"one stream message to an instant store, from a worker with no thread hop, adds "
                        f"{g.rate.wrk.p50_ms - b.rate.wrk.p50_ms:+.2f} ms of p50 at the fixed rate on its own ((g) "
                        f"over (b), the full run): that floor is about the peer's whole added p50, before the "
-                       f"store and Redis work and before the courier's two thread hops")
+                       f"store and Redis work and before the store thread's two thread hops")
         if why:
             add("Where the misses come from: " + "; ".join(why) + ".")
             add("")
