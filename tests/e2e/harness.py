@@ -1063,13 +1063,21 @@ def _cluster_address(clusters: list, name: str) -> str | None:
     for cluster in clusters:
         if cluster.get("name") != name:
             continue
-        for group in (cluster.get("load_assignment") or {}).get("endpoints", []) or []:
-            for lb in group.get("lb_endpoints", []) or []:
-                socket = ((lb.get("endpoint") or {}).get("address") or {}).get("socket_address") or {}
-                if "address" in socket and "port_value" in socket:
-                    host = socket["address"]
-                    return f"[{host}]:{socket['port_value']}" if ":" in host else f"{host}:{socket['port_value']}"
+        for endpoint in _cluster_endpoints(cluster):
+            socket = (endpoint.get("address") or {}).get("socket_address") or {}
+            if "address" in socket and "port_value" in socket:
+                host = socket["address"]
+                return f"[{host}]:{socket['port_value']}" if ":" in host else f"{host}:{socket['port_value']}"
     return None
+
+
+def _cluster_endpoints(cluster: dict) -> list[dict]:
+    """Every endpoint of a static cluster's load assignment."""
+    return [
+        lb["endpoint"]
+        for group in (cluster.get("load_assignment") or {}).get("endpoints", []) or []
+        for lb in group.get("lb_endpoints", []) or []
+    ]
 
 
 def _socket_address(holder: dict, what: str) -> dict:
@@ -1141,11 +1149,7 @@ def set_cluster_port(config: dict, cluster_name: str, port: int) -> None:
     for cluster in config.get("static_resources", {}).get("clusters", []) or []:
         if cluster.get("name") != cluster_name:
             continue
-        endpoints = [
-            lb["endpoint"]
-            for group in (cluster.get("load_assignment") or {}).get("endpoints", []) or []
-            for lb in group.get("lb_endpoints", []) or []
-        ]
+        endpoints = _cluster_endpoints(cluster)
         if not endpoints:
             raise ValueError(f"cluster {cluster_name!r} has no load_assignment endpoints")
         for endpoint in endpoints:

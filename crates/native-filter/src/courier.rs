@@ -138,20 +138,20 @@ impl Courier {
     pub fn new(addresses: HashMap<String, String>) -> Arc<Courier> {
         #[cfg(test)]
         {
-            let courier = Courier::unattached(addresses, false);
+            let courier = Courier::made(addresses, false);
             LOADED_IN_TESTS.with(|loaded| *loaded.borrow_mut() = Some(Arc::clone(&courier)));
             courier
         }
         #[cfg(not(test))]
         {
-            let courier = Courier::unattached(addresses, true);
+            let courier = Courier::made(addresses, true);
             StoreThread::process().register(Arc::clone(&courier) as Arc<dyn StoreTraffic>);
             courier
         }
     }
 
-    /// A courier its caller runs (`attached`: false), or the store thread.
-    fn unattached(addresses: HashMap<String, String>, attached: bool) -> Arc<Courier> {
+    /// A courier the store thread runs (`attached`), or its caller (tests).
+    fn made(addresses: HashMap<String, String>, attached: bool) -> Arc<Courier> {
         Arc::new_cyclic(|me| Courier {
             me: me.clone(),
             attached,
@@ -167,7 +167,7 @@ impl Courier {
     /// A courier for tests: nothing runs it but the test.
     #[cfg(test)]
     pub fn for_tests() -> Arc<Courier> {
-        Courier::unattached(HashMap::new(), false)
+        Courier::made(HashMap::new(), false)
     }
 
     /// The courier of the configuration this test thread loaded last (tests run it by hand,
@@ -190,11 +190,12 @@ impl Courier {
             return Err("the configuration is gone (a push replaced it)".into());
         }
         if outbox.operations.len() >= MAX_QUEUED {
-            let overflowed = self.overflowed.fetch_add(1, Ordering::Relaxed);
+            let overflowed = self.overflowed.fetch_add(1, Ordering::Relaxed) + 1;
+            // The first, then at each power of two.
             if overflowed.is_power_of_two() {
                 log::error!(
-                    "the store thread is not keeping up: {} store operation(s) refused so far",
-                    overflowed + 1
+                    "the store thread is not keeping up: {overflowed} store operation(s) \
+                     refused so far"
                 );
             }
             return Err("the store queue is full".into());
@@ -881,6 +882,26 @@ mod tests {
         // Events the store thread might still have in flight find no route.
         courier.on_stream_event(101, ConfigStreamEvent::Reset);
         assert!(worker_a.take_all().is_empty());
+    }
+
+    /// A store thread that does not keep up: past its bound the queue refuses a root's call
+    /// (core fails it by its rules), counts it, and says so from the first refusal on.
+    #[test]
+    fn a_full_queue_refuses_counts_and_logs_from_the_first_refusal() {
+        crate::abi::mock_abi::reset();
+        crate::abi::install_logger();
+        let (courier, inbox) = (courier(), Arc::new(Inbox::default()));
+        for _ in 0..MAX_QUEUED {
+            courier.open(&inbox, target()).unwrap();
+        }
+        assert!(courier.open(&inbox, target()).is_err());
+        assert_eq!(courier.overflowed.load(Ordering::Relaxed), 1);
+        let logs = crate::abi::mock_abi::with(|a| a.logs.clone());
+        assert!(
+            logs.iter()
+                .any(|(_, line)| line.contains("1 store operation(s) refused")),
+            "{logs:?}"
+        );
     }
 
     /// The store thread's runtime was built again after a panic: its streams went with it,

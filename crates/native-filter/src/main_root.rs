@@ -62,11 +62,12 @@ pub struct MainRoot {
 impl MainRoot {
     /// Configures core's root on the main thread (the configuration was checked at load).
     pub fn configure(shared: Arc<Shared>, config: &dyn ConfigCallouts) -> Option<MainRoot> {
+        let context_id = worker::new_root_context_id();
         let main = MainRoot {
-            root: RefCell::new(PluginRoot::new(worker::new_root_context_id())),
+            root: RefCell::new(PluginRoot::new(context_id)),
             tick_ms: Cell::new(0),
             next_tick: Cell::new(None),
-            streams: RootStreams::new(Arc::clone(&shared.courier)),
+            streams: RootStreams::new(Arc::clone(&shared.courier), context_id),
             callouts: Callouts::default(),
             remotes: Remotes::default(),
             shared,

@@ -25,7 +25,6 @@ struct Held {
     ticket: Option<Ticket>,
 }
 
-#[derive(Default)]
 pub struct MainThread {
     held: Mutex<Held>,
     /// The main root holds work: the ticker brings the main thread back for it.

@@ -38,8 +38,7 @@ impl WorkerRoot {
         let context_id = worker::new_root_context_id();
         let mut root = PluginRoot::new(context_id);
         let tick_ms = Cell::new(0);
-        let streams = RootStreams::new(Arc::clone(&shared.courier));
-        streams.owned_by(context_id);
+        let streams = RootStreams::new(Arc::clone(&shared.courier), context_id);
         let configured = {
             let host = NativeHost {
                 configuration: &shared.configuration,

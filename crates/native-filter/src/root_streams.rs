@@ -22,7 +22,7 @@ pub struct RootStreams {
     current: RefCell<Option<StreamEvent>>,
     /// The shared queues this root registered, and its context id: removed with it.
     queues: RefCell<Vec<u32>>,
-    context_id: std::cell::Cell<Option<u32>>,
+    context_id: u32,
 }
 
 impl Drop for RootStreams {
@@ -30,9 +30,7 @@ impl Drop for RootStreams {
         for id in self.queues.take() {
             crate::queues::unregister(id);
         }
-        if let Some(context_id) = self.context_id.take() {
-            crate::worker::forget_root(context_id);
-        }
+        crate::worker::forget_root(self.context_id);
     }
 }
 
@@ -41,7 +39,8 @@ fn no_event(what: &str) -> HostError {
 }
 
 impl RootStreams {
-    pub fn new(courier: Arc<Courier>) -> RootStreams {
+    /// The store streams of the root `context_id` (forgotten as worker state when it goes).
+    pub fn new(courier: Arc<Courier>, context_id: u32) -> RootStreams {
         let ledger = Arc::new(Ledger::default());
         courier.handoff.adopt(Arc::clone(&ledger));
         RootStreams {
@@ -50,7 +49,7 @@ impl RootStreams {
             inbox: Arc::new(Inbox::default()),
             current: RefCell::new(None),
             queues: RefCell::new(Vec::new()),
-            context_id: std::cell::Cell::new(None),
+            context_id,
         }
     }
 
@@ -60,11 +59,6 @@ impl RootStreams {
         if !queues.contains(&id) {
             queues.push(id);
         }
-    }
-
-    /// `context_id` is this root's (forgotten as worker state when it goes).
-    pub fn owned_by(&self, context_id: u32) {
-        self.context_id.set(Some(context_id));
     }
 
     pub fn open(
@@ -197,7 +191,7 @@ mod tests {
 
     #[test]
     fn host_reads_answer_from_the_event_being_delivered_only() {
-        let streams = RootStreams::new(Courier::for_tests());
+        let streams = RootStreams::new(Courier::for_tests(), 0);
         assert!(streams.message(10).is_err() && streams.initial_metadata().is_err());
         let message = StreamEvent::Message {
             token: 1,

@@ -1,6 +1,6 @@
 //! The store thread's connections: gRPC streams to a store's `host:port`, over HTTP/2
-//! cleartext, one connection per address shared by every stream and
-//! resolved again whenever it is made. What the store says goes back to the courier that asked
+//! cleartext, each connection shared by up to 100 streams and the name resolved again whenever
+//! one is made. What the store says goes back to the courier that asked
 //! (its roots' inboxes, or its handoff), as Envoy's configuration streams reported it.
 //!
 //! Everything here runs on the store thread (a current-thread runtime): a courier's `run` and
@@ -60,8 +60,6 @@ impl Body for Feed {
     }
 }
 
-type RequestBody = Feed;
-
 /// One stream in progress: its feed, and the task that reads the store's side.
 struct Open {
     feed: UnboundedSender<Option<Bytes>>,
@@ -72,7 +70,7 @@ struct Open {
 /// to `streams_per_connection` streams.
 #[derive(Default)]
 struct Connection {
-    sender: tokio::sync::Mutex<Option<SendRequest<RequestBody>>>,
+    sender: tokio::sync::Mutex<Option<SendRequest<Feed>>>,
     streams: AtomicUsize,
 }
 
@@ -141,11 +139,7 @@ impl Transport {
     }
 
     /// The seat's connection to `address`, made (and the name resolved) if it has none.
-    async fn connection(
-        &self,
-        seat: &Seat,
-        address: &str,
-    ) -> Result<SendRequest<RequestBody>, String> {
+    async fn connection(&self, seat: &Seat, address: &str) -> Result<SendRequest<Feed>, String> {
         let mut slot = seat.0.sender.lock().await;
         if let Some(sender) = slot.as_ref().filter(|s| !s.is_closed()) {
             return Ok(sender.clone());
