@@ -197,6 +197,33 @@ fn panic_text(payload: &(dyn Any + Send)) -> &str {
         .unwrap_or("(not a string)")
 }
 
+/// What a hook answers Envoy when the module does not run the filter's method: `pass` for a
+/// request with no filter of the module's, `closed` for one whose filter failed (panicked,
+/// poisoned, or re-entered).
+#[derive(Clone, Copy)]
+struct Answers<R> {
+    pass: R,
+    closed: R,
+}
+
+/// The same answer either way (the response hooks let what is there go on; the others
+/// answer nothing).
+const fn always<R>(answer: R) -> Answers<R>
+where
+    R: Copy,
+{
+    Answers {
+        pass: answer,
+        closed: answer,
+    }
+}
+
+/// A request hook: passed on without a filter; held when its filter failed, so a request
+/// the filter could not look at never goes upstream (fail closed; `on_panic` answers it).
+const fn request_side<R: Copy>(pass: R, closed: R) -> Answers<R> {
+    Answers { pass, closed }
+}
+
 /// Runs `body` with nothing unwinding out of it; a panic is logged and gives `fallback`.
 fn barrier<R>(hook: &'static str, fallback: R, body: impl FnOnce() -> R) -> R {
     match catch_unwind(AssertUnwindSafe(body)) {
@@ -225,12 +252,16 @@ fn dispatch<R: Copy>(
     hook: &'static str,
     envoy_ptr: ffi::HttpFilterEnvoyPtr,
     module_ptr: ffi::HttpFilterModulePtr,
-    fallback: R,
+    answers: Answers<R>,
     method: impl FnOnce(&mut dyn HttpFilter, &Filter) -> R,
 ) -> R {
+    let Answers {
+        pass,
+        closed: fallback,
+    } = answers;
     barrier(hook, fallback, || {
         if module_ptr.is_null() || envoy_ptr.is_null() {
-            return fallback;
+            return pass;
         }
         // SAFETY: module_ptr is a FilterObject this module made in filter_new and frees only
         // in filter_destroy, which Envoy calls after every other hook of the request.
@@ -251,7 +282,7 @@ fn dispatch<R: Copy>(
             return fallback;
         };
         let Some(filter) = slot.as_mut() else {
-            return fallback;
+            return pass;
         };
         enter_hook(envoy_ptr);
         let answer = match catch_unwind(AssertUnwindSafe(|| method(filter.as_mut(), &f))) {
@@ -287,7 +318,32 @@ fn dispatch<R: Copy>(
             unsafe { free_filter_object(module_ptr.cast_mut().cast::<FilterObject>()) };
             return answer;
         }
-        f.run_held(held);
+        // The calls the hook deferred (its local reply, its resume) are the hook's own work:
+        // a panic in them fails the request closed as one in the hook does, and the hook's
+        // answer stands (a reply that panicked must not turn into a pass upstream).
+        if catch_unwind(AssertUnwindSafe(|| f.run_held(held))).is_err() {
+            object.poisoned.set(true);
+            log(
+                LogLevel::Error,
+                &format!(
+                    "{}: panic in a call {hook} made; the request's filter is off",
+                    module_name()
+                ),
+            );
+            let failed = catch_unwind(AssertUnwindSafe(|| {
+                if let Ok(mut slot) = object.filter.try_borrow_mut() {
+                    if let Some(filter) = slot.as_mut() {
+                        filter.on_panic(&f);
+                    }
+                }
+            }));
+            if failed.is_err() {
+                log(
+                    LogLevel::Error,
+                    &format!("{}: panic in on_panic", module_name()),
+                );
+            }
+        }
         answer
     })
 }
@@ -484,7 +540,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
         "request_headers",
         filter_envoy_ptr,
         filter_module_ptr,
-        HeadersStatus::Continue,
+        request_side(HeadersStatus::Continue, HeadersStatus::StopIteration),
         |filter, f| filter.on_request_headers(f, end_of_stream),
     )
     .raw()
@@ -500,7 +556,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
         "request_body",
         filter_envoy_ptr,
         filter_module_ptr,
-        BodyStatus::Continue,
+        request_side(BodyStatus::Continue, BodyStatus::StopIterationNoBuffer),
         |filter, f| filter.on_request_body(f, end_of_stream),
     )
     .raw()
@@ -515,7 +571,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
         "request_trailers",
         filter_envoy_ptr,
         filter_module_ptr,
-        TrailersStatus::Continue,
+        request_side(TrailersStatus::Continue, TrailersStatus::StopIteration),
         |filter, f| filter.on_request_trailers(f),
     )
     .raw()
@@ -531,7 +587,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
         "response_headers",
         filter_envoy_ptr,
         filter_module_ptr,
-        HeadersStatus::Continue,
+        always(HeadersStatus::Continue),
         |filter, f| filter.on_response_headers(f, end_of_stream),
     )
     .raw()
@@ -547,7 +603,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
         "response_body",
         filter_envoy_ptr,
         filter_module_ptr,
-        BodyStatus::Continue,
+        always(BodyStatus::Continue),
         |filter, f| filter.on_response_body(f, end_of_stream),
     )
     .raw()
@@ -562,7 +618,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
         "response_trailers",
         filter_envoy_ptr,
         filter_module_ptr,
-        TrailersStatus::Continue,
+        always(TrailersStatus::Continue),
         |filter, f| filter.on_response_trailers(f),
     )
     .raw()
@@ -577,7 +633,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
         "stream_complete",
         filter_envoy_ptr,
         filter_module_ptr,
-        (),
+        always(()),
         |filter, f| filter.on_stream_complete(f),
     )
 }
@@ -592,7 +648,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
         "scheduled",
         filter_envoy_ptr,
         filter_module_ptr,
-        (),
+        always(()),
         |filter, f| filter.on_scheduled(f, event_id),
     )
 }
@@ -612,7 +668,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
         "http_callout_done",
         filter_envoy_ptr,
         filter_module_ptr,
-        (),
+        always(()),
         |filter, f| {
             // Copied before the filter runs: Envoy's buffers live until this hook returns.
             let (headers, body) = copy_answer(headers, headers_size, body_chunks, body_chunks_size);

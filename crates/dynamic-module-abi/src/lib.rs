@@ -374,9 +374,6 @@ fn borrowed_headers(headers: &[(String, Vec<u8>)]) -> Vec<(&str, &[u8])> {
 struct HookFrame {
     filter: usize,
     deferred: Vec<Deferred>,
-    /// Not the filter's hook: the module acts on that request from elsewhere
-    /// ([`stand_in_for`]).
-    stand_in: bool,
 }
 
 thread_local! {
@@ -391,16 +388,13 @@ pub(crate) fn enter_hook(ptr: ffi::HttpFilterEnvoyPtr) {
             hooks.push(HookFrame {
                 filter: ptr as usize,
                 deferred: Vec::new(),
-                stand_in: false,
             });
         }
     });
 }
 
-/// Ends the innermost hook and hands back the calls its filter deferred (a stand-in begun
-/// inside the hook ends first, its calls made).
+/// Ends the innermost hook and hands back the calls its filter deferred.
 pub(crate) fn leave_hook() -> Vec<Deferred> {
-    end_stand_in();
     HOOKS.with(|hooks| {
         hooks
             .try_borrow_mut()
@@ -411,71 +405,7 @@ pub(crate) fn leave_hook() -> Vec<Deferred> {
     })
 }
 
-/// From now until [`end_stand_in`] (or the next `stand_in_for`), the calls on `handle`'s
-/// request that make Envoy run its hooks inside them (a local reply, a resume) wait, as they
-/// do in its own hook: for a module acting on a request from outside its hooks (another
-/// request's hook, the root's work) while that request's own state is mid-step. A request
-/// with a hook of its own on the stack is left as it is (its calls defer to that hook, or
-/// are made at once as before).
-pub fn stand_in_for(handle: FilterHandle) {
-    end_stand_in();
-    HOOKS.with(|hooks| {
-        let Ok(mut hooks) = hooks.try_borrow_mut() else {
-            return;
-        };
-        let filter = handle.ptr as usize;
-        if hooks.iter().any(|frame| frame.filter == filter) {
-            return;
-        }
-        hooks.push(HookFrame {
-            filter,
-            deferred: Vec::new(),
-            stand_in: true,
-        });
-    });
-}
-
-/// Whether the stand-in open now is `handle`'s.
-pub fn is_standing_in_for(handle: FilterHandle) -> bool {
-    HOOKS.with(|hooks| {
-        hooks.try_borrow().is_ok_and(|hooks| {
-            hooks
-                .last()
-                .is_some_and(|frame| frame.stand_in && frame.filter == handle.ptr as usize)
-        })
-    })
-}
-
-/// Ends the stand-in begun last, if it is still open, and makes the calls it held now.
-pub fn end_stand_in() {
-    let frame = HOOKS.with(|hooks| {
-        let mut hooks = hooks.try_borrow_mut().ok()?;
-        match hooks.last() {
-            Some(frame) if frame.stand_in => hooks.pop(),
-            _ => None,
-        }
-    });
-    if let Some(frame) = frame {
-        // SAFETY: a stand-in is begun for a live request of this worker and ended before the
-        // module returns to Envoy (at the latest when the hook it began in ends), or dropped
-        // by `forget_stand_in` when the request goes first.
-        let filter = unsafe { Filter::from_raw(frame.filter as ffi::HttpFilterEnvoyPtr) };
-        filter.run_held(frame.deferred);
-    }
-}
-
-/// `handle`'s request is being destroyed: a stand-in open for it is dropped, its calls
-/// with it.
-pub fn forget_stand_in(handle: FilterHandle) {
-    HOOKS.with(|hooks| {
-        if let Ok(mut hooks) = hooks.try_borrow_mut() {
-            hooks.retain(|frame| !(frame.stand_in && frame.filter == handle.ptr as usize));
-        }
-    });
-}
-
-/// Queues `call` if one of `ptr`'s own hooks (or a stand-in for it) is running, to its
-/// innermost one: Envoy would otherwise run that filter's hooks inside the call while its
+/// Queues `call` if one of `ptr`'s own hooks is running, to its innermost one: Envoy would otherwise run that filter's hooks inside the call while its
 /// hook holds it (a hook deeper in the stack, under another request's, included); gives it
 /// back otherwise.
 fn defer_if_in_own_hook(ptr: ffi::HttpFilterEnvoyPtr, call: Deferred) -> Option<Deferred> {

@@ -34,6 +34,7 @@ pub mod grpc;
 pub mod host;
 pub mod journey;
 pub mod lookup_route;
+pub mod mail;
 pub mod outcome;
 pub mod plugin;
 pub mod problem;

@@ -2,6 +2,7 @@
 //! journey, deliver store writes on wake-ups and ticks, and stay after a push retired the
 //! configuration until the writes it holds are taken.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use idempotency_protocol::stream::{CallOp, Reply};
@@ -10,6 +11,7 @@ use crate::config::Config;
 use crate::host::Host;
 use crate::journey::registry::Journeys;
 use crate::journey::{Event, RequestJourney};
+use crate::mail::Mail;
 use crate::plugin::detached::{self, DetachedAnswer, DetachedCarry, PortableDetached};
 use crate::plugin::resolutions::{give_up_portable, PortableResolution};
 use crate::plugin::vm_roles::{Role, MARK_RENEWAL_MS};
@@ -47,6 +49,10 @@ pub struct PluginRoot {
     next_mark_ms: u64,
     /// The requests' journeys, by context id: where the root hands each what arrives for it.
     journeys: Rc<Journeys>,
+    /// The host runs a request only in its own hooks: what the root has for one is left
+    /// here for the host to deliver (`take_mail`), not run in the request's context.
+    by_mail: bool,
+    mail: RefCell<Vec<Mail>>,
 }
 
 impl PluginRoot {
@@ -55,6 +61,43 @@ impl PluginRoot {
             context_id,
             ..PluginRoot::default()
         }
+    }
+
+    /// From now on events for requests are left as mail (see [`crate::mail`]).
+    pub fn deliver_by_mail(&mut self) {
+        self.by_mail = true;
+    }
+
+    /// The mail the root left since the last time, in the order it was left.
+    pub fn take_mail(&self) -> Vec<Mail> {
+        self.mail
+            .try_borrow_mut()
+            .map(|mut mail| std::mem::take(&mut *mail))
+            .unwrap_or_default()
+    }
+
+    /// Runs `mail` on its request's journey, in that request's own hook; a request whose
+    /// journey is gone (or busy) gets it as undelivered.
+    pub fn deliver_mail(&self, host: &impl Host, mail: Mail) {
+        let Some(journey) = self.journeys.find(mail.context_id) else {
+            return self.undelivered(host, mail);
+        };
+        let Ok(mut journey) = journey.try_borrow_mut() else {
+            return self.undelivered(host, mail);
+        };
+        let _ = journey.on(host, mail.event);
+    }
+
+    /// `mail`'s request cannot take it (it is gone, or was busy): a claim the store may
+    /// hold for it is released, or the key would answer 409 everywhere until its lease ends.
+    /// Anything else it carried held nothing.
+    pub fn undelivered(&self, host: &impl Host, mail: Mail) {
+        let (Some(plugin), Some(claim), Event::StoreReply { answer, .. }) =
+            (&self.plugin, mail.claim, &mail.event)
+        else {
+            return;
+        };
+        orphaned(host, plugin, claim, answer);
     }
 
     /// False makes Envoy refuse the configuration.
@@ -475,7 +518,7 @@ impl PluginRoot {
             let is_live = |context_id| self.journeys.is_live(context_id);
             for (waiter, end) in plugin.waits.due(host, &plugin.table, is_live) {
                 // A held duplicate whose request is gone holds nothing to undo.
-                let _ = self.in_request(host, waiter.context_id, Event::WaitOver(end));
+                self.in_request(host, Mail::new(waiter.context_id, Event::WaitOver(end)));
             }
             plugin
                 .leases
@@ -585,13 +628,13 @@ impl PluginRoot {
                 id: claim.call_id,
                 found: crate::lookup_route::found_in_reply(answer),
             };
-            let _ = self.in_request(host, claim.context_id, event);
+            self.in_request(host, Mail::new(claim.context_id, event));
             return;
         }
         if let CallOp::Wait { .. } = claim.call {
             // A held duplicate's wait: it holds nothing, so a request gone needs no undoing.
             let end = read_wait_reply(answer);
-            let _ = self.in_request(host, claim.context_id, Event::WaitOver(end));
+            self.in_request(host, Mail::new(claim.context_id, Event::WaitOver(end)));
             return;
         }
         let answer = answer.and_then(read_claim_reply);
@@ -602,37 +645,43 @@ impl PluginRoot {
             id: claim.call_id,
             answer,
         };
-        // The answer comes back undelivered only: no copy of a replayed record is made.
-        if let Err(Event::StoreReply { answer, .. }) =
-            self.in_request(host, claim.context_id, event)
-        {
-            orphaned(host, plugin, claim, &answer);
-        }
+        let context_id = claim.context_id;
+        self.in_request(host, Mail::for_claim(context_id, event, claim));
     }
 
-    /// Runs `event` on a request's journey in that request's context, as Envoy would for the
-    /// request's own callback, then makes the root's context the effective one again. The
-    /// event comes back when the request is gone (or busy, which a request never is while the
-    /// root runs).
-    fn in_request(&self, host: &impl Host, context_id: u32, event: Event) -> Result<(), Event> {
-        let Some(journey) = self.journeys.find(context_id) else {
-            return Err(event);
+    /// Runs `mail` on its request's journey in that request's context, as Envoy would for
+    /// the request's own callback, then makes the root's context the effective one again; or,
+    /// for a host that runs a request only in its own hooks, leaves it for the host to deliver.
+    /// A request gone (or busy, which a request never is while the root runs) gets it as
+    /// undelivered.
+    fn in_request(&self, host: &impl Host, mail: Mail) {
+        let Some(journey) = self.journeys.find(mail.context_id) else {
+            return self.undelivered(host, mail);
         };
-        if let Err(e) = host.set_effective_context(context_id) {
-            log::debug!("request gone before the root could answer it: {}", e.0);
-            return Err(event);
-        }
-        let delivered = match journey.try_borrow_mut() {
-            Ok(mut journey) => {
-                journey.on(host, event);
-                Ok(())
+        if self.by_mail {
+            match self.mail.try_borrow_mut() {
+                Ok(mut queued) => queued.push(mail),
+                Err(_) => self.undelivered(host, mail),
             }
-            Err(_) => Err(event),
+            return;
+        }
+        if let Err(e) = host.set_effective_context(mail.context_id) {
+            log::debug!("request gone before the root could answer it: {}", e.0);
+            return self.undelivered(host, mail);
+        }
+        let busy = match journey.try_borrow_mut() {
+            Ok(mut journey) => {
+                let _ = journey.on(host, mail.event);
+                None
+            }
+            Err(_) => Some(mail),
         };
         if let Err(e) = host.set_effective_context(self.context_id) {
             log::error!("root context not restored: {}", e.0);
         }
-        delivered
+        if let Some(mail) = busy {
+            self.undelivered(host, mail);
+        }
     }
 
     /// Sends the detached writes requests queued; one Envoy refuses is handed back to its

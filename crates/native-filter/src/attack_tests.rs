@@ -101,6 +101,22 @@ fn end(ptr: usize, module: ffi::HttpFilterModulePtr) {
     envoy_dynamic_module_on_http_filter_destroy(module);
 }
 
+/// Runs request `ptr`'s scheduled hook if its scheduler was committed since the last look,
+/// as Envoy does on its worker; whether it was.
+fn run_if_scheduled(ptr: usize, module: ffi::HttpFilterModulePtr) -> bool {
+    let committed = crate::abi::mock_abi::COMMITS
+        .lock()
+        .is_ok_and(|mut commits| {
+            let before = commits.len();
+            commits.retain(|(scheduler, _)| *scheduler != ptr);
+            commits.len() != before
+        });
+    if committed {
+        envoy_dynamic_module_on_http_filter_scheduled(fake(ptr), module, 1);
+    }
+    committed
+}
+
 fn replies_to(ptr: usize) -> Vec<u32> {
     with(|abi| {
         abi.responses
@@ -205,54 +221,68 @@ fn sleep_ms(ms: u64) {
     std::thread::sleep(std::time::Duration::from_millis(ms));
 }
 
-/// PROVES (fails before the fix): a panic in the root's tick run from `new_filter` (here: a
-/// held duplicate's replay, whose local reply panics) makes the factory give the new request
-/// no filter, so that request passes **unprotected**: a retry of a write already recorded
-/// goes upstream and the write runs twice. (The Wasm build fails closed: a trapped VM
-/// answers, it never lets a protected write through.)
+/// A request's own local reply (here: a retry's replay) is made when its hook returns. A
+/// panic there was caught by the hook's barrier, whose fallback for the request headers is
+/// "continue": the retry of a recorded write went upstream and the write ran twice. The
+/// request now fails closed: answered 503, never resumed.
 #[test]
-fn a_panic_in_the_tick_run_by_new_filter_must_not_let_a_retry_through_unprotected() {
+fn a_panic_in_a_requests_deferred_reply_never_lets_it_upstream() {
     reset();
-    let config = wait_config();
-    let (first, status) = start(config, 201, "attack-newfilter-tick");
+    let config = config();
+    let (first, status) = start(config, 201, "attack-deferred-reply");
     assert_eq!(status, ffi::HEADERS_CONTINUE);
-    let (held, status) = start(config, 202, "attack-newfilter-tick");
-    assert_eq!(status, ffi::HEADERS_STOP_ITERATION, "the duplicate is held");
     respond(201, first);
     end(201, first);
-    // The root's tick is due by now; the next request's new_filter runs it, and the held
-    // duplicate's replay panics under it.
-    sleep_ms(300);
     with(|abi| abi.panic_on.insert("send_response"));
-    let (retry, status) = start(config, 203, "attack-newfilter-tick");
+    let (retry, status) = start(config, 203, "attack-deferred-reply");
     assert_ne!(
         status,
         ffi::HEADERS_CONTINUE,
         "a retry of a recorded write went upstream: the write runs twice"
     );
+    assert!(!with(|a| a
+        .calls
+        .iter()
+        .any(|c| c == "continue_decoding 203")));
+    assert_eq!(replies_to(203), vec![503], "failed closed");
     end(203, retry);
-    end(202, held);
+    let (again, _) = start(config, 204, "attack-deferred-reply");
+    assert_eq!(replies_to(204), vec![201], "the record is intact");
+    end(204, again);
 }
 
-/// PROVES (fails before the fix): a panic in the root's tick is charged to whichever request
-/// carried the tick (its scheduled event): here a write running upstream. Its filter is
-/// poisoned, its client answered 503 while the write still runs, its journey dropped
-/// without a stream end, so no unknown outcome is recorded: once the lease lapses, the
-/// retry takes the key over and the write runs a second time.
+/// The root's tick runs in whichever request's scheduled hook carries it (here: a write
+/// running upstream); what it has for another request (a held duplicate's 409) is mailed
+/// to that request and sent in the duplicate's own hook. A panic making that reply is the
+/// duplicate's: it is answered 503, while the running write is not touched and its key is
+/// not freed.
 #[test]
-fn a_panic_in_a_tick_carried_by_a_running_write_must_not_free_its_key() {
+fn a_panic_in_a_reply_the_tick_mailed_is_the_receivers_alone() {
     reset();
     let config = wait_config();
     let (running, status) = start(config, 301, "attack-carried-tick");
     assert_eq!(status, ffi::HEADERS_CONTINUE, "the write goes upstream");
     let (held, status) = start(config, 302, "attack-carried-tick");
     assert_eq!(status, ffi::HEADERS_STOP_ITERATION, "the duplicate is held");
-    // The held duplicate's wait (100 ms) is over: the tick answers it 409, and that local
-    // reply panics. The tick runs in the running write's scheduled event.
+    // The held duplicate's wait (100 ms) is over; the tick runs in the running write's
+    // scheduled hook.
     sleep_ms(300);
-    with(|abi| abi.panic_on.insert("send_response"));
     envoy_dynamic_module_on_http_filter_scheduled(fake(301), running, 1);
-    let answered_503 = replies_to(301).contains(&503);
+    assert!(replies_to(301).is_empty() && replies_to(302).is_empty());
+    with(|abi| abi.panic_on.insert("send_response"));
+    assert!(
+        run_if_scheduled(302, held),
+        "the duplicate is woken for its letter"
+    );
+    assert_eq!(
+        replies_to(302),
+        vec![503],
+        "its 409 panicked: failed closed"
+    );
+    assert!(
+        replies_to(301).is_empty(),
+        "the running write is not touched"
+    );
     // Its response comes, or its client leaves: either way the key must not be free.
     respond(301, running);
     end(301, running);
@@ -264,11 +294,8 @@ fn a_panic_in_a_tick_carried_by_a_running_write_must_not_free_its_key() {
         ffi::HEADERS_CONTINUE,
         "the retry went upstream: the write runs a second time"
     );
+    assert_eq!(replies_to(303), vec![201], "its replay");
     end(303, retry);
-    assert!(
-        !answered_503,
-        "the running write's client was answered 503 while its write ran upstream"
-    );
 }
 
 /// PROVED (fixed): a panic in a running write's own hook, inside its journey's step (here:
@@ -638,13 +665,11 @@ fn stream_ends_inside_the_reply(filter: ffi::HttpFilterEnvoyPtr) {
 }
 
 /// Envoy runs a request's hooks inside that request's own local reply (its stream's end, at
-/// least). Made from the request's own hook, the ABI defers the reply until the hook is over;
-/// a held duplicate's replay sent by the root's tick in another request's hook was sent at
-/// once, with the duplicate's journey mid-step, so its stream's end never reached the
-/// journey and was logged as an error, for every replay of a held duplicate and of a retry
-/// the store confirmed. The reply now waits until the root's step on it is over.
+/// least). A held duplicate's replay is mailed by the root's tick, which runs in another
+/// request's hook, and sent in the duplicate's own scheduled hook, which defers it until
+/// its step is over: its stream's end reaches its journey, none is lost as "busy".
 #[test]
-fn a_held_duplicates_replay_waits_until_the_roots_step_on_it_is_over() {
+fn a_held_duplicates_replay_is_sent_in_its_own_hook_after_its_step() {
     reset();
     crate::abi::install_logger();
     let config = wait_config();
@@ -660,6 +685,14 @@ fn a_held_duplicates_replay_waits_until_the_roots_step_on_it_is_over() {
     sleep_ms(150);
     with(|abi| abi.on_reply = Some(stream_ends_inside_the_reply));
     let (next, _) = start(config, 213, "attack-own-reply-other");
+    assert!(
+        replies_to(212).is_empty(),
+        "nothing sent from another request's hook"
+    );
+    assert!(
+        run_if_scheduled(212, held),
+        "the duplicate is woken for its letter"
+    );
     with(|abi| abi.on_reply = None);
     assert_eq!(replies_to(212), vec![201], "the duplicate gets the replay");
     let busy = journey_busy_logs();
@@ -691,12 +724,11 @@ fn router_answers_inside_the_resume(filter: ffi::HttpFilterEnvoyPtr) {
 }
 
 /// Cluster mode: the store's answer to a request's claim reaches its worker while another
-/// request's hook runs, which hands it to the waiting request and resumes it. Envoy runs
-/// the resumed request on at once, and when its router answers inside the resume (no healthy
-/// upstream), the request's response hooks run while its journey is still mid-step. They
-/// were let through unseen, so the journey never learned how the request ended: its key
-/// stayed in flight (409 to every retry) until the lease lapsed. The resume now waits until
-/// the step is over, and the journey takes Envoy's own answer as any other.
+/// request's hook runs, which mails it to the waiting request. That request resumes in its
+/// own scheduled hook; Envoy runs it on inside the resume, and when its router answers there
+/// (no healthy upstream) the request's response hooks run. The resume waits until the step
+/// is over, so the journey takes Envoy's own answer as any other: the key is not left in
+/// flight (409 to every retry until the lease lapsed).
 #[test]
 fn a_request_the_root_resumes_sees_a_reply_envoy_makes_inside_the_resume() {
     reset();
@@ -736,10 +768,20 @@ fn a_request_the_root_resumes_sees_a_reply_envoy_makes_inside_the_resume() {
             end_stream: false,
         },
     );
-    // Another request's arrival takes the answer in; the router answers the resumed one.
+    // Another request's arrival takes the answer in and mails it; the waiting request
+    // resumes in its own hook, and the router answers inside the resume.
     with(|abi| abi.on_continue = Some(router_answers_inside_the_resume));
     let (other, _) = start(config, 312, "attack-resume-other");
+    assert!(!with(|a| a
+        .calls
+        .iter()
+        .any(|c| c == "continue_decoding 311")));
+    assert!(run_if_scheduled(311, module), "woken for its letter");
     with(|abi| abi.on_continue = None);
+    assert!(with(|a| a
+        .calls
+        .iter()
+        .any(|c| c == "continue_decoding 311")));
     let busy = journey_busy_logs();
     assert!(busy.is_empty(), "events lost: {busy:?}");
     // Envoy's own 503 ended the request before any upstream: the key is not left in flight.

@@ -51,7 +51,7 @@ impl EchoFilter {
         if self.failed {
             return Verdict::Continue;
         }
-        worker::act_on(filter.handle());
+        worker::act_on(self.context_id, filter.handle());
         // The echo sets no tick: the cell only satisfies the host's shape.
         let tick_ms = Cell::new(0);
         let host = NativeHost {

@@ -1,8 +1,10 @@
 //! Each request's filter: Envoy's hooks become events of core's journey, its verdicts
-//! Envoy's statuses. While its journey is in a state only the root's tick moves on (a
-//! duplicate held in wait mode, a write running upstream whose lease the root renews), the
-//! request asks the ticker for its root's tick, which then runs on this worker inside this
-//! request's scheduled event; the main thread wakes it the same way when the store answers.
+//! Envoy's statuses. While its journey waits for its root (a claim or lookup the store
+//! answers, a duplicate held in wait mode, a write running upstream whose lease the root
+//! renews, a detached write another thread runs), the request opens its mailbox and asks the
+//! ticker for its root's tick: both commit this request's scheduler, and in its scheduled
+//! hook the root takes what the store said and its tick, then the request takes its letters.
+//! Nothing else ever acts on this request.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -16,6 +18,7 @@ use crate::abi::{
     TrailersStatus,
 };
 use crate::inbox::WakerId;
+use crate::mailbox;
 use crate::root::WorkerRoot;
 use crate::ticker::{Ticker, Ticket, Wake};
 use crate::worker;
@@ -37,11 +40,17 @@ pub struct NativeFilter {
     context_id: u32,
     /// This request, whose own callouts are forgotten when it goes.
     handle: Option<FilterHandle>,
+    /// What commits this request's scheduler, made when its journey first waits for the
+    /// root (its mailbox opens then).
+    wake: Option<Arc<SchedulerWake>>,
     /// While the request is held: its entry in the ticker's timetable, and in its root's
-    /// inbox (the main thread wakes it there when the store answers).
+    /// inbox (the store thread wakes it there when the store answers).
     ticking: Option<(Ticket, WakerId)>,
-    /// A hook of this request panicked: the journey's state is not trusted any more.
+    /// A hook of this request panicked, or met its journey busy: the journey's state is not
+    /// trusted any more.
     failed: bool,
+    /// The failed journey has not been settled yet (it was busy when the request failed).
+    fault_unsettled: bool,
     /// The response has begun: too late for the filter to answer instead.
     responding: bool,
 }
@@ -58,8 +67,10 @@ impl NativeFilter {
             journey,
             context_id,
             handle: Some(handle),
+            wake: None,
             ticking: None,
             failed: false,
+            fault_unsettled: false,
             responding: false,
         }
     }
@@ -68,20 +79,24 @@ impl NativeFilter {
         if self.failed {
             return Verdict::Continue;
         }
-        worker::act_on(filter.handle());
+        worker::act_on(self.context_id, filter.handle());
         let host = self.root.host();
-        // Envoy runs one hook of a request at a time, and the root never holds a journey
-        // across hooks; the calls that make Envoy run this request's hooks inside them (its
-        // local reply, its resume) wait until its journey's step is over, whether made in its
-        // own hook (the ABI defers them) or by a root delivering to it (`act_on_context`). So
-        // the journey is free here.
-        let verdict = match self.journey.try_borrow_mut() {
-            Ok(mut journey) => journey.on(&host, event),
-            Err(_) => {
-                log::error!("request journey busy; {event:?} let through");
-                return Verdict::Continue;
-            }
+        // Envoy runs one hook of a request at a time, only this request's hooks step its
+        // journey, and the calls that make Envoy run its hooks inside them (its local reply,
+        // its resume) wait until the hook returns (the ABI defers them). So the journey is
+        // free here; were it not, the event could not be taken, and the request fails closed.
+        let journey = Rc::clone(&self.journey);
+        let Ok(mut journey) = journey.try_borrow_mut() else {
+            log::error!("request journey busy at {event:?}; the request fails closed");
+            self.fail_closed(filter);
+            return if self.responding {
+                Verdict::Continue
+            } else {
+                Verdict::Pause
+            };
         };
+        let verdict = journey.on(&host, event);
+        drop(journey);
         self.follow(filter);
         // The step may have recorded an unknown outcome, or met one overdue in the store, or
         // submitted a store write.
@@ -120,13 +135,13 @@ impl NativeFilter {
             return;
         }
         let period = self.root.tick_period_ms().max(1);
-        let Some(scheduler) = filter.new_scheduler() else {
+        let Some(wake) = self.wake(filter) else {
             log::error!(
-                "no scheduler for a request that needs ticks; it waits for the next request"
+                "no scheduler for a request that waits for its root; it waits for the next \
+                 request, and what the root has for it is undelivered"
             );
             return;
         };
-        let wake: Arc<SchedulerWake> = Arc::new(SchedulerWake(scheduler));
         let ticket = Ticker::process().every(
             Duration::from_millis(u64::from(period)),
             Arc::clone(&wake) as Arc<dyn Wake>,
@@ -135,7 +150,56 @@ impl NativeFilter {
         self.ticking = Some((ticket, waker));
     }
 
-    /// After this neither the ticker nor the main thread commits this request's scheduler.
+    /// This request's scheduler, made (and its mailbox opened) the first time it is needed.
+    fn wake(&mut self, filter: &Filter) -> Option<Arc<SchedulerWake>> {
+        if self.wake.is_none() {
+            let wake = Arc::new(SchedulerWake(filter.new_scheduler()?));
+            mailbox::open(self.context_id, Arc::clone(&wake) as Arc<dyn Wake>);
+            self.wake = Some(wake);
+        }
+        self.wake.clone()
+    }
+
+    /// The request is ending: letters it never took are handled as undelivered.
+    fn close_mailbox(&mut self) {
+        if self.wake.take().is_some() {
+            self.root.undelivered(mailbox::close(self.context_id));
+        }
+    }
+
+    /// The journey cannot be trusted with this request any more: it is settled as a fault
+    /// (a write that may have run is an unknown outcome, never run again), and before the
+    /// response began the request is answered 503 instead of going on.
+    fn fail_closed(&mut self, filter: &Filter) {
+        self.failed = true;
+        self.fault_unsettled = true;
+        self.stop_ticking();
+        self.settle_fault();
+        if self.responding {
+            return;
+        }
+        crate::refusing_filter::answer_unavailable(
+            filter,
+            "the idempotency filter failed on this request",
+        );
+    }
+
+    fn settle_fault(&mut self) {
+        if !self.fault_unsettled {
+            return;
+        }
+        let host = self.root.host();
+        match self.journey.try_borrow_mut() {
+            Ok(mut journey) => {
+                journey.after_fault(&host);
+                self.fault_unsettled = false;
+            }
+            Err(_) => log::error!("a failed request's journey is busy; settled when it ends"),
+        }
+        self.root.carry_to_main();
+    }
+
+    /// After this neither the ticker nor the store thread commits this request's scheduler.
     fn stop_ticking(&mut self) {
         if let Some((ticket, waker)) = self.ticking.take() {
             Ticker::process().cancel(ticket);
@@ -222,14 +286,19 @@ impl HttpFilter for NativeFilter {
     fn on_stream_complete(&mut self, filter: &Filter) {
         self.feed(filter, Event::StreamEnd);
         self.stop_ticking();
+        self.close_mailbox();
     }
 
     fn on_scheduled(&mut self, filter: &Filter, _event_id: u64) {
-        // A wake-up from the ticker or from the main thread (a store answer): either way the
-        // root takes what the store said, then its tick if due.
+        // A wake-up from the ticker, the store thread (a store answer) or the root (a
+        // letter): the root takes what the store said, then its tick if due, then this
+        // request takes what they left for it.
         self.root.drain_inbox();
         self.root.tick_if_due();
-        // The tick may have moved this request on (its wait ended).
+        if !self.failed {
+            worker::act_on(self.context_id, filter.handle());
+            self.root.deliver_letters(self.context_id);
+        }
         self.follow(filter);
     }
 
@@ -260,6 +329,9 @@ impl HttpFilter for NativeFilter {
 
     fn on_destroy(&mut self) {
         self.stop_ticking();
+        self.close_mailbox();
+        worker::act_on_none();
+        self.settle_fault();
         if let Some(handle) = self.handle {
             crate::request_callouts::forget(handle.key());
         }
@@ -271,28 +343,15 @@ impl HttpFilter for NativeFilter {
     /// unknown outcome (a retry is never run again). Before the response began, the request
     /// is answered 503 instead of going on; after, the response goes on as it is.
     fn on_panic(&mut self, filter: &Filter) {
-        self.failed = true;
-        self.stop_ticking();
-        worker::act_on(filter.handle());
-        let host = self.root.host();
+        worker::act_on(self.context_id, filter.handle());
         // The panic unwound through the hook, which gave the journey back.
-        match self.journey.try_borrow_mut() {
-            Ok(mut journey) => journey.after_fault(&host),
-            Err(_) => log::error!("a faulted request's journey is busy; its claim is not settled"),
-        }
-        self.root.carry_to_main();
-        if self.responding {
-            return;
-        }
-        crate::refusing_filter::answer_unavailable(
-            filter,
-            "the idempotency filter failed on this request",
-        );
+        self.fail_closed(filter);
     }
 }
 
 impl Drop for NativeFilter {
     fn drop(&mut self) {
         self.stop_ticking();
+        self.close_mailbox();
     }
 }

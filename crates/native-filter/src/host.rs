@@ -320,13 +320,15 @@ impl Host for NativeHost<'_> {
             return main.remotes.enter(context_id);
         }
         if worker::is_root_context(context_id) {
-            worker::act_on_root();
+            worker::act_on_none();
             return Ok(());
         }
-        if worker::act_on_context(context_id) {
+        if worker::act_on_own(context_id) {
             Ok(())
         } else {
-            Err(HostError(format!("request {context_id} is gone")))
+            Err(HostError(format!(
+                "request {context_id} is acted on only in its own hooks"
+            )))
         }
     }
 

@@ -6,7 +6,8 @@
 //!
 //! `abi` is crates/dynamic-module-abi, the bindings to Envoy's dynamic modules ABI (and the
 //! exported hooks); `configuration.rs` is a filter configuration as
-//! Envoy creates it (`loaded.rs` what the workers share of it), `root.rs` a worker's root for it, `filter.rs` each request,
+//! Envoy creates it (`loaded.rs` what the workers share of it), `root.rs` a worker's root for it, `filter.rs` each request, `mailbox.rs`
+//! what the root leaves for a request until its own hook takes it,
 //! `host.rs` core's `Host` over the ABI, `echo_filter.rs` the
 //! gRPC replay echo's configuration, `worker.rs` what each worker thread holds,
 //! `shared_data.rs` and `queues.rs` what proxy-wasm shared between workers, `metrics.rs` the
@@ -40,6 +41,7 @@ mod host;
 mod inbox;
 mod ledger;
 mod loaded;
+mod mailbox;
 mod main_root;
 mod main_thread;
 mod metrics;

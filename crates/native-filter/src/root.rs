@@ -14,8 +14,9 @@ use idempotency_core::root::PluginRoot;
 
 use crate::carried::Refused;
 use crate::host::NativeHost;
-use crate::inbox::{Reply, StreamEvent};
+use crate::inbox::StreamEvent;
 use crate::loaded::Shared;
+use crate::mailbox::{self, Letter};
 use crate::root_streams::RootStreams;
 use crate::worker;
 
@@ -37,6 +38,8 @@ impl WorkerRoot {
     pub fn configure(shared: Arc<Shared>) -> WorkerRoot {
         let context_id = worker::new_root_context_id();
         let mut root = PluginRoot::new(context_id);
+        // Envoy runs a request only in its own hooks: what the root has for one is mailed.
+        root.deliver_by_mail();
         let tick_ms = Cell::new(0);
         let streams = RootStreams::new(Arc::clone(&shared.courier), context_id);
         let configured = {
@@ -125,7 +128,77 @@ impl WorkerRoot {
     /// main thread's root is carried there, store writes are sent.
     pub fn pass_on(&self) {
         self.carry_to_main();
+        self.post_mail();
         self.send_fresh_writes();
+        // Sending may have failed a claim that waited for a stream.
+        self.post_mail();
+    }
+
+    /// Posts what the root left for requests to their mailboxes; a letter no request takes
+    /// is handled as undelivered now.
+    fn post_mail(&self) {
+        let Ok(root) = self.root.try_borrow() else {
+            return; // busy further up this stack, which posts it when it ends
+        };
+        let mail = root.take_mail();
+        if mail.is_empty() {
+            return;
+        }
+        let host = self.host();
+        for letter in mail {
+            if let Err(Letter::Core(letter)) = mailbox::post(Letter::Core(Box::new(letter))) {
+                worker::act_on_none();
+                run_caught("undelivered mail", || root.undelivered(&host, *letter));
+            }
+        }
+        worker::act_on_none();
+    }
+
+    /// Request `context_id`, in its own hook (host calls act on it), takes its letters.
+    pub fn deliver_letters(&self, context_id: u32) {
+        let letters = mailbox::take(context_id);
+        if letters.is_empty() {
+            return;
+        }
+        let Ok(root) = self.root.try_borrow() else {
+            self.undelivered(letters);
+            return;
+        };
+        let host = self.host();
+        for letter in letters {
+            match letter {
+                Letter::Core(mail) => root.deliver_mail(&host, *mail),
+                Letter::DetachedReply(reply) => answer_detached(&root, &host, &reply),
+            }
+        }
+        drop(root);
+        // The step may have submitted a store write, or recorded an unknown outcome.
+        self.pass_on();
+    }
+
+    /// Letters their request will never take (it ended first): a claim the store may hold
+    /// for it is released.
+    pub fn undelivered(&self, letters: Vec<Letter>) {
+        if letters.is_empty() {
+            return;
+        }
+        let Ok(root) = self.root.try_borrow() else {
+            log::error!(
+                "{} letter(s) of an ending request not handled: its root is busy; a claim \
+                 among them ends with its lease",
+                letters.len()
+            );
+            return;
+        };
+        let host = self.host();
+        worker::act_on_none();
+        for letter in letters {
+            if let Letter::Core(mail) = letter {
+                root.undelivered(&host, *mail);
+            }
+        }
+        drop(root);
+        self.pass_on();
     }
 
     /// Carries what this root's requests leave for the main thread's root (see
@@ -218,37 +291,41 @@ pub(crate) fn hand_to_core(root: &mut PluginRoot, host: &NativeHost<'_>, event: 
             root.on_grpc_message(host, *token, message.len());
         }
         StreamEvent::Closed { token, status } => root.on_grpc_close(host, *token, *status),
-        StreamEvent::Reply(reply) => answer_elsewhere(root, host, reply),
+        StreamEvent::Reply(reply) => answer_elsewhere(reply),
     });
 }
 
-/// The main thread's root answers a request of this worker whose detached write it ran: sent
-/// in that request, if it is still there.
-fn answer_elsewhere(root: &PluginRoot, host: &NativeHost<'_>, reply: &Reply) {
-    if !worker::act_on_context(reply.context_id) {
-        return; // its client left: the write was recorded all the same
+/// The main thread's root ran this request's detached write: its answer goes to the
+/// request's mailbox, taken in the request's own hook.
+fn answer_elsewhere(reply: &crate::inbox::Reply) {
+    if mailbox::post(Letter::DetachedReply(Box::new(reply.clone()))).is_err() {
+        log::debug!("a detached write's client left before its answer; it was recorded");
     }
-    if root.answered_elsewhere(reply.context_id) {
-        let headers: Vec<(&str, &[u8])> = reply
-            .headers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_slice()))
-            .collect();
-        let trailers: Vec<(&str, &[u8])> = reply
-            .trailers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_slice()))
-            .collect();
-        let sent = if trailers.is_empty() {
-            host.send_local_reply(reply.status, &headers, &reply.body)
-        } else {
-            host.send_reply_with_trailers(reply.status, &headers, &reply.body, &trailers)
-        };
-        if let Err(e) = sent {
-            log::warn!("a detached write's answer not sent to its client: {}", e.0);
-        }
+}
+
+/// The answer to the request's detached write, sent in its own hook.
+fn answer_detached(root: &PluginRoot, host: &NativeHost<'_>, reply: &crate::inbox::Reply) {
+    if !root.answered_elsewhere(reply.context_id) {
+        return;
     }
-    worker::act_on_none();
+    let headers: Vec<(&str, &[u8])> = reply
+        .headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_slice()))
+        .collect();
+    let trailers: Vec<(&str, &[u8])> = reply
+        .trailers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_slice()))
+        .collect();
+    let sent = if trailers.is_empty() {
+        host.send_local_reply(reply.status, &headers, &reply.body)
+    } else {
+        host.send_reply_with_trailers(reply.status, &headers, &reply.body, &trailers)
+    };
+    if let Err(e) = sent {
+        log::warn!("a detached write's answer not sent to its client: {}", e.0);
+    }
 }
 
 #[cfg(test)]

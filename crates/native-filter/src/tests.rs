@@ -70,7 +70,7 @@ fn integer_properties_cross_as_core_reads_them() {
         abi.attr_ints
             .insert(ffi::ATTRIBUTE_UPSTREAM_REQUEST_ATTEMPT_COUNT, 2)
     });
-    worker::act_on(filter(1).handle());
+    worker::act_on(1, filter(1).handle());
     let attempts = with_host(|host| host.property(&["upstream", "request_attempt_count"]));
     assert_eq!(attempts.unwrap(), Some(2i64.to_le_bytes().to_vec()));
     worker::act_on_none();
@@ -88,7 +88,7 @@ fn the_routes_metadata_names_its_rule() {
                 MetadataValue::String(b"payments".to_vec()),
             )
     });
-    worker::act_on(filter(1).handle());
+    worker::act_on(1, filter(1).handle());
     let path = [
         "xds",
         "route_metadata",
@@ -115,22 +115,33 @@ fn outside_a_request_stream_calls_are_refused() {
     assert!(with(|abi| abi.calls.is_empty()));
 }
 
+/// Core switches from a request to its root (to send on the root's store stream) and back;
+/// any other request is refused: a request is acted on only in its own hooks, and not at all
+/// once it is gone.
 #[test]
-fn a_request_that_is_gone_cannot_be_switched_to() {
+fn only_the_request_whose_hook_runs_can_be_switched_to() {
     reset();
     let root = worker::new_root_context_id();
-    let request = worker::new_context_id();
-    worker::register(request, filter(5).handle());
+    let own = worker::new_context_id();
+    let other = worker::new_context_id();
+    worker::register(own, filter(5).handle());
+    worker::register(other, filter(6).handle());
+    worker::act_on(own, filter(5).handle());
     with_host(|host| {
-        assert!(host.set_effective_context(request).is_ok());
+        assert!(host.set_effective_context(other).is_err());
         assert_eq!(worker::effective(), Some(filter(5).handle()));
-        worker::forget(request);
-        // Forgetting the effective request leaves no request to act on.
-        assert_eq!(worker::effective(), None);
-        assert!(host.set_effective_context(request).is_err());
         assert!(host.set_effective_context(root).is_ok());
         assert_eq!(worker::effective(), None);
+        assert!(host.set_effective_context(other).is_err());
+        assert!(host.send_local_reply(409, &[], b"not yours").is_err());
+        assert!(host.set_effective_context(own).is_ok());
+        assert_eq!(worker::effective(), Some(filter(5).handle()));
+        worker::forget(own);
+        assert_eq!(worker::effective(), None);
+        assert!(host.set_effective_context(own).is_err());
     });
+    assert!(with(|abi| abi.responses.is_empty()));
+    worker::forget(other);
 }
 
 #[test]
@@ -149,28 +160,4 @@ fn claims_race_on_the_process_table_through_the_host() {
         );
         assert_eq!(host.get(key).unwrap().unwrap().0, b"mine");
     });
-}
-
-/// Core acting on a request from the root (a delivery) may switch to the root's context in
-/// the middle of that request's step (a store call goes from the root's context) and back:
-/// the request's reply stays held through it, until the host acts on another request or the
-/// root's work ends, never while core is still stepping the request.
-#[test]
-fn a_requests_held_reply_outlasts_a_switch_to_the_root_mid_step() {
-    reset();
-    let root = worker::new_root_context_id();
-    let request = worker::new_context_id();
-    worker::register(request, filter(40).handle());
-    with_host(|host| {
-        host.set_effective_context(request).unwrap();
-        host.send_local_reply(409, &[("content-type", b"text/plain")], b"held")
-            .unwrap();
-        host.set_effective_context(root).unwrap();
-        host.set_effective_context(request).unwrap();
-        host.set_effective_context(root).unwrap();
-    });
-    with(|abi| assert!(abi.responses.is_empty(), "held while core may be mid-step"));
-    worker::act_on_none();
-    with(|abi| assert_eq!(abi.responses.len(), 1, "made once the root's work ends"));
-    worker::forget(request);
 }

@@ -1,4 +1,4 @@
-//! What each worker thread holds of the module: its live requests by context id, the request
+//! What each worker thread holds of the module: its live requests' context ids, the request
 //! host calls act on now, and, per configuration, its root (see docs/how-it-works.md, "The
 //! native build"). All of it is thread-local: a worker's state is touched only on that worker.
 
@@ -13,8 +13,10 @@ thread_local! {
     static NEXT_CONTEXT_ID: Cell<u32> = const { Cell::new(1) };
     /// The live requests of this worker, by context id.
     static LIVE: RefCell<HashMap<u32, RawFilter>> = RefCell::new(HashMap::new());
-    /// The request host calls act on; None while a root works outside any request.
+    /// The request host calls act on; None while a root works.
     static EFFECTIVE: Cell<Option<RawFilter>> = const { Cell::new(None) };
+    /// The request whose hook began last (until it is destroyed).
+    static HOOK_OWNER: Cell<Option<(u32, RawFilter)>> = const { Cell::new(None) };
 }
 
 thread_local! {
@@ -60,57 +62,41 @@ pub fn register(context_id: u32, filter: RawFilter) {
 /// Called from the request's destroy hook, before Envoy frees it.
 pub fn forget(context_id: u32) {
     let gone = LIVE.with(|live| live.borrow_mut().remove(&context_id));
-    if let Some(filter) = gone {
-        crate::abi::forget_stand_in(filter);
-    }
+    let Some(gone) = gone else { return };
+    HOOK_OWNER.with(|owner| {
+        if owner.get().is_some_and(|(id, _)| id == context_id) {
+            owner.set(None);
+        }
+    });
     EFFECTIVE.with(|effective| {
-        if gone.is_some() && effective.get() == gone {
+        if effective.get() == Some(gone) {
             effective.set(None);
         }
     });
 }
 
 /// Host calls act on this request from now on (its own hook is running).
-pub fn act_on(filter: RawFilter) {
-    crate::abi::end_stand_in();
+pub fn act_on(context_id: u32, filter: RawFilter) {
+    HOOK_OWNER.with(|owner| owner.set(Some((context_id, filter))));
     EFFECTIVE.with(|effective| effective.set(Some(filter)));
 }
 
-/// Host calls act on no request (a root's own work).
+/// Host calls act on no request (a root's own work, inside whichever hook carries it).
 pub fn act_on_none() {
-    crate::abi::end_stand_in();
     EFFECTIVE.with(|effective| effective.set(None));
 }
 
-/// Host calls act on the root, at core's word (`set_effective_context`): the calls held for
-/// a request the root acts on stay held, since core may be mid-step on it (it sends to the
-/// store from the root's context, then comes back).
-pub fn act_on_root() {
-    EFFECTIVE.with(|effective| effective.set(None));
-}
-
-/// Host calls act on the live request `context_id`, from outside its hooks (a root delivers
-/// to it); false when it is gone. Its local reply or resume waits until the host acts on
-/// another request, or the root's work ends (`act_on_none`): core has stepped its journey
-/// by then, and Envoy may run the request's hooks inside either (its stream's end; a
-/// router's own reply).
-pub fn act_on_context(context_id: u32) -> bool {
-    let live = |id: u32| LIVE.with(|live| live.borrow().get(&id).copied());
-    if let Some(filter) = live(context_id).filter(|f| crate::abi::is_standing_in_for(*f)) {
-        EFFECTIVE.with(|effective| effective.set(Some(filter)));
-        return true;
-    }
-    // The calls held for the request acted on before are made first: Envoy may end a
-    // request inside them, so the registry is read after.
-    crate::abi::end_stand_in();
-    match live(context_id) {
-        Some(filter) => {
-            crate::abi::stand_in_for(filter);
-            EFFECTIVE.with(|effective| effective.set(Some(filter)));
-            true
-        }
-        None => false,
-    }
+/// Host calls act on the request whose hook runs, again (core switched to its root to send,
+/// and back); false for any other request: a request is acted on only in its own hooks.
+pub fn act_on_own(context_id: u32) -> bool {
+    let Some((_, filter)) = HOOK_OWNER
+        .with(Cell::get)
+        .filter(|(id, _)| *id == context_id)
+    else {
+        return false;
+    };
+    EFFECTIVE.with(|effective| effective.set(Some(filter)));
+    true
 }
 
 pub fn effective() -> Option<RawFilter> {

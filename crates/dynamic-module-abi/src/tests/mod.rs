@@ -421,15 +421,13 @@ fn send_response_outside_a_hook_is_made_at_once() {
 
 /// Request 5's hook is running, and under it request 6's (Envoy re-entered): a reply to 5
 /// made now waits until 5's hook ends, as Envoy would run 5's hooks inside it while 5's
-/// filter is held; a stand-in for 5 opens nothing (its hook holds its calls already).
+/// filter is held.
 #[test]
 fn a_call_on_a_request_whose_hook_is_deeper_in_the_stack_waits_for_that_hook() {
     reset();
     enter_hook(fake(5).cast());
     enter_hook(fake(6).cast());
-    stand_in_for(filter(5).handle());
     filter(5).send_response(409, &[], b"held");
-    end_stand_in();
     with(|abi| assert!(abi.responses.is_empty()));
     assert!(leave_hook().is_empty(), "6's hook held nothing");
     let held = leave_hook();
@@ -438,31 +436,6 @@ fn a_call_on_a_request_whose_hook_is_deeper_in_the_stack_waits_for_that_hook() {
         filter(5).run(call);
     }
     with(|abi| assert_eq!(abi.responses.len(), 1));
-}
-
-/// A root acting on request 7 from outside its hooks holds 7's reply until it acts on
-/// something else; a request destroyed meanwhile drops what was held for it.
-#[test]
-fn a_stand_in_holds_a_requests_calls_until_it_ends() {
-    reset();
-    stand_in_for(filter(7).handle());
-    filter(7).continue_decoding();
-    filter(7).send_response(201, &[], b"replay");
-    with(|abi| assert!(abi.responses.is_empty() && abi.calls.is_empty()));
-    end_stand_in();
-    with(|abi| {
-        assert_eq!(abi.responses.len(), 1);
-        assert_eq!(
-            abi.calls,
-            vec!["continue_decoding 7".to_owned(), "send_response".to_owned()],
-            "made in the order given"
-        );
-    });
-    stand_in_for(filter(8).handle());
-    filter(8).send_response(201, &[], b"replay");
-    forget_stand_in(filter(8).handle());
-    end_stand_in();
-    with(|abi| assert_eq!(abi.responses.len(), 1, "nothing made for a request gone"));
 }
 
 fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
@@ -757,20 +730,26 @@ fn a_request_the_factory_skips_still_gets_an_object_that_continues() {
 }
 
 #[test]
-fn a_panicking_filter_is_caught_answered_continue_and_poisoned() {
+fn a_panicking_filter_is_caught_holds_its_request_and_is_poisoned() {
     reset();
     set_request_headers(&[("x-act", "panic")]);
     let config = new_config();
     let module = new_filter(config, 13);
-    // The hook returns (no unwinding out of it) and lets the request through.
+    // The hook returns (no unwinding out of it) and holds the request: it never goes
+    // upstream unseen (`on_panic` answers it).
     assert_eq!(
         envoy_dynamic_module_on_http_filter_request_headers(fake(13), module, false),
-        ffi::HEADERS_CONTINUE
+        ffi::HEADERS_STOP_ITERATION
     );
-    // Poisoned: later hooks do not reach the filter.
+    // Poisoned: later hooks do not reach the filter, and hold what they see.
     assert_eq!(
         envoy_dynamic_module_on_http_filter_request_body(fake(13), module, true),
-        ffi::BODY_CONTINUE
+        ffi::BODY_STOP_ITERATION_NO_BUFFER
+    );
+    // A response hook lets the response go on.
+    assert_eq!(
+        envoy_dynamic_module_on_http_filter_response_headers(fake(13), module, false),
+        ffi::HEADERS_CONTINUE
     );
     envoy_dynamic_module_on_http_filter_destroy(module);
     envoy_dynamic_module_on_http_filter_config_destroy(config);
@@ -826,7 +805,7 @@ thread_local! {
 }
 
 /// Resumes request 15 (module 0) from request 16's hook, and Envoy, resuming it, calls 15's
-/// body hook (fine) and then re-enters 16's own body hook (guarded).
+/// body hook (fine) and then re-enters 16's own body hook (guarded: held, not passed).
 struct Resumer;
 
 impl HttpFilter for Resumer {
@@ -864,11 +843,12 @@ fn another_request_is_resumed_at_once_and_a_re_entered_filter_is_skipped() {
         events(),
         vec![
             "body true",
-            // 16's body hook, re-entered while 16's on_scheduled runs: not delivered.
+            // 16's body hook, re-entered while 16's on_scheduled runs: not delivered, and
+            // the body held rather than passed unseen.
             format!(
                 "envoy got {} {}",
                 ffi::BODY_STOP_ITERATION_AND_BUFFER,
-                ffi::BODY_CONTINUE
+                ffi::BODY_STOP_ITERATION_NO_BUFFER
             )
             .as_str(),
             "resumer done",

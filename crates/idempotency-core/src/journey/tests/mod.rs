@@ -12,6 +12,7 @@ mod grpc_stream;
 mod intake;
 mod local_claim;
 mod lookup;
+mod mail;
 mod resolve;
 mod response;
 mod root;

@@ -17,10 +17,10 @@ use crate::root::PluginRoot;
 use crate::store::link::MAX_MESSAGE_BYTES;
 use idempotency_protocol::record::RecordedResponse;
 
-const ROOT: u32 = 1;
-const REQUEST: u32 = 7;
+pub(super) const ROOT: u32 = 1;
+pub(super) const REQUEST: u32 = 7;
 
-fn config(policy: &str) -> String {
+pub(super) fn config(policy: &str) -> String {
     format!(
         r#"{{"store":{{"cluster":"store","token":"s3cret","timeout_ms":250}},
             "access_log_fields":true,
@@ -30,7 +30,7 @@ fn config(policy: &str) -> String {
 }
 
 /// A root configured as Envoy does it (the root's context is the effective one).
-fn root_with(host: &FakeHost, config: &str) -> PluginRoot {
+pub(super) fn root_with(host: &FakeHost, config: &str) -> PluginRoot {
     *host.configuration.borrow_mut() = config.as_bytes().to_vec();
     host.effective_context.set(ROOT);
     let mut root = PluginRoot::new(ROOT);
@@ -39,7 +39,7 @@ fn root_with(host: &FakeHost, config: &str) -> PluginRoot {
 }
 
 /// The streams opened and the calls sent (stream, sending context, call) among `effects`.
-fn opened(effects: &[Effect]) -> Vec<(u32, HeaderPairs)> {
+pub(super) fn opened(effects: &[Effect]) -> Vec<(u32, HeaderPairs)> {
     effects
         .iter()
         .filter_map(|e| match e {
@@ -51,7 +51,7 @@ fn opened(effects: &[Effect]) -> Vec<(u32, HeaderPairs)> {
         .collect()
 }
 
-fn calls(effects: &[Effect]) -> Vec<(u32, u32, idempotency_protocol::stream::Call)> {
+pub(super) fn calls(effects: &[Effect]) -> Vec<(u32, u32, idempotency_protocol::stream::Call)> {
     effects
         .iter()
         .filter_map(|e| match e {
@@ -66,14 +66,18 @@ fn calls(effects: &[Effect]) -> Vec<(u32, u32, idempotency_protocol::stream::Cal
 }
 
 /// A request in its own context: headers and body of a POST to /orders with `key`.
-fn request(host: &FakeHost, root: &PluginRoot, key: &str) -> Rc<RefCell<RequestJourney>> {
+pub(super) fn request(
+    host: &FakeHost,
+    root: &PluginRoot,
+    key: &str,
+) -> Rc<RefCell<RequestJourney>> {
     let (journey, verdict) = post_in_context(host, root, REQUEST, key);
     assert_eq!(verdict, Verdict::Pause, "held for the store");
     journey
 }
 
 /// The store's answer to call `id`, delivered to the root in the root's context.
-fn answer(host: &FakeHost, root: &mut PluginRoot, stream: u32, id: u64, reply: Reply) {
+pub(super) fn answer(host: &FakeHost, root: &mut PluginRoot, stream: u32, id: u64, reply: Reply) {
     host.effective_context.set(ROOT);
     let message = encode_answer(&Answer { id, reply });
     let size = message.len();
@@ -81,7 +85,7 @@ fn answer(host: &FakeHost, root: &mut PluginRoot, stream: u32, id: u64, reply: R
     root.on_grpc_message(host, stream, size);
 }
 
-fn claimed(owner: &str) -> Reply {
+pub(super) fn claimed(owner: &str) -> Reply {
     Reply::Claimed {
         owner: owner.into(),
         lease_expires_at_ms: 1,
@@ -89,7 +93,7 @@ fn claimed(owner: &str) -> Reply {
 }
 
 /// The one claim among the calls sent since the last look: its id and owner.
-fn sent_claim(host: &FakeHost) -> (u64, String) {
+pub(super) fn sent_claim(host: &FakeHost) -> (u64, String) {
     let sent = calls(&host.take_effects());
     match &sent[..] {
         [(_, _, call)] => match &call.op {
@@ -109,7 +113,7 @@ fn connected(policy: &str) -> (FakeHost, PluginRoot, u32) {
 }
 
 /// The write queue's wake-up, as Envoy delivers it to the root.
-fn wake(host: &FakeHost, root: &PluginRoot) {
+pub(super) fn wake(host: &FakeHost, root: &PluginRoot) {
     host.effective_context.set(ROOT);
     root.on_queue_ready(host, 1);
 }

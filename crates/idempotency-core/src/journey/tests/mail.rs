@@ -1,0 +1,89 @@
+//! A root whose host runs a request only in its own hooks (Envoy's dynamic modules): what
+//! the store answers for a request is left as mail, never run in another context, and mail
+//! its request cannot take releases what the store may hold for it.
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+use idempotency_protocol::stream::CallOp;
+
+use super::stream::{
+    answer, calls, claimed, config, opened, request, root_with, sent_claim, wake, REQUEST, ROOT,
+};
+use super::*;
+use crate::root::PluginRoot;
+
+/// A root configured to leave mail, whose stream opened: the host, root and stream.
+fn mailing() -> (FakeHost, PluginRoot, u32) {
+    let host = FakeHost::default();
+    let mut root = root_with(&host, &config("fail_closed"));
+    root.deliver_by_mail();
+    let stream = opened(&host.take_effects())[0].0;
+    (host, root, stream)
+}
+
+#[test]
+fn a_claims_answer_waits_as_mail_and_resumes_its_request_in_the_requests_own_hook() {
+    let (host, mut root, stream) = mailing();
+    let journey = request(&host, &root, "k1");
+    let (claim_id, owner) = sent_claim(&host);
+
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    assert_eq!(host.take_effects(), vec![], "no switch, no resume");
+    assert!(!is_executing(&journey.borrow()));
+    let mail = root.take_mail();
+    assert_eq!(mail.len(), 1);
+    assert!(root.take_mail().is_empty(), "taken once");
+
+    // The host runs the request's own hook: its context is the effective one.
+    host.effective_context.set(REQUEST);
+    for letter in mail {
+        assert_eq!(letter.context_id(), REQUEST);
+        root.deliver_mail(&host, letter);
+    }
+    assert_eq!(host.take_effects(), vec![Effect::Resume]);
+    assert!(is_executing(&journey.borrow()));
+}
+
+#[test]
+fn a_claim_whose_mail_its_request_never_takes_is_released_in_the_store() {
+    let (host, mut root, stream) = mailing();
+    let journey = request(&host, &root, "k1");
+    let (claim_id, owner) = sent_claim(&host);
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    // Envoy destroys the request before its scheduled hook runs.
+    for letter in root.take_mail() {
+        host.effective_context.set(ROOT);
+        root.undelivered(&host, letter);
+    }
+    drop(journey);
+    wake(&host, &root);
+    let sent = calls(&host.take_effects());
+    assert!(
+        matches!(&sent[..], [(_, _, c)] if matches!(&c.op, CallOp::Release { owner: o, .. } if *o == owner)),
+        "the store's claim released: {sent:?}"
+    );
+}
+
+#[test]
+fn mail_for_a_journey_already_gone_releases_its_claim_too() {
+    let (host, mut root, stream) = mailing();
+    let journey = request(&host, &root, "k1");
+    let (claim_id, owner) = sent_claim(&host);
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    let mail = root.take_mail();
+    // The journey went (its request ended without a stream end reaching it) between the
+    // mail being left and taken.
+    drop(journey);
+    host.effective_context.set(REQUEST);
+    for letter in mail {
+        root.deliver_mail(&host, letter);
+    }
+    assert!(!host.take_effects().contains(&Effect::Resume));
+    wake(&host, &root);
+    let sent = calls(&host.take_effects());
+    assert!(
+        matches!(&sent[..], [(_, _, c)] if matches!(&c.op, CallOp::Release { owner: o, .. } if *o == owner)),
+        "{sent:?}"
+    );
+}
