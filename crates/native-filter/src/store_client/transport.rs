@@ -20,7 +20,7 @@ use hyper::body::{Body, Frame, Incoming};
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
-use tokio::task::JoinHandle;
+use tokio::task::AbortHandle;
 
 use super::StoreTraffic;
 use crate::abi::ConfigStreamEvent;
@@ -63,7 +63,7 @@ impl Body for Feed {
 /// One stream in progress: its feed, and the task that reads the store's side.
 struct Open {
     feed: UnboundedSender<Option<Bytes>>,
-    task: JoinHandle<()>,
+    task: AbortHandle,
 }
 
 /// One connection to an address: made on first use and again after it breaks, shared by up
@@ -303,9 +303,30 @@ impl StreamCalls for Calls<'_> {
             }
             relock(&transport.state).streams.remove(&id);
         });
-        relock(&self.transport.state)
-            .streams
-            .insert(id, Open { feed, task });
+        // A panic in the stream's task (in the courier's event handling) would end it
+        // without a word, leaving its root to wait on a stream nobody serves: it is reported
+        // as a reset instead, so core fails its calls and opens another. An abort (the
+        // stream reset on purpose) is not reported.
+        let (watched, transport, courier) = (
+            task.abort_handle(),
+            Arc::clone(self.transport),
+            Arc::clone(self.traffic),
+        );
+        relock(&self.transport.state).streams.insert(
+            id,
+            Open {
+                feed,
+                task: watched,
+            },
+        );
+        // Detached: it ends with the stream's task.
+        drop(tokio::spawn(async move {
+            if task.await.is_err_and(|e| e.is_panic()) {
+                log::error!("a store stream's task panicked; the stream is reset");
+                relock(&transport.state).streams.remove(&id);
+                courier.on_stream_event(id, ConfigStreamEvent::Reset);
+            }
+        }));
         Ok(id)
     }
 
@@ -336,6 +357,8 @@ mod tests {
     struct Recorder {
         address: String,
         events: Mutex<Vec<(u64, ConfigStreamEvent)>>,
+        /// The next headers event panics (once).
+        panic_at_headers: std::sync::atomic::AtomicBool,
     }
 
     impl StoreTraffic for Recorder {
@@ -350,7 +373,13 @@ mod tests {
             Vec::new()
         }
         fn on_stream_event(&self, id: u64, event: ConfigStreamEvent) {
+            let panics = matches!(event, ConfigStreamEvent::Headers { .. })
+                && self.panic_at_headers.swap(false, Ordering::AcqRel);
             relock(&self.events).push((id, event));
+            assert!(
+                !panics,
+                "the courier panics at the stream's headers (as asked)"
+            );
         }
         fn streams_lost(&self) {}
     }
@@ -420,6 +449,7 @@ mod tests {
             let recorder = Arc::new(Recorder {
                 address: address.clone(),
                 events: Mutex::default(),
+                panic_at_headers: false.into(),
             });
             let traffic: Arc<dyn StoreTraffic> = recorder.clone();
             let calls = Calls {
@@ -449,6 +479,49 @@ mod tests {
                 vec![address.clone(), address.clone(), address],
                 "an authority that is not one is the address dialled"
             );
+        });
+    }
+
+    /// A panic in the courier's handling of a stream's event ends the stream's task: the
+    /// stream is reported reset (its root fails its calls and opens another), not left open
+    /// with nobody reading it.
+    #[test]
+    fn a_panic_handling_a_streams_event_is_reported_as_a_reset() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let (address, _, _) = store(10).await;
+            let transport = Arc::new(Transport::default());
+            let recorder = Arc::new(Recorder {
+                address,
+                events: Mutex::default(),
+                panic_at_headers: true.into(),
+            });
+            let traffic: Arc<dyn StoreTraffic> = recorder.clone();
+            let calls = Calls {
+                transport: &transport,
+                traffic: &traffic,
+            };
+            let headers: [(&str, &[u8]); 2] = [
+                (":method", b"POST"),
+                (":path", b"/idempotency.store.v1.Store/Coordinate"),
+            ];
+            let id = calls.start("store", &headers).unwrap();
+            let reset = || {
+                relock(&recorder.events)
+                    .iter()
+                    .any(|(i, e)| *i == id && matches!(e, ConfigStreamEvent::Reset))
+            };
+            for _ in 0..500 {
+                if reset() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert!(reset(), "{:?}", relock(&recorder.events));
+            assert!(!calls.send(id, b"more", false), "the stream is gone");
         });
     }
 }
