@@ -49,8 +49,9 @@ pub struct PluginRoot {
     next_mark_ms: u64,
     /// The requests' journeys, by context id: where the root hands each what arrives for it.
     journeys: Rc<Journeys>,
-    /// The host runs a request only in its own hooks: what the root has for one is left
-    /// here for the host to deliver (`take_mail`), not run in the request's context.
+    /// What the root's step has for requests, run in their contexts when the step is over
+    /// (`apply_mail`), or, when the host runs a request only in its own hooks (`by_mail`),
+    /// left for the host to deliver (`take_mail`).
     by_mail: bool,
     mail: RefCell<Vec<Mail>>,
 }
@@ -152,6 +153,7 @@ impl PluginRoot {
                 // Opened now if the worker's clusters exist yet, else on the first tick.
                 if open_streams {
                     self.open_streams(host, &plugin);
+                    self.apply_mail(host);
                 }
                 self.plugin = Some(Rc::new(plugin));
                 true
@@ -501,6 +503,7 @@ impl PluginRoot {
                 self.send_detached(host, plugin);
             }
         }
+        self.apply_mail(host);
     }
 
     pub fn on_tick(&mut self, host: &impl Host) {
@@ -543,6 +546,7 @@ impl PluginRoot {
                 }
             }
         }
+        self.apply_mail(host);
         self.finish_if_idle(host);
     }
 
@@ -580,6 +584,7 @@ impl PluginRoot {
                 .resolutions
                 .on_store_answers(host, &plugin.settlers());
         }
+        self.apply_mail(host);
         self.finish_if_idle(host);
     }
 
@@ -598,11 +603,12 @@ impl PluginRoot {
                 .resolutions
                 .on_store_answers(host, &plugin.settlers());
         }
+        self.apply_mail(host);
         self.finish_if_idle(host);
     }
 
-    /// Hands a stream call's outcome to its waiter: the store writes, or a request, whose
-    /// context becomes the effective one while its journey acts (resume, replay, answer).
+    /// Hands a stream call's outcome to its waiter: the store writes, or a request, as mail
+    /// its journey takes once the step is over (resume, replay, answer).
     fn deliver(
         &self,
         host: &impl Host,
@@ -649,22 +655,43 @@ impl PluginRoot {
         self.in_request(host, Mail::for_claim(context_id, event, claim));
     }
 
-    /// Runs `mail` on its request's journey in that request's context, as Envoy would for
-    /// the request's own callback, then makes the root's context the effective one again; or,
-    /// for a host that runs a request only in its own hooks, leaves it for the host to deliver.
-    /// A request gone (or busy, which a request never is while the root runs) gets it as
-    /// undelivered.
+    /// Leaves `mail` for its request: the step that made it goes on, and the request takes
+    /// it once the step is over (`apply_mail`, or the host's own delivery). A request gone
+    /// gets it as undelivered now.
     fn in_request(&self, host: &impl Host, mail: Mail) {
+        if self.journeys.find(mail.context_id).is_none() {
+            return self.undelivered(host, mail);
+        }
+        match self.mail.try_borrow_mut() {
+            Ok(mut queued) => queued.push(mail),
+            Err(_) => self.undelivered(host, mail),
+        }
+    }
+
+    /// The end of a root step, on a host that runs each request's event in that request's
+    /// context from the root (proxy-wasm): each letter the step left runs on its journey in
+    /// its request's context, then the root's context is the effective one again. A host
+    /// that delivers by mail takes the letters itself (`take_mail`).
+    fn apply_mail(&self, host: &impl Host) {
+        if self.by_mail {
+            return;
+        }
+        // A journey's step leaves no mail of its own; bounded all the same.
+        for _ in 0..4 {
+            let mail = self.take_mail();
+            if mail.is_empty() {
+                return;
+            }
+            for letter in mail {
+                self.run_in_request(host, letter);
+            }
+        }
+    }
+
+    fn run_in_request(&self, host: &impl Host, mail: Mail) {
         let Some(journey) = self.journeys.find(mail.context_id) else {
             return self.undelivered(host, mail);
         };
-        if self.by_mail {
-            match self.mail.try_borrow_mut() {
-                Ok(mut queued) => queued.push(mail),
-                Err(_) => self.undelivered(host, mail),
-            }
-            return;
-        }
         if let Err(e) = host.set_effective_context(mail.context_id) {
             log::debug!("request gone before the root could answer it: {}", e.0);
             return self.undelivered(host, mail);
