@@ -556,7 +556,8 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
         "request_body",
         filter_envoy_ptr,
         filter_module_ptr,
-        request_side(BodyStatus::Continue, BodyStatus::StopIterationNoBuffer),
+        // Buffered, not dropped: a filter re-entered here may resume the request later.
+        request_side(BodyStatus::Continue, BodyStatus::StopIterationAndBuffer),
         |filter, f| filter.on_request_body(f, end_of_stream),
     )
     .raw()

@@ -829,3 +829,230 @@ fn a_cluster_mode_configuration_the_native_build_cannot_carry_is_refused_at_load
         );
     }
 }
+
+// ------------------------------------------------------------------------------------------
+// The mailbox: what a worker's root has for a request is taken in that request's own hook.
+// ------------------------------------------------------------------------------------------
+
+/// Envoy forgets request `ptr`'s pending scheduled events (it destroyed the request).
+fn forget_commits(ptr: usize) {
+    if let Ok(mut commits) = crate::abi::mock_abi::COMMITS.lock() {
+        commits.retain(|(scheduler, _)| *scheduler != ptr);
+    }
+}
+
+/// The owner of the last claim sent on the store's streams.
+fn last_claims_owner() -> String {
+    store_calls()
+        .into_iter()
+        .rev()
+        .find_map(|(_, call)| match call.op {
+            idempotency_protocol::stream::CallOp::Claim { owner, .. } => Some(owner),
+            _ => None,
+        })
+        .unwrap()
+}
+
+/// Where on the store's streams the calls went, in order: "claim <owner>", "release <owner>".
+fn claims_and_releases() -> Vec<String> {
+    store_calls()
+        .into_iter()
+        .filter_map(|(_, call)| match call.op {
+            idempotency_protocol::stream::CallOp::Claim { owner, .. } => {
+                Some(format!("claim {owner}"))
+            }
+            idempotency_protocol::stream::CallOp::Release { owner, .. } => {
+                Some(format!("release {owner}"))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// A request held for the store (cluster mode) whose claim the store answered "claimed";
+/// another request's arrival takes the answer in and mails it. Returns the held request's
+/// module, its claim's owner, and the other request's module.
+fn claimed_and_mailed(
+    config: ffi::HttpFilterConfigModulePtr,
+    ptr: usize,
+    key: &str,
+    other_ptr: usize,
+) -> (ffi::HttpFilterModulePtr, String, ffi::HttpFilterModulePtr) {
+    let (module, status) = start(config, ptr, key);
+    assert_eq!(status, ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK);
+    store_thread_runs();
+    let stream = store_calls()[0].0;
+    store_opens(stream);
+    let owner = last_claims_owner();
+    store_claims_the_last_claim();
+    let (other, _) = start(config, other_ptr, &format!("{key}-other"));
+    store_thread_runs();
+    assert!(
+        !with(|a| a
+            .calls
+            .iter()
+            .any(|c| *c == format!("continue_decoding {ptr}"))),
+        "never resumed from another request's hook"
+    );
+    (module, owner, other)
+}
+
+/// Envoy gave the request no scheduler (`scheduler_new` answered null): nothing could bring
+/// the store's answer to it, so it stayed held at its headers, neither resumed nor answered,
+/// until Envoy's own timeouts ended it. It now fails closed at once: answered 503, its claim
+/// let go.
+#[test]
+fn a_request_without_a_scheduler_is_not_left_hanging_by_its_claims_answer() {
+    reset();
+    let config = grpc_store_config();
+    with(|abi| abi.refuse.insert("scheduler_new"));
+    let (module, status) = start(config, 921, "attack-no-scheduler");
+    assert_eq!(status, ffi::HEADERS_STOP_ITERATION, "not let through");
+    assert_eq!(replies_to(921), vec![503], "failed closed at once");
+    assert!(!with(|a| a
+        .calls
+        .iter()
+        .any(|c| c == "continue_decoding 921")));
+    end(921, module);
+    // Nothing of its claim is left to answer 409: the next request of the key asks the store.
+    with(|abi| abi.refuse.remove("scheduler_new"));
+    let (retry, status) = start(config, 922, "attack-no-scheduler");
+    assert_eq!(status, ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK);
+    assert!(replies_to(922).is_empty(), "no 409 from the local table");
+    end(922, retry);
+    forget_commits(922);
+    envoy_dynamic_module_on_http_filter_config_destroy(config);
+}
+
+/// The store's "claimed" is in the request's mailbox when its client resets (stream end,
+/// then destroy, before its scheduled hook runs): the request is never resumed, the claim is
+/// released in the store before the retry's claim goes out, and the retry on this worker is
+/// not told 409 by the local table: it asks the store.
+#[test]
+fn a_claimed_letter_pending_when_the_client_resets_is_released_before_the_retry_claims() {
+    reset();
+    let config = grpc_store_config();
+    let (module, owner, other) = claimed_and_mailed(config, 931, "attack-mail-reset", 932);
+    end(931, module);
+    forget_commits(931);
+    assert!(!with(|a| a
+        .calls
+        .iter()
+        .any(|c| c == "continue_decoding 931")));
+    let (retry, status) = start(config, 933, "attack-mail-reset");
+    assert_eq!(status, ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK);
+    assert!(replies_to(933).is_empty(), "no 409 from the local table");
+    store_thread_runs();
+    let order = claims_and_releases();
+    let released = order.iter().position(|c| *c == format!("release {owner}"));
+    let retry_claim = order.iter().rposition(|c| c.starts_with("claim "));
+    assert!(
+        matches!((released, retry_claim), (Some(r), Some(c)) if r < c),
+        "the release goes before the retry's claim: {order:?}"
+    );
+    end(933, retry);
+    end(932, other);
+    forget_commits(932);
+    forget_commits(933);
+    envoy_dynamic_module_on_http_filter_config_destroy(config);
+}
+
+/// Envoy may run a request's scheduled event after its stream ended and before it destroys
+/// it: a "claimed" letter still waiting then is not delivered (the mailbox closed at the
+/// stream's end), so a request whose client left never goes upstream.
+#[test]
+fn a_claimed_letter_is_not_delivered_after_the_stream_ended() {
+    reset();
+    let config = grpc_store_config();
+    let (module, owner, other) = claimed_and_mailed(config, 941, "attack-mail-late", 942);
+    envoy_dynamic_module_on_http_filter_stream_complete(fake(941), module);
+    envoy_dynamic_module_on_http_filter_scheduled(fake(941), module, 1);
+    assert!(!with(|a| a
+        .calls
+        .iter()
+        .any(|c| c == "continue_decoding 941")));
+    assert!(replies_to(941).is_empty());
+    envoy_dynamic_module_on_http_filter_destroy(module);
+    forget_commits(941);
+    store_thread_runs();
+    assert!(claims_and_releases().contains(&format!("release {owner}")));
+    end(942, other);
+    forget_commits(942);
+    envoy_dynamic_module_on_http_filter_config_destroy(config);
+}
+
+/// Envoy answers a request held for the store itself (its request timeout: a local 504
+/// through the response hooks) while the store's "claimed" waits in its mailbox, and its
+/// scheduled hook runs before its stream's end (HTTP/2 ends the stream once the reply is
+/// flushed). `AwaitingStore` let Envoy's response pass and stayed; the letter then made it
+/// `Executing` (a resume Envoy ignores), and the stream's end recorded a write that never
+/// went upstream as an unknown outcome: every retry was told 409 "outcome unknown" until it
+/// was settled or its TTL ended. Envoy's own answer now ends the wait and frees the key.
+#[test]
+fn a_claimed_letter_taken_after_envoy_answered_the_request_itself_frees_the_key() {
+    reset();
+    let config = grpc_store_config();
+    let (module, _owner, other) = claimed_and_mailed(config, 951, "attack-mail-envoy-504", 952);
+    upstream_answers("504", b"upstream request timeout");
+    envoy_dynamic_module_on_http_filter_response_headers(fake(951), module, false);
+    envoy_dynamic_module_on_http_filter_response_body(fake(951), module, true);
+    assert!(run_if_scheduled(951, module), "woken for its letter");
+    end(951, module);
+    store_thread_runs();
+    let calls: Vec<String> = store_calls()
+        .into_iter()
+        .map(|(_, c)| format!("{:?}", c.op))
+        .collect();
+    let (retry, _) = start(config, 953, "attack-mail-envoy-504");
+    let told = replies_to(953);
+    end(953, retry);
+    end(952, other);
+    forget_commits(952);
+    forget_commits(953);
+    envoy_dynamic_module_on_http_filter_config_destroy(config);
+    assert!(
+        told.is_empty(),
+        "the retry told {told:?}; store calls {calls:?}"
+    );
+    assert!(
+        !calls.iter().any(|c| c.starts_with("Complete")),
+        "a write that never ran was recorded: {calls:?}"
+    );
+}
+
+/// A held duplicate's end (its wait timed out: 409) waits in its mailbox when Envoy answers
+/// it itself (its request timeout): the wait is abandoned at Envoy's response, and the
+/// letter taken afterwards sends nothing more (a second reply after a response began).
+#[test]
+fn a_wait_over_letter_taken_after_envoy_answered_the_duplicate_sends_nothing() {
+    reset();
+    let config = wait_config();
+    let (first, status) = start(config, 961, "attack-mail-wait-504");
+    assert_eq!(status, ffi::HEADERS_CONTINUE);
+    let (held, status) = start(config, 962, "attack-mail-wait-504");
+    assert_eq!(status, ffi::HEADERS_STOP_ITERATION, "the duplicate is held");
+    sleep_ms(150);
+    // The tick, in another request's hook, mails the duplicate its 409.
+    let (other, _) = start(config, 963, "attack-mail-wait-504-other");
+    assert!(replies_to(962).is_empty());
+    upstream_answers("504", b"upstream request timeout");
+    envoy_dynamic_module_on_http_filter_response_headers(fake(962), held, false);
+    envoy_dynamic_module_on_http_filter_response_body(fake(962), held, true);
+    assert!(run_if_scheduled(962, held), "woken for its letter");
+    assert!(
+        replies_to(962).is_empty(),
+        "nothing sent after Envoy's own answer"
+    );
+    end(962, held);
+    upstream_answers("201", b"created");
+    respond(961, first);
+    end(961, first);
+    end(963, other);
+    for ptr in [961, 962, 963] {
+        forget_commits(ptr);
+    }
+    let (retry, _) = start(config, 964, "attack-mail-wait-504");
+    assert_eq!(replies_to(964), vec![201], "the first's record is intact");
+    end(964, retry);
+    forget_commits(964);
+}

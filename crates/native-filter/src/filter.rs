@@ -77,7 +77,12 @@ impl NativeFilter {
 
     fn feed(&mut self, filter: &Filter, event: Event) -> Verdict {
         if self.failed {
-            return Verdict::Continue;
+            // Its 503 is on its way: a request hook must not let the request go upstream.
+            return if self.responding {
+                Verdict::Continue
+            } else {
+                Verdict::Pause
+            };
         }
         worker::act_on(self.context_id, filter.handle());
         let host = self.root.host();
@@ -136,10 +141,9 @@ impl NativeFilter {
         }
         let period = self.root.tick_period_ms().max(1);
         let Some(wake) = self.wake(filter) else {
-            log::error!(
-                "no scheduler for a request that waits for its root; it waits for the next \
-                 request, and what the root has for it is undelivered"
-            );
+            // Nothing could bring the root's answer to it: it would hang.
+            log::error!("no scheduler for a request that waits for its root; it fails closed");
+            self.fail_closed(filter);
             return;
         };
         let ticket = Ticker::process().every(

@@ -96,6 +96,25 @@ pub fn take(context_id: u32) -> Vec<Letter> {
         .unwrap_or_default()
 }
 
+/// Puts `letters` back at the front of `context_id`'s mailbox, in order, and wakes it again
+/// (they could not be taken now); handed to nobody if the mailbox went meanwhile.
+pub fn put_back(context_id: u32, letters: Vec<Letter>) {
+    let wake = MAILBOXES
+        .try_with(|boxes| {
+            let mut boxes = boxes.borrow_mut();
+            let mailbox = boxes.get_mut(&context_id)?;
+            for letter in letters.into_iter().rev() {
+                mailbox.letters.push_front(letter);
+            }
+            Some(Arc::clone(&mailbox.wake))
+        })
+        .ok()
+        .flatten();
+    if let Some(wake) = wake {
+        wake.wake();
+    }
+}
+
 /// The request is ending: its mailbox goes, and what it held comes back to be handled as
 /// undelivered.
 pub fn close(context_id: u32) -> Vec<Letter> {

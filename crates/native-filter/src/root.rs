@@ -161,7 +161,8 @@ impl WorkerRoot {
             return;
         }
         let Ok(root) = self.root.try_borrow() else {
-            self.undelivered(letters);
+            // Busy further up this stack: taken at the request's next wake-up.
+            mailbox::put_back(context_id, letters);
             return;
         };
         let host = self.host();

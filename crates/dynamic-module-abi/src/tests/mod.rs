@@ -744,7 +744,7 @@ fn a_panicking_filter_is_caught_holds_its_request_and_is_poisoned() {
     // Poisoned: later hooks do not reach the filter, and hold what they see.
     assert_eq!(
         envoy_dynamic_module_on_http_filter_request_body(fake(13), module, true),
-        ffi::BODY_STOP_ITERATION_NO_BUFFER
+        ffi::BODY_STOP_ITERATION_AND_BUFFER
     );
     // A response hook lets the response go on.
     assert_eq!(
@@ -844,11 +844,11 @@ fn another_request_is_resumed_at_once_and_a_re_entered_filter_is_skipped() {
         vec![
             "body true",
             // 16's body hook, re-entered while 16's on_scheduled runs: not delivered, and
-            // the body held rather than passed unseen.
+            // the body held (buffered) rather than passed unseen.
             format!(
                 "envoy got {} {}",
                 ffi::BODY_STOP_ITERATION_AND_BUFFER,
-                ffi::BODY_STOP_ITERATION_NO_BUFFER
+                ffi::BODY_STOP_ITERATION_AND_BUFFER
             )
             .as_str(),
             "resumer done",

@@ -400,7 +400,20 @@ impl RequestJourney {
     /// decides, as for a client that left), and its lease is no longer renewed. The journey
     /// takes no more events. (A Wasm build has no such path: a trap ends its VM.)
     pub fn after_fault(&mut self, host: &impl Host) {
-        self.journey = Journey::Finished;
+        // A journey still waiting (the fault was the host's, not a step's: a step takes its
+        // state out while it runs) holds a claim nothing went upstream for: it is let go.
+        match std::mem::replace(&mut self.journey, Journey::Finished) {
+            Journey::AwaitingStore(wait) => {
+                let _ = self.abandon_store_wait(host, wait);
+            }
+            Journey::Waiting(held) => {
+                let _ = self.abandon_wait(held);
+            }
+            Journey::LookingUp { rule, call } => {
+                let _ = self.abandon_lookup(&rule, call);
+            }
+            _ => {}
+        }
         let Some(claim) = self.running.take() else {
             return;
         };
@@ -460,8 +473,15 @@ impl RequestJourney {
             (wait @ J::AwaitingStore(_), E::CalloutAnswer { .. } | E::StoreReply { .. }) => {
                 (wait, Verdict::Pause)
             }
-            // The client left while the store was confirming: nothing went upstream.
-            (J::AwaitingStore(wait), E::StreamEnd) => self.abandon_store_wait(host, wait),
+            // The client left while the store was confirming, or Envoy answered the request
+            // itself (its timeout): nothing went upstream, and nothing will.
+            (
+                J::AwaitingStore(wait),
+                E::StreamEnd
+                | E::ResponseHeaders { .. }
+                | E::ResponseBody { .. }
+                | E::ResponseTrailers,
+            ) => self.abandon_store_wait(host, wait),
             (J::LookingUp { rule, call }, E::LookupAnswer { id, found })
                 if call == StoreCall::Stream(id) =>
             {
@@ -477,7 +497,14 @@ impl RequestJourney {
             ) if call == StoreCall::Callout(token) => {
                 self.lookup_callout_answer(host, &rule, num_headers, body_size)
             }
-            (J::LookingUp { rule, call }, E::StreamEnd) => self.abandon_lookup(&rule, call),
+            // The caller left, or Envoy answered it itself: that answer goes out.
+            (
+                J::LookingUp { rule, call },
+                E::StreamEnd
+                | E::ResponseHeaders { .. }
+                | E::ResponseBody { .. }
+                | E::ResponseTrailers,
+            ) => self.abandon_lookup(&rule, call),
             (looking @ J::LookingUp { .. }, _) => (looking, Verdict::Pause),
             // A replay through the echo hop goes on from here: the root delivered this.
             (J::Waiting(held), E::WaitOver(end)) => {

@@ -87,3 +87,32 @@ fn mail_for_a_journey_already_gone_releases_its_claim_too() {
         "{sent:?}"
     );
 }
+
+/// Envoy answered the request itself (its request timeout) while the store was confirming
+/// its claim, and the claim's "claimed" is taken after that, before the stream's end.
+/// `AwaitingStore` let Envoy's response pass and stayed; the answer then started the write
+/// (`Executing`) although nothing could go upstream any more, and the stream's end recorded
+/// it as an unknown outcome (409 to every retry until it was settled). Envoy's answer now
+/// ends the wait: the claim is released, and the answer that comes later finds nobody.
+#[test]
+fn a_claims_answer_taken_after_envoy_answered_the_request_does_not_start_the_write() {
+    let (host, mut root, stream) = mailing();
+    let journey = request(&host, &root, "k1");
+    let (claim_id, owner) = sent_claim(&host);
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    let mail = root.take_mail();
+    host.effective_context.set(REQUEST);
+    let _ = journey.borrow_mut().on(
+        &host,
+        Event::ResponseHeaders {
+            end_of_stream: true,
+        },
+    );
+    for letter in mail {
+        root.deliver_mail(&host, letter);
+    }
+    assert!(
+        !is_executing(&journey.borrow()),
+        "a request Envoy already answered starts its write"
+    );
+}
