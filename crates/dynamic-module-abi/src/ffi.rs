@@ -427,27 +427,4 @@ extern "C" {
         body: ModuleBuffer,
         timeout_milliseconds: u64,
     ) -> HttpCalloutInitResult;
-
-    // Config-level HTTP streams (main thread only: Envoy keeps them in unsynchronised maps of
-    // the config). Their events come to the optional `on_http_filter_config_http_stream_*`.
-    pub fn envoy_dynamic_module_callback_http_filter_config_start_http_stream(
-        filter_config_envoy_ptr: HttpFilterConfigEnvoyPtr,
-        stream_id_out: *mut u64,
-        cluster_name: ModuleBuffer,
-        headers: *mut ModuleHttpHeader,
-        headers_size: usize,
-        body: ModuleBuffer,
-        end_stream: bool,
-        timeout_milliseconds: u64,
-    ) -> HttpCalloutInitResult;
-    pub fn envoy_dynamic_module_callback_http_filter_config_stream_send_data(
-        filter_config_envoy_ptr: HttpFilterConfigEnvoyPtr,
-        stream_id: u64,
-        data: ModuleBuffer,
-        end_stream: bool,
-    ) -> bool;
-    pub fn envoy_dynamic_module_callback_http_filter_config_reset_http_stream(
-        filter_config_envoy_ptr: HttpFilterConfigEnvoyPtr,
-        stream_id: u64,
-    );
 }

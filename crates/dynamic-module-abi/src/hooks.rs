@@ -6,9 +6,11 @@
 //! program-init hook, which registers the module's [`Module`].
 //!
 //! Every hook catches panics (the .so is built with `panic = "unwind"`, profile `native`):
-//! nothing unwinds into Envoy. A panic in a filter's method is logged, the filter's
-//! `on_panic` is called, the hook answers Continue, and the filter is *poisoned*: its later
-//! hooks are answered Continue without calling it (it is still dropped at destroy).
+//! nothing unwinds into Envoy. A panic in a filter's method, or in a call it deferred, is
+//! logged, the filter's `on_panic` is called, and the filter is *poisoned*: its later hooks
+//! do not call it (it is still dropped at destroy). A failed filter's request hooks answer
+//! "stop" (the request never goes upstream unseen; `on_panic` answers it), its response hooks
+//! "continue".
 //!
 //! Envoy 1.40 resolves these hooks when a filter config loads and refuses the config if one is
 //! missing: config new/destroy, filter new/destroy, request and response
@@ -30,8 +32,7 @@ use std::sync::OnceLock;
 use super::ffi::{self, EnvoyBuffer, EnvoyHttpHeader};
 use super::{
     copy_envoy, enter_hook, headers_from_envoy, leave_hook, log, BodyStatus, CalloutResult,
-    ConfigHandle, ConfigStreamEvent, Filter, HeadersStatus, LogLevel, MainThreadConfig,
-    TrailersStatus,
+    ConfigHandle, Filter, HeadersStatus, LogLevel, MainThreadConfig, TrailersStatus,
 };
 
 /// One per filter config: makes the per-request filters. Shared by every worker.
@@ -56,16 +57,6 @@ pub trait FilterFactory: Send + Sync + 'static {
         result: CalloutResult,
         headers: Vec<(String, Vec<u8>)>,
         body: Vec<u8>,
-    ) {
-    }
-    /// An event of a stream this config started with
-    /// [`MainThreadConfig::start_http_stream`] (main thread).
-    #[allow(unused_variables)]
-    fn on_config_stream_event(
-        &self,
-        config: &MainThreadConfig,
-        stream_id: u64,
-        event: ConfigStreamEvent,
     ) {
     }
 }
@@ -762,23 +753,6 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
     );
 }
 
-/// The config-level hooks' work, for tests that hold a config pointer.
-pub fn config_stream_event(
-    envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
-    module_ptr: ffi::HttpFilterConfigModulePtr,
-    stream_id: u64,
-    event: ConfigStreamEvent,
-) {
-    with_config(
-        "config_http_stream",
-        envoy_ptr,
-        module_ptr,
-        |factory, main| {
-            factory.on_config_stream_event(main, stream_id, event);
-        },
-    );
-}
-
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
     filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
@@ -790,122 +764,6 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
         filter_config_envoy_ptr,
         filter_config_module_ptr,
         |factory, main| factory.on_config_scheduled(main, event_id),
-    );
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_headers(
-    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
-    filter_config_module_ptr: ffi::HttpFilterConfigModulePtr,
-    stream_id: u64,
-    headers: *mut EnvoyHttpHeader,
-    headers_size: usize,
-    end_stream: bool,
-) {
-    barrier("config_http_stream_headers", (), || {
-        let headers = if headers.is_null() || headers_size == 0 {
-            Vec::new()
-        } else {
-            // SAFETY: Envoy's array of `headers_size` entries, valid during this hook.
-            headers_from_envoy(unsafe { std::slice::from_raw_parts(headers, headers_size) })
-        };
-        let event = ConfigStreamEvent::Headers {
-            headers,
-            end_stream,
-        };
-        config_stream_event(
-            filter_config_envoy_ptr,
-            filter_config_module_ptr,
-            stream_id,
-            event,
-        );
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_data(
-    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
-    filter_config_module_ptr: ffi::HttpFilterConfigModulePtr,
-    stream_id: u64,
-    data: *const EnvoyBuffer,
-    data_count: usize,
-    end_stream: bool,
-) {
-    barrier("config_http_stream_data", (), || {
-        let chunks = if data.is_null() || data_count == 0 {
-            &[][..]
-        } else {
-            // SAFETY: Envoy's array of `data_count` buffers, valid during this hook.
-            unsafe { std::slice::from_raw_parts(data, data_count) }
-        };
-        let mut bytes = Vec::new();
-        for chunk in chunks {
-            // SAFETY: each buffer Envoy lends is valid during this hook.
-            bytes.extend(unsafe { copy_envoy(chunk.ptr, chunk.length) });
-        }
-        let event = ConfigStreamEvent::Data {
-            data: bytes,
-            end_stream,
-        };
-        config_stream_event(
-            filter_config_envoy_ptr,
-            filter_config_module_ptr,
-            stream_id,
-            event,
-        );
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_trailers(
-    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
-    filter_config_module_ptr: ffi::HttpFilterConfigModulePtr,
-    stream_id: u64,
-    trailers: *mut EnvoyHttpHeader,
-    trailers_size: usize,
-) {
-    barrier("config_http_stream_trailers", (), || {
-        let trailers = if trailers.is_null() || trailers_size == 0 {
-            Vec::new()
-        } else {
-            // SAFETY: Envoy's array of `trailers_size` entries, valid during this hook.
-            headers_from_envoy(unsafe { std::slice::from_raw_parts(trailers, trailers_size) })
-        };
-        config_stream_event(
-            filter_config_envoy_ptr,
-            filter_config_module_ptr,
-            stream_id,
-            ConfigStreamEvent::Trailers(trailers),
-        );
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_complete(
-    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
-    filter_config_module_ptr: ffi::HttpFilterConfigModulePtr,
-    stream_id: u64,
-) {
-    config_stream_event(
-        filter_config_envoy_ptr,
-        filter_config_module_ptr,
-        stream_id,
-        ConfigStreamEvent::Complete,
-    );
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_reset(
-    filter_config_envoy_ptr: ffi::HttpFilterConfigEnvoyPtr,
-    filter_config_module_ptr: ffi::HttpFilterConfigModulePtr,
-    stream_id: u64,
-    _reason: ffi::HttpStreamResetReason,
-) {
-    config_stream_event(
-        filter_config_envoy_ptr,
-        filter_config_module_ptr,
-        stream_id,
-        ConfigStreamEvent::Reset,
     );
 }
 

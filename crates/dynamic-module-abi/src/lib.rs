@@ -1248,7 +1248,7 @@ impl ConfigHandle {
 }
 
 // ------------------------------------------------------------------------------------------
-// Config scheduler and the config's own streams (main thread)
+// Config scheduler and the config's own callouts (main thread)
 // ------------------------------------------------------------------------------------------
 
 /// Posts events to the config's `on_config_scheduled`, which Envoy runs on the main thread.
@@ -1283,9 +1283,9 @@ impl Drop for ConfigScheduler {
     }
 }
 
-/// The config as the main thread's config hooks get it: what may only be done there. Envoy
-/// keeps the config's streams in maps no lock guards, so they are started, fed and reset on
-/// the main thread only; this type is neither Send nor Sync, and only those hooks make one.
+/// The config as the main thread's config hooks get it: what may only be done there (its
+/// callouts, which Envoy keeps in maps no lock guards); this type is neither Send nor Sync,
+/// and only those hooks make one.
 #[derive(Debug)]
 pub struct MainThreadConfig {
     ptr: ffi::HttpFilterConfigEnvoyPtr,
@@ -1332,74 +1332,6 @@ impl MainThreadConfig {
         };
         started(result, id)
     }
-
-    /// Starts a long-lived HTTP stream to `cluster` (headers must include `:method`, `:path`
-    /// and `:authority`), not ended: its events come to the config's stream hooks with the id
-    /// returned. It lives until it ends, is reset, or the config is destroyed (then without
-    /// an event). `timeout` zero: none.
-    pub fn start_http_stream(
-        &self,
-        cluster: &str,
-        headers: &[(&str, &[u8])],
-        timeout: Duration,
-    ) -> Result<u64, AbiError> {
-        let mut raw = module_headers(headers);
-        let mut id: u64 = 0;
-        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        // SAFETY: everything passed is read during the call; `id` is written by Envoy.
-        let result = unsafe {
-            ffi::envoy_dynamic_module_callback_http_filter_config_start_http_stream(
-                self.ptr,
-                &mut id,
-                module_buffer(cluster.as_bytes()),
-                raw.as_mut_ptr(),
-                raw.len(),
-                module_buffer(&[]),
-                false,
-                timeout_ms,
-            )
-        };
-        started(result, id)
-    }
-
-    /// Sends `data` on stream `id` (Envoy copies it). False: no such stream any more.
-    pub fn send_stream_data(&self, id: u64, data: &[u8], end_stream: bool) -> bool {
-        // SAFETY: the data is read during the call.
-        unsafe {
-            ffi::envoy_dynamic_module_callback_http_filter_config_stream_send_data(
-                self.ptr,
-                id,
-                module_buffer(data),
-                end_stream,
-            )
-        }
-    }
-
-    /// Resets stream `id`; Envoy delivers no event for it afterwards.
-    pub fn reset_stream(&self, id: u64) {
-        // SAFETY: an unknown id is ignored by Envoy.
-        unsafe {
-            ffi::envoy_dynamic_module_callback_http_filter_config_reset_http_stream(self.ptr, id)
-        }
-    }
-}
-
-/// An event of one of the config's own streams, as its hooks deliver it (copied).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ConfigStreamEvent {
-    Headers {
-        headers: Vec<(String, Vec<u8>)>,
-        end_stream: bool,
-    },
-    Data {
-        data: Vec<u8>,
-        end_stream: bool,
-    },
-    Trailers(Vec<(String, Vec<u8>)>),
-    /// Both directions ended.
-    Complete,
-    /// Reset (Envoy 1.40 always reports the reason as LocalReset).
-    Reset,
 }
 
 // ------------------------------------------------------------------------------------------

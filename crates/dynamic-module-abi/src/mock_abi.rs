@@ -72,14 +72,6 @@ pub struct Abi {
     /// lets a test re-enter hooks as Envoy does inside a local reply (the stream's end).
     pub on_reply: Option<fn(ffi::HttpFilterEnvoyPtr)>,
     pub worker_index: u32,
-    /// The init result config_start_http_stream answers.
-    pub stream_start_result: u32,
-    /// config_start_http_stream arguments: cluster, headers, timeout ms (ids count from 1).
-    pub config_streams: Vec<(String, Pairs, u64)>,
-    /// config_stream_send_data arguments: stream id, data, end_stream.
-    pub config_stream_data: Vec<(u64, Vec<u8>, bool)>,
-    /// config_reset_http_stream's stream ids.
-    pub config_stream_resets: Vec<u64>,
     /// config_http_callout arguments: cluster, headers, body, timeout ms (ids count from 1).
     pub config_callouts: Vec<Callout>,
 }
@@ -751,51 +743,4 @@ pub extern "C" fn envoy_dynamic_module_callback_http_filter_config_scheduler_del
     if let Ok(mut deleted) = CONFIG_DELETED.lock() {
         deleted.push(scheduler as usize);
     }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_callback_http_filter_config_start_http_stream(
-    _config: ffi::HttpFilterConfigEnvoyPtr,
-    stream_id_out: *mut u64,
-    cluster_name: ModuleBuffer,
-    headers: *mut ModuleHttpHeader,
-    headers_size: usize,
-    _body: ModuleBuffer,
-    _end_stream: bool,
-    timeout_milliseconds: u64,
-) -> u32 {
-    refused("config_start_http_stream");
-    let call = (
-        text(cluster_name),
-        module_headers(headers, headers_size),
-        timeout_milliseconds,
-    );
-    with(|abi| {
-        abi.config_streams.push(call);
-        if abi.stream_start_result == ffi::CALLOUT_INIT_SUCCESS {
-            *stream_id_out = abi.config_streams.len() as u64;
-        }
-        abi.stream_start_result
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn envoy_dynamic_module_callback_http_filter_config_stream_send_data(
-    _config: ffi::HttpFilterConfigEnvoyPtr,
-    stream_id: u64,
-    data: ModuleBuffer,
-    end_stream: bool,
-) -> bool {
-    let refuse = refused("config_stream_send_data");
-    let sent = (stream_id, bytes(data.ptr, data.length), end_stream);
-    with(|abi| abi.config_stream_data.push(sent));
-    !refuse
-}
-
-#[no_mangle]
-pub extern "C" fn envoy_dynamic_module_callback_http_filter_config_reset_http_stream(
-    _config: ffi::HttpFilterConfigEnvoyPtr,
-    stream_id: u64,
-) {
-    with(|abi| abi.config_stream_resets.push(stream_id));
 }

@@ -6,10 +6,16 @@ use std::ffi::c_void;
 
 use crate::abi::ffi;
 use crate::abi::hooks::{self, *};
-use crate::abi::mock_abi::{reset, with};
+use crate::abi::mock_abi::with;
 
 const REQ: u32 = ffi::HEADER_TYPE_REQUEST_HEADER;
 const RESP: u32 = ffi::HEADER_TYPE_RESPONSE_HEADER;
+
+/// A fresh mocked ABI, and nothing recorded of the store thread's streams.
+fn reset() {
+    crate::abi::mock_abi::reset();
+    crate::store_streams::recorded::clear();
+}
 
 fn fake(n: usize) -> *mut c_void {
     n as *mut c_void
@@ -361,17 +367,15 @@ fn main_thread_runs(config: ffi::HttpFilterConfigModulePtr) {
     envoy_dynamic_module_on_http_filter_config_scheduled(fake(9), config, 1);
 }
 
-/// The store thread's run of the configuration loaded last: its streams and requests go to
-/// the mocked ABI's configuration streams and callouts, which record them.
+/// The store thread's run of the configuration loaded last: its streams' calls are recorded
+/// (`store_streams::recorded`).
 fn store_thread_runs() {
     let courier = crate::courier::Courier::loaded_last().unwrap();
-    // SAFETY: the mocked ABI never dereferences it.
-    let calls = unsafe { crate::abi::MainThreadConfig::from_raw(fake(9)) };
-    courier.run(&calls);
+    courier.run(&crate::store_streams::recorded::Recorded);
 }
 
 /// The store says `event` on the store thread's stream `id`.
-fn store_says(id: u64, event: crate::abi::ConfigStreamEvent) {
+fn store_says(id: u64, event: crate::store_streams::WireEvent) {
     let courier = crate::courier::Courier::loaded_last().unwrap();
     courier.on_stream_event(id, event);
 }
@@ -465,7 +469,7 @@ fn a_detached_write_out_when_its_configuration_goes_is_an_unknown_outcome() {
 
 /// The calls the store thread sent on its streams so far, decoded: (stream, call).
 fn store_calls() -> Vec<(u64, idempotency_protocol::stream::Call)> {
-    with(|a| a.config_stream_data.clone())
+    crate::store_streams::recorded::sent()
         .into_iter()
         .filter_map(|(stream, frame, _)| {
             let call = idempotency_protocol::stream::decode_call(frame.get(5..)?).ok()?;
@@ -483,7 +487,7 @@ fn store_replies(stream: u64, id: u64, reply: idempotency_protocol::stream::Repl
         });
     store_says(
         stream,
-        crate::abi::ConfigStreamEvent::Data {
+        crate::store_streams::WireEvent::Data {
             data: crate::courier::grpc_frame(&answer),
             end_stream: false,
         },
@@ -494,7 +498,7 @@ fn store_replies(stream: u64, id: u64, reply: idempotency_protocol::stream::Repl
 fn store_opens(stream: u64) {
     store_says(
         stream,
-        crate::abi::ConfigStreamEvent::Headers {
+        crate::store_streams::WireEvent::Headers {
             headers: vec![(":status".into(), b"200".to_vec())],
             end_stream: false,
         },
@@ -593,13 +597,11 @@ fn an_unknown_outcome_the_store_took_is_marked_so_without_its_idle_worker() {
         let config = config_address as ffi::HttpFilterConfigModulePtr;
         let (retry, status) = start(config, 802, "attack-idle-mark");
         assert_eq!(status, ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK);
-        // SAFETY: the mocked ABI never dereferences it.
-        let calls = unsafe { crate::abi::MainThreadConfig::from_raw(fake(9)) };
-        courier.run(&calls);
+        courier.run(&crate::store_streams::recorded::Recorded);
         let (stream, _) = store_calls().last().cloned().unwrap();
         courier.on_stream_event(
             stream,
-            crate::abi::ConfigStreamEvent::Headers {
+            crate::store_streams::WireEvent::Headers {
                 headers: vec![(":status".into(), b"200".to_vec())],
                 end_stream: false,
             },
@@ -623,7 +625,7 @@ fn an_unknown_outcome_the_store_took_is_marked_so_without_its_idle_worker() {
             });
         courier.on_stream_event(
             stream,
-            crate::abi::ConfigStreamEvent::Data {
+            crate::store_streams::WireEvent::Data {
                 data: crate::courier::grpc_frame(&answer),
                 end_stream: false,
             },
@@ -738,10 +740,13 @@ fn a_request_the_root_resumes_sees_a_reply_envoy_makes_inside_the_resume() {
     assert_eq!(status, ffi::HEADERS_STOP_ALL_ITERATION_AND_WATERMARK);
     MODULES.with(|m| m.borrow_mut().insert(311, module as usize));
     store_thread_runs();
-    let (stream_id, claim) = with(|a| {
-        let (id, frame, _) = a.config_stream_data.last().cloned().unwrap();
+    let (stream_id, claim) = {
+        let (id, frame, _) = crate::store_streams::recorded::sent()
+            .last()
+            .cloned()
+            .unwrap();
         (id, frame)
-    });
+    };
     let call = idempotency_protocol::stream::decode_call(&claim[5..]).unwrap();
     let idempotency_protocol::stream::CallOp::Claim { owner, .. } = call.op else {
         panic!("not a claim: {call:?}");
@@ -756,14 +761,14 @@ fn a_request_the_root_resumes_sees_a_reply_envoy_makes_inside_the_resume() {
         });
     store_says(
         stream_id,
-        crate::abi::ConfigStreamEvent::Headers {
+        crate::store_streams::WireEvent::Headers {
             headers: vec![(":status".into(), b"200".to_vec())],
             end_stream: false,
         },
     );
     store_says(
         stream_id,
-        crate::abi::ConfigStreamEvent::Data {
+        crate::store_streams::WireEvent::Data {
             data: crate::courier::grpc_frame(&claimed),
             end_stream: false,
         },

@@ -16,12 +16,12 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use idempotency_core::grpc::frame::{frame_len, PREFIX_BYTES};
 
-use crate::abi::ConfigStreamEvent;
-use crate::config_streams::MAX_FRAME_BYTES;
-pub use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget};
 use crate::handoff::Handoff;
 use crate::inbox::{Inbox, StreamEvent};
 use crate::store_client::{Calls, StoreThread, StoreTraffic};
+use crate::store_streams::WireEvent;
+use crate::store_streams::MAX_FRAME_BYTES;
+pub use crate::store_streams::{grpc_frame, StreamCalls, StreamTarget};
 
 /// gRPC statuses the courier reports itself.
 pub const GRPC_UNKNOWN: u32 = 2;
@@ -395,21 +395,21 @@ impl Courier {
     }
 
     /// On the store thread: what the store said on `stream_id`.
-    pub fn on_stream_event(&self, stream_id: u64, event: ConfigStreamEvent) {
+    pub fn on_stream_event(&self, stream_id: u64, event: WireEvent) {
         if self.handoff.owns(stream_id) {
             self.handoff
                 .on_stream_event(stream_id, event, crate::ledger::now_ms());
             return;
         }
         match event {
-            ConfigStreamEvent::Headers {
+            WireEvent::Headers {
                 headers,
                 end_stream: true,
             } => {
                 // Trailers-only: the store refused the stream (or Envoy answered for it).
                 self.close_in_inbox(stream_id, status_of(&headers));
             }
-            ConfigStreamEvent::Headers { headers, .. } => {
+            WireEvent::Headers { headers, .. } => {
                 let ok = headers.iter().any(|(n, v)| n == ":status" && v == b"200");
                 if ok {
                     self.to_root(stream_id, |token| StreamEvent::InitialMetadata {
@@ -421,21 +421,21 @@ impl Courier {
                     self.finish(stream_id, true);
                 }
             }
-            ConfigStreamEvent::Data { data, end_stream } => {
+            WireEvent::Data { data, end_stream } => {
                 self.on_data(stream_id, &data);
                 if end_stream {
                     // A gRPC answer ends with trailers; a body that ends is a broken one.
                     self.close_in_inbox(stream_id, GRPC_INTERNAL);
                 }
             }
-            ConfigStreamEvent::Trailers(trailers) => {
+            WireEvent::Trailers(trailers) => {
                 self.close_in_inbox(stream_id, status_of(&trailers));
                 self.finish(stream_id, false);
             }
             // Complete after trailers finds no route; a stream completed without them
             // ended without a status.
-            ConfigStreamEvent::Complete => self.close_in_inbox(stream_id, GRPC_UNKNOWN),
-            ConfigStreamEvent::Reset => self.close_in_inbox(stream_id, GRPC_INTERNAL),
+            WireEvent::Complete => self.close_in_inbox(stream_id, GRPC_UNKNOWN),
+            WireEvent::Reset => self.close_in_inbox(stream_id, GRPC_INTERNAL),
         }
     }
 
@@ -555,7 +555,7 @@ impl StoreTraffic for Courier {
     fn stream_ids(&self) -> Vec<u64> {
         Courier::stream_ids(self)
     }
-    fn on_stream_event(&self, id: u64, event: ConfigStreamEvent) {
+    fn on_stream_event(&self, id: u64, event: WireEvent) {
         Courier::on_stream_event(self, id, event);
     }
     fn streams_lost(&self) {
@@ -648,7 +648,7 @@ mod tests {
 
         courier.on_stream_event(
             101,
-            ConfigStreamEvent::Headers {
+            WireEvent::Headers {
                 headers: vec![header(":status", "200"), header("x-a", "1")],
                 end_stream: false,
             },
@@ -661,17 +661,14 @@ mod tests {
         for chunk in [a, b, c] {
             courier.on_stream_event(
                 101,
-                ConfigStreamEvent::Data {
+                WireEvent::Data {
                     data: chunk.to_vec(),
                     end_stream: false,
                 },
             );
         }
-        courier.on_stream_event(
-            101,
-            ConfigStreamEvent::Trailers(vec![header("grpc-status", "0")]),
-        );
-        courier.on_stream_event(101, ConfigStreamEvent::Complete);
+        courier.on_stream_event(101, WireEvent::Trailers(vec![header("grpc-status", "0")]));
+        courier.on_stream_event(101, WireEvent::Complete);
         assert_eq!(
             inbox.take_all(),
             vec![
@@ -747,7 +744,7 @@ mod tests {
         let (t1, s1) = open(1);
         courier.on_stream_event(
             s1,
-            ConfigStreamEvent::Headers {
+            WireEvent::Headers {
                 headers: vec![header(":status", "200"), header("grpc-status", "16")],
                 end_stream: true,
             },
@@ -755,25 +752,25 @@ mod tests {
         let (t2, s2) = open(2);
         courier.on_stream_event(
             s2,
-            ConfigStreamEvent::Headers {
+            WireEvent::Headers {
                 headers: vec![header(":status", "503")],
                 end_stream: false,
             },
         );
         let (t3, s3) = open(3);
-        courier.on_stream_event(s3, ConfigStreamEvent::Reset);
+        courier.on_stream_event(s3, WireEvent::Reset);
         let (t4, s4) = open(4);
         let mut compressed = grpc_frame(b"zip");
         compressed[0] = 1;
         courier.on_stream_event(
             s4,
-            ConfigStreamEvent::Data {
+            WireEvent::Data {
                 data: compressed,
                 end_stream: false,
             },
         );
         let (t5, s5) = open(5);
-        courier.on_stream_event(s5, ConfigStreamEvent::Complete);
+        courier.on_stream_event(s5, WireEvent::Complete);
         assert_eq!(
             inbox.take_all(),
             vec![
@@ -820,7 +817,7 @@ mod tests {
         data.extend_from_slice(&[7u8; 1024]);
         courier.on_stream_event(
             101,
-            ConfigStreamEvent::Data {
+            WireEvent::Data {
                 data,
                 end_stream: false,
             },
@@ -847,10 +844,7 @@ mod tests {
         courier.run(&envoy);
         assert_eq!(envoy.sent.borrow().last(), Some(&(101, Vec::new(), true)));
         assert_eq!(*envoy.resets.borrow(), vec![102]);
-        courier.on_stream_event(
-            101,
-            ConfigStreamEvent::Trailers(vec![header("grpc-status", "0")]),
-        );
+        courier.on_stream_event(101, WireEvent::Trailers(vec![header("grpc-status", "0")]));
         assert!(inbox.take_all().is_empty());
     }
 
@@ -880,7 +874,7 @@ mod tests {
         assert!(courier.open(&worker_a, target()).is_err());
         assert!(courier.send(open_a, b"x").is_err());
         // Events the store thread might still have in flight find no route.
-        courier.on_stream_event(101, ConfigStreamEvent::Reset);
+        courier.on_stream_event(101, WireEvent::Reset);
         assert!(worker_a.take_all().is_empty());
     }
 
@@ -1003,7 +997,7 @@ mod tests {
         }));
         courier.on_stream_event(
             *stream,
-            ConfigStreamEvent::Data {
+            WireEvent::Data {
                 data: answer,
                 end_stream: false,
             },

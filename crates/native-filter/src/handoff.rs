@@ -15,9 +15,9 @@ use idempotency_core::grpc::frame::{frame_len, PREFIX_BYTES};
 use idempotency_protocol::stream::{decode_answer, decode_call, encode_call_parts};
 use idempotency_protocol::stream::{FailureKind, Reply};
 
-use crate::abi::ConfigStreamEvent;
-use crate::config_streams::{grpc_frame, StreamCalls, StreamTarget, MAX_FRAME_BYTES};
 use crate::ledger::{DueWrite, Ledger};
+use crate::store_streams::WireEvent;
+use crate::store_streams::{grpc_frame, StreamCalls, StreamTarget, MAX_FRAME_BYTES};
 
 fn relock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
@@ -186,10 +186,10 @@ impl Handoff {
     }
 
     /// On the store thread: what the store said on one of the handoff's streams.
-    pub fn on_stream_event(&self, stream_id: u64, event: ConfigStreamEvent, now_ms: u64) {
+    pub fn on_stream_event(&self, stream_id: u64, event: WireEvent, now_ms: u64) {
         let mut state = relock(&self.state);
         match event {
-            ConfigStreamEvent::Headers {
+            WireEvent::Headers {
                 headers,
                 end_stream,
             } => {
@@ -198,16 +198,14 @@ impl Handoff {
                     close(&mut state, stream_id, now_ms, !end_stream);
                 }
             }
-            ConfigStreamEvent::Data { data, end_stream } => {
+            WireEvent::Data { data, end_stream } => {
                 on_data(&mut state, stream_id, &data, now_ms);
                 if end_stream {
                     close(&mut state, stream_id, now_ms, true);
                 }
             }
-            ConfigStreamEvent::Trailers(_) => close(&mut state, stream_id, now_ms, true),
-            ConfigStreamEvent::Complete | ConfigStreamEvent::Reset => {
-                close(&mut state, stream_id, now_ms, false)
-            }
+            WireEvent::Trailers(_) => close(&mut state, stream_id, now_ms, true),
+            WireEvent::Complete | WireEvent::Reset => close(&mut state, stream_id, now_ms, false),
         }
     }
 }
@@ -382,7 +380,7 @@ mod tests {
         let data = grpc_frame(&encode_answer(&Answer { id, reply }));
         handoff.on_stream_event(
             stream,
-            ConfigStreamEvent::Data {
+            WireEvent::Data {
                 data,
                 end_stream: false,
             },
@@ -413,7 +411,7 @@ mod tests {
         assert_eq!(*op, decode_call(&call).unwrap().op, "the root's very call");
         assert_eq!(*envoy.started.borrow(), vec!["store".to_owned()]);
         // The store is down: the stream resets; the entry is due again after a backoff.
-        handoff.on_stream_event(*stream, ConfigStreamEvent::Reset, T0 + 400);
+        handoff.on_stream_event(*stream, WireEvent::Reset, T0 + 400);
         handoff.sweep(&envoy, T0 + 401);
         assert_eq!(sent(&envoy).len(), 1, "not before its backoff");
         handoff.sweep(&envoy, T0 + 700);
@@ -560,7 +558,7 @@ mod tests {
         fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool {
             self.envoy.send(stream_id, data, end_stream);
             self.handoff
-                .on_stream_event(stream_id, ConfigStreamEvent::Reset, T0 + 351);
+                .on_stream_event(stream_id, WireEvent::Reset, T0 + 351);
             true
         }
         fn reset(&self, stream_id: u64) {
@@ -631,7 +629,7 @@ mod tests {
         data.extend_from_slice(&[7u8; 1024]);
         handoff.on_stream_event(
             stream,
-            ConfigStreamEvent::Data {
+            WireEvent::Data {
                 data,
                 end_stream: false,
             },

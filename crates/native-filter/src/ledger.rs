@@ -14,8 +14,8 @@ use idempotency_core::store::writes::RETRY_BUDGET_BYTES;
 
 use idempotency_protocol::stream::{decode_call, CallOp};
 
-use crate::config_streams::StreamTarget;
 use crate::shared_data::SharedMap;
+use crate::store_streams::StreamTarget;
 
 /// The courier's retries of one entry: from this to `MAX_BACKOFF_MS`, doubling.
 const FIRST_BACKOFF_MS: u64 = 100;

@@ -16,7 +16,7 @@
 //! configuration's carrier of the roots' store streams on that thread, `inbox.rs` where their
 //! events wait for a root's worker, `root_streams.rs` those streams as core's host sees them,
 //! `ledger.rs` a root's handed-off completions and releases, `handoff.rs` the store thread's
-//! landing of those an idle worker leaves unsettled, `config_streams.rs` what the courier's
+//! landing of those an idle worker leaves unsettled, `store_streams.rs` what the courier's
 //! and the handoff's streams share, `main_root.rs` the configuration's root on the main
 //! thread, which resolves unknown outcomes for every worker, `main_thread.rs` what brings the
 //! main thread to it, `carried.rs` what the workers hand it, `config_callouts.rs` its
@@ -28,7 +28,6 @@ pub(crate) use dynamic_module_abi as abi;
 mod attack_tests;
 mod carried;
 mod config_callouts;
-mod config_streams;
 mod configuration;
 mod courier;
 mod echo_filter;
@@ -52,6 +51,7 @@ mod root;
 mod root_streams;
 mod shared_data;
 mod store_client;
+mod store_streams;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
 mod tests;

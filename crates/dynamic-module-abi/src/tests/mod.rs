@@ -592,16 +592,8 @@ impl FilterFactory for ScriptedFactory {
         if event_id == 666 {
             panic!("panic in on_config_scheduled");
         }
-        let started = config.start_http_stream("store", &[(":path", b"/x")], Duration::ZERO);
+        let started = config.http_callout("shop", &[(":path", b"/x")], b"", Duration::ZERO);
         event(format!("config scheduled {event_id} {started:?}"));
-    }
-    fn on_config_stream_event(
-        &self,
-        _config: &MainThreadConfig,
-        stream_id: u64,
-        stream_event: ConfigStreamEvent,
-    ) {
-        event(format!("config stream {stream_id} {stream_event:?}"));
     }
 }
 
@@ -992,115 +984,15 @@ fn a_config_scheduler_commits_from_another_thread_and_is_deleted_once() {
 }
 
 #[test]
-fn a_config_stream_is_started_fed_and_reset_with_what_was_given() {
-    reset();
-    // SAFETY: a fake pointer, only handed to the mock.
-    let main = unsafe { MainThreadConfig::from_raw(fake(0xc6)) };
-    let headers: [(&str, &[u8]); 2] = [(":method", b"POST"), ("te", b"trailers")];
-    assert_eq!(
-        main.start_http_stream("store", &headers, Duration::from_millis(0)),
-        Ok(1)
-    );
-    assert!(main.send_stream_data(1, b"\0\0\0\0\x01z", false));
-    main.reset_stream(1);
-    with(|abi| {
-        assert_eq!(abi.config_streams[0].0, "store");
-        assert_eq!(
-            abi.config_streams[0].1[1],
-            ("te".to_owned(), b"trailers".to_vec())
-        );
-        assert_eq!(abi.config_streams[0].2, 0);
-        assert_eq!(
-            abi.config_stream_data,
-            vec![(1, b"\0\0\0\0\x01z".to_vec(), false)]
-        );
-        assert_eq!(abi.config_stream_resets, vec![1]);
-        abi.stream_start_result = ffi::CALLOUT_INIT_CLUSTER_NOT_FOUND;
-        abi.refuse.insert("config_stream_send_data");
-    });
-    assert_eq!(
-        main.start_http_stream("nope", &headers, Duration::ZERO),
-        Err(AbiError::CalloutNotStarted(2))
-    );
-    assert!(!main.send_stream_data(1, b"x", true));
-}
-
-#[test]
-fn config_hooks_reach_the_factory_with_copies_and_survive_a_panic() {
+fn config_hooks_reach_the_factory_and_survive_a_panic() {
     reset();
     let config = new_config();
     envoy_dynamic_module_on_http_filter_config_scheduled(fake(9), config, 4);
     envoy_dynamic_module_on_http_filter_config_scheduled(fake(9), config, 666);
-    let (k, v) = ("grpc-status", "0");
-    let mut trailers = [ffi::EnvoyHttpHeader {
-        key_ptr: k.as_ptr().cast(),
-        key_length: k.len(),
-        value_ptr: v.as_ptr().cast(),
-        value_length: v.len(),
-    }];
-    let (a, b) = (b"ab".as_slice(), b"c".as_slice());
-    let chunks = [
-        ffi::EnvoyBuffer {
-            ptr: a.as_ptr().cast(),
-            length: a.len(),
-        },
-        ffi::EnvoyBuffer {
-            ptr: b.as_ptr().cast(),
-            length: b.len(),
-        },
-    ];
-    envoy_dynamic_module_on_http_filter_config_http_stream_headers(
-        fake(9),
-        config,
-        1,
-        trailers.as_mut_ptr(),
-        1,
-        false,
-    );
-    envoy_dynamic_module_on_http_filter_config_http_stream_data(
-        fake(9),
-        config,
-        1,
-        chunks.as_ptr(),
-        2,
-        false,
-    );
-    envoy_dynamic_module_on_http_filter_config_http_stream_trailers(
-        fake(9),
-        config,
-        1,
-        trailers.as_mut_ptr(),
-        1,
-    );
-    envoy_dynamic_module_on_http_filter_config_http_stream_complete(fake(9), config, 1);
-    envoy_dynamic_module_on_http_filter_config_http_stream_reset(fake(9), config, 2, 2);
     // A null config (refused at load) gets nothing.
     envoy_dynamic_module_on_http_filter_config_scheduled(fake(9), std::ptr::null(), 5);
     envoy_dynamic_module_on_http_filter_config_destroy(config);
-    let status = vec![("grpc-status".to_owned(), b"0".to_vec())];
-    assert_eq!(
-        events(),
-        vec![
-            "config scheduled 4 Ok(1)".to_owned(),
-            format!(
-                "config stream 1 {:?}",
-                ConfigStreamEvent::Headers {
-                    headers: status.clone(),
-                    end_stream: false
-                }
-            ),
-            format!(
-                "config stream 1 {:?}",
-                ConfigStreamEvent::Data {
-                    data: b"abc".to_vec(),
-                    end_stream: false
-                }
-            ),
-            format!("config stream 1 {:?}", ConfigStreamEvent::Trailers(status)),
-            "config stream 1 Complete".to_owned(),
-            "config stream 2 Reset".to_owned(),
-        ]
-    );
+    assert_eq!(events(), vec!["config scheduled 4 Ok(1)".to_owned()]);
     with(|abi| {
         assert!(abi
             .logs

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use crate::abi::ConfigStreamEvent;
+use crate::store_streams::WireEvent;
 pub use transport::Calls;
 use transport::Transport;
 
@@ -38,7 +38,7 @@ pub trait StoreTraffic: Send + Sync {
     fn is_done(&self) -> bool;
     fn stream_ids(&self) -> Vec<u64>;
     /// What the store said on stream `id`.
-    fn on_stream_event(&self, id: u64, event: ConfigStreamEvent);
+    fn on_stream_event(&self, id: u64, event: WireEvent);
     /// Every stream is gone without an event (the thread's runtime was built again).
     fn streams_lost(&self);
 }

@@ -1,7 +1,7 @@
 //! The store thread's connections: gRPC streams to a store's `host:port`, over HTTP/2
 //! cleartext, each connection shared by up to 100 streams and the name resolved again whenever
 //! one is made. What the store says goes back to the courier that asked
-//! (its roots' inboxes, or its handoff), as Envoy's configuration streams reported it.
+//! (its roots' inboxes, or its handoff) as `WireEvent`s.
 //!
 //! Everything here runs on the store thread (a current-thread runtime): a courier's `run` and
 //! the tasks that deliver events never overlap, as the main thread's hooks never did.
@@ -23,8 +23,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::task::AbortHandle;
 
 use super::StoreTraffic;
-use crate::abi::ConfigStreamEvent;
-use crate::config_streams::StreamCalls;
+use crate::store_streams::StreamCalls;
+use crate::store_streams::WireEvent;
 
 /// A connection that cannot be made within this is reported as a reset stream (core's calls
 /// have their own, shorter, timeouts and give up first).
@@ -267,12 +267,12 @@ impl StreamCalls for Calls<'_> {
                 Err(why) => {
                     log::warn!("store stream to {address} failed: {why}");
                     relock(&transport.state).streams.remove(&id);
-                    return event(ConfigStreamEvent::Reset);
+                    return event(WireEvent::Reset);
                 }
             };
             let (parts, mut body): (_, Incoming) = response.into_parts();
             let end_stream = body.is_end_stream();
-            event(ConfigStreamEvent::Headers {
+            event(WireEvent::Headers {
                 headers: with_status(parts.status, &parts.headers),
                 end_stream,
             });
@@ -280,22 +280,22 @@ impl StreamCalls for Calls<'_> {
                 loop {
                     match body.frame().await {
                         Some(Ok(frame)) => match frame.into_data() {
-                            Ok(data) => event(ConfigStreamEvent::Data {
+                            Ok(data) => event(WireEvent::Data {
                                 data: data.to_vec(),
                                 end_stream: false,
                             }),
                             Err(frame) => {
                                 let trailers = frame.into_trailers().ok().unwrap_or_default();
-                                event(ConfigStreamEvent::Trailers(pairs(&trailers)));
+                                event(WireEvent::Trailers(pairs(&trailers)));
                                 break;
                             }
                         },
                         Some(Err(_)) => {
-                            event(ConfigStreamEvent::Reset);
+                            event(WireEvent::Reset);
                             break;
                         }
                         None => {
-                            event(ConfigStreamEvent::Complete);
+                            event(WireEvent::Complete);
                             break;
                         }
                     }
@@ -324,7 +324,7 @@ impl StreamCalls for Calls<'_> {
             if task.await.is_err_and(|e| e.is_panic()) {
                 log::error!("a store stream's task panicked; the stream is reset");
                 relock(&transport.state).streams.remove(&id);
-                courier.on_stream_event(id, ConfigStreamEvent::Reset);
+                courier.on_stream_event(id, WireEvent::Reset);
             }
         }));
         Ok(id)
@@ -356,7 +356,7 @@ mod tests {
     /// What the store thread reported, for one configuration that dials `address`.
     struct Recorder {
         address: String,
-        events: Mutex<Vec<(u64, ConfigStreamEvent)>>,
+        events: Mutex<Vec<(u64, WireEvent)>>,
         /// The next headers event panics (once).
         panic_at_headers: std::sync::atomic::AtomicBool,
     }
@@ -372,8 +372,8 @@ mod tests {
         fn stream_ids(&self) -> Vec<u64> {
             Vec::new()
         }
-        fn on_stream_event(&self, id: u64, event: ConfigStreamEvent) {
-            let panics = matches!(event, ConfigStreamEvent::Headers { .. })
+        fn on_stream_event(&self, id: u64, event: WireEvent) {
+            let panics = matches!(event, WireEvent::Headers { .. })
                 && self.panic_at_headers.swap(false, Ordering::AcqRel);
             relock(&self.events).push((id, event));
             assert!(
@@ -430,7 +430,7 @@ mod tests {
     fn headers_events(recorder: &Recorder) -> usize {
         relock(&recorder.events)
             .iter()
-            .filter(|(_, e)| matches!(e, ConfigStreamEvent::Headers { .. }))
+            .filter(|(_, e)| matches!(e, WireEvent::Headers { .. }))
             .count()
     }
 
@@ -512,7 +512,7 @@ mod tests {
             let reset = || {
                 relock(&recorder.events)
                     .iter()
-                    .any(|(i, e)| *i == id && matches!(e, ConfigStreamEvent::Reset))
+                    .any(|(i, e)| *i == id && matches!(e, WireEvent::Reset))
             };
             for _ in 0..500 {
                 if reset() {

@@ -1,10 +1,8 @@
 //! What the store thread's streams share, the roots' (courier.rs) and the handoff's
-//! (handoff.rs): where a stream goes, the calls that carry them, gRPC framing.
+//! (handoff.rs): where a stream goes, the calls that carry them, what the store's side of a
+//! stream does, gRPC framing.
 
 use idempotency_core::grpc::frame::PREFIX_BYTES;
-
-#[cfg(test)]
-use crate::abi::MainThreadConfig;
 
 /// Where a root's store stream goes, as link.rs names it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -53,21 +51,22 @@ pub trait StreamCalls {
     fn reset(&self, stream_id: u64);
 }
 
-/// The mocked ABI's configuration streams record what a courier starts and sends: tests run
-/// a courier with them in place of the store thread's connections.
-#[cfg(test)]
-impl StreamCalls for MainThreadConfig {
-    fn start(&self, cluster: &str, headers: &[(&str, &[u8])]) -> Result<u64, String> {
-        // No timeout: the stream lives as long as the store keeps it (its calls have theirs).
-        self.start_http_stream(cluster, headers, std::time::Duration::ZERO)
-            .map_err(|e| e.to_string())
-    }
-    fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool {
-        self.send_stream_data(stream_id, data, end_stream)
-    }
-    fn reset(&self, stream_id: u64) {
-        self.reset_stream(stream_id);
-    }
+/// What the store's side of a stream did, as the transport reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WireEvent {
+    Headers {
+        headers: Vec<(String, Vec<u8>)>,
+        end_stream: bool,
+    },
+    Data {
+        data: Vec<u8>,
+        end_stream: bool,
+    },
+    Trailers(Vec<(String, Vec<u8>)>),
+    /// Both directions ended.
+    Complete,
+    /// Reset, refused, or broken.
+    Reset,
 }
 
 /// The largest frame either store stream reassembles: the store's announced limit is taken
@@ -87,4 +86,48 @@ pub fn grpc_frame(message: &[u8]) -> Vec<u8> {
     );
     frame.extend_from_slice(message);
     frame
+}
+
+/// Tests run a courier with these in place of the store thread's connections: each stream
+/// started and each send is recorded, on the test's own thread.
+#[cfg(test)]
+pub mod recorded {
+    use std::cell::RefCell;
+
+    thread_local! {
+        static STARTED: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+        static SENT: RefCell<Vec<(u64, Vec<u8>, bool)>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// The store thread's calls, recorded (ids count from 1 on each thread).
+    pub struct Recorded;
+
+    impl super::StreamCalls for Recorded {
+        fn start(&self, cluster: &str, _headers: &[(&str, &[u8])]) -> Result<u64, String> {
+            STARTED.with(|started| {
+                let mut started = started.borrow_mut();
+                started.push(cluster.to_owned());
+                Ok(started.len() as u64)
+            })
+        }
+        fn send(&self, stream_id: u64, data: &[u8], end_stream: bool) -> bool {
+            SENT.with(|sent| {
+                sent.borrow_mut()
+                    .push((stream_id, data.to_vec(), end_stream))
+            });
+            true
+        }
+        fn reset(&self, _stream_id: u64) {}
+    }
+
+    /// What was sent on this thread so far: stream id, data, end of stream.
+    pub fn sent() -> Vec<(u64, Vec<u8>, bool)> {
+        SENT.with(|sent| sent.borrow().clone())
+    }
+
+    /// Forgets what this thread recorded (a test's start).
+    pub fn clear() {
+        STARTED.with(|started| started.borrow_mut().clear());
+        SENT.with(|sent| sent.borrow_mut().clear());
+    }
 }
