@@ -177,6 +177,9 @@ def main() -> int:
                         "writes no page")
     p.add_argument("--abba-b", metavar="WASM", default="",
                    help="with --abba: this module as B instead of the built one")
+    p.add_argument("--abba-native", metavar="BASELINE_DIR", default="",
+                   help="with --abba: the native setups of --only too, A the native module in this "
+                        "directory (lib<name>.so, as `make native` writes it), B the built one")
     p.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"), help="page to write")
     p.add_argument("--page-from", metavar="PICKLE", default="",
                    help=f"instead: write the page from the measurements a full run kept ({RESULTS_FILE.relative_to(REPO)})")
@@ -204,7 +207,8 @@ def main() -> int:
 
     if args.abba:
         return abba(Path(args.abba), Path(args.abba_b) if args.abba_b else FILTER_WASM,
-                    args.only or "c,l,m", durations)
+                    args.only or "c,l,m", durations,
+                    Path(args.abba_native) if args.abba_native else None)
     started = time.monotonic()
     info = machine()
     only = set(args.only.split(",")) - {""}
@@ -421,15 +425,20 @@ def run_peer_comparison(tmp: Path, upstream: harness.Upstream, redis: harness.Re
     return cmp
 
 
-def abba(baseline: Path, candidate: Path, only: str, durations: Durations) -> int:
+def abba(baseline: Path, candidate: Path, only: str, durations: Durations,
+         native_baseline: Path | None = None) -> int:
     """Before and after in one run: A (``baseline``) B (``candidate``, by default the built
-    module) B A per setup, so a drift of the machine's speed during the run weighs on both alike."""
+    module) B A per setup, so a drift of the machine's speed during the run weighs on both alike.
+    With ``native_baseline`` the native setups too: A that directory's native module, B the
+    built one (``IDEMPOTENCY_NATIVE_DIR`` set for each run)."""
     for module in (baseline, candidate):
         if not module.is_file():
             raise SystemExit(f"{module} missing")
     keys = set(only.split(",")) - {""}
-    # Wasm modules only: A and B are two builds of the module.
-    chosen = [s for s in setups() if s.key in keys and s.is_filter and s.build == "wasm"]
+    builds = {"wasm", "native"} if native_baseline else {"wasm"}
+    chosen = [s for s in setups() if s.key in keys and s.is_filter and s.build in builds
+              and not s.native_floor]
+    built_native = harness.native_module_dir()
     tmp = Path(tempfile.mkdtemp(prefix="idempotency-abba-"))
     log(f"logs and configs in {tmp}")
     rows: list[tuple[str, str, float, float]] = []
@@ -440,6 +449,9 @@ def abba(baseline: Path, candidate: Path, only: str, durations: Durations) -> in
             for s in chosen:
                 for n, which in enumerate("ABBA"):
                     run = dataclasses.replace(s, wasm=baseline if which == "A" else candidate)
+                    if s.build == "native" and native_baseline:
+                        native_dir = native_baseline if which == "A" else built_native
+                        os.environ["IDEMPOTENCY_NATIVE_DIR"] = str(native_dir)
                     r = run_setup(run, tmp / f"{s.key}-{n}{which}", upstream, durations, redis)
                     rows.append((s.key, which, r.cpu_us_per_request, r.wrk.rps))
     except BenchFailure as err:
