@@ -122,6 +122,7 @@ impl Configuration {
             tick_ms: &tick_ms,
             streams: None,
             main: None,
+            request: None,
         };
         // Checked only: a store stream is a worker root's (opening one here only logged a
         // warning at every load).
@@ -172,7 +173,7 @@ impl crate::abi::FilterFactory for Configuration {
             // up this stack: nothing can protect this request.
             return Some(Box::new(RefusingFilter));
         };
-        crate::worker::register(context_id, filter.handle());
+        crate::worker::register(context_id);
         Some(Box::new(crate::filter::NativeFilter::new(
             root,
             journey,

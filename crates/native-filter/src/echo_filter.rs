@@ -37,9 +37,9 @@ pub struct EchoFilter {
 }
 
 impl EchoFilter {
-    pub fn new(shared: Arc<Shared>, filter: &Filter) -> EchoFilter {
+    pub fn new(shared: Arc<Shared>, _filter: &Filter) -> EchoFilter {
         let context_id = worker::new_context_id();
-        worker::register(context_id, filter.handle());
+        worker::register(context_id);
         EchoFilter {
             shared,
             context_id,
@@ -51,7 +51,6 @@ impl EchoFilter {
         if self.failed {
             return Verdict::Continue;
         }
-        worker::act_on(self.context_id, filter.handle());
         // The echo sets no tick: the cell only satisfies the host's shape.
         let tick_ms = Cell::new(0);
         let host = NativeHost {
@@ -60,6 +59,7 @@ impl EchoFilter {
             tick_ms: &tick_ms,
             streams: None,
             main: None,
+            request: Some((self.context_id, filter.handle())),
         };
         echo::on(&host, event)
     }

@@ -84,8 +84,7 @@ impl NativeFilter {
                 Verdict::Pause
             };
         }
-        worker::act_on(self.context_id, filter.handle());
-        let host = self.root.host();
+        let host = self.root.host_for(self.context_id, filter.handle());
         // Envoy runs one hook of a request at a time, only this request's hooks step its
         // journey, and the calls that make Envoy run its hooks inside them (its local reply,
         // its resume) wait until the hook returns (the ABI defers them). So the journey is
@@ -178,7 +177,7 @@ impl NativeFilter {
         self.failed = true;
         self.fault_unsettled = true;
         self.stop_ticking();
-        self.settle_fault();
+        self.settle_fault(Some(filter.handle()));
         if self.responding {
             return;
         }
@@ -188,11 +187,16 @@ impl NativeFilter {
         );
     }
 
-    fn settle_fault(&mut self) {
+    /// Settles a failed journey, in the request's own hook (`in_hook`) or at its destroy
+    /// (where Envoy's view of the stream is not read any more).
+    fn settle_fault(&mut self, in_hook: Option<FilterHandle>) {
         if !self.fault_unsettled {
             return;
         }
-        let host = self.root.host();
+        let host = match in_hook {
+            Some(handle) => self.root.host_for(self.context_id, handle),
+            None => self.root.host(),
+        };
         match self.journey.try_borrow_mut() {
             Ok(mut journey) => {
                 journey.after_fault(&host);
@@ -300,8 +304,7 @@ impl HttpFilter for NativeFilter {
         self.root.drain_inbox();
         self.root.tick_if_due();
         if !self.failed {
-            worker::act_on(self.context_id, filter.handle());
-            self.root.deliver_letters(self.context_id);
+            self.root.deliver_letters(self.context_id, filter.handle());
         }
         self.follow(filter);
     }
@@ -334,8 +337,7 @@ impl HttpFilter for NativeFilter {
     fn on_destroy(&mut self) {
         self.stop_ticking();
         self.close_mailbox();
-        worker::act_on_none();
-        self.settle_fault();
+        self.settle_fault(None);
         if let Some(handle) = self.handle {
             crate::request_callouts::forget(handle.key());
         }
@@ -347,7 +349,6 @@ impl HttpFilter for NativeFilter {
     /// unknown outcome (a retry is never run again). Before the response began, the request
     /// is answered 503 instead of going on; after, the response goes on as it is.
     fn on_panic(&mut self, filter: &Filter) {
-        worker::act_on(self.context_id, filter.handle());
         // The panic unwound through the hook, which gave the journey back.
         self.fail_closed(filter);
     }

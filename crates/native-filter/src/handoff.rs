@@ -1,4 +1,4 @@
-//! The store thread's landing of handed-off store writes (docs/how-it-works.md, "The write
+//! The store thread's landing of handed-off store writes (docs/native-host.md, "The write
 //! handoff"): the entries of its roots' ledgers that stay unsettled past their grace are sent
 //! on streams of the courier's own, one per store target, and retried with backoff until the
 //! store answers or their deadline passes. Answers settle ledger entries only: never a root or

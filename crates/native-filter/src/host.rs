@@ -1,8 +1,8 @@
-//! Envoy as core's `Host`, over the dynamic module ABI: each call maps onto the request host
-//! calls act on now (`worker::effective`), the process's shared data, or the configuration's
-//! metrics, and the root's store streams (`root_streams.rs`, carried by the store thread's
-//! courier). HTTP callouts are a request's own or the main thread's root's (`main_root.rs`,
-//! the configuration's own callouts); a worker's root makes none.
+//! Envoy as core's `Host`, over the dynamic module ABI: each call maps onto the request whose
+//! hook runs (a host is made for it there: `request`), the process's shared data, or the
+//! configuration's metrics, and the root's store streams (`root_streams.rs`, carried by the
+//! store thread's courier). HTTP callouts are a request's own or the main thread's root's
+//! (`main_root.rs`, the configuration's own callouts); a worker's root makes none.
 
 use std::cell::Cell;
 
@@ -10,7 +10,7 @@ use idempotency_core::host::{
     Callout, HandedOffWrite, HeaderPairs, Host, HostError, SetOutcome, SharedData,
 };
 
-use crate::abi::{AttributeId, Filter, HeaderMap, MetadataSource};
+use crate::abi::{AttributeId, Filter, FilterHandle, HeaderMap, MetadataSource};
 use crate::config_callouts::MainCalls;
 use crate::metrics::Metrics;
 use crate::queues;
@@ -30,6 +30,9 @@ pub struct NativeHost<'a> {
     /// The main thread's root: its configuration's callouts. None for a worker's root, which
     /// has none outside a request (its resolutions go to the main root).
     pub main: Option<MainCalls<'a>>,
+    /// The request whose own hook runs (its context id and filter): the one request calls
+    /// act on. None for a root's own work.
+    pub request: Option<(u32, FilterHandle)>,
 }
 
 fn no_request() -> HostError {
@@ -43,11 +46,10 @@ impl NativeHost<'_> {
     }
 
     fn filter(&self) -> Result<Filter, HostError> {
-        // SAFETY: the effective request is live (a request leaves the registry, and stops
-        // being effective, in its destroy hook) and on this worker (the registry is
-        // thread-local).
-        worker::effective()
-            .map(|handle| unsafe { handle.filter() })
+        // SAFETY: a host names only the request whose hook runs now, on this worker: it is
+        // live for as long as the host (made for that hook, dropped with it).
+        self.request
+            .map(|(_, handle)| unsafe { handle.filter() })
             .ok_or_else(no_request)
     }
 }
@@ -243,10 +245,10 @@ impl Host for NativeHost<'_> {
         if let Some(main) = &self.main {
             return main.dispatch(callout);
         }
-        let Some(request) = worker::effective() else {
+        let Some((_, request)) = self.request else {
             return Err(HostError("a worker's root makes no callouts".into()));
         };
-        // SAFETY: the effective request is live and on this worker (see `filter`).
+        // SAFETY: the request whose hook runs, on this worker (see `filter`).
         let filter = unsafe { request.filter() };
         let headers: Vec<(&str, &[u8])> = callout
             .headers
@@ -319,11 +321,13 @@ impl Host for NativeHost<'_> {
         if let Some(main) = &self.main {
             return main.remotes.enter(context_id);
         }
-        if worker::is_root_context(context_id) {
-            worker::act_on_none();
-            return Ok(());
-        }
-        if worker::act_on_own(context_id) {
+        // Core switches from a request to its root to send on the root's store stream, and
+        // back: the stream is the root's whichever request asks, so neither switch changes
+        // what this host acts on. Any other request is refused: a request is acted on only in
+        // its own hooks.
+        if worker::is_root_context(context_id)
+            || self.request.is_some_and(|(own, _)| own == context_id)
+        {
             Ok(())
         } else {
             Err(HostError(format!(

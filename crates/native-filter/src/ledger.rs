@@ -1,4 +1,4 @@
-//! One worker root's ledger of handed-off store writes (docs/how-it-works.md, "The write
+//! One worker root's ledger of handed-off store writes (docs/native-host.md, "The write
 //! handoff"): the completions and releases core reported (`Host::hand_off_write`) and has not
 //! settled yet. The root writes it on its worker; the courier reads it on the store thread and
 //! lands an entry its root leaves unsettled for too long (an idle worker cannot run its

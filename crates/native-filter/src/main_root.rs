@@ -74,7 +74,6 @@ impl MainRoot {
         };
         let configured = {
             let host = main.host(config);
-            worker::act_on_none();
             main.root
                 .borrow_mut()
                 .on_configure_to_resolve_for(&host, usize::MAX)
@@ -101,6 +100,7 @@ impl MainRoot {
                 callouts: &self.callouts,
                 remotes: &self.remotes,
             }),
+            request: None,
         }
     }
 
@@ -110,7 +110,6 @@ impl MainRoot {
         // Busy further up this stack: what waits is taken at the next run.
         if let Ok(mut root) = self.root.try_borrow_mut() {
             let host = self.host(config);
-            worker::act_on_none();
             let mut carried = self.shared.carried.take_all();
             carried.extend(crate::carried::take_orphans(|r| root.has_rule(&r.rule)));
             if !carried.is_empty() {
@@ -174,7 +173,6 @@ impl MainRoot {
             return Vec::new();
         };
         let host = self.host(&Gone);
-        worker::act_on_none();
         run_caught("giving up detached writes", || root.give_up_detached(&host));
         root.surrender_resolutions()
     }
@@ -238,7 +236,6 @@ impl MainRoot {
                 continue;
             };
             let host = self.host(config);
-            worker::act_on_none();
             let num_headers = answer.headers.len();
             let body_size = answer.body.len();
             *self.callouts.current.borrow_mut() = Some((answer.headers, answer.body));

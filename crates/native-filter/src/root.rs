@@ -49,8 +49,8 @@ impl WorkerRoot {
                 tick_ms: &tick_ms,
                 streams: Some(&streams),
                 main: None,
+                request: None,
             };
-            worker::act_on_none();
             root.on_configure(&host)
         };
         #[cfg(test)]
@@ -82,6 +82,15 @@ impl WorkerRoot {
             tick_ms: &self.tick_ms,
             streams: Some(&self.streams),
             main: None,
+            request: None,
+        }
+    }
+
+    /// The host for request `context_id` (`handle`), in that request's own hook.
+    pub fn host_for(&self, context_id: u32, handle: crate::abi::FilterHandle) -> NativeHost<'_> {
+        NativeHost {
+            request: Some((context_id, handle)),
+            ..self.host()
         }
     }
 
@@ -115,10 +124,8 @@ impl WorkerRoot {
         ));
         // A tick inside a tick (a request the tick resumes cannot start another) is skipped.
         if let Ok(mut root) = self.root.try_borrow_mut() {
-            worker::act_on_none();
             // The tick is the root's work, not the carrying request's (see `run_caught`).
             run_caught("the root's tick", || root.on_tick(&host));
-            worker::act_on_none();
         }
         // A request the tick answered or resumed may have carried or submitted work.
         self.pass_on();
@@ -147,15 +154,13 @@ impl WorkerRoot {
         let host = self.host();
         for letter in mail {
             if let Err(Letter::Core(letter)) = mailbox::post(Letter::Core(Box::new(letter))) {
-                worker::act_on_none();
                 run_caught("undelivered mail", || root.undelivered(&host, *letter));
             }
         }
-        worker::act_on_none();
     }
 
-    /// Request `context_id`, in its own hook (host calls act on it), takes its letters.
-    pub fn deliver_letters(&self, context_id: u32) {
+    /// Request `context_id` (`handle`), in its own hook, takes its letters.
+    pub fn deliver_letters(&self, context_id: u32, handle: crate::abi::FilterHandle) {
         let letters = mailbox::take(context_id);
         if letters.is_empty() {
             return;
@@ -165,7 +170,7 @@ impl WorkerRoot {
             mailbox::put_back(context_id, letters);
             return;
         };
-        let host = self.host();
+        let host = self.host_for(context_id, handle);
         for letter in letters {
             match letter {
                 Letter::Core(mail) => root.deliver_mail(&host, *mail),
@@ -192,7 +197,6 @@ impl WorkerRoot {
             return;
         };
         let host = self.host();
-        worker::act_on_none();
         for letter in letters {
             if let Letter::Core(mail) = letter {
                 root.undelivered(&host, *mail);
@@ -248,9 +252,7 @@ impl WorkerRoot {
             return;
         }
         let host = self.host();
-        worker::act_on_none();
         run_caught("sending store writes", || root.send_fresh_writes(&host));
-        worker::act_on_none();
     }
 
     /// Hands core what the store streams said since the last time, in order, as proxy-wasm
@@ -267,11 +269,9 @@ impl WorkerRoot {
         let host = self.host();
         let events = self.streams.inbox.take_all();
         for event in events {
-            worker::act_on_none();
             self.streams
                 .delivering(event, |event| hand_to_core(&mut root, &host, event));
         }
-        worker::act_on_none();
         drop(root);
         // A store answer may have recorded an unknown outcome (or found one overdue), or
         // submitted a write.

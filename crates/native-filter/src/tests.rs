@@ -21,6 +21,14 @@ fn config() -> ConfigHandle {
 }
 
 fn with_host<T>(f: impl FnOnce(&NativeHost<'_>) -> T) -> T {
+    with_host_of(None, f)
+}
+
+/// A host acting on `request` (its context id and filter), as one made in its own hook.
+fn with_host_of<T>(
+    request: Option<(u32, crate::abi::FilterHandle)>,
+    f: impl FnOnce(&NativeHost<'_>) -> T,
+) -> T {
     let metrics = Metrics::new(config());
     let tick = std::cell::Cell::new(0);
     let host = NativeHost {
@@ -29,6 +37,7 @@ fn with_host<T>(f: impl FnOnce(&NativeHost<'_>) -> T) -> T {
         tick_ms: &tick,
         streams: None,
         main: None,
+        request,
     };
     f(&host)
 }
@@ -70,10 +79,10 @@ fn integer_properties_cross_as_core_reads_them() {
         abi.attr_ints
             .insert(ffi::ATTRIBUTE_UPSTREAM_REQUEST_ATTEMPT_COUNT, 2)
     });
-    worker::act_on(1, filter(1).handle());
-    let attempts = with_host(|host| host.property(&["upstream", "request_attempt_count"]));
+    let attempts = with_host_of(Some((1, filter(1).handle())), |host| {
+        host.property(&["upstream", "request_attempt_count"])
+    });
     assert_eq!(attempts.unwrap(), Some(2i64.to_le_bytes().to_vec()));
-    worker::act_on_none();
 }
 
 #[test]
@@ -88,7 +97,7 @@ fn the_routes_metadata_names_its_rule() {
                 MetadataValue::String(b"payments".to_vec()),
             )
     });
-    worker::act_on(1, filter(1).handle());
+    let own = Some((1, filter(1).handle()));
     let path = [
         "xds",
         "route_metadata",
@@ -96,17 +105,18 @@ fn the_routes_metadata_names_its_rule() {
         "idempotency",
         "rule",
     ];
-    let rule = with_host(|host| host.property(&path));
+    let rule = with_host_of(own, |host| host.property(&path));
     assert_eq!(rule.unwrap(), Some(b"payments".to_vec()));
     let other = ["xds", "route_metadata", "filter_metadata", "other", "rule"];
-    assert_eq!(with_host(|host| host.property(&other)).unwrap(), None);
-    worker::act_on_none();
+    assert_eq!(
+        with_host_of(own, |host| host.property(&other)).unwrap(),
+        None
+    );
 }
 
 #[test]
 fn outside_a_request_stream_calls_are_refused() {
     reset();
-    worker::act_on_none();
     with_host(|host| {
         assert!(host.request_headers().is_err());
         assert!(host.send_local_reply(200, &[], b"").is_err());
@@ -116,31 +126,44 @@ fn outside_a_request_stream_calls_are_refused() {
 }
 
 /// Core switches from a request to its root (to send on the root's store stream) and back;
-/// any other request is refused: a request is acted on only in its own hooks, and not at all
-/// once it is gone.
+/// any other request is refused: a request is acted on only in its own hooks, and its host
+/// acts on it alone whatever core switches to.
 #[test]
 fn only_the_request_whose_hook_runs_can_be_switched_to() {
     reset();
     let root = worker::new_root_context_id();
     let own = worker::new_context_id();
     let other = worker::new_context_id();
-    worker::register(own, filter(5).handle());
-    worker::register(other, filter(6).handle());
-    worker::act_on(own, filter(5).handle());
-    with_host(|host| {
+    worker::register(own);
+    worker::register(other);
+    with_host_of(Some((own, filter(5).handle())), |host| {
         assert!(host.set_effective_context(other).is_err());
-        assert_eq!(worker::effective(), Some(filter(5).handle()));
         assert!(host.set_effective_context(root).is_ok());
-        assert_eq!(worker::effective(), None);
         assert!(host.set_effective_context(other).is_err());
-        assert!(host.send_local_reply(409, &[], b"not yours").is_err());
         assert!(host.set_effective_context(own).is_ok());
-        assert_eq!(worker::effective(), Some(filter(5).handle()));
-        worker::forget(own);
-        assert_eq!(worker::effective(), None);
-        assert!(host.set_effective_context(own).is_err());
+        host.send_local_reply(409, &[], b"mine").unwrap();
     });
-    assert!(with(|abi| abi.responses.is_empty()));
+    let replied_to = |abi: &mut crate::abi::mock_abi::Abi| {
+        let whole = abi.responses.iter().map(|r| r.0);
+        let parts = abi.parts.iter().filter_map(|p| match p {
+            crate::abi::mock_abi::Part::Headers(to, ..) => Some(*to),
+            _ => None,
+        });
+        whole.chain(parts).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        with(replied_to),
+        vec![5],
+        "the reply went to the request alone"
+    );
+    with_host(|host| {
+        assert!(
+            host.set_effective_context(own).is_err(),
+            "a root's host acts on none"
+        );
+        assert!(host.send_local_reply(409, &[], b"nobody's").is_err());
+    });
+    worker::forget(own);
     worker::forget(other);
 }
 

@@ -1,28 +1,21 @@
-//! What each worker thread holds of the module: its live requests' context ids, the request
-//! host calls act on now, and, per configuration, its root (see docs/how-it-works.md, "The
+//! What each worker thread holds of the module: its live requests' and roots' context ids,
+//! and, per configuration, its root (see docs/how-it-works.md, "The
 //! native build"). All of it is thread-local: a worker's state is touched only on that worker.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
-
-use crate::abi::FilterHandle as RawFilter;
 
 thread_local! {
     /// Context ids, as proxy-wasm numbers a VM's contexts: one sequence per worker.
     static NEXT_CONTEXT_ID: Cell<u32> = const { Cell::new(1) };
-    /// The live requests of this worker, by context id.
-    static LIVE: RefCell<HashMap<u32, RawFilter>> = RefCell::new(HashMap::new());
-    /// The request host calls act on; None while a root works.
-    static EFFECTIVE: Cell<Option<RawFilter>> = const { Cell::new(None) };
-    /// The request whose hook began last (until it is destroyed).
-    static HOOK_OWNER: Cell<Option<(u32, RawFilter)>> = const { Cell::new(None) };
+    /// The context ids of this worker's live requests.
+    static LIVE: RefCell<HashSet<u32>> = RefCell::new(HashSet::new());
 }
 
 thread_local! {
-    /// The context ids of this worker's roots: switching to one acts on no request.
-    static ROOT_IDS: RefCell<std::collections::HashSet<u32>> =
-        RefCell::new(std::collections::HashSet::new());
+    /// The context ids of this worker's roots: core may switch a request's host to its root.
+    static ROOT_IDS: RefCell<HashSet<u32>> = RefCell::new(HashSet::new());
 }
 
 pub fn new_root_context_id() -> u32 {
@@ -47,60 +40,21 @@ pub fn new_context_id() -> u32 {
         // Zero is never an id (the Wasm ABI's "none"). After a wrap (weeks of a busy worker)
         // an id still in use, a root's or a live request's, is skipped, as Envoy's are.
         next.set(id.checked_add(1).unwrap_or(1));
-        let in_use = is_root_context(id) || LIVE.with(|live| live.borrow().contains_key(&id));
+        let in_use = is_root_context(id) || LIVE.with(|live| live.borrow().contains(&id));
         if id != 0 && !in_use {
             return id;
         }
     })
 }
 
-/// A request Envoy created on this worker: reachable by its id until `forget`.
-pub fn register(context_id: u32, filter: RawFilter) {
-    LIVE.with(|live| live.borrow_mut().insert(context_id, filter));
+/// A request Envoy created on this worker: its id is in use until `forget`.
+pub fn register(context_id: u32) {
+    LIVE.with(|live| live.borrow_mut().insert(context_id));
 }
 
 /// Called from the request's destroy hook, before Envoy frees it.
 pub fn forget(context_id: u32) {
-    let gone = LIVE.with(|live| live.borrow_mut().remove(&context_id));
-    let Some(gone) = gone else { return };
-    HOOK_OWNER.with(|owner| {
-        if owner.get().is_some_and(|(id, _)| id == context_id) {
-            owner.set(None);
-        }
-    });
-    EFFECTIVE.with(|effective| {
-        if effective.get() == Some(gone) {
-            effective.set(None);
-        }
-    });
-}
-
-/// Host calls act on this request from now on (its own hook is running).
-pub fn act_on(context_id: u32, filter: RawFilter) {
-    HOOK_OWNER.with(|owner| owner.set(Some((context_id, filter))));
-    EFFECTIVE.with(|effective| effective.set(Some(filter)));
-}
-
-/// Host calls act on no request (a root's own work, inside whichever hook carries it).
-pub fn act_on_none() {
-    EFFECTIVE.with(|effective| effective.set(None));
-}
-
-/// Host calls act on the request whose hook runs, again (core switched to its root to send,
-/// and back); false for any other request: a request is acted on only in its own hooks.
-pub fn act_on_own(context_id: u32) -> bool {
-    let Some((_, filter)) = HOOK_OWNER
-        .with(Cell::get)
-        .filter(|(id, _)| *id == context_id)
-    else {
-        return false;
-    };
-    EFFECTIVE.with(|effective| effective.set(Some(filter)));
-    true
-}
-
-pub fn effective() -> Option<RawFilter> {
-    EFFECTIVE.with(Cell::get)
+    LIVE.with(|live| live.borrow_mut().remove(&context_id));
 }
 
 /// The roots of this worker, one per configuration (by the configuration's id, never reused
