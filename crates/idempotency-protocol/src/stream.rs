@@ -530,6 +530,19 @@ fn envelope<'a>(
     Ok(Envelope { id, member })
 }
 
+/// Whether an encoded call asks the store for new work (a claim, a held duplicate's wait, a
+/// caller's lookup) rather than finishing work already begun (a completion, release, renewal
+/// or settle): a carrier short of room turns the former away first. Unreadable: false.
+pub fn asks_for_new_work(bytes: &[u8]) -> bool {
+    matches!(
+        envelope(bytes, field::CLAIM..=field::LOOKUP),
+        Ok(Envelope {
+            member: Some((field::CLAIM | field::WAIT | field::LOOKUP, _)),
+            ..
+        })
+    )
+}
+
 pub fn decode_call(bytes: &[u8]) -> Result<Call, DecodeError> {
     let Envelope { id, member } = envelope(bytes, field::CLAIM..=field::LOOKUP)?;
     let op = match member {

@@ -33,6 +33,11 @@ pub const GRPC_UNAVAILABLE: u32 = 14;
 /// fails the call by its rules) rather than the queue growing while the store thread is
 /// stuck.
 const MAX_QUEUED: usize = 65_536;
+/// New work (a claim, a wait, a lookup) is turned away past this, so the last quarter of the
+/// queue is kept for completions, releases and renewals: a store thread that falls behind
+/// refuses new claims (503 under `fail_closed`, nothing run) before it lets a running write's
+/// lease lapse or its record go unsent.
+const MAX_QUEUED_NEW_WORK: usize = MAX_QUEUED / 4 * 3;
 
 /// What a worker's root asks of the store thread.
 enum Operation {
@@ -185,11 +190,16 @@ impl Courier {
     /// Queues `operation` and has the store thread run it (once per batch). Err when the
     /// configuration is gone or the queue is full.
     fn submit(&self, operation: Operation) -> Result<(), String> {
+        self.submit_within(operation, MAX_QUEUED)
+    }
+
+    /// `submit`, refused once `bound` operations wait.
+    fn submit_within(&self, operation: Operation, bound: usize) -> Result<(), String> {
         let mut outbox = relock(&self.outbox);
         if outbox.retired {
             return Err("the configuration is gone (a push replaced it)".into());
         }
-        if outbox.operations.len() >= MAX_QUEUED {
+        if outbox.operations.len() >= bound {
             let overflowed = self.overflowed.fetch_add(1, Ordering::Relaxed) + 1;
             // The first, then at each power of two.
             if overflowed.is_power_of_two() {
@@ -234,10 +244,18 @@ impl Courier {
 
     /// From a worker's root: one message, sent after everything queued before it.
     pub fn send(&self, token: u32, message: &[u8]) -> Result<(), String> {
-        self.submit(Operation::Send {
-            token,
-            frame: grpc_frame(message),
-        })
+        let bound = if idempotency_protocol::stream::asks_for_new_work(message) {
+            MAX_QUEUED_NEW_WORK
+        } else {
+            MAX_QUEUED
+        };
+        self.submit_within(
+            Operation::Send {
+                token,
+                frame: grpc_frame(message),
+            },
+            bound,
+        )
     }
 
     /// From a worker's root: no event comes for the stream afterwards (as proxy-wasm's
@@ -896,6 +914,41 @@ mod tests {
                 .any(|(_, line)| line.contains("1 store operation(s) refused")),
             "{logs:?}"
         );
+    }
+
+    /// Short of room, the queue turns new claims away first: the last quarter is kept for
+    /// what finishes work already begun (a completion, release or renewal), so a store thread
+    /// that falls behind refuses claims (nothing runs) before a running write's record or
+    /// renewal goes unsent.
+    #[test]
+    fn a_filling_queue_refuses_new_claims_before_completions() {
+        use idempotency_protocol::stream::{encode_call, Call, CallOp};
+        let (courier, inbox) = (courier(), Arc::new(Inbox::default()));
+        let stream = courier.open(&inbox, target()).unwrap();
+        for _ in 1..MAX_QUEUED_NEW_WORK {
+            courier.open(&inbox, target()).unwrap();
+        }
+        let call = |op| encode_call(&Call { id: 1, op });
+        let claim = call(CallOp::Claim {
+            key: "k".into(),
+            fingerprint: "f".into(),
+            lease_ms: 1_000,
+            owner: "o".into(),
+        });
+        let release = call(CallOp::Release {
+            key: "k".into(),
+            owner: "o".into(),
+        });
+        assert!(
+            courier.send(stream, &claim).is_err(),
+            "new work turned away"
+        );
+        assert!(
+            courier.send(stream, &release).is_ok(),
+            "finishing work still taken"
+        );
+        while courier.open(&inbox, target()).is_ok() {}
+        assert!(courier.send(stream, &release).is_err(), "full is full");
     }
 
     /// The store thread's runtime was built again after a panic: its streams went with it,
