@@ -50,6 +50,48 @@ struct HookFrame {
 }
 
 thread_local! {
+    /// The requests whose response the module has ended (a local reply sent whole): nothing
+    /// more of a response goes to Envoy for them, whichever path asks.
+    static ENDED: RefCell<std::collections::HashSet<usize>> =
+        RefCell::new(std::collections::HashSet::new());
+}
+
+/// Whether `call` may go to Envoy for the request `ptr`: not a response's part after the
+/// module ended that response. A call that ends it marks the request so.
+pub(crate) fn may_send(ptr: ffi::HttpFilterEnvoyPtr, call: &Deferred) -> bool {
+    if matches!(
+        call,
+        Deferred::ContinueDecoding | Deferred::ContinueEncoding
+    ) {
+        return true;
+    }
+    let ended = ENDED
+        .try_with(|ended| {
+            let mut ended = ended.try_borrow_mut().ok()?;
+            if ended.contains(&(ptr as usize)) {
+                return Some(true);
+            }
+            if call.ends_the_response() {
+                ended.insert(ptr as usize);
+            }
+            Some(false)
+        })
+        .ok()
+        .flatten()
+        .unwrap_or(false);
+    !ended
+}
+
+/// The request `ptr` is gone: its pointer may name another request from now on.
+pub(crate) fn forget_reply(ptr: usize) {
+    let _ = ENDED.try_with(|ended| {
+        if let Ok(mut ended) = ended.try_borrow_mut() {
+            ended.remove(&ptr);
+        }
+    });
+}
+
+thread_local! {
     /// The filters whose hooks are on this thread's stack, innermost last.
     static HOOKS: RefCell<Vec<HookFrame>> = const { RefCell::new(Vec::new()) };
 }
@@ -62,6 +104,20 @@ pub(crate) fn enter_hook(ptr: ffi::HttpFilterEnvoyPtr) {
                 filter: ptr as usize,
                 deferred: Vec::new(),
             });
+        }
+    });
+}
+
+/// Drops the calls `ptr`'s running hooks deferred that `which` picks.
+pub(crate) fn withdraw(ptr: ffi::HttpFilterEnvoyPtr, which: impl Fn(&Deferred) -> bool) {
+    HOOKS.with(|hooks| {
+        if let Ok(mut hooks) = hooks.try_borrow_mut() {
+            for frame in hooks
+                .iter_mut()
+                .filter(|frame| frame.filter == ptr as usize)
+            {
+                frame.deferred.retain(|call| !which(call));
+            }
         }
     });
 }

@@ -154,6 +154,10 @@ pub(crate) struct FilterObject {
     /// Envoy destroyed the request inside one of its hooks: the hook up the stack frees it
     /// once it returns.
     destroyed: Cell<bool>,
+    /// A response hook has run: the response has begun.
+    responding: Cell<bool>,
+    /// Envoy's pointer for the request (what its module-sent replies are known by).
+    envoy: Cell<usize>,
 }
 
 impl FilterObject {
@@ -162,6 +166,8 @@ impl FilterObject {
             filter: RefCell::new(filter),
             poisoned: Cell::new(false),
             destroyed: Cell::new(false),
+            responding: Cell::new(false),
+            envoy: Cell::new(0),
         }
     }
 }
@@ -174,6 +180,7 @@ impl FilterObject {
 unsafe fn free_filter_object(raw: *mut FilterObject) {
     // SAFETY: as the caller promises.
     let object = unsafe { Box::from_raw(raw) };
+    crate::hook_frames::forget_reply(object.envoy.get());
     if let Some(mut filter) = object.filter.into_inner() {
         barrier("on_destroy", (), || filter.on_destroy());
         barrier("drop filter", (), move || drop(filter));
@@ -195,10 +202,11 @@ fn panic_text(payload: &(dyn Any + Send)) -> &str {
 struct Answers<R> {
     pass: R,
     closed: R,
+    /// A response hook: the response has begun.
+    response: bool,
 }
 
-/// The same answer either way (the response hooks let what is there go on; the others
-/// answer nothing).
+/// The same answer either way (hooks that answer nothing).
 const fn always<R>(answer: R) -> Answers<R>
 where
     R: Copy,
@@ -206,13 +214,29 @@ where
     Answers {
         pass: answer,
         closed: answer,
+        response: false,
     }
 }
 
-/// A request hook: passed on without a filter; held when its filter failed, so a request
-/// the filter could not look at never goes upstream (fail closed; `on_panic` answers it).
+/// A response hook: what is there goes on either way, and the response has begun.
+const fn response_side<R: Copy>(answer: R) -> Answers<R> {
+    Answers {
+        pass: answer,
+        closed: answer,
+        response: true,
+    }
+}
+
+/// A request hook: passed on without a filter; held when its filter failed before its
+/// response began, so a request the filter could not look at never goes upstream (fail
+/// closed; `on_panic` answers it). Once the response has begun, the rest of the request goes
+/// on (an upstream answering while it reads would wait for it).
 const fn request_side<R: Copy>(pass: R, closed: R) -> Answers<R> {
-    Answers { pass, closed }
+    Answers {
+        pass,
+        closed,
+        response: false,
+    }
 }
 
 /// Runs `body` with nothing unwinding out of it; a panic is logged and gives `fallback`.
@@ -248,15 +272,24 @@ fn dispatch<R: Copy>(
 ) -> R {
     let Answers {
         pass,
-        closed: fallback,
+        closed,
+        response,
     } = answers;
-    barrier(hook, fallback, || {
+    barrier(hook, closed, || {
         if module_ptr.is_null() || envoy_ptr.is_null() {
             return pass;
         }
         // SAFETY: module_ptr is a FilterObject this module made in filter_new and frees only
         // in filter_destroy, which Envoy calls after every other hook of the request.
         let object = unsafe { &*module_ptr.cast::<FilterObject>() };
+        if response {
+            object.responding.set(true);
+        }
+        let fallback = if object.responding.get() {
+            pass
+        } else {
+            closed
+        };
         if object.poisoned.get() {
             return fallback;
         }
@@ -276,9 +309,11 @@ fn dispatch<R: Copy>(
             return pass;
         };
         enter_hook(envoy_ptr);
+        let mut panicked = false;
         let answer = match catch_unwind(AssertUnwindSafe(|| method(filter.as_mut(), &f))) {
             Ok(answer) => answer,
             Err(payload) => {
+                panicked = true;
                 object.poisoned.set(true);
                 log(
                     LogLevel::Error,
@@ -298,7 +333,12 @@ fn dispatch<R: Copy>(
             }
         };
         drop(slot);
-        let held = leave_hook();
+        let mut held = leave_hook();
+        if panicked {
+            // The step that asked for the resume did not finish: the request must not go
+            // upstream on its word (`on_panic` answers it instead).
+            held.retain(|call| !matches!(call, crate::hook_frames::Deferred::ContinueDecoding));
+        }
         if object.destroyed.get() {
             // Envoy destroyed the request inside this hook: its pointer is gone, and with it
             // the calls held for it. The filter goes now, with its registrations (its
@@ -487,9 +527,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_new(
                 None => barrier("failed_filter", None, || config.factory.failed_filter()),
             }
         };
-        Box::into_raw(Box::new(FilterObject::new(filter)))
-            .cast_const()
-            .cast()
+        let object = FilterObject::new(filter);
+        object.envoy.set(filter_envoy_ptr as usize);
+        Box::into_raw(Box::new(object)).cast_const().cast()
     })
 }
 
@@ -579,7 +619,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
         "response_headers",
         filter_envoy_ptr,
         filter_module_ptr,
-        always(HeadersStatus::Continue),
+        response_side(HeadersStatus::Continue),
         |filter, f| filter.on_response_headers(f, end_of_stream),
     )
     .raw()
@@ -595,7 +635,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
         "response_body",
         filter_envoy_ptr,
         filter_module_ptr,
-        always(BodyStatus::Continue),
+        response_side(BodyStatus::Continue),
         |filter, f| filter.on_response_body(f, end_of_stream),
     )
     .raw()
@@ -610,7 +650,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
         "response_trailers",
         filter_envoy_ptr,
         filter_module_ptr,
-        always(TrailersStatus::Continue),
+        response_side(TrailersStatus::Continue),
         |filter, f| filter.on_response_trailers(f),
     )
     .raw()

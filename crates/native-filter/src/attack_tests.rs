@@ -1061,3 +1061,124 @@ fn a_wait_over_letter_taken_after_envoy_answered_the_duplicate_sends_nothing() {
     end(964, retry);
     forget_commits(964);
 }
+
+// ------------------------------------------------------------------------------------------
+// Round 2b: a host per request (8f5bfac), the mailbox's fixes (af44066), fallbacks (618f738).
+// ------------------------------------------------------------------------------------------
+
+/// The body of every local reply to `ptr`, as text.
+fn reply_bodies(ptr: usize) -> Vec<String> {
+    with(|abi| {
+        abi.responses
+            .iter()
+            .filter(|r| r.0 == ptr)
+            .map(|r| String::from_utf8_lossy(&r.3).into_owned())
+            .collect()
+    })
+}
+
+/// Envoy gives the request no scheduler (`scheduler_new` null) right when its step lets it
+/// upstream (single-proxy mode, the key claimed at the headers). The request fails closed:
+/// answered 503 and held, never both; its write never ran, so its claim is released and the
+/// retry is not told "outcome unknown" for a write that did not run.
+#[test]
+fn a_request_without_a_scheduler_whose_write_was_let_through_is_not_both_passed_and_refused() {
+    reset();
+    let config = config();
+    with(|abi| abi.refuse.insert("scheduler_new"));
+    let (module, status) = start(config, 971, "attack-no-scheduler-local");
+    let replied = replies_to(971);
+    end(971, module);
+    with(|abi| abi.refuse.remove("scheduler_new"));
+    let (retry, _) = start(config, 972, "attack-no-scheduler-local");
+    let retry_told = reply_bodies(972);
+    end(972, retry);
+    forget_commits(972);
+    assert!(
+        !(status == ffi::HEADERS_CONTINUE && replied == vec![503]),
+        "let through (status {status}) and answered {replied:?} in the same hook"
+    );
+    assert!(
+        !retry_told.iter().any(|b| b.contains("outcome-unknown")),
+        "the retry of a write its client was refused is told: {retry_told:?}"
+    );
+}
+
+/// A write is upstream (key claimed at its headers, its body still streaming) and its
+/// response has begun when a response hook panics: the filter is poisoned. The rest of the
+/// request body goes on: held, an upstream that answers while it reads (a bidirectional
+/// stream, an early answer) would wait until Envoy's idle timeout for a body that never came.
+#[test]
+fn a_panic_after_the_response_began_does_not_hold_the_rest_of_the_request_body() {
+    reset();
+    let config = config();
+    request_headers("attack-poisoned-mid-upload");
+    let module = envoy_dynamic_module_on_http_filter_new(config, fake(981));
+    let status = envoy_dynamic_module_on_http_filter_request_headers(fake(981), module, false);
+    assert_eq!(
+        status,
+        ffi::HEADERS_CONTINUE,
+        "the write goes upstream at its headers"
+    );
+    with(|abi| {
+        abi.bodies.insert(
+            ffi::BODY_TYPE_RECEIVED_REQUEST_BODY,
+            vec![b"part one".to_vec()],
+        )
+    });
+    assert_eq!(
+        envoy_dynamic_module_on_http_filter_request_body(fake(981), module, false),
+        ffi::BODY_CONTINUE,
+        "its body streams upstream"
+    );
+    with(|abi| abi.panic_on.insert("get_headers"));
+    envoy_dynamic_module_on_http_filter_response_headers(fake(981), module, false);
+    assert!(
+        with(|abi| abi
+            .logs
+            .iter()
+            .any(|(_, l)| l.contains("panic in response_headers"))),
+        "the panic was injected"
+    );
+    let rest = envoy_dynamic_module_on_http_filter_request_body(fake(981), module, true);
+    end(981, module);
+    forget_commits(981);
+    assert_eq!(
+        rest,
+        ffi::BODY_CONTINUE,
+        "the rest of an upstream request's body is held after its response began"
+    );
+}
+
+/// A panic in one of the replay echo's (`grpc_replay_echo`) hooks: the hop is answered 503
+/// (the gRPC client reads UNAVAILABLE) rather than left held until Envoy's timeout, with the
+/// Wasm filter replaying through it.
+#[test]
+fn a_panic_in_the_replay_echo_does_not_leave_the_hop_hanging() {
+    reset();
+    let echo = load(br#"{"grpc_replay_echo": true}"#);
+    with(|abi| {
+        abi.maps.insert(
+            REQ,
+            [
+                (":method", "POST"),
+                (":path", "/idempotency.filter.v1.Replay/Echo"),
+                ("content-type", "application/x-idempotency-replay"),
+            ]
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))
+            .collect(),
+        );
+        abi.panic_on.insert("get_headers");
+    });
+    let hop = envoy_dynamic_module_on_http_filter_new(echo, fake(991));
+    let headers = envoy_dynamic_module_on_http_filter_request_headers(fake(991), hop, false);
+    let body = envoy_dynamic_module_on_http_filter_request_body(fake(991), hop, true);
+    let answered = !replies_to(991).is_empty();
+    end(991, hop);
+    envoy_dynamic_module_on_http_filter_config_destroy(echo);
+    assert!(
+        answered || (headers == ffi::HEADERS_CONTINUE && body == ffi::BODY_CONTINUE),
+        "the hop is held (headers {headers}, body {body}) and never answered"
+    );
+}

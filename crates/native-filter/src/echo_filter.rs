@@ -18,8 +18,19 @@ use crate::worker;
 
 /// Logged once per process, at the first echo configuration loaded.
 pub fn announce() {
+    // Once per process; once per thread under test, where each test's mocked log is its
+    // thread's own.
+    #[cfg(not(test))]
     static ANNOUNCED: std::sync::Once = std::sync::Once::new();
-    ANNOUNCED.call_once(|| {
+    #[cfg(test)]
+    thread_local! {
+        static ANNOUNCED: std::sync::Once = const { std::sync::Once::new() };
+    }
+    #[cfg(test)]
+    let announce = |say: fn()| ANNOUNCED.with(|once| once.call_once(say));
+    #[cfg(not(test))]
+    let announce = |say: fn()| ANNOUNCED.call_once(say);
+    announce(|| {
         log::info!(
             "grpc_replay_echo: the native build's filter replays gRPC answers itself and sends \
              no hops, so it does not use this echo (its internal listener, cluster and route \
@@ -96,7 +107,10 @@ impl HttpFilter for EchoFilter {
         worker::forget(self.context_id);
     }
 
-    fn on_panic(&mut self, _filter: &Filter) {
+    /// The hop is answered 503 (a gRPC client reads UNAVAILABLE), so the replay it carries
+    /// fails at once rather than waiting for Envoy's timeout; nothing was run for it.
+    fn on_panic(&mut self, filter: &Filter) {
         self.failed = true;
+        crate::refusing_filter::answer_unavailable(filter, "the replay echo failed on this hop");
     }
 }

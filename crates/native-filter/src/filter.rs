@@ -23,6 +23,17 @@ use crate::root::WorkerRoot;
 use crate::ticker::{Ticker, Ticket, Wake};
 use crate::worker;
 
+/// How a failed request's journey is to be settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    None,
+    /// A panic or a busy journey: a write that may have run is an unknown outcome.
+    Faulted,
+    /// Failed before its write could go upstream: the write never ran.
+    Unsent,
+    Settled,
+}
+
 /// The scheduled event that means "the root's tick may be due".
 const TICK_EVENT: u64 = 1;
 
@@ -49,10 +60,12 @@ pub struct NativeFilter {
     /// A hook of this request panicked, or met its journey busy: the journey's state is not
     /// trusted any more.
     failed: bool,
-    /// The failed journey has not been settled yet (it was busy when the request failed).
-    fault_unsettled: bool,
+    /// How the failed journey is settled, until it is (it was busy when the request failed).
+    fault: Fault,
     /// The response has begun: too late for the filter to answer instead.
     responding: bool,
+    /// Envoy ended the stream: nothing is sent on it any more.
+    ended: bool,
 }
 
 impl NativeFilter {
@@ -70,8 +83,9 @@ impl NativeFilter {
             wake: None,
             ticking: None,
             failed: false,
-            fault_unsettled: false,
+            fault: Fault::None,
             responding: false,
+            ended: false,
         }
     }
 
@@ -102,6 +116,15 @@ impl NativeFilter {
         let verdict = journey.on(&host, event);
         drop(journey);
         self.follow(filter);
+        if self.failed {
+            // Failed closed while following the step (no scheduler): its 503 stands, and a
+            // request whose step let it through does not go upstream after all.
+            return if self.responding {
+                Verdict::Continue
+            } else {
+                Verdict::Pause
+            };
+        }
         // The step may have recorded an unknown outcome, or met one overdue in the store, or
         // submitted a store write.
         self.root.pass_on();
@@ -140,8 +163,10 @@ impl NativeFilter {
         }
         let period = self.root.tick_period_ms().max(1);
         let Some(wake) = self.wake(filter) else {
-            // Nothing could bring the root's answer to it: it would hang.
+            // Nothing could bring the root's answer to it: it would hang. It has not gone
+            // upstream yet (it waits for the root from this hook on), and now never will.
             log::error!("no scheduler for a request that waits for its root; it fails closed");
+            self.fault = Fault::Unsent;
             self.fail_closed(filter);
             return;
         };
@@ -175,12 +200,16 @@ impl NativeFilter {
     /// response began the request is answered 503 instead of going on.
     fn fail_closed(&mut self, filter: &Filter) {
         self.failed = true;
-        self.fault_unsettled = true;
+        if self.fault == Fault::None {
+            self.fault = Fault::Faulted;
+        }
         self.stop_ticking();
         self.settle_fault(Some(filter.handle()));
-        if self.responding {
+        if self.responding || self.ended {
             return;
         }
+        // A resume the hook already asked for must not send it upstream after all.
+        filter.withdraw_resume();
         crate::refusing_filter::answer_unavailable(
             filter,
             "the idempotency filter failed on this request",
@@ -190,7 +219,7 @@ impl NativeFilter {
     /// Settles a failed journey, in the request's own hook (`in_hook`) or at its destroy
     /// (where Envoy's view of the stream is not read any more).
     fn settle_fault(&mut self, in_hook: Option<FilterHandle>) {
-        if !self.fault_unsettled {
+        if self.fault == Fault::None || self.fault == Fault::Settled {
             return;
         }
         let host = match in_hook {
@@ -199,8 +228,11 @@ impl NativeFilter {
         };
         match self.journey.try_borrow_mut() {
             Ok(mut journey) => {
-                journey.after_fault(&host);
-                self.fault_unsettled = false;
+                match self.fault {
+                    Fault::Unsent => journey.recall_unsent(&host),
+                    _ => journey.after_fault(&host),
+                }
+                self.fault = Fault::Settled;
             }
             Err(_) => log::error!("a failed request's journey is busy; settled when it ends"),
         }
@@ -292,6 +324,7 @@ impl HttpFilter for NativeFilter {
     }
 
     fn on_stream_complete(&mut self, filter: &Filter) {
+        self.ended = true;
         self.feed(filter, Event::StreamEnd);
         self.stop_ticking();
         self.close_mailbox();

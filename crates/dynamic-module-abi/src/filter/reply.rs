@@ -70,6 +70,12 @@ impl Filter {
         }
     }
 
+    /// Takes back a resume this request's running hook asked for and has not made yet (its
+    /// filter fails it closed instead).
+    pub fn withdraw_resume(&self) {
+        crate::hook_frames::withdraw(self.ptr, |call| matches!(call, Deferred::ContinueDecoding));
+    }
+
     fn run_or_defer(&self, call: Deferred) {
         if let Some(call) = defer_if_in_own_hook(self.ptr, call) {
             self.run(call);
@@ -90,6 +96,13 @@ impl Filter {
 
     /// Makes a call now.
     pub(crate) fn run(&self, call: Deferred) {
+        if !crate::hook_frames::may_send(self.ptr, &call) {
+            log(
+                LogLevel::Debug,
+                "a response's part after the module ended that response dropped",
+            );
+            return;
+        }
         match call {
             // SAFETY: plain calls on the live filter.
             Deferred::ContinueDecoding => unsafe {

@@ -461,7 +461,9 @@ fn a_response_in_parts_outside_a_hook_is_sent_at_once_in_order() {
     f.send_response_data(b"made", false);
     f.send_response_trailers(&[("x-t", b"done")]);
     filter(8).send_response_headers(&[(":status", b"204")], true);
+    // The response is over: nothing more of it reaches Envoy, a whole reply included.
     filter(8).send_response_data(b"", true);
+    filter(8).send_response(503, &[], b"late");
     with(|abi| {
         assert_eq!(
             abi.parts,
@@ -479,7 +481,6 @@ fn a_response_in_parts_outside_a_hook_is_sent_at_once_in_order() {
                 Part::Data(7, b"made".to_vec(), false),
                 Part::Trailers(7, pairs(&[("x-t", "done")])),
                 Part::Headers(8, pairs(&[(":status", "204")]), true),
-                Part::Data(8, Vec::new(), true),
             ]
         );
         assert!(abi.responses.is_empty());
@@ -767,11 +768,12 @@ fn own_continue_and_reply_are_made_after_the_method_returns() {
     assert_eq!(events(), vec!["replied"]);
     with(|abi| assert_eq!(abi.responses.len(), 1));
 
-    // A response in parts from the filter's own hook: none of it while the method runs, all
-    // of it, in order, before the hook returns to Envoy.
+    // A response in parts from another request's own hook: none of it while the method
+    // runs, all of it, in order, before the hook returns to Envoy.
+    let parts = new_filter(config, 114);
     set_request_headers(&[("x-act", "parts")]);
     assert_eq!(
-        envoy_dynamic_module_on_http_filter_request_headers(fake(14), module, false),
+        envoy_dynamic_module_on_http_filter_request_headers(fake(114), parts, false),
         ffi::HEADERS_STOP_ITERATION
     );
     assert_eq!(events(), vec!["sent 0 parts"]);
@@ -780,14 +782,15 @@ fn own_continue_and_reply_are_made_after_the_method_returns() {
             abi.parts,
             vec![
                 mock_abi::Part::Headers(
-                    14,
+                    114,
                     pairs(&[(":status", "201"), ("content-type", "text/plain")]),
                     false
                 ),
-                mock_abi::Part::Data(14, b"ok".to_vec(), true),
+                mock_abi::Part::Data(114, b"ok".to_vec(), true),
             ]
         )
     });
+    envoy_dynamic_module_on_http_filter_destroy(parts);
     envoy_dynamic_module_on_http_filter_destroy(module);
     envoy_dynamic_module_on_http_filter_config_destroy(config);
 }

@@ -394,6 +394,25 @@ impl RequestJourney {
         }
     }
 
+    /// The host fails the request closed right after the step that let its write go, before
+    /// the request could reach the upstream (it answers it instead): the write never ran, so
+    /// its claim is released, locally and in the store, never kept as an unknown outcome. A
+    /// journey in any other state is settled as after a fault.
+    pub fn recall_unsent(&mut self, host: &impl Host) {
+        match std::mem::replace(&mut self.journey, Journey::Finished) {
+            Journey::Executing(run) => {
+                self.running = None;
+                let owner = run.held.owner;
+                let _ = self.release(host, run);
+                self.plugin.leases.end(owner);
+            }
+            other => {
+                self.journey = other;
+                self.after_fault(host);
+            }
+        }
+    }
+
     /// The host caught a fault (a panic) in one of this request's steps: its state may be
     /// lost half-way. A write that was running upstream may have run, so it is recorded as
     /// an unknown outcome, never run again by a retry (its rule's `on_unknown_outcome`

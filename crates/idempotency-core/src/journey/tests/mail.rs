@@ -116,3 +116,48 @@ fn a_claims_answer_taken_after_envoy_answered_the_request_does_not_start_the_wri
         "a request Envoy already answered starts its write"
     );
 }
+
+/// Round 2b (guarantee): a request held for the store whose filter fails (the native host's
+/// `after_fault`, here at its destroy, with no request to act on) lets its claim go, in the
+/// table and the store; the store's "claimed" taken afterwards finds nobody and starts
+/// nothing. Nothing was sent upstream, so nothing is recorded as an unknown outcome.
+#[test]
+fn a_failed_request_held_for_the_store_lets_its_claim_go_and_its_answer_starts_nothing() {
+    let (host, mut root, stream) = mailing();
+    let journey = request(&host, &root, "k1");
+    let (claim_id, owner) = sent_claim(&host);
+    answer(&host, &mut root, stream, claim_id, claimed(&owner));
+    let mail = root.take_mail();
+    // The fault is settled at the request's destroy: the root's context, no request's.
+    host.effective_context.set(ROOT);
+    journey.borrow_mut().after_fault(&host);
+    let mut effects = host.take_effects();
+    host.effective_context.set(REQUEST);
+    for letter in mail {
+        root.deliver_mail(&host, letter);
+    }
+    assert!(!is_executing(&journey.borrow()));
+    let after = host.take_effects();
+    assert!(!after.contains(&Effect::Resume), "{after:?}");
+    effects.extend(after);
+    drop(journey);
+    wake(&host, &root);
+    effects.extend(host.take_effects());
+    let sent = calls(&effects);
+    assert!(
+        sent.iter()
+            .any(|(_, _, c)| matches!(&c.op, CallOp::Release { owner: o, .. } if *o == owner)),
+        "the store's claim released: {sent:?}"
+    );
+    assert!(
+        !sent
+            .iter()
+            .any(|(_, _, c)| matches!(&c.op, CallOp::Complete { .. })),
+        "nothing recorded for a write that never went upstream: {sent:?}"
+    );
+    // The key is free here too: the next request of it asks the store.
+    let again = request(&host, &root, "k1");
+    let (_, next_owner) = sent_claim(&host);
+    assert_ne!(next_owner, owner);
+    drop(again);
+}
