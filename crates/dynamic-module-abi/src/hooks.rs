@@ -9,8 +9,8 @@
 //! nothing unwinds into Envoy. A panic in a filter's method, or in a call it deferred, is
 //! logged, the filter's `on_panic` is called, and the filter is *poisoned*: its later hooks
 //! do not call it (it is still dropped at destroy). A failed filter's request hooks answer
-//! "stop" (the request never goes upstream unseen; `on_panic` answers it), its response hooks
-//! "continue".
+//! "stop" until its response begins (the request never goes upstream unseen; `on_panic`
+//! answers it), "continue" after; its response hooks "continue".
 //!
 //! Envoy 1.40 resolves these hooks when a filter config loads and refuses the config if one is
 //! missing: config new/destroy, filter new/destroy, request and response
