@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use crate::buffers::{module_buffer, module_headers};
-use crate::{ffi, metrics, started, AbiError};
+use crate::buffers::module_buffer;
+use crate::{ffi, metrics, start_callout, AbiError};
 
 /// A counter defined on the filter config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,21 +172,9 @@ impl MainThreadConfig {
         body: &[u8],
         timeout: Duration,
     ) -> Result<u64, AbiError> {
-        let mut raw = module_headers(headers);
-        let mut id: u64 = 0;
-        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        // SAFETY: everything passed is read during the call; `id` is written by Envoy.
-        let result = unsafe {
-            ffi::envoy_dynamic_module_callback_http_filter_config_http_callout(
-                self.ptr,
-                &mut id,
-                module_buffer(cluster.as_bytes()),
-                raw.as_mut_ptr(),
-                raw.len(),
-                module_buffer(body),
-                timeout_ms,
-            )
-        };
-        started(result, id)
+        let callback: crate::CalloutCallback =
+            ffi::envoy_dynamic_module_callback_http_filter_config_http_callout;
+        // SAFETY: the pointer is the live config, on the main thread (this type is made only there).
+        unsafe { start_callout(callback, self.ptr, cluster, headers, body, timeout) }
     }
 }

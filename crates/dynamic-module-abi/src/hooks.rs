@@ -309,36 +309,19 @@ fn dispatch<R: Copy>(
             return pass;
         };
         enter_hook(envoy_ptr);
-        let mut panicked = false;
         let answer = match catch_unwind(AssertUnwindSafe(|| method(filter.as_mut(), &f))) {
             Ok(answer) => answer,
             Err(payload) => {
-                panicked = true;
-                object.poisoned.set(true);
-                log(
-                    LogLevel::Error,
-                    &format!(
-                        "{}: panic in {hook}: {}; the request's filter is off",
-                        module_name(),
-                        panic_text(&*payload)
-                    ),
-                );
-                if catch_unwind(AssertUnwindSafe(|| filter.on_panic(&f))).is_err() {
-                    log(
-                        LogLevel::Error,
-                        &format!("{}: panic in on_panic", module_name()),
-                    );
-                }
+                let why = format!("panic in {hook}: {}", panic_text(&*payload));
+                turn_off(object, filter.as_mut(), &f, &why);
+                // The step that asked for a resume did not finish: the request must not go
+                // upstream on its word (`on_panic` answers it instead).
+                f.withdraw_resume();
                 fallback
             }
         };
         drop(slot);
-        let mut held = leave_hook();
-        if panicked {
-            // The step that asked for the resume did not finish: the request must not go
-            // upstream on its word (`on_panic` answers it instead).
-            held.retain(|call| !matches!(call, crate::hook_frames::Deferred::ContinueDecoding));
-        }
+        let held = leave_hook();
         if object.destroyed.get() {
             // Envoy destroyed the request inside this hook: its pointer is gone, and with it
             // the calls held for it. The filter goes now, with its registrations (its
@@ -353,30 +336,35 @@ fn dispatch<R: Copy>(
         // a panic in them fails the request closed as one in the hook does, and the hook's
         // answer stands (a reply that panicked must not turn into a pass upstream).
         if catch_unwind(AssertUnwindSafe(|| f.run_held(held))).is_err() {
-            object.poisoned.set(true);
-            log(
-                LogLevel::Error,
-                &format!(
-                    "{}: panic in a call {hook} made; the request's filter is off",
-                    module_name()
-                ),
-            );
-            let failed = catch_unwind(AssertUnwindSafe(|| {
-                if let Ok(mut slot) = object.filter.try_borrow_mut() {
-                    if let Some(filter) = slot.as_mut() {
-                        filter.on_panic(&f);
-                    }
+            if let Ok(mut slot) = object.filter.try_borrow_mut() {
+                if let Some(filter) = slot.as_mut() {
+                    turn_off(
+                        object,
+                        filter.as_mut(),
+                        &f,
+                        &format!("panic in a call {hook} made"),
+                    );
                 }
-            }));
-            if failed.is_err() {
-                log(
-                    LogLevel::Error,
-                    &format!("{}: panic in on_panic", module_name()),
-                );
             }
         }
         answer
     })
+}
+
+/// A filter failed (`why`): it is poisoned, said so in the log, and its `on_panic` answers its
+/// request (itself barred from unwinding).
+fn turn_off(object: &FilterObject, filter: &mut dyn HttpFilter, f: &Filter, why: &str) {
+    object.poisoned.set(true);
+    log(
+        LogLevel::Error,
+        &format!("{}: {why}; the request's filter is off", module_name()),
+    );
+    if catch_unwind(AssertUnwindSafe(|| filter.on_panic(f))).is_err() {
+        log(
+            LogLevel::Error,
+            &format!("{}: panic in on_panic", module_name()),
+        );
+    }
 }
 
 // ------------------------------------------------------------------------------------------

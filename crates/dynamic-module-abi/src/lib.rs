@@ -89,6 +89,51 @@ impl fmt::Display for AbiError {
 impl std::error::Error for AbiError {}
 
 /// A callout or stream Envoy was asked to start: its id, or why it did not start.
+/// Envoy's callback that starts a one-shot callout, a request's or the config's (the same
+/// shape, each on its own Envoy object).
+pub(crate) type CalloutCallback = unsafe extern "C" fn(
+    *mut std::ffi::c_void,
+    *mut u64,
+    ffi::ModuleBuffer,
+    *mut ffi::ModuleHttpHeader,
+    usize,
+    ffi::ModuleBuffer,
+    u64,
+) -> ffi::HttpCalloutInitResult;
+
+/// Starts a one-shot HTTP callout to `cluster` with `callback` on Envoy's object `owner`;
+/// timeouts count in whole milliseconds. The callout's id, or why it did not start.
+///
+/// # Safety
+/// `owner` must be the live Envoy object `callback` takes: a request's filter in its hook,
+/// or the config on the main thread.
+pub(crate) unsafe fn start_callout(
+    callback: CalloutCallback,
+    owner: *mut std::ffi::c_void,
+    cluster: &str,
+    headers: &[(&str, &[u8])],
+    body: &[u8],
+    timeout: std::time::Duration,
+) -> Result<u64, AbiError> {
+    let mut raw = buffers::module_headers(headers);
+    let mut id: u64 = 0;
+    let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+    // SAFETY: `owner` as the caller promises; everything passed is read during the call, and
+    // `id` is written by Envoy.
+    let result = unsafe {
+        callback(
+            owner,
+            &mut id,
+            buffers::module_buffer(cluster.as_bytes()),
+            raw.as_mut_ptr(),
+            raw.len(),
+            buffers::module_buffer(body),
+            timeout_ms,
+        )
+    };
+    started(result, id)
+}
+
 pub(crate) fn started(result: ffi::HttpCalloutInitResult, id: u64) -> Result<u64, AbiError> {
     if result == ffi::CALLOUT_INIT_SUCCESS {
         Ok(id)

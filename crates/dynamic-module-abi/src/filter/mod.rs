@@ -12,10 +12,9 @@ pub use stream_info::{AttributeId, MetadataSource};
 
 use std::time::Duration;
 
-use crate::buffers::{module_buffer, module_headers};
 use crate::config::{CounterId, GaugeId};
 use crate::scheduler::Scheduler;
-use crate::{ffi, metrics, started, AbiError};
+use crate::{ffi, metrics, start_callout, AbiError};
 
 /// One request's filter in Envoy (`DynamicModuleHttpFilter*`). Valid from the filter's
 /// creation until its `on_destroy`, on its worker thread only (it is neither Send nor Sync).
@@ -112,21 +111,9 @@ impl Filter {
         body: &[u8],
         timeout: Duration,
     ) -> Result<u64, AbiError> {
-        let mut raw = module_headers(headers);
-        let mut id: u64 = 0;
-        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        // SAFETY: everything passed is read during the call; `id` is written by Envoy.
-        let result = unsafe {
-            ffi::envoy_dynamic_module_callback_http_filter_http_callout(
-                self.ptr,
-                &mut id,
-                module_buffer(cluster.as_bytes()),
-                raw.as_mut_ptr(),
-                raw.len(),
-                module_buffer(body),
-                timeout_ms,
-            )
-        };
-        started(result, id)
+        let callback: crate::CalloutCallback =
+            ffi::envoy_dynamic_module_callback_http_filter_http_callout;
+        // SAFETY: the pointer is this request's filter, in its hook.
+        unsafe { start_callout(callback, self.ptr, cluster, headers, body, timeout) }
     }
 }

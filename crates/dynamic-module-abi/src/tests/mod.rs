@@ -516,6 +516,10 @@ impl HttpFilter for Scripted {
     fn on_request_headers(&mut self, f: &Filter, _end_of_stream: bool) -> HeadersStatus {
         match f.request_header("x-act").as_deref() {
             Some(b"panic") => panic!("scripted panic"),
+            Some(b"resume-then-panic") => {
+                f.continue_decoding();
+                panic!("scripted panic after a resume")
+            }
             Some(b"reply") => {
                 f.send_response(400, &[], b"no");
                 event("replied");
@@ -720,6 +724,31 @@ fn a_request_the_factory_skips_still_gets_an_object_that_continues() {
     envoy_dynamic_module_on_http_filter_destroy(module);
     envoy_dynamic_module_on_http_filter_config_destroy(config);
     assert!(events().is_empty());
+}
+
+/// A hook asked for its request's resume, then panicked before its step was over: the
+/// resume is not made (the request would go upstream on the word of a step that did not
+/// finish); the hook holds the request.
+#[test]
+fn a_resume_asked_for_before_a_panic_is_not_made() {
+    reset();
+    set_request_headers(&[("x-act", "resume-then-panic")]);
+    let config = new_config();
+    let module = new_filter(config, 17);
+    assert_eq!(
+        envoy_dynamic_module_on_http_filter_request_headers(fake(17), module, false),
+        ffi::HEADERS_STOP_ITERATION
+    );
+    with(|abi| {
+        assert!(
+            !abi.calls.iter().any(|c| c == "continue_decoding 17"),
+            "{:?}",
+            abi.calls
+        )
+    });
+    assert_eq!(events(), vec!["on_panic"]);
+    envoy_dynamic_module_on_http_filter_destroy(module);
+    envoy_dynamic_module_on_http_filter_config_destroy(config);
 }
 
 #[test]
