@@ -689,25 +689,13 @@ impl PluginRoot {
     }
 
     fn run_in_request(&self, host: &impl Host, mail: Mail) {
-        let Some(journey) = self.journeys.find(mail.context_id) else {
-            return self.undelivered(host, mail);
-        };
         if let Err(e) = host.set_effective_context(mail.context_id) {
             log::debug!("request gone before the root could answer it: {}", e.0);
             return self.undelivered(host, mail);
         }
-        let busy = match journey.try_borrow_mut() {
-            Ok(mut journey) => {
-                let _ = journey.on(host, mail.event);
-                None
-            }
-            Err(_) => Some(mail),
-        };
+        self.deliver_mail(host, mail);
         if let Err(e) = host.set_effective_context(self.context_id) {
             log::error!("root context not restored: {}", e.0);
-        }
-        if let Some(mail) = busy {
-            self.undelivered(host, mail);
         }
     }
 

@@ -91,12 +91,7 @@ impl NativeFilter {
 
     fn feed(&mut self, filter: &Filter, event: Event) -> Verdict {
         if self.failed {
-            // Its 503 is on its way: a request hook must not let the request go upstream.
-            return if self.responding {
-                Verdict::Continue
-            } else {
-                Verdict::Pause
-            };
+            return self.failed_verdict();
         }
         let host = self.root.host_for(self.context_id, filter.handle());
         // Envoy runs one hook of a request at a time, only this request's hooks step its
@@ -107,11 +102,7 @@ impl NativeFilter {
         let Ok(mut journey) = journey.try_borrow_mut() else {
             log::error!("request journey busy at {event:?}; the request fails closed");
             self.fail_closed(filter);
-            return if self.responding {
-                Verdict::Continue
-            } else {
-                Verdict::Pause
-            };
+            return self.failed_verdict();
         };
         let verdict = journey.on(&host, event);
         drop(journey);
@@ -119,16 +110,22 @@ impl NativeFilter {
         if self.failed {
             // Failed closed while following the step (no scheduler): its 503 stands, and a
             // request whose step let it through does not go upstream after all.
-            return if self.responding {
-                Verdict::Continue
-            } else {
-                Verdict::Pause
-            };
+            return self.failed_verdict();
         }
         // The step may have recorded an unknown outcome, or met one overdue in the store, or
         // submitted a store write.
         self.root.pass_on();
         verdict
+    }
+
+    /// What a failed request's hook answers: its 503 is on its way, so a request hook must
+    /// not let the request go upstream; a response already begun goes on.
+    fn failed_verdict(&self) -> Verdict {
+        if self.responding {
+            Verdict::Continue
+        } else {
+            Verdict::Pause
+        }
     }
 
     /// Ticks while the journey needs the root's: a held duplicate's wait ends on a tick,
